@@ -1,0 +1,179 @@
+"""The environment protocol: how a pipeline tells MAPPA what each agent sees and what its actions do.
+
+One environment instance serves one episode (one task). The rollout drives it like this::
+
+    env = topology.make_env(task, workspace)      # env_class(topology, task, workspace, **env_kwargs)
+    for agent in topology.agents:                 # in the topology's order
+        for turn in range(agent.max_actions):     # turn counts this agent's own actions, from 0
+            messages = env.observe(agent, turn)   # chat messages; the agent's chat template is applied to them
+            response = <agent's policy generates>
+            result = env.step(agent, turn, response)   # runs tools, records history -> StepResult
+            <the coach scores (task, role, input, response, result.feedback, env.coach_ground_truth(agent))>
+            if result.done:
+                break                             # this agent is finished; the next agent starts
+    outcome = env.outcome()                       # {"success": bool, ...metrics}, logged with the episode
+
+To write your own pipeline, subclass `MultiAgentEnv`, override what differs (usually `outcome`, often
+`step`), and name it in the topology YAML as `env: mypackage.mymodule:MyEnv`. Keyword arguments of your
+constructor come from the YAML's `env_kwargs`. The defaults here:
+
+- `observe` sends the agent's `system` message (if any) and its `prompt` template filled with `task`
+  (`task_text`, by default the task's "prompt") and `history` (`history_text()`, all earlier actions of all
+  agents with their tool output).
+- `step` records the response; for an agent with `runs_code: true` it runs the reply's ```python blocks in
+  the episode workspace and records the output. A code agent that writes no code block, and any other agent
+  after one reply, is done.
+- `coach_ground_truth` gives the coach the task's "answer" when it judges the last agent, nothing otherwise.
+
+Tasks are rows of a JSON list or a JSONL file (`load_tasks`): a non-empty "prompt", an "answer", and
+optionally "id" and "type"; any other fields are kept for the environment to use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Optional
+
+from openrlhf_mappa.episode import ToolFeedback
+from openrlhf_mappa.sandbox import extract_code, run_python
+
+if TYPE_CHECKING:
+    from openrlhf_mappa.topology import AgentSpec, Topology
+
+BUILTIN_ENVS = {"mathchat": "openrlhf_mappa.envs.mathchat:MathChatEnv"}
+
+
+@dataclass
+class StepResult:
+    feedback: ToolFeedback
+    done: bool = False  # True ends this agent's turns early
+
+
+class HistoryEntry(NamedTuple):
+    agent: str
+    turn: int
+    response: str
+    feedback: str  # ToolFeedback.as_text(); "" when no tool ran
+
+
+class MultiAgentEnv:
+    """One instance per episode."""
+
+    task_type: str = ""
+
+    def __init__(self, topology: Topology, task: dict, workspace: str, code_timeout_s: float = 10.0):
+        self.topology = topology
+        self.task = task
+        self.workspace = workspace
+        self.code_timeout_s = code_timeout_s
+        self.history: list[HistoryEntry] = []
+
+    @property
+    def task_text(self) -> str:
+        return self.task["prompt"]
+
+    def observe(self, agent: AgentSpec, turn: int) -> list[dict]:
+        messages = [{"role": "system", "content": agent.system}] if agent.system else []
+        user = agent.prompt.format(task=self.task_text, history=self.history_text())
+        return messages + [{"role": "user", "content": user}]
+
+    def step(self, agent: AgentSpec, turn: int, response: str) -> StepResult:
+        feedback, done = ToolFeedback(), True
+        if agent.runs_code:
+            code = extract_code(response)
+            if code is not None:
+                feedback, done = run_python(code, self.workspace, timeout_s=self.code_timeout_s), False
+        self.history.append(HistoryEntry(agent.name, turn, response, feedback.as_text()))
+        return StepResult(feedback, done)
+
+    def outcome(self) -> dict:
+        raise NotImplementedError(f"{type(self).__name__} must define outcome(): {{'success': bool, ...}}")
+
+    def coach_ground_truth(self, agent: AgentSpec) -> Optional[str]:
+        if agent.name == self.topology.agents[-1].name:
+            return self.task.get("answer")
+        return None
+
+    def history_text(self) -> str:
+        if not self.history:
+            return "(nothing yet)"
+        parts = []
+        for entry in self.history:
+            part = f"### {entry.agent} (action {entry.turn + 1})\n{entry.response.strip()}"
+            if entry.feedback:
+                part += f"\n\n#### Output of the code\n{entry.feedback}"
+            parts.append(part)
+        return "\n\n".join(parts)
+
+
+def load_env_class(spec: str) -> type:
+    """Resolve "package.module:Class" or a built-in short name (see BUILTIN_ENVS) to the class."""
+    target = BUILTIN_ENVS.get(spec, spec)
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ValueError(
+            f"env {spec!r}: expected 'package.module:Class' or a built-in name ({', '.join(BUILTIN_ENVS)})"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"env {spec!r}: cannot import module {module_name!r}: {e}") from e
+    cls = getattr(module, attr, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"env {spec!r}: module {module_name!r} has no class {attr!r}")
+    return cls
+
+
+def load_tasks(path: str) -> list[dict]:
+    """Read tasks from a JSON list or a JSONL file (told apart by the first character, not the extension)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {e.lineno}: broken JSON: {e.msg}") from e
+        located = [(f"row {i} (counting from 0)", str(i), row) for i, row in enumerate(rows)]
+    else:
+        located = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                located.append((f"line {lineno}", str(lineno), json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{path}: line {lineno}: broken JSON: {e.msg} (expected a JSON list, or one task per line)"
+                ) from e
+    if not located:
+        raise ValueError(f"{path}: no tasks in the file")
+    return [_check_task(row, default_id, f"{path}: {where}") for where, default_id, row in located]
+
+
+def _check_task(row, default_id: str, where: str) -> dict:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a task must be a JSON object, got {type(row).__name__}")
+    prompt, answer = row.get("prompt"), row.get("answer")
+    if "prompt" not in row:
+        raise ValueError(f"{where}: missing 'prompt'")
+    if not isinstance(prompt, str):
+        raise ValueError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise ValueError(f"{where}: empty 'prompt'")
+    if answer is None:
+        raise ValueError(
+            f"{where}: 'answer' is missing or null; these tasks need a reference answer (string or number)"
+        )
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(f"{where}: 'answer' must be a string or a number, got {type(answer).__name__}")
+    if isinstance(answer, str) and not answer.strip():
+        raise ValueError(f"{where}: empty 'answer'")
+    if isinstance(answer, float) and answer.is_integer():
+        answer = int(answer)  # answers stored as 18.0 mean 18
+    task_id = row.get("id")
+    task = dict(row, answer=str(answer), id=str(default_id if task_id is None else task_id))
+    task.setdefault("type", "")
+    return task

@@ -1,0 +1,76 @@
+"""MathChat: competition math solved by a Problem Solver, a Code Executor and a Verifier, in that order.
+
+The agents, prompts and action limits come from the topology (examples/configs/mathchat.yaml); the default
+`MultiAgentEnv` behaviour already runs the Code Executor's Python and shows each agent what came before. This
+file adds what MathChat means by success: the last agent's final `\\boxed{}` answer equals the task's answer.
+The answer comparison is deliberately modest (numbers, simple fractions, LaTeX noise), not a full grader.
+"""
+
+import re
+from fractions import Fraction
+from typing import Optional
+
+from openrlhf_mappa.envs.base import MultiAgentEnv
+
+
+class MathChatEnv(MultiAgentEnv):
+    task_type = "math"
+
+    def final_answer(self) -> Optional[str]:
+        """The last `\\boxed{}` the last agent (the Verifier) wrote, or None."""
+        last_agent = self.topology.agents[-1].name
+        for entry in reversed(self.history):
+            boxed = extract_boxed(entry.response) if entry.agent == last_agent else None
+            if boxed is not None:
+                return boxed
+        return None
+
+    def outcome(self) -> dict:
+        answer = self.final_answer()
+        return {
+            "success": answer is not None and answers_match(answer, self.task["answer"]),
+            "answer": answer,
+            "answered": answer is not None,
+        }
+
+
+def extract_boxed(text: str) -> Optional[str]:
+    """The content of the last complete `\\boxed{...}` in text (nested braces kept), or None."""
+    start = len(text or "")
+    while True:
+        start = text.rfind("\\boxed", 0, start)
+        if start < 0:
+            return None
+        i = start + len("\\boxed")
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            depth = 0
+            for j in range(i, len(text)):
+                depth += {"{": 1, "}": -1}.get(text[j], 0)
+                if depth == 0:
+                    return text[i + 1 : j].strip()
+        # An unclosed box (e.g. cut off by the token limit): fall back to the one before it.
+
+
+def answers_match(predicted, reference) -> bool:
+    """Equal after removing LaTeX noise, or equal as exact numbers (18.0 == 18, 023 == 23, 1/2 == 0.5)."""
+    a, b = _normalize(predicted), _normalize(reference)
+    if a == b:
+        return bool(a)
+    try:
+        return Fraction(a) == Fraction(b)
+    except (ValueError, ZeroDivisionError):
+        return False
+
+
+def _normalize(answer) -> str:
+    s = str(answer)
+    s = re.sub(r"\\(left|right)\b|\\[,;:! ]|\$", "", s)
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\%|%", "", s)  # 30^\circ -> 30, 25\% -> 25
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2", s)
+    s = re.sub(r"\\[dt]?frac(\d)(\d)", r"\1/\2", s)
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")  # 1,000 -> 1000
+    return s

@@ -1,0 +1,137 @@
+"""Records of one multi-agent episode: actions, coach verdicts, outcome. Plain Python, JSONL in and out.
+
+An `Action` is one generation of one agent (one experience in training). A `Verdict` is the coach's
+judgement of one action; `score is None` means "no valid score" and such an action never trains on an
+invented number.
+"""
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+VERDICT_STATUSES = ("ok", "parse_error", "api_error", "timeout", "skipped")
+
+
+@dataclass
+class ToolFeedback:
+    """What the environment answered to an action (code run, files, errors). Empty when no tool ran."""
+
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: Optional[int] = None
+    timed_out: bool = False
+    files: list = field(default_factory=list)
+
+    @property
+    def ran(self) -> bool:
+        return self.exit_code is not None or self.timed_out
+
+    @property
+    def error(self) -> bool:
+        return self.timed_out or (self.exit_code not in (None, 0))
+
+    def as_text(self) -> str:
+        if not self.ran:
+            return ""
+        parts = []
+        if self.timed_out:
+            parts.append("[timed out]")
+        elif self.exit_code:
+            parts.append(f"[exit code {self.exit_code}]")
+        if self.stdout:
+            parts.append(f"stdout:\n{self.stdout}")
+        if self.stderr:
+            parts.append(f"stderr:\n{self.stderr}")
+        if self.files:
+            parts.append("files: " + ", ".join(self.files))
+        return "\n".join(parts) or "[no output]"
+
+
+@dataclass
+class Verdict:
+    score: Optional[float]  # in [0, 10], or None when the coach gave no valid score
+    status: str  # one of VERDICT_STATUSES
+    rationale: str = ""
+    coach: str = ""  # coach name, e.g. "heuristic" or "openai:<model>"
+    latency_s: float = 0.0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    cached: bool = False
+
+    def __post_init__(self):
+        if self.status not in VERDICT_STATUSES:
+            raise ValueError(f"unknown verdict status {self.status!r}; expected one of {VERDICT_STATUSES}")
+        if self.status == "ok" and (self.score is None or not 0.0 <= self.score <= 10.0):
+            raise ValueError(f"an 'ok' verdict needs a score in [0, 10], got {self.score!r}")
+        if self.status != "ok" and self.score is not None:
+            raise ValueError(f"a {self.status!r} verdict must not carry a score (got {self.score!r})")
+
+
+@dataclass
+class Action:
+    episode_id: str
+    agent: str
+    turn: int  # the agent's own turn index within the episode, from 0
+    prompt_ids: list  # token ids the agent's policy saw (its chat template applied)
+    response_ids: list  # token ids the agent generated; only these train
+    prompt_text: str = ""
+    response_text: str = ""
+    rollout_logprobs: Optional[list] = None
+    truncated: bool = False  # generation hit the token limit
+    feedback: ToolFeedback = field(default_factory=ToolFeedback)
+    verdict: Optional[Verdict] = None
+    reward: Optional[float] = None  # the scalar reward this action trained on (None: left out)
+    advantage: Optional[float] = None  # mean normalized advantage over its tokens
+
+
+@dataclass
+class Episode:
+    episode_id: str
+    task_id: str
+    task_type: str = ""  # e.g. "math", "regression", "classification"
+    actions: list = field(default_factory=list)
+    outcome: dict = field(default_factory=dict)  # at least {"success": bool}; pipelines may add metrics
+    step: int = 0  # training step that produced it
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def success(self) -> bool:
+        return bool(self.outcome.get("success", False))
+
+    def to_json(self, with_token_ids: bool = False) -> str:
+        d = dataclasses.asdict(self)
+        if not with_token_ids:
+            for a in d["actions"]:
+                a.pop("prompt_ids"), a.pop("response_ids"), a.pop("rollout_logprobs")
+        return json.dumps(d, ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Episode":
+        d = dict(d)
+        actions = []
+        for a in d.pop("actions", []):
+            a = dict(a)
+            a.setdefault("prompt_ids", [])
+            a.setdefault("response_ids", [])
+            a["feedback"] = ToolFeedback(**(a.get("feedback") or {}))
+            a["verdict"] = Verdict(**a["verdict"]) if a.get("verdict") else None
+            actions.append(Action(**a))
+        return cls(actions=actions, **d)
+
+
+def read_episodes(path: str) -> list:
+    """Read episodes.jsonl; a line cut short by a crash (the last one) is skipped, any other bad line raises."""
+    episodes = []
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            episodes.append(Episode.from_dict(json.loads(line)))
+        except (json.JSONDecodeError, TypeError, ValueError) as e:
+            if lineno == len(lines) and not line.endswith("\n"):
+                break  # partial last line from an interrupted write
+            raise ValueError(f"{path}:{lineno}: not a valid episode record: {e}") from e
+    return episodes

@@ -1,0 +1,131 @@
+"""MAPPA rewards and advantages: per-action coach scores -> per-token returns -> normalized advantages.
+
+The paper's equations, for one action (one row) with action tokens t = 0..T-1:
+
+    r_t = -β · KL_t + [t == T-1] · R          R = the coach's score of this action (0-10)
+    G_t = Σ_{t' >= t} r_t'                     undiscounted return-to-go (γ = 1, REINFORCE++)
+    A_t = (G_t - mean(G)) / std(G)             mean/std over the action tokens of a whole batch
+
+Shape suffixes: `_B` one value per action (row), `_BA` one value per action token.
+Pure torch + the episode records: no Ray, vLLM or DeepSpeed here, so it is testable on a CPU.
+"""
+
+import torch
+
+from openrlhf_mappa.episode import Episode
+
+REWARD_MODES = ("process", "outcome")
+NORM_SCOPES = ("agent", "global")
+
+# The outcome baseline pays 10 for a solved episode, 0 otherwise: the top of the coach's 0-10 scale.
+# With the same scale, the same β·KL costs the same share of the reward in both modes, so a
+# process-vs-outcome comparison varies only the reward signal, not the strength of the KL penalty.
+OUTCOME_SCALE = 10.0
+
+
+def assign_rewards(episodes: list[Episode], mode: str) -> dict:
+    """Set `action.reward` for every action: the coach's score ("process") or the episode outcome ("outcome").
+
+    In "process" mode an action whose coach gave no valid score gets reward None and is left out of
+    training: a made-up neutral score (the authors' silent 5.0 after API failures) would be noise
+    the policy learns from. Returns how many actions train and why the others do not.
+    """
+    if mode not in REWARD_MODES:
+        raise ValueError(f"unknown reward mode {mode!r}; expected one of {REWARD_MODES}")
+
+    trainable, left_out_by_status = 0, {}
+    for episode in episodes:
+        for action in episode.actions:
+            verdict = action.verdict
+            if mode == "outcome":
+                action.reward = OUTCOME_SCALE * float(episode.success)
+            elif verdict is not None and verdict.status == "ok" and verdict.score is not None:
+                action.reward = float(verdict.score)
+            else:
+                action.reward = None
+                status = verdict.status if verdict is not None else "missing"
+                left_out_by_status[status] = left_out_by_status.get(status, 0) + 1
+                continue
+            trainable += 1
+
+    return {
+        "trainable": trainable,
+        "left_out": sum(left_out_by_status.values()),
+        "left_out_by_status": left_out_by_status,
+    }
+
+
+def token_rewards(
+    reward_B: torch.Tensor, kl_BA: torch.Tensor, action_mask_BA: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """r_t = -β·KL_t on every action token, plus the action's reward R on its last token; 0 off the mask.
+
+    Unlike OpenRLHF's compute_reward, R is never clamped to reward.clip_range: coach scores (0-10)
+    and any sum of them must reach the returns unchanged, or a clip range tuned for reward-model
+    logits would silently flatten the signal.
+    """
+    mask_BA = action_mask_BA.bool()
+    dtype = torch.promote_types(reward_B.dtype, torch.float32)
+    r_BA = torch.zeros(mask_BA.shape, dtype=dtype, device=mask_BA.device)
+    if kl_coef > 0:
+        r_BA = r_BA - kl_coef * kl_BA.to(dtype)
+
+    # The last action token is the highest masked position: the EOS token, or for a truncated
+    # action the last token it generated. Rows with an empty mask get no reward at all.
+    pos_A = torch.arange(mask_BA.size(1), device=mask_BA.device)
+    last_B = torch.where(mask_BA, pos_A, -1).max(dim=1).values
+    is_last_BA = pos_A == last_B.unsqueeze(1)
+    r_BA = r_BA + is_last_BA * reward_B.to(dtype).unsqueeze(1)
+
+    return torch.where(mask_BA, r_BA, 0.0)
+
+
+def returns_to_go(r_BA: torch.Tensor, action_mask_BA: torch.Tensor) -> torch.Tensor:
+    """G_t = Σ_{t' >= t} r_t' over action tokens (γ = 1); 0 off the mask."""
+    mask_BA = action_mask_BA.bool()
+    r_BA = torch.where(mask_BA, r_BA, 0.0)
+    G_BA = r_BA.flip(1).cumsum(dim=1).flip(1)
+    return torch.where(mask_BA, G_BA, 0.0)
+
+
+def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1e-8) -> list[torch.Tensor]:
+    """(x - mean) / std with mean and population variance over the masked tokens of ALL tensors together.
+
+    Tensors may differ in width (each agent's batch is padded to its own longest action). The
+    variance is clamped at eps, so constant values whiten to 0, and no masked token at all gives
+    zeros rather than 0/0.
+    """
+    if not values:
+        return []
+    x_N = torch.cat([torch.where(m.bool(), x, 0.0).flatten().float() for x, m in zip(values, masks)])
+    mask_N = torch.cat([m.bool().flatten() for m in masks])
+    n = mask_N.sum().clamp(min=1)
+    mean = x_N.sum() / n
+    var = (torch.where(mask_N, x_N - mean, 0.0) ** 2).sum() / n
+    rstd = var.clamp(min=eps).rsqrt()
+    return [torch.where(m.bool(), (x.float() - mean) * rstd, 0.0) for x, m in zip(values, masks)]
+
+
+def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope: str = "agent") -> None:
+    """Set `.returns` (G) and `.advantages` (whitened G) on every batch of every agent.
+
+    Each batch needs `.rewards` (B,), `.kl` (B, A) and `.action_mask` (B, A), e.g. OpenRLHF's
+    Experience. scope "agent" normalizes each agent's batches together (the authors' code);
+    "global" normalizes all agents' batches together (the paper's wording).
+    """
+    if scope not in NORM_SCOPES:
+        raise ValueError(f"unknown normalization scope {scope!r}; expected one of {NORM_SCOPES}")
+
+    for batches in batches_by_agent.values():
+        for b in batches:
+            r_BA = token_rewards(b.rewards, b.kl, b.action_mask, kl_coef)
+            b.returns = returns_to_go(r_BA, b.action_mask)
+            if isinstance(getattr(b, "info", None), dict):
+                # With γ = 1, G at the first action token is the whole row's reward sum.
+                b.info["return"] = r_BA.sum(dim=1)
+
+    groups = list(batches_by_agent.values()) if scope == "agent" else [sum(batches_by_agent.values(), [])]
+    for batches in groups:
+        advantages = whiten([b.returns for b in batches], [b.action_mask for b in batches])
+        for b, adv_BA in zip(batches, advantages):
+            b.advantages = adv_BA

@@ -1,0 +1,155 @@
+"""A team of agents, their order, their environment and the coach prompt, read from one YAML file.
+
+Everything is checked when the file is loaded, so a typo fails in the first second of a run with a message
+that names the file and what to fix, not an hour later inside a Ray worker.
+"""
+
+import dataclasses
+import inspect
+import os
+import re
+import string
+from dataclasses import dataclass, field
+from typing import Optional
+
+import yaml
+
+from openrlhf_mappa.envs.base import load_env_class
+
+AGENT_PROMPT_FIELDS = ("task", "history")
+COACH_PROMPT_FIELDS = (
+    "task", "role", "agent", "turn", "task_type", "agent_input", "agent_output", "feedback", "ground_truth",
+)  # fmt: skip
+# Agent names become parts of checkpoint paths and metric keys.
+AGENT_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
+
+
+@dataclass
+class AgentSpec:
+    name: str
+    model: str  # HF hub id or local directory
+    role: str  # what this agent is for; shown to the coach (and usable in the agent's own prompt)
+    prompt: str  # str.format template of the agent's user message; fields: task, history
+    max_actions: int = 1
+    runs_code: bool = False
+    system: str = ""  # optional system message
+    # Per-agent overrides of the run-wide flags (None: use the command-line value).
+    num_gpus_per_node: Optional[int] = None
+    vllm_num_engines: Optional[int] = None
+    max_new_tokens: Optional[int] = None
+
+
+@dataclass
+class Topology:
+    name: str
+    env: str  # "package.module:Class", or a built-in short name such as "mathchat"
+    agents: list  # list[AgentSpec], in the order they act
+    coach_template: str  # str.format template; fields: COACH_PROMPT_FIELDS
+    env_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of the env's constructor
+
+    def env_class(self) -> type:
+        return load_env_class(self.env)
+
+    def make_env(self, task: dict, workspace: str):
+        """One environment instance for one episode (task is one row of load_tasks)."""
+        return self.env_class()(self, task, workspace, **self.env_kwargs)
+
+
+TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "env_kwargs")
+AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec))
+
+
+def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
+    """Read and validate a topology YAML. `model_override` replaces every agent's model (tests, demos)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from e
+
+    def fail(msg):
+        raise ValueError(f"{path}: {msg}")
+
+    if not isinstance(raw, dict):
+        fail("expected a mapping with keys " + ", ".join(TOPOLOGY_KEYS))
+    unknown = sorted(set(raw) - set(TOPOLOGY_KEYS))
+    if unknown:
+        fail(f"unknown key(s) {unknown}; allowed top-level keys: {', '.join(TOPOLOGY_KEYS)}")
+    for key in ("env", "coach_template"):
+        if not isinstance(raw.get(key), str) or not raw[key].strip():
+            fail(f"'{key}' is missing or empty; it must be a non-empty string")
+    _check_template(raw["coach_template"], COACH_PROMPT_FIELDS, "coach_template", fail)
+    env_kwargs = raw.get("env_kwargs") or {}
+    if not isinstance(env_kwargs, dict):
+        fail("'env_kwargs' must be a mapping of keyword arguments for the environment")
+
+    agent_rows = raw.get("agents")
+    if not isinstance(agent_rows, list) or not agent_rows:
+        fail("'agents' must be a non-empty list; each agent needs at least name, model, role and prompt")
+    agents = [_parse_agent(row, i, model_override, fail) for i, row in enumerate(agent_rows)]
+    names = [a.name for a in agents]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    if duplicated:
+        fail(f"agent name(s) {duplicated} used more than once; every agent needs its own name")
+
+    try:
+        env_cls = load_env_class(raw["env"])
+    except ValueError as e:
+        fail(str(e))
+    topology = Topology(
+        name=str(raw.get("name") or os.path.splitext(os.path.basename(path))[0]),
+        env=raw["env"],
+        agents=agents,
+        coach_template=raw["coach_template"],
+        env_kwargs=env_kwargs,
+    )
+    # Bind the constructor's arguments now so a misspelled env_kwargs key fails here, not in the first rollout.
+    try:
+        inspect.signature(env_cls).bind(topology, {}, "", **env_kwargs)
+    except TypeError as e:
+        fail(f"env_kwargs do not fit {raw['env']}: {e}")
+    return topology
+
+
+def _parse_agent(row, index: int, model_override: Optional[str], fail) -> AgentSpec:
+    if not isinstance(row, dict):
+        fail(f"agents[{index}] must be a mapping with keys {', '.join(AGENT_KEYS)}")
+    label = f"agent {row.get('name', index)!r}"
+    unknown = sorted(set(row) - set(AGENT_KEYS))
+    if unknown:
+        fail(f"{label}: unknown key(s) {unknown}; allowed agent keys: {', '.join(AGENT_KEYS)}")
+    row = dict(row)
+    if model_override:
+        row["model"] = model_override
+    for key in ("name", "model", "role", "prompt"):
+        if not isinstance(row.get(key), str) or not row[key].strip():
+            hint = " (or pass a model override)" if key == "model" else ""
+            fail(f"{label}: '{key}' is missing or empty{hint}")
+    if not AGENT_NAME_RE.fullmatch(row["name"]):
+        fail(f"{label}: names may only use letters, digits, '_' and '-' (they become paths and metric keys)")
+    _check_template(row["prompt"], AGENT_PROMPT_FIELDS, f"{label}: prompt", fail)
+    if not isinstance(row.get("system", ""), str):
+        fail(f"{label}: 'system' must be a string")
+    if not isinstance(row.get("runs_code", False), bool):
+        fail(f"{label}: 'runs_code' must be true or false")
+    max_actions = row.get("max_actions", 1)
+    if isinstance(max_actions, bool) or not isinstance(max_actions, int) or max_actions < 1:
+        fail(f"{label}: 'max_actions' must be an integer >= 1, got {max_actions!r}")
+    for key in ("num_gpus_per_node", "vllm_num_engines", "max_new_tokens"):
+        value = row.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            fail(f"{label}: '{key}' must be a positive integer or left out, got {value!r}")
+    return AgentSpec(**row)
+
+
+def _check_template(template: str, allowed: tuple, label: str, fail) -> None:
+    """Reject fields str.format would not fill; a bad template would otherwise fail mid-rollout."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        fail(f"{label}: broken template ({e}); write {{{{ and }}}} for literal braces")
+    for name in fields:
+        if name not in allowed:
+            shown = "{" + name + "}"
+            fail(f"{label}: unknown field {shown}; allowed fields: {', '.join(allowed)} "
+                 "(write {{ and }} for literal braces, e.g. \\boxed{{}})")  # fmt: skip

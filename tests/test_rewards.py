@@ -1,0 +1,220 @@
+"""Rewards and advantages checked against numbers worked out by hand (each expected tensor is explained)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from openrlhf_mappa.episode import Action, Episode, Verdict
+from openrlhf_mappa.rewards import (
+    OUTCOME_SCALE,
+    assign_rewards,
+    compute_advantages,
+    returns_to_go,
+    token_rewards,
+    whiten,
+)
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), rtol=0, atol=1e-5)
+
+
+def action(agent, turn, verdict=None, reward=None):
+    return Action("e0", agent, turn, prompt_ids=[1], response_ids=[2], verdict=verdict, reward=reward)
+
+
+def ok(score):
+    return Verdict(score=score, status="ok")
+
+
+# ── assign_rewards ──
+
+
+def test_process_mode_multi_action_agent_gets_one_reward_per_action():
+    # The executor acts twice; each action is scored on its own and keeps its own reward.
+    episode = Episode("e0", "t0", actions=[action("solver", 0, ok(6)), action("executor", 0, ok(3)),
+                                           action("executor", 1, ok(8)), action("verifier", 0, ok(10))])
+    counts = assign_rewards([episode], "process")
+    assert [a.reward for a in episode.actions] == [6.0, 3.0, 8.0, 10.0]
+    assert counts == {"trainable": 4, "left_out": 0, "left_out_by_status": {}}
+
+
+def test_process_mode_leaves_out_actions_without_a_valid_score():
+    broken_ok = ok(5.0)
+    broken_ok.score = None  # an "ok" verdict that lost its score (bypassing validation) must not train either
+    episode = Episode("e0", "t0", outcome={"success": True}, actions=[
+        action("a", 0, ok(7.5)),
+        action("a", 1, ok(0.0)),  # 0 is a real score: it trains, it is not "missing"
+        action("b", 0, Verdict(score=None, status="parse_error"), reward=5.0),  # stale reward must be cleared
+        action("b", 1, Verdict(score=None, status="api_error")),
+        action("c", 0, Verdict(score=None, status="timeout")),
+        action("c", 1, None),
+        action("c", 2, broken_ok),
+    ])
+    counts = assign_rewards([episode], "process")
+    assert [a.reward for a in episode.actions] == [7.5, 0.0, None, None, None, None, None]
+    assert counts == {
+        "trainable": 2,
+        "left_out": 5,
+        "left_out_by_status": {"parse_error": 1, "api_error": 1, "timeout": 1, "missing": 1, "ok": 1},
+    }
+
+
+def test_outcome_mode_pays_every_action_the_episode_outcome():
+    # Success -> 10 for all its actions, failure -> 0; coach verdicts (or their absence) are ignored.
+    assert OUTCOME_SCALE == 10.0
+    won = Episode("e1", "t1", outcome={"success": True},
+                  actions=[action("a", 0, None), action("a", 1, Verdict(None, "api_error"))])
+    lost = Episode("e2", "t2", outcome={"success": False}, actions=[action("a", 0, ok(9))])
+    counts = assign_rewards([won, lost], "outcome")
+    assert [a.reward for a in won.actions] == [10.0, 10.0]
+    assert [a.reward for a in lost.actions] == [0.0]
+    assert counts == {"trainable": 3, "left_out": 0, "left_out_by_status": {}}
+
+
+def test_unknown_mode_raises_and_names_the_modes():
+    episode = Episode("e0", "t0", actions=[action("a", 0, ok(4), reward=1.0)])
+    with pytest.raises(ValueError, match="process.*outcome"):
+        assign_rewards([episode], "outcomes")
+    assert episode.actions[0].reward == 1.0  # nothing touched
+
+
+# ── token_rewards / returns_to_go ──
+
+# Three rows of width 4: row 0 has 3 action tokens (EOS at column 2), row 1 is truncated (its mask
+# runs to the last column), row 2 has a single token. KL outside the mask is garbage (9, 5) that
+# must not leak in.
+REWARD_B = torch.tensor([10.0, 7.0, 3.0])
+KL_BA = torch.tensor([[-1.0, -2.0, 0.5, 9.0], [1.0, 1.0, 1.0, 1.0], [-2.0, 5.0, 5.0, 5.0]])
+MASK_BA = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+
+
+def test_token_rewards_kl_on_every_token_reward_on_the_last():
+    # r_t = -0.1·KL_t, plus R at the last action token:
+    #   row 0: 0.1, 0.2, -0.05 + 10 = 9.95, 0 (off mask)
+    #   row 1: -0.1, -0.1, -0.1, -0.1 + 7 = 6.9 (truncated: R sits on its last generated token)
+    #   row 2: 0.2 + 3 = 3.2, 0, 0, 0
+    r_BA = token_rewards(REWARD_B, KL_BA, MASK_BA, kl_coef=0.1)
+    close(r_BA, [[0.1, 0.2, 9.95, 0.0], [-0.1, -0.1, -0.1, 6.9], [3.2, 0.0, 0.0, 0.0]])
+
+
+def test_returns_of_a_ten_with_negative_kl_exceed_ten_unclipped():
+    # Reverse cumulative sums of the rewards above:
+    #   row 0: 0.1 + 0.2 + 9.95 = 10.25, 0.2 + 9.95 = 10.15, 9.95, 0  (> 10: nothing clamps a 10 + KL bonus)
+    #   row 1: 6.6, 6.7, 6.8, 6.9
+    #   row 2: 3.2, 0, 0, 0
+    G_BA = returns_to_go(token_rewards(REWARD_B, KL_BA, MASK_BA, kl_coef=0.1), MASK_BA)
+    close(G_BA, [[10.25, 10.15, 9.95, 0.0], [6.6, 6.7, 6.8, 6.9], [3.2, 0.0, 0.0, 0.0]])
+
+
+def test_reward_above_ten_is_not_clamped():
+    # A sum of two coach scores (8 + 7 = 15) on a 2-token action: r = 0, 15; G = 15, 15.
+    r_BA = token_rewards(torch.tensor([15.0]), torch.zeros(1, 2), torch.ones(1, 2), kl_coef=0.01)
+    close(r_BA, [[0.0, 15.0]])
+    close(returns_to_go(r_BA, torch.ones(1, 2)), [[15.0, 15.0]])
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, -0.1])
+def test_no_kl_term_when_kl_coef_not_positive(kl_coef):
+    # Only R at each row's last token: G = 10, 10, 10, 0 / 7, 7, 7, 7 / 3, 0, 0, 0.
+    r_BA = token_rewards(REWARD_B, KL_BA, MASK_BA, kl_coef)
+    close(r_BA, [[0.0, 0.0, 10.0, 0.0], [0.0, 0.0, 0.0, 7.0], [3.0, 0.0, 0.0, 0.0]])
+    close(returns_to_go(r_BA, MASK_BA), [[10.0, 10.0, 10.0, 0.0], [7.0, 7.0, 7.0, 7.0], [3.0, 0.0, 0.0, 0.0]])
+
+
+def test_row_with_empty_mask_gets_nothing():
+    # A row with no action token has nowhere to put R: it stays all zero.
+    r_BA = token_rewards(torch.tensor([4.0, 6.0]), torch.ones(2, 2), torch.tensor([[0, 0], [1, 0]]), kl_coef=0.5)
+    close(r_BA, [[0.0, 0.0], [5.5, 0.0]])  # row 1: -0.5·1 + 6
+
+
+def test_returns_to_go_ignores_values_off_the_mask():
+    # Within the mask: 1+2+3 = 6, 2+3 = 5, 3; the 100 off the mask neither counts nor shows.
+    G_BA = returns_to_go(torch.tensor([[1.0, 2.0, 3.0, 100.0]]), torch.tensor([[1, 1, 1, 0]]))
+    close(G_BA, [[6.0, 5.0, 3.0, 0.0]])
+
+
+# ── whiten ──
+
+
+def test_whiten_is_global_over_tensors_of_different_widths():
+    # Masked values across both tensors: 1, 2, 3, 6 -> mean 3, deviations -2, -1, 0, 3,
+    # population variance (4 + 1 + 0 + 9) / 4 = 3.5 (not the sample 14/3), std √3.5 = 1.8708287.
+    # -2/√3.5 = -1.0690450, -1/√3.5 = -0.5345225, 3/√3.5 = 1.6035675; off-mask (99, -7, 50) -> 0.
+    a = torch.tensor([[1.0, 2.0, 99.0]])
+    b = torch.tensor([[3.0, -7.0], [6.0, 50.0]])
+    wa, wb = whiten([a, b], [torch.tensor([[1, 1, 0]]), torch.tensor([[1, 0], [1, 0]])])
+    close(wa, [[-1.0690450, -0.5345225, 0.0]])
+    close(wb, [[0.0, 0.0], [1.6035675, 0.0]])
+
+
+def test_whiten_constant_values_give_zeros_not_nan():
+    (w,) = whiten([torch.tensor([[5.0, 5.0, 5.0]])], [torch.tensor([[1, 1, 0]])])
+    close(w, [[0.0, 0.0, 0.0]])
+
+
+def test_whiten_without_masked_tokens_gives_zeros():
+    (w,) = whiten([torch.tensor([[5.0, -3.0]])], [torch.tensor([[0, 0]])])
+    close(w, [[0.0, 0.0]])
+
+
+# ── compute_advantages ──
+
+
+def batch(rewards, kl, mask):
+    return SimpleNamespace(rewards=torch.tensor(rewards), kl=torch.tensor(kl), action_mask=torch.tensor(mask), info={})
+
+
+def test_compute_advantages_multi_action_agent_with_kl():
+    # The executor's two actions are two rows; row 0 ends at column 1, row 1 is truncated (all 3 tokens).
+    # r (β = 0.1): row 0: -0.05, -0.05 + 3 = 2.95, 0     row 1: -0.1, 0.1, -0.2 + 8 = 7.8
+    # G:           row 0: 2.9, 2.95, 0                   row 1: 7.8, 7.9, 7.8
+    # The turn-0 action's return does not include the turn-1 score: each action is credited on its own.
+    # Whitening over the executor's 5 tokens: mean 29.35 / 5 = 5.87, population variance 5.7836,
+    # std 2.4049116 -> (2.9, 2.95, 7.8, 7.9, 7.8) become -1.2349726, -1.2141818, 0.8025243, 0.8441059, 0.8025243.
+    # The solver's single action has a constant return (6, 6) -> advantages 0 under the "agent" scope.
+    executor = batch([3.0, 8.0], [[0.5, 0.5, 0.0], [1.0, -1.0, 2.0]], [[1, 1, 0], [1, 1, 1]])
+    solver = batch([6.0], [[0.0, 0.0]], [[1, 1]])
+    compute_advantages({"executor": [executor], "solver": [solver]}, kl_coef=0.1, scope="agent")
+    close(executor.returns, [[2.9, 2.95, 0.0], [7.8, 7.9, 7.8]])
+    close(executor.advantages, [[-1.2349726, -1.2141818, 0.0], [0.8025243, 0.8441059, 0.8025243]])
+    close(executor.info["return"], [2.9, 7.8])  # G at the first action token
+    close(solver.returns, [[6.0, 6.0]])
+    close(solver.advantages, [[0.0, 0.0]])
+    close(solver.info["return"], [6.0])
+
+
+def test_agent_and_global_scopes_differ():
+    # One-token actions, no KL, so G = R.  solver: 10, 0   verifier: 4, 6.
+    # "agent":  solver mean 5, std 5 -> 1, -1;  verifier mean 5, std 1 -> -1, 1.
+    # "global": mean (10 + 0 + 4 + 6) / 4 = 5, variance (25 + 25 + 1 + 1) / 4 = 13, std √13 = 3.6055513
+    #           -> solver ±5/√13 = ±1.3867505, verifier ∓1/√13 = ∓0.2773501.
+    def batches():
+        return {"solver": [batch([10.0, 0.0], [[0.3], [0.3]], [[1], [1]])],
+                "verifier": [batch([4.0, 6.0], [[0.3], [0.3]], [[1], [1]])]}
+
+    per_agent, overall = batches(), batches()
+    compute_advantages(per_agent, kl_coef=0.0, scope="agent")
+    compute_advantages(overall, kl_coef=0.0, scope="global")
+    close(per_agent["solver"][0].advantages, [[1.0], [-1.0]])
+    close(per_agent["verifier"][0].advantages, [[-1.0], [1.0]])
+    close(overall["solver"][0].advantages, [[1.3867505], [-1.3867505]])
+    close(overall["verifier"][0].advantages, [[-0.2773501], [0.2773501]])
+
+
+def test_agent_scope_whitens_all_batches_of_an_agent_together():
+    # Two batches of one agent, widths 1 and 2, no KL: G = 2 | 4, 4 (R on the last token flows back).
+    # Together: 2, 4, 4 -> mean 10/3, population variance (16/9 + 4/9 + 4/9) / 3 = 8/9, std 0.9428090
+    # -> (2 - 10/3) / 0.9428090 = -1.4142136, (4 - 10/3) / 0.9428090 = 0.7071068.
+    # (Whitened separately, each batch would be constant and give zeros.) b2 has no `info`: fine too.
+    b1 = batch([2.0], [[0.0]], [[1]])
+    b2 = SimpleNamespace(rewards=torch.tensor([4.0]), kl=torch.zeros(1, 2), action_mask=torch.ones(1, 2).bool())
+    compute_advantages({"a": [b1, b2]}, kl_coef=0.0)
+    close(b1.advantages, [[-1.4142136]])
+    close(b2.advantages, [[0.7071068, 0.7071068]])
+
+
+def test_unknown_scope_raises():
+    with pytest.raises(ValueError, match="agent.*global"):
+        compute_advantages({"a": [batch([1.0], [[0.0]], [[1]])]}, kl_coef=0.0, scope="team")
