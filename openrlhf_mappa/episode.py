@@ -79,6 +79,7 @@ class Action:
     response_text: str = ""
     rollout_logprobs: Optional[list] = None
     truncated: bool = False  # generation hit the token limit
+    prompt_truncated: bool = False  # the prompt was longer than max_len - max_new_tokens and was cut
     feedback: ToolFeedback = field(default_factory=ToolFeedback)
     verdict: Optional[Verdict] = None
     reward: Optional[float] = None  # the scalar reward this action trained on (None: left out)

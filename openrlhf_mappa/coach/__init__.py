@@ -32,6 +32,7 @@ class CoachRequest:
     feedback: str  # tool feedback text, "" when no tool ran
     ground_truth: Optional[str] = None  # only where the pipeline decides (e.g. the final agent)
     is_final_agent: bool = False
+    runs_code: bool = False  # the agent's actions are executed as code
 
 
 class Coach:

@@ -1,0 +1,118 @@
+"""Train a MAPPA team: `python -m openrlhf_mappa.cli.train_mappa_ray` with OpenRLHF's flags plus `--mappa.*`.
+
+OpenRLHF's own flags and validation live inline under `if __name__ == "__main__"` in
+`openrlhf.cli.train_ppo_ray`; instead of copying ~400 lines we run that block, minus its final
+`train(args)` call, with MAPPA's flags added to the same parser. So every OpenRLHF flag means here what
+it means there.
+"""
+
+import ast
+import importlib.metadata
+import inspect
+import os
+import sys
+
+OPENRLHF_FITS = ("0.11.2",)
+
+
+def add_mappa_args(parser):
+    g = parser.add_argument_group("MAPPA")
+    g.add_argument("--mappa.topology", required=True, help="topology YAML (agents, env, coach prompt)")
+    g.add_argument("--mappa.model", default=None, help="use this model for every agent (overrides the YAML)")
+    g.add_argument("--mappa.reward", choices=["process", "outcome"], default="process",
+                   help="process: each action's coach score (MAPPA); outcome: the episode's outcome for every action (baseline)")
+    g.add_argument("--mappa.norm_scope", choices=["agent", "global"], default="agent",
+                   help="whiten advantages over each agent's batch (the authors' choice) or over all agents")
+    g.add_argument("--mappa.run_dir", default="./runs/mappa", help="metrics.jsonl, episodes.jsonl and code workspaces")
+    g.add_argument("--mappa.coach.kind", choices=["heuristic", "openai"], default="heuristic",
+                   help="heuristic: offline rule-based coach (demo/tests); openai: any OpenAI-compatible server")
+    g.add_argument("--mappa.coach.model", default=None, help="coach model name at the OpenAI-compatible server")
+    g.add_argument("--mappa.coach.base_url", default=None, help="e.g. https://api.openai.com/v1 or http://localhost:8000/v1")
+    g.add_argument("--mappa.coach.api_key_env", default="OPENAI_API_KEY", help="environment variable holding the key")
+    g.add_argument("--mappa.coach.timeout", type=float, default=60.0, help="seconds per coach request")
+    g.add_argument("--mappa.coach.max_concurrency", type=int, default=32, help="coach requests in flight")
+    # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
+    parser.set_defaults(**{"algo.advantage.estimator": "reinforce"})
+
+
+def parse_args(argv=None):
+    """OpenRLHF's parser + validation from train_ppo_ray's main block, with MAPPA's flags added."""
+    import openrlhf.cli.train_ppo_ray as upstream
+
+    installed = importlib.metadata.version("openrlhf")
+    if installed not in OPENRLHF_FITS:
+        raise RuntimeError(f"openrlhf_mappa's CLI reads openrlhf {', '.join(OPENRLHF_FITS)}'s train_ppo_ray; found {installed}")
+    tree = ast.parse(inspect.getsource(upstream))
+    main = next(n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
+    body = []
+    for stmt in main.body:
+        if isinstance(stmt, ast.Expr) and ast.unparse(stmt) == "train(args)":
+            break
+        if ast.unparse(stmt) == "args = parser.parse_args()":
+            body.append(ast.parse("__add_mappa_args__(parser)").body[0])
+        body.append(stmt)
+    code = compile(ast.Module(body=body, type_ignores=[]), upstream.__file__, "exec")
+    namespace = dict(vars(upstream), __add_mappa_args__=add_mappa_args)
+    saved, sys.argv = sys.argv, [sys.argv[0]] + list(sys.argv[1:] if argv is None else argv)
+    try:
+        exec(code, namespace)
+    finally:
+        sys.argv = saved
+    return namespace["args"]
+
+
+def validate(args, topology):
+    if args.train.colocate_all or args.train.colocate_actor_ref or args.train.async_enable:
+        raise SystemExit("MAPPA runs each agent on its own GPUs: --train.colocate_* and --train.async_enable are not supported yet")
+    if not args.vllm.num_engines:
+        raise SystemExit("MAPPA generates with vLLM: set --vllm.num_engines (per agent; a topology may override it)")
+    if not args.data.prompt_dataset:
+        raise SystemExit("--data.prompt_dataset: the task file (JSON list or JSONL with prompt/answer) is required")
+    unit = args.rollout.micro_batch_size * args.actor.num_nodes * args.actor.num_gpus_per_node
+    if args.train.batch_size % unit:
+        raise SystemExit(f"--train.batch_size ({args.train.batch_size}) must be a multiple of --rollout.micro_batch_size "
+                         f"x actor GPUs ({unit}) so that every data-parallel rank gets whole micro-batches")
+    if args.algo.advantage.estimator != "reinforce":
+        raise SystemExit("MAPPA's advantages are REINFORCE++ (rewards.py); --algo.advantage.estimator must be reinforce")
+    if args.algo.kl.use_loss:
+        raise SystemExit("MAPPA puts KL in the reward (r_t = score - beta*KL); --algo.kl.use_loss is not supported")
+
+
+def train(args):
+    """Build every agent on the Ray cluster, train, export; returns the agents (their handles stay up)."""
+    import ray
+
+    from openrlhf_mappa.coach import build_coach
+    from openrlhf_mappa.envs.base import load_tasks
+    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.trainer import MappaTrainer, build_agents
+
+    topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
+    validate(args, topology)
+    tasks = load_tasks(args.data.prompt_dataset)[: args.data.max_samples]
+    if len(tasks) < args.rollout.batch_size:
+        raise SystemExit(f"{args.data.prompt_dataset}: {len(tasks)} tasks, fewer than --rollout.batch_size {args.rollout.batch_size}")
+    c = args.mappa.coach
+    coach = build_coach(c.kind, template=topology.coach_template, model=c.model, base_url=c.base_url,
+                        api_key_env=c.api_key_env, timeout_s=c.timeout, max_concurrency=c.max_concurrency)
+
+    if not ray.is_initialized():
+        ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    steps = (len(tasks) // args.rollout.batch_size) * args.train.num_episodes
+    actions_per_step = args.rollout.batch_size * args.rollout.n_samples_per_prompt * max(a.max_actions for a in topology.agents)
+    max_steps = steps * max(1, actions_per_step // args.train.batch_size)
+    agents = build_agents(args, topology, max_steps)
+    trainer = MappaTrainer(args, topology, agents, coach, tasks, args.mappa.run_dir)
+    start = 0
+    if args.ckpt.load_enable:
+        states = ray.get(agents[0].actor.async_run_method("get_checkpoint_states"))[0]
+        start = states.get("global_step", 0)
+    trainer.fit(start)
+    print(f"[mappa] metrics:     {os.path.abspath(os.path.join(args.mappa.run_dir, 'metrics.jsonl'))}")
+    print(f"[mappa] episodes:    {os.path.abspath(os.path.join(args.mappa.run_dir, 'episodes.jsonl'))}")
+    print(f"[mappa] checkpoints: {os.path.abspath(args.ckpt.path)}/<agent>/ ; HF exports: {os.path.abspath(args.ckpt.output_dir)}/<agent>/")
+    return agents
+
+
+if __name__ == "__main__":
+    train(parse_args())

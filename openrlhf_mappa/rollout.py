@@ -1,0 +1,107 @@
+"""Run many episodes at once over the agents' vLLM engines, the environment and the coach.
+
+Each agent's actions are generated on that agent's own engines, from messages rendered with that
+agent's own chat template. The coach request for an action is submitted as soon as the action's tool
+feedback exists and awaited only when the episode is complete, so coach latency overlaps with the next
+agents' generation and with other episodes.
+"""
+
+import asyncio
+import itertools
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from openrlhf_mappa.coach import Coach, CoachRequest
+from openrlhf_mappa.episode import Action, Episode
+
+
+@dataclass
+class AgentPolicy:
+    """What the rollout needs of one agent: its engines, tokenizer and generation limits."""
+
+    spec: object  # AgentSpec
+    engines: list  # RolloutRayActor handles of this agent only
+    tokenizer: object
+    max_new_tokens: int
+    max_len: int  # prompt + response tokens, as the engines were built with
+    sampling: dict = field(default_factory=dict)  # temperature, top_p
+    _next: itertools.count = field(default_factory=itertools.count)
+
+    def prompt_ids(self, messages: list) -> tuple:
+        """Chat-template the messages; an over-long prompt keeps its last tokens (the freshest context)."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        budget = self.max_len - self.max_new_tokens
+        return text, ids[-budget:], len(ids) > budget
+
+    async def generate(self, prompt_ids: list):
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=self.max_new_tokens, **self.sampling)
+        engine = self.engines[next(self._next) % len(self.engines)]
+        output = (await engine.generate.remote(prompt_ids, params)).outputs[0]
+        return list(output.token_ids), output.finish_reason == "length"
+
+
+async def run_episode(topology, task: dict, policies: dict, coach: Coach, workspace: str, step: int) -> Episode:
+    episode_id = f"s{step}-{task.get('id', '')}-{uuid.uuid4().hex[:8]}"
+    os.makedirs(workspace, exist_ok=True)
+    env = topology.make_env(task, workspace)
+    episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=env.task_type, step=step)
+    verdict_futures = []
+    t0 = time.time()
+    for spec in topology.agents:
+        policy = policies[spec.name]
+        for turn in range(spec.max_actions):
+            prompt_text, prompt_ids, prompt_cut = policy.prompt_ids(env.observe(spec, turn))
+            response_ids, truncated = await policy.generate(prompt_ids)
+            response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
+            result = await asyncio.to_thread(env.step, spec, turn, response_text)
+            action = Action(
+                episode_id=episode_id,
+                agent=spec.name,
+                turn=turn,
+                prompt_ids=prompt_ids,
+                response_ids=response_ids,
+                prompt_text=prompt_text,
+                response_text=response_text,
+                truncated=truncated,
+                prompt_truncated=prompt_cut,
+                feedback=result.feedback,
+            )
+            episode.actions.append(action)
+            request = CoachRequest(
+                episode_id=episode_id,
+                agent=spec.name,
+                turn=turn,
+                role=spec.role,
+                task=env.task_text,
+                task_type=env.task_type,
+                agent_input=prompt_text,
+                agent_output=response_text,
+                feedback=result.feedback.as_text(),
+                ground_truth=env.coach_ground_truth(spec),
+                is_final_agent=spec is topology.agents[-1],
+                runs_code=spec.runs_code,
+            )
+            verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
+            if result.done:
+                break
+    episode.timings["rollout_s"] = time.time() - t0
+    episode.outcome = env.outcome()
+    for action, verdict in zip(episode.actions, await asyncio.gather(*verdict_futures)):
+        action.verdict = verdict
+    episode.timings["coach_wait_s"] = time.time() - t0 - episode.timings["rollout_s"]
+    return episode
+
+
+async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int) -> list:
+    """All episodes of one step, concurrently; results in task order."""
+    return await asyncio.gather(
+        *(
+            run_episode(topology, task, policies, coach, os.path.join(workspace_root, f"step{step}", f"ep{i}"), step)
+            for i, task in enumerate(tasks)
+        )
+    )

@@ -1,0 +1,308 @@
+"""MAPPA trainer: each agent is its own policy with its own ZeRO-3 actor group, reference group and vLLM
+engines (OpenRLHF's classes); one fit loop drives them all.
+
+One step:  rollout (all episodes at once) -> coach verdicts -> per-action rewards -> per agent: OpenRLHF
+Experiences (actor/ref log-probs, KL) -> token rewards, return-to-go, whitening (rewards.py) -> agent k's
+experiences train agent k's actor only -> agent k's weights go to agent k's engines only.
+"""
+
+import asyncio
+import copy
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from openrlhf_mappa import rewards
+from openrlhf_mappa.rollout import AgentPolicy, rollout
+
+
+def check_gpu_budget(needs: dict) -> None:
+    """Fail before any actor exists when the Ray cluster has fewer GPUs (logical or real) than asked.
+
+    `needs` maps a component label (e.g. "verifier/actor") to its GPU count. Ray itself would wait
+    forever, silently, for resources that never come.
+    """
+    have = ray.cluster_resources().get("GPU", 0.0)
+    need = sum(needs.values())
+    if need > have:
+        detail = ", ".join(f"{name}: {n:g}" for name, n in needs.items())
+        raise RuntimeError(
+            f"not enough GPUs: the requested actor groups and vLLM engines need {need:g} GPUs but the Ray "
+            f"cluster has {have:g} ({detail}). Lower the per-agent GPU/engine flags, add GPUs, or on CPU "
+            f"raise MAPPA_CPU_NUM_GPUS (logical GPUs for a local cluster)."
+        )
+
+
+def agent_args(args, spec):
+    """A per-agent copy of OpenRLHF's args: its model, resources, and checkpoint/export paths.
+
+    OpenRLHF's actor, checkpoint and sync code read `strategy.args`, so a per-agent strategy built from
+    this copy keeps every agent's files and sync group apart."""
+    a = copy.deepcopy(args)
+    a.actor.model_name_or_path = spec.model
+    a.actor.num_gpus_per_node = spec.num_gpus_per_node or args.actor.num_gpus_per_node
+    a.ref.num_gpus_per_node = spec.num_gpus_per_node or args.ref.num_gpus_per_node
+    a.vllm.num_engines = spec.vllm_num_engines or args.vllm.num_engines
+    a.rollout.max_new_tokens = spec.max_new_tokens or args.rollout.max_new_tokens
+    a.ckpt.path = os.path.join(args.ckpt.path, spec.name)
+    a.ckpt.output_dir = os.path.join(args.ckpt.output_dir, spec.name)
+    return a
+
+
+def gpu_needs(args, topology) -> dict:
+    needs = {}
+    for spec in topology.agents:
+        a = agent_args(args, spec)
+        needs[f"{spec.name}/actor"] = a.actor.num_nodes * a.actor.num_gpus_per_node
+        if args.algo.kl.init_coef > 0:
+            needs[f"{spec.name}/reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
+        needs[f"{spec.name}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
+    return needs
+
+
+@dataclass
+class Agent:
+    """One agent's policy on the cluster."""
+
+    spec: object
+    args: object
+    strategy: object
+    tokenizer: object
+    engines: list
+    actor: object  # RayActorGroup of PolicyModelActor
+    ref: object  # RayActorGroup of ReferenceModelActor, or None when the KL coefficient is 0
+    maker: object  # RemoteExperienceMaker over this agent's actor/ref groups
+
+
+def build_agents(args, topology, max_steps: int) -> list:
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+    from openrlhf.trainer.ray import create_vllm_engines
+    from openrlhf.trainer.ray.launcher import RayActorGroup, ReferenceModelActor
+    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+    from openrlhf.utils import get_strategy
+    from transformers import AutoTokenizer
+
+    check_gpu_budget(gpu_needs(args, topology))
+    agents, init_refs = [], []
+    for spec in topology.agents:
+        a = agent_args(args, spec)
+        strategy = get_strategy(a)
+        engines = create_vllm_engines(
+            a.vllm.num_engines,
+            a.vllm.tensor_parallel_size,
+            spec.model,
+            a.train.seed,
+            a.train.full_determinism_enable,
+            a.vllm.enable_prefix_caching,
+            a.vllm.enforce_eager,
+            a.data.max_len,
+            None,
+            a.vllm.gpu_memory_utilization,
+            False,
+        )
+        actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node, PolicyModelActor)
+        ref = None
+        if a.algo.kl.init_coef > 0:
+            ref = RayActorGroup(a.ref.num_nodes, a.ref.num_gpus_per_node, ReferenceModelActor)
+            init_refs += ref.async_init_model_from_pretrained(strategy, spec.model)
+        init_refs += actor.async_init_model_from_pretrained(strategy, spec.model, max_steps, engines)
+        tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=True)
+        maker = RemoteExperienceMaker(actor, None, None, ref, FixedKLController(0.0), strategy, tokenizer)
+        agents.append(Agent(spec, a, strategy, tokenizer, engines, actor, ref, maker))
+    ray.get(init_refs)
+    return agents
+
+
+def experience_of(action, pad_token_id):
+    """One action as an OpenRLHF Experience: the sequence is prompt + response, and the action mask
+    (shifted by one, as OpenRLHF's) covers the response tokens only, so tool output never trains."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    seq = action.prompt_ids + action.response_ids
+    action_mask = torch.zeros(len(seq), dtype=torch.bool)
+    action_mask[len(action.prompt_ids) :] = True
+    reward = torch.tensor([action.reward], dtype=torch.float32)
+    return Experience(
+        sequences=torch.tensor([seq]),
+        attention_mask=torch.ones(1, len(seq), dtype=torch.long),
+        action_mask=action_mask[1:].unsqueeze(0),
+        rewards=reward,
+        response_length=torch.tensor([float(len(action.response_ids))]),
+        truncated=torch.tensor([action.truncated]),
+        total_length=torch.tensor([float(len(seq))]),
+        prompts=[action.prompt_text],
+        labels=[""],
+        info={"reward": reward, "response_length": torch.tensor([float(len(action.response_ids))])},
+    )
+
+
+class MappaTrainer:
+    def __init__(self, args, topology, agents: list, coach, tasks: list, run_dir: str):
+        self.args, self.topology, self.agents, self.coach, self.tasks = args, topology, agents, coach, tasks
+        self.run_dir = run_dir
+        self.mappa = args.mappa
+        os.makedirs(run_dir, exist_ok=True)
+        self.policies = {
+            ag.spec.name: AgentPolicy(
+                spec=ag.spec,
+                engines=ag.engines,
+                tokenizer=ag.tokenizer,
+                max_new_tokens=ag.args.rollout.max_new_tokens,
+                max_len=args.data.max_len,
+                sampling=dict(temperature=args.rollout.temperature, top_p=args.rollout.top_p),
+            )
+            for ag in agents
+        }
+        self.loggers = []
+        if args.logger.wandb.key:
+            from openrlhf.utils.logging_utils import WandbLogger
+
+            self.loggers.append(WandbLogger(args))
+        if args.logger.tensorboard_dir:
+            from openrlhf.utils.logging_utils import TensorboardLogger
+
+            self.loggers.append(TensorboardLogger(args))
+
+    def batches(self, start_step: int):
+        """(step, tasks) for every step of every pass over the data; each task repeated n_samples times."""
+        bs, n = self.args.rollout.batch_size, self.args.rollout.n_samples_per_prompt
+        steps_per_pass = len(self.tasks) // bs
+        for step in range(start_step, steps_per_pass * self.args.train.num_episodes):
+            rng = random.Random(self.args.train.seed + step // steps_per_pass)
+            order = list(range(len(self.tasks)))
+            rng.shuffle(order)
+            chunk = order[(step % steps_per_pass) * bs : (step % steps_per_pass + 1) * bs]
+            yield step + 1, [self.tasks[i] for i in chunk for _ in range(n)]
+
+    def fit(self, start_step: int = 0):
+        from tqdm import tqdm
+
+        total = (len(self.tasks) // self.args.rollout.batch_size) * self.args.train.num_episodes
+        for step, tasks in tqdm(self.batches(start_step), total=total, initial=start_step, desc="MAPPA steps"):
+            metrics = self.train_step(step, tasks)
+            self.log(step, metrics)
+            if self.args.ckpt.save_steps > 0 and step % self.args.ckpt.save_steps == 0:
+                self.save_checkpoints(step)
+        ray.get([ref for ag in self.agents for ref in ag.actor.async_save_model()])
+
+    def train_step(self, step: int, tasks: list) -> dict:
+        t0 = time.time()
+        episodes = asyncio.run(
+            rollout(self.topology, tasks, self.policies, self.coach, os.path.join(self.run_dir, "workspaces"), step)
+        )
+        t_rollout = time.time() - t0
+        counts = rewards.assign_rewards(episodes, self.mappa.reward)
+
+        # Per agent: trainable actions -> Experiences -> actor/ref forward (log-probs, KL).
+        t0 = time.time()
+        actions_of = {ag.spec.name: [] for ag in self.agents}
+        for ep in episodes:
+            for action in ep.actions:
+                if action.reward is not None:
+                    actions_of[action.agent].append(action)
+        batches, kept_actions, dropped = {}, {}, {}
+        for ag in self.agents:
+            kept, dropped[ag.spec.name] = self.batch_rule(actions_of[ag.spec.name], step)
+            if not kept:
+                continue
+            exps = [experience_of(a, ag.tokenizer.pad_token_id) for a in kept]
+            mb = self.args.rollout.micro_batch_size
+            from openrlhf.trainer.ppo_utils.experience import Experience
+
+            samples = [Experience.concat_experiences(exps[i : i + mb], ag.tokenizer.pad_token_id) for i in range(0, len(exps), mb)]
+            batches[ag.spec.name] = ag.maker.make_experience(samples)
+            kept_actions[ag.spec.name] = kept
+        rewards.compute_advantages(batches, self.args.algo.kl.init_coef, scope=self.mappa.norm_scope)
+        t_experience = time.time() - t0
+
+        # Record each trained action's mean advantage over its own tokens.
+        for name, exps in batches.items():
+            per_action = []
+            for e in exps:
+                per_action += ((e.advantages * e.action_mask).sum(1) / e.action_mask.sum(1).clamp(min=1)).tolist()
+                e.kl = None  # consumed by the advantages; OpenRLHF's actor does not read it
+            for action, adv in zip(kept_actions[name], per_action):
+                action.advantage = adv
+
+        # Agent k's experiences train agent k's actor; then agent k's engines receive agent k's weights.
+        t0 = time.time()
+        fit_refs = {}
+        for ag in self.agents:
+            if ag.spec.name in batches:
+                ray.get(ag.actor.async_run_method_batch(method_name="append", experience=batches[ag.spec.name]))
+                fit_refs[ag.spec.name] = ag.actor.async_run_method(method_name="fit", kl_ctl=self.args.algo.kl.init_coef)
+        status = {name: ray.get(refs)[0] for name, refs in fit_refs.items()}
+        t_train = time.time() - t0
+        t0 = time.time()
+        ray.get([ref for ag in self.agents if ag.spec.name in status for ref in ag.actor.async_run_method("broadcast_to_vllm")])
+        t_sync = time.time() - t0
+
+        with open(os.path.join(self.run_dir, "episodes.jsonl"), "a", encoding="utf-8") as f:
+            for ep in episodes:
+                f.write(ep.to_json() + "\n")
+        metrics = self.step_metrics(episodes, batches, status, dropped, counts)
+        metrics.update({"time/rollout": t_rollout, "time/experience": t_experience, "time/train": t_train, "time/sync": t_sync})
+        return metrics
+
+    def batch_rule(self, actions: list, step: int):
+        """Keep a whole number of global train batches (train.batch_size) per agent and step.
+
+        DeepSpeed's gradient accumulation is fixed by train.batch_size, and data-parallel ranks with
+        unequal micro-batch counts deadlock in all-reduce. So an agent whose action count varies (a Code
+        Executor acting once or twice) trains on floor(n / B) * B of its actions, picked at random with a
+        seeded RNG, and skips the update when n < B. Dropped actions are counted in the metrics."""
+        B = self.args.train.batch_size
+        keep = (len(actions) // B) * B
+        picked = random.Random(self.args.train.seed * 1000003 + step).sample(actions, keep) if keep else []
+        return picked, len(actions) - keep
+
+    def step_metrics(self, episodes, batches, status, dropped, counts) -> dict:
+        m = {
+            "outcome/success_rate": sum(ep.success for ep in episodes) / len(episodes),
+            "coach/left_out": counts["left_out"],
+            **{f"coach/status_{s}": n for s, n in counts["left_out_by_status"].items()},
+        }
+        for ag in self.agents:
+            name = ag.spec.name
+            acts = [a for ep in episodes for a in ep.actions if a.agent == name]
+            scored = [a.verdict.score for a in acts if a.verdict and a.verdict.score is not None]
+            p = f"agent/{name}/"
+            m[p + "num_actions"] = len(acts)
+            m[p + "coach_score"] = sum(scored) / len(scored) if scored else None
+            m[p + "outcome_success"] = m["outcome/success_rate"]
+            m[p + "action_length"] = sum(len(a.response_ids) for a in acts) / max(1, len(acts))
+            m[p + "tool_use_rate"] = sum(a.feedback.ran for a in acts) / max(1, len(acts))
+            m[p + "tool_error_rate"] = sum(a.feedback.error for a in acts) / max(1, len(acts))
+            m[p + "truncated_rate"] = sum(a.truncated for a in acts) / max(1, len(acts))
+            m[p + "trained_actions"] = sum(len(e.sequences) for e in batches.get(name, []))
+            m[p + "dropped_for_batching"] = dropped[name]
+            m[p + "updated"] = int(name in status)
+            if name in batches:
+                kl = torch.cat([e.info["kl"] for e in batches[name]])
+                m[p + "kl"] = kl.mean().item()
+            for key in ("policy_loss", "actor_lr", "actor_grad_norm", "ppo_clip_ratio"):
+                if name in status and key in status[name]:
+                    m[p + key] = status[name][key]
+        return m
+
+    def log(self, step: int, metrics: dict):
+        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        clean = {k: v for k, v in metrics.items() if v is not None}
+        for logger in self.loggers:
+            logger.log_train(step, clean)
+
+    def save_checkpoints(self, step: int):
+        """OpenRLHF-style resumable checkpoints (and HF exports with --ckpt.save_hf), one directory per agent."""
+        refs = []
+        for ag in self.agents:
+            refs += ag.actor.async_run_method(
+                method_name="save_checkpoint", tag=f"global_step{step}", client_states={"global_step": step}
+            )
+        ray.get(refs)

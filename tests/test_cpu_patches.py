@@ -1,0 +1,341 @@
+"""The CPU patches (patches/*.py) and their import hook (openrlhf_mappa.compat), exercised for real.
+
+Activation tests run in fresh interpreters (`sys.executable -c ...`): the hook is installed by the .pth file
+at interpreter start and decides once per process, so only a new process shows a clean state. Each child
+prints one `FACTS {json}` line; the assertions are made here so a failure shows the whole picture.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import ray
+import torch
+
+from openrlhf_mappa.compat import PatchVersionError, check_version
+from openrlhf_mappa.patches import cpu_device
+from openrlhf_mappa.patches.flash_attn_stub import index_first_axis, pad_input, unpad_input
+from openrlhf_mappa.trainer import check_gpu_budget
+
+CHILD_TIMEOUT_S = 120  # a hang (e.g. Ray waiting) fails the test instead of blocking the run
+
+
+def child_env(**overrides):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAPPA_CPU_MODE", "MAPPA_CPU_NUM_GPUS", "RAY_ADDRESS", "VLLM_CPU_KVCACHE_SPACE")}
+    env.update(overrides)
+    return env
+
+
+def run_child(code, **env):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=child_env(**env),
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+
+
+def facts_of(proc):
+    assert proc.returncode == 0, f"child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("FACTS ")]
+    assert len(lines) == 1, f"expected one FACTS line, stdout was:\n{proc.stdout[-4000:]}"
+    return json.loads(lines[0][len("FACTS "):])
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ── 1. activation ──
+
+
+def test_cpu_mode_on_patches_ppo_actor_without_flash_attn():
+    proc = run_child("""
+        import importlib.util, json, sys
+        import torch
+        real_current_device, real_device = torch.cuda.current_device, torch.device
+
+        import openrlhf.trainer.ray.ppo_actor as pa
+        import openrlhf.models.ring_attn_utils as ra
+        import openrlhf.utils.distributed_util as du
+        from openrlhf_mappa.patches import cpu_device, flash_attn_stub, gloo_weight_sync
+
+        pa.torch.cuda.synchronize()  # torch's own raises without CUDA; the view's is a no-op
+        try:
+            torch.cuda.current_device()
+            real_raises = None
+        except Exception as e:
+            real_raises = type(e).__name__
+        print("FACTS " + json.dumps(dict(
+            flash_attn_installed=importlib.util.find_spec("flash_attn") is not None,
+            cuda_available=torch.cuda.is_available(),
+            patches=pa.__mappa_cpu_patches__,
+            ring_attn_patches=ra.__mappa_cpu_patches__,
+            current_device=str(pa.torch.cuda.current_device()),
+            cuda0=str(pa.torch.device("cuda:0")),
+            cuda_plain=str(pa.torch.device("cuda")),
+            cpu=str(pa.torch.device("cpu")),
+            view_tensor_is_torch_tensor=pa.torch.tensor is torch.tensor,
+            module_torch_is_real=pa.torch is torch,
+            stateless_is_gloo=du.stateless_init_process_group is gloo_weight_sync.stateless_init_process_group,
+            barrier_is_patched=du.torch_dist_barrier_and_cuda_sync is cpu_device._barrier_only,
+            unpad_is_stub=ra.unpad_input is flash_attn_stub.unpad_input,
+            flash_attn_modules=sorted(n for n in sys.modules if n.split(".")[0] == "flash_attn"),
+            real_current_device_same=torch.cuda.current_device is real_current_device,
+            real_current_device_module=torch.cuda.current_device.__module__,
+            real_device_same=torch.device is real_device,
+            real_cuda0_type=torch.device("cuda:0").type,
+            real_raises=real_raises,
+        )))
+    """, MAPPA_CPU_MODE="1")
+    f = facts_of(proc)
+    assert f["flash_attn_installed"] is False  # the point: the import works without the package
+    assert f["patches"] == ["cpu_device"]
+    assert f["ring_attn_patches"] == ["flash_attn_stub", "cpu_device"]
+    # Inside the patched module, CUDA device calls answer with the CPU.
+    assert f["current_device"] == "cpu"
+    assert f["cuda0"] == "cpu" and f["cuda_plain"] == "cpu" and f["cpu"] == "cpu"
+    assert f["module_torch_is_real"] is False and f["view_tensor_is_torch_tensor"] is True
+    assert f["stateless_is_gloo"] is True
+    assert f["barrier_is_patched"] is True
+    assert f["unpad_is_stub"] is True
+    # The stand-in flash_attn was removed after ring_attn_utils executed.
+    assert f["flash_attn_modules"] == []
+    # The real torch is untouched.
+    assert f["real_current_device_same"] is True and f["real_device_same"] is True
+    assert f["real_current_device_module"] == "torch.cuda"
+    assert f["real_cuda0_type"] == "cuda"
+    if not f["cuda_available"]:
+        assert f["real_raises"] is not None
+
+
+def test_cpu_mode_off_leaves_openrlhf_untouched():
+    # MAPPA_CPU_MODE=0 forces the decision a CUDA machine makes by itself ("a CUDA device exists"); on this
+    # CPU-only machine forcing it is the only way to see that path.
+    proc = run_child("""
+        import importlib, json, sys
+        import torch
+        from openrlhf_mappa.compat import WATCHED
+
+        modules = {}
+        for name in WATCHED:
+            if not name.startswith("openrlhf."):
+                continue
+            try:
+                m = importlib.import_module(name)
+            except ImportError as e:
+                modules[name] = dict(error=type(e).__name__, missing=e.name, message=str(e))
+            else:
+                modules[name] = dict(patches=m.__mappa_cpu_patches__, has_torch=hasattr(m, "torch"),
+                                     torch_is_real=getattr(m, "torch", torch) is torch)
+        du = sys.modules["openrlhf.utils.distributed_util"]
+        print("FACTS " + json.dumps(dict(
+            modules=modules,
+            stateless_module=du.stateless_init_process_group.__module__,
+            barrier_module=du.torch_dist_barrier_and_cuda_sync.__module__,
+            flash_attn_modules=sorted(n for n in sys.modules if n.split(".")[0] == "flash_attn"),
+        )))
+    """, MAPPA_CPU_MODE="0")
+    f = facts_of(proc)
+    modules = f["modules"]
+    # No stub: importing ppo_actor fails on the missing flash_attn, as upstream openrlhf does on CPU.
+    ppo_actor = modules["openrlhf.trainer.ray.ppo_actor"]
+    assert ppo_actor.get("error") == "ModuleNotFoundError" and ppo_actor["missing"] == "flash_attn", ppo_actor
+    assert f["flash_attn_modules"] == []
+    imported = {name: m for name, m in modules.items() if "error" not in m}
+    # These do not reach flash_attn; replay_buffer has a module-level `torch` to check.
+    assert {"openrlhf.utils.distributed_util", "openrlhf.trainer.ppo_utils.replay_buffer"} <= set(imported)
+    assert imported["openrlhf.trainer.ppo_utils.replay_buffer"]["has_torch"] is True
+    for name, m in imported.items():
+        assert m["patches"] == [], name
+        assert m["torch_is_real"] is True, name
+    for name, m in modules.items():
+        if "error" in m:
+            assert m["missing"] == "flash_attn", (name, m)
+    assert f["stateless_module"] == "openrlhf.utils.distributed_util"
+    assert f["barrier_module"] == "openrlhf.utils.distributed_util"
+
+
+RAY_PROBE = """
+    import json, os
+    import ray
+    ray.init(num_cpus=1, include_dashboard=False{extra})
+    try:
+        facts = dict(gpus=ray.cluster_resources().get("GPU", 0), patches=ray.__mappa_cpu_patches__,
+                     kv_cache=os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
+    finally:
+        ray.shutdown()
+    print("FACTS " + json.dumps(facts))
+"""
+
+
+def test_cpu_mode_off_ray_init_adds_no_gpus():
+    f = facts_of(run_child(RAY_PROBE.format(extra=""), MAPPA_CPU_MODE="0", MAPPA_CPU_NUM_GPUS="3"))
+    assert f["patches"] == ["ray_logical_gpus"]  # the wrapper is there (lazy) but passes through
+    assert f["gpus"] == 0
+    assert f["kv_cache"] is None
+
+
+def test_cpu_mode_on_ray_init_gets_logical_gpus():
+    f = facts_of(run_child(RAY_PROBE.format(extra=""), MAPPA_CPU_MODE="1", MAPPA_CPU_NUM_GPUS="3"))
+    assert f["gpus"] == 3.0
+    assert f["kv_cache"] == "1"
+
+
+def test_cpu_mode_on_ray_init_keeps_explicit_num_gpus():
+    f = facts_of(run_child(RAY_PROBE.format(extra=", num_gpus=1"), MAPPA_CPU_MODE="1", MAPPA_CPU_NUM_GPUS="3"))
+    assert f["gpus"] == 1.0
+
+
+# ── 2. version refusal ──
+
+
+def test_check_version_refuses_other_release():
+    with pytest.raises(PatchVersionError) as info:
+        check_version("cpu_device", "openrlhf", ("0.10.0",))
+    message = str(info.value)
+    assert "'cpu_device'" in message
+    assert "openrlhf 0.10.0" in message  # what the patch was written for
+    assert "openrlhf 0.11.2 is installed" in message
+    assert "make install" in message and "patches/cpu_device.py" in message and "MAPPA_CPU_MODE=0" in message
+
+
+def test_check_version_accepts_real_fits():
+    check_version("cpu_device", "openrlhf", cpu_device.FITS)
+    check_version("cpu_device", ("not-a-real-dist-xyz", "openrlhf"), cpu_device.FITS)  # first installed wins
+
+
+def test_check_version_reports_missing_distribution():
+    with pytest.raises(PatchVersionError, match=r"not-a-real-dist-xyz \(not installed\) is installed"):
+        check_version("some_patch", "not-a-real-dist-xyz", ("1.0",))
+
+
+def test_patch_for_other_release_refuses_the_import():
+    proc = run_child("""
+        import openrlhf_mappa.patches.cpu_device as cpu_device
+        cpu_device.FITS = ("0.10.0",)
+        import openrlhf.trainer.ray.ppo_actor
+        print("imported")
+    """, MAPPA_CPU_MODE="1")
+    assert proc.returncode != 0
+    assert "imported" not in proc.stdout
+    assert "PatchVersionError" in proc.stderr
+    assert "'cpu_device' was written for openrlhf 0.10.0, but openrlhf 0.11.2 is installed" in proc.stderr
+
+
+# ── 3. GlooBroadcastGroup ──
+
+GLOO_RANK = """
+    import sys
+    from datetime import timedelta
+    import torch
+    import torch.distributed as dist
+    from openrlhf_mappa.patches.gloo_weight_sync import GlooBroadcastGroup
+
+    rank, own_port, sync_port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    # This process already owns a default group (as DeepSpeed / vLLM do), of world size 1.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{own_port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    group = GlooBroadcastGroup("127.0.0.1", sync_port, rank, 2, timeout_s=60)
+    if rank == 0:
+        g = torch.Generator().manual_seed(1234)
+        bf16 = torch.randn(4, 8, generator=g).to(torch.bfloat16)
+        fp32 = torch.randn(3, 5, generator=g)
+    else:
+        bf16 = torch.zeros(4, 8, dtype=torch.bfloat16)
+        fp32 = torch.zeros(3, 5)
+    group.broadcast(bf16, src=0)
+    group.broadcast(fp32, src=0, stream=None)
+    assert dist.get_world_size() == 1  # the default group is unchanged
+    torch.save({"bf16": bf16, "fp32": fp32}, out)
+    dist.destroy_process_group()
+"""
+
+
+def test_gloo_broadcast_group_beside_an_existing_default_group(tmp_path):
+    sync_port = free_port()
+    procs = []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-c", textwrap.dedent(GLOO_RANK), str(rank), str(free_port()), str(sync_port),
+               str(tmp_path / f"rank{rank}.pt")]
+        procs.append(subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        results.append((p.returncode, err))
+    for rank, (rc, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} failed:\n{err[-4000:]}"
+    sent, received = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert sent["bf16"].dtype == received["bf16"].dtype == torch.bfloat16
+    assert sent["fp32"].dtype == received["fp32"].dtype == torch.float32
+    assert sent["bf16"].abs().sum() > 0 and sent["fp32"].abs().sum() > 0  # rank 1 started from zeros
+    assert torch.equal(received["bf16"], sent["bf16"])
+    assert torch.equal(received["fp32"], sent["fp32"])
+
+
+# ── 4. flash-attn stand-ins ──
+
+
+def test_unpad_pad_round_trip_and_seqlens():
+    # Row 0: right-padded, 3 tokens; row 1: left-padded (as openrlhf pads prompts), 2 tokens; row 2: full, 5.
+    mask = torch.tensor([[1, 1, 1, 0, 0],
+                         [0, 0, 0, 1, 1],
+                         [1, 1, 1, 1, 1]])
+    hidden = torch.arange(3 * 5 * 4, dtype=torch.float32).reshape(3, 5, 4) + 1  # no zero entries
+    tokens, indices, cu_seqlens, max_seqlen, used_seqlens = unpad_input(hidden, mask)
+
+    assert indices.tolist() == [0, 1, 2, 8, 9, 10, 11, 12, 13, 14]  # flat positions b * 5 + s
+    assert cu_seqlens.tolist() == [0, 3, 5, 10] and cu_seqlens.dtype == torch.int32
+    assert max_seqlen == 5 and isinstance(max_seqlen, int)
+    assert used_seqlens.tolist() == [3, 2, 5]
+    assert torch.equal(tokens, hidden[mask.bool()])
+
+    padded = pad_input(tokens, indices, 3, 5)
+    assert padded.shape == hidden.shape
+    assert torch.equal(padded, hidden * mask[..., None])  # real tokens back in place, padding zero
+
+
+def test_unpad_with_unused_mask_and_index_first_axis():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
+    unused = torch.tensor([[0, 0, 1, 0], [0, 1, 1, 0]])
+    hidden = torch.randn(2, 4, 3)
+    tokens, indices, cu_seqlens, max_seqlen, used_seqlens = unpad_input(hidden, mask, unused)
+    assert indices.tolist() == [0, 1, 2, 4, 5, 6]
+    assert cu_seqlens.tolist() == [0, 3, 6] and max_seqlen == 3
+    assert used_seqlens.tolist() == [2, 1]
+    assert torch.equal(tokens, index_first_axis(hidden.reshape(8, 3), indices))
+    assert torch.equal(tokens, hidden.reshape(8, 3)[[0, 1, 2, 4, 5, 6]])
+
+
+# ── 5. check_gpu_budget ──
+
+
+@pytest.fixture(scope="module")
+def two_gpu_cluster():
+    ray.init(num_cpus=1, num_gpus=2, include_dashboard=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def test_check_gpu_budget_refuses_too_many(two_gpu_cluster):
+    assert ray.cluster_resources().get("GPU") == 2.0
+    with pytest.raises(RuntimeError) as info:
+        check_gpu_budget({"verifier/actor": 1, "solver/actor": 1, "solver/vllm": 1})
+    message = str(info.value)
+    assert "need 3 GPUs" in message and "has 2" in message
+    assert "verifier/actor: 1" in message and "solver/actor: 1" in message and "solver/vllm: 1" in message
+
+
+def test_check_gpu_budget_accepts_exact_fit(two_gpu_cluster):
+    check_gpu_budget({"solver/actor": 1, "solver/vllm": 1})
+    check_gpu_budget({"solver/actor": 0.5, "solver/vllm": 1.5})

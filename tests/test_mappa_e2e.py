@@ -1,0 +1,183 @@
+"""A real MAPPA training step on CPU: three tiny agents with their own weights, each with its own ZeRO-3
+actor and vLLM engine (Ray, vLLM, DeepSpeed for real), coached by an OpenAI-compatible server on
+127.0.0.1 (a stand-in for a paid API: it scores by rule, and answers garbage for one agent).
+
+Asserted: the two coached agents' actors changed; after the sync each agent's engine holds its own
+actor's weights and not another agent's (compared through log-probs of a fixed sequence); the agent
+whose every verdict was unparsable got no experience and was not updated; metrics and episodes are
+written per agent.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+import yaml
+
+from conftest import MAPPA, REPO
+
+AGENTS = ("solver", "checker", "mute")  # "mute" gets only garbage from the coach
+
+
+class CoachHandler(BaseHTTPRequestHandler):
+    """An OpenAI-compatible /v1/chat/completions that scores by the length of the agent's output."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][-1]["content"]
+        self.server.requests.append(prompt)
+        if "AGENT=mute" in prompt:
+            content = "I refuse to grade this."
+        else:
+            output = prompt.split("OUTPUT<<", 1)[1].split(">>OUTPUT", 1)[0]
+            content = f"Looks fine.\nSCORE: {len(set(output)) % 11}"
+        reply = {
+            "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+        }
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def coach_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), CoachHandler)
+    server.requests = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+def engine_logprobs(engine, ids):
+    import ray
+    from vllm import SamplingParams
+
+    out = ray.get(engine.generate.remote(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)))
+    return torch.tensor([d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])])
+
+
+def actor_logprobs(agent, ids):
+    import ray
+
+    seq = torch.tensor([ids])
+    mask = torch.ones(1, len(ids) - 1, dtype=torch.bool)
+    refs = agent.actor.async_run_method_batch(
+        method_name="forward", sequences=[seq], action_mask=[mask], attention_mask=[torch.ones_like(seq)]
+    )
+    return ray.get(refs)[0][0].float()
+
+
+@pytest.mark.e2e
+def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server, monkeypatch):
+    import ray
+
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
+
+    models = {}
+    for seed, name in enumerate(AGENTS):
+        models[name] = str(tmp_path / f"model-{name}")
+        subprocess.run([MAPPA, "tiny-model", models[name], "--seed", str(seed)], check=True, capture_output=True)
+    topology = {
+        "name": "e2e",
+        "env": "mathchat",
+        "coach_template": "AGENT={agent}\nROLE={role}\nTASK={task}\nOUTPUT<<{agent_output}>>OUTPUT\nFEEDBACK={feedback}\nTRUTH={ground_truth}",
+        "agents": [
+            {"name": n, "model": models[n], "role": f"{n} role", "prompt": "{task}\n{history}", "max_actions": 1}
+            for n in AGENTS
+        ],
+    }
+    (tmp_path / "topology.yaml").write_text(yaml.safe_dump(topology))
+    with open(tmp_path / "tasks.jsonl", "w") as f:
+        for i in range(2):
+            f.write(json.dumps({"id": i, "prompt": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n")
+
+    monkeypatch.setenv("MAPPA_TEST_COACH_KEY", "secret-123")
+    monkeypatch.setenv("MAPPA_CPU_NUM_GPUS", "6")
+    run_dir = tmp_path / "run"
+    args = parse_args([
+        "--mappa.topology", str(tmp_path / "topology.yaml"),
+        "--mappa.coach.kind", "openai",
+        "--mappa.coach.base_url", f"http://127.0.0.1:{coach_server.server_port}/v1",
+        "--mappa.coach.model", "rule-coach",
+        "--mappa.coach.api_key_env", "MAPPA_TEST_COACH_KEY",
+        "--mappa.run_dir", str(run_dir),
+        "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"),
+        "--actor.num_gpus_per_node", "1",
+        "--vllm.num_engines", "1",
+        "--vllm.enforce_eager",
+        "--vllm.gpu_memory_utilization", "0.2",
+        "--ds.zero_stage", "3",
+        "--ds.attn_implementation", "sdpa",
+        "--algo.kl.init_coef", "0",
+        "--actor.adam.lr", "1e-2",
+        "--actor.lr_warmup_ratio", "0",
+        "--rollout.batch_size", "2",
+        "--rollout.n_samples_per_prompt", "2",
+        "--rollout.micro_batch_size", "2",
+        "--rollout.max_new_tokens", "12",
+        "--data.max_len", "512",
+        "--train.batch_size", "4",
+        "--train.micro_batch_size", "2",
+        "--train.num_episodes", "1",
+        "--ckpt.path", str(tmp_path / "ckpt"),
+        "--ckpt.output_dir", str(tmp_path / "final"),
+    ])
+    try:
+        agents = train(args)
+        probe = agents[0].tokenizer("Probe: 7 + 5 = 12, the answer is 12.")["input_ids"]
+        engine = {ag.spec.name: engine_logprobs(ag.engines[0], probe) for ag in agents}
+        actor = {ag.spec.name: actor_logprobs(ag, probe) for ag in agents}
+    finally:
+        ray.shutdown()
+
+    from test_openrlhf_cpu_e2e import hf_probe_logprobs
+
+    init = {n: hf_probe_logprobs(models[n], probe) for n in AGENTS}
+    for n in AGENTS:
+        others = [o for o in AGENTS if o != n]
+        report = {k: round((engine[n] - v[k]).abs().max().item(), 4) for k, v in (("actor", actor), ("init", init)) for k in [n]}
+        # its engine holds its own actor's weights (bf16 engine vs actor: ~0.003 nats measured) ...
+        assert (engine[n] - actor[n]).abs().max() < 0.02, (n, report)
+        # ... and not another agent's
+        for o in others:
+            assert (engine[n] - actor[o]).abs().mean() > 0.1, (n, o)
+    for n in ("solver", "checker"):  # coached: trained, weights moved away from the initial model
+        assert (actor[n] - init[n]).abs().mean() > 0.1, n
+    # "mute" had only unparsable verdicts: no experience, not updated
+    assert (actor["mute"] - init["mute"]).abs().max() < 0.02
+
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1]
+    m = metrics[0]
+    assert m["agent/solver/updated"] == 1 and m["agent/checker/updated"] == 1 and m["agent/mute/updated"] == 0
+    assert m["agent/mute/trained_actions"] == 0 and m["coach/status_parse_error"] == 4
+    for n in AGENTS:
+        for key in ("coach_score", "outcome_success", "action_length", "tool_use_rate", "num_actions"):
+            assert f"agent/{n}/{key}" in m
+    assert m["agent/solver/trained_actions"] == 4 and "agent/solver/policy_loss" in m
+
+    episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
+    assert len(episodes) == 4
+    for ep in episodes:
+        assert [a["agent"] for a in ep["actions"]] == list(AGENTS)
+        for a in ep["actions"]:
+            v = a["verdict"]
+            if a["agent"] == "mute":
+                assert v["status"] == "parse_error" and v["score"] is None and a["reward"] is None
+            else:
+                assert v["status"] == "ok" and v["coach"] == "openai:rule-coach"
+                assert a["reward"] == v["score"] and a["advantage"] is not None
+    assert len(coach_server.requests) == 12
