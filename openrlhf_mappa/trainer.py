@@ -192,7 +192,7 @@ class MappaTrainer:
         ray.get([ref for ag in self.agents for ref in ag.actor.async_save_model()])
 
     def train_step(self, step: int, tasks: list) -> dict:
-        t0 = time.time()
+        t_start = t0 = time.time()
         episodes = asyncio.run(
             rollout(self.topology, tasks, self.policies, self.coach, os.path.join(self.run_dir, "workspaces"), step)
         )
@@ -247,7 +247,8 @@ class MappaTrainer:
             for ep in episodes:
                 f.write(ep.to_json() + "\n")
         metrics = self.step_metrics(episodes, batches, status, dropped, counts)
-        metrics.update({"time/rollout": t_rollout, "time/experience": t_experience, "time/train": t_train, "time/sync": t_sync})
+        metrics.update({"time/rollout": t_rollout, "time/experience": t_experience, "time/train": t_train,
+                        "time/sync": t_sync, "time/step": time.time() - t_start})
         return metrics
 
     def batch_rule(self, actions: list, step: int):

@@ -1,64 +1,30 @@
-"""A real MAPPA training step on CPU: three tiny agents with their own weights, each with its own ZeRO-3
+"""A real MAPPA training step on CPU: two tiny agents with their own weights, each with its own ZeRO-3
 actor and vLLM engine (Ray, vLLM, DeepSpeed for real), coached by an OpenAI-compatible server on
 127.0.0.1 (a stand-in for a paid API: it scores by rule, and answers garbage for one agent).
 
-Asserted: the two coached agents' actors changed; after the sync each agent's engine holds its own
+Asserted: the coached agent's actor changed; after the sync each agent's engine holds its own
 actor's weights and not another agent's (compared through log-probs of a fixed sequence); the agent
 whose every verdict was unparsable got no experience and was not updated; metrics and episodes are
 written per agent.
 """
 
 import json
-import os
 import subprocess
-import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 import yaml
 
-from conftest import MAPPA, REPO
+from coach_server import COACH_TEMPLATE, CoachServer
+from conftest import MAPPA
 
-AGENTS = ("solver", "checker", "mute")  # "mute" gets only garbage from the coach
-
-
-class CoachHandler(BaseHTTPRequestHandler):
-    """An OpenAI-compatible /v1/chat/completions that scores by the length of the agent's output."""
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        prompt = body["messages"][-1]["content"]
-        self.server.requests.append(prompt)
-        if "AGENT=mute" in prompt:
-            content = "I refuse to grade this."
-        else:
-            output = prompt.split("OUTPUT<<", 1)[1].split(">>OUTPUT", 1)[0]
-            content = f"Looks fine.\nSCORE: {len(set(output)) % 11}"
-        reply = {
-            "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
-        }
-        data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+AGENTS = ("solver", "mute")  # "mute" gets only garbage from the coach
 
 
 @pytest.fixture
 def coach_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), CoachHandler)
-    server.requests = []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server
-    server.shutdown()
+    with CoachServer(mute={"mute"}) as server:
+        yield server
 
 
 def engine_logprobs(engine, ids):
@@ -93,7 +59,7 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server, monkeyp
     topology = {
         "name": "e2e",
         "env": "mathchat",
-        "coach_template": "AGENT={agent}\nROLE={role}\nTASK={task}\nOUTPUT<<{agent_output}>>OUTPUT\nFEEDBACK={feedback}\nTRUTH={ground_truth}",
+        "coach_template": COACH_TEMPLATE,
         "agents": [
             {"name": n, "model": models[n], "role": f"{n} role", "prompt": "{task}\n{history}", "max_actions": 1}
             for n in AGENTS
@@ -105,12 +71,12 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server, monkeyp
             f.write(json.dumps({"id": i, "prompt": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n")
 
     monkeypatch.setenv("MAPPA_TEST_COACH_KEY", "secret-123")
-    monkeypatch.setenv("MAPPA_CPU_NUM_GPUS", "6")
+    monkeypatch.setenv("MAPPA_CPU_NUM_GPUS", "4")
     run_dir = tmp_path / "run"
     args = parse_args([
         "--mappa.topology", str(tmp_path / "topology.yaml"),
         "--mappa.coach.kind", "openai",
-        "--mappa.coach.base_url", f"http://127.0.0.1:{coach_server.server_port}/v1",
+        "--mappa.coach.base_url", coach_server.base_url,
         "--mappa.coach.model", "rule-coach",
         "--mappa.coach.api_key_env", "MAPPA_TEST_COACH_KEY",
         "--mappa.run_dir", str(run_dir),
@@ -154,15 +120,15 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server, monkeyp
         # ... and not another agent's
         for o in others:
             assert (engine[n] - actor[o]).abs().mean() > 0.1, (n, o)
-    for n in ("solver", "checker"):  # coached: trained, weights moved away from the initial model
-        assert (actor[n] - init[n]).abs().mean() > 0.1, n
+    # coached: trained, its weights moved away from the initial model
+    assert (actor["solver"] - init["solver"]).abs().mean() > 0.1
     # "mute" had only unparsable verdicts: no experience, not updated
     assert (actor["mute"] - init["mute"]).abs().max() < 0.02
 
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1]
     m = metrics[0]
-    assert m["agent/solver/updated"] == 1 and m["agent/checker/updated"] == 1 and m["agent/mute/updated"] == 0
+    assert m["agent/solver/updated"] == 1 and m["agent/mute/updated"] == 0
     assert m["agent/mute/trained_actions"] == 0 and m["coach/status_parse_error"] == 4
     for n in AGENTS:
         for key in ("coach_score", "outcome_success", "action_length", "tool_use_rate", "num_actions"):
@@ -180,4 +146,5 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server, monkeyp
             else:
                 assert v["status"] == "ok" and v["coach"] == "openai:rule-coach"
                 assert a["reward"] == v["score"] and a["advantage"] is not None
-    assert len(coach_server.requests) == 12
+    assert len(coach_server.requests) == 8
+    assert {r["authorization"] for r in coach_server.requests} == {"Bearer secret-123"}  # key from the named env var

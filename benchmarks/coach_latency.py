@@ -1,0 +1,76 @@
+"""Is coach latency hidden behind generation? Runs the tiny MathChat training twice on this machine, once
+with a coach that answers after --delay seconds and once with an instant one (the same OpenAI-compatible
+server on 127.0.0.1, the same code path), and prints the ratio of their mean step wall times.
+Step 1 of each run is warm-up and is left out. Goal: ratio <= 1.2.
+
+    .venv/bin/python benchmarks/coach_latency.py [--steps 3] [--delay 1.0]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from coach_server import COACH_TEMPLATE, CoachServer  # noqa: E402
+
+
+def run(out: str, model: str, delay: float, steps: int) -> list:
+    import ray
+
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
+
+    topology = yaml.safe_load(open(os.path.join(REPO, "examples/configs/mathchat.yaml")))
+    topology["coach_template"] = COACH_TEMPLATE  # the rule-scoring server reads this layout
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "topology.yaml"), "w") as f:
+        yaml.safe_dump(topology, f)
+    with CoachServer(delay_s=delay) as coach:
+        args = parse_args([
+            "--mappa.topology", os.path.join(out, "topology.yaml"), "--mappa.model", model,
+            "--mappa.coach.kind", "openai", "--mappa.coach.base_url", coach.base_url, "--mappa.coach.model", "bench",
+            "--mappa.run_dir", os.path.join(out, "run"),
+            "--data.prompt_dataset", os.path.join(REPO, "examples/data/tiny_math.jsonl"), "--data.max_samples", str(4 * steps),
+            "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--vllm.enforce_eager",
+            "--vllm.gpu_memory_utilization", "0.2", "--ds.zero_stage", "3", "--ds.attn_implementation", "sdpa",
+            "--algo.kl.init_coef", "0", "--actor.adam.lr", "1e-4", "--actor.lr_warmup_ratio", "0",
+            "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--rollout.micro_batch_size", "2",
+            "--rollout.max_new_tokens", "32", "--data.max_len", "2048",
+            "--train.batch_size", "4", "--train.micro_batch_size", "2", "--train.num_episodes", "1",
+            "--ckpt.path", os.path.join(out, "ckpt"), "--ckpt.output_dir", os.path.join(out, "final"),
+        ])
+        try:
+            train(args)
+        finally:
+            ray.shutdown()
+    metrics = [json.loads(line) for line in open(os.path.join(out, "run", "metrics.jsonl"))]
+    return [m["time/step"] for m in metrics]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--delay", type=float, default=1.0)
+    p.add_argument("--out", default=os.path.join(REPO, "runs", "bench-coach-latency"))
+    a = p.parse_args()
+    os.environ.setdefault("MAPPA_CPU_NUM_GPUS", "6")
+    model = os.path.join(a.out, "tiny-model")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        subprocess.run([os.path.join(os.path.dirname(sys.executable), "mappa"), "tiny-model", model], check=True)
+    times = {}
+    for delay in (0.0, a.delay):
+        out = os.path.join(a.out, f"delay{delay:g}")
+        subprocess.run(["rm", "-rf", out], check=True)
+        times[delay] = run(out, model, delay, a.steps)[1:]
+    instant, slow = (sum(times[d]) / len(times[d]) for d in (0.0, a.delay))
+    print(f"step wall time, instant coach:   {instant:.2f} s  (steps {', '.join(f'{t:.2f}' for t in times[0.0])})")
+    print(f"step wall time, {a.delay:g} s coach:    {slow:.2f} s  (steps {', '.join(f'{t:.2f}' for t in times[a.delay])})")
+    print(f"ratio (goal <= 1.2): {slow / instant:.3f}")
+
+
+if __name__ == "__main__":
+    main()
