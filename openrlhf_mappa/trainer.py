@@ -119,7 +119,7 @@ def build_agents(args, topology, max_steps: int) -> list:
     return agents
 
 
-def experience_of(action, pad_token_id):
+def experience_of(action):
     """One action as an OpenRLHF Experience: the sequence is prompt + response, and the action mask
     (shifted by one, as OpenRLHF's) covers the response tokens only, so tool output never trains."""
     from openrlhf.trainer.ppo_utils.experience import Experience
@@ -159,6 +159,9 @@ class MappaTrainer:
             )
             for ag in agents
         }
+        # One event loop for the whole run: the coach's HTTP client and its semaphore belong to the loop
+        # they were first used on, so a fresh asyncio.run() per step would break them at step 2.
+        self.loop = asyncio.new_event_loop()
         self.loggers = []
         if args.logger.wandb.key:
             from openrlhf.utils.logging_utils import WandbLogger
@@ -190,10 +193,14 @@ class MappaTrainer:
             if self.args.ckpt.save_steps > 0 and step % self.args.ckpt.save_steps == 0:
                 self.save_checkpoints(step)
         ray.get([ref for ag in self.agents for ref in ag.actor.async_save_model()])
+        for logger in self.loggers:
+            logger.close()
 
     def train_step(self, step: int, tasks: list) -> dict:
+        from openrlhf.trainer.ppo_utils.experience import Experience
+
         t_start = t0 = time.time()
-        episodes = asyncio.run(
+        episodes = self.loop.run_until_complete(
             rollout(self.topology, tasks, self.policies, self.coach, os.path.join(self.run_dir, "workspaces"), step)
         )
         t_rollout = time.time() - t0
@@ -211,11 +218,9 @@ class MappaTrainer:
             kept, dropped[ag.spec.name] = self.batch_rule(actions_of[ag.spec.name], step)
             if not kept:
                 continue
-            exps = [experience_of(a, ag.tokenizer.pad_token_id) for a in kept]
-            mb = self.args.rollout.micro_batch_size
-            from openrlhf.trainer.ppo_utils.experience import Experience
-
-            samples = [Experience.concat_experiences(exps[i : i + mb], ag.tokenizer.pad_token_id) for i in range(0, len(exps), mb)]
+            exps = [experience_of(a) for a in kept]
+            mb, pad = self.args.rollout.micro_batch_size, ag.tokenizer.pad_token_id
+            samples = [Experience.concat_experiences(exps[i : i + mb], pad) for i in range(0, len(exps), mb)]
             batches[ag.spec.name] = ag.maker.make_experience(samples)
             kept_actions[ag.spec.name] = kept
         rewards.compute_advantages(batches, self.args.algo.kl.init_coef, scope=self.mappa.norm_scope)
@@ -281,6 +286,7 @@ class MappaTrainer:
             m[p + "tool_use_rate"] = sum(a.feedback.ran for a in acts) / max(1, len(acts))
             m[p + "tool_error_rate"] = sum(a.feedback.error for a in acts) / max(1, len(acts))
             m[p + "truncated_rate"] = sum(a.truncated for a in acts) / max(1, len(acts))
+            m[p + "prompt_truncated"] = sum(a.prompt_truncated for a in acts)
             m[p + "trained_actions"] = sum(len(e.sequences) for e in batches.get(name, []))
             m[p + "dropped_for_batching"] = dropped[name]
             m[p + "updated"] = int(name in status)

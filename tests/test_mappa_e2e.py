@@ -148,3 +148,31 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server, monkeyp
                 assert a["reward"] == v["score"] and a["advantage"] is not None
     assert len(coach_server.requests) == 8
     assert {r["authorization"] for r in coach_server.requests} == {"Bearer secret-123"}  # key from the named env var
+
+
+def test_launch_fails_fast_when_the_cluster_has_too_few_gpus(tmp_path, tiny_model):
+    """The real CLI on a local Ray cluster with 1 logical GPU, asked for 2 agents x (actor + engine):
+    it must stop before creating any actor, naming both numbers (Ray alone would wait forever)."""
+    import os
+    import sys
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"prompt": "1 + 1?", "answer": "2"}) + "\n")
+    topology = {
+        "name": "two", "env": "mathchat", "coach_template": COACH_TEMPLATE,
+        "agents": [{"name": n, "model": tiny_model, "role": n, "prompt": "{task}"} for n in ("a", "b")],
+    }
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(topology))
+    env = dict(os.environ, MAPPA_CPU_NUM_GPUS="1")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--mappa.topology", str(tmp_path / "t.yaml"),
+         "--data.prompt_dataset", str(tasks), "--rollout.batch_size", "1", "--train.batch_size", "1",
+         "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--algo.kl.init_coef", "0",
+         "--mappa.run_dir", str(tmp_path / "run")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode != 0
+    assert "not enough GPUs" in proc.stderr and "need 4 GPUs" in proc.stderr and "has 1" in proc.stderr, proc.stderr[-2000:]
+    assert "a/actor: 1" in proc.stderr and "b/vllm: 1" in proc.stderr
+    assert "RolloutRayActor" not in proc.stdout + proc.stderr  # no engine was ever started

@@ -42,7 +42,7 @@ def test_experience_trains_only_the_response_tokens():
     action = Action("ep", "verifier", 0, prompt_ids=[10, 11, 12, 13, 14], response_ids=[20, 21, 22],
                     prompt_text="p", truncated=True)
     action.reward = 7.5
-    e = experience_of(action, pad_token_id=0)
+    e = experience_of(action)
     assert e.sequences.tolist() == [[10, 11, 12, 13, 14, 20, 21, 22]]
     # OpenRLHF's action mask is shifted by one: position i scores token i+1
     assert e.action_mask.tolist() == [[False, False, False, False, True, True, True]]

@@ -10,7 +10,7 @@ OUT=${OUT:-runs/tiny-cpu}
 MODEL=$OUT/tiny-model
 
 [ -f "$MODEL/config.json" ] || "$(dirname "$PY")/mappa" tiny-model "$MODEL" --seed 0
-rm -rf "$OUT/run" "$OUT/ckpt"
+rm -rf "$OUT/run" "$OUT/ckpt" "$OUT/final" "$OUT/tensorboard"
 
 # 3 agents x (actor + reference + 1 vLLM engine) = 9 logical GPUs on a local CPU-only Ray cluster.
 export MAPPA_CPU_NUM_GPUS=${MAPPA_CPU_NUM_GPUS:-9}
@@ -46,4 +46,5 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
    --ckpt.save_hf \
    --ckpt.path "$OUT/ckpt" \
    --ckpt.output_dir "$OUT/final" \
+   --logger.tensorboard_dir "$OUT/tensorboard" \
    "$@"

@@ -111,6 +111,8 @@ def train(args):
     print(f"[mappa] metrics:     {os.path.abspath(os.path.join(args.mappa.run_dir, 'metrics.jsonl'))}")
     print(f"[mappa] episodes:    {os.path.abspath(os.path.join(args.mappa.run_dir, 'episodes.jsonl'))}")
     print(f"[mappa] checkpoints: {os.path.abspath(args.ckpt.path)}/<agent>/ ; HF exports: {os.path.abspath(args.ckpt.output_dir)}/<agent>/")
+    if args.logger.tensorboard_dir:
+        print(f"[mappa] tensorboard: {os.path.abspath(args.logger.tensorboard_dir)}")
     return agents
 
 
