@@ -3,7 +3,6 @@
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.mappa-installed
-SITE = $(shell $(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
 .PHONY: install test test-fast demo clean
 
@@ -21,7 +20,7 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	# Editable installs do not ship the CPU-patch hook; put it in site-packages ourselves.
-	cp openrlhf_mappa_cpu.pth $(SITE)/
+	cp openrlhf_mappa_cpu.pth "$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 	touch $(STAMP)
 
 test: install
