@@ -9,7 +9,9 @@ written per agent.
 """
 
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,9 @@ import yaml
 from coach_server import COACH_TEMPLATE, CoachServer
 from conftest import MAPPA
 
-AGENTS = ("solver", "mute")  # "mute" gets only garbage from the coach
+AGENTS = ("solver", "mute")
+PROBE_TEXT = "Probe: 7 + 5 = 12, the answer is 12."
+TESTS = os.path.dirname(os.path.abspath(__file__))  # "mute" gets only garbage from the coach
 
 
 @pytest.fixture
@@ -27,31 +31,33 @@ def coach_server():
         yield server
 
 
-def engine_logprobs(engine, ids):
+def run_and_probe(argv: list, out_path: str):
+    """In a child process (see the test): train with `argv`, then read, for every agent, its engine's and
+    its actor's log-probs of one fixed sequence. Ray and vLLM never live in the pytest process itself."""
     import ray
     from vllm import SamplingParams
 
-    out = ray.get(engine.generate.remote(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)))
-    return torch.tensor([d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])])
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
 
-
-def actor_logprobs(agent, ids):
-    import ray
-
-    seq = torch.tensor([ids])
-    mask = torch.ones(1, len(ids) - 1, dtype=torch.bool)
-    refs = agent.actor.async_run_method_batch(
-        method_name="forward", sequences=[seq], action_mask=[mask], attention_mask=[torch.ones_like(seq)]
-    )
-    return ray.get(refs)[0][0].float()
+    agents = train(parse_args(argv))
+    ids = agents[0].tokenizer(PROBE_TEXT)["input_ids"]
+    out = {"probe": ids, "engine": {}, "actor": {}}
+    for ag in agents:
+        gen = ray.get(ag.engines[0].generate.remote(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)))
+        out["engine"][ag.spec.name] = [d[t].logprob for t, d in zip(ids[1:], gen.prompt_logprobs[1:])]
+        seq = torch.tensor([ids])
+        refs = ag.actor.async_run_method_batch(
+            method_name="forward", sequences=[seq], action_mask=[torch.ones(1, len(ids) - 1, dtype=torch.bool)],
+            attention_mask=[torch.ones_like(seq)],
+        )
+        out["actor"][ag.spec.name] = ray.get(refs)[0][0].float().tolist()
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    ray.shutdown()
 
 
 @pytest.mark.e2e
-def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server, monkeypatch):
-    import ray
-
-    from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
-
+def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server):
     models = {}
     for seed, name in enumerate(AGENTS):
         models[name] = str(tmp_path / f"model-{name}")
@@ -70,10 +76,8 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server, monkeyp
         for i in range(2):
             f.write(json.dumps({"id": i, "prompt": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n")
 
-    monkeypatch.setenv("MAPPA_TEST_COACH_KEY", "secret-123")
-    monkeypatch.setenv("MAPPA_CPU_NUM_GPUS", "4")
     run_dir = tmp_path / "run"
-    args = parse_args([
+    argv = [
         "--mappa.topology", str(tmp_path / "topology.yaml"),
         "--mappa.coach.kind", "openai",
         "--mappa.coach.base_url", coach_server.base_url,
@@ -100,14 +104,16 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server, monkeyp
         "--train.num_episodes", "1",
         "--ckpt.path", str(tmp_path / "ckpt"),
         "--ckpt.output_dir", str(tmp_path / "final"),
-    ])
-    try:
-        agents = train(args)
-        probe = agents[0].tokenizer("Probe: 7 + 5 = 12, the answer is 12.")["input_ids"]
-        engine = {ag.spec.name: engine_logprobs(ag.engines[0], probe) for ag in agents}
-        actor = {ag.spec.name: actor_logprobs(ag, probe) for ag in agents}
-    finally:
-        ray.shutdown()
+    ]
+    env = dict(os.environ, MAPPA_TEST_COACH_KEY="secret-123", MAPPA_CPU_NUM_GPUS="4")
+    env.pop("RAY_ADDRESS", None)
+    child = f"import sys; sys.path.insert(0, {TESTS!r}); from test_mappa_e2e import run_and_probe; run_and_probe({argv!r}, {str(tmp_path / 'probe.json')!r})"
+    proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    result = json.load(open(tmp_path / "probe.json"))
+    probe = result["probe"]
+    engine = {n: torch.tensor(v) for n, v in result["engine"].items()}
+    actor = {n: torch.tensor(v) for n, v in result["actor"].items()}
 
     from test_openrlhf_cpu_e2e import hf_probe_logprobs
 
@@ -153,9 +159,6 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server, monkeyp
 def test_launch_fails_fast_when_the_cluster_has_too_few_gpus(tmp_path, tiny_model):
     """The real CLI on a local Ray cluster with 1 logical GPU, asked for 2 agents x (actor + engine):
     it must stop before creating any actor, naming both numbers (Ray alone would wait forever)."""
-    import os
-    import sys
-
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"prompt": "1 + 1?", "answer": "2"}) + "\n")
     topology = {
