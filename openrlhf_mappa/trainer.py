@@ -195,6 +195,7 @@ class MappaTrainer:
         ray.get([ref for ag in self.agents for ref in ag.actor.async_save_model()])
         for logger in self.loggers:
             logger.close()
+        self.loop.run_until_complete(self.coach.aclose())
 
     def train_step(self, step: int, tasks: list) -> dict:
         from openrlhf.trainer.ppo_utils.experience import Experience
