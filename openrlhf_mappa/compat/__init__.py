@@ -68,7 +68,6 @@ WATCHED = {
     "openrlhf.trainer.ray.launcher": ("cpu_device",),
     "openrlhf.trainer.ray.ppo_actor": ("cpu_device",),
     "openrlhf.trainer.ray.ppo_critic": ("cpu_device",),
-    "openrlhf.trainer.ray.utils": ("cpu_device",),
     "openrlhf.trainer.ppo_utils.replay_buffer": ("cpu_device",),
     "openrlhf.trainer.ray.vllm_worker_wrap": ("gloo_weight_sync",),
     "vllm.model_executor.layers.utils": ("vllm_cpu_weight_update",),
