@@ -24,7 +24,7 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py
 	touch $(STAMP)
 
 test: install
-	$(VENV)/bin/python -m pytest tests -q
+	$(VENV)/bin/python -m pytest tests -q --durations=8
 
 # Everything but the Ray + vLLM + DeepSpeed end-to-end runs.
 test-fast: install

@@ -28,8 +28,11 @@ def test_tiny_model_loads_with_auto_classes_and_chat_template(tiny_model):
 
 
 def test_tiny_model_is_deterministic_per_seed(tiny_model, tmp_path):
-    subprocess.run([MAPPA, "tiny-model", str(tmp_path / "again"), "--seed", "0"], check=True, capture_output=True)
-    subprocess.run([MAPPA, "tiny-model", str(tmp_path / "other"), "--seed", "1"], check=True, capture_output=True)
+    # in-process (the fixture already ran the console script): same seed -> same weights
+    from openrlhf_mappa.tiny_model import build_tiny_model
+
+    build_tiny_model(str(tmp_path / "again"), seed=0)
+    build_tiny_model(str(tmp_path / "other"), seed=1)
     ref, again, other = (load_file(f"{d}/model.safetensors") for d in (tiny_model, tmp_path / "again", tmp_path / "other"))
     assert all(torch.equal(ref[k], again[k]) for k in ref)
     assert not all(torch.equal(ref[k], other[k]) for k in ref)
