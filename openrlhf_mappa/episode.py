@@ -1,4 +1,4 @@
-"""Records of one multi-agent episode: actions, coach verdicts, outcome. Plain Python, JSONL in and out.
+"""Records of one multi-agent episode: actions, coach verdicts, outcome. Plain Python, written to episodes.jsonl.
 
 An `Action` is one generation of one agent (one experience in training). A `Verdict` is the coach's
 judgement of one action; `score is None` means "no valid score" and such an action never trains on an
@@ -8,7 +8,7 @@ invented number.
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 VERDICT_STATUSES = ("ok", "parse_error", "api_error", "timeout", "skipped")
 
@@ -100,39 +100,9 @@ class Episode:
     def success(self) -> bool:
         return bool(self.outcome.get("success", False))
 
-    def to_json(self, with_token_ids: bool = False) -> str:
+    def to_json(self) -> str:
+        """One episodes.jsonl line: everything but the token ids (the texts carry the same content)."""
         d = dataclasses.asdict(self)
-        if not with_token_ids:
-            for a in d["actions"]:
-                a.pop("prompt_ids"), a.pop("response_ids"), a.pop("rollout_logprobs")
+        for a in d["actions"]:
+            a.pop("prompt_ids"), a.pop("response_ids"), a.pop("rollout_logprobs")
         return json.dumps(d, ensure_ascii=False)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Episode":
-        d = dict(d)
-        actions = []
-        for a in d.pop("actions", []):
-            a = dict(a)
-            a.setdefault("prompt_ids", [])
-            a.setdefault("response_ids", [])
-            a["feedback"] = ToolFeedback(**(a.get("feedback") or {}))
-            a["verdict"] = Verdict(**a["verdict"]) if a.get("verdict") else None
-            actions.append(Action(**a))
-        return cls(actions=actions, **d)
-
-
-def read_episodes(path: str) -> list:
-    """Read episodes.jsonl; a line cut short by a crash (the last one) is skipped, any other bad line raises."""
-    episodes = []
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            episodes.append(Episode.from_dict(json.loads(line)))
-        except (json.JSONDecodeError, TypeError, ValueError) as e:
-            if lineno == len(lines) and not line.endswith("\n"):
-                break  # partial last line from an interrupted write
-            raise ValueError(f"{path}:{lineno}: not a valid episode record: {e}") from e
-    return episodes
