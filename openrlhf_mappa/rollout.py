@@ -21,7 +21,6 @@ from openrlhf_mappa.episode import Action, Episode
 class AgentPolicy:
     """What the rollout needs of one agent: its engines, tokenizer and generation limits."""
 
-    spec: object  # AgentSpec
     engines: list  # RolloutRayActor handles of this agent only
     tokenizer: object
     max_new_tokens: int

@@ -54,24 +54,12 @@ def agent_args(args, spec):
     return a
 
 
-def gpu_needs(args, topology) -> dict:
-    needs = {}
-    for spec in topology.agents:
-        a = agent_args(args, spec)
-        needs[f"{spec.name}/actor"] = a.actor.num_nodes * a.actor.num_gpus_per_node
-        if args.algo.kl.init_coef > 0:
-            needs[f"{spec.name}/reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
-        needs[f"{spec.name}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
-    return needs
-
-
 @dataclass
 class Agent:
     """One agent's policy on the cluster."""
 
     spec: object
     args: object
-    strategy: object
     tokenizer: object
     engines: list
     actor: object  # RayActorGroup of PolicyModelActor
@@ -88,10 +76,17 @@ def build_agents(args, topology, max_steps: int) -> list:
     from openrlhf.utils import get_strategy
     from transformers import AutoTokenizer
 
-    check_gpu_budget(gpu_needs(args, topology))
+    per_agent = [(spec, agent_args(args, spec)) for spec in topology.agents]
+    needs = {}
+    for spec, a in per_agent:
+        needs[f"{spec.name}/actor"] = a.actor.num_nodes * a.actor.num_gpus_per_node
+        if a.algo.kl.init_coef > 0:
+            needs[f"{spec.name}/reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
+        needs[f"{spec.name}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
+    check_gpu_budget(needs)
+
     agents, init_refs = [], []
-    for spec in topology.agents:
-        a = agent_args(args, spec)
+    for spec, a in per_agent:
         strategy = get_strategy(a)
         engines = create_vllm_engines(
             a.vllm.num_engines,
@@ -114,7 +109,7 @@ def build_agents(args, topology, max_steps: int) -> list:
         init_refs += actor.async_init_model_from_pretrained(strategy, spec.model, max_steps, engines)
         tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=True)
         maker = RemoteExperienceMaker(actor, None, None, ref, FixedKLController(0.0), strategy, tokenizer)
-        agents.append(Agent(spec, a, strategy, tokenizer, engines, actor, ref, maker))
+        agents.append(Agent(spec, a, tokenizer, engines, actor, ref, maker))
     ray.get(init_refs)
     return agents
 
@@ -150,7 +145,6 @@ class MappaTrainer:
         os.makedirs(run_dir, exist_ok=True)
         self.policies = {
             ag.spec.name: AgentPolicy(
-                spec=ag.spec,
                 engines=ag.engines,
                 tokenizer=ag.tokenizer,
                 max_new_tokens=ag.args.rollout.max_new_tokens,

@@ -61,7 +61,7 @@ def parse_args(argv=None):
     return namespace["args"]
 
 
-def validate(args, topology):
+def validate(args):
     if args.train.colocate_all or args.train.colocate_actor_ref or args.train.async_enable:
         raise SystemExit("MAPPA runs each agent on its own GPUs: --train.colocate_* and --train.async_enable are not supported yet")
     if not args.vllm.num_engines:
@@ -88,7 +88,7 @@ def train(args):
     from openrlhf_mappa.trainer import MappaTrainer, build_agents
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
-    validate(args, topology)
+    validate(args)
     tasks = load_tasks(args.data.prompt_dataset)[: args.data.max_samples]
     if len(tasks) < args.rollout.batch_size:
         raise SystemExit(f"{args.data.prompt_dataset}: {len(tasks)} tasks, fewer than --rollout.batch_size {args.rollout.batch_size}")
