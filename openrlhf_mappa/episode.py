@@ -57,7 +57,8 @@ class Verdict:
     latency_s: float = 0.0
     tokens_in: int = 0
     tokens_out: int = 0
-    cached: bool = False
+    retries: int = 0  # HTTP attempts beyond the first (429, 5xx, timeouts) and format re-prompts
+    cached: bool = False  # served from the verdict cache: cost nothing this time
 
     def __post_init__(self):
         if self.status not in VERDICT_STATUSES:
@@ -81,6 +82,9 @@ class Action:
     truncated: bool = False  # generation hit the token limit
     prompt_truncated: bool = False  # the prompt was longer than max_len - max_new_tokens and was cut
     feedback: ToolFeedback = field(default_factory=ToolFeedback)
+    # What the coach saw besides prompt_text/response_text (role, task, feedback text, ground truth, ...),
+    # so `mappa coach score` can re-score this action later with another coach or template.
+    coach_request: dict = field(default_factory=dict)
     verdict: Optional[Verdict] = None
     reward: Optional[float] = None  # the scalar reward this action trained on (None: left out)
     advantage: Optional[float] = None  # mean normalized advantage over its tokens

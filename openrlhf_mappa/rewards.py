@@ -23,17 +23,24 @@ NORM_SCOPES = ("agent", "global")
 OUTCOME_SCALE = 10.0
 
 
-def assign_rewards(episodes: list[Episode], mode: str) -> dict:
+FAILURE_POLICIES = ("skip", "outcome", "neutral")
+
+
+def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip", neutral_score: float = 5.0) -> dict:
     """Set `action.reward` for every action: the coach's score ("process") or the episode outcome ("outcome").
 
-    In "process" mode an action whose coach gave no valid score gets reward None and is left out of
-    training: a made-up neutral score (the authors' silent 5.0 after API failures) would be noise
-    the policy learns from. Returns how many actions train and why the others do not.
+    In "process" mode an action whose coach gave no valid score is handled by the named `on_failure`
+    policy: "skip" (default) leaves it out of training (reward None); "outcome" pays it the episode's
+    outcome, as the outcome baseline would; "neutral" pays it `neutral_score`, the authors' silent 5.0
+    made explicit. The verdict itself keeps its failed status and no score. Returns how many actions
+    train, and why the others do not or on what they fell back.
     """
     if mode not in REWARD_MODES:
         raise ValueError(f"unknown reward mode {mode!r}; expected one of {REWARD_MODES}")
+    if on_failure not in FAILURE_POLICIES:
+        raise ValueError(f"unknown coach failure policy {on_failure!r}; expected one of {FAILURE_POLICIES}")
 
-    trainable, left_out_by_status = 0, {}
+    trainable, left_out_by_status, fallback = 0, {}, 0
     for episode in episodes:
         for action in episode.actions:
             verdict = action.verdict
@@ -41,6 +48,10 @@ def assign_rewards(episodes: list[Episode], mode: str) -> dict:
                 action.reward = OUTCOME_SCALE * float(episode.success)
             elif verdict is not None and verdict.status == "ok" and verdict.score is not None:
                 action.reward = float(verdict.score)
+            elif on_failure == "outcome":
+                action.reward, fallback = OUTCOME_SCALE * float(episode.success), fallback + 1
+            elif on_failure == "neutral":
+                action.reward, fallback = float(neutral_score), fallback + 1
             else:
                 action.reward = None
                 status = verdict.status if verdict is not None else "missing"
@@ -52,7 +63,33 @@ def assign_rewards(episodes: list[Episode], mode: str) -> dict:
         "trainable": trainable,
         "left_out": sum(left_out_by_status.values()),
         "left_out_by_status": left_out_by_status,
+        "fallback": fallback,
     }
+
+
+def standardize_by_task_type(episodes: list[Episode]) -> None:
+    """Remove a coach's offset between task types, per agent k and task type τ (a bias mitigation):
+
+        R' = μ_k + σ_k · (R − μ_kτ) / σ_kτ
+
+    μ/σ over the step's rewarded actions: the agent's overall mean and spread are kept, so β·KL keeps its
+    weight, but a task type the coach scores higher no longer pays more on average. A group with one
+    action or no spread gets μ_k (nothing to learn from within it).
+    """
+    groups = {}
+    for ep in episodes:
+        for a in ep.actions:
+            if a.reward is not None:
+                groups.setdefault(a.agent, {}).setdefault(ep.task_type, []).append(a)
+    for by_type in groups.values():
+        all_R = torch.tensor([a.reward for acts in by_type.values() for a in acts], dtype=torch.float64)
+        mu_k, sigma_k = all_R.mean(), all_R.std(unbiased=False)
+        for acts in by_type.values():
+            R = torch.tensor([a.reward for a in acts], dtype=torch.float64)
+            mu, sigma = R.mean(), R.std(unbiased=False)
+            z = (R - mu) / sigma if sigma > 0 else torch.zeros_like(R)
+            for a, r in zip(acts, (mu_k + sigma_k * z).tolist()):
+                a.reward = r
 
 
 def token_rewards(

@@ -71,19 +71,17 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
                 feedback=result.feedback,
             )
             episode.actions.append(action)
-            request = CoachRequest(
-                episode_id=episode_id,
-                agent=spec.name,
-                turn=turn,
+            action.coach_request = dict(
                 role=spec.role,
                 task=env.task_text,
                 task_type=env.task_type,
-                agent_input=prompt_text,
-                agent_output=response_text,
                 feedback=result.feedback.as_text(),
                 ground_truth=env.coach_ground_truth(spec),
                 is_final_agent=spec is topology.agents[-1],
                 runs_code=spec.runs_code,
+            )
+            request = CoachRequest(
+                episode_id, spec.name, turn, agent_input=prompt_text, agent_output=response_text, **action.coach_request
             )
             verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
             if result.done:

@@ -18,6 +18,7 @@ import ray
 import torch
 
 from openrlhf_mappa import rewards
+from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, coach_step_metrics
 from openrlhf_mappa.rollout import AgentPolicy, rollout
 
 
@@ -142,6 +143,8 @@ class MappaTrainer:
         self.args, self.topology, self.agents, self.coach, self.tasks = args, topology, agents, coach, tasks
         self.run_dir = run_dir
         self.mappa = args.mappa
+        self.bias_audit = BiasAudit(self.mappa.coach.bias_threshold, self.mappa.coach.bias_window)
+        self.coach_cost_usd = 0.0
         os.makedirs(run_dir, exist_ok=True)
         self.policies = {
             ag.spec.name: AgentPolicy(
@@ -199,7 +202,22 @@ class MappaTrainer:
             rollout(self.topology, tasks, self.policies, self.coach, os.path.join(self.run_dir, "workspaces"), step)
         )
         t_rollout = time.time() - t0
-        counts = rewards.assign_rewards(episodes, self.mappa.reward)
+        c = self.mappa.coach
+        coach_metrics = coach_step_metrics(episodes, c.price_in, c.price_out)
+        coach_metrics.update(self.bias_audit.update(episodes))
+        self.coach_cost_usd += coach_metrics.get("coach/cost_usd", 0.0)
+        if c.price_in or c.price_out:
+            coach_metrics["coach/cost_usd_total"] = self.coach_cost_usd
+        if self.mappa.reward == "process":  # the outcome baseline trains without the coach's verdicts
+            try:
+                check_failures(episodes, coach_metrics, c.max_failure_fraction)
+            except CoachFailure as e:  # keep what the step produced, so the failures can be inspected
+                self.write_episodes(episodes)
+                self.log(step, coach_metrics)
+                raise CoachFailure(f"step {step}: {e} The step's episodes are in {self.run_dir}/episodes.jsonl.") from None
+        counts = rewards.assign_rewards(episodes, self.mappa.reward, c.on_failure, c.neutral_score)
+        if c.standardize_task_type and self.mappa.reward == "process":
+            rewards.standardize_by_task_type(episodes)
 
         # Per agent: trainable actions -> Experiences -> actor/ref forward (log-probs, KL).
         t0 = time.time()
@@ -243,10 +261,9 @@ class MappaTrainer:
         ray.get([ref for ag in self.agents if ag.spec.name in status for ref in ag.actor.async_run_method("broadcast_to_vllm")])
         t_sync = time.time() - t0
 
-        with open(os.path.join(self.run_dir, "episodes.jsonl"), "a", encoding="utf-8") as f:
-            for ep in episodes:
-                f.write(ep.to_json() + "\n")
+        self.write_episodes(episodes)
         metrics = self.step_metrics(episodes, batches, status, dropped, counts)
+        metrics.update(coach_metrics)
         metrics.update({"time/rollout": t_rollout, "time/experience": t_experience, "time/train": t_train,
                         "time/sync": t_sync, "time/step": time.time() - t_start})
         return metrics
@@ -264,10 +281,11 @@ class MappaTrainer:
         return picked, len(actions) - keep
 
     def step_metrics(self, episodes, batches, status, dropped, counts) -> dict:
+        c = self.mappa.coach
         m = {
             "outcome/success_rate": sum(ep.success for ep in episodes) / len(episodes),
             "coach/left_out": counts["left_out"],
-            **{f"coach/status_{s}": n for s, n in counts["left_out_by_status"].items()},
+            **({f"coach/fallback_{c.on_failure}": counts["fallback"]} if c.on_failure != "skip" else {}),
         }
         for ag in self.agents:
             name = ag.spec.name
@@ -292,6 +310,11 @@ class MappaTrainer:
                 if name in status and key in status[name]:
                     m[p + key] = status[name][key]
         return m
+
+    def write_episodes(self, episodes: list):
+        with open(os.path.join(self.run_dir, "episodes.jsonl"), "a", encoding="utf-8") as f:
+            for ep in episodes:
+                f.write(ep.to_json() + "\n")
 
     def log(self, step: int, metrics: dict):
         with open(os.path.join(self.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:

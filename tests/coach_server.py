@@ -17,7 +17,7 @@ COACH_TEMPLATE = "AGENT={agent}\nROLE={role}\nTASK={task}\nOUTPUT<<{agent_output
 class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        prompt = body["messages"][-1]["content"]
+        prompt = body["messages"][0]["content"]  # the original prompt, also on a format re-prompt
         self.server.requests.append({"prompt": prompt, "authorization": self.headers.get("Authorization")})
         time.sleep(self.server.delay_s)
         agent = prompt.split("AGENT=", 1)[1].split("\n", 1)[0]

@@ -1,5 +1,6 @@
-"""Coach backends against a real local HTTP server speaking OpenAI's chat-completions format, and the
-offline heuristic coach."""
+"""Coach backends against a real local HTTP server speaking OpenAI's chat-completions format (it stands in
+for a paid API and injects faults: 429 with Retry-After, 5xx, hangs, malformed bodies, bad scores), the verdict
+cache, and the offline heuristic coach."""
 
 import asyncio
 import json
@@ -11,48 +12,54 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from openrlhf_mappa.coach import CoachRequest, build_coach, parse_score, render_prompt
+from openrlhf_mappa.coach.cache import VerdictCache
 
 TEMPLATE = (
     "Task: {task}\nRole: {role}\nOutput: {agent_output}\nFeedback: {feedback}\nTruth: {ground_truth}\nSCORE:"
 )
 
 
-class FakeOpenAI(BaseHTTPRequestHandler):
-    """POST /v1/chat/completions; what it answers is set by the test in `server.reply`."""
+class FaultyOpenAI(BaseHTTPRequestHandler):
+    """POST /v1/chat/completions. Replies come from `server.script` (a list consumed one per request), then
+    `server.reply` forever. A reply is a dict: content, status, headers, hang (seconds), raw (bytes body),
+    refuse_schema (answer 400 when the request has a response_format)."""
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         headers = {k.lower(): v for k, v in self.headers.items()}  # httpx sends lower-case names
-        self.server.seen.append({"path": self.path, "headers": headers, "body": body})
-        reply = self.server.reply
-        time.sleep(reply.get("delay", 0))
-        status = reply.get("status", 200)
-        if status == 200:
-            payload = {
-                "id": "chatcmpl-test",
-                "object": "chat.completion",
-                "created": 0,
-                "model": body["model"],
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": reply.get("content", "")},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14},
-            }
-        else:
-            payload = {"error": {"message": "server exploded", "type": "server_error"}}
-        data = json.dumps(payload).encode()
+        with self.server.lock:
+            self.server.seen.append({"path": self.path, "headers": headers, "body": body, "t": time.monotonic()})
+            reply = self.server.script.pop(0) if self.server.script else self.server.reply
+            self.server.in_flight += 1
+            self.server.max_in_flight = max(self.server.max_in_flight, self.server.in_flight)
         try:
+            time.sleep(reply.get("hang", 0) + self.server.delay_s)
+            status, extra_headers = reply.get("status", 200), reply.get("headers", {})
+            if reply.get("refuse_schema") and "response_format" in body:
+                status = 400
+            if "raw" in reply:
+                data = reply["raw"]
+            elif status == 200:
+                message = {"role": "assistant", "content": reply.get("content", "")}
+                data = json.dumps({
+                    "id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": body["model"],
+                    "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14},
+                }).encode()
+            else:
+                data = json.dumps({"error": {"message": f"injected {status}", "type": "server_error"}}).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for k, v in extra_headers.items():
+                self.send_header(k, v)
             self.end_headers()
             self.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):
-            pass  # the client already gave up (timeout test)
+            pass  # the client already gave up (timeout tests)
+        finally:
+            with self.server.lock:
+                self.server.in_flight -= 1
 
     def log_message(self, *args):
         pass
@@ -60,10 +67,12 @@ class FakeOpenAI(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FaultyOpenAI)
     httpd.daemon_threads = True
     httpd.block_on_close = False
-    httpd.seen, httpd.reply = [], {}
+    httpd.seen, httpd.script, httpd.reply, httpd.delay_s = [], [], {}, 0.0
+    httpd.lock, httpd.in_flight, httpd.max_in_flight = threading.Lock(), 0, 0
+    httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     yield httpd
     httpd.shutdown()
@@ -86,69 +95,159 @@ def make_request(**overrides):
     return CoachRequest(**fields)
 
 
-def openai_score(server, reply, request=None, **kwargs):
-    server.reply = reply
-    kwargs.setdefault("timeout_s", 5.0)
-    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+def make_coach(url, **kwargs):
+    # Short backoff so retry tests take fractions of a second; the schedule itself is tested separately.
+    kwargs = dict(dict(timeout_s=5.0, backoff_s=0.01, max_backoff_s=0.05), **kwargs)
+    return build_coach("openai", model="coach-model", base_url=url, template=TEMPLATE, **kwargs)
 
+
+def score_all(url, requests, **kwargs):
     async def run():
-        coach = build_coach("openai", model="coach-model", base_url=url, template=TEMPLATE, **kwargs)
+        coach = make_coach(url, **kwargs)
         try:
-            return await coach.score(request or make_request())
+            return await asyncio.gather(*(coach.score(r) for r in requests))
         finally:
             await coach.aclose()
 
     return asyncio.run(run())
 
 
+def openai_score(server, reply, script=(), request=None, **kwargs):
+    server.reply, server.script = reply, list(script)
+    return score_all(server.url, [request or make_request()], **kwargs)[0]
+
+
 def test_openai_score_parses(server):
     v = openai_score(server, {"content": "Good reasoning.\nSCORE: 8.5"})
-    assert (v.status, v.score, v.coach) == ("ok", 8.5, "openai:coach-model")
+    assert (v.status, v.score, v.coach, v.retries) == ("ok", 8.5, "openai:coach-model", 0)
     assert (v.tokens_in, v.tokens_out) == (11, 3)
     assert v.latency_s > 0
+    assert len(server.seen) == 1
 
 
-def test_openai_garbage_is_parse_error(server):
-    v = openai_score(server, {"content": "I think it is pretty good overall."})
+@pytest.mark.parametrize("content, score", [
+    ("PROCESS_SCORE: 7", 7.0), ("7/10", 7.0), ("**7**", 7.0), ("7.5", 7.5), ('{"score": 7, "rationale": "ok"}', 7.0),
+    ('{"rationale": "fine", "score": 9.5}', 9.5), ("I would rate it 4 out of 10.", 4.0), ("**Score:** 3", 3.0),
+    ("The score is 0.", 0.0), ('```json\n{"rationale": "r", "score": 10}\n```', 10.0),
+])
+def test_openai_text_formats(server, content, score):
+    v = openai_score(server, {"content": content})
+    assert (v.status, v.score) == ("ok", score)
+
+
+@pytest.mark.parametrize("content", [
+    "I think it is pretty good overall.", "SCORE: 11", "SCORE: -2", '{"score": 12}', '{"score": "high"}', "",
+])
+def test_openai_unscorable_reply_is_parse_error_after_bounded_reprompts(server, content):
+    v = openai_score(server, {"content": content}, format_retries=2)
     assert (v.status, v.score) == ("parse_error", None)
-    assert "pretty good" in v.rationale
+    assert len(server.seen) == 3 and v.retries == 2  # the first reply + 2 re-prompts, then give up
+    assert repr(content)[1:-1][:40] in v.rationale
 
 
-def test_openai_out_of_range_is_parse_error(server):
-    v = openai_score(server, {"content": "SCORE: 11"})
-    assert (v.status, v.score) == ("parse_error", None)
+def test_openai_reprompt_recovers_and_shows_the_coach_its_reply(server):
+    v = openai_score(server, {"content": "SCORE: 6"}, script=[{"content": "Looks solid to me."}])
+    assert (v.status, v.score, v.retries) == ("ok", 6.0, 1)
+    second = server.seen[1]["body"]["messages"]
+    assert [m["role"] for m in second] == ["user", "assistant", "user"]
+    assert second[1]["content"] == "Looks solid to me." and "SCORE" in second[2]["content"]
 
 
-def test_openai_empty_content_is_parse_error(server):
-    v = openai_score(server, {"content": ""})
-    assert (v.status, v.score) == ("parse_error", None)
+def test_openai_429_honours_retry_after(server):
+    script = [{"status": 429, "headers": {"Retry-After": "0.6"}}]
+    v = openai_score(server, {"content": "SCORE: 7"}, script=script, backoff_s=0.01)
+    assert (v.status, v.score, v.retries) == ("ok", 7.0, 1)
+    assert server.seen[1]["t"] - server.seen[0]["t"] >= 0.6  # waited what the server asked, not 0.01 s
 
 
-def test_openai_http_500_is_api_error(server):
-    v = openai_score(server, {"status": 500})
+def test_openai_5xx_is_retried_then_succeeds(server):
+    script = [{"status": 500}, {"status": 503}, {"status": 502}]
+    v = openai_score(server, {"content": "SCORE: 4"}, script=script, max_retries=3)
+    assert (v.status, v.score, v.retries) == ("ok", 4.0, 3)
+
+
+def test_openai_persistent_500_is_api_error_within_the_retry_bound(server):
+    v = openai_score(server, {"status": 500}, max_retries=2)
     assert (v.status, v.score) == ("api_error", None)
-    assert len(server.seen) == 1  # max_retries=0: one failed call, one verdict
+    assert len(server.seen) == 3 and v.retries == 2
+    assert "after 3 attempts" in v.rationale
 
 
-def test_openai_slow_server_is_timeout(server):
-    v = openai_score(server, {"delay": 1.0, "content": "SCORE: 9"}, timeout_s=0.2)
+def test_openai_non_retryable_status_fails_at_once(server):
+    v = openai_score(server, {"status": 401}, max_retries=4)
+    assert (v.status, v.score, len(server.seen)) == ("api_error", None, 1)
+
+
+def test_openai_hang_past_the_timeout_is_timeout(server):
+    v = openai_score(server, {"hang": 3.0, "content": "SCORE: 9"}, timeout_s=0.3, max_retries=1)
     assert (v.status, v.score) == ("timeout", None)
+    assert len(server.seen) == 2  # one retry, then the verdict
+
+
+def test_openai_malformed_json_body_is_api_error(server):
+    v = openai_score(server, {"raw": b'{"choices": [ {"message": '}, max_retries=1)
+    assert (v.status, v.score) == ("api_error", None)
 
 
 def test_openai_connection_refused_is_api_error():
     with socket.socket() as s:  # a port that was free a moment ago, so nothing listens on it
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-
-    class Closed:
-        server_address = ("127.0.0.1", port)
-        reply = {}
-
-    v = openai_score(Closed, {})
-    assert (v.status, v.score) == ("api_error", None)
+    v = score_all(f"http://127.0.0.1:{port}/v1", [make_request()], max_retries=1)[0]
+    assert (v.status, v.score, v.retries) == ("api_error", None, 1)
 
 
-def test_openai_request_carries_prompt_model_and_key(server, monkeypatch):
+def test_openai_structured_output_auto_falls_back_to_text(server):
+    server.reply = {"content": "SCORE: 5", "refuse_schema": True}
+    verdicts = score_all(server.url, [make_request(turn=i) for i in range(3)], max_concurrency=1)
+    assert [(v.status, v.score) for v in verdicts] == [("ok", 5.0)] * 3
+    with_schema = [r for r in server.seen if "response_format" in r["body"]]
+    assert len(with_schema) == 1  # refused once, then the coach stopped asking for the schema
+    assert with_schema[0]["body"]["response_format"]["json_schema"]["schema"]["required"] == ["rationale", "score"]
+
+
+def test_openai_structured_output_forced_and_refused_is_api_error(server):
+    v = openai_score(server, {"content": "SCORE: 5", "refuse_schema": True}, structured="json_schema")
+    assert (v.status, v.score, len(server.seen)) == ("api_error", None, 1)
+    v = openai_score(server, {"content": "SCORE: 5"}, structured="off")
+    assert v.score == 5.0 and "response_format" not in server.seen[-1]["body"]
+
+
+def test_openai_concurrency_and_rate_limits(server):
+    server.reply, server.delay_s = {"content": "SCORE: 1"}, 0.2
+    verdicts = score_all(server.url, [make_request(turn=i) for i in range(6)], max_concurrency=2)
+    assert all(v.status == "ok" for v in verdicts) and server.max_in_flight == 2
+    server.seen.clear()
+    server.delay_s = 0.0
+    score_all(server.url, [make_request(turn=i) for i in range(4)], rpm=300)  # one start every 0.2 s
+    starts = sorted(r["t"] for r in server.seen)
+    assert starts[-1] - starts[0] >= 0.55
+
+
+def test_openai_mixed_faults_never_invent_a_score(server):
+    # 24 concurrent requests meeting every fault at once: each ends in a verdict, every score is one the
+    # server actually sent, every failure has a status and no score, and no request exceeds its retry bound.
+    faults = [{"status": 500}, {"status": 429, "headers": {"Retry-After": "0"}}, {"content": "no idea"},
+              {"content": "SCORE: 42"}, {"raw": b"nope"}, {"content": "SCORE: 3"}]
+    server.script, server.reply = faults * 4, {"status": 500}
+    verdicts = score_all(server.url, [make_request(turn=i) for i in range(24)], max_retries=2, format_retries=1)
+    assert len(verdicts) == 24
+    for v in verdicts:
+        assert (v.status == "ok") == (v.score is not None)
+        assert v.score in (None, 3.0)
+        assert v.status in ("ok", "api_error", "parse_error")
+    assert len(server.seen) <= 24 * 3 * 2  # (1 + max_retries) calls per reply, (1 + format_retries) replies
+
+
+def test_backoff_schedule_is_jittered_exponential_and_capped():
+    coach = make_coach("http://127.0.0.1:9/v1", backoff_s=1.0, max_backoff_s=5.0)
+    err = RuntimeError("x")
+    for attempt, cap in ((1, 1.0), (2, 2.0), (3, 4.0), (6, 5.0)):
+        waits = [coach.inner.backoff(attempt, err) for _ in range(50)]
+        assert all(cap * 0.5 <= w <= cap for w in waits) and len(set(waits)) > 1
+
+
+def test_request_carries_prompt_model_and_key(server, monkeypatch):
     monkeypatch.setenv("MY_COACH_KEY", "sk-test-123")
     request = make_request(feedback="stdout:\n18")
     openai_score(server, {"content": "SCORE: 7"}, request=request, api_key_env="MY_COACH_KEY")
@@ -163,6 +262,28 @@ def test_openai_request_carries_prompt_model_and_key(server, monkeypatch):
         assert text in prompt
 
 
+def test_verdict_cache_pays_once_across_restarts(server, tmp_path):
+    server.reply = {"content": "SCORE: 8"}
+    path = str(tmp_path / "cache.sqlite")
+    first = score_all(server.url, [make_request(episode_id="run1")], cache_path=path)[0]
+    # A new coach on the same file (a resumed run): same request in another episode -> no HTTP call.
+    again = score_all(server.url, [make_request(episode_id="run2")], cache_path=path)[0]
+    assert (first.cached, again.cached, again.score, len(server.seen)) == (False, True, 8.0, 1)
+    # Anything the coach would see differently is a different key: output, template, model.
+    score_all(server.url, [make_request(agent_output="other")], cache_path=path)
+    assert len(server.seen) == 2
+    assert VerdictCache.key("openai:a", TEMPLATE, make_request()) != VerdictCache.key("openai:b", TEMPLATE, make_request())
+    assert VerdictCache.key("openai:a", TEMPLATE, make_request()) != VerdictCache.key("openai:a", "x", make_request())
+    assert len(VerdictCache(path)) == 2
+
+
+def test_verdict_cache_never_stores_failures(server, tmp_path):
+    path = str(tmp_path / "cache.sqlite")
+    openai_score(server, {"status": 500}, max_retries=0, cache_path=path)
+    v = openai_score(server, {"content": "SCORE: 2"}, cache_path=path)
+    assert (v.status, v.score, v.cached, len(server.seen)) == ("ok", 2.0, False, 2)
+
+
 def test_parse_score():
     assert parse_score("reasoning...\nSCORE: 7") == 7.0
     assert parse_score("process_score: 3.5") == 3.5
@@ -170,7 +291,9 @@ def test_parse_score():
     assert parse_score("PROCESS_SCORE: **10**") == 10.0
     assert parse_score("SCORE: -1") is None
     assert parse_score("SCORE: 10.5") is None
-    assert parse_score("no score here, 7/10") is None
+    assert parse_score("no label, but 7/10") == 7.0
+    assert parse_score("SCORE: 12, i.e. 8/10") is None  # a stated score out of range is not replaced by another
+    assert parse_score("The answer is 42.") is None  # no "first number in range" guessing
     assert parse_score("") is None
 
 
@@ -247,3 +370,103 @@ def test_heuristic_reasonableness_varies_and_is_deterministic():
     assert garbled.score < heuristic_score(role=role, agent_output="abcd x").score
     assert "readability" in garbled.rationale
     assert heuristic_score(role=role, agent_output="Multiply 3 by 6.") == numeric  # the whole verdict
+
+
+class ScriptedPolicy:
+    """Stands in for an agent's vLLM engine (the rollout's only model-dependent part) with a fixed reply,
+    so the rollout, the environment and the coach client run for real without loading a model."""
+
+    def __init__(self, reply):
+        self.reply, self.tokenizer = reply, self
+
+    def prompt_ids(self, messages):
+        return messages[-1]["content"], [1, 2, 3], False
+
+    async def generate(self, prompt_ids):
+        return [4, 5], False
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.reply
+
+
+def test_a_step_with_too_many_failed_verdicts_stops(server, tmp_path):
+    from openrlhf_mappa.coach.audit import CoachFailure, check_failures, coach_step_metrics
+    from openrlhf_mappa.rollout import rollout
+    from openrlhf_mappa.topology import load_topology
+
+    (tmp_path / "t.yaml").write_text(
+        "name: t\nenv: mathchat\ncoach_template: 'Output: {agent_output} SCORE:'\nagents:\n"
+        + "".join(f"  - {{name: {n}, model: unused, role: r, prompt: '{{task}}'}}\n" for n in ("solver", "verifier"))
+    )
+    topology = load_topology(str(tmp_path / "t.yaml"))
+    policies = {"solver": ScriptedPolicy("It is 4."), "verifier": ScriptedPolicy("\\boxed{4}")}
+    server.script = [{"status": 500}] * 4 + [{"content": "SCORE: 6"}] * 4  # 8 verdicts, in any order
+    tasks = [{"id": str(i), "prompt": "2 + 2?", "answer": "4"} for i in range(4)]
+
+    async def run():
+        coach = build_coach("openai", model="m", base_url=server.url, template=topology.coach_template, max_retries=0)
+        try:
+            return await rollout(topology, tasks, policies, coach, str(tmp_path / "ws"), step=1)
+        finally:
+            await coach.aclose()
+
+    episodes = asyncio.run(run())
+    m = coach_step_metrics(episodes)
+    assert (m["coach/verdicts_api_error"], m["coach/verdicts_ok"], m["coach/failure_fraction"]) == (4, 4, 0.5)
+    assert all(ep.success for ep in episodes)
+    check_failures(episodes, m, max_fraction=0.5)  # exactly at the limit: the step trains
+    with pytest.raises(CoachFailure, match="50% of the coach's verdicts failed.*'api_error': 4.*injected 500"):
+        check_failures(episodes, m, max_fraction=0.4)
+
+
+def test_mappa_coach_score_rescores_saved_episodes(tmp_path):
+    import subprocess
+
+    from coach_server import COACH_TEMPLATE, CoachServer
+    from conftest import MAPPA
+    from openrlhf_mappa.rollout import rollout
+    from openrlhf_mappa.topology import load_topology
+
+    (tmp_path / "t.yaml").write_text(
+        "name: t\nenv: mathchat\ncoach_template: 'Output: {agent_output} SCORE:'\nagents:\n"
+        + "".join(f"  - {{name: {n}, model: unused, role: r, prompt: '{{task}}'}}\n" for n in ("solver", "verifier"))
+    )
+    topology = load_topology(str(tmp_path / "t.yaml"))
+    replies = ["It is 4.", "Maybe 5?", "\\boxed{4}", "\\boxed{5}", "I think 4, since 2+2 = 4."]
+    episodes = []
+    for i, reply in enumerate(replies):  # a run's episodes.jsonl, judged by the heuristic coach
+        policies = {"solver": ScriptedPolicy(reply), "verifier": ScriptedPolicy(replies[-1 - i])}
+        task = [{"id": str(i), "prompt": "2 + 2?", "answer": "4"}]
+        episodes += asyncio.run(rollout(topology, task, policies, build_coach("heuristic"), str(tmp_path / "ws"), 1))
+    path = tmp_path / "episodes.jsonl"
+    lines = [ep.to_json() for ep in episodes]
+    path.write_text("\n".join(lines) + "\n" + lines[0][:50])  # the last line cut off, as by a kill
+    (tmp_path / "template.txt").write_text(COACH_TEMPLATE)
+    out = tmp_path / "rescored.jsonl"
+
+    with CoachServer(mute={"verifier"}) as server:  # scores the solver, answers garbage for the verifier
+        cmd = [MAPPA, "coach", "score", "--episodes", str(path), "--out", str(out), "--model", "judge-2",
+               "--base-url", server.base_url, "--template", str(tmp_path / "template.txt"), "--structured", "off"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "line 6 is cut off" in proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 10
+    for row in rows:
+        assert row["before"]["coach"] == "heuristic" and row["before"]["status"] == "ok"
+        assert row["after"]["coach"] == "openai:judge-2"
+        if row["agent"] == "solver":
+            assert row["after"]["status"] == "ok" and row["after"]["score"] is not None
+        else:
+            assert (row["after"]["status"], row["after"]["score"]) == ("parse_error", None)
+    summary = json.loads((tmp_path / "rescored.jsonl.summary.json").read_text())
+    solver = [r for r in rows if r["agent"] == "solver"]
+    diffs = [r["after"]["score"] - r["before"]["score"] for r in solver]
+    assert summary["solver"]["both_scored"] == 5 and summary["verifier"]["both_scored"] == 0
+    assert summary["solver"]["mean_diff_after_minus_before"] == pytest.approx(sum(diffs) / 5)
+    assert summary["verifier"]["after_statuses"] == {"parse_error": 5}
+    assert "agreement of openai:judge-2 (after) with heuristic (before)" in proc.stdout
+
+    path.write_text(lines[0] + "\n{broken\n" + lines[1] + "\n")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "episodes.jsonl: line 2: broken JSON" in proc.stderr

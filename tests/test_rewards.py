@@ -37,7 +37,7 @@ def test_process_mode_multi_action_agent_gets_one_reward_per_action():
                                            action("executor", 1, ok(8)), action("verifier", 0, ok(10))])
     counts = assign_rewards([episode], "process")
     assert [a.reward for a in episode.actions] == [6.0, 3.0, 8.0, 10.0]
-    assert counts == {"trainable": 4, "left_out": 0, "left_out_by_status": {}}
+    assert counts == {"trainable": 4, "left_out": 0, "left_out_by_status": {}, "fallback": 0}
 
 
 def test_process_mode_leaves_out_actions_without_a_valid_score():
@@ -58,6 +58,7 @@ def test_process_mode_leaves_out_actions_without_a_valid_score():
         "trainable": 2,
         "left_out": 5,
         "left_out_by_status": {"parse_error": 1, "api_error": 1, "timeout": 1, "missing": 1, "ok": 1},
+        "fallback": 0,
     }
 
 
@@ -70,7 +71,7 @@ def test_outcome_mode_pays_every_action_the_episode_outcome():
     counts = assign_rewards([won, lost], "outcome")
     assert [a.reward for a in won.actions] == [10.0, 10.0]
     assert [a.reward for a in lost.actions] == [0.0]
-    assert counts == {"trainable": 3, "left_out": 0, "left_out_by_status": {}}
+    assert counts == {"trainable": 3, "left_out": 0, "left_out_by_status": {}, "fallback": 0}
 
 
 def test_unknown_mode_raises_and_names_the_modes():

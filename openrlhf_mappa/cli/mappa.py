@@ -14,12 +14,64 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=320)
 
+    p = sub.add_parser("coach", help="coach tools")
+    coach_sub = p.add_subparsers(dest="coach_command", required=True)
+    p = coach_sub.add_parser("score", help="re-score saved episodes with another coach or template; print the agreement")
+    p.add_argument("--episodes", required=True, help="episodes.jsonl of a run")
+    p.add_argument("--out", required=True, help="one line per action with both verdicts; summary in <out>.summary.json")
+    p.add_argument("--kind", choices=["openai", "heuristic"], default="openai")
+    p.add_argument("--model", help="coach model at the OpenAI-compatible server")
+    p.add_argument("--base-url", help="e.g. http://localhost:8000/v1")
+    p.add_argument("--template", help="a text file with the coach prompt template")
+    p.add_argument("--topology", help="take the coach prompt template from this topology YAML")
+    p.add_argument("--api-key-env", default="OPENAI_API_KEY")
+    p.add_argument("--cache", default=None, help="SQLite verdict cache to read and extend (default: none)")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--max-concurrency", type=int, default=32)
+    p.add_argument("--max-retries", type=int, default=4)
+    p.add_argument("--rpm", type=float, default=0.0)
+    p.add_argument("--structured", choices=["auto", "json_schema", "off"], default="auto")
+
     args = parser.parse_args(argv)
+    if args.command == "coach":
+        rescore_main(parser, args)
     if args.command == "tiny-model":
         from openrlhf_mappa.tiny_model import build_tiny_model
 
         out = build_tiny_model(args.out_dir, args.seed, args.hidden_size, args.layers, args.vocab_size)
         print(f"tiny model written to {out}")
+
+
+def rescore_main(parser, args):
+    from openrlhf_mappa.coach import build_coach
+    from openrlhf_mappa.coach import rescore
+
+    template = None
+    if args.template:
+        with open(args.template, encoding="utf-8") as f:
+            template = f.read()
+    elif args.topology:
+        from openrlhf_mappa.topology import load_topology
+
+        template = load_topology(args.topology).coach_template
+    elif args.kind == "openai":
+        parser.error("coach score: give the coach prompt with --template FILE or --topology YAML")
+    options = {}
+    if args.kind == "openai":
+        options = dict(api_key_env=args.api_key_env, timeout_s=args.timeout, max_concurrency=args.max_concurrency,
+                       max_retries=args.max_retries, rpm=args.rpm, structured=args.structured)
+    try:
+        coach = build_coach(args.kind, template=template, model=args.model, base_url=args.base_url,
+                            cache_path=args.cache, **options)
+        actions = rescore.read_actions(args.episodes)
+        if not actions:
+            raise ValueError(f"{args.episodes}: no actions to re-score")
+        summary = rescore.run(actions, args.out, coach)
+    except ValueError as e:
+        raise SystemExit(f"mappa coach score: {e}")
+    before = next((a["verdict"]["coach"] for _, a in actions if a.get("verdict")), "?")
+    rescore.print_summary(summary, before, coach.name)
+    print(f"\nboth verdicts per action: {args.out}\nsummary: {args.out}.summary.json")
 
 
 if __name__ == "__main__":

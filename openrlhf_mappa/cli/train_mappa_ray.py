@@ -31,6 +31,26 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.coach.api_key_env", default="OPENAI_API_KEY", help="environment variable holding the key")
     g.add_argument("--mappa.coach.timeout", type=float, default=60.0, help="seconds per coach request")
     g.add_argument("--mappa.coach.max_concurrency", type=int, default=32, help="coach requests in flight")
+    g.add_argument("--mappa.coach.max_retries", type=int, default=4,
+                   help="retries of a request after 429 (honouring Retry-After), 5xx, timeouts or dropped connections")
+    g.add_argument("--mappa.coach.rpm", type=float, default=0.0, help="requests-per-minute limit (0: none)")
+    g.add_argument("--mappa.coach.structured", choices=["auto", "json_schema", "off"], default="auto",
+                   help="ask for a JSON-schema verdict {rationale, score}; auto: fall back to text if the server refuses")
+    g.add_argument("--mappa.coach.format_retries", type=int, default=2, help="re-prompts after a reply with no valid score")
+    g.add_argument("--mappa.coach.cache", default=None,
+                   help="SQLite verdict cache (default: <run_dir>/coach_cache.sqlite; 'none': memory only)")
+    g.add_argument("--mappa.coach.on_failure", choices=["skip", "outcome", "neutral"], default="skip",
+                   help="actions without a valid score: skip (left out), outcome (episode outcome), neutral (neutral_score)")
+    g.add_argument("--mappa.coach.neutral_score", type=float, default=5.0, help="reward for on_failure=neutral")
+    g.add_argument("--mappa.coach.max_failure_fraction", type=float, default=0.5,
+                   help="stop the run when more than this fraction of a step's verdicts failed")
+    g.add_argument("--mappa.coach.bias_threshold", type=float, default=1.0,
+                   help="warn when an agent's mean coach score differs between task types by more than this")
+    g.add_argument("--mappa.coach.bias_window", type=int, default=5, help="steps pooled by the coach-bias audit")
+    g.add_argument("--mappa.coach.standardize_task_type", action="store_true",
+                   help="standardize coach scores per agent x task type (bias mitigation)")
+    g.add_argument("--mappa.coach.price_in", type=float, default=0.0, help="USD per 1M prompt tokens (cost metrics)")
+    g.add_argument("--mappa.coach.price_out", type=float, default=0.0, help="USD per 1M completion tokens")
     # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
     parser.set_defaults(**{"algo.advantage.estimator": "reinforce"})
 
@@ -74,8 +94,17 @@ def validate(args):
                          f"x actor GPUs ({unit}) so that every data-parallel rank gets whole micro-batches")
     if args.algo.advantage.estimator != "reinforce":
         raise SystemExit("MAPPA's advantages are REINFORCE++ (rewards.py); --algo.advantage.estimator must be reinforce")
+    if not 0.0 <= args.mappa.coach.max_failure_fraction <= 1.0:
+        raise SystemExit(f"--mappa.coach.max_failure_fraction must be in [0, 1], got {args.mappa.coach.max_failure_fraction}")
     if args.algo.kl.use_loss:
         raise SystemExit("MAPPA puts KL in the reward (r_t = score - beta*KL); --algo.kl.use_loss is not supported")
+
+
+def coach_cache_path(args):
+    cache = args.mappa.coach.cache
+    if cache is None:
+        return os.path.join(args.mappa.run_dir, "coach_cache.sqlite")
+    return None if cache == "none" else cache
 
 
 def train(args):
@@ -93,8 +122,11 @@ def train(args):
     if len(tasks) < args.rollout.batch_size:
         raise SystemExit(f"{args.data.prompt_dataset}: {len(tasks)} tasks, fewer than --rollout.batch_size {args.rollout.batch_size}")
     c = args.mappa.coach
-    coach = build_coach(c.kind, template=topology.coach_template, model=c.model, base_url=c.base_url,
-                        api_key_env=c.api_key_env, timeout_s=c.timeout, max_concurrency=c.max_concurrency)
+    coach = build_coach(
+        c.kind, template=topology.coach_template, model=c.model, base_url=c.base_url, cache_path=coach_cache_path(args),
+        api_key_env=c.api_key_env, timeout_s=c.timeout, max_concurrency=c.max_concurrency, max_retries=c.max_retries,
+        rpm=c.rpm, structured=c.structured, format_retries=c.format_retries,
+    )
 
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})

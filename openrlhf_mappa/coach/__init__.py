@@ -5,6 +5,7 @@ flags. Backends: "heuristic" (offline, deterministic, no API key; the demo's def
 OpenAI-compatible chat-completions server: a hosted API or a local open-weight coach behind vLLM).
 """
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -48,16 +49,14 @@ class Coach:
         pass
 
 
-def build_coach(
-    kind: str,
-    *,
-    template: str = None,
-    model: str = None,
-    base_url: str = None,
-    api_key_env: str = "OPENAI_API_KEY",
-    timeout_s: float = 60.0,
-    max_concurrency: int = 32,
-) -> Coach:
+def build_coach(kind: str, *, template: str = None, model: str = None, base_url: str = None,
+                cache_path: str = None, **options) -> Coach:
+    """A coach backend from the `--mappa.coach.*` flags. `options` go to the OpenAI-compatible backend
+    (api_key_env, timeout_s, max_concurrency, max_retries, rpm, structured, format_retries).
+
+    An LLM coach is wrapped in a verdict cache (memory, plus SQLite at `cache_path`), so a rerun or a
+    resumed run never pays twice for the same request. The heuristic coach costs nothing and is not cached.
+    """
     # Backends are imported here, not at module top: they import `Coach` from this module, and the
     # heuristic path must not need the `openai` package at all.
     if kind == "heuristic":
@@ -70,16 +69,10 @@ def build_coach(
         if missing:
             names = ", ".join(f"--mappa.coach.{flag}" for flag in missing)
             raise ValueError(f"coach kind 'openai' needs {names}")
+        from openrlhf_mappa.coach.cache import CachedCoach, VerdictCache
         from openrlhf_mappa.coach.openai_compat import OpenAICoach
 
-        return OpenAICoach(
-            model=model,
-            base_url=base_url,
-            template=template,
-            api_key_env=api_key_env,
-            timeout_s=timeout_s,
-            max_concurrency=max_concurrency,
-        )
+        return CachedCoach(OpenAICoach(model=model, base_url=base_url, template=template, **options), VerdictCache(cache_path))
     raise ValueError(f"unknown coach kind {kind!r}; expected one of {', '.join(COACH_KINDS)}")
 
 
@@ -108,15 +101,34 @@ def render_prompt(template: str, request: CoachRequest) -> str:
         ) from None
 
 
-# The last "SCORE: x" / "PROCESS_SCORE: x" wins: coaches usually reason first and conclude at the end.
-# The sign is captured so that "SCORE: -1" is rejected as out of range instead of read as 1.
-_SCORE_RE = re.compile(r"\b(?:PROCESS_)?SCORE\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?)", re.IGNORECASE)
+# Score formats, most explicit kind first. The first kind found in the reply decides; within a kind the
+# last match wins (coaches reason first and conclude at the end). A stated score outside [0, 10] is a
+# parse error, never a reason to go looking for some other number (the authors' "first number in range").
+_NUM = r"([-+]?\d+(?:\.\d+)?)"
+_SCORE_FORMATS = (
+    # PROCESS_SCORE: 7 | SCORE = 7.5 | **Score:** 7 | "score": 7 | score of 7/10 | the score is 7
+    re.compile(r"""\b(?:process[_ ])?score\b["']?\**\s*(?:[:=]|\bis\b|\bof\b)?\s*\**\s*""" + _NUM, re.IGNORECASE),
+    re.compile(r"(?<![\d.])" + _NUM + r"\s*(?:/|\bout\s+of\b)\s*10(?!\.?\d)", re.IGNORECASE),  # 7/10, 7 out of 10
+    re.compile(r"\*\*\s*" + _NUM + r"\s*\*\*"),  # **7**
+    re.compile(r"^\W*" + _NUM + r"\W*$"),  # a reply that is just the number
+)
 
 
 def parse_score(text: str) -> Optional[float]:
-    """Return the score in [0, 10] stated as `SCORE: <n>` (or `PROCESS_SCORE: <n>`), else None."""
-    matches = _SCORE_RE.findall(text or "")
-    if not matches:
-        return None
-    score = float(matches[-1])
-    return score if 0.0 <= score <= 10.0 else None
+    """The coach's score in [0, 10], from a JSON object {"score": n, ...} or from free text; else None."""
+    text = (text or "").strip()
+    if text.startswith("{") or text.startswith("```"):
+        try:
+            reply = json.loads(text.strip("`").removeprefix("json").strip())
+        except json.JSONDecodeError:
+            reply = None
+        if isinstance(reply, dict) and "score" in reply:
+            score = reply["score"]
+            ok = isinstance(score, (int, float)) and not isinstance(score, bool)
+            return float(score) if ok and 0.0 <= score <= 10.0 else None
+    for pattern in _SCORE_FORMATS:
+        matches = pattern.findall(text)
+        if matches:
+            score = float(matches[-1])
+            return score if 0.0 <= score <= 10.0 else None
+    return None

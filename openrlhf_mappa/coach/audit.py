@@ -1,0 +1,126 @@
+"""What the coach did in a step: verdict statuses, cost accounting, and the live coach-bias audit.
+
+The bias audit exists because of the paper's own finding: its coach scored regression actions 0.5-1.8 points
+above classification actions, and the agents exploited it (regression kept improving, classification fell
+back to baseline) before anyone looked. Here the per agent x task type score means are logged every step,
+and a gap above a threshold over the last few steps is a warning in the log and in the metrics.
+"""
+
+import logging
+import math
+import statistics
+from collections import deque
+from typing import Optional
+
+from openrlhf_mappa.episode import VERDICT_STATUSES
+
+logger = logging.getLogger(__name__)
+FAILED_STATUSES = ("parse_error", "api_error", "timeout")
+# Fewer scores than this for a task type in the window make its mean too noisy to call a bias.
+MIN_SCORES_FOR_GAP = 8
+
+
+def pearson(xs: list, ys: list) -> Optional[float]:
+    """Pearson correlation, or None when it is undefined (fewer than 2 pairs, or a constant side)."""
+    try:
+        return statistics.correlation(xs, ys)
+    except statistics.StatisticsError:
+        return None
+
+
+class CoachFailure(RuntimeError):
+    """Too many of a step's coach verdicts failed: training on what is left would be training on noise."""
+
+
+def check_failures(episodes: list, metrics: dict, max_fraction: float):
+    """Raise CoachFailure when more than `max_fraction` of the step's verdicts failed (metrics from
+    coach_step_metrics), with the counts per status and the first failure's reason."""
+    if metrics["coach/failure_fraction"] <= max_fraction:
+        return
+    failed = [a.verdict for ep in episodes for a in ep.actions if a.verdict and a.verdict.status in FAILED_STATUSES]
+    counts = {k.removeprefix("coach/verdicts_"): n for k, n in metrics.items() if k.startswith("coach/verdicts_") and n}
+    raise CoachFailure(
+        f"{metrics['coach/failure_fraction']:.0%} of the coach's verdicts failed (more than "
+        f"--mappa.coach.max_failure_fraction {max_fraction}); verdicts by status: {counts}. First failure: "
+        f"{failed[0].rationale[:300]!r}."
+    )
+
+
+def coach_step_metrics(episodes: list, price_in: float = 0.0, price_out: float = 0.0) -> dict:
+    """Verdict counts per status, the failed fraction, and what the coach cost (prices in USD per 1M tokens).
+    Cached verdicts cost nothing: tokens, latency and cost count fresh verdicts only."""
+    verdicts = [a.verdict for ep in episodes for a in ep.actions if a.verdict is not None]
+    m = {f"coach/verdicts_{s}": sum(v.status == s for v in verdicts) for s in VERDICT_STATUSES}
+    failed = sum(v.status in FAILED_STATUSES for v in verdicts)
+    m["coach/failure_fraction"] = failed / len(verdicts) if verdicts else 0.0
+    fresh = [v for v in verdicts if not v.cached]
+    m["coach/cache_hit_rate"] = (len(verdicts) - len(fresh)) / len(verdicts) if verdicts else 0.0
+    m["coach/tokens_in"] = sum(v.tokens_in for v in fresh)
+    m["coach/tokens_out"] = sum(v.tokens_out for v in fresh)
+    m["coach/retries"] = sum(v.retries for v in fresh)
+    latencies = sorted(v.latency_s for v in fresh)
+    for q in (50, 90, 99):
+        # Nearest-rank percentile: an observed latency, not an interpolation between two.
+        m[f"coach/latency_p{q}"] = latencies[math.ceil(q / 100 * len(latencies)) - 1] if latencies else None
+    if price_in or price_out:
+        m["coach/cost_usd"] = (m["coach/tokens_in"] * price_in + m["coach/tokens_out"] * price_out) / 1e6
+    return m
+
+
+class BiasAudit:
+    """Coach score statistics per agent x task type, each step and over a window of recent steps."""
+
+    def __init__(self, threshold: float = 1.0, window: int = 5):
+        self.threshold = threshold
+        self.window = deque(maxlen=window)  # per step: {(agent, task_type): [scores]}
+
+    def update(self, episodes: list) -> dict:
+        step = {}
+        final_pairs = []  # (final agent's score, episode success)
+        for ep in episodes:
+            for a in ep.actions:
+                if a.verdict is None or a.verdict.score is None:
+                    continue
+                step.setdefault((a.agent, ep.task_type or "-"), []).append(a.verdict.score)
+            finals = [a for a in ep.actions if a.coach_request.get("is_final_agent") and a.verdict and a.verdict.score is not None]
+            if finals:
+                final_pairs.append((finals[-1].verdict.score, float(ep.success)))
+        self.window.append(step)
+
+        m = {}
+        for (agent, task_type), scores in sorted(step.items()):
+            p = f"coach_bias/{agent}/{task_type}/"
+            m[p + "mean"] = statistics.fmean(scores)
+            m[p + "std"] = statistics.pstdev(scores)
+            m[p + "n"] = len(scores)
+
+        # The agreement of the final agent's score with the outcome: a coach that pays the last agent the
+        # same for solved and failed episodes teaches nothing about the outcome.
+        m["coach_bias/final_score_outcome_corr"] = pearson(*zip(*final_pairs)) if len(final_pairs) > 1 else None
+        for label, success in (("success", 1.0), ("failure", 0.0)):
+            scores = [s for s, ok in final_pairs if ok == success]
+            m[f"coach_bias/final_score_on_{label}"] = statistics.fmean(scores) if scores else None
+
+        pooled = {}
+        for past in self.window:
+            for key, scores in past.items():
+                pooled.setdefault(key, []).extend(scores)
+        worst = (0.0, None)
+        for agent in sorted({agent for agent, _ in pooled}):
+            means = {t: statistics.fmean(s) for (a, t), s in pooled.items() if a == agent and len(s) >= MIN_SCORES_FOR_GAP}
+            if len(means) < 2:
+                continue
+            high, low = max(means, key=means.get), min(means, key=means.get)
+            gap = means[high] - means[low]
+            m[f"coach_bias/{agent}/type_gap"] = gap
+            if gap > worst[0]:
+                worst = (gap, f"{agent}'s scores on {high} tasks average {gap:.2f} points above {low} tasks")
+        m["coach_bias/max_type_gap"] = worst[0]
+        m["coach_bias/warning"] = int(worst[0] > self.threshold)
+        if m["coach_bias/warning"]:
+            logger.warning(
+                "coach bias: %s over the last %d steps (threshold %.2f). Agents learn to exploit such a gap; "
+                "consider --mappa.coach.standardize_task_type or a different coach prompt.",
+                worst[1], len(self.window), self.threshold,
+            )
+        return m
