@@ -109,11 +109,12 @@ def run_python(
         f.write(code)
     env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith("MAPPA_")}
     env = {k: v for k, v in env.items() if not any(m in k.upper() for m in SECRET_MARKERS)} | SANDBOX_ENV
+    cpu_limit = cpu_time_s or timeout_s
     report_r, report_w = os.pipe()
     with tempfile.TemporaryDirectory(prefix="mappa_sandbox_root_") as new_root:
         config = dict(
             python=sys.executable, script=script, workspace=workspace, new_root=new_root, report_fd=report_w,
-            cpu_time_s=cpu_time_s or timeout_s, memory_mb=memory_mb, max_file_mb=max_file_mb,
+            cpu_time_s=cpu_limit, memory_mb=memory_mb, max_file_mb=max_file_mb,
             max_processes=max_processes,
         )  # fmt: skip
         proc = subprocess.Popen(
@@ -134,10 +135,10 @@ def run_python(
     with os.fdopen(report_r, encoding="utf-8") as f:  # every writer is dead by now: this read cannot block
         for line in f:
             report.update(json.loads(line))
-    if "error" in report:
-        raise RuntimeError(f"the sandbox could not start the code:\n{report['error']}")
     if os.path.lexists(script):  # the code may have deleted itself
         os.remove(script)
+    if "error" in report:
+        raise RuntimeError(f"the sandbox could not start the code:\n{report['error']}")
     after = _snapshot(workspace)
 
     isolation = report.get("isolation", {})
@@ -150,8 +151,8 @@ def run_python(
     limit = None
     if timed_out:
         limit = "timeout"
-    elif exit_code == -signal.SIGXCPU or exit_code == -signal.SIGKILL and report["cpu_s"] >= config["cpu_time_s"]:
-        limit = "cpu"  # (a SIGKILL without timeout comes with a report: the launcher outlived the code)
+    elif exit_code == -signal.SIGXCPU or exit_code == -signal.SIGKILL and report.get("cpu_s", 0) >= cpu_limit:
+        limit = "cpu"  # SIGKILL: the hard limit, for code that caught or ignored SIGXCPU
     elif exit_code != 0:
         tail = stderr_text[-2000:]  # the final traceback; the start may be another process's output
         limit = next((name for name, pattern in LIMIT_ERRORS if pattern.search(tail)), None)
