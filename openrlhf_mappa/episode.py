@@ -11,6 +11,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 VERDICT_STATUSES = ("ok", "parse_error", "api_error", "timeout", "skipped")
+# ToolFeedback.limit values, as as_text() tells them to the coach.
+LIMIT_MARKERS = {
+    "timeout": "[timed out]",
+    "cpu": "[killed: CPU time limit]",
+    "memory": "[hit the memory limit]",
+    "file_size": "[hit the file size limit]",
+    "processes": "[hit the process limit]",
+}
 
 
 @dataclass
@@ -21,7 +29,12 @@ class ToolFeedback:
     stderr: str = ""
     exit_code: Optional[int] = None
     timed_out: bool = False
-    files: list = field(default_factory=list)
+    files: list = field(default_factory=list)  # every file in the workspace after the run
+    limit: Optional[str] = None  # which limit stopped or refused the code: a key of LIMIT_MARKERS
+    output_truncated: bool = False  # stdout or stderr was longer than the cap; the middle was cut
+    files_created: list = field(default_factory=list)
+    files_changed: list = field(default_factory=list)
+    isolation: dict = field(default_factory=dict)  # which protections applied (see sandbox.py)
 
     @property
     def ran(self) -> bool:
@@ -34,17 +47,19 @@ class ToolFeedback:
     def as_text(self) -> str:
         if not self.ran:
             return ""
-        parts = []
-        if self.timed_out:
-            parts.append("[timed out]")
-        elif self.exit_code:
-            parts.append(f"[exit code {self.exit_code}]")
+        markers = [LIMIT_MARKERS[self.limit]] if self.limit else ["[timed out]"] if self.timed_out else []
+        if self.exit_code and not self.timed_out:
+            markers.append(f"[exit code {self.exit_code}]")
+        parts = [" ".join(markers)] if markers else []
         if self.stdout:
             parts.append(f"stdout:\n{self.stdout}")
         if self.stderr:
             parts.append(f"stderr:\n{self.stderr}")
         if self.files:
             parts.append("files: " + ", ".join(self.files))
+        if self.files_created or self.files_changed:
+            parts.append("this run created: " + (", ".join(self.files_created) or "-") + "; changed: "
+                         + (", ".join(self.files_changed) or "-"))  # fmt: skip
         return "\n".join(parts) or "[no output]"
 
 

@@ -1,21 +1,78 @@
-"""Run an agent's Python code in its episode workspace and report what happened.
+"""Run an agent's Python code in its episode workspace, confined, and report what happened.
 
-A basic local runner: a separate process with a timeout, in its own process group, without the secrets of
-the parent environment. It is not a security boundary (no filesystem, network or memory confinement).
+Threat model: the code is untrusted but not a kernel exploit. It comes from a policy under RL, which will
+stumble into infinite loops, huge outputs and memory blow-ups, and may learn to game its environment (read
+answer files, touch other episodes, kill its supervisor). Run as root (the training machines, CI), every run:
+
+- runs in a private mount namespace, chrooted into a tmpfs that holds read-only binds of the system
+  directories, the Python installation (and the packages its start-up hooks import) and, writable, only its
+  own workspace. Home directories, the repository's data, other episodes' workspaces and the host's /tmp are
+  absent; /tmp and /dev/shm are private and share the tmpfs's size cap;
+- runs as a uid of its own (2**30 + launcher pid), which owns the workspace (mode 700), so it cannot signal
+  or ptrace other processes and `RLIMIT_NPROC` caps its process count; setuid programs cannot raise it;
+- has a fresh network namespace (no interface up: no network, not even the host's loopback), and its own
+  pid and IPC namespaces: it sees only its own processes, and all of them die when the run ends;
+- gets an environment built from an allow-list (no API keys or tokens), one thread per math library;
+- has limits on wall-clock time (the whole process tree is killed), CPU time (`RLIMIT_CPU`), memory
+  (`RLIMIT_DATA`, see below), the size of any one file (`RLIMIT_FSIZE`) and its process count.
+
+Memory is capped with RLIMIT_DATA, not RLIMIT_AS: AS counts address space that threads and allocators only
+reserve (importing numpy + pandas + scikit-learn measured ~550 MB of AS against ~250 MB of data segment and
+~210 MB resident), so an AS cap either rejects ordinary code or has to be set far above what is used.
+
+Not contained: the limits are per process, so many processes may together use up to `max_processes` times
+the memory cap; many files, each under the file cap, can fill the disk under the workspace; world-readable
+system files (/etc, /usr) and the Python installation can be read; CPU use is not shared fairly between
+concurrent runs. Without root, only the network and pid namespaces apply (via a user namespace): the code
+keeps the caller's uid and file access and no process cap is set. Whatever could not be applied is named in
+`ToolFeedback.isolation` and in a RuntimeWarning, never skipped silently.
+
+With `sandbox_url`, the code runs in a SandboxFusion service instead (its own isolation applies); files it
+writes stay on that service and are not seen in the local workspace.
 """
 
+import json
 import os
 import re
+import selectors
 import signal
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
+import warnings
 from typing import Optional
 
 from openrlhf_mappa.episode import ToolFeedback
 
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launcher.py")
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+PASSED_ENV = ("LANG", "LC_ALL", "TZ")  # plus MAPPA_* variables that do not look like secrets
+# The rest of the code's environment. One thread per math library: parallelism is the code's own choice
+# (n_jobs), and idle thread pools only cost memory.
+SANDBOX_ENV = {
+    "PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/tmp",  # writable and private; libraries' dotfiles do not clutter the workspace
+    "TMPDIR": "/tmp",
+    "USER": "sandbox",  # the sandbox uid has no passwd entry; getpass.getuser() reads these first
+    "LOGNAME": "sandbox",
+    "PYTHONUNBUFFERED": "1",  # what the code printed before a kill still reaches the coach
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "MPLBACKEND": "Agg",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "NUMEXPR_NUM_THREADS": "1",
+}
 CODE_BLOCK_RE = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+# What Python prints when a limit refused it something (the code usually dies of the exception).
+LIMIT_ERRORS = (
+    ("memory", re.compile(r"MemoryError|Cannot allocate memory|std::bad_alloc")),
+    ("file_size", re.compile(r"\[Errno 27\] File too large")),
+    ("processes", re.compile(r"BlockingIOError: \[Errno 11\]|can't start new thread")),
+)
 
 
 def extract_code(text: str) -> Optional[str]:
@@ -25,51 +82,152 @@ def extract_code(text: str) -> Optional[str]:
     return code if code.strip() else None
 
 
-def run_python(code: str, workspace: str, timeout_s: float = 10.0, max_output_chars: int = 4000) -> ToolFeedback:
+def run_python(
+    code: str,
+    workspace: str,
+    timeout_s: float = 10.0,
+    max_output_chars: int = 4000,
+    *,
+    memory_mb: int = 4096,
+    cpu_time_s: Optional[float] = None,
+    max_file_mb: int = 1024,
+    max_processes: int = 256,
+    sandbox_url: Optional[str] = None,
+) -> ToolFeedback:
+    """Run `code` with the workspace as its current directory; see the module docstring for the confinement.
+
+    `cpu_time_s` defaults to `timeout_s` (it matters for code that burns several cores at once). The defaults
+    fit data-science code: pandas + scikit-learn need ~250 MB of the memory cap, pickled models are small.
+    """
+    if sandbox_url:
+        return _run_remote(code, sandbox_url, timeout_s, memory_mb, max_output_chars)
     os.makedirs(workspace, exist_ok=True)
+    workspace = os.path.realpath(workspace)  # the private view binds the real path
+    before = _snapshot(workspace)
     fd, script = tempfile.mkstemp(prefix="_mappa_code_", suffix=".py", dir=workspace)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(code)
-    env = {k: v for k, v in os.environ.items() if not any(m in k.upper() for m in SECRET_MARKERS)}
-    # Unbuffered, so what the code printed before a timeout kill still reaches the coach.
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(
-        [sys.executable, os.path.basename(script)],
-        cwd=workspace,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # its own process group: one killpg also ends the processes it spawned
-    )
-    timed_out = False
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc.pid)
-        try:
-            stdout, stderr = proc.communicate(timeout=5)
-        except subprocess.TimeoutExpired:  # a process that left the group still holds the pipes
-            proc.kill()
-            proc.stdout.close(), proc.stderr.close()
-            proc.wait()
-            stdout, stderr = b"", b""
-    _kill_group(proc.pid)  # background children of code that exited normally must not outlive the action
-    if os.path.exists(script):  # the code may have deleted itself
+    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith("MAPPA_")}
+    env = {k: v for k, v in env.items() if not any(m in k.upper() for m in SECRET_MARKERS)} | SANDBOX_ENV
+    cpu_limit = cpu_time_s or timeout_s
+    report_r, report_w = os.pipe()
+    with tempfile.TemporaryDirectory(prefix="mappa_sandbox_root_") as new_root:
+        config = dict(
+            python=sys.executable, script=script, workspace=workspace, new_root=new_root, report_fd=report_w,
+            cpu_time_s=cpu_limit, memory_mb=memory_mb, max_file_mb=max_file_mb,
+            max_processes=max_processes,
+        )  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, LAUNCHER, json.dumps(config)],
+            cwd="/",
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group, apart from ours: one killpg ends it all
+            pass_fds=(report_w,),
+        )
+        os.close(report_w)
+        stdout, stderr, timed_out = _collect(proc, timeout_s, max_output_chars)
+        _kill_group(proc.pid)  # background children of code that exited normally must not outlive the action
+        proc.wait()
+    report = {}
+    with os.fdopen(report_r, encoding="utf-8") as f:  # every writer is dead by now: this read cannot block
+        for line in f:
+            report.update(json.loads(line))
+    if os.path.lexists(script):  # the code may have deleted itself
         os.remove(script)
-    files = sorted(
-        os.path.relpath(os.path.join(root, name), workspace)
-        for root, _, names in os.walk(workspace)
-        for name in names
-    )
+    if "error" in report:
+        raise RuntimeError(f"the sandbox could not start the code:\n{report['error']}")
+    after = _snapshot(workspace)
+
+    isolation = report.get("isolation", {})
+    missing = [name for name, ok in isolation.items() if ok is False]
+    if missing:
+        warnings.warn(f"sandbox without {', '.join(missing)}: {isolation.get('reason', '')}", RuntimeWarning)
+    # The launcher reports the code's own exit; its absence means the whole group was killed first.
+    exit_code = report.get("exit_code", -signal.SIGKILL if timed_out else proc.returncode)
+    stderr_text = stderr.text()
+    limit = None
+    if timed_out:
+        limit = "timeout"
+    elif exit_code == -signal.SIGXCPU or exit_code == -signal.SIGKILL and report.get("cpu_s", 0) >= cpu_limit:
+        limit = "cpu"  # SIGKILL: the hard limit, for code that caught or ignored SIGXCPU
+    elif exit_code != 0:
+        tail = stderr_text[-2000:]  # the final traceback; the start may be another process's output
+        limit = next((name for name, pattern in LIMIT_ERRORS if pattern.search(tail)), None)
     return ToolFeedback(
-        stdout=_truncate(stdout.decode("utf-8", errors="replace"), max_output_chars),
-        stderr=_truncate(stderr.decode("utf-8", errors="replace"), max_output_chars),
-        exit_code=proc.returncode,  # after a timeout: the kill signal, negated
+        stdout=stdout.text(),
+        stderr=stderr_text,
+        exit_code=exit_code,  # a negative number: killed by that signal
         timed_out=timed_out,
-        files=files,
+        files=sorted(after),
+        limit=limit,
+        output_truncated=stdout.cut > 0 or stderr.cut > 0,
+        files_created=sorted(set(after) - set(before)),
+        files_changed=sorted(p for p in after if p in before and after[p] != before[p]),
+        isolation=isolation,
     )
+
+
+class _Capped:
+    """The first and last bytes of a stream, at most `limit` in all; the middle is only counted."""
+
+    def __init__(self, limit: int):
+        self.tail_cap = limit // 2
+        self.head_cap = limit - self.tail_cap
+        self.head, self.tail, self.cut = b"", b"", 0
+
+    def add(self, chunk: bytes) -> None:
+        room = self.head_cap - len(self.head)
+        self.head += chunk[:room]
+        kept = self.tail + chunk[max(room, 0) :]
+        self.cut += max(len(kept) - self.tail_cap, 0)
+        self.tail = kept[len(kept) - self.tail_cap :] if self.tail_cap else b""
+
+    def text(self) -> str:
+        head, tail = (b.decode("utf-8", errors="replace") for b in (self.head, self.tail))
+        return f"{head}\n[... about {self.cut} characters cut ...]\n{tail}" if self.cut else head + tail
+
+
+def _collect(proc: subprocess.Popen, timeout_s: float, max_output_chars: int):
+    """Read stdout and stderr as they come, keeping only capped copies, until the code ends or times out."""
+    out, err = _Capped(max_output_chars), _Capped(max_output_chars)
+    streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    selector = selectors.DefaultSelector()
+    for fd in streams:
+        selector.register(fd, selectors.EVENT_READ)
+    deadline, timed_out, ending = time.monotonic() + timeout_s, False, False
+    while selector.get_map():
+        now = time.monotonic()
+        if now >= deadline:
+            if ending:  # the group is dead, yet something still holds the pipes open: stop listening
+                break
+            timed_out = proc.poll() is None
+            _kill_group(proc.pid)
+            deadline, ending = now + 1.0, True
+        elif not ending and proc.poll() is not None:  # the launcher is done; take what is still in the pipes
+            deadline, ending = now + 1.0, True
+        for key, _ in selector.select(timeout=min(deadline - now, 0.1)):
+            chunk = os.read(key.fd, 1 << 16)
+            if chunk:
+                streams[key.fd].add(chunk)
+            else:
+                selector.unregister(key.fd)
+    selector.close()
+    proc.stdout.close(), proc.stderr.close()
+    return out, err, timed_out
+
+
+def _snapshot(workspace: str) -> dict:
+    """{relative path: (size, mtime)} of the workspace's files, not following symlinks."""
+    files = {}
+    for where, _, names in os.walk(workspace):
+        for name in names:
+            path = os.path.join(where, name)
+            st = os.lstat(path)
+            files[os.path.relpath(path, workspace)] = (st.st_size, st.st_mtime_ns)
+    return files
 
 
 def _kill_group(pgid: int) -> None:
@@ -79,9 +237,35 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _truncate(text: str, limit: int) -> str:
-    # Keep both ends: the start shows what the code was doing, the end holds the traceback.
-    if len(text) <= limit:
-        return text
-    head = limit // 2
-    return f"{text[:head]}\n[... {len(text) - limit} characters cut ...]\n{text[len(text) - (limit - head):]}"
+def _run_remote(code: str, url: str, timeout_s: float, memory_mb: int, max_output_chars: int) -> ToolFeedback:
+    """Run the code on a SandboxFusion service (POST {url}/run_code). Raises RuntimeError if it is unusable.
+
+    An unreachable or failing service raises rather than returning an error result: a broken sandbox must
+    not turn into a low reward for the agent.
+    """
+    body = {"code": code, "language": "python", "run_timeout": timeout_s, "memory_limit_MB": memory_mb}
+    request = urllib.request.Request(
+        url.rstrip("/") + "/run_code", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s + 30) as response:
+            answer = json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise RuntimeError(f"SandboxFusion at {url}: {e}") from e
+    run = answer.get("run_result") or {}
+    if answer.get("status") == "SandboxError" or run.get("status") == "Error" or not run:
+        raise RuntimeError(f"SandboxFusion at {url} failed: {answer.get('message') or answer}")
+    timed_out = run.get("status") == "TimeLimitExceeded"
+    stdout, stderr = _Capped(max_output_chars), _Capped(max_output_chars)
+    stdout.add((run.get("stdout") or "").encode())
+    stderr.add((run.get("stderr") or "").encode())
+    exit_code = run.get("return_code")
+    return ToolFeedback(
+        stdout=stdout.text(),
+        stderr=stderr.text(),
+        exit_code=-signal.SIGKILL if timed_out and exit_code is None else exit_code,
+        timed_out=timed_out,
+        limit="timeout" if timed_out else None,
+        output_truncated=stdout.cut > 0 or stderr.cut > 0,
+        isolation={"remote": url},
+    )

@@ -21,8 +21,10 @@ constructor come from the YAML's `env_kwargs`. The defaults here:
   (`task_text`, by default the task's "prompt") and `history` (`history_text()`, all earlier actions of all
   agents with their tool output).
 - `step` records the response; for an agent with `runs_code: true` it runs the reply's ```python blocks in
-  the episode workspace and records the output. A code agent that writes no code block, and any other agent
-  after one reply, is done.
+  the episode workspace through the sandbox (sandbox.py) and records the output. A code agent that writes no
+  code block, and any other agent after one reply, is done. The sandbox's limits are constructor arguments,
+  so a topology sets them in `env_kwargs`: `code_timeout_s`, `code_memory_mb`, `code_cpu_time_s`,
+  `code_max_file_mb`, `code_max_processes`, and `sandbox_url` to use a SandboxFusion service instead.
 - `coach_ground_truth` gives the coach the task's "answer" when it judges the last agent, nothing otherwise.
 
 Tasks are rows of a JSON list or a JSONL file (`load_tasks`): a non-empty "prompt", an "answer", and
@@ -64,11 +66,26 @@ class MultiAgentEnv:
 
     task_type: str = ""
 
-    def __init__(self, topology: Topology, task: dict, workspace: str, code_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        topology: Topology,
+        task: dict,
+        workspace: str,
+        code_timeout_s: float = 10.0,
+        code_memory_mb: int = 4096,
+        code_cpu_time_s: Optional[float] = None,
+        code_max_file_mb: int = 1024,
+        code_max_processes: int = 256,
+        sandbox_url: Optional[str] = None,
+    ):
         self.topology = topology
         self.task = task
         self.workspace = workspace
         self.code_timeout_s = code_timeout_s
+        self.sandbox_limits = dict(
+            memory_mb=code_memory_mb, cpu_time_s=code_cpu_time_s, max_file_mb=code_max_file_mb,
+            max_processes=code_max_processes, sandbox_url=sandbox_url,
+        )  # fmt: skip
         self.history: list[HistoryEntry] = []
 
     @property
@@ -85,7 +102,8 @@ class MultiAgentEnv:
         if agent.runs_code:
             code = extract_code(response)
             if code is not None:
-                feedback, done = run_python(code, self.workspace, timeout_s=self.code_timeout_s), False
+                feedback = run_python(code, self.workspace, timeout_s=self.code_timeout_s, **self.sandbox_limits)
+                done = False
         self.history.append(HistoryEntry(agent.name, turn, response, feedback.as_text()))
         return StepResult(feedback, done)
 
