@@ -80,6 +80,9 @@ def test_metric_is_read_from_kaggle_descriptions():
     assert infer_metric("Evaluation Submissions are evaluated using the macro F1 score.")[0] == "f1_macro"
     assert infer_metric("Evaluation Submissions are scored on the log loss")[0] is None  # named, unsupported
     assert infer_metric("Evaluation Submissions are evaluated on SMAPE between forecasts")[0] is None
+    # words that merely contain a metric's letters do not count
+    assert infer_metric("Evaluation: the process is scored by accuracy")[0] == "accuracy"
+    assert infer_metric("Evaluation\nMicrosoft scores the area under the ROC curve")[0] == "roc_auc"
 
 
 # ---------------------------------------------------------------- scripted agents, real code

@@ -42,8 +42,8 @@ METRIC_PATTERNS = [
     (r"root mean squared? error|RMSE", "rmse"),
     (r"median absolute|MedAE", None),
     (r"mean absolute error|\bMAE\b", "mae"),
-    (r"SMAPE|gini|kappa|pearson|spearman|jaccard|micro", None),
-    (r"ROC|\bAUC\b", "roc_auc"),
+    (r"SMAPE|gini|kappa|pearson|spearman|jaccard|\bmicro\b|micro-averaged", None),
+    (r"\bROC\b|\bAUC\b", "roc_auc"),
     (r"macro.{0,20}F1|F1.{0,20}macro", "f1_macro"),
     (r"\bF1\b|F-score|F1-score", "f1"),
     (r"accuracy", "accuracy"),
@@ -53,7 +53,7 @@ METRIC_PATTERNS = [
 
 def infer_metric(prompt: str):
     """(metric or None, the phrase it was read from) from a Kaggle description's evaluation text."""
-    at = max(prompt.find("Evaluation"), prompt.find("Metric"), 0)
+    at = min([i for i in (prompt.find("Evaluation"), prompt.find("Metric")) if i >= 0], default=0)
     text = prompt[at : at + 1500]
     for pattern, metric in METRIC_PATTERNS:
         m = re.search(pattern, text, re.IGNORECASE)
