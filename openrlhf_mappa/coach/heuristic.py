@@ -89,5 +89,7 @@ class HeuristicCoach(Coach):
             return 3.0, "contract rule: submission.csv is invalid"
         if failed:
             return 5.0, "contract rule: its files exist but this action's code failed"
-        rel = float(submission.group(2)) if submission and submission.group(2) else 0.0
-        return 7.0 + 2.0 * min(1.0, rel), f"contract rule: files saved, relative score {rel:.3f}"
+        if submission:  # valid; the relative score is missing only when the task has best == baseline
+            rel = float(submission.group(2) or 0.0)
+            return 7.0 + 2.0 * min(1.0, rel), f"contract rule: valid submission, relative score {rel:.3f}"
+        return 7.0, "contract rule: its files are saved"
