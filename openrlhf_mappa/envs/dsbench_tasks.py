@@ -42,10 +42,10 @@ METRIC_PATTERNS = [
     (r"root mean squared? error|RMSE", "rmse"),
     (r"median absolute|MedAE", None),
     (r"mean absolute error|\bMAE\b", "mae"),
-    (r"SMAPE|gini|kappa|pearson|spearman|jaccard|\bmicro\b|micro-averaged", None),
+    (r"SMAPE|gini|kappa|pearson|spearman|jaccard|\bmicro\b", None),
     (r"\bROC\b|\bAUC\b", "roc_auc"),
     (r"macro.{0,20}F1|F1.{0,20}macro", "f1_macro"),
-    (r"\bF1\b|F-score|F1-score", "f1"),
+    (r"\bF1\b|F-score", "f1"),
     (r"accuracy", "accuracy"),
     (r"\bR2\b|R\^2|R²|coefficient of determination", "r2"),
 ]
@@ -198,23 +198,20 @@ def make_pack(out_dir: str, seed: int = 0) -> tuple:
         X_tr, X_te, y_tr, y_te = train_test_split(X, y, test_size=0.3, random_state=seed, stratify=stratify)
         data_dir = os.path.join(raw, "data_resplit", task_id)
         answer_dir = os.path.join(raw, "answers", task_id)
-        os.makedirs(data_dir, exist_ok=True), os.makedirs(answer_dir, exist_ok=True)
+        os.makedirs(data_dir, exist_ok=True)
+        os.makedirs(answer_dir, exist_ok=True)
         X_tr.assign(target=y_tr).to_csv(os.path.join(data_dir, "train.csv"), index=False)
         X_te.to_csv(os.path.join(data_dir, "test.csv"), index=False)
-        placeholder = y_tr.mode().iloc[0] if data_type == "classification" and metric != "roc_auc" else 0.5
+        placeholder = y_tr.mode().iloc[0] if metric in ("accuracy", "f1_macro") else 0.5
         pd.DataFrame({"id": X_te["id"], "target": placeholder}).to_csv(
             os.path.join(data_dir, "sample_submission.csv"), index=False
         )
         pd.DataFrame({"id": X_te["id"], "target": y_te}).to_csv(os.path.join(answer_dir, "test_answer.csv"), index=False)
 
-        features = X_tr.drop(columns="id")
-        if data_type == "regression":
-            ref = RandomForestRegressor(n_estimators=100, random_state=seed).fit(features, y_tr)
-            pred = ref.predict(X_te.drop(columns="id"))
-        else:
-            ref = RandomForestClassifier(n_estimators=100, random_state=seed).fit(features, y_tr)
-            test = X_te.drop(columns="id")
-            pred = ref.predict_proba(test)[:, 1] if metric == "roc_auc" else ref.predict(test)
+        features, test = X_tr.drop(columns="id"), X_te.drop(columns="id")
+        forest = RandomForestRegressor if data_type == "regression" else RandomForestClassifier
+        ref = forest(n_estimators=100, random_state=seed).fit(features, y_tr)
+        pred = ref.predict_proba(test)[:, 1] if metric == "roc_auc" else ref.predict(test)
         best = metric_value(metric, pd.DataFrame({"target": y_te.to_numpy()}), pd.DataFrame({"target": pred}))
         prompt = (
             f"Description\nPredict {target_text} from the features of scikit-learn's bundled "
