@@ -308,6 +308,12 @@ def test_importer_on_the_real_metadata_names_the_missing_data(tmp_path):
     tasks, skipped = import_tasks(str(tmp_path), str(BENCH / "dsbench_modeling_eval.json"), str(tmp_path / "out"))
     assert tasks == [] and len(skipped) == 8
     assert all("missing file(s): " + str(tmp_path / "data_resplit") in s for s in skipped)
+    # the metric of 56 of the 72 rows is read from their descriptions; the other 16 name unsupported ones
+    rows = [json.loads(x) for name in ("train", "eval") for x in open(BENCH / f"dsbench_modeling_{name}.json")]
+    metrics = {r["metadata"]["task_id"]: infer_metric(r["prompt"])[0] for r in rows}
+    assert sum(m is not None for m in metrics.values()) == 56
+    assert metrics["titanic"] == "accuracy" and metrics["bike-sharing-demand"] == "rmsle"
+    assert metrics["microsoft-malware-prediction"] == "roc_auc" and metrics["playground-series-s3e10"] is None
 
 
 def test_cli_score(pack, tmp_path):
