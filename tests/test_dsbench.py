@@ -221,6 +221,7 @@ def test_perfect_submission_scores_perfectly(diabetes, tmp_path):
         (lambda t: t.assign(extra=1), "wrong_columns"),
         (lambda t: t.iloc[:-1], "wrong_row_count"),
         (lambda t: t.assign(id=t["id"] + 1), "wrong_ids"),
+        (lambda t: t.assign(id=np.where(t.index == 0, np.nan, t["id"])), "wrong_ids"),  # an empty id
         (lambda t: t.assign(target=np.where(t.index == 3, np.nan, t["target"])), "missing_values"),
         (lambda t: t.assign(target="high"), "non_numeric"),
         (lambda t: t.assign(target=np.inf), "non_numeric"),

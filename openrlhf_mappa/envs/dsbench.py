@@ -150,7 +150,7 @@ def score_submission(task_dir: str, submission: str) -> dict:
         return invalid("missing_file", f"no {os.path.basename(submission)} was written")
     try:
         sub = pd.read_csv(submission, dtype={ids: str})
-    except (OSError, ValueError, UnicodeDecodeError) as e:  # pandas' parser and empty-file errors are ValueErrors
+    except (OSError, ValueError) as e:  # pandas' parser, empty-file and decoding errors are ValueErrors
         return invalid("unreadable", f"cannot read the submission as CSV: {e}")
     sub.columns = [str(c).strip() for c in sub.columns]
     if sorted(sub.columns) != sorted([ids] + targets):
@@ -158,7 +158,7 @@ def score_submission(task_dir: str, submission: str) -> dict:
     if len(sub) != len(truth):
         return invalid("wrong_row_count", f"expected {len(truth)} rows (one per test row), got {len(sub)}")
     if sub[ids].duplicated().any() or set(sub[ids]) != set(truth[ids]):
-        unknown = sorted(set(sub[ids]) - set(truth[ids]))[:5]
+        unknown = sorted(map(str, set(sub[ids]) - set(truth[ids])))[:5]  # str: an empty id reads as NaN
         return invalid("wrong_ids", f"the {ids} values must be the test set's, each once; e.g. unknown: {unknown}")
     sub = sub.set_index(ids).loc[truth[ids], targets]
     truth = truth.set_index(ids)[targets]
