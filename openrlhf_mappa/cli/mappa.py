@@ -1,6 +1,9 @@
-"""The `mappa` command: project tools (`mappa tiny-model OUT_DIR`, `mappa sandbox run FILE`, ...)."""
+"""The `mappa` command: project tools (`mappa tiny-model`, `mappa coach score`, `mappa sandbox run`,
+`mappa dsbench make-pack|import|score`)."""
 
 import argparse
+import json
+import sys
 
 
 def main(argv=None):
@@ -40,6 +43,19 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=10.0, help="wall-clock seconds")
     p.add_argument("--memory-mb", type=int, default=4096)
 
+    p = sub.add_parser("dsbench", help="DSBench tasks: build the offline pack, import real data, score a submission")
+    ds = p.add_subparsers(dest="dsbench_command", required=True)
+    q = ds.add_parser("make-pack", help="offline tasks from scikit-learn's bundled datasets (no download)")
+    q.add_argument("out_dir")
+    q.add_argument("--seed", type=int, default=0)
+    q = ds.add_parser("import", help="task directories + tasks.jsonl from the official DSBench data layout")
+    q.add_argument("--data-root", required=True, help="the directory holding data_resplit/ and answers/")
+    q.add_argument("--metadata", required=True, help="JSON Lines metadata, e.g. dsbench_modeling_train.json")
+    q.add_argument("--out", required=True, help="output directory (task directories and tasks.jsonl)")
+    q = ds.add_parser("score", help="validate and score a submission; prints the metrics as JSON")
+    q.add_argument("--task-dir", required=True)
+    q.add_argument("--submission", required=True)
+
     args = parser.parse_args(argv)
     if args.command == "coach":
         rescore_main(parser, args)
@@ -50,7 +66,6 @@ def main(argv=None):
         print(f"tiny model written to {out}")
     elif args.command == "sandbox":
         import dataclasses
-        import json
 
         from openrlhf_mappa.sandbox import run_python
 
@@ -58,6 +73,9 @@ def main(argv=None):
             code = f.read()
         result = run_python(code, args.workspace, timeout_s=args.timeout, memory_mb=args.memory_mb)
         print(json.dumps(dataclasses.asdict(result), indent=2))
+
+    elif args.command == "dsbench":
+        sys.exit(dsbench(args))
 
 
 def rescore_main(parser, args):
@@ -90,6 +108,34 @@ def rescore_main(parser, args):
     before = next((a["verdict"]["coach"] for _, a in actions if a.get("verdict")), "?")
     rescore.print_summary(summary, before, coach.name)
     print(f"\nboth verdicts per action: {args.out}\nsummary: {args.out}.summary.json")
+
+
+def dsbench(args) -> int:
+    """Exit status: 0 done (a valid submission), 1 an invalid submission or nothing imported, 2 bad input."""
+    from openrlhf_mappa.envs import dsbench_tasks
+    from openrlhf_mappa.envs.dsbench import score_submission
+
+    try:
+        if args.dsbench_command == "score":
+            result = score_submission(args.task_dir, args.submission)
+            print(json.dumps(result))
+            return 0 if result["valid"] else 1
+        if args.dsbench_command == "make-pack":
+            tasks, skipped = dsbench_tasks.make_pack(args.out_dir, args.seed)
+            out = args.out_dir
+        else:
+            tasks, skipped = dsbench_tasks.import_tasks(args.data_root, args.metadata, args.out)
+            out = args.out
+    except (OSError, ValueError) as e:
+        print(f"mappa dsbench {args.dsbench_command}: {e}", file=sys.stderr)
+        return 2
+    for reason in skipped:
+        print(f"skipped {reason}", file=sys.stderr)
+    if not tasks:
+        print(f"no task imported ({len(skipped)} skipped)", file=sys.stderr)
+        return 1
+    print(f"{len(tasks)} task(s) in {out}/tasks.jsonl ({len(skipped)} skipped)")
+    return 0
 
 
 if __name__ == "__main__":

@@ -13,11 +13,19 @@ _TOOL_ERROR_RE = re.compile(
 )
 _CODE_BLOCK_RE = re.compile(r"```python\b", re.IGNORECASE)
 _NUMBER_RE = re.compile(r"\d")
+# The workspace check DSBenchEnv.coach_ground_truth writes (the file contract after the action).
+_DSBENCH_RE = re.compile(r"^Missing inputs[^:]*: (.*)\nMissing outputs[^:]*: (.*)$", re.MULTILINE)
+_SUBMISSION_RE = re.compile(r"^Submission check: (valid|invalid).*?(?:relative score ([\d.]+))?$", re.MULTILINE)
 
 
 class HeuristicCoach(Coach):
     """Rule-based coach: no LLM, no network, same request -> same verdict. The first rule that applies fires:
 
+    0. DSBench (the ground truth is DSBenchEnv's workspace check): its own files missing while a file an
+       earlier agent had to save is missing too -> not this agent's fault: 5; its own files missing
+       -> 1 after an error or without code, 3 after a clean run (still exploring); an invalid submission
+       -> 3; files present after an error -> 5; else 7, + 2 x the relative score (capped at 1) of a
+       valid submission. So a missing artifact costs the agent that had to make it, not its successors.
     1. tool feedback present (code ran): an error (Traceback, `XxxError:`, timeout, non-zero exit) -> 2;
        ran cleanly and printed something -> 7; ran cleanly with no output -> 5.
     2. ground truth given: the last \\boxed{...} of the output equals it (MathChat's grader) -> 10;
@@ -43,6 +51,9 @@ class HeuristicCoach(Coach):
     def _rule(self, request: CoachRequest):
         output = request.agent_output or ""
         feedback = request.feedback or ""
+        contract = _DSBENCH_RE.search(request.ground_truth or "")
+        if contract:
+            return self._dsbench_rule(contract, feedback, request.ground_truth)
         if feedback.strip():
             if _TOOL_ERROR_RE.search(feedback):
                 return 2.0, "tool rule: the code failed (error, timeout or non-zero exit)"
@@ -63,3 +74,22 @@ class HeuristicCoach(Coach):
         has_number = bool(_NUMBER_RE.search(output))
         work = min(2.0, 0.01 * len(output.split()))
         return 3.0 + has_number + work, f"reasonableness rule: mentions a number: {has_number}, work credit {work:.2f}"
+
+    def _dsbench_rule(self, contract, feedback: str, ground_truth: str):
+        missing_inputs, missing_outputs = (g.strip() != "none" for g in contract.groups())
+        failed = not feedback.strip() or bool(_TOOL_ERROR_RE.search(feedback))
+        if missing_inputs and missing_outputs:
+            return 5.0, "contract rule: an earlier agent's file is missing; not this agent's fault"
+        if missing_outputs:
+            if failed:
+                return 1.0, "contract rule: its own files are missing after an error or without code"
+            return 3.0, "contract rule: ran cleanly but its own files are still missing"
+        submission = _SUBMISSION_RE.search(ground_truth)
+        if submission and submission.group(1) == "invalid":
+            return 3.0, "contract rule: submission.csv is invalid"
+        if failed:
+            return 5.0, "contract rule: its files exist but this action's code failed"
+        if submission:  # valid; the relative score is missing only when the task has best == baseline
+            rel = float(submission.group(2) or 0.0)
+            return 7.0 + 2.0 * min(1.0, rel), f"contract rule: valid submission, relative score {rel:.3f}"
+        return 7.0, "contract rule: its files are saved"

@@ -45,7 +45,10 @@ from openrlhf_mappa.sandbox import extract_code, run_python
 if TYPE_CHECKING:
     from openrlhf_mappa.topology import AgentSpec, Topology
 
-BUILTIN_ENVS = {"mathchat": "openrlhf_mappa.envs.mathchat:MathChatEnv"}
+BUILTIN_ENVS = {
+    "mathchat": "openrlhf_mappa.envs.mathchat:MathChatEnv",
+    "dsbench": "openrlhf_mappa.envs.dsbench:DSBenchEnv",
+}
 
 
 @dataclass

@@ -1,0 +1,236 @@
+"""DSBench tasks: import the official data layout, or build an offline pack from scikit-learn's bundled data.
+
+Both end in the same place: one task directory per task (see envs/dsbench.py) and a tasks.jsonl for
+`--data.prompt_dataset`. `make_pack` writes a small DSBench-style layout and metadata and then runs the
+very importer real data goes through, so the offline pack exercises the import path too.
+
+The official layout (users download it themselves):
+
+    DATA_ROOT/data_resplit/<task>/train.csv, test.csv, sample_submission.csv
+    DATA_ROOT/answers/<task>/test_answer.csv
+
+with JSON Lines metadata rows {prompt, answer: null, metadata: {task_id, data_type, train_file, test_file,
+answer_dir, url}} (e.g. mappa-bench's dsbench_modeling_*.json). The metadata paths are relocated under
+DATA_ROOT from their "data_resplit/" or "answers/" part onwards. Choices where DSBench's files are silent:
+
+- metric: metadata "metric" if present, else read from the prompt's evaluation text (`infer_metric`). Tasks
+  scored by a metric this project does not implement (log loss, SMAPE, Gini, kappa, ...) are skipped with
+  the metric named, not scored by a wrong one.
+- id and target columns: the header of sample_submission.csv (first column the id, the rest targets).
+- baseline: metadata "baseline" if present, else the metric of a constant prediction made from train.csv
+  alone (the training mean for regression metrics, the majority label for accuracy/F1, the positive rate
+  for ROC-AUC, which scores 0.5) against the hidden answers.
+- best: metadata "best" if present, else the metric's perfect value (1 for accuracy/F1/ROC-AUC/R², 0 for
+  errors). The offline pack sets it to a reference model's score instead, like DSBench's best entry.
+
+Task directories link to the data (symlinks), they do not copy it.
+"""
+
+import json
+import os
+import re
+
+import numpy as np
+import pandas as pd
+
+from openrlhf_mappa.envs.dsbench import ANSWER_FILE, METRICS, PUBLIC_FILES, metric_value
+
+# First match wins, so the more specific names come first; None marks a metric named but not implemented.
+METRIC_PATTERNS = [
+    (r"log(arithmic)? error|RMSLE", "rmsle"),
+    (r"log ?loss|logarithmic loss|cross.?entropy", None),
+    (r"root mean squared? error|RMSE", "rmse"),
+    (r"median absolute|MedAE", None),
+    (r"mean absolute error|\bMAE\b", "mae"),
+    (r"SMAPE|gini|kappa|pearson|spearman|jaccard|\bmicro\b", None),
+    (r"\bROC\b|\bAUC\b", "roc_auc"),
+    (r"macro.{0,20}F1|F1.{0,20}macro", "f1_macro"),
+    (r"\bF1\b|F-score", "f1"),
+    (r"accuracy", "accuracy"),
+    (r"\bR2\b|R\^2|R²|coefficient of determination", "r2"),
+]
+
+
+def infer_metric(prompt: str):
+    """(metric or None, the phrase it was read from) from a Kaggle description's evaluation text."""
+    at = min([i for i in (prompt.find("Evaluation"), prompt.find("Metric")) if i >= 0], default=0)
+    text = prompt[at : at + 1500]
+    for pattern, metric in METRIC_PATTERNS:
+        m = re.search(pattern, text, re.IGNORECASE)
+        if m:
+            return metric, m.group(0)
+    return None, "no metric named in the description"
+
+
+def constant_baseline(metric: str, train: pd.DataFrame, truth: pd.DataFrame, pos_label=None) -> float:
+    """The metric of a prediction made without features: one constant per target column, from train.csv."""
+    pred = pd.DataFrame(index=truth.index)
+    for col in truth.columns:
+        if METRICS[metric][2]:  # numbers (ROC-AUC included: a constant probability scores 0.5)
+            pred[col] = pd.to_numeric(train[col], errors="coerce").mean()
+        else:
+            pred[col] = train[col].mode().iloc[0]
+    return metric_value(metric, truth, pred, pos_label)
+
+
+def _relocate(data_root: str, path: str) -> str:
+    for anchor in ("data_resplit/", "answers/"):
+        if anchor in path:
+            return os.path.join(data_root, anchor + path.split(anchor, 1)[1])
+    return os.path.join(data_root, path)
+
+
+def import_tasks(data_root: str, metadata_path: str, out_dir: str) -> tuple:
+    """Write out_dir/<task_id>/ and out_dir/tasks.jsonl; return (task rows, [skip reasons])."""
+    with open(metadata_path, encoding="utf-8") as f:
+        text = f.read()
+    try:  # JSON Lines, as mappa-bench ships it, or one JSON list
+        rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{metadata_path}: broken JSON: {e}") from None
+    os.makedirs(out_dir, exist_ok=True)
+    tasks, skipped = [], []
+    for row in rows:
+        meta = row.get("metadata") or {}
+        task_id = meta.get("task_id", "?")
+        try:
+            tasks.append(_import_one(data_root, row, meta, out_dir))
+        except (OSError, ValueError) as e:
+            skipped.append(f"{task_id}: {e}")
+    if tasks:
+        with open(os.path.join(out_dir, "tasks.jsonl"), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(t) + "\n" for t in tasks)
+    return tasks, skipped
+
+
+def _import_one(data_root: str, row: dict, meta: dict, out_dir: str) -> dict:
+    for key in ("task_id", "data_type", "train_file", "test_file", "answer_dir"):
+        if not meta.get(key):
+            raise ValueError(f"metadata has no {key!r}")
+    if not re.fullmatch(r"[\w.-]+", meta["task_id"]) or meta["task_id"].startswith("."):
+        raise ValueError(f"task_id {meta['task_id']!r} cannot be a directory name")
+    if meta["data_type"] not in ("regression", "classification"):
+        raise ValueError(f"data_type {meta['data_type']!r} is neither regression nor classification")
+    data_dir = os.path.dirname(_relocate(data_root, meta["test_file"]))
+    sources = {
+        "train.csv": _relocate(data_root, meta["train_file"]),
+        "test.csv": _relocate(data_root, meta["test_file"]),
+        "sample_submission.csv": os.path.join(data_dir, "sample_submission.csv"),
+        ANSWER_FILE: os.path.join(_relocate(data_root, meta["answer_dir"]), "test_answer.csv"),
+    }
+    absent = [path for path in sources.values() if not os.path.isfile(path)]
+    if absent:
+        raise ValueError(f"missing file(s): {', '.join(absent)}")
+    metric, phrase = (meta["metric"], "metadata") if meta.get("metric") else infer_metric(row.get("prompt", ""))
+    if metric not in METRICS:
+        raise ValueError(f"metric not supported (read from {phrase!r}); supported: {', '.join(METRICS)}")
+    columns = list(pd.read_csv(sources["sample_submission.csv"], nrows=0).columns)
+    id_column, targets = columns[0], columns[1:]
+    truth = pd.read_csv(sources[ANSWER_FILE], dtype={id_column: str})
+    if not targets or any(c not in truth.columns for c in columns):
+        raise ValueError(f"test_answer.csv columns {list(truth.columns)} do not cover the submission's {columns}")
+    truth = truth[targets]
+    baseline = meta.get("baseline")
+    if baseline is None:
+        train_columns = pd.read_csv(sources["train.csv"], nrows=0).columns
+        if any(c not in train_columns for c in targets):
+            raise ValueError(f"cannot compute a baseline: train.csv lacks target column(s) {targets}; "
+                             "add 'baseline' to the metadata")  # fmt: skip
+        train = pd.read_csv(sources["train.csv"], usecols=targets)
+        baseline = constant_baseline(metric, train, truth, meta.get("pos_label"))
+    best = meta.get("best", METRICS[metric][3])
+
+    task_dir = os.path.abspath(os.path.join(out_dir, meta["task_id"]))
+    os.makedirs(os.path.join(task_dir, "answers"), exist_ok=True)
+    for name, src in sources.items():
+        link = os.path.join(task_dir, name)
+        if os.path.lexists(link):
+            os.remove(link)
+        os.symlink(os.path.abspath(src), link)
+    task_json = {
+        "task_id": meta["task_id"], "data_type": meta["data_type"], "metric": metric,
+        "id_column": id_column, "target_columns": targets, "baseline": float(baseline), "best": float(best),
+        "url": meta.get("url", ""),
+    }  # fmt: skip
+    if meta.get("pos_label") is not None:
+        task_json["pos_label"] = meta["pos_label"]
+    with open(os.path.join(task_dir, "task.json"), "w", encoding="utf-8") as f:
+        json.dump(task_json, f, indent=1)
+    return {"id": meta["task_id"], "prompt": row["prompt"], "answer": task_dir, "type": meta["data_type"]}
+
+
+# ---------------------------------------------------------------- the offline pack
+
+# (task id, sklearn loader, data type, metric, what the target is)
+PACK = [
+    ("sk-diabetes", "load_diabetes", "regression", "rmse", "a quantitative measure of disease progression one year after baseline"),
+    ("sk-breast-cancer", "load_breast_cancer", "classification", "roc_auc", "whether the tumour is benign (1) or malignant (0)"),
+    ("sk-wine", "load_wine", "classification", "accuracy", "the cultivar of the wine (0, 1 or 2)"),
+    ("sk-iris", "load_iris", "classification", "f1_macro", "the iris species (setosa, versicolor or virginica)"),
+]  # fmt: skip
+METRIC_TEXT = {
+    "rmse": "the root mean squared error (RMSE) between the predicted and the actual values",
+    "roc_auc": "the area under the ROC curve between the predicted probability and the observed target",
+    "accuracy": "classification accuracy, the share of predicted labels that are correct",
+    "f1_macro": "the macro-averaged F1 score between the predicted and the actual labels",
+}
+
+
+def make_pack(out_dir: str, seed: int = 0) -> tuple:
+    """Build the offline pack from datasets shipped inside scikit-learn (no download), deterministically.
+
+    70/30 split (stratified for classification), hidden answers, baseline = a constant predictor (as for
+    imported tasks), best = a random forest's score (a strong, honest reference; a perfect value would
+    make every real model look poor). Returns import_tasks' (task rows, skip reasons)."""
+    from sklearn import datasets
+    from sklearn.ensemble import RandomForestClassifier, RandomForestRegressor
+    from sklearn.model_selection import train_test_split
+
+    raw = os.path.join(out_dir, "raw")
+    metadata = []
+    for task_id, loader, data_type, metric, target_text in PACK:
+        bunch = getattr(datasets, loader)(as_frame=True)
+        X, y = bunch.data, bunch.target
+        if loader == "load_iris":  # string labels, so the scorer's label path is exercised too
+            y = y.map(dict(enumerate(bunch.target_names)))
+        X.insert(0, "id", np.arange(1000, 1000 + len(X)))
+        stratify = y if data_type == "classification" else None
+        X_tr, X_te, y_tr, y_te = train_test_split(X, y, test_size=0.3, random_state=seed, stratify=stratify)
+        data_dir = os.path.join(raw, "data_resplit", task_id)
+        answer_dir = os.path.join(raw, "answers", task_id)
+        os.makedirs(data_dir, exist_ok=True)
+        os.makedirs(answer_dir, exist_ok=True)
+        X_tr.assign(target=y_tr).to_csv(os.path.join(data_dir, "train.csv"), index=False)
+        X_te.to_csv(os.path.join(data_dir, "test.csv"), index=False)
+        placeholder = y_tr.mode().iloc[0] if metric in ("accuracy", "f1_macro") else 0.5
+        pd.DataFrame({"id": X_te["id"], "target": placeholder}).to_csv(
+            os.path.join(data_dir, "sample_submission.csv"), index=False
+        )
+        pd.DataFrame({"id": X_te["id"], "target": y_te}).to_csv(os.path.join(answer_dir, "test_answer.csv"), index=False)
+
+        features, test = X_tr.drop(columns="id"), X_te.drop(columns="id")
+        forest = RandomForestRegressor if data_type == "regression" else RandomForestClassifier
+        ref = forest(n_estimators=100, random_state=seed).fit(features, y_tr)
+        pred = ref.predict_proba(test)[:, 1] if metric == "roc_auc" else ref.predict(test)
+        best = metric_value(metric, pd.DataFrame({"target": y_te.to_numpy()}), pd.DataFrame({"target": pred}))
+        prompt = (
+            f"Description\nPredict {target_text} from the features of scikit-learn's bundled "
+            f"{loader.removeprefix('load_')} dataset ({len(X)} rows, {features.shape[1]} feature columns).\n\n"
+            f"Evaluation\nSubmissions are evaluated on {METRIC_TEXT[metric]}.\n\n"
+            f"Submission File\nFor each id in the test set, predict the target. The file must have a header and "
+            f"exactly the columns of sample_submission.csv:\nid,target\n"
+            f"{X_te['id'].iloc[0]},{placeholder}\netc.\n\n"
+            "Files\n- train.csv - the training set (an id column, the features and the target column)\n"
+            "- test.csv - the test set (the id column and the features)\n"
+            "- sample_submission.csv - a sample submission file in the correct format"
+        )
+        metadata.append({"prompt": prompt, "answer": None, "metadata": {
+            "task_id": task_id, "task_type": "data_modeling", "data_type": data_type,
+            "train_file": f"./data_resplit/{task_id}/train.csv", "test_file": f"./data_resplit/{task_id}/test.csv",
+            "answer_dir": f"./answers/{task_id}", "url": f"sklearn.datasets.{loader}",
+            "metric": metric, "best": best,
+        }})  # fmt: skip
+    metadata_path = os.path.join(raw, "metadata.jsonl")
+    with open(metadata_path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(m) + "\n" for m in metadata)
+    return import_tasks(raw, metadata_path, out_dir)

@@ -1,0 +1,331 @@
+"""DSBench: metrics against hand-computed values, scripted (non-LLM) agents running real code through
+DSBenchEnv on the offline pack, bad submissions, broken task directories, the heuristic coach's blame,
+the importer (a fake DSBench layout, and the real metadata when present) and the `mappa dsbench` CLI."""
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import MAPPA
+from openrlhf_mappa.coach import CoachRequest
+from openrlhf_mappa.coach.heuristic import HeuristicCoach
+from openrlhf_mappa.envs.dsbench import DSBenchEnv, metric_value, relative_score, score_submission
+from openrlhf_mappa.envs.dsbench_tasks import import_tasks, infer_metric
+from openrlhf_mappa.envs.base import load_tasks
+from openrlhf_mappa.topology import load_topology
+
+ROOT = Path(__file__).resolve().parents[1]
+DSBENCH_YAML = ROOT / "examples" / "configs" / "dsbench.yaml"
+BENCH = Path(os.environ.get("MAPPA_BENCH_DIR", ROOT.parent / "shared" / "data" / "mappa-bench"))
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    """The offline pack, built by the real console script (`mappa dsbench make-pack`)."""
+    out = tmp_path_factory.mktemp("pack")
+    proc = subprocess.run([MAPPA, "dsbench", "make-pack", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("4 task(s) in ") and "(0 skipped)" in proc.stdout, proc.stderr
+    return {t["id"]: t for t in load_tasks(str(out / "tasks.jsonl"))}
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def one_col(values):
+    return pd.DataFrame({"target": values})
+
+
+@pytest.mark.parametrize(
+    "metric, truth, pred, expected",
+    [
+        ("rmse", [1, 2, 3, 4], [1, 2, 3, 6], 1.0),  # sqrt(4 / 4)
+        ("mae", [1, 2, 3, 4], [2, 2, 3, 1], 1.0),  # (1 + 0 + 0 + 3) / 4
+        ("rmsle", [0, np.e - 1], [np.e - 1, 0], 1.0),  # log1p: (1 - 0)^2 and (0 - 1)^2 -> sqrt(1)
+        ("r2", [1, 2, 3], [1, 2, 4], 0.5),  # 1 - 1 / 2
+        ("accuracy", [0, 1, 1, 0], [0, 1, 0, 0], 0.75),
+        ("accuracy", [1, 2, 2], [1.0, 2.0, 1.0], 2 / 3),  # 1.0 counts as the label 1
+        ("f1", [1, 1, 0, 0], [1, 0, 1, 0], 0.5),  # precision 1/2, recall 1/2
+        ("f1_macro", ["a", "a", "b", "b"], ["a", "a", "a", "b"], (0.8 + 2 / 3) / 2),  # a: 2*(2/3*1)/(5/3); b: 2/3
+        ("roc_auc", [0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8], 0.75),  # 3 of 4 (pos, neg) pairs ordered right
+    ],
+)
+def test_metrics_match_hand_computed_values(metric, truth, pred, expected):
+    assert metric_value(metric, one_col(truth), one_col(pred)) == pytest.approx(expected)
+
+
+def test_multi_column_metric_is_the_column_mean():
+    truth = pd.DataFrame({"a": [0.0, 0.0], "b": [0.0, 0.0]})
+    pred = pd.DataFrame({"a": [1.0, 1.0], "b": [3.0, 3.0]})
+    assert metric_value("rmse", truth, pred) == pytest.approx(2.0)
+
+
+def test_relative_score_is_dsbenchs_formula_for_both_directions():
+    assert relative_score(0.9, baseline=0.5, best=1.0) == pytest.approx(0.8)  # higher is better
+    assert relative_score(60.0, baseline=80.0, best=55.0) == pytest.approx(0.8)  # error: lower is better
+    assert relative_score(90.0, baseline=80.0, best=55.0) == 0.0  # worse than the baseline: clipped
+    assert relative_score(0.5, baseline=0.5, best=0.5) is None
+
+
+def test_metric_is_read_from_kaggle_descriptions():
+    assert infer_metric("Evaluation\nSubmissions are evaluated on area under the ROC curve")[0] == "roc_auc"
+    assert infer_metric("Evaluation: the Root Mean Squared Logarithmic Error. The RMSLE is")[0] == "rmsle"
+    assert infer_metric("Evaluation  Submissions are scored on the root mean squared error.")[0] == "rmse"
+    assert infer_metric("Evaluation Submissions are evaluated using the macro F1 score.")[0] == "f1_macro"
+    assert infer_metric("Evaluation Submissions are scored on the log loss")[0] is None  # named, unsupported
+    assert infer_metric("Evaluation Submissions are evaluated on SMAPE between forecasts")[0] is None
+    # words that merely contain a metric's letters do not count
+    assert infer_metric("Evaluation: the process is scored by accuracy")[0] == "accuracy"
+    assert infer_metric("Evaluation\nMicrosoft scores the area under the ROC curve")[0] == "roc_auc"
+
+
+# ---------------------------------------------------------------- scripted agents, real code
+
+
+def scripted_replies(task_type: str, metric: str) -> dict:
+    """What a competent team writes: three ```python replies that follow the file contract."""
+    model = "RandomForestRegressor" if task_type == "regression" else "RandomForestClassifier"
+    predict = "model.predict_proba(X)[:, 1]" if metric == "roc_auc" else "model.predict(X)"
+    return {
+        "data_engineer": """Load, split features from target, save the contract files.
+```python
+import pandas as pd
+train, test = pd.read_csv("train.csv"), pd.read_csv("test.csv")
+train.drop(columns=["id", "target"]).to_pickle("X_train.pkl")
+train["target"].to_pickle("y_train.pkl")
+test.drop(columns=["id"]).to_pickle("X_test.pkl")
+print(train.shape, test.shape)
+```""",
+        "modeler": f"""```python
+import pickle
+import pandas as pd
+from sklearn.ensemble import {model}
+model = {model}(n_estimators=50, random_state=0).fit(pd.read_pickle("X_train.pkl"), pd.read_pickle("y_train.pkl"))
+pickle.dump(model, open("model.pkl", "wb"))
+print("saved")
+```""",
+        "analyst": f"""```python
+import pickle
+import pandas as pd
+model = pickle.load(open("model.pkl", "rb"))
+X = pd.read_pickle("X_test.pkl")
+pd.DataFrame({{"id": pd.read_csv("test.csv")["id"], "target": {predict}}}).to_csv("submission.csv", index=False)
+print("written")
+```""",
+    }
+
+
+def play(env, replies: dict, coach=None, agents=None) -> dict:
+    """Drive the env as rollout.run_episode does (observe, step, coach request right after the step)."""
+    scores = {}
+    for agent in agents or env.topology.agents:
+        for turn in range(agent.max_actions):
+            env.observe(agent, turn)
+            result = env.step(agent, turn, replies[agent.name])
+            if coach is not None:
+                request = CoachRequest(
+                    episode_id="e", agent=agent.name, turn=turn, role=agent.role, task=env.task_text,
+                    task_type=env.task_type, agent_input="", agent_output=replies[agent.name],
+                    feedback=result.feedback.as_text(), ground_truth=env.coach_ground_truth(agent),
+                    is_final_agent=agent is env.topology.agents[-1], runs_code=agent.runs_code,
+                )  # fmt: skip
+                scores[agent.name] = asyncio.run(coach.score(request)).score
+            if result.done:
+                break
+    return scores
+
+
+@pytest.mark.parametrize("task_id", ["sk-diabetes", "sk-breast-cancer"])
+def test_scripted_team_passes_all_three_stages(pack, tmp_path, task_id):
+    task = pack[task_id]
+    env = load_topology(str(DSBENCH_YAML)).make_env(task, str(tmp_path / "ws"))
+    assert sorted(os.listdir(tmp_path / "ws")) == ["sample_submission.csv", "test.csv", "train.csv"]
+    meta = json.load(open(os.path.join(task["answer"], "task.json")))
+    scores = play(env, scripted_replies(task["type"], meta["metric"]), HeuristicCoach())
+    out = env.outcome()
+    assert out["success"] and out["status"] == "ok", out
+    assert out["relative_score"] > 0 and out["missing_files"] == {}
+    assert out["task_type"] == task["type"] == env.task_type
+    assert out["metric_name"] == meta["metric"] and out["baseline"] == meta["baseline"]
+    # one action each: every agent was done as soon as its files existed
+    assert [h.agent for h in env.history] == ["data_engineer", "modeler", "analyst"]
+    assert "test_answer.csv" not in str(sorted(os.listdir(tmp_path / "ws")))  # hidden answers stay hidden
+    assert min(scores.values()) >= 7.0, scores
+
+
+def test_missing_upstream_artifact_is_blamed_upstream(pack, tmp_path):
+    """The Data Engineer forgets X_test.pkl: its score drops; the Analyst, who crashes on the missing
+    file, is not punished for it (the plain tool rule would have given a failed run 2)."""
+    task = pack["sk-diabetes"]
+    topology = load_topology(str(DSBENCH_YAML))
+    good = scripted_replies("regression", "rmse")
+    bad = dict(good, data_engineer=good["data_engineer"].replace('test.drop(columns=["id"]).to_pickle("X_test.pkl")', ""))
+    coach = HeuristicCoach()
+    ok_scores = play(topology.make_env(task, str(tmp_path / "ok")), good, coach, agents=topology.agents[:1])
+    topology.agents[0].max_actions = 2  # fewer futile retries: keeps the test fast
+    bad_env = topology.make_env(task, str(tmp_path / "bad"))
+    bad_scores = play(bad_env, bad, coach)
+    assert "FileNotFoundError" in bad_env.history[-1].feedback and "X_test.pkl" in bad_env.history[-1].feedback
+    assert bad_scores["data_engineer"] < ok_scores["data_engineer"] - 3
+    assert bad_scores["data_engineer"] < bad_scores["analyst"]
+    assert bad_scores["analyst"] >= 5.0 and bad_scores["modeler"] >= 7.0  # it needs only X_train/y_train
+    out = bad_env.outcome()
+    assert not out["success"] and out["status"] == "missing_file"
+    assert out["missing_files"] == {"data_engineer": ["X_test.pkl"], "analyst": ["submission.csv"]}
+    # the Data Engineer used all its actions trying; the Modeler stopped once model.pkl existed
+    assert [h.agent for h in bad_env.history][:3] == ["data_engineer", "data_engineer", "modeler"]
+
+
+def test_coach_ground_truth_never_carries_the_answers(pack, tmp_path):
+    task = pack["sk-wine"]
+    topology = load_topology(str(DSBENCH_YAML))
+    env = topology.make_env(task, str(tmp_path / "ws"))
+    truth = pd.read_csv(os.path.join(task["answer"], "answers", "test_answer.csv"))
+    pd.DataFrame({"id": truth["id"], "target": truth["target"]}).to_csv(tmp_path / "ws" / "submission.csv", index=False)
+    text = env.coach_ground_truth(topology.agents[-1])
+    assert "Submission check: valid; accuracy = 1" in text and "relative score 1.000" in text
+    assert task["answer"] not in text and "Missing outputs (this agent's own files): none" in text
+    assert "Missing inputs (files earlier agents had to save): X_train.pkl, y_train.pkl, X_test.pkl, model.pkl" in text
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def write_sub(path, df):
+    df.to_csv(path, index=False)
+    return str(path)
+
+
+@pytest.fixture
+def diabetes(pack):
+    task_dir = pack["sk-diabetes"]["answer"]
+    return task_dir, pd.read_csv(os.path.join(task_dir, "answers", "test_answer.csv"))
+
+
+def test_perfect_submission_scores_perfectly(diabetes, tmp_path):
+    task_dir, truth = diabetes
+    result = score_submission(task_dir, write_sub(tmp_path / "s.csv", truth.iloc[::-1]))  # row order is free
+    assert result["valid"] and result["metric"] == pytest.approx(0.0) and result["relative_score"] > 1
+
+
+@pytest.mark.parametrize(
+    "mutate, status",
+    [
+        (lambda t: t.rename(columns={"target": "y"}), "wrong_columns"),
+        (lambda t: t.assign(extra=1), "wrong_columns"),
+        (lambda t: t.iloc[:-1], "wrong_row_count"),
+        (lambda t: t.assign(id=t["id"] + 1), "wrong_ids"),
+        (lambda t: t.assign(id=np.where(t.index == 0, np.nan, t["id"])), "wrong_ids"),  # an empty id
+        (lambda t: t.assign(target=np.where(t.index == 3, np.nan, t["target"])), "missing_values"),
+        (lambda t: t.assign(target="high"), "non_numeric"),
+        (lambda t: t.assign(target=np.inf), "non_numeric"),
+    ],
+)
+def test_bad_submissions_get_a_clear_status(diabetes, tmp_path, mutate, status):
+    task_dir, truth = diabetes
+    result = score_submission(task_dir, write_sub(tmp_path / "s.csv", mutate(truth)))
+    assert not result["valid"] and result["status"] == status and result["error"], result
+
+
+def test_missing_or_unreadable_submission(diabetes, tmp_path):
+    task_dir, _ = diabetes
+    assert score_submission(task_dir, str(tmp_path / "none.csv"))["status"] == "missing_file"
+    (tmp_path / "empty.csv").write_text("")
+    assert score_submission(task_dir, str(tmp_path / "empty.csv"))["status"] == "unreadable"
+    (tmp_path / "bin.csv").write_bytes(b"\xff\xfe\x00garbage\x00")
+    assert score_submission(task_dir, str(tmp_path / "bin.csv"))["status"] in ("unreadable", "wrong_columns")
+
+
+def test_broken_task_dir_is_an_outcome_status_not_a_crash(pack, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(pack["sk-iris"]["answer"], broken)
+    os.remove(broken / "answers" / "test_answer.csv")
+    task = dict(pack["sk-iris"], answer=str(broken))
+    topology = load_topology(str(DSBENCH_YAML))
+    errors = []
+    for task_dir in (str(broken), str(tmp_path / "nowhere")):
+        env = topology.make_env(dict(task, answer=task_dir), str(tmp_path / "ws"))
+        play(env, {a.name: "no code" for a in topology.agents}, HeuristicCoach())
+        out = env.outcome()
+        assert out["success"] is False and out["status"] == "broken_task", out
+        assert out["task_type"] == "classification"
+        errors.append(out["error"])
+    assert errors[0] == f"{broken}: missing file(s) ['answers/test_answer.csv']"
+    assert errors[1].startswith(f"{tmp_path / 'nowhere'}: not a DSBench task directory (task.json: ")
+    with pytest.raises(ValueError, match="not a DSBench task directory"):
+        score_submission(str(tmp_path / "nowhere"), "x.csv")
+
+
+# ---------------------------------------------------------------- importer and CLI
+
+
+def fake_dsbench(root: Path, task_id="toy-task", with_answers=True, prompt="Evaluation\nScored by MAE."):
+    """A tiny copy of the official layout, metadata paths written as in mappa-bench's files."""
+    data = root / "data_resplit" / task_id
+    data.mkdir(parents=True)
+    pd.DataFrame({"PassengerId": [1, 2, 3, 4], "x": [1, 2, 3, 4], "Fare": [10.0, 20.0, 30.0, 40.0]}).to_csv(data / "train.csv", index=False)
+    pd.DataFrame({"PassengerId": [5, 6], "x": [5, 6]}).to_csv(data / "test.csv", index=False)
+    pd.DataFrame({"PassengerId": [5, 6], "Fare": [0, 0]}).to_csv(data / "sample_submission.csv", index=False)
+    if with_answers:
+        (root / "answers" / task_id).mkdir(parents=True)
+        pd.DataFrame({"PassengerId": [5, 6], "Fare": [50.0, 70.0]}).to_csv(root / "answers" / task_id / "test_answer.csv", index=False)
+    base = f"./data/DSBench/data/data_resplit/{task_id}"
+    return {"prompt": prompt, "answer": None, "metadata": {
+        "task_id": task_id, "task_type": "data_modeling", "data_type": "regression",
+        "train_file": f"{base}/train.csv", "test_file": f"{base}/test.csv",
+        "answer_dir": f"./data/DSBench/data/answers/{task_id}", "url": "https://example.org"}}  # fmt: skip
+
+
+def test_importer_reads_the_official_layout_and_names_what_is_missing(tmp_path):
+    root = tmp_path / "DSBench"
+    rows = [fake_dsbench(root), fake_dsbench(root, "no-answers", with_answers=False),
+            fake_dsbench(root, "logloss", prompt="Evaluation\nSubmissions are scored on the log loss.")]  # fmt: skip
+    (tmp_path / "meta.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks, skipped = import_tasks(str(root), str(tmp_path / "meta.json"), str(tmp_path / "out"))
+    assert [t["id"] for t in tasks] == ["toy-task"]
+    assert len(skipped) == 2
+    assert skipped[0].startswith("no-answers: missing file(s): ") and "answers/no-answers/test_answer.csv" in skipped[0]
+    assert skipped[1].startswith("logloss: metric not supported (read from 'log loss')")
+    meta = json.load(open(tmp_path / "out" / "toy-task" / "task.json"))
+    # MAE read from the prompt; baseline: the training mean 25 predicted for 50 and 70 -> MAE 35; best: perfect 0
+    assert meta["metric"] == "mae" and meta["baseline"] == pytest.approx(35.0) and meta["best"] == 0.0
+    assert meta["id_column"] == "PassengerId" and meta["target_columns"] == ["Fare"]
+    assert load_tasks(str(tmp_path / "out" / "tasks.jsonl"))[0]["answer"] == str(tmp_path / "out" / "toy-task")
+    sub = write_sub(tmp_path / "s.csv", pd.DataFrame({"PassengerId": [6, 5], "Fare": [60.0, 50.0]}))
+    result = score_submission(tasks[0]["answer"], sub)
+    assert result["metric"] == pytest.approx(5.0) and result["relative_score"] == pytest.approx(30 / 35)
+
+
+@pytest.mark.skipif(not (BENCH / "dsbench_modeling_eval.json").exists(), reason=f"mappa-bench data not found under {BENCH}")
+def test_importer_on_the_real_metadata_names_the_missing_data(tmp_path):
+    """The real metadata without the DSBench CSVs (users download those): every task is skipped, each
+    with the file it lacks, and nothing crashes."""
+    tasks, skipped = import_tasks(str(tmp_path), str(BENCH / "dsbench_modeling_eval.json"), str(tmp_path / "out"))
+    assert tasks == [] and len(skipped) == 8
+    assert all("missing file(s): " + str(tmp_path / "data_resplit") in s for s in skipped)
+    # the metric of 56 of the 72 rows is read from their descriptions; the other 16 name unsupported ones
+    rows = [json.loads(x) for name in ("train", "eval") for x in open(BENCH / f"dsbench_modeling_{name}.json")]
+    metrics = {r["metadata"]["task_id"]: infer_metric(r["prompt"])[0] for r in rows}
+    assert sum(m is not None for m in metrics.values()) == 56
+    assert metrics["titanic"] == "accuracy" and metrics["bike-sharing-demand"] == "rmsle"
+    assert metrics["microsoft-malware-prediction"] == "roc_auc" and metrics["playground-series-s3e10"] is None
+
+
+def test_cli_score(pack, tmp_path):
+    task_dir = Path(pack["sk-wine"]["answer"])
+    truth = pd.read_csv(task_dir / "answers" / "test_answer.csv")
+    score = [MAPPA, "dsbench", "score", "--task-dir", str(task_dir), "--submission"]
+    proc = subprocess.run(score + [write_sub(tmp_path / "s.csv", truth)], capture_output=True, text=True, timeout=60)
+    result = json.loads(proc.stdout)
+    assert proc.returncode == 0 and result["valid"] and result["metric"] == 1.0 and result["metric_name"] == "accuracy"
+    proc = subprocess.run(score + [write_sub(tmp_path / "s.csv", truth.iloc[:3])], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["status"] == "wrong_row_count"
+    proc = subprocess.run([MAPPA, "dsbench", "score", "--task-dir", str(tmp_path), "--submission", "s.csv"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "not a DSBench task directory" in proc.stderr and "Traceback" not in proc.stderr
