@@ -36,7 +36,7 @@ class FaultyOpenAI(BaseHTTPRequestHandler):
             time.sleep(reply.get("hang", 0) + self.server.delay_s)
             status, extra_headers = reply.get("status", 200), reply.get("headers", {})
             if reply.get("refuse_schema") and "response_format" in body:
-                status = 400
+                status, reply = 400, {"error": "response_format json_schema is not supported by this model"}
             if "raw" in reply:
                 data = reply["raw"]
             elif status == 200:
@@ -47,7 +47,8 @@ class FaultyOpenAI(BaseHTTPRequestHandler):
                     "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14},
                 }).encode()
             else:
-                data = json.dumps({"error": {"message": f"injected {status}", "type": "server_error"}}).encode()
+                text = reply.get("error", f"injected {status}")
+                data = json.dumps({"error": {"message": text, "type": "server_error"}}).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -145,12 +146,13 @@ def test_openai_unscorable_reply_is_parse_error_after_bounded_reprompts(server, 
     assert repr(content)[1:-1][:40] in v.rationale
 
 
-def test_openai_reprompt_recovers_and_shows_the_coach_its_reply(server):
+def test_openai_reprompt_recovers_with_a_reminder(server):
     v = openai_score(server, {"content": "SCORE: 6"}, script=[{"content": "Looks solid to me."}])
     assert (v.status, v.score, v.retries) == ("ok", 6.0, 1)
-    second = server.seen[1]["body"]["messages"]
-    assert [m["role"] for m in second] == ["user", "assistant", "user"]
-    assert second[1]["content"] == "Looks solid to me." and "SCORE" in second[2]["content"]
+    first, second = (r["body"]["messages"] for r in server.seen)
+    # The same prompt plus a reminder; the unscorable reply is not sent back (it could overflow the context).
+    assert len(second) == 1 and second[0]["content"].startswith(first[0]["content"])
+    assert "SCORE: <number from 0 to 10>" in second[0]["content"].removeprefix(first[0]["content"])
 
 
 def test_openai_429_honours_retry_after(server):
@@ -204,6 +206,20 @@ def test_openai_structured_output_auto_falls_back_to_text(server):
     with_schema = [r for r in server.seen if "response_format" in r["body"]]
     assert len(with_schema) == 1  # refused once, then the coach stopped asking for the schema
     assert with_schema[0]["body"]["response_format"]["json_schema"]["schema"]["required"] == ["rationale", "score"]
+
+
+def test_openai_other_400_is_final_and_keeps_the_schema(server):
+    # A 400 that is not about the schema (here: context length) must neither be retried nor turn it off.
+    server.reply = {"status": 400, "error": "This model's maximum context length is 2048 tokens."}
+    v = openai_score(server, server.reply)
+    assert (v.status, v.score, len(server.seen)) == ("api_error", None, 1)
+    assert "maximum context length" in v.rationale and "response_format" in server.seen[0]["body"]
+
+
+def test_openai_max_tokens_is_sent_when_set(server):
+    openai_score(server, {"content": "SCORE: 5"}, max_tokens=64)
+    openai_score(server, {"content": "SCORE: 5"})
+    assert server.seen[0]["body"]["max_tokens"] == 64 and "max_tokens" not in server.seen[1]["body"]
 
 
 def test_openai_structured_output_forced_and_refused_is_api_error(server):

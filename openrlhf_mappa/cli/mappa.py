@@ -34,6 +34,7 @@ def main(argv=None):
     p.add_argument("--max-retries", type=int, default=4)
     p.add_argument("--rpm", type=float, default=0.0)
     p.add_argument("--structured", choices=["auto", "json_schema", "off"], default="auto")
+    p.add_argument("--max-tokens", type=int, default=0, help="coach reply token limit (0: the server's default)")
 
     p = sub.add_parser("sandbox", help="run a Python file in the code sandbox agents use")
     sandbox_sub = p.add_subparsers(dest="sandbox_command", required=True)
@@ -95,7 +96,8 @@ def rescore_main(parser, args):
     options = {}
     if args.kind == "openai":
         options = dict(api_key_env=args.api_key_env, timeout_s=args.timeout, max_concurrency=args.max_concurrency,
-                       max_retries=args.max_retries, rpm=args.rpm, structured=args.structured)
+                       max_retries=args.max_retries, rpm=args.rpm, structured=args.structured,
+                       max_tokens=args.max_tokens)
     try:
         coach = build_coach(args.kind, template=template, model=args.model, base_url=args.base_url,
                             cache_path=args.cache, **options)

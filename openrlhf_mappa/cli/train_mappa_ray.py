@@ -36,6 +36,7 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.coach.rpm", type=float, default=0.0, help="requests-per-minute limit (0: none)")
     g.add_argument("--mappa.coach.structured", choices=["auto", "json_schema", "off"], default="auto",
                    help="ask for a JSON-schema verdict {rationale, score}; auto: fall back to text if the server refuses")
+    g.add_argument("--mappa.coach.max_tokens", type=int, default=0, help="coach reply token limit (0: the server's default)")
     g.add_argument("--mappa.coach.format_retries", type=int, default=2, help="re-prompts after a reply with no valid score")
     g.add_argument("--mappa.coach.cache", default=None,
                    help="SQLite verdict cache (default: <run_dir>/coach_cache.sqlite; 'none': memory only)")
@@ -125,7 +126,7 @@ def train(args):
     coach = build_coach(
         c.kind, template=topology.coach_template, model=c.model, base_url=c.base_url, cache_path=coach_cache_path(args),
         api_key_env=c.api_key_env, timeout_s=c.timeout, max_concurrency=c.max_concurrency, max_retries=c.max_retries,
-        rpm=c.rpm, structured=c.structured, format_retries=c.format_retries,
+        rpm=c.rpm, structured=c.structured, format_retries=c.format_retries, max_tokens=c.max_tokens,
     )
 
     if not ray.is_initialized():

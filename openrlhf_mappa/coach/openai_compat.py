@@ -3,7 +3,7 @@ proxy, Gemini's OpenAI-compatible endpoint.
 
 One action's verdict:
   1. ask (temperature 0), with a JSON schema {rationale, score} as `response_format` where the server takes
-     it ("auto": after a 400 to the schema, ask again without it, and from then on for the rest of the run);
+     it ("auto": after a 400 that names the schema, ask again without it, and so for the rest of the run);
   2. transient failures (429 honouring Retry-After, 408/409, 5xx, timeouts, dropped connections, bodies that
      are not JSON) are retried
      up to `max_retries` times with jittered exponential backoff; other errors (401, 404, 400) are final;
@@ -16,6 +16,7 @@ import email.utils
 import logging
 import os
 import random
+import re
 import time
 
 import openai
@@ -40,9 +41,12 @@ VERDICT_SCHEMA = {
         },
     },
 }
+SCHEMA_WORDS = re.compile(r"response_format|schema|structured|guided|grammar", re.IGNORECASE)
+# A re-prompt is the original prompt plus this reminder, not a conversation with the unscorable reply in
+# it: a reply that ran to the token limit, sent back, would push a small coach past its context length.
 REPROMPT = (
-    "Your reply did not state a valid score. Reply again with your judgement of the same action, ending with "
-    "a line `SCORE: <number from 0 to 10>`."
+    "\n\n(Reminder: an earlier reply to this request stated no valid score. End your reply with a line "
+    "`SCORE: <number from 0 to 10>`.)"
 )
 
 
@@ -80,6 +84,7 @@ class OpenAICoach(Coach):
         format_retries: int = 2,
         backoff_s: float = 1.0,
         max_backoff_s: float = 60.0,
+        max_tokens: int = 0,
     ):
         if structured not in STRUCTURED_MODES:
             raise ValueError(f"structured output mode {structured!r}: expected one of {STRUCTURED_MODES}")
@@ -91,6 +96,7 @@ class OpenAICoach(Coach):
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.structured, self.use_schema = structured, structured != "off"
         self.rpm, self.next_slot = rpm, 0.0
+        self.max_tokens = max_tokens  # 0: the server's default
         # The SDK's own retries are off: ours count into the verdict and honour Retry-After with jitter.
         # aiohttp as transport costs about half the CPU per request of the default httpx one.
         self.client = openai.AsyncOpenAI(
@@ -103,7 +109,8 @@ class OpenAICoach(Coach):
         self.semaphore = asyncio.Semaphore(max_concurrency)
 
     async def score(self, request: CoachRequest) -> Verdict:
-        messages = [{"role": "user", "content": render_prompt(self.template, request)}]
+        prompt = render_prompt(self.template, request)
+        messages = [{"role": "user", "content": prompt}]
         tally = dict(latency_s=0.0, tokens_in=0, tokens_out=0, retries=0)
         for attempt in range(self.format_retries + 1):
             try:
@@ -115,7 +122,7 @@ class OpenAICoach(Coach):
                 return Verdict(score=score, status="ok", rationale=text, coach=self.name, **tally)
             if attempt < self.format_retries:
                 tally["retries"] += 1
-                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": REPROMPT}]
+                messages = [{"role": "user", "content": prompt + REPROMPT}]
         why = f"no valid score in [0, 10] after {self.format_retries + 1} replies; last reply: {text[:500]!r}"
         return Verdict(score=None, status="parse_error", rationale=why, coach=self.name, **tally)
 
@@ -135,9 +142,12 @@ class OpenAICoach(Coach):
                     body = {"model": self.model, "messages": messages, "temperature": 0}
                     if use_schema:
                         body["response_format"] = VERDICT_SCHEMA
+                    if self.max_tokens:
+                        body["max_tokens"] = self.max_tokens
                     response = await self.client.post("/chat/completions", body=body, cast_to=object)
                 except openai.BadRequestError as e:
-                    if not (use_schema and self.structured == "auto"):
+                    refused = use_schema and self.structured == "auto" and SCHEMA_WORDS.search(str(e))
+                    if not refused:  # e.g. a prompt over the context length: retrying cannot help
                         raise CallFailed("api_error", f"{type(e).__name__}: {e}") from None
                     # Servers without structured output answer 400 to the schema: ask again without it, and
                     # stop asking for the rest of the run (text scores parse fine).
