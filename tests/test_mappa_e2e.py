@@ -135,7 +135,11 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server):
     assert [m["step"] for m in metrics] == [1]
     m = metrics[0]
     assert m["agent/solver/updated"] == 1 and m["agent/mute/updated"] == 0
-    assert m["agent/mute/trained_actions"] == 0 and m["coach/status_parse_error"] == 4
+    assert m["agent/mute/trained_actions"] == 0
+    assert (m["coach/verdicts_parse_error"], m["coach/verdicts_ok"], m["coach/failure_fraction"]) == (4, 4, 0.5)
+    assert m["coach/retries"] == 8  # each unparsable reply re-prompted twice (--mappa.coach.format_retries 2)
+    assert m["coach_bias/solver/math/n"] == 4 and "coach_bias/mute/math/n" not in m and m["coach_bias/warning"] == 0
+    assert os.path.exists(run_dir / "coach_cache.sqlite")
     for n in AGENTS:
         for key in ("coach_score", "outcome_success", "action_length", "tool_use_rate", "num_actions"):
             assert f"agent/{n}/{key}" in m
@@ -152,7 +156,7 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server):
             else:
                 assert v["status"] == "ok" and v["coach"] == "openai:rule-coach"
                 assert a["reward"] == v["score"] and a["advantage"] is not None
-    assert len(coach_server.requests) == 8
+    assert len(coach_server.requests) == 4 + 4 * 3
     assert {r["authorization"] for r in coach_server.requests} == {"Bearer secret-123"}  # key from the named env var
 
 
