@@ -125,6 +125,11 @@ def _parse_agent(row, index: int, model_override: Optional[str], fail) -> AgentS
         if not isinstance(row.get(key), str) or not row[key].strip():
             hint = " (or pass a model override)" if key == "model" else ""
             fail(f"{label}: '{key}' is missing or empty{hint}")
+    model = os.path.expanduser(row["model"])
+    if model.startswith((".", "/")) and not os.path.isdir(model):
+        # A path-like model that is not there would otherwise fail minutes later, inside a Ray actor, as a
+        # confusing Hugging Face hub lookup. (A bare "org/name" is a hub id and is checked by the download.)
+        fail(f"{label}: model {row['model']!r} is not a directory; give an existing local model directory or a Hugging Face id")
     if not AGENT_NAME_RE.fullmatch(row["name"]):
         fail(f"{label}: names may only use letters, digits, '_' and '-' (they become paths and metric keys)")
     _check_template(row["prompt"], AGENT_PROMPT_FIELDS, f"{label}: prompt", fail)

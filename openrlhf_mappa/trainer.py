@@ -11,6 +11,9 @@ import copy
 import json
 import os
 import random
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -138,6 +141,112 @@ def experience_of(action):
     )
 
 
+def components(agents: list) -> list:
+    """(agent, component, Ray actor handle) for every process of every agent."""
+    out = []
+    for ag in agents:
+        out += [(ag.spec.name, f"vLLM engine {i}", e) for i, e in enumerate(ag.engines)]
+        out += [(ag.spec.name, f"actor rank {i}", h) for i, h in enumerate(ag.actor._actor_handlers)]
+        if ag.ref is not None:
+            out += [(ag.spec.name, f"reference rank {i}", h) for i, h in enumerate(ag.ref._actor_handlers)]
+    return out
+
+
+def find_dead(agents: list, timeout_s: float = 5.0) -> list:
+    """'agent X: component' for each dead process. A ping to a dead actor fails at once; a busy live one
+    just does not answer within the timeout, which is fine: only a failed ping counts as dead."""
+    pings = {h.__ray_ready__.remote(): f"agent {name!r}: {what}" for name, what, h in components(agents)}
+    ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
+    dead = []
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError:
+            dead.append(pings[ref])
+    return dead
+
+
+class Watchdog(threading.Thread):
+    """Stops the run promptly when one agent's engine or actor dies, naming it.
+
+    Without it, a dead vLLM engine can hang the run: its actor blocks in the weight broadcast's collective
+    until the collective's timeout (10 minutes). Every `interval_s` the watchdog pings all components; on a
+    death it records which and interrupts the main thread (SIGINT ends a blocking ray.get), and if that does
+    not end the process within a grace period, it exits hard. Steps already logged stay on disk."""
+
+    def __init__(self, agents: list, interval_s: float = 5.0, grace_s: float = 60.0):
+        super().__init__(daemon=True, name="mappa-watchdog")
+        self.agents, self.interval_s, self.grace_s = agents, interval_s, grace_s
+        self.dead, self.done = [], threading.Event()
+
+    def run(self):
+        while not self.done.wait(self.interval_s):
+            self.dead = find_dead(self.agents)
+            if self.dead:
+                print(f"[mappa] stopping: {'; '.join(self.dead)} died", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGINT)
+                if not self.done.wait(self.grace_s):
+                    os._exit(1)
+                return
+
+
+CHECKPOINT_MARKER = "mappa_checkpoint.json"  # in --ckpt.path: the last step that every agent saved
+
+
+def prepare_resume(args, topology) -> int:
+    """Before any actor starts: point every agent's checkpoint at the last step ALL agents saved, and
+    return it (0: start fresh).
+
+    Agents save one after another, so a run killed mid-save can leave agent A at step N+1 and agent B at
+    step N. The run-level marker, written once all agents saved, names N; A's DeepSpeed `latest` is set back
+    to N. A save that never completed for all agents (no marker) is set aside, not half-resumed from."""
+    if not args.ckpt.load_enable:
+        return 0
+    marker = os.path.join(args.ckpt.path, CHECKPOINT_MARKER)
+    step = json.load(open(marker))["step"] if os.path.exists(marker) else 0
+    tag = f"global_step{step}"
+    for spec in topology.agents:
+        actor_dir = os.path.join(args.ckpt.path, spec.name, "_actor")
+        latest = os.path.join(actor_dir, "latest")
+        if not os.path.exists(latest):
+            if step:
+                raise SystemExit(f"resume: {marker} says step {step}, but agent {spec.name!r} has no checkpoint in {actor_dir}")
+            continue
+        if not step:
+            os.replace(latest, latest + ".incomplete")
+        elif open(latest).read().strip() != tag:
+            if not os.path.isdir(os.path.join(actor_dir, tag)):
+                raise SystemExit(f"resume: agent {spec.name!r} has no {tag} in {actor_dir} (removed by --ckpt.max_num?)")
+            with open(latest, "w") as f:
+                f.write(tag)
+    return step
+
+
+def truncate_logs(run_dir: str, step: int) -> None:
+    """Keep only the lines of steps <= `step` in metrics.jsonl and episodes.jsonl. A resumed run redoes the
+    steps after its checkpoint, which would otherwise appear twice; a line cut off by a kill is dropped."""
+    for name in ("metrics.jsonl", "episodes.jsonl"):
+        path = os.path.join(run_dir, name)
+        if not os.path.exists(path):
+            continue
+        kept, dropped = [], 0
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    record = None
+                if isinstance(record, dict) and record.get("step", 0) <= step:
+                    kept.append(line.rstrip("\n") + "\n")
+                else:
+                    dropped += 1
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+        if dropped:
+            print(f"[mappa] {path}: kept {len(kept)} lines up to step {step}, dropped {dropped} (later steps or cut off)")
+
+
 class MappaTrainer:
     def __init__(self, args, topology, agents: list, coach, tasks: list, run_dir: str):
         self.args, self.topology, self.agents, self.coach, self.tasks = args, topology, agents, coach, tasks
@@ -179,6 +288,20 @@ class MappaTrainer:
             rng.shuffle(order)
             chunk = order[(step % steps_per_pass) * bs : (step % steps_per_pass + 1) * bs]
             yield step + 1, [self.tasks[i] for i in chunk for _ in range(n)]
+
+    def resume(self, step: int):
+        """Continue after step `step`: logs cut back to it, every agent checked to have loaded that step,
+        and each agent's engines given its actor's loaded weights (they start from the base model)."""
+        truncate_logs(self.run_dir, step)
+        if not step:
+            return
+        for ag in self.agents:
+            loaded = ray.get(ag.actor.async_run_method("get_checkpoint_states"))[0].get("global_step")
+            if loaded != step:
+                raise RuntimeError(f"resume: agent {ag.spec.name!r} loaded the checkpoint of step {loaded}, expected {step}")
+        ray.get([ref for ag in self.agents for ref in ag.actor.async_run_method("broadcast_to_vllm")])
+        marker = json.load(open(os.path.join(self.args.ckpt.path, CHECKPOINT_MARKER)))
+        self.coach_cost_usd = marker.get("coach_cost_usd", 0.0)
 
     def fit(self, start_step: int = 0):
         from tqdm import tqdm
@@ -331,3 +454,8 @@ class MappaTrainer:
                 method_name="save_checkpoint", tag=f"global_step{step}", client_states={"global_step": step}
             )
         ray.get(refs)
+        # Only now is step `step` a checkpoint of the whole team (see prepare_resume); written atomically.
+        marker = os.path.join(self.args.ckpt.path, CHECKPOINT_MARKER)
+        with open(marker + ".tmp", "w") as f:
+            json.dump({"step": step, "coach_cost_usd": self.coach_cost_usd}, f)
+        os.replace(marker + ".tmp", marker)

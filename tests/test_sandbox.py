@@ -54,8 +54,8 @@ def test_infinite_loop_hits_the_cpu_limit(ws):
 @root_only
 def test_sleeping_past_the_timeout(ws):
     t0 = time.monotonic()
-    fb = run("import time\nprint('sleeping')\ntime.sleep(60)", ws, timeout_s=1.5)
-    assert time.monotonic() - t0 < 5
+    fb = run("import time\nprint('sleeping')\ntime.sleep(60)", ws, timeout_s=3.0)
+    assert time.monotonic() - t0 < 10
     assert fb.timed_out and fb.limit == "timeout" and fb.stdout == "sleeping\n"
     assert fb.as_text().startswith("[timed out]")
 
@@ -63,9 +63,9 @@ def test_sleeping_past_the_timeout(ws):
 @root_only
 def test_fork_bomb_hits_the_process_limit(ws):
     t0 = time.monotonic()
-    fb = run("import os\nwhile True:\n    os.fork()", ws, max_processes=16)
+    fb = run("import os\nwhile True:\n    os.fork()", ws, max_processes=16, timeout_s=10.0)
     assert fb.limit == "processes" and not fb.timed_out and fb.exit_code == 1
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10
 
 
 @root_only

@@ -44,6 +44,7 @@ ray job submit --address="http://127.0.0.1:8265" \
    --train.num_episodes 8 \
    --actor.gradient_checkpointing_enable \
    --ckpt.save_steps 10 \
+   --ckpt.load_enable \
    --ckpt.save_hf \
    --ckpt.path ./ckpt/mappa_mathchat \
    --ckpt.output_dir ./ckpt/mappa_mathchat_hf \

@@ -9,6 +9,7 @@ it means there.
 import ast
 import importlib.metadata
 import inspect
+import json
 import os
 import sys
 
@@ -115,7 +116,7 @@ def train(args):
     from openrlhf_mappa.coach import build_coach
     from openrlhf_mappa.envs.base import load_tasks
     from openrlhf_mappa.topology import load_topology
-    from openrlhf_mappa.trainer import MappaTrainer, build_agents
+    from openrlhf_mappa.trainer import MappaTrainer, Watchdog, build_agents, components, find_dead, prepare_resume
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
     validate(args)
@@ -134,13 +135,27 @@ def train(args):
     steps = (len(tasks) // args.rollout.batch_size) * args.train.num_episodes
     actions_per_step = args.rollout.batch_size * args.rollout.n_samples_per_prompt * max(a.max_actions for a in topology.agents)
     max_steps = steps * max(1, actions_per_step // args.train.batch_size)
+    start = prepare_resume(args, topology)
+    if start:
+        print(f"[mappa] resuming after step {start} (checkpoints in {os.path.abspath(args.ckpt.path)})")
     agents = build_agents(args, topology, max_steps)
     trainer = MappaTrainer(args, topology, agents, coach, tasks, args.mappa.run_dir)
-    start = 0
-    if args.ckpt.load_enable:
-        states = ray.get(agents[0].actor.async_run_method("get_checkpoint_states"))[0]
-        start = states.get("global_step", 0)
-    trainer.fit(start)
+    with open(os.path.join(args.mappa.run_dir, "processes.json"), "w") as f:  # which process is whose
+        json.dump({f"{name}/{what}": ray.get(h.__ray_call__.remote(lambda self: os.getpid()))
+                   for name, what, h in components(agents)}, f, indent=1)
+    watchdog = Watchdog(agents)
+    watchdog.start()
+    try:
+        trainer.resume(start)
+        trainer.fit(start)
+    except (KeyboardInterrupt, ray.exceptions.RayActorError) as e:
+        dead = watchdog.dead or find_dead(agents)
+        if not dead:
+            raise
+        raise SystemExit(f"[mappa] run stopped: {'; '.join(dead)} died ({type(e).__name__}). Completed steps are "
+                         f"in {args.mappa.run_dir}; resume from the last checkpoint with --ckpt.load_enable.") from None
+    finally:
+        watchdog.done.set()
     print(f"[mappa] metrics:     {os.path.abspath(os.path.join(args.mappa.run_dir, 'metrics.jsonl'))}")
     print(f"[mappa] episodes:    {os.path.abspath(os.path.join(args.mappa.run_dir, 'episodes.jsonl'))}")
     print(f"[mappa] checkpoints: {os.path.abspath(args.ckpt.path)}/<agent>/ ; HF exports: {os.path.abspath(args.ckpt.output_dir)}/<agent>/")
