@@ -48,6 +48,7 @@ ray job submit --address="http://127.0.0.1:8265" \
    --train.num_episodes 30 \
    --actor.gradient_checkpointing_enable \
    --ckpt.save_steps 10 \
+   --ckpt.load_enable \
    --ckpt.save_hf \
    --ckpt.path ./ckpt/mappa_dsbench \
    --ckpt.output_dir ./ckpt/mappa_dsbench_hf \
