@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import MAPPA, REPO
+from conftest import MAPPA, REPO, local_cluster_env
 
 AGENTS = ["data_engineer", "modeler", "analyst"]
 
@@ -57,8 +57,7 @@ def test_dsbench_mappa_run_completes_with_verdicts(tmp_path, tiny_model):
         "--ckpt.output_dir", str(tmp_path / "final"),
     ]  # fmt: skip
     # 3 agents x (actor + vLLM engine); no reference model with KL 0.
-    env = dict(os.environ, MAPPA_CPU_NUM_GPUS="6", VLLM_CPU_KVCACHE_SPACE="1")
-    env.pop("RAY_ADDRESS", None)
+    env = local_cluster_env(6, VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]

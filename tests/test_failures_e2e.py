@@ -10,45 +10,24 @@ import sys
 import time
 
 import pytest
-import yaml
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+from conftest import TINY_RUN_FLAGS, local_cluster_env, two_agent_mathchat
 
 
 @pytest.mark.e2e
 def test_a_dead_engine_stops_the_run_naming_its_agent(tmp_path, tiny_model):
-    topology = yaml.safe_load(open(os.path.join(os.path.dirname(TESTS), "examples", "configs", "mathchat.yaml")))
-    topology["agents"] = [dict(a, max_actions=1) for a in topology["agents"] if a["name"] in ("problem_solver", "verifier")]
-    (tmp_path / "topology.yaml").write_text(yaml.safe_dump(topology))
-    with open(tmp_path / "tasks.jsonl", "w") as f:
-        for i in range(8):  # 4 steps of 2 tasks: the kill lands long before the end
-            f.write(json.dumps({"id": i, "prompt": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n")
+    topology, tasks = two_agent_mathchat(tmp_path, num_tasks=8)  # 4 steps of 2 tasks: the kill lands long before the end
     run_dir = tmp_path / "run"
     argv = [
-        "--mappa.topology", str(tmp_path / "topology.yaml"),
+        "--mappa.topology", topology,
         "--mappa.model", tiny_model,
         "--mappa.run_dir", str(run_dir),
-        "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"),
-        "--actor.num_gpus_per_node", "1",
-        "--vllm.num_engines", "1",
-        "--vllm.enforce_eager",
-        "--vllm.gpu_memory_utilization", "0.2",
-        "--ds.zero_stage", "3",
-        "--ds.attn_implementation", "sdpa",
-        "--algo.kl.init_coef", "0",
-        "--rollout.batch_size", "2",
-        "--rollout.n_samples_per_prompt", "2",
-        "--rollout.micro_batch_size", "2",
-        "--rollout.max_new_tokens", "12",
-        "--data.max_len", "512",
-        "--train.batch_size", "4",
-        "--train.micro_batch_size", "2",
-        "--train.num_episodes", "1",
+        "--data.prompt_dataset", tasks,
+        *TINY_RUN_FLAGS,
         "--ckpt.path", str(tmp_path / "ckpt"),
         "--ckpt.output_dir", str(tmp_path / "final"),
     ]  # fmt: skip
-    env = dict(os.environ, MAPPA_CPU_NUM_GPUS="4")
-    env.pop("RAY_ADDRESS", None)
+    env = local_cluster_env(4)
     out = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], cwd=tmp_path, env=env,
                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

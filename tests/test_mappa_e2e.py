@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from coach_server import COACH_TEMPLATE, CoachServer
-from conftest import MAPPA
+from conftest import MAPPA, TINY_RUN_FLAGS, local_cluster_env
 
 AGENTS = ("solver", "mute")
 PROBE_TEXT = "Probe: 7 + 5 = 12, the answer is 12."
@@ -31,15 +31,11 @@ def coach_server():
         yield server
 
 
-def run_and_probe(argv: list, out_path: str):
-    """In a child process (see the test): train with `argv`, then read, for every agent, its engine's and
-    its actor's log-probs of one fixed sequence. Ray and vLLM never live in the pytest process itself."""
+def probe_agents(agents) -> dict:
+    """For every agent, its engine's and its actor's log-probs of one fixed sequence (PROBE_TEXT)."""
     import ray
     from vllm import SamplingParams
 
-    from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
-
-    agents = train(parse_args(argv))
     ids = agents[0].tokenizer(PROBE_TEXT)["input_ids"]
     out = {"probe": ids, "engine": {}, "actor": {}}
     for ag in agents:
@@ -51,8 +47,19 @@ def run_and_probe(argv: list, out_path: str):
             attention_mask=[torch.ones_like(seq)],
         )
         out["actor"][ag.spec.name] = ray.get(refs)[0][0].float().tolist()
+    return out
+
+
+def run_and_probe(argv: list, out_path: str):
+    """In a child process (see the test): train with `argv`, then probe every agent (probe_agents). Ray and
+    vLLM never live in the pytest process itself."""
+    import ray
+
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
+
+    agents = train(parse_args(argv))
     with open(out_path, "w") as f:
-        json.dump(out, f)
+        json.dump(probe_agents(agents), f)
     ray.shutdown()
 
 
@@ -85,28 +92,13 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server):
         "--mappa.coach.api_key_env", "MAPPA_TEST_COACH_KEY",
         "--mappa.run_dir", str(run_dir),
         "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"),
-        "--actor.num_gpus_per_node", "1",
-        "--vllm.num_engines", "1",
-        "--vllm.enforce_eager",
-        "--vllm.gpu_memory_utilization", "0.2",
-        "--ds.zero_stage", "3",
-        "--ds.attn_implementation", "sdpa",
-        "--algo.kl.init_coef", "0",
+        *TINY_RUN_FLAGS,
         "--actor.adam.lr", "1e-2",
         "--actor.lr_warmup_ratio", "0",
-        "--rollout.batch_size", "2",
-        "--rollout.n_samples_per_prompt", "2",
-        "--rollout.micro_batch_size", "2",
-        "--rollout.max_new_tokens", "12",
-        "--data.max_len", "512",
-        "--train.batch_size", "4",
-        "--train.micro_batch_size", "2",
-        "--train.num_episodes", "1",
         "--ckpt.path", str(tmp_path / "ckpt"),
         "--ckpt.output_dir", str(tmp_path / "final"),
     ]
-    env = dict(os.environ, MAPPA_TEST_COACH_KEY="secret-123", MAPPA_CPU_NUM_GPUS="4")
-    env.pop("RAY_ADDRESS", None)
+    env = local_cluster_env(4, MAPPA_TEST_COACH_KEY="secret-123")
     child = f"import sys; sys.path.insert(0, {TESTS!r}); from test_mappa_e2e import run_and_probe; run_and_probe({argv!r}, {str(tmp_path / 'probe.json')!r})"
     proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
@@ -170,8 +162,7 @@ def test_launch_fails_fast_when_the_cluster_has_too_few_gpus(tmp_path, tiny_mode
         "agents": [{"name": n, "model": tiny_model, "role": n, "prompt": "{task}"} for n in ("a", "b")],
     }
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(topology))
-    env = dict(os.environ, MAPPA_CPU_NUM_GPUS="1")
-    env.pop("RAY_ADDRESS", None)
+    env = local_cluster_env(1)
     proc = subprocess.run(
         [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--mappa.topology", str(tmp_path / "t.yaml"),
          "--data.prompt_dataset", str(tasks), "--rollout.batch_size", "1", "--train.batch_size", "1",

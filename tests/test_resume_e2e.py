@@ -16,39 +16,28 @@ import time
 
 import pytest
 import torch
-import yaml
+
+from conftest import TINY_RUN_FLAGS, local_cluster_env, two_agent_mathchat
 
 
-AGENTS = ("solver", "verifier")
-PROBE_TEXT = "Probe: 7 + 5 = 12, the answer is 12."
+AGENTS = ("problem_solver", "verifier")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def resume_and_probe(argv: list, out_path: str):
-    """In a child process: resume training with `argv`; before the first resumed step, read each agent's
-    actor and engine log-probs of a fixed sequence."""
+    """In a child process: resume training with `argv`; before the first resumed step, probe every agent's
+    actor and engine (test_mappa_e2e.probe_agents)."""
     import ray
-    from vllm import SamplingParams
 
     from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
     from openrlhf_mappa.trainer import MappaTrainer
+    from test_mappa_e2e import probe_agents
 
     fit = MappaTrainer.fit
 
     def probe_then_fit(self, start_step=0):
-        ids = self.agents[0].tokenizer(PROBE_TEXT)["input_ids"]
-        out = {"probe": ids, "start": start_step, "engine": {}, "actor": {}}
-        for ag in self.agents:
-            gen = ray.get(ag.engines[0].generate.remote(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)))
-            out["engine"][ag.spec.name] = [d[t].logprob for t, d in zip(ids[1:], gen.prompt_logprobs[1:])]
-            seq = torch.tensor([ids])
-            refs = ag.actor.async_run_method_batch(
-                method_name="forward", sequences=[seq], action_mask=[torch.ones(1, len(ids) - 1, dtype=torch.bool)],
-                attention_mask=[torch.ones_like(seq)],
-            )
-            out["actor"][ag.spec.name] = ray.get(refs)[0][0].float().tolist()
         with open(out_path, "w") as f:
-            json.dump(out, f)
+            json.dump(dict(probe_agents(self.agents), start=start_step), f)
         return fit(self, start_step)
 
     MappaTrainer.fit = probe_then_fit
@@ -60,45 +49,23 @@ def resume_and_probe(argv: list, out_path: str):
 def test_sigkilled_run_resumes_with_weights_and_logs_intact(tmp_path, tiny_model):
     from test_openrlhf_cpu_e2e import hf_probe_logprobs
 
-    topology = yaml.safe_load(open(os.path.join(os.path.dirname(TESTS), "examples", "configs", "mathchat.yaml")))
-    topology["agents"] = [dict(a, max_actions=1) for a in topology["agents"] if a["name"] in ("problem_solver", "verifier")]
-    for a, name in zip(topology["agents"], AGENTS):
-        a["name"] = name
-    (tmp_path / "topology.yaml").write_text(yaml.safe_dump(topology))
-    with open(tmp_path / "tasks.jsonl", "w") as f:
-        for i in range(6):  # 3 steps of 2 tasks
-            f.write(json.dumps({"id": i, "prompt": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n")
+    topology, tasks = two_agent_mathchat(tmp_path, num_tasks=6)  # 3 steps of 2 tasks
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     argv = [
-        "--mappa.topology", str(tmp_path / "topology.yaml"),
+        "--mappa.topology", topology,
         "--mappa.model", tiny_model,
         "--mappa.run_dir", str(run_dir),
-        "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"),
-        "--actor.num_gpus_per_node", "1",
-        "--vllm.num_engines", "1",
-        "--vllm.enforce_eager",
-        "--vllm.gpu_memory_utilization", "0.2",
-        "--ds.zero_stage", "3",
-        "--ds.attn_implementation", "sdpa",
-        "--algo.kl.init_coef", "0",
+        "--data.prompt_dataset", tasks,
+        *TINY_RUN_FLAGS,
         "--actor.adam.lr", "1e-2",
         "--actor.lr_warmup_ratio", "0",
-        "--rollout.batch_size", "2",
-        "--rollout.n_samples_per_prompt", "2",
-        "--rollout.micro_batch_size", "2",
-        "--rollout.max_new_tokens", "12",
-        "--data.max_len", "512",
-        "--train.batch_size", "4",
-        "--train.micro_batch_size", "2",
-        "--train.num_episodes", "1",
         "--ckpt.save_steps", "1",
         "--ckpt.save_hf",
         "--ckpt.load_enable",  # the same command starts and resumes
         "--ckpt.path", str(ckpt),
         "--ckpt.output_dir", str(tmp_path / "final"),
     ]  # fmt: skip
-    env = dict(os.environ, MAPPA_CPU_NUM_GPUS="4")
-    env.pop("RAY_ADDRESS", None)
+    env = local_cluster_env(4)
 
     # Run 1: SIGKILL the whole process group as soon as the first team checkpoint exists.
     marker = ckpt / "mappa_checkpoint.json"
