@@ -95,6 +95,7 @@ class Action:
     response_text: str = ""
     rollout_logprobs: Optional[list] = None
     truncated: bool = False  # generation hit the token limit
+    formatted: Optional[bool] = None  # it gives a final answer in the env's format (None: not asked of this agent)
     prompt_truncated: bool = False  # the prompt was longer than max_len - max_new_tokens and was cut
     feedback: ToolFeedback = field(default_factory=ToolFeedback)
     # What the coach saw besides prompt_text/response_text (role, task, feedback text, ground truth, ...),

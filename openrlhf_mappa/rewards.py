@@ -6,6 +6,10 @@ The paper's equations, for one action (one row) with action tokens t = 0..T-1:
     G_t = Σ_{t' >= t} r_t'                     undiscounted return-to-go (γ = 1, REINFORCE++)
     A_t = (G_t - mean(G)) / std(G)             mean/std over the action tokens of a whole batch
 
+The GRPO-style baseline (norm scope "group") normalizes R instead, within the group g of actions that
+answer the same prompt (same agent and turn, the n_samples_per_prompt episodes of one task), and uses G as
+the advantage without whitening:   R' = (R - mean_g(R)) / (std_g(R) + ε),   A_t = G_t.
+
 Shape suffixes: `_B` one value per action (row), `_BA` one value per action token.
 Pure torch + the episode records: no Ray, vLLM or DeepSpeed here, so it is testable on a CPU.
 """
@@ -15,7 +19,7 @@ import torch
 from openrlhf_mappa.episode import Episode
 
 REWARD_MODES = ("process", "outcome")
-NORM_SCOPES = ("agent", "global")
+NORM_SCOPES = ("agent", "global", "group")
 
 # The outcome baseline pays 10 for a solved episode, 0 otherwise: the top of the coach's 0-10 scale.
 # With the same scale, the same β·KL costs the same share of the reward in both modes, so a
@@ -92,6 +96,22 @@ def standardize_by_task_type(episodes: list[Episode]) -> None:
                 a.reward = r
 
 
+def group_normalize(episodes: list[Episode], eps: float = 1e-6) -> None:
+    """R' = (R - mean_g(R)) / (std_g(R) + ε) per group g = (step, task, agent, turn): each action is judged
+    against the other samples of the same prompt. A group of one, or of equal rewards, gets 0 (GRPO's
+    property: nothing to learn from a prompt every sample did equally well on)."""
+    groups = {}
+    for ep in episodes:
+        for a in ep.actions:
+            if a.reward is not None:
+                groups.setdefault((ep.step, ep.task_id, a.agent, a.turn), []).append(a)
+    for acts in groups.values():
+        R_g = torch.tensor([a.reward for a in acts], dtype=torch.float64)
+        z_g = (R_g - R_g.mean()) / (R_g.std(unbiased=False) + eps)
+        for a, r in zip(acts, z_g.tolist()):
+            a.reward = r
+
+
 def token_rewards(
     reward_B: torch.Tensor, kl_BA: torch.Tensor, action_mask_BA: torch.Tensor, kl_coef: float
 ) -> torch.Tensor:
@@ -148,7 +168,8 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope:
 
     Each batch needs `.rewards` (B,), `.kl` (B, A) and `.action_mask` (B, A), e.g. OpenRLHF's
     Experience. scope "agent" normalizes each agent's batches together (the authors' code);
-    "global" normalizes all agents' batches together (the paper's wording).
+    "global" normalizes all agents' batches together (the paper's wording); "group" does not whiten, A = G,
+    because the rewards were already normalized per prompt by `group_normalize`.
     """
     if scope not in NORM_SCOPES:
         raise ValueError(f"unknown normalization scope {scope!r}; expected one of {NORM_SCOPES}")
@@ -161,6 +182,11 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope:
                 # With γ = 1, G at the first action token is the whole row's reward sum.
                 b.info["return"] = r_BA.sum(dim=1)
 
+    if scope == "group":
+        for batches in batches_by_agent.values():
+            for b in batches:
+                b.advantages = b.returns
+        return
     groups = list(batches_by_agent.values()) if scope == "agent" else [sum(batches_by_agent.values(), [])]
     for batches in groups:
         advantages = whiten([b.returns for b in batches], [b.action_mask for b in batches])

@@ -67,6 +67,7 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
                 prompt_text=prompt_text,
                 response_text=response_text,
                 truncated=truncated,
+                formatted=env.answer_formatted(spec, response_text),
                 prompt_truncated=prompt_cut,
                 feedback=result.feedback,
             )

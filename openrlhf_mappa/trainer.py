@@ -8,6 +8,7 @@ experiences train agent k's actor only -> agent k's weights go to agent k's engi
 
 import asyncio
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -22,6 +23,7 @@ import torch
 
 from openrlhf_mappa import rewards
 from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, coach_step_metrics
+from openrlhf_mappa.evaluation import behaviour_metrics, evaluate, format_table, summarize
 from openrlhf_mappa.rollout import AgentPolicy, rollout
 
 
@@ -80,7 +82,7 @@ def build_agents(args, topology, max_steps: int) -> list:
     from openrlhf.utils import get_strategy
     from transformers import AutoTokenizer
 
-    per_agent = [(spec, agent_args(args, spec)) for spec in topology.agents]
+    per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
     needs = {}
     for spec, a in per_agent:
         needs[f"{spec.name}/actor"] = a.actor.num_nodes * a.actor.num_gpus_per_node
@@ -115,7 +117,22 @@ def build_agents(args, topology, max_steps: int) -> list:
         maker = RemoteExperienceMaker(actor, None, None, ref, FixedKLController(0.0), strategy, tokenizer)
         agents.append(Agent(spec, a, tokenizer, engines, actor, ref, maker))
     ray.get(init_refs)
+    # The shared-policy baseline: every other role plays and trains through the first agent's components.
+    for spec in topology.agents[len(agents) :]:
+        agents.append(dataclasses.replace(agents[0], spec=spec, args=agent_args(args, spec)))
     return agents
+
+
+def trainee_specs(args, topology) -> list:
+    """The agents that own weights: all of them, or with --mappa.shared_policy only the first, whose one
+    policy then plays every role (the baseline MAPPA's separate weights are compared against)."""
+    if not args.mappa.shared_policy:
+        return topology.agents
+    models = {spec.model for spec in topology.agents}
+    if len(models) > 1:
+        raise SystemExit(f"--mappa.shared_policy trains one model for every role, but the topology names "
+                         f"{len(models)} ({', '.join(sorted(models))}); pick one with --mappa.model")
+    return topology.agents[:1]
 
 
 def experience_of(action):
@@ -142,9 +159,12 @@ def experience_of(action):
 
 
 def components(agents: list) -> list:
-    """(agent, component, Ray actor handle) for every process of every agent."""
-    out = []
+    """(agent, component, Ray actor handle) for every process of every agent (a shared policy's once)."""
+    out, seen = [], set()
     for ag in agents:
+        if id(ag.actor) in seen:
+            continue
+        seen.add(id(ag.actor))
         out += [(ag.spec.name, f"vLLM engine {i}", e) for i, e in enumerate(ag.engines)]
         out += [(ag.spec.name, f"actor rank {i}", h) for i, h in enumerate(ag.actor._actor_handlers)]
         if ag.ref is not None:
@@ -205,7 +225,7 @@ def prepare_resume(args, topology) -> int:
     marker = os.path.join(args.ckpt.path, CHECKPOINT_MARKER)
     step = json.load(open(marker))["step"] if os.path.exists(marker) else 0
     tag = f"global_step{step}"
-    for spec in topology.agents:
+    for spec in trainee_specs(args, topology):
         actor_dir = os.path.join(args.ckpt.path, spec.name, "_actor")
         latest = os.path.join(actor_dir, "latest")
         if not os.path.exists(latest):
@@ -225,7 +245,7 @@ def prepare_resume(args, topology) -> int:
 def truncate_logs(run_dir: str, step: int) -> None:
     """Keep only the lines of steps <= `step` in metrics.jsonl and episodes.jsonl. A resumed run redoes the
     steps after its checkpoint, which would otherwise appear twice; a line cut off by a kill is dropped."""
-    for name in ("metrics.jsonl", "episodes.jsonl"):
+    for name in ("metrics.jsonl", "episodes.jsonl", "eval.jsonl"):
         path = os.path.join(run_dir, name)
         if not os.path.exists(path):
             continue
@@ -248,23 +268,30 @@ def truncate_logs(run_dir: str, step: int) -> None:
 
 
 class MappaTrainer:
-    def __init__(self, args, topology, agents: list, coach, tasks: list, run_dir: str):
+    def __init__(self, args, topology, agents: list, coach, tasks: list, run_dir: str, eval_sets: dict = None):
         self.args, self.topology, self.agents, self.coach, self.tasks = args, topology, agents, coach, tasks
         self.run_dir = run_dir
+        self.eval_sets = eval_sets or {}  # dataset name -> tasks
+        # Who trains whose actions: each agent its own, or with a shared policy, all of them the first's.
+        self.trainees = agents[: len(trainee_specs(args, topology))]
+        self.owner = {ag.spec.name: self.trainees[0 if args.mappa.shared_policy else i].spec.name for i, ag in enumerate(agents)}
         self.mappa = args.mappa
         self.bias_audit = BiasAudit(self.mappa.coach.bias_threshold, self.mappa.coach.bias_window)
         self.coach_cost_usd = 0.0
         os.makedirs(run_dir, exist_ok=True)
-        self.policies = {
-            ag.spec.name: AgentPolicy(
-                engines=ag.engines,
-                tokenizer=ag.tokenizer,
-                max_new_tokens=ag.args.rollout.max_new_tokens,
-                max_len=args.data.max_len,
-                sampling=dict(temperature=args.rollout.temperature, top_p=args.rollout.top_p),
-            )
-            for ag in agents
-        }
+        self.policies, self.eval_policies = (
+            {
+                ag.spec.name: AgentPolicy(
+                    engines=ag.engines,
+                    tokenizer=ag.tokenizer,
+                    max_new_tokens=ag.args.rollout.max_new_tokens,
+                    max_len=args.data.max_len,
+                    sampling=dict(temperature=temperature, top_p=args.rollout.top_p),
+                )
+                for ag in agents
+            }
+            for temperature in (args.rollout.temperature, args.eval.temperature)
+        )
         # One event loop for the whole run: the coach's HTTP client and its semaphore belong to the loop
         # they were first used on, so a fresh asyncio.run() per step would break them at step 2.
         self.loop = asyncio.new_event_loop()
@@ -295,11 +322,11 @@ class MappaTrainer:
         truncate_logs(self.run_dir, step)
         if not step:
             return
-        for ag in self.agents:
+        for ag in self.trainees:
             loaded = ray.get(ag.actor.async_run_method("get_checkpoint_states"))[0].get("global_step")
             if loaded != step:
                 raise RuntimeError(f"resume: agent {ag.spec.name!r} loaded the checkpoint of step {loaded}, expected {step}")
-        ray.get([ref for ag in self.agents for ref in ag.actor.async_run_method("broadcast_to_vllm")])
+        ray.get([ref for ag in self.trainees for ref in ag.actor.async_run_method("broadcast_to_vllm")])
         marker = json.load(open(os.path.join(self.args.ckpt.path, CHECKPOINT_MARKER)))
         self.coach_cost_usd = marker.get("coach_cost_usd", 0.0)
 
@@ -307,12 +334,17 @@ class MappaTrainer:
         from tqdm import tqdm
 
         total = (len(self.tasks) // self.args.rollout.batch_size) * self.args.train.num_episodes
+        every = self.args.eval.steps
+        if start_step == 0:
+            self.evaluate(0)  # the untrained models: the baseline every later evaluation compares with
         for step, tasks in tqdm(self.batches(start_step), total=total, initial=start_step, desc="MAPPA steps"):
             metrics = self.train_step(step, tasks)
             self.log(step, metrics)
+            if (every > 0 and step % every == 0) or step == total:
+                self.evaluate(step)
             if self.args.ckpt.save_steps > 0 and step % self.args.ckpt.save_steps == 0:
                 self.save_checkpoints(step)
-        ray.get([ref for ag in self.agents for ref in ag.actor.async_save_model()])
+        ray.get([ref for ag in self.trainees for ref in ag.actor.async_save_model()])
         for logger in self.loggers:
             logger.close()
         self.loop.run_until_complete(self.coach.aclose())
@@ -341,16 +373,18 @@ class MappaTrainer:
         counts = rewards.assign_rewards(episodes, self.mappa.reward, c.on_failure, c.neutral_score)
         if c.standardize_task_type and self.mappa.reward == "process":
             rewards.standardize_by_task_type(episodes)
+        if self.mappa.norm_scope == "group":
+            rewards.group_normalize(episodes)
 
         # Per agent: trainable actions -> Experiences -> actor/ref forward (log-probs, KL).
         t0 = time.time()
-        actions_of = {ag.spec.name: [] for ag in self.agents}
+        actions_of = {ag.spec.name: [] for ag in self.trainees}
         for ep in episodes:
             for action in ep.actions:
                 if action.reward is not None:
-                    actions_of[action.agent].append(action)
+                    actions_of[self.owner[action.agent]].append(action)
         batches, kept_actions, dropped = {}, {}, {}
-        for ag in self.agents:
+        for ag in self.trainees:
             kept, dropped[ag.spec.name] = self.batch_rule(actions_of[ag.spec.name], step)
             if not kept:
                 continue
@@ -374,14 +408,14 @@ class MappaTrainer:
         # Agent k's experiences train agent k's actor; then agent k's engines receive agent k's weights.
         t0 = time.time()
         fit_refs = {}
-        for ag in self.agents:
+        for ag in self.trainees:
             if ag.spec.name in batches:
                 ray.get(ag.actor.async_run_method_batch(method_name="append", experience=batches[ag.spec.name]))
                 fit_refs[ag.spec.name] = ag.actor.async_run_method(method_name="fit", kl_ctl=self.args.algo.kl.init_coef)
         status = {name: ray.get(refs)[0] for name, refs in fit_refs.items()}
         t_train = time.time() - t0
         t0 = time.time()
-        ray.get([ref for ag in self.agents if ag.spec.name in status for ref in ag.actor.async_run_method("broadcast_to_vllm")])
+        ray.get([ref for ag in self.trainees if ag.spec.name in status for ref in ag.actor.async_run_method("broadcast_to_vllm")])
         t_sync = time.time() - t0
 
         self.write_episodes(episodes)
@@ -410,19 +444,16 @@ class MappaTrainer:
             "coach/left_out": counts["left_out"],
             **({f"coach/fallback_{c.on_failure}": counts["fallback"]} if c.on_failure != "skip" else {}),
         }
+        m.update(behaviour_metrics(episodes, [ag.spec.name for ag in self.agents]))
         for ag in self.agents:
             name = ag.spec.name
-            acts = [a for ep in episodes for a in ep.actions if a.agent == name]
-            scored = [a.verdict.score for a in acts if a.verdict and a.verdict.score is not None]
+            scored = [a.verdict.score for ep in episodes for a in ep.actions
+                      if a.agent == name and a.verdict and a.verdict.score is not None]  # fmt: skip
             p = f"agent/{name}/"
-            m[p + "num_actions"] = len(acts)
             m[p + "coach_score"] = sum(scored) / len(scored) if scored else None
             m[p + "outcome_success"] = m["outcome/success_rate"]
-            m[p + "action_length"] = sum(len(a.response_ids) for a in acts) / max(1, len(acts))
-            m[p + "tool_use_rate"] = sum(a.feedback.ran for a in acts) / max(1, len(acts))
-            m[p + "tool_error_rate"] = sum(a.feedback.error for a in acts) / max(1, len(acts))
-            m[p + "truncated_rate"] = sum(a.truncated for a in acts) / max(1, len(acts))
-            m[p + "prompt_truncated"] = sum(a.prompt_truncated for a in acts)
+            if self.owner[name] != name:  # a shared policy's training metrics are under the first agent's name
+                continue
             m[p + "trained_actions"] = sum(len(e.sequences) for e in batches.get(name, []))
             m[p + "dropped_for_batching"] = dropped[name]
             m[p + "updated"] = int(name in status)
@@ -433,6 +464,26 @@ class MappaTrainer:
                 if name in status and key in status[name]:
                     m[p + key] = status[name][key]
         return m
+
+    def evaluate(self, step: int):
+        """Every --eval.dataset, n samples per task at --eval.temperature, on the current weights: one line
+        per dataset in eval.jsonl (read by `mappa report`), the per-problem results in eval/, and the
+        loggers' eval/ namespace."""
+        e, names = self.args.eval, [ag.spec.name for ag in self.agents]
+        for dataset, tasks in self.eval_sets.items():
+            workspace = os.path.join(self.run_dir, "workspaces", f"eval-{dataset}")
+            episodes = self.loop.run_until_complete(
+                evaluate(self.topology, tasks, self.eval_policies, e.n_samples_per_prompt, workspace, step)
+            )
+            summary, problems = summarize(episodes, names, tasks)
+            os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
+            with open(os.path.join(self.run_dir, "eval", f"{dataset}-step{step}.json"), "w", encoding="utf-8") as f:
+                json.dump({"step": step, "dataset": dataset, "summary": summary, "problems": problems}, f, indent=1)
+            with open(os.path.join(self.run_dir, "eval.jsonl"), "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, "dataset": dataset, **summary}) + "\n")
+            for logger in self.loggers:
+                logger.log_eval(step, {f"{dataset}/{k}": v for k, v in summary.items()})
+            print(f"[mappa] evaluation after step {step}\n{format_table({dataset: summary})}", flush=True)
 
     def write_episodes(self, episodes: list):
         with open(os.path.join(self.run_dir, "episodes.jsonl"), "a", encoding="utf-8") as f:
@@ -449,7 +500,7 @@ class MappaTrainer:
     def save_checkpoints(self, step: int):
         """OpenRLHF-style resumable checkpoints (and HF exports with --ckpt.save_hf), one directory per agent."""
         refs = []
-        for ag in self.agents:
+        for ag in self.trainees:
             refs += ag.actor.async_run_method(
                 method_name="save_checkpoint", tag=f"global_step{step}", client_states={"global_step": step}
             )

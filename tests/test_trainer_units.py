@@ -87,7 +87,7 @@ def fake_checkpoints(root, latest_by_agent, marker_step=None):
             (actor / "latest").write_text(tags[-1])
     if marker_step is not None:
         (root / "mappa_checkpoint.json").write_text(json.dumps({"step": marker_step}))
-    args = SimpleNamespace(ckpt=SimpleNamespace(load_enable=True, path=str(root)))
+    args = SimpleNamespace(ckpt=SimpleNamespace(load_enable=True, path=str(root)), mappa=SimpleNamespace(shared_policy=False))
     topology = SimpleNamespace(agents=[SimpleNamespace(name=a) for a in latest_by_agent])
     return args, topology
 

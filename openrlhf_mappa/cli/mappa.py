@@ -1,5 +1,5 @@
-"""The `mappa` command: project tools (`mappa tiny-model`, `mappa coach score`, `mappa sandbox run`,
-`mappa dsbench make-pack|import|score`)."""
+"""The `mappa` command: project tools (`mappa eval`, `mappa tiny-model`, `mappa coach score`,
+`mappa sandbox run`, `mappa dsbench make-pack|import|score`)."""
 
 import argparse
 import json
@@ -9,6 +9,27 @@ import sys
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="mappa", description="openrlhf_mappa tools")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("eval", help="evaluate a team on task files: pass@1 accuracy or DSBench scores, and behaviour")
+    p.add_argument("--topology", required=True, help="topology YAML (agents, env)")
+    p.add_argument("--data", required=True, nargs="+", help="task files (JSON list or JSONL), e.g. amc_eval_32.json")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", help="one model (HF id or path) for every agent, e.g. the untrained base model")
+    g.add_argument("--checkpoint", help="a run's HF exports (--ckpt.output_dir): the model of agent A is DIR/A")
+    p.add_argument("--agent-model", action="append", default=[], metavar="AGENT=MODEL", help="one agent's model")
+    p.add_argument("--n-samples", type=int, default=4, help="samples per problem; accuracy is their mean (pass@1)")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="per action, unless the topology sets it")
+    p.add_argument("--max-len", type=int, default=8192, help="prompt + response tokens")
+    p.add_argument("--limit", type=int, default=0, help="only the first N tasks of each file (0: all)")
+    p.add_argument("--out", default="eval_results.json", help="results; the episodes go to <out>.episodes.jsonl")
+    p.add_argument("--workspace", default=None, help="code workspaces (default: a temporary directory)")
+    p.add_argument("--num-engines", type=int, default=1, help="vLLM engines per distinct model")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=42)
 
     p = sub.add_parser("tiny-model", help="build a tiny causal LM + byte-level tokenizer offline (for tests/demos)")
     p.add_argument("out_dir")
@@ -58,7 +79,9 @@ def main(argv=None):
     q.add_argument("--submission", required=True)
 
     args = parser.parse_args(argv)
-    if args.command == "coach":
+    if args.command == "eval":
+        eval_main(parser, args)
+    elif args.command == "coach":
         rescore_main(parser, args)
     elif args.command == "tiny-model":
         from openrlhf_mappa.tiny_model import build_tiny_model
@@ -77,6 +100,71 @@ def main(argv=None):
 
     elif args.command == "dsbench":
         sys.exit(dsbench(args))
+
+
+def eval_main(parser, args):
+    """Team evaluation on vLLM engines (one group per distinct model, so agents sharing a base model share
+    engines), through the training rollout minus the coach; see evaluation.py."""
+    import asyncio
+    import os
+    import tempfile
+
+    import ray
+    from openrlhf.trainer.ray import create_vllm_engines
+    from transformers import AutoTokenizer
+
+    from openrlhf_mappa.envs.base import load_tasks
+    from openrlhf_mappa.evaluation import evaluate, format_table, summarize
+    from openrlhf_mappa.rollout import AgentPolicy
+    from openrlhf_mappa.topology import load_topology
+
+    topology = load_topology(args.topology, model_override=args.model)
+    models = {spec.name: spec.model for spec in topology.agents}
+    if args.checkpoint:
+        models = {name: os.path.join(args.checkpoint, name) for name in models}
+    for item in args.agent_model:
+        name, _, model = item.partition("=")
+        if name not in models or not model:
+            parser.error(f"--agent-model {item!r}: expected AGENT=MODEL with AGENT one of {', '.join(models)}")
+        models[name] = model
+    for name, model in models.items():
+        if args.checkpoint and not os.path.isdir(model):
+            parser.error(f"--checkpoint: no model for agent {name!r} at {model} (expected one HF export per agent)")
+    try:
+        datasets = {os.path.splitext(os.path.basename(p))[0]: load_tasks(p)[: args.limit or None] for p in args.data}
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"mappa eval: {e}")
+
+    if not ray.is_initialized():
+        ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    engines, tokenizers = {}, {}
+    for model in dict.fromkeys(models.values()):
+        engines[model] = create_vllm_engines(
+            args.num_engines, args.tensor_parallel_size, model, args.seed, False, False, args.enforce_eager,
+            args.max_len, None, args.gpu_memory_utilization, False,
+        )  # fmt: skip
+        tokenizers[model] = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
+    policies = {
+        spec.name: AgentPolicy(
+            engines=engines[models[spec.name]], tokenizer=tokenizers[models[spec.name]],
+            max_new_tokens=spec.max_new_tokens or args.max_new_tokens, max_len=args.max_len,
+            sampling=dict(temperature=args.temperature, top_p=args.top_p),
+        )  # fmt: skip
+        for spec in topology.agents
+    }
+    workspace = args.workspace or tempfile.mkdtemp(prefix="mappa-eval-")
+    results, summaries = {}, {}
+    with open(args.out + ".episodes.jsonl", "w", encoding="utf-8") as f:
+        for dataset, tasks in datasets.items():
+            episodes = asyncio.run(evaluate(topology, tasks, policies, args.n_samples, os.path.join(workspace, dataset)))
+            f.writelines(ep.to_json() + "\n" for ep in episodes)
+            summary, problems = summarize(episodes, list(models), tasks)
+            results[dataset], summaries[dataset] = {"summary": summary, "problems": problems}, summary
+    settings = {k: getattr(args, k) for k in ("n_samples", "temperature", "top_p", "max_new_tokens", "max_len", "seed")}
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump({"models": models, "settings": settings, "datasets": results}, f, indent=1)
+    print(format_table(summaries))
+    print(f"\nresults: {args.out}\nepisodes: {args.out}.episodes.jsonl")
 
 
 def rescore_main(parser, args):

@@ -22,8 +22,11 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.model", default=None, help="use this model for every agent (overrides the YAML)")
     g.add_argument("--mappa.reward", choices=["process", "outcome"], default="process",
                    help="process: each action's coach score (MAPPA); outcome: the episode's outcome for every action (baseline)")
-    g.add_argument("--mappa.norm_scope", choices=["agent", "global"], default="agent",
-                   help="whiten advantages over each agent's batch (the authors' choice) or over all agents")
+    g.add_argument("--mappa.norm_scope", choices=["agent", "global", "group"], default="agent",
+                   help="whiten advantages over each agent's batch (the authors' choice) or over all agents; "
+                        "group: GRPO-style, normalize rewards over the samples of each prompt (baseline)")
+    g.add_argument("--mappa.shared_policy", action="store_true",
+                   help="baseline: one policy (the first agent's model) plays and trains every role")
     g.add_argument("--mappa.run_dir", default="./runs/mappa", help="metrics.jsonl, episodes.jsonl and code workspaces")
     g.add_argument("--mappa.coach.kind", choices=["heuristic", "openai"], default="heuristic",
                    help="heuristic: offline rule-based coach (demo/tests); openai: any OpenAI-compatible server")
@@ -98,6 +101,8 @@ def validate(args):
         raise SystemExit("MAPPA's advantages are REINFORCE++ (rewards.py); --algo.advantage.estimator must be reinforce")
     if not 0.0 <= args.mappa.coach.max_failure_fraction <= 1.0:
         raise SystemExit(f"--mappa.coach.max_failure_fraction must be in [0, 1], got {args.mappa.coach.max_failure_fraction}")
+    if args.mappa.norm_scope == "group" and args.rollout.n_samples_per_prompt < 2:
+        raise SystemExit("--mappa.norm_scope group compares the samples of each prompt: set --rollout.n_samples_per_prompt >= 2")
     if args.algo.kl.use_loss:
         raise SystemExit("MAPPA puts KL in the reward (r_t = score - beta*KL); --algo.kl.use_loss is not supported")
 
@@ -121,6 +126,9 @@ def train(args):
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
     validate(args)
     tasks = load_tasks(args.data.prompt_dataset)[: args.data.max_samples]
+    # --eval.dataset: comma-separated task files, each evaluated before training, every --eval.steps and at the end.
+    eval_sets = {os.path.splitext(os.path.basename(p))[0]: load_tasks(p)
+                 for p in (args.eval.dataset or "").split(",") if p}  # fmt: skip
     if len(tasks) < args.rollout.batch_size:
         raise SystemExit(f"{args.data.prompt_dataset}: {len(tasks)} tasks, fewer than --rollout.batch_size {args.rollout.batch_size}")
     c = args.mappa.coach
@@ -133,13 +141,15 @@ def train(args):
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     steps = (len(tasks) // args.rollout.batch_size) * args.train.num_episodes
-    actions_per_step = args.rollout.batch_size * args.rollout.n_samples_per_prompt * max(a.max_actions for a in topology.agents)
+    per_episode = [a.max_actions for a in topology.agents]  # the actions one actor trains on per episode, at most
+    actions_per_step = args.rollout.batch_size * args.rollout.n_samples_per_prompt * (
+        sum(per_episode) if args.mappa.shared_policy else max(per_episode))
     max_steps = steps * max(1, actions_per_step // args.train.batch_size)
     start = prepare_resume(args, topology)
     if start:
         print(f"[mappa] resuming after step {start} (checkpoints in {os.path.abspath(args.ckpt.path)})")
     agents = build_agents(args, topology, max_steps)
-    trainer = MappaTrainer(args, topology, agents, coach, tasks, args.mappa.run_dir)
+    trainer = MappaTrainer(args, topology, agents, coach, tasks, args.mappa.run_dir, eval_sets)
     with open(os.path.join(args.mappa.run_dir, "processes.json"), "w") as f:  # which process is whose
         json.dump({f"{name}/{what}": ray.get(h.__ray_call__.remote(lambda self: os.getpid()))
                    for name, what, h in components(agents)}, f, indent=1)
@@ -158,6 +168,8 @@ def train(args):
         watchdog.done.set()
     print(f"[mappa] metrics:     {os.path.abspath(os.path.join(args.mappa.run_dir, 'metrics.jsonl'))}")
     print(f"[mappa] episodes:    {os.path.abspath(os.path.join(args.mappa.run_dir, 'episodes.jsonl'))}")
+    if eval_sets:
+        print(f"[mappa] evaluation:  {os.path.abspath(os.path.join(args.mappa.run_dir, 'eval.jsonl'))} (per problem: eval/)")
     print(f"[mappa] checkpoints: {os.path.abspath(args.ckpt.path)}/<agent>/ ; HF exports: {os.path.abspath(args.ckpt.output_dir)}/<agent>/")
     if args.logger.tensorboard_dir:
         print(f"[mappa] tensorboard: {os.path.abspath(args.logger.tensorboard_dir)}")

@@ -3,7 +3,7 @@
 import re
 
 from openrlhf_mappa.coach import Coach, CoachRequest
-from openrlhf_mappa.envs.mathchat import answers_match, extract_boxed
+from openrlhf_mappa.envs.mathchat import extract_boxed, grade
 from openrlhf_mappa.episode import Verdict
 
 # Python's own error shapes, plus the markers ToolFeedback.as_text() writes for a timeout or a non-zero exit.
@@ -28,7 +28,7 @@ class HeuristicCoach(Coach):
        valid submission. So a missing artifact costs the agent that had to make it, not its successors.
     1. tool feedback present (code ran): an error (Traceback, `XxxError:`, timeout, non-zero exit) -> 2;
        ran cleanly and printed something -> 7; ran cleanly with no output -> 5.
-    2. ground truth given: the last \\boxed{...} of the output equals it (MathChat's grader) -> 10;
+    2. ground truth given: the last \\boxed{...} of the output equals it (MathChat's `grade`) -> 10;
        a boxed answer that differs -> 2; no boxed answer -> 0.
     3. the agent runs code but the output has no ```python block -> 1.
     4. otherwise reasonableness: empty output -> 0; else 3, +1 if it mentions any number, + up to 2 for
@@ -64,7 +64,7 @@ class HeuristicCoach(Coach):
             boxed = extract_boxed(output)
             if boxed is None:
                 return 0.0, "answer rule: no \\boxed{} answer"
-            if answers_match(boxed, request.ground_truth):
+            if grade(boxed, request.ground_truth):
                 return 10.0, f"answer rule: \\boxed{{{boxed}}} matches the ground truth"
             return 2.0, f"answer rule: \\boxed{{{boxed}}} differs from the ground truth"
         if request.runs_code and not _CODE_BLOCK_RE.search(output):

@@ -110,6 +110,11 @@ class MultiAgentEnv:
         self.history.append(HistoryEntry(agent.name, turn, response, feedback.as_text()))
         return StepResult(feedback, done)
 
+    def answer_formatted(self, agent: AgentSpec, response: str) -> Optional[bool]:
+        """Whether this response gives a final answer in the form the pipeline requires, for agents that owe
+        one (the `answer_format_rate` behaviour metric); None for agents that do not."""
+        return None
+
     def outcome(self) -> dict:
         raise NotImplementedError(f"{type(self).__name__} must define outcome(): {{'success': bool, ...}}")
 

@@ -219,6 +219,10 @@ class DSBenchEnv(MultiAgentEnv):
             return {"valid": False, "status": "broken_task", "error": self.task_error, "task_type": self.task_type}
         return score_submission(self.task_dir, os.path.join(self.workspace, SUBMISSION))
 
+    def answer_formatted(self, agent, response: str) -> Optional[bool]:
+        """The agent that owes submission.csv: is the file there and valid after this action?"""
+        return self.submission_check()["valid"] if SUBMISSION in self.contract.get(agent.name, []) else None
+
     def outcome(self) -> dict:
         check = self.submission_check()
         return {

@@ -2,11 +2,12 @@
 
 The agents, prompts and action limits come from the topology (examples/configs/mathchat.yaml); the default
 `MultiAgentEnv` behaviour already runs the Code Executor's Python and shows each agent what came before. This
-file adds what MathChat means by success: the last agent's final `\\boxed{}` answer equals the task's answer.
-The answer comparison is deliberately modest (numbers, simple fractions, LaTeX noise), not a full grader.
+file adds what MathChat means by success: the last agent's final `\\boxed{}` answer equals the task's answer,
+as judged by `grade` (math-verify, with a plain-number comparison as the fast path).
 """
 
 import re
+import threading
 from fractions import Fraction
 from typing import Optional
 
@@ -25,10 +26,14 @@ class MathChatEnv(MultiAgentEnv):
                 return boxed
         return None
 
+    def answer_formatted(self, agent, response: str) -> Optional[bool]:
+        """Only the last agent owes the team a final answer, written as \\boxed{...}."""
+        return extract_boxed(response) is not None if agent is self.topology.agents[-1] else None
+
     def outcome(self) -> dict:
         answer = self.final_answer()
         return {
-            "success": answer is not None and answers_match(answer, self.task["answer"]),
+            "success": grade(answer, self.task["answer"]),
             "answer": answer,
             "answered": answer is not None,
         }
@@ -51,6 +56,25 @@ def extract_boxed(text: str) -> Optional[str]:
                 if depth == 0:
                     return text[i + 1 : j].strip()
         # An unclosed box (e.g. cut off by the token limit): fall back to the one before it.
+
+
+def grade(predicted, reference) -> bool:
+    """Is the final answer right? `answers_match` first (exact numbers, LaTeX noise: fast, no sympy), then
+    math-verify, which also sees equal expressions (\\frac{\\sqrt{3}}{2} vs \\frac{\\sqrt3}{2}, 2^{10} vs 1024).
+
+    math-verify bounds its sympy work with SIGALRM, which only the main thread may use; the rollout and
+    `mappa eval` call this from the main thread. Elsewhere it runs unbounded rather than silently fail.
+    """
+    if predicted is None:
+        return False
+    if answers_match(predicted, reference):
+        return True
+    from math_verify import parse, verify
+
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"${reference}$", parsing_timeout=limit)
+    pred = parse(f"${predicted}$", parsing_timeout=limit)
+    return bool(gold and pred and verify(gold, pred, timeout_seconds=limit))
 
 
 def answers_match(predicted, reference) -> bool:
