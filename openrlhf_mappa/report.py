@@ -124,12 +124,14 @@ def load_run(run_dir: str) -> dict:
 
 
 def render(data: dict) -> str:
-    # NaN/Infinity (e.g. in an outcome's metric) are not JSON: they become null. Every "<"
-    # is escaped so no agent text can close the script block ("</script>") or open a comment in it.
-    data = json.loads(json.dumps(data, ensure_ascii=False), parse_constant=lambda _: None)
-    payload = json.dumps(data, ensure_ascii=False).replace("<", "\\u003c")
+    # NaN/Infinity (e.g. in an outcome's metric) are not JSON: they become null. Every "<" is escaped so no
+    # agent text can close the script block ("</script>") or open a comment in it; ASCII-only JSON also
+    # carries a lone surrogate (an escape in a hand-edited JSONL file) that UTF-8 could not encode.
+    data = json.loads(json.dumps(data), parse_constant=lambda _: None)
+    payload = json.dumps(data).replace("<", "\\u003c")
     title = html.escape(f"MAPPA run {data['run_dir']}")
-    return TEMPLATE.replace("__TITLE__", title).replace("__DATA__", payload)
+    before, after = TEMPLATE.split("__DATA__")  # the payload is never searched for a placeholder
+    return before.replace("__TITLE__", title) + payload + after
 
 
 def write_report(run_dir: str, out: str = None) -> str:

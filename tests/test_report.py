@@ -55,14 +55,14 @@ def test_agent_text_cannot_break_out_of_the_page(tmp_path):
     action = {"agent": "solver", "turn": 0, "response_text": HOSTILE, "feedback": {"stdout": HOSTILE, "exit_code": 0},
               "verdict": {"score": None, "status": "parse_error", "rationale": HOSTILE}, "coach_request": {"task": HOSTILE}}
     episodes = [{"episode_id": f"e{i}", "task_id": "t", "step": 1, "outcome": {"success": True, "metric": float("inf")},
-                 "actions": [dict(action, response_text=HOSTILE if i == 249 else "x" * 10_000)]} for i in range(250)]  # fmt: skip
+                 "actions": [dict(action, response_text=HOSTILE + "\ud800" if i == 249 else "x" * 10_000)]} for i in range(250)]  # fmt: skip
     write_jsonl(tmp_path / "episodes.jsonl", episodes)
-    page = report.render(report.load_run(str(tmp_path)))
+    page = open(report.write_report(str(tmp_path)), encoding="utf-8").read()  # a lone surrogate is written, too
     assert "<img" not in page and "<!--" not in page and page.count("</script>") == 2  # the page's own two blocks
     payload = page[page.index('id="data">') + len('id="data">') : page.index("</script>")]
     data = json.loads(payload)  # valid JSON: NaN and Infinity became null
     assert data["episodes_total"] == 250 and len(data["episodes"]) == report.MAX_EPISODES
-    assert data["episodes"][-1]["actions"][0]["response"] == HOSTILE and data["episodes"][-1]["task"] == HOSTILE
+    assert data["episodes"][-1]["actions"][0]["response"] == HOSTILE + "\ud800" and data["episodes"][-1]["task"] == HOSTILE
     assert data["episodes"][0]["outcome"]["metric"] is None and "agent/*/kl" not in str(data["sections"])
     clipped = data["episodes"][0]["actions"][0]["response"]
     assert len(clipped) < 4100 and "[... 6000 characters cut ...]" in clipped
