@@ -7,6 +7,7 @@ invented number.
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -126,3 +127,23 @@ class Episode:
         for a in d["actions"]:
             a.pop("prompt_ids"), a.pop("response_ids"), a.pop("rollout_logprobs")
         return json.dumps(d, ensure_ascii=False)
+
+
+def read_jsonl(path: str) -> list:
+    """(line number, record) of each non-empty line of a run's JSONL file. A cut-off last line (a run killed
+    mid-write) is skipped with a warning; a broken line anywhere else is an error naming its line."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    last = len(lines) - 1 if lines[-1] == "" else len(lines)
+    out = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((lineno, json.loads(line)))
+        except json.JSONDecodeError as e:
+            if lineno == last:
+                print(f"warning: {path}: line {lineno} is cut off (an interrupted run?); skipped", file=sys.stderr)
+                continue
+            raise ValueError(f"{path}: line {lineno}: broken JSON: {e.msg}") from e
+    return out

@@ -1,7 +1,9 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 
 import pytest
 import yaml
@@ -56,3 +58,76 @@ def two_agent_mathchat(tmp_path, num_tasks: int):
         for i in range(num_tasks):
             f.write(json.dumps({"id": i, "prompt": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n")
     return str(tmp_path / "topology.yaml"), str(tmp_path / "tasks.jsonl")
+
+
+class Node:
+    """An element of a rendered page: tag, attributes, children (nodes and text)."""
+
+    def __init__(self, tag, attrs):
+        self.tag, self.attrs, self.children = tag, dict(attrs), []
+
+    def text(self) -> str:
+        return "".join(c if isinstance(c, str) else c.text() for c in self.children)
+
+    def find_all(self, tag, cls=None) -> list:
+        found = []
+        for c in self.children:
+            if isinstance(c, Node):
+                if c.tag == tag and (cls is None or cls in c.attrs.get("class", "").split()):
+                    found.append(c)
+                found += c.find_all(tag, cls)
+        return found
+
+
+class DomParser(HTMLParser):
+    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "wbr"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack = [Node("document", {})]
+
+    def handle_starttag(self, tag, attrs):
+        node = Node(tag, attrs)
+        self.stack[-1].children.append(node)
+        if tag not in self.VOID:
+            self.stack.append(node)
+
+    def handle_startendtag(self, tag, attrs):
+        self.stack[-1].children.append(Node(tag, attrs))
+
+    def handle_endtag(self, tag):
+        if any(n.tag == tag for n in self.stack[1:]):
+            while self.stack.pop().tag != tag:
+                pass
+
+    def handle_data(self, data):
+        self.stack[-1].children.append(data)
+
+
+def render_report_dom(html_path: str) -> Node:
+    """The page as headless Chromium leaves it after its scripts ran (--dump-dom), parsed. Skips the test
+    when Chromium is not installed (CI installs it: .ci/run)."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("chromium is not installed (apt-get install chromium): the report's page cannot be rendered")
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           "--virtual-time-budget=5000", "--dump-dom", "file://" + os.path.abspath(html_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and "</html>" in proc.stdout, proc.stderr[-3000:]
+    parser = DomParser()
+    parser.feed(proc.stdout)
+    return parser.stack[0]
+
+
+def assert_report_renders(html_path: str, agents, steps: int, episodes: int) -> Node:
+    """`mappa report`'s page, rendered: every agent's action-length curve has a point per logged step, the
+    viewer lists the episodes and shows the newest one's actions with their coach verdicts. Returns the DOM."""
+    dom = render_report_dom(html_path)
+    charts = {f.attrs["data-title"]: f for f in dom.find_all("figure", "chart")}
+    lines = {p.attrs["data-series"]: p.attrs["points"].split() for p in charts["agent/*/action_length"].find_all("polyline", "series")}
+    assert {a: len(lines.get(a, [])) for a in agents} == {a: steps for a in agents}
+    assert len(dom.find_all("li", "episode")) == episodes
+    cards = dom.find_all("div", "action")
+    assert cards and all(c.find_all("div", "score") and c.find_all("pre", "rationale") for c in cards)
+    assert {c.attrs["data-agent"] for c in cards} <= set(agents)
+    return dom

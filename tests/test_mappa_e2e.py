@@ -5,11 +5,12 @@ actor and vLLM engine (Ray, vLLM, DeepSpeed for real), coached by an OpenAI-comp
 Asserted: the coached agent's actor changed; after the sync each agent's engine holds its own
 actor's weights and not another agent's (compared through log-probs of a fixed sequence); the agent
 whose every verdict was unparsable got no experience and was not updated; metrics and episodes are
-written per agent.
+written per agent, and `mappa report` renders them (in Chromium where installed).
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ import torch
 import yaml
 
 from coach_server import COACH_TEMPLATE, CoachServer
-from conftest import MAPPA, TINY_RUN_FLAGS, local_cluster_env
+from conftest import MAPPA, TINY_RUN_FLAGS, assert_report_renders, local_cluster_env
 
 AGENTS = ("solver", "mute")
 PROBE_TEXT = "Probe: 7 + 5 = 12, the answer is 12."
@@ -150,6 +151,14 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server):
                 assert a["reward"] == v["score"] and a["advantage"] is not None
     assert len(coach_server.requests) == 4 + 4 * 3
     assert {r["authorization"] for r in coach_server.requests} == {"Bearer secret-123"}  # key from the named env var
+
+    # The run's HTML report; rendered where Chromium is installed (CI installs it), the mute agent's cards grey.
+    proc = subprocess.run([MAPPA, "report", str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    if shutil.which("chromium"):
+        dom = assert_report_renders(str(run_dir / "report.html"), AGENTS, steps=1, episodes=4)
+        mute = [c for c in dom.find_all("div", "action") if c.attrs["data-agent"] == "mute"]
+        assert mute and all(c.find_all("div", "score")[0].text() == "no score: parse_error" for c in mute)
 
 
 def test_launch_fails_fast_when_the_cluster_has_too_few_gpus(tmp_path, tiny_model):

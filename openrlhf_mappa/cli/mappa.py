@@ -1,4 +1,4 @@
-"""The `mappa` command: project tools (`mappa eval`, `mappa tiny-model`, `mappa coach score`,
+"""The `mappa` command: project tools (`mappa eval`, `mappa report`, `mappa tiny-model`, `mappa coach score`,
 `mappa sandbox run`, `mappa dsbench make-pack|import|score`)."""
 
 import argparse
@@ -78,6 +78,10 @@ def main(argv=None):
     q.add_argument("--task-dir", required=True)
     q.add_argument("--submission", required=True)
 
+    p = sub.add_parser("report", help="write a self-contained HTML report of a training run (curves, coach, episodes)")
+    p.add_argument("run_dir", help="the run's --mappa.run_dir (metrics.jsonl, episodes.jsonl, eval.jsonl)")
+    p.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html)")
+
     args = parser.parse_args(argv)
     if args.command == "eval":
         eval_main(parser, args)
@@ -100,6 +104,13 @@ def main(argv=None):
 
     elif args.command == "dsbench":
         sys.exit(dsbench(args))
+    elif args.command == "report":
+        from openrlhf_mappa.report import write_report
+
+        try:
+            print(write_report(args.run_dir, args.out))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"mappa report: {e}")
 
 
 def eval_main(parser, args):

@@ -10,28 +10,17 @@ the output as <out>.summary.json.
 import asyncio
 import json
 import statistics
-import sys
 
 from openrlhf_mappa.coach import Coach, CoachRequest
 from openrlhf_mappa.coach.audit import pearson
+from openrlhf_mappa.episode import read_jsonl
 
 
 def read_actions(path: str) -> list:
     """(episode, action) dicts from an episodes.jsonl. A cut-off last line (a run killed mid-write) is
     skipped with a warning; a broken line anywhere else is an error naming its line."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
     out = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            episode = json.loads(line)
-        except json.JSONDecodeError as e:
-            if lineno == len(lines) or (lineno == len(lines) - 1 and not lines[-1]):
-                print(f"warning: {path}: line {lineno} is cut off (an interrupted run?); skipped", file=sys.stderr)
-                continue
-            raise ValueError(f"{path}: line {lineno}: broken JSON: {e.msg}") from e
+    for lineno, episode in read_jsonl(path):
         for action in episode.get("actions", []):
             if not action.get("coach_request"):
                 raise ValueError(f"{path}: line {lineno}: action without 'coach_request' (written by an older version?)")

@@ -1,0 +1,142 @@
+"""`mappa report RUN_DIR`: reading a run's logs, escaping agent text, and the page as Chromium renders it."""
+
+import asyncio
+import json
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import MAPPA, assert_report_renders
+from openrlhf_mappa import report
+
+HOSTILE = "</script><img src=x onerror=alert(1)><!-- \u2028 \ufffd"
+
+
+def metrics_row(step, **extra):
+    return {"step": step, "outcome/success_rate": 0.5, "agent/solver/coach_score": 4.0 + step,
+            "agent/solver/action_length": 10.0, "agent/solver/kl": None, **extra}  # fmt: skip
+
+
+def write_jsonl(path, rows, tail=""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+
+
+def test_reading_tolerates_a_cut_off_last_line_and_names_a_broken_one(tmp_path, capsys):
+    write_jsonl(tmp_path / "metrics.jsonl", [metrics_row(1), metrics_row(2)], tail='{"step": 3, "outcome/succ')
+    data = report.load_run(str(tmp_path))
+    assert data["steps"] == [1, 2] and data["agents"] == ["solver"]
+    assert "metrics.jsonl: line 3 is cut off" in capsys.readouterr().err
+    curves = {c["title"]: c["series"] for c in data["sections"]["training"]}
+    assert curves["agent/*/coach_score"] == [{"name": "solver", "points": [[1, 5.0], [2, 6.0]]}]
+    assert "agent/*/kl" not in curves  # null every step: no chart rather than an empty one
+    assert data["sections"]["eval"] is None and data["episodes"] == []  # no eval.jsonl, no episodes.jsonl
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(metrics_row(1)) + "\n{broken\n" + json.dumps(metrics_row(2)) + "\n")
+    with pytest.raises(ValueError, match="metrics.jsonl: line 2: broken JSON"):
+        report.load_run(str(tmp_path))
+    with pytest.raises(ValueError, match="no metrics.jsonl"):
+        report.load_run(str(tmp_path / "missing"))
+
+
+def test_eval_curves_per_dataset(tmp_path):
+    write_jsonl(tmp_path / "metrics.jsonl", [metrics_row(1)])
+    rows = [{"step": s, "dataset": d, "accuracy": acc, "n_problems": 32, "n_samples": 4, "answered_rate": 1.0}
+            for s, d, acc in ((0, "amc_eval_32", 0.1), (0, "gsm", 0.5), (2, "amc_eval_32", 0.25))]  # fmt: skip
+    write_jsonl(tmp_path / "eval.jsonl", rows)
+    charts = report.load_run(str(tmp_path))["sections"]["eval"]
+    assert [c["title"] for c in charts] == ["amc_eval_32 (32 problems x 4 samples)", "gsm (32 problems x 4 samples)"]
+    assert charts[0]["series"] == [{"name": "accuracy", "points": [[0, 0.1], [2, 0.25]]},
+                                   {"name": "answered_rate", "points": [[0, 1.0], [2, 1.0]]}]  # fmt: skip
+
+
+def test_agent_text_cannot_break_out_of_the_page(tmp_path):
+    write_jsonl(tmp_path / "metrics.jsonl", [metrics_row(1, **{"agent/solver/kl": float("nan")})])
+    action = {"agent": "solver", "turn": 0, "response_text": HOSTILE, "feedback": {"stdout": HOSTILE, "exit_code": 0},
+              "verdict": {"score": None, "status": "parse_error", "rationale": HOSTILE}, "coach_request": {"task": HOSTILE}}
+    episodes = [{"episode_id": f"e{i}", "task_id": "t", "step": 1, "outcome": {"success": True, "metric": float("inf")},
+                 "actions": [dict(action, response_text=HOSTILE + "\ud800" if i == 249 else "x" * 10_000)]} for i in range(250)]  # fmt: skip
+    write_jsonl(tmp_path / "episodes.jsonl", episodes)
+    page = open(report.write_report(str(tmp_path)), encoding="utf-8").read()  # a lone surrogate is written, too
+    assert "<img" not in page and "<!--" not in page and page.count("</script>") == 2  # the page's own two blocks
+    payload = page[page.index('id="data">') + len('id="data">') : page.index("</script>")]
+    data = json.loads(payload)  # valid JSON: NaN and Infinity became null
+    assert data["episodes_total"] == 250 and len(data["episodes"]) == report.MAX_EPISODES
+    assert data["episodes"][-1]["actions"][0]["response"] == HOSTILE + "\ud800" and data["episodes"][-1]["task"] == HOSTILE
+    assert data["episodes"][0]["outcome"]["metric"] is None and "agent/*/kl" not in str(data["sections"])
+    clipped = data["episodes"][0]["actions"][0]["response"]
+    assert len(clipped) < 4100 and "[... 6000 characters cut ...]" in clipped
+
+
+def run_dir_from_a_real_rollout(run_dir, tmp_path) -> list:
+    """Three steps of a real rollout (the MathChat environment, code run in the sandbox, the heuristic coach),
+    scripted policies standing in for the engines, logged by the trainer's own step_metrics, coach metrics,
+    bias audit, write_episodes and log. The newest episode has the hostile reply and a failed verdict."""
+    from test_coach import ScriptedPolicy
+
+    from openrlhf_mappa import rewards
+    from openrlhf_mappa.coach import build_coach
+    from openrlhf_mappa.coach.audit import BiasAudit, coach_step_metrics
+    from openrlhf_mappa.episode import Verdict
+    from openrlhf_mappa.rollout import rollout
+    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.trainer import MappaTrainer
+
+    agents = ["solver", "coder", "verifier"]
+    (tmp_path / "t.yaml").write_text(
+        "name: t\nenv: mathchat\ncoach_template: 'Output: {agent_output} SCORE:'\nagents:\n"
+        + "".join(f"  - {{name: {n}, model: unused, role: r, prompt: '{{task}}', runs_code: {n == 'coder'}}}\n" for n in agents)
+    )
+    topology = load_topology(str(tmp_path / "t.yaml"))
+    trainer = SimpleNamespace(run_dir=str(run_dir), loggers=[], agents=[SimpleNamespace(spec=SimpleNamespace(name=n)) for n in agents],
+                              mappa=SimpleNamespace(coach=SimpleNamespace(on_failure="skip")))  # fmt: skip
+    audit = BiasAudit()
+    for step in (1, 2, 3):
+        replies = {"solver": "It is 4." if step < 3 else HOSTILE, "coder": f"```python\nprint(2 + {step - 1})\n```",
+                   "verifier": "\\boxed{4}" if step > 1 else "maybe 5"}  # fmt: skip
+        policies = {n: ScriptedPolicy(r) for n, r in replies.items()}
+        tasks = [{"id": str(i), "prompt": "2 + 2?", "answer": "4"} for i in range(4)]
+        episodes = asyncio.run(rollout(topology, tasks, policies, build_coach("heuristic"), str(tmp_path / "ws"), step))
+        if step == 3:
+            episodes[-1].actions[-1].verdict = Verdict(None, "parse_error", "the coach's reply had no score")
+        counts = rewards.assign_rewards(episodes, "process")
+        metrics = MappaTrainer.step_metrics(trainer, episodes, {}, {}, {n: 0 for n in agents}, counts)
+        metrics.update(coach_step_metrics(episodes))
+        metrics.update(audit.update(episodes))
+        MappaTrainer.write_episodes(trainer, episodes)
+        MappaTrainer.log(trainer, step, metrics)
+    return agents
+
+
+def test_report_renders_in_chromium(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    agents = run_dir_from_a_real_rollout(run_dir, tmp_path)
+    write_jsonl(run_dir / "eval.jsonl", [{"step": s, "dataset": "amc_eval_32", "accuracy": a, "n_problems": 32, "n_samples": 4,
+                                          "answered_rate": 1.0, "agent/verifier/answer_format_rate": 0.5} for s, a in ((1, 0.1), (3, 0.3))])  # fmt: skip
+    out = tmp_path / "page.html"
+    proc = subprocess.run([MAPPA, "report", str(run_dir), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(out), proc.stderr
+
+    dom = assert_report_renders(str(out), agents, steps=3, episodes=12)
+    charts = {f.attrs["data-title"]: f for f in dom.find_all("figure", "chart")}
+    points = {(t, p.attrs["data-series"]): len(p.attrs["points"].split()) for t, f in charts.items() for p in f.find_all("polyline", "series")}
+    for a in agents:
+        assert points["agent/*/coach_score", a] == points["agent/*/tool_use_rate", a] == 3
+        assert points[f"{a}: mean coach score per task type", "math"] == 3
+    assert points["coach verdicts by status", "ok"] == points["coach verdicts by status", "parse_error"] == 3
+    assert points["final agent's coach score vs outcome", "mean score on success"] == 2  # step 1: no success
+    assert points["amc_eval_32 (32 problems x 4 samples)", "accuracy"] == 2
+    assert len(charts["agent/*/coach_score"].find_all("circle")) == 9  # a hover dot per point
+
+    # The newest episode is shown: the hostile reply as text, the coder's tool run, the verifier's failed verdict.
+    cards = {c.attrs["data-agent"]: c for c in dom.find_all("div", "action")}
+    assert cards["solver"].find_all("pre", "response")[0].text() == HOSTILE and not dom.find_all("img")
+    assert cards["solver"].find_all("div", "score")[0].text().startswith("coach score ")
+    assert cards["solver"].find_all("pre", "rationale")[0].text().startswith("heuristic: ")
+    assert cards["solver"].attrs["style"].startswith("background: rgb(") and "221, 221, 221" not in cards["solver"].attrs["style"]
+    assert cards["coder"].find_all("pre", "stdout")[0].text() == "stdout:\n4\n"
+    assert cards["verifier"].find_all("div", "score")[0].text() == "no score: parse_error"
+    assert "the coach's reply had no score" in cards["verifier"].find_all("pre", "rationale")[0].text()
+    assert cards["verifier"].attrs["style"] == "background: rgb(221, 221, 221);"  # grey: no score
+    assert "no coach-bias warning" in dom.text()
