@@ -17,7 +17,7 @@ from openrlhf_mappa.episode import VERDICT_STATUSES, read_jsonl
 MAX_EPISODES = 200  # the viewer embeds a run's last episodes only, so a long run's report stays small
 MAX_TEXT = 4000  # characters kept of each text shown in the viewer (the middle is cut)
 AGENT_CURVES = ("coach_score", "outcome_success", "kl", "action_length", "tool_use_rate", "tool_error_rate",
-                "truncated_rate", "answer_format_rate")  # fmt: skip
+                "code_error_rate", "truncated_rate", "answer_format_rate")  # fmt: skip
 EVAL_FIELDS = ("step", "dataset", "n_problems", "n_samples")  # eval.jsonl keys that are not curves
 
 
@@ -102,9 +102,11 @@ def load_run(run_dir: str) -> dict:
         evaluation = []
         for d in datasets:
             rows = [r for r in evals if r.get("dataset", "?") == d]
-            names = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in EVAL_FIELDS]
+            names = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in EVAL_FIELDS and not k.startswith("agent/")]
             size = f" ({rows[-1].get('n_problems', '?')} problems x {rows[-1].get('n_samples', '?')} samples)"
             evaluation.append(chart(d + size, [series(rows, k, k) for k in names]))
+            # Behaviour on the evaluation set: one chart per metric, a line per agent, as in training.
+            evaluation += [chart(f"{d}: agent/*/{k}", [series(rows, f"agent/{a}/{k}", a) for a in agents]) for k in AGENT_CURVES]
 
     steps = sorted({r["step"] for r in metrics})
     return {

@@ -82,7 +82,7 @@ def test_shared_policy_group_norm_run_evaluates_before_and_after(tmp_path, tiny_
 
     assert torch.equal(engine["problem_solver"], engine["verifier"])
     assert (engine["verifier"] - actor).abs().max() < 0.02  # synced after training
-    assert (actor - torch.tensor(hf_probe_logprobs(tiny_model, probe["probe"]))).abs().mean() > 0.1  # trained
+    assert (actor - hf_probe_logprobs(tiny_model, probe["probe"])).abs().mean() > 0.1  # trained
     m = json.loads(open(run_dir / "metrics.jsonl").readline())
     assert m["agent/problem_solver/trained_actions"] == 8  # 4 episodes x 2 roles, in one batch
     assert "agent/verifier/trained_actions" not in m and m["agent/verifier/num_actions"] == 4

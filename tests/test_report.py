@@ -89,7 +89,7 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path) -> list:
     )
     topology = load_topology(str(tmp_path / "t.yaml"))
     trainer = SimpleNamespace(run_dir=str(run_dir), loggers=[], agents=[SimpleNamespace(spec=SimpleNamespace(name=n)) for n in agents],
-                              mappa=SimpleNamespace(coach=SimpleNamespace(on_failure="skip")))  # fmt: skip
+                              mappa=SimpleNamespace(coach=SimpleNamespace(on_failure="skip")), owner={n: n for n in agents})  # fmt: skip
     audit = BiasAudit()
     for step in (1, 2, 3):
         replies = {"solver": "It is 4." if step < 3 else HOSTILE, "coder": f"```python\nprint(2 + {step - 1})\n```",
@@ -127,6 +127,7 @@ def test_report_renders_in_chromium(tmp_path):
     assert points["coach verdicts by status", "ok"] == points["coach verdicts by status", "parse_error"] == 3
     assert points["final agent's coach score vs outcome", "mean score on success"] == 2  # step 1: no success
     assert points["amc_eval_32 (32 problems x 4 samples)", "accuracy"] == 2
+    assert points["amc_eval_32: agent/*/answer_format_rate", "verifier"] == 2  # behaviour on the eval set, per agent
     assert len(charts["agent/*/coach_score"].find_all("circle")) == 9  # a hover dot per point
 
     # The newest episode is shown: the hostile reply as text, the coder's tool run, the verifier's failed verdict.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The MAPPA loop on a laptop/CPU: three tiny agents (built offline by `mappa tiny-model`) play MathChat on
-# simple word problems, scored by the offline heuristic coach, for 2 steps. Real Ray actors, vLLM engines
+# simple word problems, scored by the offline heuristic coach, for 2 steps, evaluated on 4 held-out problems
+# before and after training. Real Ray actors, vLLM engines
 # and DeepSpeed ZeRO-3, through the CPU patches. Run from the repo root: `make demo` (or this script after
-# `make install`). Outputs go to runs/tiny-cpu/.
+# `make install`). Outputs go to runs/tiny-cpu/; `mappa report runs/tiny-cpu/run` makes the HTML report.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -23,6 +24,8 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
    --mappa.run_dir "$OUT/run" \
    --data.prompt_dataset examples/data/tiny_math.jsonl \
    --data.max_samples 8 \
+   --eval.dataset examples/data/tiny_math_eval.jsonl \
+   --eval.n_samples_per_prompt 2 \
    --actor.num_gpus_per_node 1 \
    --ref.num_gpus_per_node 1 \
    --vllm.num_engines 1 \

@@ -73,6 +73,8 @@ def parse_args(argv=None):
     for stmt in main.body:
         if isinstance(stmt, ast.Expr) and ast.unparse(stmt) == "train(args)":
             break
+        if isinstance(stmt, ast.If) and ast.unparse(stmt.test) == "args.eval.dataset":
+            continue  # upstream demands a reward model to grade --eval.dataset; MAPPA's environment grades it
         if ast.unparse(stmt) == "args = parser.parse_args()":
             body.append(ast.parse("__add_mappa_args__(parser)").body[0])
         body.append(stmt)
