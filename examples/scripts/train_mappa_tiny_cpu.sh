@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The MAPPA loop on a laptop/CPU: three tiny agents (built offline by `mappa tiny-model`) play MathChat on
 # simple word problems, scored by the offline heuristic coach, for 2 steps, evaluated on 4 held-out problems
-# before and after training. Real Ray actors, vLLM engines
-# and DeepSpeed ZeRO-3, through the CPU patches. Run from the repo root: `make demo` (or this script after
+# before and after training. Real Ray actors, vLLM engines and DeepSpeed ZeRO-3, through the CPU patches. Run from the repo root: `make demo` (or this script after
 # `make install`). Outputs go to runs/tiny-cpu/; `mappa report runs/tiny-cpu/run` makes the HTML report.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
