@@ -186,6 +186,7 @@ def main():
     a = p.parse_args()
     if a.quick:
         a.seeds, a.steps = 1, 40
+    a.out = os.path.abspath(a.out)  # each training run works in its own directory
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     runs = []
