@@ -15,8 +15,12 @@ Success is smoothed by a trailing mean over --window steps; a run's "steps to th
 whose trailing mean reaches --threshold. A run stops as soon as that happens (the rest of the run cannot
 change the first crossing); otherwise it runs the whole budget of --steps and counts as "not reached".
 
-    PYTHONPATH=. .venv/bin/python benchmarks/credit_assignment.py --quick     # 1 seed, < 10 min here
-    PYTHONPATH=. .venv/bin/python benchmarks/credit_assignment.py             # 3 seeds, < 60 min here
+Per run: 2 agents x (1 ZeRO-3 actor + 1 vLLM engine), no reference model (KL 0), 8 tasks x 2 samples = 16
+episodes per step, one optimizer step per agent per step, 4-token replies, constant lr 3e-3. Outputs:
+<out>/<mode>-seed<S>/ (the run's train.log and metrics.jsonl) and <out>/summary.json.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/credit_assignment.py --quick     # 1 seed, 40-step budget
+    PYTHONPATH=. .venv/bin/python benchmarks/credit_assignment.py             # 3 seeds, 60-step budget
 """
 
 import argparse
@@ -100,7 +104,8 @@ def write_setup(out: str, seed: int, num_tasks: int) -> tuple:
     return topology_path, tasks_path
 
 
-def read_success(metrics_path: str) -> list:
+def read_metrics(metrics_path: str) -> list:
+    """The complete lines of a run's metrics.jsonl so far (one dict per step)."""
     if not os.path.exists(metrics_path):
         return []
     rows = []
@@ -143,7 +148,7 @@ def train(out: str, mode: str, seed: int, a) -> dict:
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
         while proc.poll() is None:
             time.sleep(2)
-            success = [m["outcome/success_rate"] for m in read_success(metrics_path)]
+            success = [m["outcome/success_rate"] for m in read_metrics(metrics_path)]
             if steps_to_threshold(success, a.threshold, a.window) is not None:
                 # SIGINT is Ctrl-C: the driver unwinds and Ray tears its local cluster down.
                 proc.send_signal(signal.SIGINT)
@@ -154,7 +159,7 @@ def train(out: str, mode: str, seed: int, a) -> dict:
                     proc.kill()
                     proc.wait()
     wall = time.time() - t0
-    metrics = read_success(metrics_path)
+    metrics = read_metrics(metrics_path)
     if not stopped and (proc.returncode != 0 or len(metrics) < a.steps):
         raise SystemExit(f"{mode} seed {seed}: the training run failed (exit {proc.returncode}); see {run}/train.log")
     success = [m["outcome/success_rate"] for m in metrics]
@@ -175,7 +180,7 @@ def mean_steps(runs: list, steps: int) -> tuple:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 seed and a 40-step budget (under 10 minutes here)")
+    p.add_argument("--quick", action="store_true", help="1 seed and a 40-step budget")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60, help="step budget of every run")
     p.add_argument("--threshold", type=float, default=0.8, help="success rate to reach (trailing mean)")
