@@ -355,6 +355,15 @@ def test_heuristic_wrong_answer_scores_lower():
     assert right.score > wrong.score > unanswered.score
 
 
+def test_heuristic_pattern_ground_truth_checks_the_output_itself():
+    # a pipeline's checkable per-action goal (benchmarks/credit_assignment.py): a match anywhere -> 10
+    assert heuristic_score(agent_output="x7", ground_truth="Required pattern: \\d").score == 10.0
+    miss = heuristic_score(agent_output="xy", ground_truth="Required pattern: \\d")
+    assert miss.score < 1.0 and "pattern rule" in miss.rationale
+    # any other ground truth is still an answer to \boxed{}
+    assert heuristic_score(agent_output="\\boxed{7}", ground_truth="7").score == 10.0
+
+
 def test_heuristic_tool_feedback():
     role = "You write Python code in ```python blocks to compute the answer."
     code = "```python\nprint(3 * 6)\n```"

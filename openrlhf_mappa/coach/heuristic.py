@@ -16,6 +16,8 @@ _NUMBER_RE = re.compile(r"\d")
 # The workspace check DSBenchEnv.coach_ground_truth writes (the file contract after the action).
 _DSBENCH_RE = re.compile(r"^Missing inputs[^:]*: (.*)\nMissing outputs[^:]*: (.*)$", re.MULTILINE)
 _SUBMISSION_RE = re.compile(r"^Submission check: (valid|invalid).*?(?:relative score ([\d.]+))?$", re.MULTILINE)
+# A per-action goal that a pipeline can check mechanically, given as the ground truth (see rule 2).
+PATTERN_PREFIX = "Required pattern: "
 
 
 class HeuristicCoach(Coach):
@@ -28,7 +30,9 @@ class HeuristicCoach(Coach):
        valid submission. So a missing artifact costs the agent that had to make it, not its successors.
     1. tool feedback present (code ran): an error (Traceback, `XxxError:`, timeout, non-zero exit) -> 2;
        ran cleanly and printed something -> 7; ran cleanly with no output -> 5.
-    2. ground truth given: the last \\boxed{...} of the output equals it (MathChat's `grade`) -> 10;
+    2. ground truth given: "Required pattern: <regex>" (a pipeline states a checkable goal for this agent's
+       own action, e.g. benchmarks/credit_assignment.py) -> 10 if the output contains a match, else 0;
+       otherwise the last \\boxed{...} of the output equals it (MathChat's `grade`) -> 10;
        a boxed answer that differs -> 2; no boxed answer -> 0.
     3. the agent runs code but the output has no ```python block -> 1.
     4. otherwise reasonableness: empty output -> 0; else 3, +1 if it mentions any number, + up to 2 for
@@ -61,6 +65,11 @@ class HeuristicCoach(Coach):
                 return 5.0, "tool rule: the code ran without error but printed nothing"
             return 7.0, "tool rule: the code ran without error"
         if request.ground_truth is not None:
+            if request.ground_truth.startswith(PATTERN_PREFIX):
+                pattern = request.ground_truth[len(PATTERN_PREFIX) :]
+                if re.search(pattern, output):
+                    return 10.0, f"pattern rule: the output matches {pattern!r}"
+                return 0.0, f"pattern rule: the output does not match {pattern!r}"
             boxed = extract_boxed(output)
             if boxed is None:
                 return 0.0, "answer rule: no \\boxed{} answer"
