@@ -6,9 +6,11 @@ Two callers: the trainer (every --eval.steps steps, on the training engines; see
 evaluated episode is exactly a training episode minus the coach.
 """
 
+import os
 import statistics
 
 from openrlhf_mappa.coach import Coach, CoachRequest
+from openrlhf_mappa.envs.base import load_tasks
 from openrlhf_mappa.episode import Verdict
 from openrlhf_mappa.rollout import rollout
 
@@ -20,6 +22,12 @@ class NoCoach(Coach):
 
     async def score(self, request: CoachRequest) -> Verdict:
         return Verdict(score=None, status="skipped", rationale="evaluation: not scored", coach=self.name)
+
+
+def load_eval_sets(paths: list, limit: int = 0) -> dict:
+    """{dataset name: tasks} for task files; the name (the file's stem) labels eval.jsonl, the loggers and
+    the report, so training-time and standalone evaluations of one file line up. limit: first N tasks."""
+    return {os.path.splitext(os.path.basename(p))[0]: load_tasks(p)[: limit or None] for p in paths}
 
 
 async def evaluate(topology, tasks: list, policies: dict, n_samples: int, workspace_root: str, step: int = 0) -> list:

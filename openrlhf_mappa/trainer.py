@@ -158,13 +158,19 @@ def experience_of(action):
     )
 
 
+def owners(agents: list) -> list:
+    """The agents that own their components (actor, reference, engines): all of them, or under a shared
+    policy only the first, whose components the other roles reuse (see build_agents)."""
+    first = {}
+    for ag in agents:
+        first.setdefault(id(ag.actor), ag)
+    return list(first.values())
+
+
 def components(agents: list) -> list:
     """(agent, component, Ray actor handle) for every process of every agent (a shared policy's once)."""
-    out, seen = [], set()
-    for ag in agents:
-        if id(ag.actor) in seen:
-            continue
-        seen.add(id(ag.actor))
+    out = []
+    for ag in owners(agents):
         out += [(ag.spec.name, f"vLLM engine {i}", e) for i, e in enumerate(ag.engines)]
         out += [(ag.spec.name, f"actor rank {i}", h) for i, h in enumerate(ag.actor._actor_handlers)]
         if ag.ref is not None:
@@ -273,8 +279,9 @@ class MappaTrainer:
         self.run_dir = run_dir
         self.eval_sets = eval_sets or {}  # dataset name -> tasks
         # Who trains whose actions: each agent its own, or with a shared policy, all of them the first's.
-        self.trainees = agents[: len(trainee_specs(args, topology))]
-        self.owner = {ag.spec.name: self.trainees[0 if args.mappa.shared_policy else i].spec.name for i, ag in enumerate(agents)}
+        self.trainees = owners(agents)
+        owner_of_actor = {id(ag.actor): ag.spec.name for ag in self.trainees}
+        self.owner = {ag.spec.name: owner_of_actor[id(ag.actor)] for ag in agents}
         self.mappa = args.mappa
         self.bias_audit = BiasAudit(self.mappa.coach.bias_threshold, self.mappa.coach.bias_window)
         self.coach_cost_usd = 0.0

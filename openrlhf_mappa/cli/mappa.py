@@ -124,8 +124,7 @@ def eval_main(parser, args):
     from openrlhf.trainer.ray import create_vllm_engines
     from transformers import AutoTokenizer
 
-    from openrlhf_mappa.envs.base import load_tasks
-    from openrlhf_mappa.evaluation import evaluate, format_table, summarize
+    from openrlhf_mappa.evaluation import evaluate, format_table, load_eval_sets, summarize
     from openrlhf_mappa.rollout import AgentPolicy
     from openrlhf_mappa.topology import load_topology
 
@@ -142,7 +141,7 @@ def eval_main(parser, args):
         if args.checkpoint and not os.path.isdir(model):
             parser.error(f"--checkpoint: no model for agent {name!r} at {model} (expected one HF export per agent)")
     try:
-        datasets = {os.path.splitext(os.path.basename(p))[0]: load_tasks(p)[: args.limit or None] for p in args.data}
+        datasets = load_eval_sets(args.data, args.limit)
     except (OSError, ValueError) as e:
         raise SystemExit(f"mappa eval: {e}")
 

@@ -122,6 +122,7 @@ def train(args):
 
     from openrlhf_mappa.coach import build_coach
     from openrlhf_mappa.envs.base import load_tasks
+    from openrlhf_mappa.evaluation import load_eval_sets
     from openrlhf_mappa.topology import load_topology
     from openrlhf_mappa.trainer import MappaTrainer, Watchdog, build_agents, components, find_dead, prepare_resume
 
@@ -129,8 +130,7 @@ def train(args):
     validate(args)
     tasks = load_tasks(args.data.prompt_dataset)[: args.data.max_samples]
     # --eval.dataset: comma-separated task files, each evaluated before training, every --eval.steps and at the end.
-    eval_sets = {os.path.splitext(os.path.basename(p))[0]: load_tasks(p)
-                 for p in (args.eval.dataset or "").split(",") if p}  # fmt: skip
+    eval_sets = load_eval_sets([p for p in (args.eval.dataset or "").split(",") if p])
     if len(tasks) < args.rollout.batch_size:
         raise SystemExit(f"{args.data.prompt_dataset}: {len(tasks)} tasks, fewer than --rollout.batch_size {args.rollout.batch_size}")
     c = args.mappa.coach
