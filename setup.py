@@ -28,7 +28,7 @@ setup(
     package_dir={"openrlhf_mappa.patches": "patches"},
     package_data={"openrlhf_mappa": ["data/*"]},
     python_requires=">=3.10",
-    install_requires=["openrlhf==0.11.2", "openai>=1.40", "pyyaml"],
+    install_requires=["openrlhf==0.11.2", "aiohttp", "pyyaml"],
     entry_points={"console_scripts": ["mappa=openrlhf_mappa.cli.mappa:main"]},
     cmdclass={"build_py": BuildPyWithPth},
 )

@@ -3,8 +3,10 @@ for a paid API and injects faults: 429 with Retry-After, 5xx, hangs, malformed b
 cache, and the offline heuristic coach."""
 
 import asyncio
+import base64
 import json
 import socket
+import sqlite3
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -61,6 +63,14 @@ class FaultyOpenAI(BaseHTTPRequestHandler):
         finally:
             with self.server.lock:
                 self.server.in_flight -= 1
+
+    def do_CONNECT(self):  # as a forward proxy for an https coach: record the tunnel request, then refuse it
+        with self.server.lock:
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            self.server.seen.append({"path": self.path, "headers": headers, "body": None, "t": time.monotonic()})
+        self.send_response(502)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def log_message(self, *args):
         pass
@@ -259,7 +269,7 @@ def test_backoff_schedule_is_jittered_exponential_and_capped():
     coach = make_coach("http://127.0.0.1:9/v1", backoff_s=1.0, max_backoff_s=5.0)
     err = RuntimeError("x")
     for attempt, cap in ((1, 1.0), (2, 2.0), (3, 4.0), (6, 5.0)):
-        waits = [coach.inner.backoff(attempt, err) for _ in range(50)]
+        waits = [coach.backoff(attempt, err) for _ in range(50)]
         assert all(cap * 0.5 <= w <= cap for w in waits) and len(set(waits)) > 1
 
 
@@ -288,8 +298,9 @@ def test_verdict_cache_pays_once_across_restarts(server, tmp_path):
     # Anything the coach would see differently is a different key: output, template, model.
     score_all(server.url, [make_request(agent_output="other")], cache_path=path)
     assert len(server.seen) == 2
-    assert VerdictCache.key("openai:a", TEMPLATE, make_request()) != VerdictCache.key("openai:b", TEMPLATE, make_request())
-    assert VerdictCache.key("openai:a", TEMPLATE, make_request()) != VerdictCache.key("openai:a", "x", make_request())
+    prompt = render_prompt(TEMPLATE, make_request())
+    assert VerdictCache.key("openai:a", prompt) != VerdictCache.key("openai:b", prompt)
+    assert VerdictCache.key("openai:a", prompt) != VerdictCache.key("openai:a", render_prompt("x {task}", make_request()))
     assert len(VerdictCache(path)) == 2
 
 
@@ -299,6 +310,55 @@ def test_verdict_cache_never_stores_failures(server, tmp_path):
     v = openai_score(server, {"content": "SCORE: 2"}, cache_path=path)
     assert (v.status, v.score, v.cached, len(server.seen)) == ("ok", 2.0, False, 2)
 
+
+
+def test_verdict_cache_reaches_disk_while_the_run_goes_on(server, tmp_path):
+    # Verdicts are written in batches: without any close, a verdict is on disk within FLUSH_S seconds, so a
+    # run killed hard afterwards keeps it.
+    from openrlhf_mappa.coach.cache import FLUSH_S
+
+    server.reply, path = {"content": "SCORE: 6"}, str(tmp_path / "cache.sqlite")
+
+    async def run():
+        coach = make_coach(server.url, cache_path=path)
+        await coach.score(make_request())
+        await asyncio.sleep(FLUSH_S + 0.5)
+        rows = sqlite3.connect(path).execute("SELECT verdict FROM verdicts").fetchall()
+        await coach.aclose()
+        return rows
+
+    rows = asyncio.run(run())
+    assert len(rows) == 1 and json.loads(rows[0][0])["score"] == 6.0
+
+
+def test_proxy_from_the_environment_is_honoured(server, monkeypatch):
+    # The fault server stands in for a forward proxy: a proxied request names the absolute URL of the coach.
+    server.reply = {"content": "SCORE: 5"}
+    monkeypatch.setenv("MY_COACH_KEY", "sk-test-123")
+    proxy = f"alice:s3cret@127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("HTTP_PROXY", f"http://{proxy}")
+    monkeypatch.setenv("HTTPS_PROXY", f"http://{proxy}")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    basic = "Basic " + base64.b64encode(b"alice:s3cret").decode()
+    v = score_all("http://coach.invalid:8000/v1", [make_request()], api_key_env="MY_COACH_KEY")[0]
+    seen = server.seen[-1]
+    assert (v.status, seen["path"]) == ("ok", "http://coach.invalid:8000/v1/chat/completions")
+    assert (seen["headers"]["proxy-authorization"], seen["headers"]["authorization"]) == (basic, "Bearer sk-test-123")
+    # An https coach is reached through a CONNECT tunnel: the proxy gets its own credentials, never the key.
+    v = score_all("https://coach.invalid/v1", [make_request()], api_key_env="MY_COACH_KEY", max_retries=0)[0]
+    seen = server.seen[-1]
+    assert (v.status, v.score, seen["path"]) == ("api_error", None, "coach.invalid:443")
+    assert seen["headers"]["proxy-authorization"] == basic and "sk-test-123" not in json.dumps(seen["headers"])
+    # NO_PROXY: straight to the server, even with a proxy that would refuse the connection.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{dead}")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    server.seen.clear()
+    v = score_all(server.url, [make_request()], max_retries=0)[0]
+    assert (v.status, server.seen[-1]["path"]) == ("ok", "/v1/chat/completions")
 
 def test_parse_score():
     assert parse_score("reasoning...\nSCORE: 7") == 7.0

@@ -62,7 +62,7 @@ def test_vllm_served_tiny_coach_gives_clean_parse_errors(vllm_coach_server):
         coach = build_coach("openai", model="tiny-coach", base_url=vllm_coach_server, template=TEMPLATE,
                             structured=structured, max_tokens=48, timeout_s=120, max_retries=1, format_retries=1)
         try:
-            return await asyncio.gather(*(coach.score(r) for r in requests)), coach.inner.use_schema
+            return await asyncio.gather(*(coach.score(r) for r in requests)), coach.use_schema
         finally:
             await coach.aclose()
 

@@ -34,7 +34,7 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.coach.base_url", default=None, help="e.g. https://api.openai.com/v1 or http://localhost:8000/v1")
     g.add_argument("--mappa.coach.api_key_env", default="OPENAI_API_KEY", help="environment variable holding the key")
     g.add_argument("--mappa.coach.timeout", type=float, default=60.0, help="seconds per coach request")
-    g.add_argument("--mappa.coach.max_concurrency", type=int, default=32, help="coach requests in flight")
+    g.add_argument("--mappa.coach.max_concurrency", type=int, default=32, help="coach verdicts in progress: requests in flight or waiting to retry")
     g.add_argument("--mappa.coach.max_retries", type=int, default=4,
                    help="retries of a request after 429 (honouring Retry-After), 5xx, timeouts or dropped connections")
     g.add_argument("--mappa.coach.rpm", type=float, default=0.0, help="requests-per-minute limit (0: none)")

@@ -58,7 +58,7 @@ def build_coach(kind: str, *, template: str = None, model: str = None, base_url:
     resumed run never pays twice for the same request. The heuristic coach costs nothing and is not cached.
     """
     # Backends are imported here, not at module top: they import `Coach` from this module, and the
-    # heuristic path must not need the `openai` package at all.
+    # heuristic path needs no HTTP client at all.
     if kind == "heuristic":
         from openrlhf_mappa.coach.heuristic import HeuristicCoach
 
@@ -69,10 +69,10 @@ def build_coach(kind: str, *, template: str = None, model: str = None, base_url:
         if missing:
             names = ", ".join(f"--mappa.coach.{flag}" for flag in missing)
             raise ValueError(f"coach kind 'openai' needs {names}")
-        from openrlhf_mappa.coach.cache import CachedCoach, VerdictCache
+        from openrlhf_mappa.coach.cache import VerdictCache
         from openrlhf_mappa.coach.openai_compat import OpenAICoach
 
-        return CachedCoach(OpenAICoach(model=model, base_url=base_url, template=template, **options), VerdictCache(cache_path))
+        return OpenAICoach(model=model, base_url=base_url, template=template, cache=VerdictCache(cache_path), **options)
     raise ValueError(f"unknown coach kind {kind!r}; expected one of {', '.join(COACH_KINDS)}")
 
 

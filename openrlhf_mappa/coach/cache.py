@@ -1,43 +1,58 @@
 """The verdict cache: an LLM coach's verdicts by a hash of (coach model, prompt template, request content), in
 memory and in SQLite, so that reruns, resumed runs and re-scoring never pay twice for the same judgement.
+A hit comes back with `cached=True` and the tokens and latency of the original call (accounting counts only
+fresh verdicts as spent).
 
-Only "ok" verdicts are stored: a timeout or a parse error may not happen again, and it must be retried,
-not replayed. The episode id is not part of the key (it is random per run); everything the coach sees is.
+The key hashes the coach's name and the prompt it is sent (the template filled with the request): everything
+the coach sees and nothing else, so the random episode id and fields the template leaves out never cause a
+miss. Only "ok" verdicts are stored: a timeout or a parse error may not happen again, and it must be
+retried, not replayed.
+
+New verdicts reach the disk from one writer thread, in one transaction per FLUSH_S seconds and at close: the
+event loop that drives rollouts and coach calls never waits on a commit (on a cluster's network filesystem
+a commit can take tens of milliseconds). A run killed hard loses at most its last FLUSH_S seconds of
+verdicts, which a resumed run asks for again.
 """
 
-import dataclasses
+import asyncio
 import hashlib
 import json
+import logging
 import os
 import sqlite3
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
-from openrlhf_mappa.coach import Coach, CoachRequest
 from openrlhf_mappa.episode import Verdict
+
+logger = logging.getLogger(__name__)
+
+FLUSH_S = 0.5
 
 
 class VerdictCache:
     def __init__(self, path: Optional[str] = None):
-        self.memory = {}
-        self.db = None
+        self.path, self.memory = path, {}
+        self.pending = []  # (key, verdict) not yet handed to the writer
+        self.db = self.writer = None
+        self.read_disk = False
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            # Autocommit + WAL: every verdict is on disk when put() returns, so a run killed at any moment
-            # keeps all it has paid for, at the cost of one small write per verdict.
-            self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db = sqlite3.connect(path, isolation_level=None)
+            self.db.execute("PRAGMA journal_mode=WAL")  # the writer thread's commits never block these reads
             self.db.execute("CREATE TABLE IF NOT EXISTS verdicts (key TEXT PRIMARY KEY, verdict TEXT NOT NULL)")
+            # Only verdicts the file held when opened can be missing from memory (all later ones pass through
+            # it), so a fresh cache never pays for a disk lookup on a miss.
+            self.read_disk = self.db.execute("SELECT EXISTS (SELECT 1 FROM verdicts)").fetchone()[0] == 1
+            self.writer = ThreadPoolExecutor(1, thread_name_prefix="verdict-cache")
+            self.write_db = self.writer.submit(sqlite3.connect, path, isolation_level=None).result()
 
     @staticmethod
-    def key(coach_name: str, template: str, request: CoachRequest) -> str:
-        content = dataclasses.asdict(request)
-        content.pop("episode_id")
-        blob = json.dumps([coach_name, template, content], sort_keys=True, ensure_ascii=False)
-        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+    def key(coach_name: str, prompt: str) -> str:
+        return hashlib.sha256(f"{coach_name}\0{prompt}".encode("utf-8", errors="surrogatepass")).hexdigest()
 
     def get(self, key: str) -> Optional[Verdict]:
-        if key not in self.memory and self.db is not None:
+        if key not in self.memory and self.read_disk:
             row = self.db.execute("SELECT verdict FROM verdicts WHERE key = ?", (key,)).fetchone()
             if row:
                 self.memory[key] = Verdict(**json.loads(row[0]))
@@ -45,39 +60,44 @@ class VerdictCache:
 
     def put(self, key: str, verdict: Verdict):
         self.memory[key] = verdict
-        if self.db is not None:
-            blob = json.dumps(dataclasses.asdict(verdict), ensure_ascii=False)
-            self.db.execute("INSERT OR REPLACE INTO verdicts (key, verdict) VALUES (?, ?)", (key, blob))
+        if self.writer is not None:
+            self.pending.append((key, verdict))
+            if len(self.pending) == 1:
+                try:
+                    asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+                except RuntimeError:  # no event loop (a synchronous caller): hand it over now
+                    self.flush()
+
+    def flush(self) -> Optional[Future]:
+        """Hand the pending verdicts to the writer thread; the future is done once they are on disk."""
+        if self.writer is None:  # closed before a scheduled flush came due: close() wrote everything
+            return None
+        rows, self.pending = self.pending, []
+        return self.writer.submit(self.write, rows)
+
+    def write(self, rows: list):  # on the writer thread
+        if not rows:
+            return
+        try:
+            blobs = [(key, json.dumps(vars(verdict), ensure_ascii=False)) for key, verdict in rows]
+            self.write_db.execute("BEGIN")
+            self.write_db.executemany("INSERT OR REPLACE INTO verdicts (key, verdict) VALUES (?, ?)", blobs)
+            self.write_db.execute("COMMIT")
+        except sqlite3.Error as e:  # a full or vanished disk: these verdicts would be paid again after a restart
+            if self.write_db.in_transaction:
+                self.write_db.execute("ROLLBACK")
+            logger.error("verdict cache %s: could not write %d verdicts: %s", self.path, len(rows), e)
 
     def __len__(self):
-        if self.db is not None:
-            return self.db.execute("SELECT COUNT(*) FROM verdicts").fetchone()[0]
-        return len(self.memory)
+        if self.db is None:
+            return len(self.memory)
+        self.flush().result()
+        return self.db.execute("SELECT COUNT(*) FROM verdicts").fetchone()[0]
 
     def close(self):
-        if self.db is not None:
+        if self.writer is not None:
+            self.flush().result()
+            self.writer.submit(self.write_db.close).result()
+            self.writer.shutdown()
             self.db.close()
-            self.db = None
-
-
-class CachedCoach(Coach):
-    """Any coach with a `template`, behind a VerdictCache. A hit comes back with `cached=True`; its tokens
-    and latency are those of the original call (accounting counts only fresh verdicts as spent)."""
-
-    def __init__(self, inner: Coach, cache: VerdictCache):
-        self.inner, self.cache = inner, cache
-        self.name, self.template = inner.name, inner.template
-
-    async def score(self, request: CoachRequest) -> Verdict:
-        key = self.cache.key(self.name, self.template, request)
-        hit = self.cache.get(key)
-        if hit is not None:
-            return dataclasses.replace(hit, cached=True)
-        verdict = await self.inner.score(request)
-        if verdict.status == "ok":
-            self.cache.put(key, verdict)
-        return verdict
-
-    async def aclose(self):
-        await self.inner.aclose()
-        self.cache.close()
+            self.db = self.writer = None

@@ -5,23 +5,33 @@ One action's verdict:
   1. ask (temperature 0), with a JSON schema {rationale, score} as `response_format` where the server takes
      it ("auto": after a 400 that names the schema, ask again without it, and so for the rest of the run);
   2. transient failures (429 honouring Retry-After, 408/409, 5xx, timeouts, dropped connections, bodies that
-     are not JSON) are retried
-     up to `max_retries` times with jittered exponential backoff; other errors (401, 404, 400) are final;
+     are not JSON) are retried up to `max_retries` times with jittered exponential backoff; other errors
+     (401, 404, 400) are final;
   3. a reply without a valid 0-10 score is re-prompted at most `format_retries` times;
   4. what still fails is a Verdict with status api_error / timeout / parse_error and NO score.
+
+The wire protocol is one POST of JSON to `<base_url>/chat/completions` with a bearer key, spoken with
+aiohttp directly. The `openai` SDK's request path costs about 2 ms of CPU per call (request models, URL
+and header merging, response wrapping), four times the HTTP exchange itself; with thousands of verdicts a
+step on the trainer's own event loop, that CPU was the coach's throughput limit
+(benchmarks/coach_throughput.py).
 """
 
 import asyncio
+import dataclasses
 import email.utils
+import json
 import logging
 import os
 import random
 import re
 import time
 
-import openai
+import aiohttp
+import yarl
 
 from openrlhf_mappa.coach import Coach, CoachRequest, parse_score, render_prompt
+from openrlhf_mappa.coach.cache import VerdictCache
 from openrlhf_mappa.episode import Verdict
 
 logger = logging.getLogger(__name__)
@@ -48,6 +58,7 @@ REPROMPT = (
     "\n\n(Reminder: an earlier reply to this request stated no valid score. End your reply with a line "
     "`SCORE: <number from 0 to 10>`.)"
 )
+RETRIED_STATUSES = (408, 409, 429)  # and every 5xx
 
 
 class CallFailed(Exception):
@@ -56,17 +67,12 @@ class CallFailed(Exception):
         self.status = status
 
 
-def is_timeout(error: Exception) -> bool:
-    """A real timeout, not a refused connection: the SDK's aiohttp transport reports both as
-    APITimeoutError, and only the cause chain (ConnectionRefusedError, ...) tells them apart."""
-    if not isinstance(error, openai.APITimeoutError):
-        return False
-    cause = error.__cause__
-    while cause is not None:
-        if isinstance(cause, ConnectionError):
-            return False
-        cause = cause.__cause__ or cause.__context__
-    return True
+class HTTPStatusError(Exception):
+    """A reply that is not a usable 200: its HTTP status, headers (for Retry-After) and body text."""
+
+    def __init__(self, status: int, headers, text: str):
+        super().__init__(f"HTTP {status}: {text[:500]}")
+        self.status, self.headers = status, headers
 
 
 class OpenAICoach(Coach):
@@ -85,6 +91,7 @@ class OpenAICoach(Coach):
         backoff_s: float = 1.0,
         max_backoff_s: float = 60.0,
         max_tokens: int = 0,
+        cache: VerdictCache = None,
     ):
         if structured not in STRUCTURED_MODES:
             raise ValueError(f"structured output mode {structured!r}: expected one of {STRUCTURED_MODES}")
@@ -97,19 +104,39 @@ class OpenAICoach(Coach):
         self.structured, self.use_schema = structured, structured != "off"
         self.rpm, self.next_slot = rpm, 0.0
         self.max_tokens = max_tokens  # 0: the server's default
-        # The SDK's own retries are off: ours count into the verdict and honour Retry-After with jitter.
-        # aiohttp as transport costs about half the CPU per request of the default httpx one.
-        self.client = openai.AsyncOpenAI(
-            base_url=base_url,
-            api_key=os.environ.get(api_key_env) or "EMPTY",
-            timeout=timeout_s,
-            max_retries=0,
-            http_client=openai.DefaultAioHttpClient(timeout=timeout_s),
-        )
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.headers = {"Authorization": f"Bearer {os.environ.get(api_key_env) or 'EMPTY'}"}
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.session = None  # opened on first use: an aiohttp session belongs to the loop it was made in
+        # HTTP(S)_PROXY / NO_PROXY and proxy credentials, looked up once by aiohttp's rules (its trust_env does
+        # it on a thread per request, which cost more CPU than the request). The key goes on each request, never
+        # in the session's default headers: aiohttp copies those into a proxy's CONNECT, leaking it to the proxy.
+        try:
+            self.proxy, auth = aiohttp.helpers.get_env_proxy_for_url(yarl.URL(self.url))
+        except LookupError:
+            self.proxy, auth = None, None
+        self.proxy_headers = {"Proxy-Authorization": auth.encode()} if auth else None  # CONNECT, for https
+        if auth and yarl.URL(self.url).scheme == "http":  # plain http goes through the proxy as is
+            self.headers["Proxy-Authorization"] = auth.encode()
         self.semaphore = asyncio.Semaphore(max_concurrency)
+        self.cache = cache if cache is not None else VerdictCache()
 
     async def score(self, request: CoachRequest) -> Verdict:
-        prompt = render_prompt(self.template, request)
+        # One slot per verdict, taken before any work and held to the end (backoff waits included): when a
+        # step submits thousands of requests at once, each is rendered and hashed just in time, rather than
+        # all up front while the replies already in flight wait for the event loop.
+        async with self.semaphore:
+            prompt = render_prompt(self.template, request)
+            key = self.cache.key(self.name, prompt)
+            hit = self.cache.get(key)
+            if hit is not None:
+                return dataclasses.replace(hit, cached=True)
+            verdict = await self.ask(prompt)
+            if verdict.status == "ok":
+                self.cache.put(key, verdict)
+            return verdict
+
+    async def ask(self, prompt: str) -> Verdict:
         messages = [{"role": "user", "content": prompt}]
         tally = dict(latency_s=0.0, tokens_in=0, tokens_out=0, retries=0)
         for attempt in range(self.format_retries + 1):
@@ -128,47 +155,54 @@ class OpenAICoach(Coach):
 
     async def complete(self, messages: list, tally: dict) -> str:
         """One reply's text; retries transient failures, raises CallFailed when the call cannot succeed."""
+        if self.session is None:
+            self.session = aiohttp.ClientSession(timeout=self.timeout)
         attempt = 0
         while True:
-            await self.pace()
+            if self.rpm > 0:
+                await self.pace()
             error = None
-            async with self.semaphore:
-                use_schema = self.use_schema  # read late: another call may have dropped it meanwhile
-                start = time.perf_counter()
+            use_schema = self.use_schema  # read late: another call may have dropped it meanwhile
+            body = {"model": self.model, "messages": messages, "temperature": 0}
+            if use_schema:
+                body["response_format"] = VERDICT_SCHEMA
+            if self.max_tokens:
+                body["max_tokens"] = self.max_tokens
+            start = time.perf_counter()
+            try:
+                post = self.session.post(self.url, json=body, headers=self.headers, proxy=self.proxy,
+                                         proxy_headers=self.proxy_headers)
+                async with post as reply:
+                    status, headers, data = reply.status, reply.headers, await reply.read()
+                text = data.decode("utf-8", errors="replace")
+                if status != 200:
+                    raise HTTPStatusError(status, headers, text)
                 try:
-                    # The SDK's generic POST with the reply as plain JSON: its typed `chat.completions.create`
-                    # spends more CPU on request transforms and response models than the whole HTTP exchange,
-                    # and with thousands of verdicts per step that CPU is the coach's throughput limit.
-                    body = {"model": self.model, "messages": messages, "temperature": 0}
-                    if use_schema:
-                        body["response_format"] = VERDICT_SCHEMA
-                    if self.max_tokens:
-                        body["max_tokens"] = self.max_tokens
-                    response = await self.client.post("/chat/completions", body=body, cast_to=object)
-                except openai.BadRequestError as e:
-                    refused = use_schema and self.structured == "auto" and SCHEMA_WORDS.search(str(e))
+                    response = json.loads(text)
+                except ValueError:  # a body cut short or not JSON: a glitch, retried
+                    raise HTTPStatusError(status, headers, f"reply is not JSON: {text[:200]!r}") from None
+            except HTTPStatusError as e:
+                if e.status == 400:
+                    refused = use_schema and self.structured == "auto" and SCHEMA_WORDS.search(text)
                     if not refused:  # e.g. a prompt over the context length: retrying cannot help
-                        raise CallFailed("api_error", f"{type(e).__name__}: {e}") from None
-                    # Servers without structured output answer 400 to the schema: ask again without it, and
-                    # stop asking for the rest of the run (text scores parse fine).
+                        raise CallFailed("api_error", str(e)) from None
+                    # Servers without structured output answer 400 to the schema: ask again without it,
+                    # and stop asking for the rest of the run (text scores parse fine).
                     if self.use_schema:
                         self.use_schema = False
                         logger.warning("coach %s: the server refused JSON-schema output; asking for text scores", self.model)
                     continue
-                except (openai.APITimeoutError, openai.APIConnectionError) as e:  # timeout is a subclass
-                    error = e
-                except ValueError as e:  # a body that is not JSON (the SDK lets json's error through): a glitch
-                    error = e
-                except openai.APIStatusError as e:
-                    if e.status_code not in (408, 409, 429) and e.status_code < 500:
-                        raise CallFailed("api_error", f"{type(e).__name__}: {e}") from None
-                    error = e
-                finally:
-                    tally["latency_s"] += time.perf_counter() - start
+                if e.status != 200 and e.status not in RETRIED_STATUSES and e.status < 500:
+                    raise CallFailed("api_error", str(e)) from None  # 401, 403, 404, ...
+                error = e
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # refused, dropped, timed out
+                error = e
+            finally:
+                tally["latency_s"] += time.perf_counter() - start
             if error is None:
                 break
             if attempt >= self.max_retries:
-                status = "timeout" if is_timeout(error) else "api_error"
+                status = "timeout" if isinstance(error, asyncio.TimeoutError) else "api_error"
                 raise CallFailed(status, f"{type(error).__name__} after {attempt + 1} attempts: {error}")
             attempt += 1
             tally["retries"] += 1
@@ -187,7 +221,7 @@ class OpenAICoach(Coach):
     def backoff(self, attempt: int, error: Exception) -> float:
         """Seconds before retry `attempt` (1, 2, ...): the server's Retry-After when it sent one, else
         jittered exponential backoff, so that many requests refused together do not return together."""
-        headers = getattr(getattr(error, "response", None), "headers", None) or {}
+        headers = getattr(error, "headers", None) or {}
         retry_after = None
         if headers.get("retry-after-ms"):
             retry_after = float(headers["retry-after-ms"]) / 1000
@@ -204,12 +238,13 @@ class OpenAICoach(Coach):
 
     async def pace(self):
         """Requests-per-minute limit: each request start takes the next free slot, 60/rpm seconds apart."""
-        if self.rpm <= 0:
-            return
         now = time.monotonic()
         slot = max(now, self.next_slot)
         self.next_slot = slot + 60.0 / self.rpm
         await asyncio.sleep(slot - now)
 
     async def aclose(self):
-        await self.client.close()
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+        self.cache.close()
