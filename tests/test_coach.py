@@ -28,7 +28,7 @@ class FaultyOpenAI(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        headers = {k.lower(): v for k, v in self.headers.items()}  # httpx sends lower-case names
+        headers = {k.lower(): v for k, v in self.headers.items()}  # header names are case-insensitive
         with self.server.lock:
             self.server.seen.append({"path": self.path, "headers": headers, "body": body, "t": time.monotonic()})
             reply = self.server.script.pop(0) if self.server.script else self.server.reply
