@@ -133,6 +133,11 @@ def main():
         ideal = args.requests * args.delay / args.concurrency
         print(f"{args.requests} requests, concurrency {args.concurrency}, server delay {args.delay * 1000:.0f} ms, "
               f"ideal {ideal:.2f} s, {os.cpu_count()} CPU cores (the server shares them)")
+        # The machine's own share: one request at a time already takes longer than the delay (timer wake-ups,
+        # the loopback round trip), and no client at any concurrency does better than that ratio.
+        lone = asyncio.run(run_floor(url, 30, 1))[0] / 30
+        print(f"  one request alone (30 in a row, bare aiohttp): {lone * 1000:.1f} ms round trip, "
+              f"{lone / args.delay:.3f} x the server delay")
         runs = {"coach": [], "floor": []}  # (wall s, CPU s of this process) per round
         for round_ in range(args.rounds):
             for name in ("coach", "floor") if round_ % 2 == 0 else ("floor", "coach"):

@@ -33,7 +33,7 @@ FLUSH_S = 0.5
 class VerdictCache:
     def __init__(self, path: Optional[str] = None):
         self.path, self.memory = path, {}
-        self.pending = []  # (key, verdict) not yet handed to the writer
+        self.pending = []  # (key, verdict JSON) not yet handed to the writer
         self.db = self.writer = None
         self.read_disk = False
         if path:
@@ -61,7 +61,9 @@ class VerdictCache:
     def put(self, key: str, verdict: Verdict):
         self.memory[key] = verdict
         if self.writer is not None:
-            self.pending.append((key, verdict))
+            # Serialized here, not on the writer thread: Python code there would hold the GIL for milliseconds
+            # at a time, stalling the event loop; the writer only runs SQLite, which releases the GIL.
+            self.pending.append((key, json.dumps(vars(verdict), ensure_ascii=False)))
             if len(self.pending) == 1:
                 try:
                     asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
@@ -79,9 +81,8 @@ class VerdictCache:
         if not rows:
             return
         try:
-            blobs = [(key, json.dumps(vars(verdict), ensure_ascii=False)) for key, verdict in rows]
             self.write_db.execute("BEGIN")
-            self.write_db.executemany("INSERT OR REPLACE INTO verdicts (key, verdict) VALUES (?, ?)", blobs)
+            self.write_db.executemany("INSERT OR REPLACE INTO verdicts (key, verdict) VALUES (?, ?)", rows)
             self.write_db.execute("COMMIT")
         except sqlite3.Error as e:  # a full or vanished disk: these verdicts would be paid again after a restart
             if self.write_db.in_transaction:
