@@ -331,6 +331,23 @@ def test_verdict_cache_reaches_disk_while_the_run_goes_on(server, tmp_path):
     assert len(rows) == 1 and json.loads(rows[0][0])["score"] == 6.0
 
 
+
+def test_verdict_cache_write_failure_is_reported_not_fatal(tmp_path, caplog):
+    # The file loses its table under the run (as a disk could vanish): the write fails on the writer thread,
+    # the error is logged with the count, and the verdict is still served from memory.
+    from openrlhf_mappa.episode import Verdict
+
+    path = str(tmp_path / "cache.sqlite")
+    cache = VerdictCache(path)
+    other = sqlite3.connect(path)
+    other.execute("DROP TABLE verdicts")
+    other.close()
+    verdict = Verdict(score=4.0, status="ok", rationale="SCORE: 4", coach="openai:m")
+    cache.put("k", verdict)  # no event loop: handed to the writer at once
+    cache.close()
+    assert "could not write 1 verdicts" in caplog.text
+    assert cache.get("k") == verdict
+
 def test_proxy_from_the_environment_is_honoured(server, monkeypatch):
     # The fault server stands in for a forward proxy: a proxied request names the absolute URL of the coach.
     server.reply = {"content": "SCORE: 5"}

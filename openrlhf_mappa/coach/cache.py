@@ -38,7 +38,7 @@ class VerdictCache:
         self.read_disk = False
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.db = sqlite3.connect(path, isolation_level=None)
+            self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")  # the writer thread's commits never block these reads
             self.db.execute("CREATE TABLE IF NOT EXISTS verdicts (key TEXT PRIMARY KEY, verdict TEXT NOT NULL)")
             # Only verdicts the file held when opened can be missing from memory (all later ones pass through
@@ -85,9 +85,9 @@ class VerdictCache:
             self.write_db.executemany("INSERT OR REPLACE INTO verdicts (key, verdict) VALUES (?, ?)", rows)
             self.write_db.execute("COMMIT")
         except sqlite3.Error as e:  # a full or vanished disk: these verdicts would be paid again after a restart
-            if self.write_db.in_transaction:
-                self.write_db.execute("ROLLBACK")
             logger.error("verdict cache %s: could not write %d verdicts: %s", self.path, len(rows), e)
+            if self.write_db.in_transaction:
+                self.write_db.rollback()
 
     def __len__(self):
         if self.db is None:
