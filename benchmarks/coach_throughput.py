@@ -1,10 +1,10 @@
 """Coach client throughput: N requests at concurrency C against a local OpenAI-compatible server that answers
 every request after a fixed delay, as wall time over the ideal N * delay / C.
 
-Run: .venv/bin/python benchmarks/coach_throughput.py [--requests 2000 --concurrency 64 --delay 0.05 --rounds 3]
+Run: .venv/bin/python benchmarks/coach_throughput.py [--requests 2000 --concurrency 64 --delay 0.05 --rounds 5]
 
 Two clients run side by side in one process run, against the same server (a separate process), in
-alternating order for `--rounds` rounds; the medians are the result (single runs vary by about ±0.05 here):
+alternating order for `--rounds` rounds; the medians are the result (single rounds vary by about ±0.05 here):
   coach  - the production path: OpenAICoach behind the SQLite verdict cache, every request a cache miss,
            verdicts parsed;
   floor  - a bare aiohttp client posting JSON of the same size: what this machine allows at all, for scale.

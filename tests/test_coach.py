@@ -311,7 +311,6 @@ def test_verdict_cache_never_stores_failures(server, tmp_path):
     assert (v.status, v.score, v.cached, len(server.seen)) == ("ok", 2.0, False, 2)
 
 
-
 def test_verdict_cache_reaches_disk_while_the_run_goes_on(server, tmp_path):
     # Verdicts are written in batches: without any close, a verdict is on disk within FLUSH_S seconds, so a
     # run killed hard afterwards keeps it.
@@ -331,7 +330,6 @@ def test_verdict_cache_reaches_disk_while_the_run_goes_on(server, tmp_path):
     assert len(rows) == 1 and json.loads(rows[0][0])["score"] == 6.0
 
 
-
 def test_verdict_cache_write_failure_is_reported_not_fatal(tmp_path, caplog):
     # The file loses its table under the run (as a disk could vanish): the write fails on the writer thread,
     # the error is logged with the count, and the verdict is still served from memory.
@@ -347,6 +345,7 @@ def test_verdict_cache_write_failure_is_reported_not_fatal(tmp_path, caplog):
     cache.close()
     assert "could not write 1 verdicts" in caplog.text
     assert cache.get("k") == verdict
+
 
 def test_proxy_from_the_environment_is_honoured(server, monkeypatch):
     # The fault server stands in for a forward proxy: a proxied request names the absolute URL of the coach.
@@ -376,6 +375,7 @@ def test_proxy_from_the_environment_is_honoured(server, monkeypatch):
     server.seen.clear()
     v = score_all(server.url, [make_request()], max_retries=0)[0]
     assert (v.status, server.seen[-1]["path"]) == ("ok", "/v1/chat/completions")
+
 
 def test_parse_score():
     assert parse_score("reasoning...\nSCORE: 7") == 7.0

@@ -111,12 +111,13 @@ class OpenAICoach(Coach):
         # HTTP(S)_PROXY / NO_PROXY and proxy credentials, looked up once by aiohttp's rules (its trust_env does
         # it on a thread per request, which cost more CPU than the request). The key goes on each request, never
         # in the session's default headers: aiohttp copies those into a proxy's CONNECT, leaking it to the proxy.
+        url = yarl.URL(self.url)
         try:
-            self.proxy, auth = aiohttp.helpers.get_env_proxy_for_url(yarl.URL(self.url))
+            self.proxy, auth = aiohttp.helpers.get_env_proxy_for_url(url)
         except LookupError:
             self.proxy, auth = None, None
         self.proxy_headers = {"Proxy-Authorization": auth.encode()} if auth else None  # CONNECT, for https
-        if auth and yarl.URL(self.url).scheme == "http":  # plain http goes through the proxy as is
+        if auth and url.scheme == "http":  # plain http goes through the proxy as is
             self.headers["Proxy-Authorization"] = auth.encode()
         self.semaphore = asyncio.Semaphore(max_concurrency)
         self.cache = cache if cache is not None else VerdictCache()
