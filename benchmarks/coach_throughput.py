@@ -29,7 +29,7 @@ def serve(port: int, delay: float):
     body = json.dumps({
         "id": "x", "object": "chat.completion", "created": 0, "model": "bench",
         "choices": [{"index": 0, "finish_reason": "stop",
-                     "message": {"role": "assistant", "content": "The code ran and the answer is right.\nSCORE: 7"}}],
+                     "message": {"role": "assistant", "content": "The code ran and the answer is right.\nPROCESS_SCORE: 7"}}],
         "usage": {"prompt_tokens": 200, "completion_tokens": 12, "total_tokens": 212},
     }).encode()
     reply = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
@@ -73,7 +73,7 @@ def requests(n: int, tag: str):
 async def run_coach(url: str, n: int, concurrency: int, cache_dir: str) -> tuple:
     from openrlhf_mappa.coach import build_coach
 
-    template = "Role: {role}\nTask: {task}\nOutput: {agent_output}\nFeedback: {feedback}\nEnd with SCORE: <0-10>."
+    template = "Role: {role}\nTask: {task}\nOutput: {agent_output}\nFeedback: {feedback}\nEnd with PROCESS_SCORE: <0-10>."
     coach = build_coach("openai", model="bench", base_url=url, template=template, max_concurrency=concurrency,
                         cache_path=os.path.join(cache_dir, "cache.sqlite"), structured="off")
     await asyncio.gather(*(coach.score(r) for r in requests(concurrency, "warm")))  # connections, imports

@@ -92,7 +92,8 @@ def write_setup(out: str, seed: int, num_tasks: int) -> tuple:
         "agents": agents,
         # Read only by an LLM coach; the heuristic coach checks the pattern it is given as ground truth.
         "coach_template": "Agent {agent} ({role}) was given:\n{agent_input}\nIt replied:\n{agent_output}\n"
-        "Its reply must contain a match of this pattern: {ground_truth}\nReply SCORE: 10 if it does, else SCORE: 0.",
+        "Its reply must contain a match of this pattern: {ground_truth}\n"
+        "Reply PROCESS_SCORE: 10 if it does, else PROCESS_SCORE: 0.",
     }
     topology_path = os.path.join(out, f"topology-seed{seed}.yaml")
     with open(topology_path, "w") as f:

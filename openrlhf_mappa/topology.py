@@ -6,6 +6,7 @@ that names the file and what to fix, not an hour later inside a Ray worker.
 
 import dataclasses
 import inspect
+import logging
 import os
 import re
 import string
@@ -14,7 +15,10 @@ from typing import Optional
 
 import yaml
 
+from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, SCORE_KEY_RE
 from openrlhf_mappa.envs.base import load_env_class
+
+logger = logging.getLogger(__name__)
 
 AGENT_PROMPT_FIELDS = ("task", "history")
 COACH_PROMPT_FIELDS = (
@@ -46,6 +50,7 @@ class Topology:
     agents: list  # list[AgentSpec], in the order they act
     coach_template: str  # str.format template; fields: COACH_PROMPT_FIELDS
     env_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of the env's constructor
+    score_key: str = DEFAULT_SCORE_KEY  # a text reply of the coach states its score on a line `<score_key>: <n>`
 
     def env_class(self) -> type:
         return load_env_class(self.env)
@@ -55,7 +60,7 @@ class Topology:
         return self.env_class()(self, task, workspace, **self.env_kwargs)
 
 
-TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "env_kwargs")
+TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "env_kwargs", "score_key")
 AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec))
 
 
@@ -79,6 +84,14 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
         if not isinstance(raw.get(key), str) or not raw[key].strip():
             fail(f"'{key}' is missing or empty; it must be a non-empty string")
     _check_template(raw["coach_template"], COACH_PROMPT_FIELDS, "coach_template", fail)
+    score_key = raw.get("score_key", DEFAULT_SCORE_KEY)
+    if not isinstance(score_key, str) or not SCORE_KEY_RE.fullmatch(score_key):
+        fail(f"'score_key' must be a word of letters, digits and '_' starting with a letter, got {score_key!r}")
+    if score_key.lower() not in raw["coach_template"].lower():
+        # Not an error (a server with JSON-schema output never needs the line), but a text coach that is not
+        # told the key states its score some other way, and every such verdict costs a re-prompt or fails.
+        logger.warning("%s: coach_template never names the score key %s; ask for a last line `%s: <0-10>` "
+                       "or set score_key to the key it asks for", path, score_key, score_key)
     env_kwargs = raw.get("env_kwargs") or {}
     if not isinstance(env_kwargs, dict):
         fail("'env_kwargs' must be a mapping of keyword arguments for the environment")
@@ -102,6 +115,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
         agents=agents,
         coach_template=raw["coach_template"],
         env_kwargs=env_kwargs,
+        score_key=score_key,
     )
     # Bind the constructor's arguments now so a misspelled env_kwargs key fails here, not in the first rollout.
     try:

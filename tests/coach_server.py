@@ -25,7 +25,7 @@ class _Handler(BaseHTTPRequestHandler):
             content = "I refuse to grade this."
         else:
             output = prompt.split("OUTPUT<<", 1)[1].split(">>OUTPUT", 1)[0]
-            content = f"Looks fine.\nSCORE: {len(set(output)) % 11}"
+            content = f"Looks fine.\nPROCESS_SCORE: {len(set(output)) % 11}"
         reply = {
             "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],

@@ -5,6 +5,7 @@ cache, and the offline heuristic coach."""
 import asyncio
 import base64
 import json
+import os
 import socket
 import sqlite3
 import threading
@@ -13,18 +14,34 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from openrlhf_mappa.coach import CoachRequest, build_coach, parse_score, render_prompt
+from openrlhf_mappa.coach import CoachRequest, build_coach, render_prompt
 from openrlhf_mappa.coach.cache import VerdictCache
 
 TEMPLATE = (
-    "Task: {task}\nRole: {role}\nOutput: {agent_output}\nFeedback: {feedback}\nTruth: {ground_truth}\nSCORE:"
+    "Task: {task}\nRole: {role}\nOutput: {agent_output}\nFeedback: {feedback}\nTruth: {ground_truth}\nPROCESS_SCORE:"
 )
 
 
 class FaultyOpenAI(BaseHTTPRequestHandler):
     """POST /v1/chat/completions. Replies come from `server.script` (a list consumed one per request), then
     `server.reply` forever. A reply is a dict: content, status, headers, hang (seconds), raw (bytes body),
-    refuse_schema (answer 400 when the request has a response_format)."""
+    refuse_schema (answer 400 when the request has a response_format). GET /v1/models answers
+    `server.models`: a dict of status, body (JSON-able) and hang."""
+
+    def do_GET(self):
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        with self.server.lock:
+            self.server.seen.append({"path": self.path, "headers": headers, "body": None, "t": time.monotonic()})
+        time.sleep(self.server.models.get("hang", 0))
+        data = json.dumps(self.server.models.get("body", {})).encode()
+        try:
+            self.send_response(self.server.models.get("status", 200))
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client already gave up (timeout tests)
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -82,6 +99,7 @@ def server():
     httpd.daemon_threads = True
     httpd.block_on_close = False
     httpd.seen, httpd.script, httpd.reply, httpd.delay_s = [], [], {}, 0.0
+    httpd.models = {"body": {"object": "list", "data": [{"id": "coach-model", "object": "model"}]}}
     httpd.lock, httpd.in_flight, httpd.max_in_flight = threading.Lock(), 0, 0
     httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -129,7 +147,7 @@ def openai_score(server, reply, script=(), request=None, **kwargs):
 
 
 def test_openai_score_parses(server):
-    v = openai_score(server, {"content": "Good reasoning.\nSCORE: 8.5"})
+    v = openai_score(server, {"content": "Good reasoning.\nPROCESS_SCORE: 8.5"})
     assert (v.status, v.score, v.coach, v.retries) == ("ok", 8.5, "openai:coach-model", 0)
     assert (v.tokens_in, v.tokens_out) == (11, 3)
     assert v.latency_s > 0
@@ -138,16 +156,19 @@ def test_openai_score_parses(server):
 
 @pytest.mark.parametrize("content, score", [
     ("PROCESS_SCORE: 7", 7.0), ("7/10", 7.0), ("**7**", 7.0), ("7.5", 7.5), ('{"score": 7, "rationale": "ok"}', 7.0),
-    ('{"rationale": "fine", "score": 9.5}', 9.5), ("I would rate it 4 out of 10.", 4.0), ("**Score:** 3", 3.0),
-    ("The score is 0.", 0.0), ('```json\n{"rationale": "r", "score": 10}\n```', 10.0),
+    ('{"rationale": "fine", "score": 9.5}', 9.5), ("**PROCESS_SCORE:** 3", 3.0), ("process_score = 0", 0.0),
+    ('```json\n{"rationale": "r", "score": 10}\n```', 10.0),
 ])
 def test_openai_text_formats(server, content, score):
+    # the three sources of a score (JSON, the key line, a bare number) through the client; the adversarial
+    # corpus is in tests/test_score_parsing.py
     v = openai_score(server, {"content": content})
     assert (v.status, v.score) == ("ok", score)
 
 
 @pytest.mark.parametrize("content", [
-    "I think it is pretty good overall.", "SCORE: 11", "SCORE: -2", '{"score": 12}', '{"score": "high"}', "",
+    "I think it is pretty good overall.", "PROCESS_SCORE: 11", "PROCESS_SCORE: -2", '{"score": 12}',
+    '{"score": "high"}', "", "I would rate it 4 out of 10.", "Score: 3",
 ])
 def test_openai_unscorable_reply_is_parse_error_after_bounded_reprompts(server, content):
     v = openai_score(server, {"content": content}, format_retries=2)
@@ -157,24 +178,43 @@ def test_openai_unscorable_reply_is_parse_error_after_bounded_reprompts(server, 
 
 
 def test_openai_reprompt_recovers_with_a_reminder(server):
-    v = openai_score(server, {"content": "SCORE: 6"}, script=[{"content": "Looks solid to me."}])
+    v = openai_score(server, {"content": "PROCESS_SCORE: 6"}, script=[{"content": "Looks solid to me."}])
     assert (v.status, v.score, v.retries) == ("ok", 6.0, 1)
     first, second = (r["body"]["messages"] for r in server.seen)
     # The same prompt plus a reminder; the unscorable reply is not sent back (it could overflow the context).
     assert len(second) == 1 and second[0]["content"].startswith(first[0]["content"])
-    assert "SCORE: <number from 0 to 10>" in second[0]["content"].removeprefix(first[0]["content"])
+    assert "`PROCESS_SCORE: <number from 0 to 10>`" in second[0]["content"].removeprefix(first[0]["content"])
+
+
+def test_openai_prose_from_a_server_ignoring_the_schema_is_a_parse_error(server):
+    # The server ignores response_format and answers prose full of numbers that are not the score, and not
+    # the topology's key line even when reminded of it: no number is picked from it, and no score recorded.
+    prose = ("The F1 score is 0.81 and 3 of 4 steps ran.\nStep 2: I'd say 7/10 for the code but 3/10 for the "
+             "plan, so PROCESS_SCORE: 6 - a flawless action would score 10.\nSomewhere between 6 and 8.")
+    v = openai_score(server, {"content": prose}, score_key="GRADE", format_retries=2)
+    assert (v.status, v.score, v.retries, len(server.seen)) == ("parse_error", None, 2, 3)
+    assert all("response_format" in r["body"] for r in server.seen)  # asked for the schema, got prose
+    assert "no valid score in [0, 10] after 3 replies" in v.rationale and "F1 score is 0.81" in v.rationale
+    prompt = server.seen[0]["body"]["messages"][0]["content"]
+    for seen in server.seen[1:]:
+        reminder = seen["body"]["messages"][0]["content"].removeprefix(prompt)
+        assert "`GRADE: <number from 0 to 10>`" in reminder and "PROCESS_SCORE" not in reminder
+    # the same coach takes the key it was given, and only that key
+    assert openai_score(server, {"content": "Sound.\nGrade: 8"}, score_key="GRADE").score == 8.0
+    with pytest.raises(ValueError, match="score key 'PROCESS SCORE'"):
+        make_coach(server.url, score_key="PROCESS SCORE")
 
 
 def test_openai_429_honours_retry_after(server):
     script = [{"status": 429, "headers": {"Retry-After": "0.6"}}]
-    v = openai_score(server, {"content": "SCORE: 7"}, script=script, backoff_s=0.01)
+    v = openai_score(server, {"content": "PROCESS_SCORE: 7"}, script=script, backoff_s=0.01)
     assert (v.status, v.score, v.retries) == ("ok", 7.0, 1)
     assert server.seen[1]["t"] - server.seen[0]["t"] >= 0.6  # waited what the server asked, not 0.01 s
 
 
 def test_openai_5xx_is_retried_then_succeeds(server):
     script = [{"status": 500}, {"status": 503}, {"status": 502}]
-    v = openai_score(server, {"content": "SCORE: 4"}, script=script, max_retries=3)
+    v = openai_score(server, {"content": "PROCESS_SCORE: 4"}, script=script, max_retries=3)
     assert (v.status, v.score, v.retries) == ("ok", 4.0, 3)
 
 
@@ -191,7 +231,7 @@ def test_openai_non_retryable_status_fails_at_once(server):
 
 
 def test_openai_hang_past_the_timeout_is_timeout(server):
-    v = openai_score(server, {"hang": 3.0, "content": "SCORE: 9"}, timeout_s=0.3, max_retries=1)
+    v = openai_score(server, {"hang": 3.0, "content": "PROCESS_SCORE: 9"}, timeout_s=0.3, max_retries=1)
     assert (v.status, v.score) == ("timeout", None)
     assert len(server.seen) == 2  # one retry, then the verdict
 
@@ -210,7 +250,7 @@ def test_openai_connection_refused_is_api_error():
 
 
 def test_openai_structured_output_auto_falls_back_to_text(server):
-    server.reply = {"content": "SCORE: 5", "refuse_schema": True}
+    server.reply = {"content": "PROCESS_SCORE: 5", "refuse_schema": True}
     verdicts = score_all(server.url, [make_request(turn=i) for i in range(3)], max_concurrency=1)
     assert [(v.status, v.score) for v in verdicts] == [("ok", 5.0)] * 3
     with_schema = [r for r in server.seen if "response_format" in r["body"]]
@@ -227,20 +267,20 @@ def test_openai_other_400_is_final_and_keeps_the_schema(server):
 
 
 def test_openai_max_tokens_is_sent_when_set(server):
-    openai_score(server, {"content": "SCORE: 5"}, max_tokens=64)
-    openai_score(server, {"content": "SCORE: 5"})
+    openai_score(server, {"content": "PROCESS_SCORE: 5"}, max_tokens=64)
+    openai_score(server, {"content": "PROCESS_SCORE: 5"})
     assert server.seen[0]["body"]["max_tokens"] == 64 and "max_tokens" not in server.seen[1]["body"]
 
 
 def test_openai_structured_output_forced_and_refused_is_api_error(server):
-    v = openai_score(server, {"content": "SCORE: 5", "refuse_schema": True}, structured="json_schema")
+    v = openai_score(server, {"content": "PROCESS_SCORE: 5", "refuse_schema": True}, structured="json_schema")
     assert (v.status, v.score, len(server.seen)) == ("api_error", None, 1)
-    v = openai_score(server, {"content": "SCORE: 5"}, structured="off")
+    v = openai_score(server, {"content": "PROCESS_SCORE: 5"}, structured="off")
     assert v.score == 5.0 and "response_format" not in server.seen[-1]["body"]
 
 
 def test_openai_concurrency_and_rate_limits(server):
-    server.reply, server.delay_s = {"content": "SCORE: 1"}, 0.2
+    server.reply, server.delay_s = {"content": "PROCESS_SCORE: 1"}, 0.2
     verdicts = score_all(server.url, [make_request(turn=i) for i in range(6)], max_concurrency=2)
     assert all(v.status == "ok" for v in verdicts) and server.max_in_flight == 2
     server.seen.clear()
@@ -254,7 +294,7 @@ def test_openai_mixed_faults_never_invent_a_score(server):
     # 24 concurrent requests meeting every fault at once: each ends in a verdict, every score is one the
     # server actually sent, every failure has a status and no score, and no request exceeds its retry bound.
     faults = [{"status": 500}, {"status": 429, "headers": {"Retry-After": "0"}}, {"content": "no idea"},
-              {"content": "SCORE: 42"}, {"raw": b"nope"}, {"content": "SCORE: 3"}]
+              {"content": "PROCESS_SCORE: 42"}, {"raw": b"nope"}, {"content": "PROCESS_SCORE: 3"}]
     server.script, server.reply = faults * 4, {"status": 500}
     verdicts = score_all(server.url, [make_request(turn=i) for i in range(24)], max_retries=2, format_retries=1)
     assert len(verdicts) == 24
@@ -276,7 +316,7 @@ def test_backoff_schedule_is_jittered_exponential_and_capped():
 def test_request_carries_prompt_model_and_key(server, monkeypatch):
     monkeypatch.setenv("MY_COACH_KEY", "sk-test-123")
     request = make_request(feedback="stdout:\n18")
-    openai_score(server, {"content": "SCORE: 7"}, request=request, api_key_env="MY_COACH_KEY")
+    openai_score(server, {"content": "PROCESS_SCORE: 7"}, request=request, api_key_env="MY_COACH_KEY")
     seen = server.seen[-1]
     assert seen["path"] == "/v1/chat/completions"
     assert seen["headers"]["authorization"] == "Bearer sk-test-123"
@@ -289,7 +329,7 @@ def test_request_carries_prompt_model_and_key(server, monkeypatch):
 
 
 def test_verdict_cache_pays_once_across_restarts(server, tmp_path):
-    server.reply = {"content": "SCORE: 8"}
+    server.reply = {"content": "PROCESS_SCORE: 8"}
     path = str(tmp_path / "cache.sqlite")
     first = score_all(server.url, [make_request(episode_id="run1")], cache_path=path)[0]
     # A new coach on the same file (a resumed run): same request in another episode -> no HTTP call.
@@ -307,7 +347,7 @@ def test_verdict_cache_pays_once_across_restarts(server, tmp_path):
 def test_verdict_cache_never_stores_failures(server, tmp_path):
     path = str(tmp_path / "cache.sqlite")
     openai_score(server, {"status": 500}, max_retries=0, cache_path=path)
-    v = openai_score(server, {"content": "SCORE: 2"}, cache_path=path)
+    v = openai_score(server, {"content": "PROCESS_SCORE: 2"}, cache_path=path)
     assert (v.status, v.score, v.cached, len(server.seen)) == ("ok", 2.0, False, 2)
 
 
@@ -316,7 +356,7 @@ def test_verdict_cache_reaches_disk_while_the_run_goes_on(server, tmp_path):
     # run killed hard afterwards keeps it.
     from openrlhf_mappa.coach.cache import FLUSH_S
 
-    server.reply, path = {"content": "SCORE: 6"}, str(tmp_path / "cache.sqlite")
+    server.reply, path = {"content": "PROCESS_SCORE: 6"}, str(tmp_path / "cache.sqlite")
 
     async def run():
         coach = make_coach(server.url, cache_path=path)
@@ -340,7 +380,7 @@ def test_verdict_cache_write_failure_is_reported_not_fatal(tmp_path, caplog):
     other = sqlite3.connect(path)
     other.execute("DROP TABLE verdicts")
     other.close()
-    verdict = Verdict(score=4.0, status="ok", rationale="SCORE: 4", coach="openai:m")
+    verdict = Verdict(score=4.0, status="ok", rationale="PROCESS_SCORE: 4", coach="openai:m")
     cache.put("k", verdict)  # no event loop: handed to the writer at once
     cache.close()
     assert "could not write 1 verdicts" in caplog.text
@@ -349,7 +389,7 @@ def test_verdict_cache_write_failure_is_reported_not_fatal(tmp_path, caplog):
 
 def test_proxy_from_the_environment_is_honoured(server, monkeypatch):
     # The fault server stands in for a forward proxy: a proxied request names the absolute URL of the coach.
-    server.reply = {"content": "SCORE: 5"}
+    server.reply = {"content": "PROCESS_SCORE: 5"}
     monkeypatch.setenv("MY_COACH_KEY", "sk-test-123")
     proxy = f"alice:s3cret@127.0.0.1:{server.server_address[1]}"
     monkeypatch.setenv("HTTP_PROXY", f"http://{proxy}")
@@ -377,17 +417,66 @@ def test_proxy_from_the_environment_is_honoured(server, monkeypatch):
     assert (v.status, server.seen[-1]["path"]) == ("ok", "/v1/chat/completions")
 
 
-def test_parse_score():
-    assert parse_score("reasoning...\nSCORE: 7") == 7.0
-    assert parse_score("process_score: 3.5") == 3.5
-    assert parse_score("SCORE: 2 at first, but on reflection SCORE: 6") == 6.0
-    assert parse_score("PROCESS_SCORE: **10**") == 10.0
-    assert parse_score("SCORE: -1") is None
-    assert parse_score("SCORE: 10.5") is None
-    assert parse_score("no label, but 7/10") == 7.0
-    assert parse_score("SCORE: 12, i.e. 8/10") is None  # a stated score out of range is not replaced by another
-    assert parse_score("The answer is 42.") is None  # no "first number in range" guessing
-    assert parse_score("") is None
+def test_probe_of_a_reachable_server_leaves_nothing_bound_to_its_loop(server, monkeypatch, caplog):
+    monkeypatch.setenv("MY_COACH_KEY", "sk-test-123")
+    server.reply = {"content": "PROCESS_SCORE: 7"}
+    coach = make_coach(server.url, api_key_env="MY_COACH_KEY")
+    asyncio.run(coach.probe())  # as the training CLI runs it: before, and outside, the loop of the verdicts
+    seen = server.seen[-1]
+    assert (seen["path"], seen["headers"]["authorization"]) == ("/v1/models", "Bearer sk-test-123")
+    assert coach.session is None and "does not list" not in caplog.text
+
+    async def run():
+        try:
+            return await coach.score(make_request())
+        finally:
+            await coach.aclose()
+
+    v = asyncio.run(run())  # a new loop: the coach opens its own session there
+    assert (v.status, v.score) == ("ok", 7.0) and coach.session is None
+
+
+@pytest.mark.parametrize("models", [
+    {"status": 404, "body": {"error": "not found"}},  # a server without a model listing
+    {"status": 500},
+    {"body": {"object": "list", "data": "not a list"}},
+])
+def test_probe_any_other_answer_means_reachable(server, models):
+    server.models = models
+    asyncio.run(make_coach(server.url).probe())
+    assert server.seen[-1]["path"] == "/v1/models"
+
+
+def test_probe_warns_when_the_model_is_not_listed(server, caplog):
+    server.models = {"body": {"object": "list", "data": [{"id": "llama-3-8b"}, {"id": "qwen3-4b"}]}}
+    asyncio.run(make_coach(server.url).probe())  # a warning, not a refusal: routers serve unlisted models
+    assert f"coach server {server.url}/models does not list model 'coach-model'" in caplog.text
+    assert "it lists: llama-3-8b, qwen3-4b" in caplog.text
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_probe_refused_key_names_the_env_var(server, monkeypatch, status):
+    monkeypatch.delenv("MY_COACH_KEY", raising=False)
+    server.models = {"status": status, "body": {"error": {"message": "Invalid API key"}}}
+    with pytest.raises(ValueError) as err:
+        asyncio.run(make_coach(server.url, api_key_env="MY_COACH_KEY").probe())
+    message = str(err.value)
+    assert f"coach server {server.url}/models refused the API key (HTTP {status}" in message
+    assert "Invalid API key" in message and "$MY_COACH_KEY, which is NOT set" in message
+
+
+def test_probe_unreachable_server_raises(server):
+    with socket.socket() as s:  # a port that was free a moment ago, so nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    with pytest.raises(ValueError, match=f"coach server {url}/models cannot be reached: ClientConnectorError"):
+        asyncio.run(make_coach(url).probe())
+    server.models = {"hang": 2.0}  # the probe waits no longer than a request would (here 0.3 s)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=f"coach server {server.url}/models cannot be reached: .*Timeout"):
+        asyncio.run(make_coach(server.url, timeout_s=0.3).probe())
+    assert time.monotonic() - start < 1.5
 
 
 def test_render_prompt_fields_and_unknown_field():
@@ -497,12 +586,12 @@ def test_a_step_with_too_many_failed_verdicts_stops(server, tmp_path):
     from openrlhf_mappa.topology import load_topology
 
     (tmp_path / "t.yaml").write_text(
-        "name: t\nenv: mathchat\ncoach_template: 'Output: {agent_output} SCORE:'\nagents:\n"
+        "name: t\nenv: mathchat\ncoach_template: 'Output: {agent_output} PROCESS_SCORE:'\nagents:\n"
         + "".join(f"  - {{name: {n}, model: unused, role: r, prompt: '{{task}}'}}\n" for n in ("solver", "verifier"))
     )
     topology = load_topology(str(tmp_path / "t.yaml"))
     policies = {"solver": ScriptedPolicy("It is 4."), "verifier": ScriptedPolicy("\\boxed{4}")}
-    server.script = [{"status": 500}] * 4 + [{"content": "SCORE: 6"}] * 4  # 8 verdicts, in any order
+    server.script = [{"status": 500}] * 4 + [{"content": "PROCESS_SCORE: 6"}] * 4  # 8 verdicts, in any order
     tasks = [{"id": str(i), "prompt": "2 + 2?", "answer": "4"} for i in range(4)]
 
     async def run():
@@ -521,16 +610,17 @@ def test_a_step_with_too_many_failed_verdicts_stops(server, tmp_path):
         check_failures(episodes, m, max_fraction=0.4)
 
 
-def test_mappa_coach_score_rescores_saved_episodes(tmp_path):
-    import subprocess
-
-    from coach_server import COACH_TEMPLATE, CoachServer
-    from conftest import MAPPA
+@pytest.fixture
+def saved_run(tmp_path):
+    """A run's episodes.jsonl (5 episodes of solver + verifier judged by the heuristic coach, the last line cut
+    off as by a kill), the coach_server template in template.txt, and the `mappa` command's environment."""
+    from coach_server import COACH_TEMPLATE
+    from conftest import REPO
     from openrlhf_mappa.rollout import rollout
     from openrlhf_mappa.topology import load_topology
 
     (tmp_path / "t.yaml").write_text(
-        "name: t\nenv: mathchat\ncoach_template: 'Output: {agent_output} SCORE:'\nagents:\n"
+        "name: t\nenv: mathchat\ncoach_template: 'Output: {agent_output} PROCESS_SCORE:'\nagents:\n"
         + "".join(f"  - {{name: {n}, model: unused, role: r, prompt: '{{task}}'}}\n" for n in ("solver", "verifier"))
     )
     topology = load_topology(str(tmp_path / "t.yaml"))
@@ -544,13 +634,34 @@ def test_mappa_coach_score_rescores_saved_episodes(tmp_path):
     lines = [ep.to_json() for ep in episodes]
     path.write_text("\n".join(lines) + "\n" + lines[0][:50])  # the last line cut off, as by a kill
     (tmp_path / "template.txt").write_text(COACH_TEMPLATE)
-    out = tmp_path / "rescored.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    return path, lines, env
 
+
+def mappa_coach_score(path, out, url, *flags, env):
+    import subprocess
+
+    from conftest import MAPPA
+
+    cmd = [MAPPA, "coach", "score", "--episodes", str(path), "--out", str(out), "--model", "judge-2",
+           "--base-url", url, "--structured", "off", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_mappa_coach_score_rescores_saved_episodes(saved_run, tmp_path):
+    from coach_server import CoachServer
+
+    path, lines, env = saved_run
+    out = tmp_path / "rescored.jsonl"
+    template = ("--template", str(tmp_path / "template.txt"))
     with CoachServer(mute={"verifier"}) as server:  # scores the solver, answers garbage for the verifier
-        cmd = [MAPPA, "coach", "score", "--episodes", str(path), "--out", str(out), "--model", "judge-2",
-               "--base-url", server.base_url, "--template", str(tmp_path / "template.txt"), "--structured", "off"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        proc = mappa_coach_score(path, out, server.base_url, *template, env=env)
+        # half the verdicts failed: at the default --max-failure-fraction 0.5 that passes, above 0.4 it does not
+        strict = mappa_coach_score(path, tmp_path / "strict.jsonl", server.base_url, *template,
+                                   "--max-failure-fraction", "0.4", env=env)
     assert proc.returncode == 0, proc.stderr
+    assert strict.returncode == 1 and (tmp_path / "strict.jsonl.summary.json").exists()
+    assert "5 of 10 verdicts failed (more than --max-failure-fraction 0.4)" in strict.stderr
     assert "line 6 is cut off" in proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 10
@@ -570,5 +681,36 @@ def test_mappa_coach_score_rescores_saved_episodes(tmp_path):
     assert "agreement of openai:judge-2 (after) with heuristic (before)" in proc.stdout
 
     path.write_text(lines[0] + "\n{broken\n" + lines[1] + "\n")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    proc = mappa_coach_score(path, out, "http://127.0.0.1:9/v1", *template, env=env)
     assert proc.returncode != 0 and "episodes.jsonl: line 2: broken JSON" in proc.stderr
+
+
+def test_mappa_coach_score_fails_when_most_verdicts_fail(saved_run, tmp_path):
+    # A coach answering garbage: every verdict fails, the command says so and why, and writes its files.
+    from coach_server import COACH_TEMPLATE, CoachServer
+
+    path, _, env = saved_run
+    out = tmp_path / "rescored.jsonl"
+    with CoachServer(mute={"solver", "verifier"}) as server:
+        proc = mappa_coach_score(path, out, server.base_url, "--template", str(tmp_path / "template.txt"), env=env)
+    assert proc.returncode == 1
+    assert "10 of 10 verdicts failed (more than --max-failure-fraction 0.5)" in proc.stderr
+    first_failure = proc.stderr.split("First failure: ", 1)[1]
+    assert first_failure.startswith("parse_error: ") and "no valid score in [0, 10] after 3 replies" in first_failure
+    assert "I refuse to grade this." in first_failure
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["after"]["status"] for r in rows] == ["parse_error"] * 10
+    assert json.loads((tmp_path / "rescored.jsonl.summary.json").read_text())["all"]["after_statuses"] == {"parse_error": 10}
+
+    # The key comes from --topology: a coach stating PROCESS_SCORE lines fails a topology that asks for GRADE,
+    # unless --score-key overrides it.
+    topology = {"name": "t", "env": "mathchat", "coach_template": COACH_TEMPLATE, "score_key": "GRADE",
+                "agents": [{"name": "solver", "model": "unused", "role": "r", "prompt": "{task}"}]}
+    (tmp_path / "grade.yaml").write_text(json.dumps(topology))
+    with CoachServer() as server:
+        by_topology = mappa_coach_score(path, out, server.base_url, "--topology", str(tmp_path / "grade.yaml"), env=env)
+        overridden = mappa_coach_score(path, out, server.base_url, "--topology", str(tmp_path / "grade.yaml"),
+                                       "--score-key", "PROCESS_SCORE", env=env)
+    assert by_topology.returncode == 1 and "10 of 10 verdicts failed" in by_topology.stderr
+    assert "last reply: 'Looks fine.\\nPROCESS_SCORE: " in by_topology.stderr
+    assert overridden.returncode == 0, overridden.stderr

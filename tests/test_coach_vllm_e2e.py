@@ -19,7 +19,7 @@ import pytest
 
 from openrlhf_mappa.coach import CoachRequest, build_coach
 
-TEMPLATE = "Judge this action of agent {agent} ({role}).\nOutput: {agent_output}\nEnd with SCORE: <0-10>."
+TEMPLATE = "Judge this action of agent {agent} ({role}).\nOutput: {agent_output}\nEnd with PROCESS_SCORE: <0-10>."
 
 
 @pytest.fixture

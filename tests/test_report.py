@@ -84,7 +84,7 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path) -> list:
 
     agents = ["solver", "coder", "verifier"]
     (tmp_path / "t.yaml").write_text(
-        "name: t\nenv: mathchat\ncoach_template: 'Output: {agent_output} SCORE:'\nagents:\n"
+        "name: t\nenv: mathchat\ncoach_template: 'Output: {agent_output} PROCESS_SCORE:'\nagents:\n"
         + "".join(f"  - {{name: {n}, model: unused, role: r, prompt: '{{task}}', runs_code: {n == 'coder'}}}\n" for n in agents)
     )
     topology = load_topology(str(tmp_path / "t.yaml"))

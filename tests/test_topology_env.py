@@ -22,7 +22,7 @@ GOOD_AGENT = {"name": "solver", "model": "m", "role": "solves", "prompt": "Solve
 
 
 def write_topology(tmp_path, **overrides):
-    raw = {"name": "t", "env": "mathchat", "agents": [dict(GOOD_AGENT)], "coach_template": "{task} {agent_output}"}
+    raw = {"name": "t", "env": "mathchat", "agents": [dict(GOOD_AGENT)], "coach_template": "{task} {agent_output} PROCESS_SCORE:"}
     raw.update(overrides)
     path = tmp_path / "topo.yaml"
     path.write_text(json.dumps(raw))  # JSON is valid YAML
@@ -42,9 +42,24 @@ def test_mathchat_yaml_loads():
     for field in ("task", "role", "agent", "turn", "task_type", "agent_input", "agent_output", "feedback",
                   "ground_truth"):  # fmt: skip
         assert "{" + field + "}" in topo.coach_template
-    assert "SCORE:" in topo.coach_template
+    assert topo.score_key == "PROCESS_SCORE"
     for agent in topo.agents:  # templates fill without KeyError/IndexError
         agent.prompt.format(task="T", history="H")
+
+
+@pytest.mark.parametrize("name", ["mathchat", "dsbench"])
+def test_example_coach_templates_end_with_the_score_line(name):
+    topo = load_topology(str(ROOT / "examples" / "configs" / f"{name}.yaml"))
+    assert topo.score_key == "PROCESS_SCORE"
+    assert topo.coach_template.endswith("\nPROCESS_SCORE: <integer from 0 to 10>")
+
+
+def test_score_key_is_read_and_a_template_without_it_is_warned_about(tmp_path, caplog):
+    topo = load_topology(write_topology(tmp_path, score_key="GRADE", coach_template="{agent_output}\nGRADE: <0-10>"))
+    assert topo.score_key == "GRADE" and not caplog.records
+    path = write_topology(tmp_path, score_key="GRADE")  # the default template asks for PROCESS_SCORE
+    assert load_topology(path).score_key == "GRADE"
+    assert f"{path}: coach_template never names the score key GRADE" in caplog.text
 
 
 def test_model_override_replaces_every_model(tmp_path):
@@ -75,6 +90,10 @@ def test_model_override_replaces_every_model(tmp_path):
         ({"coach_template": ""}, "'coach_template' is missing or empty"),
         ({"coach_template": "{task} {score}"}, "coach_template: unknown field {score}"),
         ({"env_kwargs": {"code_timeout": 3}}, "env_kwargs do not fit mathchat"),
+        ({"score_key": "PROCESS SCORE"}, "'score_key' must be a word of letters, digits and '_'"),
+        ({"score_key": "SCORE:"}, "'score_key' must be a word"),
+        ({"score_key": 7}, "'score_key' must be a word"),
+        ({"score_key": ""}, "'score_key' must be a word"),
     ],
 )
 def test_bad_topology_messages(tmp_path, overrides, message):

@@ -47,7 +47,9 @@ def main(argv=None):
     p.add_argument("--model", help="coach model at the OpenAI-compatible server")
     p.add_argument("--base-url", help="e.g. http://localhost:8000/v1")
     p.add_argument("--template", help="a text file with the coach prompt template")
-    p.add_argument("--topology", help="take the coach prompt template from this topology YAML")
+    p.add_argument("--topology", help="take the coach prompt template and score key from this topology YAML")
+    p.add_argument("--score-key", help="a text reply states its score on the line `KEY: <n>` "
+                   "(default: the topology's score_key, else PROCESS_SCORE)")
     p.add_argument("--api-key-env", default="OPENAI_API_KEY")
     p.add_argument("--cache", default=None, help="SQLite verdict cache to read and extend (default: none)")
     p.add_argument("--timeout", type=float, default=60.0)
@@ -56,6 +58,8 @@ def main(argv=None):
     p.add_argument("--rpm", type=float, default=0.0)
     p.add_argument("--structured", choices=["auto", "json_schema", "off"], default="auto")
     p.add_argument("--max-tokens", type=int, default=0, help="coach reply token limit (0: the server's default)")
+    p.add_argument("--max-failure-fraction", type=float, default=0.5,
+                   help="exit 1 when more than this fraction of the new verdicts failed (the output is still written)")
 
     p = sub.add_parser("sandbox", help="run a Python file in the code sandbox agents use")
     sandbox_sub = p.add_subparsers(dest="sandbox_command", required=True)
@@ -178,36 +182,49 @@ def eval_main(parser, args):
 
 
 def rescore_main(parser, args):
-    from openrlhf_mappa.coach import build_coach
+    from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, build_coach
     from openrlhf_mappa.coach import rescore
+    from openrlhf_mappa.coach.audit import FAILED_STATUSES
 
-    template = None
-    if args.template:
-        with open(args.template, encoding="utf-8") as f:
-            template = f.read()
-    elif args.topology:
-        from openrlhf_mappa.topology import load_topology
-
-        template = load_topology(args.topology).coach_template
-    elif args.kind == "openai":
+    if not 0.0 <= args.max_failure_fraction <= 1.0:
+        parser.error(f"--max-failure-fraction must be in [0, 1], got {args.max_failure_fraction}")
+    if not (args.template or args.topology) and args.kind == "openai":
         parser.error("coach score: give the coach prompt with --template FILE or --topology YAML")
-    options = {}
-    if args.kind == "openai":
-        options = dict(api_key_env=args.api_key_env, timeout_s=args.timeout, max_concurrency=args.max_concurrency,
-                       max_retries=args.max_retries, rpm=args.rpm, structured=args.structured,
-                       max_tokens=args.max_tokens)
     try:
+        topology = None
+        if args.topology:
+            from openrlhf_mappa.topology import load_topology
+
+            topology = load_topology(args.topology)
+        template = topology.coach_template if topology else None
+        if args.template:
+            with open(args.template, encoding="utf-8") as f:
+                template = f.read()
+        options = {}
+        if args.kind == "openai":
+            score_key = args.score_key or (topology.score_key if topology else DEFAULT_SCORE_KEY)
+            options = dict(api_key_env=args.api_key_env, timeout_s=args.timeout, max_concurrency=args.max_concurrency,
+                           max_retries=args.max_retries, rpm=args.rpm, structured=args.structured,
+                           max_tokens=args.max_tokens, score_key=score_key)
         coach = build_coach(args.kind, template=template, model=args.model, base_url=args.base_url,
                             cache_path=args.cache, **options)
         actions = rescore.read_actions(args.episodes)
         if not actions:
             raise ValueError(f"{args.episodes}: no actions to re-score")
-        summary = rescore.run(actions, args.out, coach)
+        rows, summary = rescore.run(actions, args.out, coach)
     except ValueError as e:
         raise SystemExit(f"mappa coach score: {e}")
     before = next((a["verdict"]["coach"] for _, a in actions if a.get("verdict")), "?")
     rescore.print_summary(summary, before, coach.name)
     print(f"\nboth verdicts per action: {args.out}\nsummary: {args.out}.summary.json")
+    # As in training (--mappa.coach.max_failure_fraction): a re-score made mostly of failed verdicts says
+    # nothing about the coach's agreement, and a script or CI job must see it as a failure, not read the table.
+    failed = [r["after"] for r in rows if r["after"]["status"] in FAILED_STATUSES]
+    if len(failed) / len(rows) > args.max_failure_fraction:
+        first = failed[0]
+        sys.exit(f"mappa coach score: {len(failed)} of {len(rows)} verdicts failed (more than "
+                 f"--max-failure-fraction {args.max_failure_fraction}). First failure: {first['status']}: "
+                 f"{first['rationale'][:500]}")
 
 
 def dsbench(args) -> int:

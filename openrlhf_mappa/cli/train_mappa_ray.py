@@ -138,6 +138,7 @@ def train(args):
         c.kind, template=topology.coach_template, model=c.model, base_url=c.base_url, cache_path=coach_cache_path(args),
         api_key_env=c.api_key_env, timeout_s=c.timeout, max_concurrency=c.max_concurrency, max_retries=c.max_retries,
         rpm=c.rpm, structured=c.structured, format_retries=c.format_retries, max_tokens=c.max_tokens,
+        score_key=topology.score_key,
     )
 
     if not ray.is_initialized():

@@ -45,6 +45,10 @@ class Coach:
     async def score(self, request: CoachRequest) -> Verdict:
         raise NotImplementedError
 
+    async def probe(self) -> None:
+        """Raise ValueError when the coach cannot be reached, before a run spends anything on rollouts.
+        Backends without a server have nothing to check."""
+
     async def aclose(self):
         pass
 
@@ -52,7 +56,8 @@ class Coach:
 def build_coach(kind: str, *, template: str = None, model: str = None, base_url: str = None,
                 cache_path: str = None, **options) -> Coach:
     """A coach backend from the `--mappa.coach.*` flags. `options` go to the OpenAI-compatible backend
-    (api_key_env, timeout_s, max_concurrency, max_retries, rpm, structured, format_retries).
+    (api_key_env, timeout_s, max_concurrency, max_retries, rpm, structured, format_retries, max_tokens,
+    score_key: the line `<score_key>: <n>` a text reply states its score on, see parse_score).
 
     An LLM coach is wrapped in a verdict cache (memory, plus SQLite at `cache_path`), so a rerun or a
     resumed run never pays twice for the same request. The heuristic coach costs nothing and is not cached.
@@ -101,34 +106,47 @@ def render_prompt(template: str, request: CoachRequest) -> str:
         ) from None
 
 
-# Score formats, most explicit kind first. The first kind found in the reply decides; within a kind the
-# last match wins (coaches reason first and conclude at the end). A stated score outside [0, 10] is a
-# parse error, never a reason to go looking for some other number (the authors' "first number in range").
+# Where a score may come from, and nowhere else: the JSON verdict's "score"; a line `<KEY>: <number>` (the
+# topology's score_key); or a reply that is nothing but a number. Prose is full of numbers that are not the
+# score (metrics, step numbers, "a flawless action would score 10"), and a guessed number trains the agents
+# as surely as a real one, so an unclear reply is a parse error that the caller re-prompts.
+DEFAULT_SCORE_KEY = "PROCESS_SCORE"  # the authors' coach prompts ask for `PROCESS_SCORE: <0-10>`
+SCORE_KEY_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _NUM = r"([-+]?\d+(?:\.\d+)?)"
-_SCORE_FORMATS = (
-    # PROCESS_SCORE: 7 | SCORE = 7.5 | **Score:** 7 | "score": 7 | score of 7/10 | the score is 7
-    re.compile(r"""\b(?:process[_ ])?score\b["']?\**\s*(?:[:=]|\bis\b|\bof\b)?\s*\**\s*""" + _NUM, re.IGNORECASE),
-    re.compile(r"(?<![\d.])" + _NUM + r"\s*(?:/|\bout\s+of\b)\s*10(?!\.?\d)", re.IGNORECASE),  # 7/10, 7 out of 10
-    re.compile(r"\*\*\s*" + _NUM + r"\s*\*\*"),  # **7**
-    re.compile(r"^\W*" + _NUM + r"\W*$"),  # a reply that is just the number
+_OUT_OF_10 = r"(?:[ \t]*/[ \t]*10(?:\.0+)?(?![\d.]))?"  # 7/10, 7 / 10.0
+# After the key line's number (and an optional /10) the rest of the line is commentary, e.g. "PROCESS_SCORE:
+# 6 - a flawless action would score 10" is 6. The number must end cleanly (end of line, a space, or . , ; : !
+# ? ) then a space or the end), so "7,5", "7%", "7/5", "6-7" are no score, and neither is a range "6 to 8".
+_SCORE_LINE = (
+    r"^[ \t#>*_`-]*{key}[*_`]*[ \t]*[:=][ \t*_`]*" + _NUM + r"[*_`]*" + _OUT_OF_10 + r"[*_`]*"
+    r"(?=[.,;:!?)]?(?:[ \t\r]|$))(?![ \t]*(?:-|\u2013|\u2014|to|or|and)[ \t]*[-+]?\d)"
 )
+_BARE_NUMBER = re.compile(r"[*_`]*" + _NUM + r"[*_`]*" + _OUT_OF_10 + r"[*_`]*\.?")
 
 
-def parse_score(text: str) -> Optional[float]:
-    """The coach's score in [0, 10], from a JSON object {"score": n, ...} or from free text; else None."""
+def parse_score(text: str, key: str) -> Optional[float]:
+    """The coach's score in [0, 10], else None. A reply that is a JSON object (bare or in one ``` fence) is
+    judged by its "score" number alone. Otherwise the score is on the lines `KEY: n` (case-insensitive, at the
+    start of a line, markdown and a trailing /10 allowed; two different values are no score), or the reply
+    is just a number. A score outside [0, 10] is no score, never a reason to look for another number."""
     text = (text or "").strip()
-    if text.startswith("{") or text.startswith("```"):
+    fenced = re.fullmatch(r"```[ \t]*(?:json)?\s*(.*?)\s*```", text, re.DOTALL | re.IGNORECASE)
+    body = fenced.group(1) if fenced else text
+    if body.startswith("{"):
         try:
-            reply = json.loads(text.strip("`").removeprefix("json").strip())
+            reply = json.loads(body)
         except json.JSONDecodeError:
             reply = None
-        if isinstance(reply, dict) and "score" in reply:
-            score = reply["score"]
+        if isinstance(reply, dict):
+            score = reply.get("score")
             ok = isinstance(score, (int, float)) and not isinstance(score, bool)
             return float(score) if ok and 0.0 <= score <= 10.0 else None
-    for pattern in _SCORE_FORMATS:
-        matches = pattern.findall(text)
-        if matches:
-            score = float(matches[-1])
-            return score if 0.0 <= score <= 10.0 else None
-    return None
+    pattern = _SCORE_LINE.replace("{key}", re.escape(key))
+    values = {float(n) for n in re.findall(pattern, text, re.IGNORECASE | re.MULTILINE)}
+    if not values:
+        bare = _BARE_NUMBER.fullmatch(text)
+        values = {float(bare.group(1))} if bare else set()
+    if len(values) != 1:
+        return None
+    score = values.pop()
+    return score if 0.0 <= score <= 10.0 else None

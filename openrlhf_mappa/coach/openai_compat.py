@@ -7,7 +7,8 @@ One action's verdict:
   2. transient failures (429 honouring Retry-After, 408/409, 5xx, timeouts, dropped connections, bodies that
      are not JSON) are retried up to `max_retries` times with jittered exponential backoff; other errors
      (401, 404, 400) are final;
-  3. a reply without a valid 0-10 score is re-prompted at most `format_retries` times;
+  3. a reply without a valid 0-10 score (parse_score: the JSON "score", or the `<score_key>: <n>` line of a
+     text reply, as from a server that ignores `response_format`) is re-prompted at most `format_retries` times;
   4. what still fails is a Verdict with status api_error / timeout / parse_error and NO score.
 
 The wire protocol is one POST of JSON to `<base_url>/chat/completions` with a bearer key, spoken with
@@ -30,7 +31,7 @@ import time
 import aiohttp
 import yarl
 
-from openrlhf_mappa.coach import Coach, CoachRequest, parse_score, render_prompt
+from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, SCORE_KEY_RE, Coach, CoachRequest, parse_score, render_prompt
 from openrlhf_mappa.coach.cache import VerdictCache
 from openrlhf_mappa.episode import Verdict
 
@@ -56,8 +57,9 @@ SCHEMA_WORDS = re.compile(r"response_format|schema|structured|guided|grammar", r
 # it: a reply that ran to the token limit, sent back, would push a small coach past its context length.
 REPROMPT = (
     "\n\n(Reminder: an earlier reply to this request stated no valid score. End your reply with a line "
-    "`SCORE: <number from 0 to 10>`.)"
+    "`{key}: <number from 0 to 10>`.)"
 )
+PROBE_TIMEOUT_S = 10.0  # a model listing answers at once; waiting longer only delays the error
 RETRIED_STATUSES = (408, 409, 429)  # and every 5xx
 
 
@@ -91,10 +93,13 @@ class OpenAICoach(Coach):
         backoff_s: float = 1.0,
         max_backoff_s: float = 60.0,
         max_tokens: int = 0,
+        score_key: str = DEFAULT_SCORE_KEY,
         cache: VerdictCache = None,
     ):
         if structured not in STRUCTURED_MODES:
             raise ValueError(f"structured output mode {structured!r}: expected one of {STRUCTURED_MODES}")
+        if not SCORE_KEY_RE.fullmatch(score_key or ""):
+            raise ValueError(f"score key {score_key!r}: use letters, digits and '_', starting with a letter")
         # Render once with an empty request so a template naming an unknown field fails at startup,
         # not on the first action of the first training step.
         render_prompt(template, CoachRequest("", "", 0, "", "", "", "", "", ""))
@@ -104,7 +109,9 @@ class OpenAICoach(Coach):
         self.structured, self.use_schema = structured, structured != "off"
         self.rpm, self.next_slot = rpm, 0.0
         self.max_tokens = max_tokens  # 0: the server's default
-        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.score_key, self.reprompt = score_key, REPROMPT.format(key=score_key)
+        self.base_url, self.api_key_env = base_url.rstrip("/"), api_key_env
+        self.url = self.base_url + "/chat/completions"
         self.headers = {"Authorization": f"Bearer {os.environ.get(api_key_env) or 'EMPTY'}"}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session = None  # opened on first use: an aiohttp session belongs to the loop it was made in
@@ -145,12 +152,12 @@ class OpenAICoach(Coach):
                 text = await self.complete(messages, tally)
             except CallFailed as e:
                 return Verdict(score=None, status=e.status, rationale=str(e)[:1000], coach=self.name, **tally)
-            score = parse_score(text)
+            score = parse_score(text, self.score_key)
             if score is not None:
                 return Verdict(score=score, status="ok", rationale=text, coach=self.name, **tally)
             if attempt < self.format_retries:
                 tally["retries"] += 1
-                messages = [{"role": "user", "content": prompt + REPROMPT}]
+                messages = [{"role": "user", "content": prompt + self.reprompt}]
         why = f"no valid score in [0, 10] after {self.format_retries + 1} replies; last reply: {text[:500]!r}"
         return Verdict(score=None, status="parse_error", rationale=why, coach=self.name, **tally)
 
@@ -243,6 +250,36 @@ class OpenAICoach(Coach):
         slot = max(now, self.next_slot)
         self.next_slot = slot + 60.0 / self.rpm
         await asyncio.sleep(slot - now)
+
+    async def probe(self) -> None:
+        """One GET <base_url>/models: a refused connection, a timeout, 401 or 403 raise ValueError; any other
+        answer means the server is there (not every server lists models). A listing without the configured
+        model is only a warning: proxies and routers serve models they do not list."""
+        url = self.base_url + "/models"
+        # A session of its own, closed here: the probe runs in its own event loop, before the one the
+        # verdicts are asked in, and an aiohttp session cannot outlive the loop it was made in.
+        timeout = aiohttp.ClientTimeout(total=min(PROBE_TIMEOUT_S, self.timeout.total))
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                get = session.get(url, headers=self.headers, proxy=self.proxy, proxy_headers=self.proxy_headers)
+                async with get as reply:
+                    status, text = reply.status, (await reply.read()).decode("utf-8", errors="replace")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise ValueError(f"coach server {url} cannot be reached: {type(e).__name__}: {e}") from None
+        if status in (401, 403):
+            key = "set" if os.environ.get(self.api_key_env) else "NOT set"
+            raise ValueError(f"coach server {url} refused the API key (HTTP {status}: {text[:300]}); the key is "
+                             f"read from ${self.api_key_env}, which is {key}")
+        try:
+            listing = json.loads(text) if status == 200 else None
+        except ValueError:
+            listing = None
+        models = listing.get("data") if isinstance(listing, dict) else None
+        if isinstance(models, list):
+            ids = [m.get("id") for m in models if isinstance(m, dict)]
+            if self.model not in ids:
+                logger.warning("coach server %s does not list model %r; it lists: %s", url, self.model,
+                               ", ".join(map(str, ids)) or "(none)")
 
     async def aclose(self):
         if self.session is not None:

@@ -68,8 +68,9 @@ def agreement(rows: list) -> dict:
     return summary
 
 
-def run(actions: list, out_path: str, coach: Coach) -> dict:
-    """Re-score `actions` (from read_actions), write both verdicts per action and the summary; return it."""
+def run(actions: list, out_path: str, coach: Coach) -> tuple:
+    """Re-score `actions` (from read_actions), write both verdicts per action and the summary; return both
+    (the rows as written, the summary)."""
     import dataclasses
 
     async def go():
@@ -93,7 +94,7 @@ def run(actions: list, out_path: str, coach: Coach) -> dict:
     summary = agreement(rows)
     with open(out_path + ".summary.json", "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
-    return summary
+    return rows, summary
 
 
 def print_summary(summary: dict, before: str, after: str):
