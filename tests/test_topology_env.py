@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_mappa.envs.base import MultiAgentEnv, StepResult, load_env_class, load_tasks
+from openrlhf_mappa.envs.base import HistoryEntry, MultiAgentEnv, StepResult, load_env_class, load_tasks
 from openrlhf_mappa.envs.mathchat import MathChatEnv, answers_match, extract_boxed
 from openrlhf_mappa.sandbox import extract_code, run_python
 from openrlhf_mappa.topology import AgentSpec, load_topology
@@ -19,6 +19,7 @@ TINY_MATH = ROOT / "examples" / "data" / "tiny_math.jsonl"
 BENCH = Path(os.environ.get("MAPPA_BENCH_DIR", ROOT.parent / "shared" / "data" / "mappa-bench"))
 
 GOOD_AGENT = {"name": "solver", "model": "m", "role": "solves", "prompt": "Solve: {task}\n{history}"}
+CHECKER = {"name": "checker", "model": "m", "role": "checks", "prompt": "Check: {task}\n{history}"}
 
 
 def write_topology(tmp_path, **overrides):
@@ -75,6 +76,15 @@ def test_model_override_replaces_every_model(tmp_path):
         ({"coach_template": ""}, "'coach_template' is missing or empty"),
         ({"coach_template": "{task} {score}"}, "coach_template: unknown field {score}"),
         ({"env_kwargs": {"code_timeout": 3}}, "env_kwargs do not fit mathchat"),
+        # views: agents act once each, in order, so a view names only agents listed before it
+        ({"agents": [dict(GOOD_AGENT, view="previous")]}, "agent 'solver': view: 'previous' names nobody: this is the first"),
+        ({"agents": [GOOD_AGENT, dict(CHECKER, view=["solvr"])]}, "view: unknown agent 'solvr'; the agents are solver, checker"),
+        ({"agents": [GOOD_AGENT, dict(CHECKER, view=["checker"])]}, "agent 'checker': view: names the agent itself"),
+        ({"agents": [dict(GOOD_AGENT, view=["checker"]), CHECKER]}, "view: names 'checker', which acts after it"),
+        ({"agents": [GOOD_AGENT, dict(CHECKER, view="everyone")]}, "'agents' must be all, previous or a list of agent names"),
+        ({"agents": [GOOD_AGENT, dict(CHECKER, view={"agent": "all"})]}, "view: unknown key(s) ['agent']; allowed: agents"),
+        ({"agents": [GOOD_AGENT, dict(CHECKER, view={"actions": "first"})]}, "'actions' must be all or last"),
+        ({"agents": [GOOD_AGENT, dict(CHECKER, view={"tool_output": "no"})]}, "'tool_output' must be true or false"),
     ],
 )
 def test_bad_topology_messages(tmp_path, overrides, message):
@@ -257,9 +267,21 @@ def test_scripted_mathchat_episode_succeeds(tmp_path):
     code_result = seen[1][3]
     assert code_result.feedback.stdout == "10\n" and code_result.feedback.exit_code == 0 and not code_result.done
     assert seen[2][3].done and not seen[2][3].feedback.ran  # no code block: the executor is finished
-    second_look = seen[2][2][-1]["content"]  # the executor's second turn sees its code's output
-    assert "print(3 * 4 - 2)" in second_look and "stdout:\n10" in second_look
-    assert seen[0][2][-1]["role"] == "user" and TASK["prompt"] in seen[0][2][-1]["content"]
+    # What each agent saw (the authors' MathChat): the Solver the problem; the Executor the problem and the
+    # Solver's draft, then its own first code and that code's output as chat turns; the Verifier the
+    # Executor's final reply and its last code run, not the Solver's draft.
+    solver_msgs, first_look, second_look, verifier_msgs = (m for _, _, m, _ in seen)
+    assert solver_msgs == [{"role": "user", "content": solver_msgs[0]["content"]}]
+    assert TASK["prompt"] in solver_msgs[0]["content"] and "(nothing yet)" not in solver_msgs[0]["content"]
+    assert len(first_look) == 1 and "eating 2 leaves 10" in first_look[0]["content"]
+    assert [m["role"] for m in second_look] == ["user", "assistant", "user"]
+    assert second_look[0] == first_look[0] and second_look[1]["content"] == scripted_replies("10")["code_executor"][0]
+    assert second_look[2]["content"] == "#### Output of the code\nstdout:\n10\n"
+    assert "code_executor" not in first_look[0]["content"]  # its own actions are not in {history}
+    (verifier_input,) = [m["content"] for m in verifier_msgs]
+    assert "The program printed 10, as expected." in verifier_input  # the Executor's final reply
+    assert "print(3 * 4 - 2)" in verifier_input and "stdout:\n10" in verifier_input  # its last code run
+    assert "eating 2 leaves 10" not in verifier_input  # the Solver is not in the Verifier's view
     assert env.history[1].feedback.strip() == "stdout:\n10"
     assert env.outcome() == {"success": True, "answer": "10", "answered": True}
     verifier, solver = topo.agents[-1], topo.agents[0]
@@ -286,6 +308,80 @@ def test_observe_with_system_message(tmp_path):
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Q: 2+2?\nH: (nothing yet)"},
     ]
+
+
+# ---------------------------------------------------------------- what each agent sees
+
+
+def view_env(tmp_path, view, prompt="{task}\n{history}", system=""):
+    """Agents a, b (3 actions of code) and c with `view`; the history as the env would have recorded it,
+    c's own first action last."""
+    agents = [dict(GOOD_AGENT, name="a"), dict(GOOD_AGENT, name="b"),
+              dict(GOOD_AGENT, name="c", view=view, prompt=prompt, system=system)]  # fmt: skip
+    topo = load_topology(write_topology(tmp_path, agents=agents))
+    env = MultiAgentEnv(topo, {"prompt": "THE TASK", "answer": "1"}, str(tmp_path))
+    env.history = [
+        HistoryEntry("a", 0, "<think>a plans</think>A's answer", ""),
+        HistoryEntry("b", 0, "B's first code", "stdout:\nfirst run"),
+        HistoryEntry("b", 1, "B's second code", "stdout:\nsecond run"),
+        HistoryEntry("b", 2, "B's summary", ""),
+        HistoryEntry("c", 0, "C's code", "stdout:\nmine"),
+    ]
+    return topo.agents[-1], env
+
+
+@pytest.mark.parametrize(
+    "view, shown, hidden",
+    [
+        ("all", ["<think>a plans</think>A's answer", "B's first code", "first run", "second run", "B's summary"], []),
+        ("previous", ["B's first code", "first run", "B's second code", "B's summary"], ["A's answer"]),
+        (["a"], ["A's answer"], ["B's"]),
+        ([], ["(nothing yet)"], ["A's", "B's"]),
+        # each agent's final reply and its latest code run (the authors' Verifier)
+        ({"agents": ["a", "b"], "actions": "last"}, ["A's answer", "B's second code", "second run", "B's summary"],
+         ["B's first code", "first run"]),
+        ({"agents": ["b"], "actions": "last", "tool_output": False}, ["B's summary"], ["B's second code", "run", "A's"]),
+        ({"tool_output": False}, ["B's first code", "B's second code"], ["first run", "second run"]),
+        ({"strip_thinking": True}, ["A's answer", "B's summary"], ["a plans", "think>"]),
+    ],
+)
+def test_view_selects_what_an_agent_sees_of_the_others(tmp_path, view, shown, hidden):
+    agent, env = view_env(tmp_path, view)
+    messages = env.observe(agent, 1)
+    history = messages[0]["content"]
+    assert history.startswith("THE TASK\n") and "C's code" not in history  # its own actions are chat turns
+    assert all(text in history for text in shown), history
+    assert not any(text in history for text in hidden), history
+    assert messages[1:] == [{"role": "assistant", "content": "C's code"},
+                            {"role": "user", "content": "#### Output of the code\nstdout:\nmine"}]  # fmt: skip
+
+
+def test_default_view_renders_as_before(tmp_path):
+    """No view: {history} is every other agent's action with its output, exactly the old history_text."""
+    agent, env = view_env(tmp_path, "all")
+    env.history = env.history[:-1]  # c has not acted yet: {history} is the whole history
+    assert env.observe(agent, 0) == [{"role": "user", "content": "THE TASK\n" + env.history_text()}]
+    assert "### b (action 2)\nB's second code\n\n#### Output of the code\nstdout:\nsecond run" in env.history_text()
+
+
+def test_omit_leaves_out_the_oldest_entries_with_a_marker(tmp_path):
+    agent, env = view_env(tmp_path, "all", system="SYSTEM")
+    full = env.observe(agent, 1)
+    assert env.observe(agent, 1, omit=0) == full and "omitted" not in str(full)
+    two = env.observe(agent, 1, omit=2)  # a's answer and b's first code go, oldest first
+    assert two[0] == full[0] and two[2:] == full[2:]  # the system message and its own turns stay
+    assert two[1]["content"].startswith("THE TASK\n[2 earlier actions omitted to fit the context]\n\n### b (action 2)")
+    assert "A's answer" not in two[1]["content"] and "B's first code" not in two[1]["content"]
+    four = env.observe(agent, 1, omit=4)  # every other agent's action: {history} is the marker alone
+    assert four[1]["content"] == "THE TASK\n[4 earlier actions omitted to fit the context]" and four[2:] == full[2:]
+    five = env.observe(agent, 1, omit=5)  # then its own turns
+    assert five == [full[0], {"role": "user", "content": "THE TASK\n[5 earlier actions omitted to fit the context]"}]
+    assert env.observe(agent, 1, omit=99) == five
+    # A prompt without {history} shows no other agent; the marker for its own turns ends the prompt.
+    agent, env = view_env(tmp_path, "all", prompt="Only {task}")
+    assert env.observe(agent, 1) == [{"role": "user", "content": "Only THE TASK"}, *full[2:]]
+    assert env.observe(agent, 1, omit=1) == [
+        {"role": "user", "content": "Only THE TASK\n\n[1 earlier action omitted to fit the context]"}]
 
 
 @pytest.mark.parametrize(
