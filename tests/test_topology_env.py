@@ -1,5 +1,8 @@
 """Topology YAML, task files, the local code runner and a scripted MathChat episode (no model, no GPU)."""
 
+import asyncio
+import functools
+import inspect
 import json
 import os
 import textwrap
@@ -10,6 +13,9 @@ import pytest
 
 from openrlhf_mappa.envs.base import HistoryEntry, MultiAgentEnv, StepResult, load_env_class, load_tasks
 from openrlhf_mappa.envs.mathchat import MathChatEnv, answers_match, extract_boxed
+from openrlhf_mappa.episode import Verdict
+from openrlhf_mappa.evaluation import behaviour_metrics
+from openrlhf_mappa.rollout import AgentPolicy, run_episode
 from openrlhf_mappa.sandbox import extract_code, run_python
 from openrlhf_mappa.topology import AgentSpec, load_topology
 
@@ -382,6 +388,131 @@ def test_omit_leaves_out_the_oldest_entries_with_a_marker(tmp_path):
     assert env.observe(agent, 1) == [{"role": "user", "content": "Only THE TASK"}, *full[2:]]
     assert env.observe(agent, 1, omit=1) == [
         {"role": "user", "content": "Only THE TASK\n\n[1 earlier action omitted to fit the context]"}]
+
+
+# ---------------------------------------------------------------- over-long prompts
+
+
+def test_shorten_finds_the_fewest_entries_to_leave_out(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    agent, env = view_env(tmp_path, "all", system="SYSTEM")
+    env.history = [HistoryEntry("b", i, f"step {i} " + "x" * 100, "") for i in range(9)]  # 9 entries
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    probe = AgentPolicy(engines=[], tokenizer=tokenizer, max_new_tokens=10, max_len=10**6)
+    length = [len(probe.prompt_ids(env.observe(agent, 0, k))[1]) for k in range(10)]
+    assert length == sorted(length, reverse=True)  # each entry left out shortens the prompt
+
+    policy = AgentPolicy(engines=[], tokenizer=tokenizer, max_new_tokens=10, max_len=length[5] + 10)
+    calls = []
+    measure = policy.prompt_ids
+    policy.prompt_ids = lambda messages: calls.append(1) or measure(messages)
+    text, ids, too_long, k = policy.shorten(functools.partial(env.observe, agent, 0), len(env.history))
+    assert (too_long, k, len(ids)) == (False, 5, length[5]) and len(calls) <= 1 + 4  # 1 + ceil(log2 9)
+    assert text == tokenizer.apply_chat_template(env.observe(agent, 0, 5), tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nSYSTEM<|im_end|>\n<|im_start|>user\nTHE TASK\n[5 earlier actions omitted")
+    assert "step 4 " not in text and "step 5 " in text and "step 8 " in text
+
+    # Even with every entry left out (system message, prompt, task and marker) it does not fit.
+    policy.max_len = length[9] + 10 - 1
+    text, ids, too_long, k = policy.shorten(functools.partial(env.observe, agent, 0), len(env.history))
+    assert too_long and k == 9 and len(ids) == length[9] and "THE TASK" in text
+
+
+def test_prompt_ids_never_cuts(tiny_model):
+    from transformers import AutoTokenizer
+
+    policy = AgentPolicy(engines=[], tokenizer=AutoTokenizer.from_pretrained(tiny_model), max_new_tokens=16, max_len=64)
+    text, ids, too_long = policy.prompt_ids([{"role": "user", "content": "short"}])
+    assert not too_long and len(ids) < 48
+    text, ids, too_long = policy.prompt_ids([{"role": "user", "content": "x " * 300 + "THE END"}])
+    assert too_long and ids == policy.tokenizer(text, add_special_tokens=False)["input_ids"] and len(ids) > 600
+
+
+class RecordingCoach:
+    def __init__(self):
+        self.requests = []
+
+    async def score(self, request):
+        self.requests.append(request)
+        return Verdict(None, "skipped")
+
+
+def play_mathchat(tmp_path, tokenizer, replies, max_len, env_class=MathChatEnv):
+    """run_episode of MathChat with real policies (chat template, tokenizer, prompt fitting) whose engines are
+    scripted: each records the prompt ids it was given. max_len: per agent."""
+    topology = load_topology(str(MATHCHAT_YAML), model_override="tiny")
+    topology.make_env = lambda task, workspace: env_class(topology, task, workspace)
+    policies, given = {}, []
+    for spec in topology.agents:
+        policy = AgentPolicy(engines=[], tokenizer=tokenizer, max_new_tokens=64, max_len=max_len[spec.name])
+
+        async def generate(prompt_ids, name=spec.name, turns=iter(replies[spec.name])):
+            given.append((name, prompt_ids))
+            return tokenizer(next(turns), add_special_tokens=False)["input_ids"], False
+
+        policy.generate = generate
+        policies[spec.name] = policy
+    coach = RecordingCoach()
+    episode = asyncio.run(run_episode(topology, dict(TASK), policies, coach, str(tmp_path), step=1))
+    return episode, given, coach.requests
+
+
+def test_the_coach_sees_exactly_the_prompt_the_agent_saw(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    replies = scripted_replies("10")
+    replies["problem_solver"] = ["3 boxes of 4 apples is 12; eating 2 leaves 10. " + "Check. " * 300]
+    # The Code Executor's budget cannot hold the Solver's long draft: it is left out, with a marker.
+    episode, given, requests = play_mathchat(tmp_path, tokenizer, replies,
+                                             {"problem_solver": 4096, "code_executor": 1000, "verifier": 4096})  # fmt: skip
+    assert [(a.agent, a.turn, a.prompt_truncated) for a in episode.actions] == [
+        ("problem_solver", 0, False), ("code_executor", 0, True), ("code_executor", 1, True), ("verifier", 0, False)]  # fmt: skip
+    for action, request, (name, ids) in zip(episode.actions, requests, given):
+        assert request.agent == action.agent == name and ids == action.prompt_ids
+        assert request.agent_input == action.prompt_text  # the text that tokenized to the ids the engine got
+        assert tokenizer(request.agent_input, add_special_tokens=False)["input_ids"] == ids
+    executor_input, verifier_input = requests[2].agent_input, requests[3].agent_input
+    assert "[1 earlier action omitted to fit the context]" in executor_input and "Check." not in executor_input
+    assert TASK["prompt"] in executor_input and "print(3 * 4 - 2)" in executor_input  # its own first code
+    assert "eating 2 leaves 10" not in verifier_input and "The program printed 10" in verifier_input  # its view
+    assert episode.success and episode.skipped_actions == []
+
+
+def test_an_action_whose_prompt_cannot_fit_is_skipped_and_counted(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    # The Verifier's prompt and task alone exceed its budget: it does not act; the episode ends unanswered.
+    episode, given, requests = play_mathchat(tmp_path, AutoTokenizer.from_pretrained(tiny_model), scripted_replies("10"),
+                                             {"problem_solver": 4096, "code_executor": 4096, "verifier": 300})  # fmt: skip
+    assert [a.agent for a in episode.actions] == ["problem_solver", "code_executor", "code_executor"]
+    assert [name for name, _ in given] == [r.agent for r in requests] == [a.agent for a in episode.actions]
+    (skipped,) = episode.skipped_actions
+    assert (skipped["agent"], skipped["turn"], skipped["budget"]) == ("verifier", 0, 300 - 64)
+    assert skipped["prompt_tokens"] > 236  # the shortest prompt it could get: no history at all
+    assert episode.outcome == {"success": False, "answer": None, "answered": False}
+    assert json.loads(episode.to_json())["skipped_actions"] == [skipped]
+    m = behaviour_metrics([episode, episode], ["code_executor", "verifier"])
+    assert (m["agent/verifier/prompt_too_long_skipped"], m["agent/verifier/num_actions"]) == (2, 0)
+    assert m["agent/code_executor/prompt_too_long_skipped"] == 0
+
+
+def test_an_env_whose_observe_takes_no_omit_still_works(tiny_model, tmp_path):
+    """A custom observe(agent, turn) (the protocol before `omit`): prompts that fit run as before; one that
+    does not is skipped, since the rollout cannot tell its history from its task."""
+    from transformers import AutoTokenizer
+
+    class OwnObserve(MathChatEnv):
+        def observe(self, agent, turn):
+            return [{"role": "user", "content": f"{agent.name}: {self.task_text}\n{self.history_text()}"}]
+
+    episode, given, requests = play_mathchat(tmp_path, AutoTokenizer.from_pretrained(tiny_model), scripted_replies("10"),
+                                             {"problem_solver": 4096, "code_executor": 4096, "verifier": 200},
+                                             env_class=OwnObserve)  # fmt: skip
+    assert [a.agent for a in episode.actions] == ["problem_solver", "code_executor", "code_executor"]
+    assert requests[2].agent_input.startswith(f"<|im_start|>user\ncode_executor: {TASK['prompt']}\n### problem_solver")
+    assert [s["agent"] for s in episode.skipped_actions] == ["verifier"]
 
 
 @pytest.mark.parametrize(
