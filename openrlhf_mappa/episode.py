@@ -97,7 +97,7 @@ class Action:
     rollout_logprobs: Optional[list] = None
     truncated: bool = False  # generation hit the token limit
     formatted: Optional[bool] = None  # it gives a final answer in the env's format (None: not asked of this agent)
-    prompt_truncated: bool = False  # the prompt was longer than max_len - max_new_tokens and was cut
+    prompt_truncated: bool = False  # its oldest history entries were left out to fit max_len - max_new_tokens
     feedback: ToolFeedback = field(default_factory=ToolFeedback)
     # What the coach saw besides prompt_text/response_text (role, task, feedback text, ground truth, ...),
     # so `mappa coach score` can re-score this action later with another coach or template.
@@ -116,6 +116,9 @@ class Episode:
     outcome: dict = field(default_factory=dict)  # at least {"success": bool}; pipelines may add metrics
     step: int = 0  # training step that produced it
     timings: dict = field(default_factory=dict)
+    # Actions never taken: even with all history left out their prompt exceeded max_len - max_new_tokens.
+    # {"agent", "turn", "prompt_tokens" (that shortest prompt), "budget"}; that agent's turns ended there.
+    skipped_actions: list = field(default_factory=list)
 
     @property
     def success(self) -> bool:

@@ -44,8 +44,10 @@ def behaviour_metrics(episodes: list, agent_names: list) -> dict:
     """Per agent: how it acts, whatever it is rewarded for. Keys `agent/<name>/<metric>`:
     tool_use_rate (actions whose code ran), tool_error_rate (actions whose code failed, over all actions),
     code_error_rate (failed over ran), action_length (response tokens), truncated_rate (hit the token
-    limit), prompt_truncated (prompts cut to fit), answer_format_rate (final answer in the required form,
-    only for agents that owe one; see MultiAgentEnv.answer_formatted)."""
+    limit), prompt_truncated (prompts whose oldest history entries were left out to fit),
+    prompt_too_long_skipped (actions not taken: the prompt did not fit even without history; see
+    Episode.skipped_actions), answer_format_rate (final answer in the required form, only for agents that
+    owe one; see MultiAgentEnv.answer_formatted)."""
     m = {}
     for name in agent_names:
         acts = [a for ep in episodes for a in ep.actions if a.agent == name]
@@ -59,6 +61,7 @@ def behaviour_metrics(episodes: list, agent_names: list) -> dict:
         m[p + "code_error_rate"] = sum(a.feedback.error for a in ran) / len(ran) if ran else None
         m[p + "truncated_rate"] = sum(a.truncated for a in acts) / len(acts) if acts else None
         m[p + "prompt_truncated"] = sum(a.prompt_truncated for a in acts)
+        m[p + "prompt_too_long_skipped"] = sum(s["agent"] == name for ep in episodes for s in ep.skipped_actions)
         if owed:
             m[p + "answer_format_rate"] = sum(owed) / len(owed)
     return m
@@ -110,8 +113,9 @@ def format_table(results: dict) -> str:
         keys = sorted({k.split("/", 2)[2] for k in summary if k.startswith("agent/")})
         width = max(len(a) for a in agents) if agents else 5
         lines.append("  " + "agent".ljust(width) + "".join(f" {k:>18}" for k in keys))
-        for a in agents:
-            lines.append("  " + a.ljust(width) + "".join(f" {_fmt(summary.get(f'agent/{a}/{k}')):>18}" for k in keys))
+        for a in agents:  # a column is as wide as its name (a name longer than 18 is printed whole)
+            cells = [f" {_fmt(summary.get(f'agent/{a}/{k}')):>{max(18, len(k))}}" for k in keys]
+            lines.append("  " + a.ljust(width) + "".join(cells))
     return "\n".join(lines)
 
 

@@ -1,12 +1,16 @@
 """Run many episodes at once over the agents' vLLM engines, the environment and the coach.
 
 Each agent's actions are generated on that agent's own engines, from messages rendered with that
-agent's own chat template. The coach request for an action is submitted as soon as the action's tool
-feedback exists and awaited only when the episode is complete, so coach latency overlaps with the next
-agents' generation and with other episodes.
+agent's own chat template. A prompt longer than max_len - max_new_tokens loses its oldest history entries
+(`env.observe(..., omit=k)`), never its system message, prompt or task; when those alone are too long the
+action is not taken and is recorded in `Episode.skipped_actions`. The coach request for an action is
+submitted as soon as the action's tool feedback exists and awaited only when the episode is complete, so
+coach latency overlaps with the next agents' generation and with other episodes.
 """
 
 import asyncio
+import functools
+import inspect
 import itertools
 import os
 import time
@@ -29,11 +33,25 @@ class AgentPolicy:
     _next: itertools.count = field(default_factory=itertools.count)
 
     def prompt_ids(self, messages: list) -> tuple:
-        """Chat-template the messages; an over-long prompt keeps its last tokens (the freshest context)."""
+        """(text, ids, too_long): the messages chat-templated, and whether they exceed max_len - max_new_tokens."""
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        budget = self.max_len - self.max_new_tokens
-        return text, ids[-budget:], len(ids) > budget
+        return text, ids, len(ids) > self.max_len - self.max_new_tokens
+
+    def shorten(self, observe, entries: int) -> tuple:
+        """For a prompt too long in full: (text, ids, too_long, k) of observe(k), the prompt with the fewest
+        oldest history entries k left out that fits. When even k = entries (every entry out: the system
+        message, the prompt and the task alone) is too long, that prompt, too_long True. Binary search over
+        k, at most 1 + ceil(log2(entries)) tokenizations: a DSBench agent may see a dozen long entries."""
+        best = self.prompt_ids(observe(entries))
+        if best[2]:
+            return (*best, entries)
+        lo, hi = 0, entries  # observe(lo) is too long, observe(hi) fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            found = self.prompt_ids(observe(mid))
+            lo, hi, best = (mid, hi, best) if found[2] else (lo, mid, found)
+        return (*best, hi)
 
     async def generate(self, prompt_ids: list):
         from vllm import SamplingParams
@@ -50,11 +68,24 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
     env = topology.make_env(task, workspace)
     episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=env.task_type, step=step)
     verdict_futures = []
+    # An env whose own observe() takes no `omit` cannot leave history out: its over-long prompts are skipped.
+    can_omit = "omit" in inspect.signature(env.observe).parameters
     t0 = time.time()
     for spec in topology.agents:
         policy = policies[spec.name]
         for turn in range(spec.max_actions):
-            prompt_text, prompt_ids, prompt_cut = policy.prompt_ids(env.observe(spec, turn))
+            prompt_text, prompt_ids, too_long = policy.prompt_ids(env.observe(spec, turn))
+            omitted = 0
+            if too_long and can_omit:
+                observe = functools.partial(env.observe, spec, turn)  # observe(k): k oldest entries left out
+                prompt_text, prompt_ids, too_long, omitted = policy.shorten(observe, len(env.history))
+            if too_long:
+                # Even its system message, prompt and task alone do not fit: no action (nothing generated, nothing
+                # trained, no coach); its turns end, since later ones would not fit either; the next agent acts.
+                budget = policy.max_len - policy.max_new_tokens
+                skipped = {"agent": spec.name, "turn": turn, "prompt_tokens": len(prompt_ids), "budget": budget}
+                episode.skipped_actions.append(skipped)
+                break
             response_ids, truncated = await policy.generate(prompt_ids)
             response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
             result = await asyncio.to_thread(env.step, spec, turn, response_text)
@@ -68,7 +99,7 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
                 response_text=response_text,
                 truncated=truncated,
                 formatted=env.answer_formatted(spec, response_text),
-                prompt_truncated=prompt_cut,
+                prompt_truncated=omitted > 0,
                 feedback=result.feedback,
             )
             episode.actions.append(action)

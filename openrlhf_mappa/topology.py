@@ -11,7 +11,7 @@ import os
 import re
 import string
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import yaml
 
@@ -26,6 +26,19 @@ COACH_PROMPT_FIELDS = (
 )  # fmt: skip
 # Agent names become parts of checkpoint paths and metric keys.
 AGENT_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
+VIEW_KEYS = ("agents", "actions", "tool_output", "strip_thinking")
+
+
+@dataclass(frozen=True)
+class View:
+    """Which earlier actions of OTHER agents an agent's {history} shows. Its own earlier actions in the episode
+    always follow its prompt as turns of the chat (its reply, then its tool output), as the authors' agents
+    saw them. YAML: `view: all | previous | [names]`, or a mapping of these fields."""
+
+    agents: Union[str, tuple] = "all"  # "all", or a tuple of agent names ("previous" is resolved when the file loads)
+    actions: str = "all"  # "last": each agent's final reply (and, with tool_output, its latest code run) only
+    tool_output: bool = True  # show what their code printed
+    strip_thinking: bool = False  # drop <think>...</think> from their replies
 
 
 @dataclass
@@ -41,6 +54,7 @@ class AgentSpec:
     num_gpus_per_node: Optional[int] = None
     vllm_num_engines: Optional[int] = None
     max_new_tokens: Optional[int] = None
+    view: View = field(default_factory=View)
 
 
 @dataclass
@@ -104,6 +118,8 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
         fail(f"agent name(s) {duplicated} used more than once; every agent needs its own name")
+    for i, (agent, row) in enumerate(zip(agents, agent_rows)):
+        agent.view = _parse_view(row.get("view", "all"), names, i, fail)
 
     try:
         env_cls = load_env_class(raw["env"])
@@ -133,6 +149,7 @@ def _parse_agent(row, index: int, model_override: Optional[str], fail) -> AgentS
     if unknown:
         fail(f"{label}: unknown key(s) {unknown}; allowed agent keys: {', '.join(AGENT_KEYS)}")
     row = dict(row)
+    row.pop("view", None)  # checked once every agent's name is known (_parse_view)
     if model_override:
         row["model"] = model_override
     for key in ("name", "model", "role", "prompt"):
@@ -159,6 +176,39 @@ def _parse_agent(row, index: int, model_override: Optional[str], fail) -> AgentS
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             fail(f"{label}: '{key}' must be a positive integer or left out, got {value!r}")
     return AgentSpec(**row)
+
+
+def _parse_view(raw, names: list, index: int, fail) -> View:
+    """An agent's view, its names checked: agents act once each, in the listed order, so a view may only name
+    agents listed before it (later ones have not acted yet; its own actions are always shown)."""
+    label = f"agent {names[index]!r}: view"
+    if not isinstance(raw, dict):
+        raw = {"agents": raw}
+    unknown = sorted(set(raw) - set(VIEW_KEYS))
+    if unknown:
+        fail(f"{label}: unknown key(s) {unknown}; allowed: {', '.join(VIEW_KEYS)}")
+    agents = raw.get("agents", "all")
+    if agents == "previous":
+        if index == 0:
+            fail(f"{label}: 'previous' names nobody: this is the first agent (write [] to show no other agent)")
+        agents = [names[index - 1]]
+    if agents != "all":
+        if not isinstance(agents, list) or not all(isinstance(a, str) for a in agents):
+            fail(f"{label}: 'agents' must be all, previous or a list of agent names, got {agents!r}")
+        for a in agents:
+            if a not in names:
+                fail(f"{label}: unknown agent {a!r}; the agents are {', '.join(names)}")
+            if a == names[index]:
+                fail(f"{label}: names the agent itself; its own earlier actions are always shown to it")
+            if names.index(a) > index:
+                fail(f"{label}: names {a!r}, which acts after it (agents act in the listed order)")
+        agents = tuple(agents)
+    if raw.get("actions", "all") not in ("all", "last"):
+        fail(f"{label}: 'actions' must be all or last, got {raw['actions']!r}")
+    for key in ("tool_output", "strip_thinking"):
+        if not isinstance(raw.get(key, False), bool):
+            fail(f"{label}: '{key}' must be true or false, got {raw[key]!r}")
+    return View(agents, raw.get("actions", "all"), raw.get("tool_output", True), raw.get("strip_thinking", False))
 
 
 def _check_template(template: str, allowed: tuple, label: str, fail) -> None:

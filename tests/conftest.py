@@ -52,7 +52,9 @@ TINY_RUN_FLAGS = [
 def two_agent_mathchat(tmp_path, num_tasks: int):
     """MathChat's Problem Solver and Verifier (one action each) and `num_tasks` sums; returns their paths."""
     topology = yaml.safe_load(open(os.path.join(REPO, "examples", "configs", "mathchat.yaml")))
-    topology["agents"] = [dict(a, max_actions=1) for a in topology["agents"] if a["name"] in ("problem_solver", "verifier")]
+    # view all: the Verifier's own view names the Code Executor, who is left out here
+    kept = [a for a in topology["agents"] if a["name"] in ("problem_solver", "verifier")]
+    topology["agents"] = [dict(a, max_actions=1, view="all") for a in kept]
     (tmp_path / "topology.yaml").write_text(yaml.safe_dump(topology))
     with open(tmp_path / "tasks.jsonl", "w") as f:
         for i in range(num_tasks):

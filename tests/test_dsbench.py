@@ -182,6 +182,30 @@ def test_missing_upstream_artifact_is_blamed_upstream(pack, tmp_path):
     assert [h.agent for h in bad_env.history][:3] == ["data_engineer", "data_engineer", "modeler"]
 
 
+def test_each_agent_sees_the_final_reply_of_the_agents_before_it(pack, tmp_path):
+    """dsbench.yaml's views (the authors'): an agent sees the task, its own earlier actions as chat turns,
+    and each earlier agent's final reply, reasoning removed, with what its code printed."""
+    topology = load_topology(str(DSBENCH_YAML))
+    engineer, modeler, analyst = topology.agents
+    env = topology.make_env(pack["sk-diabetes"], str(tmp_path / "ws"))
+    good = scripted_replies("regression", "rmse")
+    failing = "```python\nimport pandas as pd\npd.read_csv('nope.csv')\n```"
+    assert not env.step(engineer, 0, failing).done
+    second_look = env.observe(engineer, 1)
+    assert [m["role"] for m in second_look] == ["user", "assistant", "user"] and second_look[1]["content"] == failing
+    assert "FileNotFoundError" in second_look[2]["content"]  # its own code's output
+    assert env.step(engineer, 1, "<think>I should drop the id column.</think>" + good["data_engineer"]).done
+
+    (modeler_input,) = [m["content"] for m in env.observe(modeler, 0)]
+    assert "### data_engineer (action 2)\nLoad, split features" in modeler_input
+    assert "#### Output of the code\nstdout:\n(" in modeler_input  # what its code printed (the shapes)
+    assert "drop the id column" not in modeler_input and "nope.csv" not in modeler_input  # reasoning, earlier tries
+    assert env.step(modeler, 0, good["modeler"]).done
+    (analyst_input,) = [m["content"] for m in env.observe(analyst, 0)]
+    assert "### data_engineer (action 2)" in analyst_input and "### modeler (action 1)" in analyst_input
+    assert "nope.csv" not in analyst_input
+
+
 def test_coach_ground_truth_never_carries_the_answers(pack, tmp_path):
     task = pack["sk-wine"]
     topology = load_topology(str(DSBENCH_YAML))

@@ -1,5 +1,8 @@
 """Topology YAML, task files, the local code runner and a scripted MathChat episode (no model, no GPU)."""
 
+import asyncio
+import functools
+import inspect
 import json
 import os
 import textwrap
@@ -8,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_mappa.envs.base import MultiAgentEnv, StepResult, load_env_class, load_tasks
+from openrlhf_mappa.envs.base import HistoryEntry, MultiAgentEnv, StepResult, load_env_class, load_tasks
 from openrlhf_mappa.envs.mathchat import MathChatEnv, answers_match, extract_boxed
+from openrlhf_mappa.episode import Verdict
+from openrlhf_mappa.evaluation import behaviour_metrics
+from openrlhf_mappa.rollout import AgentPolicy, run_episode
 from openrlhf_mappa.sandbox import extract_code, run_python
 from openrlhf_mappa.topology import AgentSpec, load_topology
 
@@ -19,6 +25,7 @@ TINY_MATH = ROOT / "examples" / "data" / "tiny_math.jsonl"
 BENCH = Path(os.environ.get("MAPPA_BENCH_DIR", ROOT.parent / "shared" / "data" / "mappa-bench"))
 
 GOOD_AGENT = {"name": "solver", "model": "m", "role": "solves", "prompt": "Solve: {task}\n{history}"}
+CHECKER = {"name": "checker", "model": "m", "role": "checks", "prompt": "Check: {task}\n{history}"}
 
 
 def write_topology(tmp_path, **overrides):
@@ -94,6 +101,15 @@ def test_model_override_replaces_every_model(tmp_path):
         ({"score_key": "SCORE:"}, "'score_key' must be a word"),
         ({"score_key": 7}, "'score_key' must be a word"),
         ({"score_key": ""}, "'score_key' must be a word"),
+        # views: agents act once each, in order, so a view names only agents listed before it
+        ({"agents": [dict(GOOD_AGENT, view="previous")]}, "agent 'solver': view: 'previous' names nobody: this is the first"),
+        ({"agents": [GOOD_AGENT, dict(CHECKER, view=["solvr"])]}, "view: unknown agent 'solvr'; the agents are solver, checker"),
+        ({"agents": [GOOD_AGENT, dict(CHECKER, view=["checker"])]}, "agent 'checker': view: names the agent itself"),
+        ({"agents": [dict(GOOD_AGENT, view=["checker"]), CHECKER]}, "view: names 'checker', which acts after it"),
+        ({"agents": [GOOD_AGENT, dict(CHECKER, view="everyone")]}, "'agents' must be all, previous or a list of agent names"),
+        ({"agents": [GOOD_AGENT, dict(CHECKER, view={"agent": "all"})]}, "view: unknown key(s) ['agent']; allowed: agents"),
+        ({"agents": [GOOD_AGENT, dict(CHECKER, view={"actions": "first"})]}, "'actions' must be all or last"),
+        ({"agents": [GOOD_AGENT, dict(CHECKER, view={"tool_output": "no"})]}, "'tool_output' must be true or false"),
     ],
 )
 def test_bad_topology_messages(tmp_path, overrides, message):
@@ -276,9 +292,21 @@ def test_scripted_mathchat_episode_succeeds(tmp_path):
     code_result = seen[1][3]
     assert code_result.feedback.stdout == "10\n" and code_result.feedback.exit_code == 0 and not code_result.done
     assert seen[2][3].done and not seen[2][3].feedback.ran  # no code block: the executor is finished
-    second_look = seen[2][2][-1]["content"]  # the executor's second turn sees its code's output
-    assert "print(3 * 4 - 2)" in second_look and "stdout:\n10" in second_look
-    assert seen[0][2][-1]["role"] == "user" and TASK["prompt"] in seen[0][2][-1]["content"]
+    # What each agent saw (the authors' MathChat): the Solver the problem; the Executor the problem and the
+    # Solver's draft, then its own first code and that code's output as chat turns; the Verifier the
+    # Executor's final reply and its last code run, not the Solver's draft.
+    solver_msgs, first_look, second_look, verifier_msgs = (m for _, _, m, _ in seen)
+    assert solver_msgs == [{"role": "user", "content": solver_msgs[0]["content"]}]
+    assert TASK["prompt"] in solver_msgs[0]["content"] and "(nothing yet)" not in solver_msgs[0]["content"]
+    assert len(first_look) == 1 and "eating 2 leaves 10" in first_look[0]["content"]
+    assert [m["role"] for m in second_look] == ["user", "assistant", "user"]
+    assert second_look[0] == first_look[0] and second_look[1]["content"] == scripted_replies("10")["code_executor"][0]
+    assert second_look[2]["content"] == "#### Output of the code\nstdout:\n10\n"
+    assert "code_executor" not in first_look[0]["content"]  # its own actions are not in {history}
+    (verifier_input,) = [m["content"] for m in verifier_msgs]
+    assert "The program printed 10, as expected." in verifier_input  # the Executor's final reply
+    assert "print(3 * 4 - 2)" in verifier_input and "stdout:\n10" in verifier_input  # its last code run
+    assert "eating 2 leaves 10" not in verifier_input  # the Solver is not in the Verifier's view
     assert env.history[1].feedback.strip() == "stdout:\n10"
     assert env.outcome() == {"success": True, "answer": "10", "answered": True}
     verifier, solver = topo.agents[-1], topo.agents[0]
@@ -305,6 +333,205 @@ def test_observe_with_system_message(tmp_path):
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Q: 2+2?\nH: (nothing yet)"},
     ]
+
+
+# ---------------------------------------------------------------- what each agent sees
+
+
+def view_env(tmp_path, view, prompt="{task}\n{history}", system=""):
+    """Agents a, b (3 actions of code) and c with `view`; the history as the env would have recorded it,
+    c's own first action last."""
+    agents = [dict(GOOD_AGENT, name="a"), dict(GOOD_AGENT, name="b"),
+              dict(GOOD_AGENT, name="c", view=view, prompt=prompt, system=system)]  # fmt: skip
+    topo = load_topology(write_topology(tmp_path, agents=agents))
+    env = MultiAgentEnv(topo, {"prompt": "THE TASK", "answer": "1"}, str(tmp_path))
+    env.history = [
+        HistoryEntry("a", 0, "<think>a plans</think>A's answer", ""),
+        HistoryEntry("b", 0, "B's first code", "stdout:\nfirst run"),
+        HistoryEntry("b", 1, "B's second code", "stdout:\nsecond run"),
+        HistoryEntry("b", 2, "B's summary", ""),
+        HistoryEntry("c", 0, "C's code", "stdout:\nmine"),
+    ]
+    return topo.agents[-1], env
+
+
+@pytest.mark.parametrize(
+    "view, shown, hidden",
+    [
+        ("all", ["<think>a plans</think>A's answer", "B's first code", "first run", "second run", "B's summary"], []),
+        ("previous", ["B's first code", "first run", "B's second code", "B's summary"], ["A's answer"]),
+        (["a"], ["A's answer"], ["B's"]),
+        ([], ["(nothing yet)"], ["A's", "B's"]),
+        # each agent's final reply and its latest code run (the authors' Verifier)
+        ({"agents": ["a", "b"], "actions": "last"}, ["A's answer", "B's second code", "second run", "B's summary"],
+         ["B's first code", "first run"]),
+        ({"agents": ["b"], "actions": "last", "tool_output": False}, ["B's summary"], ["B's second code", "run", "A's"]),
+        ({"tool_output": False}, ["B's first code", "B's second code"], ["first run", "second run"]),
+        ({"strip_thinking": True}, ["A's answer", "B's summary"], ["a plans", "think>"]),
+    ],
+)
+def test_view_selects_what_an_agent_sees_of_the_others(tmp_path, view, shown, hidden):
+    agent, env = view_env(tmp_path, view)
+    messages = env.observe(agent, 1)
+    history = messages[0]["content"]
+    assert history.startswith("THE TASK\n") and "C's code" not in history  # its own actions are chat turns
+    assert all(text in history for text in shown), history
+    assert not any(text in history for text in hidden), history
+    assert messages[1:] == [{"role": "assistant", "content": "C's code"},
+                            {"role": "user", "content": "#### Output of the code\nstdout:\nmine"}]  # fmt: skip
+
+
+def test_default_view_renders_as_before(tmp_path):
+    """No view: {history} is every other agent's action with its output, exactly the old history_text."""
+    agent, env = view_env(tmp_path, "all")
+    env.history = env.history[:-1]  # c has not acted yet: {history} is the whole history
+    assert env.observe(agent, 0) == [{"role": "user", "content": "THE TASK\n" + env.history_text()}]
+    assert "### b (action 2)\nB's second code\n\n#### Output of the code\nstdout:\nsecond run" in env.history_text()
+
+
+def test_omit_leaves_out_the_oldest_entries_with_a_marker(tmp_path):
+    agent, env = view_env(tmp_path, "all", system="SYSTEM")
+    full = env.observe(agent, 1)
+    assert env.observe(agent, 1, omit=0) == full and "omitted" not in str(full)
+    two = env.observe(agent, 1, omit=2)  # a's answer and b's first code go, oldest first
+    assert two[0] == full[0] and two[2:] == full[2:]  # the system message and its own turns stay
+    assert two[1]["content"].startswith("THE TASK\n[2 earlier actions omitted to fit the context]\n\n### b (action 2)")
+    assert "A's answer" not in two[1]["content"] and "B's first code" not in two[1]["content"]
+    four = env.observe(agent, 1, omit=4)  # every other agent's action: {history} is the marker alone
+    assert four[1]["content"] == "THE TASK\n[4 earlier actions omitted to fit the context]" and four[2:] == full[2:]
+    five = env.observe(agent, 1, omit=5)  # then its own turns
+    assert five == [full[0], {"role": "user", "content": "THE TASK\n[5 earlier actions omitted to fit the context]"}]
+    assert env.observe(agent, 1, omit=99) == five
+    # A prompt without {history} shows no other agent; the marker for its own turns ends the prompt.
+    agent, env = view_env(tmp_path, "all", prompt="Only {task}")
+    assert env.observe(agent, 1) == [{"role": "user", "content": "Only THE TASK"}, *full[2:]]
+    assert env.observe(agent, 1, omit=1) == [
+        {"role": "user", "content": "Only THE TASK\n\n[1 earlier action omitted to fit the context]"}]
+
+
+# ---------------------------------------------------------------- over-long prompts
+
+
+def test_shorten_finds_the_fewest_entries_to_leave_out(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    agent, env = view_env(tmp_path, "all", system="SYSTEM")
+    env.history = [HistoryEntry("b", i, f"step {i} " + "x" * 100, "") for i in range(9)]  # 9 entries
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    probe = AgentPolicy(engines=[], tokenizer=tokenizer, max_new_tokens=10, max_len=10**6)
+    length = [len(probe.prompt_ids(env.observe(agent, 0, k))[1]) for k in range(10)]
+    assert length == sorted(length, reverse=True)  # each entry left out shortens the prompt
+
+    policy = AgentPolicy(engines=[], tokenizer=tokenizer, max_new_tokens=10, max_len=length[5] + 10)
+    calls = []
+    measure = policy.prompt_ids
+    policy.prompt_ids = lambda messages: calls.append(1) or measure(messages)
+    text, ids, too_long, k = policy.shorten(functools.partial(env.observe, agent, 0), len(env.history))
+    assert (too_long, k, len(ids)) == (False, 5, length[5]) and len(calls) <= 1 + 4  # 1 + ceil(log2 9)
+    assert text == tokenizer.apply_chat_template(env.observe(agent, 0, 5), tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nSYSTEM<|im_end|>\n<|im_start|>user\nTHE TASK\n[5 earlier actions omitted")
+    assert "step 4 " not in text and "step 5 " in text and "step 8 " in text
+
+    # Even with every entry left out (system message, prompt, task and marker) it does not fit.
+    policy.max_len = length[9] + 10 - 1
+    text, ids, too_long, k = policy.shorten(functools.partial(env.observe, agent, 0), len(env.history))
+    assert too_long and k == 9 and len(ids) == length[9] and "THE TASK" in text
+
+
+def test_prompt_ids_never_cuts(tiny_model):
+    from transformers import AutoTokenizer
+
+    policy = AgentPolicy(engines=[], tokenizer=AutoTokenizer.from_pretrained(tiny_model), max_new_tokens=16, max_len=64)
+    text, ids, too_long = policy.prompt_ids([{"role": "user", "content": "short"}])
+    assert not too_long and len(ids) < 48
+    text, ids, too_long = policy.prompt_ids([{"role": "user", "content": "x " * 300 + "THE END"}])
+    assert too_long and ids == policy.tokenizer(text, add_special_tokens=False)["input_ids"] and len(ids) > 600
+
+
+class RecordingCoach:
+    def __init__(self):
+        self.requests = []
+
+    async def score(self, request):
+        self.requests.append(request)
+        return Verdict(None, "skipped")
+
+
+def play_mathchat(tmp_path, tokenizer, replies, max_len, env_class=MathChatEnv):
+    """run_episode of MathChat with real policies (chat template, tokenizer, prompt fitting) whose engines are
+    scripted: each records the prompt ids it was given. max_len: per agent."""
+    topology = load_topology(str(MATHCHAT_YAML), model_override="tiny")
+    topology.make_env = lambda task, workspace: env_class(topology, task, workspace)
+    policies, given = {}, []
+    for spec in topology.agents:
+        policy = AgentPolicy(engines=[], tokenizer=tokenizer, max_new_tokens=64, max_len=max_len[spec.name])
+
+        async def generate(prompt_ids, name=spec.name, turns=iter(replies[spec.name])):
+            given.append((name, prompt_ids))
+            return tokenizer(next(turns), add_special_tokens=False)["input_ids"], False
+
+        policy.generate = generate
+        policies[spec.name] = policy
+    coach = RecordingCoach()
+    episode = asyncio.run(run_episode(topology, dict(TASK), policies, coach, str(tmp_path), step=1))
+    return episode, given, coach.requests
+
+
+def test_the_coach_sees_exactly_the_prompt_the_agent_saw(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    replies = scripted_replies("10")
+    replies["problem_solver"] = ["3 boxes of 4 apples is 12; eating 2 leaves 10. " + "Check. " * 300]
+    # The Code Executor's budget cannot hold the Solver's long draft: it is left out, with a marker.
+    episode, given, requests = play_mathchat(tmp_path, tokenizer, replies,
+                                             {"problem_solver": 4096, "code_executor": 1000, "verifier": 4096})  # fmt: skip
+    assert [(a.agent, a.turn, a.prompt_truncated) for a in episode.actions] == [
+        ("problem_solver", 0, False), ("code_executor", 0, True), ("code_executor", 1, True), ("verifier", 0, False)]  # fmt: skip
+    for action, request, (name, ids) in zip(episode.actions, requests, given):
+        assert request.agent == action.agent == name and ids == action.prompt_ids
+        assert request.agent_input == action.prompt_text  # the text that tokenized to the ids the engine got
+        assert tokenizer(request.agent_input, add_special_tokens=False)["input_ids"] == ids
+    executor_input, verifier_input = requests[2].agent_input, requests[3].agent_input
+    assert "[1 earlier action omitted to fit the context]" in executor_input and "Check." not in executor_input
+    assert TASK["prompt"] in executor_input and "print(3 * 4 - 2)" in executor_input  # its own first code
+    assert "eating 2 leaves 10" not in verifier_input and "The program printed 10" in verifier_input  # its view
+    assert episode.success and episode.skipped_actions == []
+
+
+def test_an_action_whose_prompt_cannot_fit_is_skipped_and_counted(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    # The Verifier's prompt and task alone exceed its budget: it does not act; the episode ends unanswered.
+    episode, given, requests = play_mathchat(tmp_path, AutoTokenizer.from_pretrained(tiny_model), scripted_replies("10"),
+                                             {"problem_solver": 4096, "code_executor": 4096, "verifier": 300})  # fmt: skip
+    assert [a.agent for a in episode.actions] == ["problem_solver", "code_executor", "code_executor"]
+    assert [name for name, _ in given] == [r.agent for r in requests] == [a.agent for a in episode.actions]
+    (skipped,) = episode.skipped_actions
+    assert (skipped["agent"], skipped["turn"], skipped["budget"]) == ("verifier", 0, 300 - 64)
+    assert skipped["prompt_tokens"] > 236  # the shortest prompt it could get: no history at all
+    assert episode.outcome == {"success": False, "answer": None, "answered": False}
+    assert json.loads(episode.to_json())["skipped_actions"] == [skipped]
+    m = behaviour_metrics([episode, episode], ["code_executor", "verifier"])
+    assert (m["agent/verifier/prompt_too_long_skipped"], m["agent/verifier/num_actions"]) == (2, 0)
+    assert m["agent/code_executor/prompt_too_long_skipped"] == 0
+
+
+def test_an_env_whose_observe_takes_no_omit_still_works(tiny_model, tmp_path):
+    """A custom observe(agent, turn) (the protocol before `omit`): prompts that fit run as before; one that
+    does not is skipped, since the rollout cannot tell its history from its task."""
+    from transformers import AutoTokenizer
+
+    class OwnObserve(MathChatEnv):
+        def observe(self, agent, turn):
+            return [{"role": "user", "content": f"{agent.name}: {self.task_text}\n{self.history_text()}"}]
+
+    episode, given, requests = play_mathchat(tmp_path, AutoTokenizer.from_pretrained(tiny_model), scripted_replies("10"),
+                                             {"problem_solver": 4096, "code_executor": 4096, "verifier": 200},
+                                             env_class=OwnObserve)  # fmt: skip
+    assert [a.agent for a in episode.actions] == ["problem_solver", "code_executor", "code_executor"]
+    assert requests[2].agent_input.startswith(f"<|im_start|>user\ncode_executor: {TASK['prompt']}\n### problem_solver")
+    assert [s["agent"] for s in episode.skipped_actions] == ["verifier"]
 
 
 @pytest.mark.parametrize(

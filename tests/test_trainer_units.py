@@ -1,6 +1,7 @@
 """The trainer's pure pieces: the batch rule for agents whose action count varies, the Experience layout of
-one action (only the agent's own generated tokens train), the over-long prompt rule, resume bookkeeping
-(team checkpoint marker, log truncation), and bad input rejected by the CLI before Ray starts."""
+one action (only the agent's own generated tokens train), resume bookkeeping (team checkpoint marker, log
+truncation), and bad input rejected by the CLI before Ray starts. (The over-long prompt rule is tested with
+the rollout, in test_topology_env.py.)"""
 
 import json
 import os
@@ -12,7 +13,6 @@ import pytest
 import torch
 
 from openrlhf_mappa.episode import Action
-from openrlhf_mappa.rollout import AgentPolicy
 from openrlhf_mappa.trainer import MappaTrainer, experience_of, prepare_resume, truncate_logs
 
 
@@ -55,17 +55,6 @@ def test_experience_trains_only_the_response_tokens():
     assert e.action_mask.tolist() == [[False, False, False, False, True, True, True]]
     assert e.rewards.tolist() == [7.5] and e.truncated.tolist() == [True]
     assert e.response_length.tolist() == [3.0] and e.total_length.tolist() == [8.0]
-
-
-def test_over_long_prompt_keeps_its_last_tokens_and_is_flagged(tiny_model):
-    from transformers import AutoTokenizer
-
-    policy = AgentPolicy(engines=[], tokenizer=AutoTokenizer.from_pretrained(tiny_model), max_new_tokens=16, max_len=64)
-    text, ids, cut = policy.prompt_ids([{"role": "user", "content": "short"}])
-    assert not cut and len(ids) < 48
-    text, ids, cut = policy.prompt_ids([{"role": "user", "content": "x " * 300 + "THE END"}])
-    full = policy.tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert cut and len(ids) == 64 - 16 and ids == full[-48:]  # the freshest context survives
 
 
 def test_truncate_logs_keeps_steps_up_to_the_checkpoint(tmp_path):

@@ -6,6 +6,8 @@ One environment instance serves one episode (one task). The rollout drives it li
     for agent in topology.agents:                 # in the topology's order
         for turn in range(agent.max_actions):     # turn counts this agent's own actions, from 0
             messages = env.observe(agent, turn)   # chat messages; the agent's chat template is applied to them
+            <too long for max_len - max_new_tokens? env.observe(agent, turn, omit=k) with the fewest k that fits;
+             if even all history left out does not fit, no action: this agent's turns end (counted)>
             response = <agent's policy generates>
             result = env.step(agent, turn, response)   # runs tools, records history -> StepResult
             <the coach scores (task, role, input, response, result.feedback, env.coach_ground_truth(agent))>
@@ -17,9 +19,14 @@ To write your own pipeline, subclass `MultiAgentEnv`, override what differs (usu
 `step`), and name it in the topology YAML as `env: mypackage.mymodule:MyEnv`. Keyword arguments of your
 constructor come from the YAML's `env_kwargs`. The defaults here:
 
-- `observe` sends the agent's `system` message (if any) and its `prompt` template filled with `task`
-  (`task_text`, by default the task's "prompt") and `history` (`history_text()`, all earlier actions of all
-  agents with their tool output).
+- `observe` sends the agent's `system` message (if any), then its `prompt` template filled with `task`
+  (`task_text`, by default the task's "prompt") and `history`: the other agents' earlier actions that the
+  agent's `view` (topology.View) selects, rendered by `history_text`. Its own earlier actions in the
+  episode follow as turns of the chat: its reply (assistant), then its code's output (user).
+  `omit=k` leaves out the k oldest of these entries (other agents' first) and puts a marker
+  "[k earlier actions omitted to fit the context]" at the top of {history} (or at the end of the prompt
+  when it has no {history}); the system message, the prompt and the task are never cut. An `observe` of
+  your own that takes no `omit` still works; its prompts are then never shortened (too long: skipped).
 - `step` records the response; for an agent with `runs_code: true` it runs the reply's ```python blocks in
   the episode workspace through the sandbox (sandbox.py) and records the output. A code agent that writes no
   code block, and any other agent after one reply, is done. The sandbox's limits are constructor arguments,
@@ -95,10 +102,38 @@ class MultiAgentEnv:
     def task_text(self) -> str:
         return self.task["prompt"]
 
-    def observe(self, agent: AgentSpec, turn: int) -> list[dict]:
+    def observe(self, agent: AgentSpec, turn: int, omit: int = 0) -> list[dict]:
+        view, shows_history = agent.view, "{history}" in agent.prompt
+        others = [e for e in self.history if shows_history and e.agent != agent.name
+                  and (view.agents == "all" or e.agent in view.agents)]  # fmt: skip
+        if view.actions == "last":
+            # Each agent's final reply and its latest code run: what the authors' Verifier saw of the Code
+            # Executor (its final output and its last tool result).
+            last = {e.agent: i for i, e in enumerate(others)}
+            last_run = {e.agent: i for i, e in enumerate(others) if e.feedback and view.tool_output}
+            others = [e for i, e in enumerate(others) if i in {*last.values(), *last_run.values()}]
+        if view.strip_thinking:  # what follows the last </think>; a reply cut off inside its reasoning keeps nothing
+            others = [e._replace(response=e.response.rpartition("</think>")[2] if "</think>" in e.response
+                                 else e.response.partition("<think>")[0]) for e in others]  # fmt: skip
+        if not view.tool_output:
+            others = [e._replace(feedback="") for e in others]
+        own = [e for e in self.history if e.agent == agent.name]
+
+        # Leave out the `omit` oldest entries (other agents' come first: they acted first), and say so.
+        omit = min(omit, len(others) + len(own))
+        marker = f"[{omit} earlier action{'s' * (omit > 1)} omitted to fit the context]"
+        history = self.history_text(others[omit:])
+        if omit:
+            history = marker if omit >= len(others) else f"{marker}\n\n{history}"
+        user = agent.prompt.format(task=self.task_text, history=history)
+        if omit and not shows_history:
+            user += f"\n\n{marker}"
         messages = [{"role": "system", "content": agent.system}] if agent.system else []
-        user = agent.prompt.format(task=self.task_text, history=self.history_text())
-        return messages + [{"role": "user", "content": user}]
+        messages.append({"role": "user", "content": user})
+        for e in own[max(0, omit - len(others)) :]:
+            output = f"#### Output of the code\n{e.feedback}" if e.feedback else "[no code ran]"
+            messages += [{"role": "assistant", "content": e.response}, {"role": "user", "content": output}]
+        return messages
 
     def step(self, agent: AgentSpec, turn: int, response: str) -> StepResult:
         feedback, done = ToolFeedback(), True
@@ -123,11 +158,13 @@ class MultiAgentEnv:
             return self.task.get("answer")
         return None
 
-    def history_text(self) -> str:
-        if not self.history:
+    def history_text(self, entries: Optional[list] = None) -> str:
+        """Entries (all of this episode's by default) as the {history} text of a prompt."""
+        entries = self.history if entries is None else entries
+        if not entries:
             return "(nothing yet)"
         parts = []
-        for entry in self.history:
+        for entry in entries:
             part = f"### {entry.agent} (action {entry.turn + 1})\n{entry.response.strip()}"
             if entry.feedback:
                 part += f"\n\n#### Output of the code\n{entry.feedback}"

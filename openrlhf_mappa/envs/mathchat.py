@@ -1,9 +1,10 @@
 """MathChat: competition math solved by a Problem Solver, a Code Executor and a Verifier, in that order.
 
-The agents, prompts and action limits come from the topology (examples/configs/mathchat.yaml); the default
-`MultiAgentEnv` behaviour already runs the Code Executor's Python and shows each agent what came before. This
-file adds what MathChat means by success: the last agent's final `\\boxed{}` answer equals the task's answer,
-as judged by `grade` (math-verify, with a plain-number comparison as the fast path).
+The agents, prompts, action limits and views come from the topology (examples/configs/mathchat.yaml); the
+default `MultiAgentEnv` behaviour already runs the Code Executor's Python and shows each agent what its view
+selects of the agents before it. This file adds what MathChat means by success: the last agent's final
+`\\boxed{}` answer equals the task's answer, as judged by `grade` (math-verify, with a plain-number comparison
+as the fast path).
 """
 
 import re
