@@ -16,12 +16,16 @@ from openrlhf_mappa.rollout import rollout
 
 
 class NoCoach(Coach):
-    """Evaluation asks no coach: every action's verdict is `skipped` (no score, no cost)."""
+    """Evaluation, and the outcome baseline's training, ask no coach: every action's verdict is `skipped`
+    (no score, no cost); `reason` says why in the verdict."""
 
     name = "none"
 
+    def __init__(self, reason: str = "evaluation: not scored"):
+        self.reason = reason
+
     async def score(self, request: CoachRequest) -> Verdict:
-        return Verdict(score=None, status="skipped", rationale="evaluation: not scored", coach=self.name)
+        return Verdict(score=None, status="skipped", rationale=self.reason, coach=self.name)
 
 
 def load_eval_sets(paths: list, limit: int = 0) -> dict:

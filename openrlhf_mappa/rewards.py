@@ -2,13 +2,24 @@
 
 The paper's equations, for one action (one row) with action tokens t = 0..T-1:
 
-    r_t = -β · KL_t + [t == T-1] · R          R = the coach's score of this action (0-10)
+    R = s · c                                  c = the coach's score of this action (0-10), s = the topology's
+                                               reward_scale (MathChat 0.1, DSBench 1, as the authors)
+    r_t = -β · KL_t + [t == T-1] · R
     G_t = Σ_{t' >= t} r_t'                     undiscounted return-to-go (γ = 1, REINFORCE++)
     A_t = (G_t - mean(G)) / std(G)             mean/std over the action tokens of a whole batch
 
-The GRPO-style baseline (norm scope "group") normalizes R instead, within the group g of actions that
-answer the same prompt (same agent and turn, the n_samples_per_prompt episodes of one task), and uses G as
-the advantage without whitening:   R' = (R - mean_g(R)) / (std_g(R) + ε),   A_t = G_t.
+The outcome baseline pays R = s · 10 · 1[success], the top of the coach's scale, so both modes share s; so do
+the coach-failure fallbacks (R = s · neutral_score, or the outcome R). s is applied first, where R is assigned:
+standardize_by_task_type is scale-equivariant and group_normalize scale-invariant, so what s changes is only
+the weight of R against β·KL. An action cut off at the token limit gets no R at all (left out, as the authors'
+mask_truncated_completions) unless train_truncated is set.
+
+The GRPO-style baseline (norm scope "group", the authors' `group_norm`) normalizes R instead, within the
+group g of actions that answer the same prompt (same step, task, agent and turn: the n_samples_per_prompt
+episodes of one task), with the sample std, then whitens G per agent as above:
+
+    R' = (R - mean_g(R)) / (std_g(R) + ε)      std with Bessel's correction, ε = 1e-9; a group of one: R' = 0
+    A_t = (G_t - mean(G)) / std(G)             G from R', over each agent's batch
 
 Shape suffixes: `_B` one value per action (row), `_BA` one value per action token.
 Pure torch + the episode records: no Ray, vLLM or DeepSpeed here, so it is testable on a CPU.
@@ -21,41 +32,56 @@ from openrlhf_mappa.episode import Episode
 REWARD_MODES = ("process", "outcome")
 NORM_SCOPES = ("agent", "global", "group")
 
-# The outcome baseline pays 10 for a solved episode, 0 otherwise: the top of the coach's 0-10 scale.
-# With the same scale, the same β·KL costs the same share of the reward in both modes, so a
-# process-vs-outcome comparison varies only the reward signal, not the strength of the KL penalty.
+# The outcome baseline pays 10 for a solved episode, 0 otherwise (times reward_scale, as coach scores): the
+# top of the coach's 0-10 scale, as the authors' mathchat_workflow_outcome_only.py. With the same scale, the
+# same β·KL costs the same share of the reward in both modes, so a process-vs-outcome comparison varies only
+# the reward signal, not the strength of the KL penalty.
 OUTCOME_SCALE = 10.0
 
 
 FAILURE_POLICIES = ("skip", "outcome", "neutral")
 
 
-def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip", neutral_score: float = 5.0) -> dict:
-    """Set `action.reward` for every action: the coach's score ("process") or the episode outcome ("outcome").
+def assign_rewards(
+    episodes: list[Episode],
+    mode: str,
+    on_failure: str = "skip",
+    neutral_score: float = 5.0,
+    scale: float = 1.0,
+    train_truncated: bool = False,
+) -> dict:
+    """Set `action.reward` for every action: s · the coach's score ("process") or s · the episode outcome
+    ("outcome"), s = `scale` (the topology's reward_scale).
 
     In "process" mode an action whose coach gave no valid score is handled by the named `on_failure`
     policy: "skip" (default) leaves it out of training (reward None); "outcome" pays it the episode's
-    outcome, as the outcome baseline would; "neutral" pays it `neutral_score`, the authors' silent 5.0
-    made explicit. The verdict itself keeps its failed status and no score. Returns how many actions
-    train, and why the others do not or on what they fell back.
+    outcome, as the outcome baseline would; "neutral" pays it s · `neutral_score`, the authors' silent 5.0
+    made explicit. The verdict itself keeps its failed status and no score. In both modes an action cut
+    off at the token limit is left out (its score judges text that never ended) unless `train_truncated`.
+    Returns how many actions train, and why the others do not or on what they fell back.
     """
     if mode not in REWARD_MODES:
         raise ValueError(f"unknown reward mode {mode!r}; expected one of {REWARD_MODES}")
     if on_failure not in FAILURE_POLICIES:
         raise ValueError(f"unknown coach failure policy {on_failure!r}; expected one of {FAILURE_POLICIES}")
 
-    trainable, left_out_by_status, fallback = 0, {}, 0
+    trainable, left_out_by_status, fallback, truncated_by_agent = 0, {}, 0, {}
     for episode in episodes:
+        outcome_R = scale * OUTCOME_SCALE * float(episode.success)
         for action in episode.actions:
             verdict = action.verdict
+            if action.truncated and not train_truncated:
+                action.reward = None
+                truncated_by_agent[action.agent] = truncated_by_agent.get(action.agent, 0) + 1
+                continue
             if mode == "outcome":
-                action.reward = OUTCOME_SCALE * float(episode.success)
+                action.reward = outcome_R
             elif verdict is not None and verdict.status == "ok" and verdict.score is not None:
-                action.reward = float(verdict.score)
+                action.reward = scale * float(verdict.score)
             elif on_failure == "outcome":
-                action.reward, fallback = OUTCOME_SCALE * float(episode.success), fallback + 1
+                action.reward, fallback = outcome_R, fallback + 1
             elif on_failure == "neutral":
-                action.reward, fallback = float(neutral_score), fallback + 1
+                action.reward, fallback = scale * float(neutral_score), fallback + 1
             else:
                 action.reward = None
                 status = verdict.status if verdict is not None else "missing"
@@ -68,6 +94,7 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
         "left_out": sum(left_out_by_status.values()),
         "left_out_by_status": left_out_by_status,
         "fallback": fallback,
+        "truncated_left_out": truncated_by_agent,
     }
 
 
@@ -96,10 +123,15 @@ def standardize_by_task_type(episodes: list[Episode]) -> None:
                 a.reward = r
 
 
-def group_normalize(episodes: list[Episode], eps: float = 1e-6) -> None:
+def group_normalize(episodes: list[Episode], eps: float = 1e-9) -> None:
     """R' = (R - mean_g(R)) / (std_g(R) + ε) per group g = (step, task, agent, turn): each action is judged
-    against the other samples of the same prompt. A group of one, or of equal rewards, gets 0 (GRPO's
-    property: nothing to learn from a prompt every sample did equally well on)."""
+    against the other samples of the same prompt. std with Bessel's correction and ε = 1e-9, as the authors'
+    and OpenRLHF's group_norm. A group of one (its std is undefined) or of equal rewards gets 0: nothing to
+    learn from a prompt every sample did equally well on.
+
+    The authors group by position instead (blocks of n_samples_per_prompt in each agent's list, sorted by
+    prompt), which mixes prompts as soon as an agent acts a varying number of times; the key here does not.
+    """
     groups = {}
     for ep in episodes:
         for a in ep.actions:
@@ -107,7 +139,7 @@ def group_normalize(episodes: list[Episode], eps: float = 1e-6) -> None:
                 groups.setdefault((ep.step, ep.task_id, a.agent, a.turn), []).append(a)
     for acts in groups.values():
         R_g = torch.tensor([a.reward for a in acts], dtype=torch.float64)
-        z_g = (R_g - R_g.mean()) / (R_g.std(unbiased=False) + eps)
+        z_g = (R_g - R_g.mean()) / (R_g.std() + eps) if len(acts) > 1 else torch.zeros_like(R_g)
         for a, r in zip(acts, z_g.tolist()):
             a.reward = r
 
@@ -168,8 +200,9 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope:
 
     Each batch needs `.rewards` (B,), `.kl` (B, A) and `.action_mask` (B, A), e.g. OpenRLHF's
     Experience. scope "agent" normalizes each agent's batches together (the authors' code);
-    "global" normalizes all agents' batches together (the paper's wording); "group" does not whiten, A = G,
-    because the rewards were already normalized per prompt by `group_normalize`.
+    "global" normalizes all agents' batches together (the paper's wording); "group" whitens per agent too:
+    its rewards were already normalized per prompt by `group_normalize`, and the authors' group_norm
+    whitens the returns after that (upstream OpenRLHF's does not).
     """
     if scope not in NORM_SCOPES:
         raise ValueError(f"unknown normalization scope {scope!r}; expected one of {NORM_SCOPES}")
@@ -182,12 +215,7 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope:
                 # With γ = 1, G at the first action token is the whole row's reward sum.
                 b.info["return"] = r_BA.sum(dim=1)
 
-    if scope == "group":
-        for batches in batches_by_agent.values():
-            for b in batches:
-                b.advantages = b.returns
-        return
-    groups = list(batches_by_agent.values()) if scope == "agent" else [sum(batches_by_agent.values(), [])]
+    groups = [sum(batches_by_agent.values(), [])] if scope == "global" else list(batches_by_agent.values())
     for batches in groups:
         advantages = whiten([b.returns for b in batches], [b.action_mask for b in batches])
         for b, adv_BA in zip(batches, advantages):

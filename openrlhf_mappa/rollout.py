@@ -111,6 +111,7 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
                 ground_truth=env.coach_ground_truth(spec),
                 is_final_agent=spec is topology.agents[-1],
                 runs_code=spec.runs_code,
+                truncated_at=policy.max_new_tokens if truncated else None,
             )
             request = CoachRequest(
                 episode_id, spec.name, turn, agent_input=prompt_text, agent_output=response_text, **action.coach_request

@@ -65,6 +65,7 @@ class Topology:
     coach_template: str  # str.format template; fields: COACH_PROMPT_FIELDS
     env_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of the env's constructor
     score_key: str = DEFAULT_SCORE_KEY  # a text reply of the coach states its score on a line `<score_key>: <n>`
+    reward_scale: float = 1.0  # every reward is multiplied by it (coach score and outcome alike; see rewards.py)
 
     def env_class(self) -> type:
         return load_env_class(self.env)
@@ -74,7 +75,7 @@ class Topology:
         return self.env_class()(self, task, workspace, **self.env_kwargs)
 
 
-TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "env_kwargs", "score_key")
+TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "env_kwargs", "score_key", "reward_scale")
 AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec))
 
 
@@ -109,6 +110,10 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     env_kwargs = raw.get("env_kwargs") or {}
     if not isinstance(env_kwargs, dict):
         fail("'env_kwargs' must be a mapping of keyword arguments for the environment")
+    reward_scale = raw.get("reward_scale", 1.0)
+    is_number = isinstance(reward_scale, (int, float)) and not isinstance(reward_scale, bool)
+    if not (is_number and 0 < reward_scale < float("inf")):
+        fail(f"'reward_scale' must be a positive number (1.0: coach scores as given), got {reward_scale!r}")
 
     agent_rows = raw.get("agents")
     if not isinstance(agent_rows, list) or not agent_rows:
@@ -132,6 +137,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
         coach_template=raw["coach_template"],
         env_kwargs=env_kwargs,
         score_key=score_key,
+        reward_scale=float(reward_scale),
     )
     # Bind the constructor's arguments now so a misspelled env_kwargs key fails here, not in the first rollout.
     try:

@@ -23,7 +23,7 @@ import torch
 
 from openrlhf_mappa import rewards
 from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, coach_step_metrics
-from openrlhf_mappa.evaluation import behaviour_metrics, evaluate, format_table, summarize
+from openrlhf_mappa.evaluation import NoCoach, behaviour_metrics, evaluate, format_table, summarize
 from openrlhf_mappa.rollout import AgentPolicy, rollout
 
 
@@ -283,6 +283,10 @@ class MappaTrainer:
         owner_of_actor = {id(ag.actor): ag.spec.name for ag in self.trainees}
         self.owner = {ag.spec.name: owner_of_actor[id(ag.actor)] for ag in agents}
         self.mappa = args.mappa
+        # The outcome baseline trains on no verdict: asking an API coach anyway would cost money for nothing.
+        # --mappa.coach.score_outcome_runs asks it all the same, for a comparison that is logged, never trained on.
+        self.scored = self.mappa.reward == "process" or self.mappa.coach.score_outcome_runs
+        self.rollout_coach = coach if self.scored else NoCoach("outcome baseline: not scored")
         self.bias_audit = BiasAudit(self.mappa.coach.bias_threshold, self.mappa.coach.bias_window)
         self.coach_cost_usd = 0.0
         os.makedirs(run_dir, exist_ok=True)
@@ -360,8 +364,9 @@ class MappaTrainer:
         from openrlhf.trainer.ppo_utils.experience import Experience
 
         t_start = t0 = time.time()
+        workspace = os.path.join(self.run_dir, "workspaces")
         episodes = self.loop.run_until_complete(
-            rollout(self.topology, tasks, self.policies, self.coach, os.path.join(self.run_dir, "workspaces"), step)
+            rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step)
         )
         t_rollout = time.time() - t0
         c = self.mappa.coach
@@ -370,14 +375,15 @@ class MappaTrainer:
         self.coach_cost_usd += coach_metrics.get("coach/cost_usd", 0.0)
         if c.price_in or c.price_out:
             coach_metrics["coach/cost_usd_total"] = self.coach_cost_usd
-        if self.mappa.reward == "process":  # the outcome baseline trains without the coach's verdicts
+        if self.scored:  # verdicts paid for but mostly failed: stop, even when only logged
             try:
                 check_failures(episodes, coach_metrics, c.max_failure_fraction)
             except CoachFailure as e:  # keep what the step produced, so the failures can be inspected
                 self.write_episodes(episodes)
                 self.log(step, coach_metrics)
                 raise CoachFailure(f"step {step}: {e} The step's episodes are in {self.run_dir}/episodes.jsonl.") from None
-        counts = rewards.assign_rewards(episodes, self.mappa.reward, c.on_failure, c.neutral_score)
+        counts = rewards.assign_rewards(episodes, self.mappa.reward, c.on_failure, c.neutral_score,
+                                        self.topology.reward_scale, self.mappa.train_truncated)
         if c.standardize_task_type and self.mappa.reward == "process":
             rewards.standardize_by_task_type(episodes)
         if self.mappa.norm_scope == "group":
@@ -449,6 +455,7 @@ class MappaTrainer:
         m = {
             "outcome/success_rate": sum(ep.success for ep in episodes) / len(episodes),
             "coach/left_out": counts["left_out"],
+            "reward_scale": self.topology.reward_scale,
             **({f"coach/fallback_{c.on_failure}": counts["fallback"]} if c.on_failure != "skip" else {}),
         }
         m.update(behaviour_metrics(episodes, [ag.spec.name for ag in self.agents]))
@@ -459,6 +466,7 @@ class MappaTrainer:
             p = f"agent/{name}/"
             m[p + "coach_score"] = sum(scored) / len(scored) if scored else None
             m[p + "outcome_success"] = m["outcome/success_rate"]
+            m[p + "truncated_left_out"] = counts["truncated_left_out"].get(name, 0)
             if self.owner[name] != name:  # a shared policy's training metrics are under the first agent's name
                 continue
             m[p + "trained_actions"] = sum(len(e.sequences) for e in batches.get(name, []))

@@ -43,6 +43,21 @@ def test_step_metrics_count_statuses_cost_and_latency():
     assert "coach/cost_usd" not in coach_step_metrics([ep])  # no prices, no made-up cost
 
 
+def test_skipped_verdicts_are_neither_failures_nor_calls():
+    # Catches the old accounting: skipped verdicts (no coach asked: the outcome baseline, evaluation) diluted
+    # the failure fraction (1/6 here instead of 1/3) and put 0-second latencies into the percentiles.
+    asked = [ok(6, latency_s=2.0), ok(4, latency_s=3.0), Verdict(None, "timeout", latency_s=60.0)]
+    skipped = [Verdict(None, "skipped", rationale="outcome baseline: not scored") for _ in range(3)]
+    m = coach_step_metrics([Episode("e", "t", actions=[act("a", v) for v in asked + skipped])])
+    assert (m["coach/verdicts_skipped"], m["coach/verdicts_ok"]) == (3, 2)
+    assert m["coach/failure_fraction"] == pytest.approx(1 / 3)
+    assert m["coach/latency_p50"] == 3.0  # nearest rank over 2, 3, 60 (with the skipped: 0, 0, 0, 2, 3, 60 -> 0)
+    only_skipped = [Episode("e", "t", actions=[act("a", v) for v in skipped])]
+    m = coach_step_metrics(only_skipped)
+    assert (m["coach/failure_fraction"], m["coach/cache_hit_rate"], m["coach/latency_p50"]) == (0.0, 0.0, None)
+    check_failures(only_skipped, m, max_fraction=0.0)  # nothing asked, nothing failed: the run goes on
+
+
 def test_too_many_failures_stop_with_counts_and_reason():
     eps = [Episode("e", "t", actions=[act("a", ok(5)), act("a", Verdict(None, "api_error", rationale="HTTP 503 upstream")),
                                       act("b", Verdict(None, "timeout"))])]

@@ -87,18 +87,22 @@ def test_shared_policy_group_norm_run_evaluates_before_and_after(tmp_path, tiny_
     assert m["agent/problem_solver/trained_actions"] == 8  # 4 episodes x 2 roles, in one batch
     assert "agent/verifier/trained_actions" not in m and m["agent/verifier/num_actions"] == 4
 
-    # Group normalization: within each prompt's 2 samples per role, rewards are -1/+1 (or 0 when equal),
-    # and with no KL the advantage of every token is that reward.
+    # Group normalization: within each prompt's 2 samples per role, rewards are ±1/√2 (sample std) or 0 when
+    # equal; with no KL every token's return is that reward, whitened over the policy's batch (the authors'
+    # group_norm): one increasing affine map from reward to advantage for all actions.
     episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
     groups = {}
     for ep in episodes:
         for a in ep["actions"]:
             groups.setdefault((ep["task_id"], a["agent"]), []).append(a)
-            assert a["advantage"] == pytest.approx(a["reward"], abs=1e-5)
     for acts in groups.values():
         assert sum(a["reward"] for a in acts) == pytest.approx(0.0, abs=1e-5)
-        assert all(abs(a["reward"]) == pytest.approx(1.0, abs=1e-3) or a["reward"] == 0.0 for a in acts)
+        assert all(abs(a["reward"]) == pytest.approx(2**-0.5, abs=1e-3) or a["reward"] == 0.0 for a in acts)
     assert any(a["reward"] != 0.0 for acts in groups.values() for a in acts)
+    pairs = [(a["reward"], a["advantage"]) for acts in groups.values() for a in acts]
+    (r0, a0), (r1, a1) = min(pairs), max(pairs)
+    slope = (a1 - a0) / (r1 - r0)
+    assert slope > 0 and all(adv == pytest.approx(a0 + slope * (r - r0), abs=1e-4) for r, adv in pairs)
 
     # Evaluation before training (the base model) and after the last step.
     evals = [json.loads(line) for line in open(run_dir / "eval.jsonl")]

@@ -122,6 +122,8 @@ def test_summarize_dsbench_splits_by_task_type_and_counts_invalid_as_zero():
 
 
 def test_group_normalize_compares_samples_of_the_same_prompt():
+    # Catches the old population std: two samples 2, 6 have mean 4 and sample std |6 - 2| / √2 = 2.8284271
+    # (the authors' and OpenRLHF's torch .std()), so R' = ±2 / 2.8284271 = ±0.7071068, not ±1.
     def ep(task, r_solver, r_verifier, step=1):
         return Episode(task, task, step=step, actions=[action("solver", reward=r_solver), action("verifier", reward=r_verifier)])
 
@@ -129,18 +131,38 @@ def test_group_normalize_compares_samples_of_the_same_prompt():
     rewards.group_normalize(episodes)
     solver = [e.actions[0].reward for e in episodes]
     verifier = [e.actions[1].reward for e in episodes]
-    assert solver[:4] == pytest.approx([-1.0, 1.0, -1.0, 1.0], abs=1e-5)  # (R - mean) / std within each prompt
+    assert solver[:4] == pytest.approx([-0.7071068, 0.7071068, -0.7071068, 0.7071068], abs=1e-6)
     assert verifier[:2] == [0.0, 0.0]  # equal rewards: nothing to learn
-    assert verifier[2] is None and verifier[3] == 0.0  # a left-out action stays out; a group of one gets 0
+    assert verifier[2] is None and verifier[3] == 0.0  # a left-out action stays out; a group of one gets 0, not NaN
     assert solver[4] == 0.0  # another step is another group
 
 
-def test_group_scope_uses_returns_as_advantages():
-    mask = torch.tensor([[True, True, True], [True, True, False]])
-    batch = SimpleNamespace(rewards=torch.tensor([1.0, -1.0]), kl=torch.full((2, 3), 0.1), action_mask=mask)
-    rewards.compute_advantages({"solver": [batch]}, kl_coef=0.5, scope="group")
-    assert torch.equal(batch.advantages, batch.returns)
-    assert batch.returns[0].tolist() == pytest.approx([1 - 0.15, 1 - 0.1, 1 - 0.05])  # no whitening
+def test_group_scope_is_the_authors_group_norm_on_hand_computed_numbers():
+    # Catches the old "group" scope, which used A = G unwhitened; the authors' group_norm (their
+    # experience_maker.py) whitens the returns after the per-prompt normalization, per agent.
+    # Coach scores with reward_scale 0.1: task a 3, 7 -> 0.3, 0.7; task b 5, 5 -> 0.5, 0.5.
+    # Group-normalized (sample std, scale-free): a -> ∓0.7071068, b -> 0, 0.
+    # Two tokens each, KL 1 per token, β = 0.1: r = -0.1, -0.1 + R'; G = R' - 0.2, R' - 0.1:
+    #   a: -0.9071068, -0.8071068 | 0.5071068, 0.6071068     b: -0.2, -0.1 | -0.2, -0.1
+    # Whitened over the 8 tokens: mean -1.2 / 8 = -0.15; deviations ∓0.7571068, ∓0.6571068, ∓0.05;
+    # variance (2 · (0.7571068² + 0.6571068²) + 4 · 0.05²) / 8 = 2.02 / 8 = 0.2525, std 0.5024938:
+    #   a: -1.5066988, -1.3076914 | 1.3076914, 1.5066988     b: -0.0995037, 0.0995037 (twice)
+    # (b's equal rewards no longer give exactly 0 once KL enters and the batch is whitened, as the authors'.)
+    from openrlhf_mappa.episode import Verdict
+
+    episodes = [Episode(f"{t}{i}", t, step=1, outcome={"success": False},
+                        actions=[Action(f"{t}{i}", "solver", 0, [1], [2], verdict=Verdict(c, "ok"))])
+                for t, scores in (("a", (3.0, 7.0)), ("b", (5.0, 5.0))) for i, c in enumerate(scores)]  # fmt: skip
+    rewards.assign_rewards(episodes, "process", scale=0.1)
+    rewards.group_normalize(episodes)
+    R_B = torch.tensor([e.actions[0].reward for e in episodes])
+    torch.testing.assert_close(R_B, torch.tensor([-0.7071068, 0.7071068, 0.0, 0.0]), rtol=0, atol=1e-6)
+
+    batch = SimpleNamespace(rewards=R_B, kl=torch.ones(4, 2), action_mask=torch.ones(4, 2, dtype=torch.bool))
+    rewards.compute_advantages({"solver": [batch]}, kl_coef=0.1, scope="group")
+    expected = [[-1.5066988, -1.3076914], [1.3076914, 1.5066988], [-0.0995037, 0.0995037], [-0.0995037, 0.0995037]]
+    torch.testing.assert_close(batch.advantages, torch.tensor(expected), rtol=0, atol=1e-5)
+    torch.testing.assert_close(batch.returns[0], torch.tensor([-0.9071068, -0.8071068]), rtol=0, atol=1e-6)
 
 
 def test_shared_policy_needs_one_model(tmp_path):

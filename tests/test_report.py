@@ -89,7 +89,8 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path) -> list:
     )
     topology = load_topology(str(tmp_path / "t.yaml"))
     trainer = SimpleNamespace(run_dir=str(run_dir), loggers=[], agents=[SimpleNamespace(spec=SimpleNamespace(name=n)) for n in agents],
-                              mappa=SimpleNamespace(coach=SimpleNamespace(on_failure="skip")), owner={n: n for n in agents})  # fmt: skip
+                              mappa=SimpleNamespace(coach=SimpleNamespace(on_failure="skip")), owner={n: n for n in agents},
+                              topology=topology)  # fmt: skip
     audit = BiasAudit()
     for step in (1, 2, 3):
         replies = {"solver": "It is 4." if step < 3 else HOSTILE, "coder": f"```python\nprint(2 + {step - 1})\n```",

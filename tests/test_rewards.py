@@ -37,7 +37,7 @@ def test_process_mode_multi_action_agent_gets_one_reward_per_action():
                                            action("executor", 1, ok(8)), action("verifier", 0, ok(10))])
     counts = assign_rewards([episode], "process")
     assert [a.reward for a in episode.actions] == [6.0, 3.0, 8.0, 10.0]
-    assert counts == {"trainable": 4, "left_out": 0, "left_out_by_status": {}, "fallback": 0}
+    assert counts == {"trainable": 4, "left_out": 0, "left_out_by_status": {}, "fallback": 0, "truncated_left_out": {}}
 
 
 def test_process_mode_leaves_out_actions_without_a_valid_score():
@@ -59,6 +59,7 @@ def test_process_mode_leaves_out_actions_without_a_valid_score():
         "left_out": 5,
         "left_out_by_status": {"parse_error": 1, "api_error": 1, "timeout": 1, "missing": 1, "ok": 1},
         "fallback": 0,
+        "truncated_left_out": {},
     }
 
 
@@ -71,7 +72,48 @@ def test_outcome_mode_pays_every_action_the_episode_outcome():
     counts = assign_rewards([won, lost], "outcome")
     assert [a.reward for a in won.actions] == [10.0, 10.0]
     assert [a.reward for a in lost.actions] == [0.0]
-    assert counts == {"trainable": 3, "left_out": 0, "left_out_by_status": {}, "fallback": 0}
+    assert counts == {"trainable": 3, "left_out": 0, "left_out_by_status": {}, "fallback": 0, "truncated_left_out": {}}
+
+
+def test_truncated_actions_are_left_out_and_counted_per_agent():
+    # Catches the old behaviour: an action cut off at the token limit trained on its full score (or outcome).
+    def episodes():
+        return [Episode("e0", "t0", outcome={"success": True}, actions=[
+            Action("e0", "solver", 0, [1], [2], truncated=True, verdict=ok(9.0), reward=3.0),  # stale reward cleared
+            Action("e0", "executor", 0, [1], [2], verdict=ok(4.0)),
+            Action("e0", "executor", 1, [1], [2], truncated=True, verdict=Verdict(None, "timeout")),
+        ])]  # fmt: skip
+
+    for mode, kept in (("process", 4.0), ("outcome", 10.0)):
+        eps = episodes()
+        counts = assign_rewards(eps, mode, on_failure="neutral")
+        assert [a.reward for a in eps[0].actions] == [None, kept, None]  # even a fallback does not revive it
+        assert counts["truncated_left_out"] == {"solver": 1, "executor": 1}
+        assert (counts["trainable"], counts["left_out"], counts["fallback"]) == (1, 0, 0)  # not coach failures
+    eps = episodes()
+    counts = assign_rewards(eps, "process", train_truncated=True)  # --mappa.train_truncated: as before
+    assert [a.reward for a in eps[0].actions] == [9.0, 4.0, None]
+    assert counts["truncated_left_out"] == {} and counts["left_out_by_status"] == {"timeout": 1}
+
+
+def test_reward_scale_applies_to_scores_outcome_and_both_fallbacks():
+    # Catches the old behaviour: coach scores trained raw (0-10) whatever the pipeline (the authors divide
+    # MathChat's by 10), and an outcome run had no scale to share with them.
+    # s = 0.1: score 7 -> 0.7; outcome 10 x success x s = 1.0 / 0.0; neutral 5 x s = 0.5; outcome fallback 1.0.
+    def episode(success):
+        return Episode("e", "t", outcome={"success": success},
+                       actions=[action("a", 0, ok(7.0)), action("a", 1, Verdict(None, "parse_error"))])
+
+    won, lost = episode(True), episode(False)
+    assign_rewards([won, lost], "process", on_failure="neutral", neutral_score=5.0, scale=0.1)
+    assert [a.reward for a in won.actions] == pytest.approx([0.7, 0.5])
+    won = episode(True)
+    assign_rewards([won], "process", on_failure="outcome", scale=0.1)
+    assert [a.reward for a in won.actions] == pytest.approx([0.7, 1.0])
+    won, lost = episode(True), episode(False)
+    assign_rewards([won, lost], "outcome", scale=0.1)
+    assert [a.reward for a in won.actions + lost.actions] == pytest.approx([1.0, 1.0, 0.0, 0.0])
+    assert won.actions[0].verdict.score == 7.0  # the verdict keeps the coach's own 0-10 score
 
 
 def test_unknown_mode_raises_and_names_the_modes():

@@ -128,6 +128,18 @@ def test_missing_coach_template(tmp_path):
         load_topology(str(path))
 
 
+def test_reward_scale_is_a_positive_number_set_per_pipeline(tmp_path):
+    # Catches the old topology, which had no reward_scale (an unknown key), so MathChat's coach scores trained
+    # raw; the example configs now carry the authors' scales: MathChat 0-10 -> 0-1, DSBench as given.
+    assert load_topology(str(MATHCHAT_YAML)).reward_scale == 0.1
+    assert load_topology(str(ROOT / "examples" / "configs" / "dsbench.yaml")).reward_scale == 1.0
+    assert load_topology(write_topology(tmp_path)).reward_scale == 1.0  # left out: scores as given
+    assert load_topology(write_topology(tmp_path, reward_scale=2)).reward_scale == 2.0
+    for bad in (0, -0.1, "0.1", True, None):
+        with pytest.raises(ValueError, match="'reward_scale' must be a positive number"):
+            load_topology(write_topology(tmp_path, reward_scale=bad))
+
+
 def test_load_env_class_builtin_and_dotted():
     assert load_env_class("mathchat") is MathChatEnv
     assert load_env_class("openrlhf_mappa.envs.base:MultiAgentEnv") is MultiAgentEnv

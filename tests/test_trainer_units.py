@@ -1,8 +1,10 @@
 """The trainer's pure pieces: the batch rule for agents whose action count varies, the Experience layout of
 one action (only the agent's own generated tokens train), resume bookkeeping (team checkpoint marker, log
-truncation), and bad input rejected by the CLI before Ray starts. (The over-long prompt rule is tested with
-the rollout, in test_topology_env.py.)"""
+truncation), bad input rejected by the CLI before Ray starts, the training subset, truncated actions in the
+rollout and the metrics, and the outcome baseline's coach. (The over-long prompt rule is tested with the
+rollout, in test_topology_env.py.)"""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -12,8 +14,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from openrlhf_mappa.episode import Action
+from conftest import REPO
+from test_coach import ScriptedPolicy
+
+from openrlhf_mappa.cli.train_mappa_ray import choose_train_tasks
+from openrlhf_mappa.coach import Coach, render_prompt
+from openrlhf_mappa.coach.audit import check_failures, coach_step_metrics
+from openrlhf_mappa.envs.base import load_tasks
+from openrlhf_mappa.episode import Action, Episode, Verdict
+from openrlhf_mappa.rollout import rollout
+from openrlhf_mappa.topology import load_topology
 from openrlhf_mappa.trainer import MappaTrainer, experience_of, prepare_resume, truncate_logs
+
+MATHCHAT_YAML = os.path.join(REPO, "examples", "configs", "mathchat.yaml")
+AIME = os.path.join(os.environ.get("MAPPA_BENCH_DIR", os.path.join(os.path.dirname(REPO), "shared", "data", "mappa-bench")),
+                    "AIME_1983_2024.json")
 
 
 def trainer_with(batch_size, seed=0):
@@ -119,3 +134,153 @@ def test_cli_rejects_bad_input_before_ray_starts(tmp_path):
         proc = subprocess.run(base + flags, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
         assert "Ray" not in proc.stdout + proc.stderr  # rejected before any cluster, actor or engine
+
+
+# ── the training subset ──
+
+
+def test_choose_train_tasks_is_a_seeded_random_subset_in_file_order():
+    # Catches the old first-N rows: 4 of 10 tasks with seed 42 are t0, t1, t5, t8 (numpy's legacy RandomState,
+    # sorted: the authors' random_sample_train), not t0-t3; the same seed picks the same tasks again.
+    tasks = [{"id": f"t{i}"} for i in range(10)]
+    assert [t["id"] for t in choose_train_tasks(tasks, 4, seed=42)] == ["t0", "t1", "t5", "t8"]
+    assert [t["id"] for t in choose_train_tasks(tasks, 4, seed=0)] == ["t2", "t4", "t8", "t9"]
+    assert choose_train_tasks(tasks, 4, seed=42) == choose_train_tasks(tasks, 4, seed=42)
+    assert choose_train_tasks(tasks, 10, seed=42) == tasks == choose_train_tasks(tasks, 10**8, seed=42)  # all, in order
+
+
+@pytest.mark.skipif(not os.path.exists(AIME), reason="the shared benchmark files are not here")
+def test_aime_subset_spans_every_year():
+    # The brief's case: the first 512 of AIME_1983_2024 stop at 2010; a random 512 reach 2024.
+    tasks = load_tasks(AIME)
+    assert tasks[511]["year"] == 2010
+    years = [t["year"] for t in choose_train_tasks(tasks, 512, seed=42)]
+    assert (len(years), min(years), max(years)) == (512, 1983, 2024) and years == sorted(years)
+
+
+def test_cli_records_the_training_subset_and_refuses_another_on_resume(tmp_path):
+    # Catches the old CLI, which took the first --data.max_samples rows and wrote no record of them, so a
+    # resumed run with another seed would silently continue on other tasks. Both runs stop before Ray.
+    with open(tmp_path / "tasks.jsonl", "w") as f:
+        f.writelines(json.dumps({"id": f"t{i}", "prompt": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(10))
+    base = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--vllm.num_engines", "1", "--mappa.topology",
+            MATHCHAT_YAML, "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"), "--data.max_samples", "4",
+            "--mappa.run_dir", str(tmp_path / "run"), "--ckpt.path", str(tmp_path / "ckpt")]  # fmt: skip
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+
+    proc = subprocess.run(base, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "fewer than --rollout.batch_size" in proc.stderr, proc.stderr[-2000:]
+    record = json.loads((tmp_path / "run" / "train_tasks.json").read_text())
+    assert record == {"source": str(tmp_path / "tasks.jsonl"), "seed": 42, "total": 10, "max_samples": 4,
+                      "ids": ["t0", "t1", "t5", "t8"]}  # fmt: skip
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "mappa_checkpoint.json").write_text(json.dumps({"step": 1}))
+    proc = subprocess.run(base + ["--ckpt.load_enable", "--train.seed", "0"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode != 0 and "lists other training tasks" in proc.stderr, proc.stderr[-2000:]
+    assert "Ray" not in proc.stdout + proc.stderr
+
+
+# ── rollout: truncated actions, the outcome baseline's coach ──
+
+
+class CutOffPolicy(ScriptedPolicy):
+    """A reply whose generation hit the token limit."""
+
+    max_new_tokens = 8
+
+    async def generate(self, prompt_ids):
+        return [4] * self.max_new_tokens, True
+
+
+class RecordingCoach(Coach):
+    name = "recording"
+
+    def __init__(self):
+        self.requests = []
+
+    async def score(self, request):
+        self.requests.append(request)
+        return Verdict(score=6.0, status="ok", coach=self.name)
+
+
+def scripted_mathchat(truncated_solver: bool) -> tuple:
+    topology = load_topology(MATHCHAT_YAML, model_override="m")
+    solver = CutOffPolicy if truncated_solver else ScriptedPolicy
+    policies = {"problem_solver": solver("Let me think about 2 + 2 and then"),
+                "code_executor": ScriptedPolicy("No code needed: 2 + 2 = 4."),
+                "verifier": ScriptedPolicy("So the answer is \\boxed{4}.")}  # fmt: skip
+    return topology, policies, [{"id": "1", "prompt": "What is 2 + 2?", "answer": "4"}]
+
+
+def test_truncated_action_tells_the_coach_where_it_was_cut_off(tmp_path):
+    # Catches the old coach request, which did not say that an output was cut off: the coach judged an
+    # unfinished answer as a finished one. `mappa coach score` must rebuild the same request from the log.
+    topology, policies, tasks = scripted_mathchat(truncated_solver=True)
+    coach = RecordingCoach()
+    (episode,) = asyncio.run(rollout(topology, tasks, policies, coach, str(tmp_path), step=1))
+    assert [a.coach_request["truncated_at"] for a in episode.actions] == [8, None, None]
+    solver, executor = (render_prompt(topology.coach_template, r) for r in coach.requests[:2])
+    assert "Let me think about 2 + 2 and then\n[cut off at the limit of 8 tokens]" in solver
+    assert "cut off" not in executor
+
+    from openrlhf_mappa.coach import rescore
+
+    (tmp_path / "episodes.jsonl").write_text(episode.to_json() + "\n")
+    again = RecordingCoach()
+    asyncio.run(rescore.rescore(rescore.read_actions(str(tmp_path / "episodes.jsonl")), again))
+    assert sorted((r.agent, r.truncated_at) for r in again.requests) == [
+        ("code_executor", None), ("problem_solver", 8), ("verifier", None)]  # fmt: skip
+
+
+def trainer_for(reward: str, coach, tmp_path, score_outcome_runs: bool = False) -> MappaTrainer:
+    """A MappaTrainer with no agents (nothing on Ray): enough to see which coach its rollouts ask."""
+    args = SimpleNamespace(
+        mappa=SimpleNamespace(reward=reward, coach=SimpleNamespace(score_outcome_runs=score_outcome_runs,
+                                                                   bias_threshold=1.0, bias_window=5)),
+        rollout=SimpleNamespace(temperature=1.0, top_p=1.0), eval=SimpleNamespace(temperature=0.6),
+        data=SimpleNamespace(max_len=64), logger=SimpleNamespace(wandb=SimpleNamespace(key=None), tensorboard_dir=None),
+    )  # fmt: skip
+    trainer = MappaTrainer(args, None, [], coach, [], str(tmp_path / "run"))
+    trainer.loop.close()
+    return trainer
+
+
+def test_outcome_baseline_asks_no_coach_unless_told(tmp_path):
+    # Catches the old rollout of the outcome baseline, which sent every action to the (possibly paid) coach.
+    topology, policies, tasks = scripted_mathchat(truncated_solver=False)
+    coach = RecordingCoach()
+    trainer = trainer_for("outcome", coach, tmp_path)
+    (episode,) = asyncio.run(rollout(topology, tasks, policies, trainer.rollout_coach, str(tmp_path / "ws"), step=1))
+    assert coach.requests == [] and not trainer.scored
+    assert {a.verdict.status for a in episode.actions} == {"skipped"}
+    assert episode.actions[0].verdict.rationale == "outcome baseline: not scored"
+    m = coach_step_metrics([episode])
+    assert (m["coach/verdicts_skipped"], m["coach/failure_fraction"]) == (3, 0.0)
+    check_failures([episode], m, max_fraction=0.0)  # skipped verdicts are not failures
+
+    # --mappa.coach.score_outcome_runs: the coach is asked (and its failures checked), for comparison only.
+    trainer = trainer_for("outcome", coach, tmp_path, score_outcome_runs=True)
+    assert trainer.rollout_coach is coach and trainer.scored
+    assert trainer_for("process", coach, tmp_path).rollout_coach is coach
+
+
+def test_step_metrics_count_truncated_actions_per_agent_and_log_the_scale():
+    # Catches the old metrics, which neither counted the truncated actions left out nor logged reward_scale.
+    t = MappaTrainer.__new__(MappaTrainer)
+    t.mappa = SimpleNamespace(coach=SimpleNamespace(on_failure="skip"))
+    t.topology = SimpleNamespace(reward_scale=0.1)
+    t.agents = [SimpleNamespace(spec=SimpleNamespace(name=n)) for n in ("solver", "verifier")]
+    t.owner = {"solver": "solver", "verifier": "verifier"}
+    episodes = [Episode("e", "t", outcome={"success": True}, actions=[
+        Action("e", "solver", 0, [1], [2, 3], truncated=True, verdict=Verdict(9.0, "ok")),
+        Action("e", "verifier", 0, [1], [2], verdict=Verdict(8.0, "ok"))])]  # fmt: skip
+    from openrlhf_mappa.rewards import assign_rewards
+
+    counts = assign_rewards(episodes, "process", scale=0.1)
+    m = t.step_metrics(episodes, {}, {}, {"solver": 0, "verifier": 0}, counts)
+    assert (m["agent/solver/truncated_left_out"], m["agent/verifier/truncated_left_out"]) == (1, 0)
+    assert m["reward_scale"] == 0.1 and m["coach/left_out"] == 0
+    assert episodes[0].actions[1].reward == pytest.approx(0.8)  # Action.reward: the scaled reward it trains on

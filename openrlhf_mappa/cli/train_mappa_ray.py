@@ -21,12 +21,16 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.topology", required=True, help="topology YAML (agents, env, coach prompt)")
     g.add_argument("--mappa.model", default=None, help="use this model for every agent (overrides the YAML)")
     g.add_argument("--mappa.reward", choices=["process", "outcome"], default="process",
-                   help="process: each action's coach score (MAPPA); outcome: the episode's outcome for every action (baseline)")
+                   help="process: each action's coach score (MAPPA); outcome: the episode's outcome for every action "
+                        "(baseline: 10 if solved, else 0, times the topology's reward_scale; no coach calls)")
     g.add_argument("--mappa.norm_scope", choices=["agent", "global", "group"], default="agent",
                    help="whiten advantages over each agent's batch (the authors' choice) or over all agents; "
                         "group: GRPO-style, normalize rewards over the samples of each prompt (baseline)")
     g.add_argument("--mappa.shared_policy", action="store_true",
                    help="baseline: one policy (the first agent's model) plays and trains every role")
+    g.add_argument("--mappa.train_truncated", action="store_true",
+                   help="also train actions cut off at the token limit (default: left out, as the authors' "
+                        "mask_truncated_completions; counted in agent/<name>/truncated_left_out)")
     g.add_argument("--mappa.run_dir", default="./runs/mappa", help="metrics.jsonl, episodes.jsonl and code workspaces")
     g.add_argument("--mappa.coach.kind", choices=["heuristic", "openai"], default="heuristic",
                    help="heuristic: offline rule-based coach (demo/tests); openai: any OpenAI-compatible server")
@@ -46,7 +50,8 @@ def add_mappa_args(parser):
                    help="SQLite verdict cache (default: <run_dir>/coach_cache.sqlite; 'none': memory only)")
     g.add_argument("--mappa.coach.on_failure", choices=["skip", "outcome", "neutral"], default="skip",
                    help="actions without a valid score: skip (left out), outcome (episode outcome), neutral (neutral_score)")
-    g.add_argument("--mappa.coach.neutral_score", type=float, default=5.0, help="reward for on_failure=neutral")
+    g.add_argument("--mappa.coach.neutral_score", type=float, default=5.0,
+                   help="score (0-10, times the topology's reward_scale) paid for on_failure=neutral")
     g.add_argument("--mappa.coach.max_failure_fraction", type=float, default=0.5,
                    help="stop the run when more than this fraction of a step's verdicts failed")
     g.add_argument("--mappa.coach.bias_threshold", type=float, default=1.0,
@@ -56,6 +61,9 @@ def add_mappa_args(parser):
                    help="standardize coach scores per agent x task type (bias mitigation)")
     g.add_argument("--mappa.coach.price_in", type=float, default=0.0, help="USD per 1M prompt tokens (cost metrics)")
     g.add_argument("--mappa.coach.price_out", type=float, default=0.0, help="USD per 1M completion tokens")
+    g.add_argument("--mappa.coach.score_outcome_runs", action="store_true",
+                   help="with --mappa.reward outcome: still ask the coach about every action, for comparison "
+                        "(logged, never trained on; default: no coach calls)")
     # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
     parser.set_defaults(**{"algo.advantage.estimator": "reinforce"})
 
@@ -107,6 +115,21 @@ def validate(args):
         raise SystemExit("--mappa.norm_scope group compares the samples of each prompt: set --rollout.n_samples_per_prompt >= 2")
     if args.algo.kl.use_loss:
         raise SystemExit("MAPPA puts KL in the reward (r_t = score - beta*KL); --algo.kl.use_loss is not supported")
+    if args.mappa.coach.score_outcome_runs and args.mappa.reward != "outcome":
+        raise SystemExit("--mappa.coach.score_outcome_runs is for --mappa.reward outcome (process runs always ask the coach)")
+
+
+def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:
+    """`max_samples` tasks drawn at random with `seed`, in file order; all of them if there are no more.
+
+    The first N rows would be a biased subset (AIME_1983_2024's first 512 are 1983-2010). numpy's legacy
+    RandomState, sorted, is the authors' `random_sample_train`: same file and seed, same problems as theirs."""
+    import numpy as np
+
+    if len(tasks) <= max_samples:
+        return list(tasks)
+    picked = np.random.RandomState(seed).choice(len(tasks), size=max_samples, replace=False)
+    return [tasks[i] for i in sorted(picked.tolist())]
 
 
 def coach_cache_path(args):
@@ -124,11 +147,26 @@ def train(args):
     from openrlhf_mappa.envs.base import load_tasks
     from openrlhf_mappa.evaluation import load_eval_sets
     from openrlhf_mappa.topology import load_topology
-    from openrlhf_mappa.trainer import MappaTrainer, Watchdog, build_agents, components, find_dead, prepare_resume
+    from openrlhf_mappa.trainer import (
+        CHECKPOINT_MARKER, MappaTrainer, Watchdog, build_agents, components, find_dead, prepare_resume,
+    )
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
     validate(args)
-    tasks = load_tasks(args.data.prompt_dataset)[: args.data.max_samples]
+    all_tasks = load_tasks(args.data.prompt_dataset)
+    tasks = choose_train_tasks(all_tasks, args.data.max_samples, args.train.seed)
+    # The chosen ids go into the run directory; a resumed run must train on the same tasks, or the steps after
+    # its checkpoint would quietly continue on another data set.
+    chosen = {"source": os.path.abspath(args.data.prompt_dataset), "seed": args.train.seed, "total": len(all_tasks),
+              "max_samples": args.data.max_samples, "ids": [t["id"] for t in tasks]}
+    chosen_path = os.path.join(args.mappa.run_dir, "train_tasks.json")
+    resuming = args.ckpt.load_enable and os.path.exists(os.path.join(args.ckpt.path, CHECKPOINT_MARKER))
+    if resuming and os.path.exists(chosen_path) and json.load(open(chosen_path))["ids"] != chosen["ids"]:
+        raise SystemExit(f"resume: {chosen_path} lists other training tasks than --data.prompt_dataset, --train.seed "
+                         "and --data.max_samples pick now; resume with the settings of the first run")
+    os.makedirs(args.mappa.run_dir, exist_ok=True)
+    with open(chosen_path, "w", encoding="utf-8") as f:
+        json.dump(chosen, f, indent=1)
     # --eval.dataset: comma-separated task files, each evaluated before training, every --eval.steps and at the end.
     eval_sets = load_eval_sets([p for p in (args.eval.dataset or "").split(",") if p])
     if len(tasks) < args.rollout.batch_size:

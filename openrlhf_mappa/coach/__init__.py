@@ -34,6 +34,7 @@ class CoachRequest:
     ground_truth: Optional[str] = None  # only where the pipeline decides (e.g. the final agent)
     is_final_agent: bool = False
     runs_code: bool = False  # the agent's actions are executed as code
+    truncated_at: Optional[int] = None  # the output was cut off at this token limit (None: it ended by itself)
 
 
 class Coach:
@@ -82,7 +83,13 @@ def build_coach(kind: str, *, template: str = None, model: str = None, base_url:
 
 
 def render_prompt(template: str, request: CoachRequest) -> str:
-    """Fill a coach prompt template (str.format syntax; literal braces must be doubled: {{ }})."""
+    """Fill a coach prompt template (str.format syntax; literal braces must be doubled: {{ }}).
+
+    An output cut off at the token limit says so at its end, whatever the template: otherwise the coach
+    would judge an unfinished answer as if the agent had chosen to stop there."""
+    agent_output = request.agent_output
+    if request.truncated_at is not None:
+        agent_output += f"\n[cut off at the limit of {request.truncated_at} tokens]"
     fields = {
         "task": request.task,
         "role": request.role,
@@ -90,7 +97,7 @@ def render_prompt(template: str, request: CoachRequest) -> str:
         "turn": request.turn,
         "task_type": request.task_type,
         "agent_input": request.agent_input,
-        "agent_output": request.agent_output,
+        "agent_output": agent_output,
         "feedback": request.feedback or "(none)",
         "ground_truth": request.ground_truth if request.ground_truth is not None else "(not available)",
     }

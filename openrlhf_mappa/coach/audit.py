@@ -48,9 +48,11 @@ def check_failures(episodes: list, metrics: dict, max_fraction: float):
 
 def coach_step_metrics(episodes: list, price_in: float = 0.0, price_out: float = 0.0) -> dict:
     """Verdict counts per status, the failed fraction, and what the coach cost (prices in USD per 1M tokens).
-    Cached verdicts cost nothing: tokens, latency and cost count fresh verdicts only."""
-    verdicts = [a.verdict for ep in episodes for a in ep.actions if a.verdict is not None]
-    m = {f"coach/verdicts_{s}": sum(v.status == s for v in verdicts) for s in VERDICT_STATUSES}
+    Cached verdicts cost nothing: tokens, latency and cost count fresh verdicts only. A `skipped` verdict
+    (no coach was asked: evaluation, the outcome baseline) is counted, but is neither a failure nor a call."""
+    all_verdicts = [a.verdict for ep in episodes for a in ep.actions if a.verdict is not None]
+    m = {f"coach/verdicts_{s}": sum(v.status == s for v in all_verdicts) for s in VERDICT_STATUSES}
+    verdicts = [v for v in all_verdicts if v.status != "skipped"]
     failed = sum(v.status in FAILED_STATUSES for v in verdicts)
     m["coach/failure_fraction"] = failed / len(verdicts) if verdicts else 0.0
     fresh = [v for v in verdicts if not v.cached]
