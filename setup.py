@@ -28,7 +28,12 @@ setup(
     package_dir={"openrlhf_mappa.patches": "patches"},
     package_data={"openrlhf_mappa": ["data/*"]},
     python_requires=">=3.10",
-    install_requires=["openrlhf==0.11.2", "aiohttp", "pyyaml"],
+    # Everything MAPPA imports itself (tests/test_launch.py checks it against the source), though OpenRLHF
+    # already requires some: a dependency used directly is declared directly. vLLM comes with OpenRLHF's extra.
+    install_requires=[
+        "openrlhf[vllm]==0.11.2", "torch", "transformers", "tokenizers", "huggingface-hub", "ray[default]", "einops",
+        "tqdm", "aiohttp", "yarl", "pyyaml", "numpy", "pandas", "scikit-learn", "math-verify",
+    ],
     entry_points={"console_scripts": ["mappa=openrlhf_mappa.cli.mappa:main"]},
     cmdclass={"build_py": BuildPyWithPth},
 )

@@ -84,7 +84,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     with open(path, encoding="utf-8") as f:
         try:
             raw = yaml.safe_load(f)
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not valid YAML: {e}") from e
 
     def fail(msg):
@@ -162,11 +162,7 @@ def _parse_agent(row, index: int, model_override: Optional[str], fail) -> AgentS
         if not isinstance(row.get(key), str) or not row[key].strip():
             hint = " (or pass a model override)" if key == "model" else ""
             fail(f"{label}: '{key}' is missing or empty{hint}")
-    model = os.path.expanduser(row["model"])
-    if model.startswith((".", "/")) and not os.path.isdir(model):
-        # A path-like model that is not there would otherwise fail minutes later, inside a Ray actor, as a
-        # confusing Hugging Face hub lookup. (A bare "org/name" is a hub id and is checked by the download.)
-        fail(f"{label}: model {row['model']!r} is not a directory; give an existing local model directory or a Hugging Face id")
+    row["model"] = os.path.expanduser(row["model"])  # the model is checked by check_model, before a run starts
     if not AGENT_NAME_RE.fullmatch(row["name"]):
         fail(f"{label}: names may only use letters, digits, '_' and '-' (they become paths and metric keys)")
     _check_template(row["prompt"], AGENT_PROMPT_FIELDS, f"{label}: prompt", fail)
@@ -228,3 +224,30 @@ def _check_template(template: str, allowed: tuple, label: str, fail) -> None:
             shown = "{" + name + "}"
             fail(f"{label}: unknown field {shown}; allowed fields: {', '.join(allowed)} "
                  "(write {{ and }} for literal braces, e.g. \\boxed{{}})")  # fmt: skip
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+HUB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")  # org/name
+
+
+def check_model(model: str, label: str) -> None:
+    """Refuse, before any cluster starts, a model the actors could not load: a local directory needs a
+    config.json and a tokenizer; anything else must look like a hub id (org/name, its org not a local
+    directory) and, offline (HF_HUB_OFFLINE), be in the local cache. Otherwise a typo is looked up on the
+    hub inside a Ray actor minutes later, and a non-model directory fails with a misleading sentencepiece error."""
+    if os.path.isdir(model):
+        missing = [] if os.path.isfile(os.path.join(model, "config.json")) else ["config.json"]
+        if not any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
+            missing.append("tokenizer files (one of " + ", ".join(TOKENIZER_FILES) + ")")
+        if missing:
+            raise ValueError(f"{label}: {model} is not a Hugging Face model directory: it has no {' and no '.join(missing)}")
+        return
+    if not HUB_ID_RE.fullmatch(model) or os.path.isdir(model.split("/")[0]):
+        where = "" if os.path.isabs(model) else f" (relative to {os.getcwd()})"
+        raise ValueError(f"{label}: model {model!r} is not a directory{where}; give a local model directory or a "
+                         f"Hugging Face id (org/name)")
+    from huggingface_hub import constants, is_offline_mode, try_to_load_from_cache
+
+    if is_offline_mode() and not isinstance(try_to_load_from_cache(model, "config.json"), str):
+        raise ValueError(f"{label}: model {model!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                         f"downloads are off (HF_HUB_OFFLINE): download it first, or unset HF_HUB_OFFLINE")

@@ -225,11 +225,21 @@ def prepare_resume(args, topology) -> int:
 
     Agents save one after another, so a run killed mid-save can leave agent A at step N+1 and agent B at
     step N. The run-level marker, written once all agents saved, names N; A's DeepSpeed `latest` is set back
-    to N. A save that never completed for all agents (no marker) is set aside, not half-resumed from."""
+    to N. A save that never completed for all agents (no marker) is set aside, not half-resumed from.
+    Refused: no marker while the run directory already logged steps (the run would silently start over)."""
     if not args.ckpt.load_enable:
         return 0
     marker = os.path.join(args.ckpt.path, CHECKPOINT_MARKER)
     step = json.load(open(marker))["step"] if os.path.exists(marker) else 0
+    logged = os.path.join(args.mappa.run_dir, "metrics.jsonl")
+    if not step and os.path.exists(logged) and any(line.endswith("\n") for line in open(logged, encoding="utf-8")):
+        # Each whole line of metrics.jsonl is a finished step (from 1). Without a team checkpoint where
+        # --ckpt.path says, the run would restart at step 0 and overwrite its logs: typically a relative
+        # --ckpt.path that `ray job submit` resolved inside its temporary copy of working_dir.
+        raise SystemExit(f"[mappa] --ckpt.load_enable: {os.path.abspath(logged)} already has logged steps, but "
+                         f"{os.path.abspath(args.ckpt.path)} holds no checkpoint ({CHECKPOINT_MARKER}), so the run would "
+                         f"start over at step 0. Point --ckpt.path at the run's checkpoints (an absolute path), or start "
+                         f"fresh: a new --mappa.run_dir, or drop --ckpt.load_enable to overwrite this one's logs.")
     tag = f"global_step{step}"
     for spec in trainee_specs(args, topology):
         actor_dir = os.path.join(args.ckpt.path, spec.name, "_actor")

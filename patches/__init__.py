@@ -3,6 +3,7 @@
 Each module is one patch: its docstring says why it exists and what the upstream change would be;
 `apply(module)` changes a freshly imported target module (optionally `before_exec`/`after_exec` around
 its execution), and `FITS` names the releases it was written for. `openrlhf_mappa.compat.WATCHED` maps
-target modules to patches; the patches run only when no CUDA device exists. Installed as the package
-`openrlhf_mappa.patches` (see setup.py).
+target modules to patches; the patches run only in CPU mode (a CPU-only torch build, or MAPPA_CPU_MODE=1),
+and all but `ray_logical_gpus` refuse to even load outside it, so patched classes that Ray pickles never run
+on a GPU. Installed as the package `openrlhf_mappa.patches` (see setup.py).
 """

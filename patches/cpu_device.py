@@ -12,6 +12,10 @@ torch whose `cuda` namespace answers with the CPU device and no-ops, and whose `
 
 import torch
 
+from openrlhf_mappa.compat import refuse_outside_cpu_mode
+
+refuse_outside_cpu_mode(__name__)
+
 FITS = ("0.11.2",)
 CPU = torch.device("cpu")
 

@@ -18,6 +18,10 @@ import types
 import torch
 import torch.nn.functional as F
 
+from openrlhf_mappa.compat import refuse_outside_cpu_mode
+
+refuse_outside_cpu_mode(__name__)
+
 FITS = ("0.11.2",)
 _STUB_NAMES = ("flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed")
 

@@ -16,6 +16,10 @@ from datetime import timedelta
 
 import torch
 
+from openrlhf_mappa.compat import refuse_outside_cpu_mode
+
+refuse_outside_cpu_mode(__name__)
+
 FITS = ("0.11.2",)
 
 

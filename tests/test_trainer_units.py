@@ -91,7 +91,8 @@ def fake_checkpoints(root, latest_by_agent, marker_step=None):
             (actor / "latest").write_text(tags[-1])
     if marker_step is not None:
         (root / "mappa_checkpoint.json").write_text(json.dumps({"step": marker_step}))
-    args = SimpleNamespace(ckpt=SimpleNamespace(load_enable=True, path=str(root)), mappa=SimpleNamespace(shared_policy=False))
+    args = SimpleNamespace(ckpt=SimpleNamespace(load_enable=True, path=str(root)),
+                           mappa=SimpleNamespace(shared_policy=False, run_dir=str(root / "run")))
     topology = SimpleNamespace(agents=[SimpleNamespace(name=a) for a in latest_by_agent])
     return args, topology
 

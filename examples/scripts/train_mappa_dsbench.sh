@@ -2,18 +2,26 @@
 # DSBench with MAPPA at the paper's recipe: three agents (Data Engineer -> Modeler -> Analyst), each its own
 # Qwen3-4B with up to 4 actions of code + execution in a shared per-episode workspace; REINFORCE++ with
 # per-action coach scores, KL 0.01 in the reward, lr 1e-6, rollout batch 16, 16K generation, 30 episodes,
-# ZeRO-3, bf16. Per agent: 2 actor GPUs, 2 reference GPUs, 2 vLLM engines (18 GPUs for three agents; lower
-# the counts or override them per agent in the topology YAML).
+# ZeRO-3, bf16. Per agent: 2 actor GPUs, 2 reference GPUs, 2 vLLM engines: 18 GPUs for three agents
+# (printed below; ACTOR_GPUS, REF_GPUS, ENGINES change it, as do per-agent overrides in the topology YAML).
 #
 # Tasks: the paper trains on DSBench's 64 modeling tasks. Download DSBench's data yourself, then
 #   mappa dsbench import --data-root DIR --metadata dsbench_modeling_train.json --out data/dsbench
 # (DIR holds data_resplit/ and answers/; metadata rows as in mappa-bench's dsbench_modeling_*.json; tasks
 # whose files are missing or whose metric is not implemented are skipped and named). Offline, without DSBench:
-#   mappa dsbench make-pack data/dsbench-offline   and   MAPPA_TRAIN_DATA=data/dsbench-offline/tasks.jsonl
+#   mappa dsbench make-pack data/dsbench-offline   and   MAPPA_TRAIN_DATA=$PWD/data/dsbench-offline/tasks.jsonl
 # The coach is any OpenAI-compatible endpoint (see train_mappa_mathchat.sh):
 #   export MAPPA_COACH_BASE_URL=... MAPPA_COACH_MODEL=... OPENAI_API_KEY=...
 # Unknown in the paper and chosen here: 2 samples per task (as in its MathChat recipe), train batch 16,
 # prompts up to 16K tokens (data.max_len = 16K prompt + 16K generation).
+set -euo pipefail
+
+# Absolute paths: `ray job submit` runs the job in a temporary copy of working_dir, where relative outputs
+# would be lost with the copy (and --ckpt.load_enable would find nothing to resume from).
+OUT=${MAPPA_OUT:-$PWD/runs/dsbench}
+ACTOR_GPUS=${ACTOR_GPUS:-2} REF_GPUS=${REF_GPUS:-2} ENGINES=${ENGINES:-2} AGENTS=3
+echo "[mappa] this recipe needs $((AGENTS * (ACTOR_GPUS + REF_GPUS + ENGINES))) GPUs in the Ray cluster:" \
+     "$AGENTS agents x ($ACTOR_GPUS actor + $REF_GPUS reference + $ENGINES vLLM engines); outputs in $OUT"
 set -x
 
 ray job submit --address="http://127.0.0.1:8265" \
@@ -25,11 +33,11 @@ ray job submit --address="http://127.0.0.1:8265" \
    --mappa.coach.base_url "${MAPPA_COACH_BASE_URL:?set MAPPA_COACH_BASE_URL}" \
    --mappa.coach.model "${MAPPA_COACH_MODEL:?set MAPPA_COACH_MODEL}" \
    --mappa.coach.api_key_env OPENAI_API_KEY \
-   --mappa.run_dir ./runs/dsbench \
-   --data.prompt_dataset "${MAPPA_TRAIN_DATA:-data/dsbench/tasks.jsonl}" \
-   --actor.num_gpus_per_node 2 \
-   --ref.num_gpus_per_node 2 \
-   --vllm.num_engines 2 \
+   --mappa.run_dir "$OUT/run" \
+   --data.prompt_dataset "${MAPPA_TRAIN_DATA:-$PWD/data/dsbench/tasks.jsonl}" \
+   --actor.num_gpus_per_node "$ACTOR_GPUS" \
+   --ref.num_gpus_per_node "$REF_GPUS" \
+   --vllm.num_engines "$ENGINES" \
    --vllm.tensor_parallel_size 1 \
    --vllm.gpu_memory_utilization 0.6 \
    --ds.zero_stage 3 \
@@ -50,6 +58,6 @@ ray job submit --address="http://127.0.0.1:8265" \
    --ckpt.save_steps 10 \
    --ckpt.load_enable \
    --ckpt.save_hf \
-   --ckpt.path ./ckpt/mappa_dsbench \
-   --ckpt.output_dir ./ckpt/mappa_dsbench_hf \
-   --logger.tensorboard_dir ./runs/dsbench/tensorboard
+   --ckpt.path "$OUT/ckpt" \
+   --ckpt.output_dir "$OUT/hf" \
+   --logger.tensorboard_dir "$OUT/tensorboard"

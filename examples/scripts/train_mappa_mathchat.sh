@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # MathChat with MAPPA at the paper's recipe: three agents (Problem Solver -> Code Executor -> Verifier),
 # each its own Qwen3-4B, REINFORCE++ with per-action coach scores, KL 0.01 in the reward, lr 1e-6,
-# 2 samples per prompt, ZeRO-3, bf16. Per agent: 2 actor GPUs, 2 reference GPUs, 2 vLLM engines
-# (18 GPUs for three agents; lower the counts or override them per agent in the topology YAML).
+# 2 samples per prompt, ZeRO-3, bf16. Per agent: 2 actor GPUs, 2 reference GPUs, 2 vLLM engines: 18 GPUs for
+# three agents (printed below; ACTOR_GPUS, REF_GPUS, ENGINES change it, as do per-agent overrides in the
+# topology YAML). The coach's GPUs, if you serve it yourself, must stay out of Ray (see README, GPU usage).
 #
 # The coach is any OpenAI-compatible endpoint:
 #   export MAPPA_COACH_BASE_URL=https://api.openai.com/v1 MAPPA_COACH_MODEL=gpt-4o-mini OPENAI_API_KEY=...
 # or an open-weight model served locally:  vllm serve Qwen/Qwen3-32B --port 8001
 #   export MAPPA_COACH_BASE_URL=http://localhost:8001/v1 MAPPA_COACH_MODEL=Qwen/Qwen3-32B
 # Training data: a JSON list / JSONL of {"prompt", "answer"} rows, e.g. AIME problems.
+set -euo pipefail
+
+# Absolute paths: `ray job submit` runs the job in a temporary copy of working_dir, where relative outputs
+# would be lost with the copy (and --ckpt.load_enable would find nothing to resume from).
+OUT=${MAPPA_OUT:-$PWD/runs/mathchat}
+ACTOR_GPUS=${ACTOR_GPUS:-2} REF_GPUS=${REF_GPUS:-2} ENGINES=${ENGINES:-2} AGENTS=3
+echo "[mappa] this recipe needs $((AGENTS * (ACTOR_GPUS + REF_GPUS + ENGINES))) GPUs in the Ray cluster:" \
+     "$AGENTS agents x ($ACTOR_GPUS actor + $REF_GPUS reference + $ENGINES vLLM engines); outputs in $OUT"
 set -x
 
 ray job submit --address="http://127.0.0.1:8265" \
@@ -20,12 +29,12 @@ ray job submit --address="http://127.0.0.1:8265" \
    --mappa.coach.base_url "${MAPPA_COACH_BASE_URL:?set MAPPA_COACH_BASE_URL}" \
    --mappa.coach.model "${MAPPA_COACH_MODEL:?set MAPPA_COACH_MODEL}" \
    --mappa.coach.api_key_env OPENAI_API_KEY \
-   --mappa.run_dir ./runs/mathchat \
-   --data.prompt_dataset "${MAPPA_TRAIN_DATA:-data/AIME_1983_2024.json}" \
+   --mappa.run_dir "$OUT/run" \
+   --data.prompt_dataset "${MAPPA_TRAIN_DATA:-$PWD/data/AIME_1983_2024.json}" \
    --data.max_samples 512 \
-   --actor.num_gpus_per_node 2 \
-   --ref.num_gpus_per_node 2 \
-   --vllm.num_engines 2 \
+   --actor.num_gpus_per_node "$ACTOR_GPUS" \
+   --ref.num_gpus_per_node "$REF_GPUS" \
+   --vllm.num_engines "$ENGINES" \
    --vllm.tensor_parallel_size 1 \
    --vllm.gpu_memory_utilization 0.6 \
    --ds.zero_stage 3 \
@@ -46,6 +55,6 @@ ray job submit --address="http://127.0.0.1:8265" \
    --ckpt.save_steps 10 \
    --ckpt.load_enable \
    --ckpt.save_hf \
-   --ckpt.path ./ckpt/mappa_mathchat \
-   --ckpt.output_dir ./ckpt/mappa_mathchat_hf \
-   --logger.tensorboard_dir ./runs/mathchat/tensorboard
+   --ckpt.path "$OUT/ckpt" \
+   --ckpt.output_dir "$OUT/hf" \
+   --logger.tensorboard_dir "$OUT/tensorboard"

@@ -130,7 +130,7 @@ def eval_main(parser, args):
 
     from openrlhf_mappa.evaluation import evaluate, format_table, load_eval_sets, summarize
     from openrlhf_mappa.rollout import AgentPolicy
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.topology import check_model, load_topology
 
     topology = load_topology(args.topology, model_override=args.model)
     models = {spec.name: spec.model for spec in topology.agents}
@@ -145,6 +145,8 @@ def eval_main(parser, args):
         if args.checkpoint and not os.path.isdir(model):
             parser.error(f"--checkpoint: no model for agent {name!r} at {model} (expected one HF export per agent)")
     try:
+        for name, model in models.items():
+            check_model(model, f"agent {name!r}")
         datasets = load_eval_sets(args.data, args.limit)
     except (OSError, ValueError) as e:
         raise SystemExit(f"mappa eval: {e}")

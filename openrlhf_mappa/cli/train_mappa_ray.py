@@ -4,11 +4,18 @@ OpenRLHF's own flags and validation live inline under `if __name__ == "__main__"
 `openrlhf.cli.train_ppo_ray`; instead of copying ~400 lines we run that block, minus its final
 `train(args)` call, with MAPPA's flags added to the same parser. So every OpenRLHF flag means here what
 it means there.
+
+Every input is checked before the heavy imports (torch, DeepSpeed, vLLM) and before Ray starts, so a bad
+flag, topology, model or dataset is refused in about a second with its message alone (exit 1; argparse's
+own errors exit 2). MAPPA_TRACEBACK=1 adds the traceback.
 """
 
 import ast
+import asyncio
+import builtins
+import contextlib
 import importlib.metadata
-import inspect
+import importlib.util
 import json
 import os
 import sys
@@ -68,45 +75,99 @@ def add_mappa_args(parser):
     parser.set_defaults(**{"algo.advantage.estimator": "reinforce"})
 
 
-def parse_args(argv=None):
-    """OpenRLHF's parser + validation from train_ppo_ray's main block, with MAPPA's flags added."""
-    import openrlhf.cli.train_ppo_ray as upstream
+@contextlib.contextmanager
+def refusals():
+    """Bad input found before Ray starts ends the run with its message alone: the loaders' ValueError and
+    OSError and upstream's assertions say what to fix, and a traceback in front of them only hides that."""
+    try:
+        yield
+    except (ValueError, OSError, AssertionError) as e:
+        if os.environ.get("MAPPA_TRACEBACK", "0") not in ("", "0"):
+            raise
+        raise SystemExit(f"[mappa] {e or type(e).__name__}") from None
 
+
+# Statements of upstream's main block that MAPPA changes; parse_args fails loudly when one is missing.
+UPSTREAM_PARSE = "args = parser.parse_args()"  # MAPPA's flags are added just before it
+UPSTREAM_HIERARCHIZE = "from openrlhf.utils.config import hierarchize"  # its package imports DeepSpeed
+UPSTREAM_EVAL_CHECK = "args.eval.dataset"  # demands a reward model for --eval.dataset; MAPPA's env grades it
+UPSTREAM_TRAIN = "train(args)"  # where parsing ends
+
+
+def parse_args(argv=None):
+    """OpenRLHF's parser + validation from train_ppo_ray's main block, with MAPPA's flags added.
+
+    The block is read from the source file, not imported: importing train_ppo_ray loads torch, DeepSpeed
+    and vLLM, 10-40 s before a typo could be reported. So the block may take only standard-library names
+    from its module; `hierarchize` comes from its own small file."""
     installed = importlib.metadata.version("openrlhf")
     if installed not in OPENRLHF_FITS:
-        raise RuntimeError(f"openrlhf_mappa's CLI reads openrlhf {', '.join(OPENRLHF_FITS)}'s train_ppo_ray; found {installed}")
-    tree = ast.parse(inspect.getsource(upstream))
-    main = next(n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
-    body = []
+        raise SystemExit(f"[mappa] openrlhf_mappa's CLI reads openrlhf {', '.join(OPENRLHF_FITS)}'s train_ppo_ray; "
+                         f"found openrlhf {installed}. Install openrlhf=={OPENRLHF_FITS[-1]}.")
+    path = importlib.util.find_spec("openrlhf.cli.train_ppo_ray").origin  # imports only the empty packages
+    with open(path, encoding="utf-8") as f:
+        module = ast.parse(f.read(), path)
+    main = next(n for n in module.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
+    body, seen = [], set()
     for stmt in main.body:
-        if isinstance(stmt, ast.Expr) and ast.unparse(stmt) == "train(args)":
+        text = ast.unparse(stmt.test if isinstance(stmt, ast.If) else stmt)
+        seen.add(text)
+        if text == UPSTREAM_TRAIN:
             break
-        if isinstance(stmt, ast.If) and ast.unparse(stmt.test) == "args.eval.dataset":
-            continue  # upstream demands a reward model to grade --eval.dataset; MAPPA's environment grades it
-        if ast.unparse(stmt) == "args = parser.parse_args()":
+        if text in (UPSTREAM_EVAL_CHECK, UPSTREAM_HIERARCHIZE):
+            continue
+        if text == UPSTREAM_PARSE:
             body.append(ast.parse("__add_mappa_args__(parser)").body[0])
         body.append(stmt)
-    code = compile(ast.Module(body=body, type_ignores=[]), upstream.__file__, "exec")
-    namespace = dict(vars(upstream), __add_mappa_args__=add_mappa_args)
+    block = ast.Module(body=body, type_ignores=[])
+
+    spec = importlib.util.spec_from_file_location("_openrlhf_config", os.path.join(os.path.dirname(path), "..", "utils", "config.py"))
+    config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(config)
+    namespace = {"__add_mappa_args__": add_mappa_args, "hierarchize": config.hierarchize}
+    for stmt in module.body:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)) and ast.unparse(stmt).split()[1].split(".")[0] in sys.stdlib_module_names:
+            exec(compile(ast.Module(body=[stmt], type_ignores=[]), path, "exec"), namespace)
+    nodes = list(ast.walk(block))
+    bound = {n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    bound |= {(a.asname or a.name).split(".")[0] for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    unbound = {n.id for n in nodes if isinstance(n, ast.Name)} - bound - set(namespace) - set(dir(builtins))
+    missing = [s for s in (UPSTREAM_PARSE, UPSTREAM_HIERARCHIZE, UPSTREAM_EVAL_CHECK, UPSTREAM_TRAIN) if s not in seen]
+    if missing or unbound:
+        raise RuntimeError(f"openrlhf {installed} changed the main block of {path}: statements MAPPA rewrites not "
+                           f"found: {missing}; names it reads that are not standard library: {sorted(unbound)}. "
+                           f"Update openrlhf_mappa/cli/train_mappa_ray.py parse_args.")
+
     saved, sys.argv = sys.argv, [sys.argv[0]] + list(sys.argv[1:] if argv is None else argv)
     try:
-        exec(code, namespace)
+        with refusals():  # upstream validates with assert
+            exec(compile(block, path, "exec"), namespace)
     finally:
         sys.argv = saved
     return namespace["args"]
 
 
-def validate(args):
+def validate(args, topology):
     if args.train.colocate_all or args.train.colocate_actor_ref or args.train.async_enable:
         raise SystemExit("MAPPA runs each agent on its own GPUs: --train.colocate_* and --train.async_enable are not supported yet")
     if not args.vllm.num_engines:
         raise SystemExit("MAPPA generates with vLLM: set --vllm.num_engines (per agent; a topology may override it)")
     if not args.data.prompt_dataset:
         raise SystemExit("--data.prompt_dataset: the task file (JSON list or JSONL with prompt/answer) is required")
-    unit = args.rollout.micro_batch_size * args.actor.num_nodes * args.actor.num_gpus_per_node
-    if args.train.batch_size % unit:
-        raise SystemExit(f"--train.batch_size ({args.train.batch_size}) must be a multiple of --rollout.micro_batch_size "
-                         f"x actor GPUs ({unit}) so that every data-parallel rank gets whole micro-batches")
+    # Each agent's train batch is split over its data-parallel ranks, in --rollout.micro_batch_size pieces
+    # (experiences) and --train.micro_batch_size pieces (DeepSpeed's gradient accumulation). A topology may
+    # give an agent its own GPU count; under --mappa.shared_policy only the first agent trains (trainee_specs).
+    for spec in topology.agents[:1] if args.mappa.shared_policy else topology.agents:
+        gpus = args.actor.num_nodes * (spec.num_gpus_per_node or args.actor.num_gpus_per_node)
+        ranks = gpus // (args.ds.ring_attn_size * args.ds.tensor_parallel_size)
+        for flag, micro in (("train.micro_batch_size", args.train.micro_batch_size),
+                            ("rollout.micro_batch_size", args.rollout.micro_batch_size)):
+            if args.train.batch_size % (micro * ranks):
+                where = ("num_gpus_per_node in the topology" if spec.num_gpus_per_node
+                         else "--actor.num_nodes x --actor.num_gpus_per_node")
+                raise SystemExit(f"agent {spec.name!r}: --train.batch_size ({args.train.batch_size}) must be a multiple of "
+                                 f"--{flag} ({micro}) x its {ranks} data-parallel actor ranks ({where}) = {micro * ranks}, "
+                                 f"so that every rank gets whole micro-batches")
     if args.algo.advantage.estimator != "reinforce":
         raise SystemExit("MAPPA's advantages are REINFORCE++ (rewards.py); --algo.advantage.estimator must be reinforce")
     if not 0.0 <= args.mappa.coach.max_failure_fraction <= 1.0:
@@ -141,20 +202,40 @@ def coach_cache_path(args):
 
 def train(args):
     """Build every agent on the Ray cluster, train, export; returns the agents (their handles stay up)."""
-    import ray
-
     from openrlhf_mappa.coach import build_coach
     from openrlhf_mappa.envs.base import load_tasks
     from openrlhf_mappa.evaluation import load_eval_sets
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.topology import check_model, load_topology
+
+    with refusals():  # every input, before the heavy imports and before Ray
+        topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
+        validate(args, topology)
+        for spec in topology.agents:
+            check_model(spec.model, "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}")
+        all_tasks = load_tasks(args.data.prompt_dataset)
+        tasks = choose_train_tasks(all_tasks, args.data.max_samples, args.train.seed)
+        # --eval.dataset: comma-separated task files, each evaluated before training, every --eval.steps and at the end.
+        eval_sets = load_eval_sets([p for p in (args.eval.dataset or "").split(",") if p])
+        if len(tasks) < args.rollout.batch_size:
+            raise SystemExit(f"{args.data.prompt_dataset}: {len(tasks)} tasks, fewer than --rollout.batch_size {args.rollout.batch_size}")
+        c = args.mappa.coach
+        coach = build_coach(
+            c.kind, template=topology.coach_template, model=c.model, base_url=c.base_url, cache_path=coach_cache_path(args),
+            api_key_env=c.api_key_env, timeout_s=c.timeout, max_concurrency=c.max_concurrency, max_retries=c.max_retries,
+            rpm=c.rpm, structured=c.structured, format_retries=c.format_retries, max_tokens=c.max_tokens,
+            score_key=topology.score_key,
+        )
+        # An unreachable coach or a rejected key would otherwise surface only after the first rollout.
+        if args.mappa.reward == "process" or c.score_outcome_runs:
+            asyncio.run(coach.probe())
+
+    import ray
+
     from openrlhf_mappa.trainer import (
         CHECKPOINT_MARKER, MappaTrainer, Watchdog, build_agents, components, find_dead, prepare_resume,
     )
 
-    topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
-    validate(args)
-    all_tasks = load_tasks(args.data.prompt_dataset)
-    tasks = choose_train_tasks(all_tasks, args.data.max_samples, args.train.seed)
+    start = prepare_resume(args, topology)  # before Ray: it refuses a resume that would silently start over
     # The chosen ids go into the run directory; a resumed run must train on the same tasks, or the steps after
     # its checkpoint would quietly continue on another data set.
     chosen = {"source": os.path.abspath(args.data.prompt_dataset), "seed": args.train.seed, "total": len(all_tasks),
@@ -167,18 +248,6 @@ def train(args):
     os.makedirs(args.mappa.run_dir, exist_ok=True)
     with open(chosen_path, "w", encoding="utf-8") as f:
         json.dump(chosen, f, indent=1)
-    # --eval.dataset: comma-separated task files, each evaluated before training, every --eval.steps and at the end.
-    eval_sets = load_eval_sets([p for p in (args.eval.dataset or "").split(",") if p])
-    if len(tasks) < args.rollout.batch_size:
-        raise SystemExit(f"{args.data.prompt_dataset}: {len(tasks)} tasks, fewer than --rollout.batch_size {args.rollout.batch_size}")
-    c = args.mappa.coach
-    coach = build_coach(
-        c.kind, template=topology.coach_template, model=c.model, base_url=c.base_url, cache_path=coach_cache_path(args),
-        api_key_env=c.api_key_env, timeout_s=c.timeout, max_concurrency=c.max_concurrency, max_retries=c.max_retries,
-        rpm=c.rpm, structured=c.structured, format_retries=c.format_retries, max_tokens=c.max_tokens,
-        score_key=topology.score_key,
-    )
-
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     steps = (len(tasks) // args.rollout.batch_size) * args.train.num_episodes
@@ -186,7 +255,6 @@ def train(args):
     actions_per_step = args.rollout.batch_size * args.rollout.n_samples_per_prompt * (
         sum(per_episode) if args.mappa.shared_policy else max(per_episode))
     max_steps = steps * max(1, actions_per_step // args.train.batch_size)
-    start = prepare_resume(args, topology)
     if start:
         print(f"[mappa] resuming after step {start} (checkpoints in {os.path.abspath(args.ckpt.path)})")
     agents = build_agents(args, topology, max_steps)

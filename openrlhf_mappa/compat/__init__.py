@@ -1,10 +1,13 @@
-"""CPU mode: apply the upstream-candidate patches in `patches/` when this process has no CUDA device.
+"""CPU mode: apply the upstream-candidate patches in `patches/` when this torch build has no accelerator.
 
 `install()` puts an import hook on `sys.meta_path`. When a module that a patch targets is imported
 (an openrlhf, vllm or ray module), the hook lets the module load, then applies the patches for it —
-only if no CUDA device exists (`MAPPA_CPU_MODE=1`/`0` forces the decision). On a CUDA machine the hook
-never touches anything. A `.pth` file (installed with the package, see setup.py) calls `install()` at
-interpreter start, so the driver, every Ray worker and every vLLM engine process are covered alike.
+only for a CPU-only torch build (`MAPPA_CPU_MODE=1`/`0` forces the decision). With a CUDA or ROCm build
+the hook never touches anything, even in a process that sees no GPU (a `ray job submit` driver on a GPU
+cluster): Ray ships classes from the driver to the GPU workers, so patching there would reach them (and
+the patch modules refuse to load outside CPU mode, see `refuse_outside_cpu_mode`). A `.pth` file
+(installed with the package, see setup.py) calls `install()` at interpreter start, so the driver, every
+Ray worker and every vLLM engine process are covered alike.
 """
 
 import importlib
@@ -18,7 +21,10 @@ _cpu_mode = None
 
 
 def cpu_mode() -> bool:
-    """True when the patches should apply: forced by MAPPA_CPU_MODE, else "torch sees no CUDA device"."""
+    """True when the patches should apply: forced by MAPPA_CPU_MODE, else "torch is a CPU-only build".
+
+    Not "no CUDA device is visible": that is also true of a GPU cluster's driver process, whose patched
+    classes Ray would ship to the GPU workers."""
     global _cpu_mode
     if _cpu_mode is None:
         forced = os.environ.get("MAPPA_CPU_MODE", "").strip().lower()
@@ -27,8 +33,27 @@ def cpu_mode() -> bool:
         else:
             import torch
 
-            _cpu_mode = not torch.cuda.is_available()
+            _cpu_mode = torch.version.cuda is None and torch.version.hip is None
     return _cpu_mode
+
+
+def refuse_outside_cpu_mode(patch_module: str) -> None:
+    """Called at the top of every patch module that changes device or attention code.
+
+    Its objects reach another process only by pickling (Ray ships a driver's classes by value, and they
+    refer to these modules by name), so importing it where CPU mode is off means patched code is about to
+    run on the wrong device: fail here, loudly, instead of at the first forward pass."""
+    if cpu_mode():
+        return
+    import torch
+
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}" if torch.version.hip else "CPU only"
+    raise RuntimeError(
+        f"openrlhf_mappa: {patch_module} (a CPU-mode patch) was loaded in a process that is not in CPU mode "
+        f"(torch built with {build}, MAPPA_CPU_MODE={os.environ.get('MAPPA_CPU_MODE', '(unset)')}). Classes "
+        f"patched for CPU reached a GPU process: the Ray driver ran in CPU mode. Run the driver with the "
+        f"same CUDA build of torch as the workers, or with MAPPA_CPU_MODE=0."
+    )
 
 
 class PatchVersionError(RuntimeError):
@@ -74,6 +99,11 @@ WATCHED = {
 }
 
 
+# `ray` is imported by every Ray-internal process; deciding CPU mode there would import torch into all of
+# them, so this patch decides lazily (at ray.init) and is loaded whatever the mode.
+LAZY = ("ray_logical_gpus",)
+
+
 class _PatchingLoader(importlib.abc.Loader):
     def __init__(self, inner, patches):
         self.inner, self.patches = inner, patches
@@ -82,21 +112,18 @@ class _PatchingLoader(importlib.abc.Loader):
         return self.inner.create_module(spec)
 
     def exec_module(self, module):
-        # `ray` is imported by every Ray-internal process; deciding CPU mode there would import torch
-        # into all of them, so its patch decides lazily (at ray.init) and is marked LAZY.
-        patches = [p for p in self.patches if getattr(p, "LAZY", False) or cpu_mode()]
-        for patch in patches:
+        for patch in self.patches:
             if hasattr(patch, "before_exec"):
                 patch.before_exec(module)
         try:
             self.inner.exec_module(module)
         finally:
-            for patch in patches:
+            for patch in self.patches:
                 if hasattr(patch, "after_exec"):
                     patch.after_exec(module)
-        for patch in patches:
+        for patch in self.patches:
             patch.apply(module)
-        module.__mappa_cpu_patches__ = [p.__name__.rsplit(".", 1)[-1] for p in patches]
+        module.__mappa_cpu_patches__ = [p.__name__.rsplit(".", 1)[-1] for p in self.patches]
 
 
 class _PatchFinder(importlib.abc.MetaPathFinder):
@@ -106,7 +133,9 @@ class _PatchFinder(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
-        patches = [importlib.import_module(f"openrlhf_mappa.patches.{name}") for name in WATCHED[fullname]]
+        # Decide before importing a patch module: outside CPU mode they refuse to load.
+        names = [name for name in WATCHED[fullname] if name in LAZY or cpu_mode()]
+        patches = [importlib.import_module(f"openrlhf_mappa.patches.{name}") for name in names]
         spec.loader = _PatchingLoader(spec.loader, patches)
         return spec
 

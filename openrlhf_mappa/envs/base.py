@@ -192,8 +192,13 @@ def load_env_class(spec: str) -> type:
 
 def load_tasks(path: str) -> list[dict]:
     """Read tasks from a JSON list or a JSONL file (told apart by the first character, not the extension)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark (some Windows editors write one) is not content
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}: line {line}: byte 0x{data[e.start]:02x} is not UTF-8; save the file as UTF-8") from e
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
