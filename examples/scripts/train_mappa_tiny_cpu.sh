@@ -12,6 +12,8 @@ MODEL=$OUT/tiny-model
 [ -f "$MODEL/config.json" ] || "$(dirname "$PY")/mappa" tiny-model "$MODEL" --seed 0
 rm -rf "$OUT/run" "$OUT/ckpt" "$OUT/final" "$OUT/tensorboard"
 
+# Untrained tiny agents rarely end a reply within 32 tokens: --mappa.train_truncated trains on cut-off actions
+# too (by default they are left out, as the authors do).
 # 3 agents x (actor + reference + 1 vLLM engine) = 9 logical GPUs on a local CPU-only Ray cluster.
 export MAPPA_CPU_NUM_GPUS=${MAPPA_CPU_NUM_GPUS:-9}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
@@ -40,6 +42,7 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
    --rollout.n_samples_per_prompt 2 \
    --rollout.micro_batch_size 2 \
    --rollout.max_new_tokens 32 \
+   --mappa.train_truncated \
    --data.max_len 2048 \
    --train.batch_size 4 \
    --train.micro_batch_size 2 \

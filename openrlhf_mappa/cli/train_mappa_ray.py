@@ -214,6 +214,22 @@ def train(args):
             check_model(spec.model, "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}")
         all_tasks = load_tasks(args.data.prompt_dataset)
         tasks = choose_train_tasks(all_tasks, args.data.max_samples, args.train.seed)
+        # The chosen ids go into the run directory; a resumed run must train on the same tasks, or the steps after
+        # its checkpoint would quietly continue on another data set.
+        chosen = {"source": os.path.abspath(args.data.prompt_dataset), "seed": args.train.seed, "total": len(all_tasks),
+                  "max_samples": args.data.max_samples, "ids": [t["id"] for t in tasks]}
+        chosen_path = os.path.join(args.mappa.run_dir, "train_tasks.json")
+        resuming = False
+        if args.ckpt.load_enable:  # the trainer module loads torch and Ray: only a resume pays for it here
+            from openrlhf_mappa.trainer import CHECKPOINT_MARKER
+
+            resuming = os.path.exists(os.path.join(args.ckpt.path, CHECKPOINT_MARKER))
+        if resuming and os.path.exists(chosen_path) and json.load(open(chosen_path))["ids"] != chosen["ids"]:
+            raise SystemExit(f"resume: {chosen_path} lists other training tasks than --data.prompt_dataset, --train.seed "
+                             "and --data.max_samples pick now; resume with the settings of the first run")
+        os.makedirs(args.mappa.run_dir, exist_ok=True)
+        with open(chosen_path, "w", encoding="utf-8") as f:
+            json.dump(chosen, f, indent=1)
         # --eval.dataset: comma-separated task files, each evaluated before training, every --eval.steps and at the end.
         eval_sets = load_eval_sets([p for p in (args.eval.dataset or "").split(",") if p])
         if len(tasks) < args.rollout.batch_size:
@@ -231,23 +247,9 @@ def train(args):
 
     import ray
 
-    from openrlhf_mappa.trainer import (
-        CHECKPOINT_MARKER, MappaTrainer, Watchdog, build_agents, components, find_dead, prepare_resume,
-    )
+    from openrlhf_mappa.trainer import MappaTrainer, Watchdog, build_agents, components, find_dead, prepare_resume
 
     start = prepare_resume(args, topology)  # before Ray: it refuses a resume that would silently start over
-    # The chosen ids go into the run directory; a resumed run must train on the same tasks, or the steps after
-    # its checkpoint would quietly continue on another data set.
-    chosen = {"source": os.path.abspath(args.data.prompt_dataset), "seed": args.train.seed, "total": len(all_tasks),
-              "max_samples": args.data.max_samples, "ids": [t["id"] for t in tasks]}
-    chosen_path = os.path.join(args.mappa.run_dir, "train_tasks.json")
-    resuming = args.ckpt.load_enable and os.path.exists(os.path.join(args.ckpt.path, CHECKPOINT_MARKER))
-    if resuming and os.path.exists(chosen_path) and json.load(open(chosen_path))["ids"] != chosen["ids"]:
-        raise SystemExit(f"resume: {chosen_path} lists other training tasks than --data.prompt_dataset, --train.seed "
-                         "and --data.max_samples pick now; resume with the settings of the first run")
-    os.makedirs(args.mappa.run_dir, exist_ok=True)
-    with open(chosen_path, "w", encoding="utf-8") as f:
-        json.dump(chosen, f, indent=1)
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     steps = (len(tasks) // args.rollout.batch_size) * args.train.num_episodes
