@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -258,6 +259,17 @@ def test_bad_flag_topology_and_upstream_check(workdir):
     assert_refused(proc, "upstream assert", "[mappa] The number of sample batches must be greater than or equal to "
                                             "the effective number of actor processes.")
     assert proc.returncode == 1
+
+
+def test_unreachable_coach(workdir):
+    write_topology(workdir)
+    with socket.socket() as s:  # a free port; nothing listens on it once the socket is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    proc = cli(workdir, GOOD + ["--mappa.coach.kind", "openai", "--mappa.coach.base_url", url,
+                                "--mappa.coach.model", "m"], "unreachable coach")
+    assert_refused(proc, "unreachable coach", f"coach server {url}/models cannot be reached: ")
 
 
 def test_traceback_only_on_request(workdir):
