@@ -1,13 +1,18 @@
-"""A real MAPPA training step on CPU: two tiny agents with their own weights, each with its own ZeRO-3
-actor and vLLM engine (Ray, vLLM, DeepSpeed for real), coached by an OpenAI-compatible server on
-127.0.0.1 (a stand-in for a paid API: it scores by rule, and answers garbage for one agent).
+"""Real MAPPA training on CPU: two tiny agents with their own weights, each with its own ZeRO-3 actor,
+reference model and vLLM engine (Ray, vLLM, DeepSpeed for real), coached by an OpenAI-compatible server
+on 127.0.0.1 (a stand-in for a paid API: it scores by rule, and answers one agent in prose full of
+numbers that are not a score). β > 0, 2 steps; "solver" acts twice per episode and trains on 2
+data-parallel ranks (actor and reference).
 
-Asserted: the coached agent's actor changed; after the sync each agent's engine holds its own
-actor's weights and not another agent's (compared through log-probs of a fixed sequence); the agent
-whose every verdict was unparsable got no experience and was not updated; metrics and episodes are
-written per agent, and `mappa report` renders them (in Chromium where installed).
+Asserted: the coached agent's actor changed and both its ranks hold the same weights; after the sync each
+agent's engine holds its own actor's weights and not another agent's (compared through log-probs of a
+fixed sequence); the agent the coach never scored got no score, no experience and no update; on the real
+experience tensors, the per-token reward recovered from the returns is −β·KL_t plus R on the last action
+token, KL is the actor's log-probs minus the frozen initial model's, and both actions of an episode train;
+metrics and episodes are written per agent, and `mappa report` renders them (in Chromium where installed).
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,10 +25,20 @@ import yaml
 
 from coach_server import COACH_TEMPLATE, CoachServer
 from conftest import MAPPA, TINY_RUN_FLAGS, assert_report_renders, local_cluster_env
+from openrlhf_mappa.envs.mathchat import MathChatEnv
 
-AGENTS = ("solver", "mute")
+AGENTS = ("solver", "mute")  # the coach never gives "mute" a score
 PROBE_TEXT = "Probe: 7 + 5 = 12, the answer is 12."
-TESTS = os.path.dirname(os.path.abspath(__file__))  # "mute" gets only garbage from the coach
+TESTS = os.path.dirname(os.path.abspath(__file__))
+BETA = 0.05
+
+
+class EveryTurnMathEnv(MathChatEnv):
+    """MathChat in which each agent takes all its max_actions: a random tiny model never writes the code
+    block that gives a Code Executor its second action, and this test needs an agent that acts twice."""
+
+    def step(self, agent, turn, response):
+        return dataclasses.replace(super().step(agent, turn, response), done=False)
 
 
 @pytest.fixture
@@ -42,22 +57,36 @@ def probe_agents(agents) -> dict:
     for ag in agents:
         gen = ray.get(ag.engines[0].generate.remote(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)))
         out["engine"][ag.spec.name] = [d[t].logprob for t, d in zip(ids[1:], gen.prompt_logprobs[1:])]
-        seq = torch.tensor([ids])
+        seq, ranks = torch.tensor([ids]), len(ag.actor._actor_handlers)  # one copy per data-parallel rank
         refs = ag.actor.async_run_method_batch(
-            method_name="forward", sequences=[seq], action_mask=[torch.ones(1, len(ids) - 1, dtype=torch.bool)],
-            attention_mask=[torch.ones_like(seq)],
+            method_name="forward", sequences=[seq] * ranks,
+            action_mask=[torch.ones(1, len(ids) - 1, dtype=torch.bool)] * ranks, attention_mask=[torch.ones_like(seq)] * ranks,
         )
-        out["actor"][ag.spec.name] = ray.get(refs)[0][0].float().tolist()
+        per_rank = [r[0].float().tolist() for r in ray.get(refs)]
+        out["actor"][ag.spec.name], out.setdefault("actor_ranks", {})[ag.spec.name] = per_rank[0], per_rank
     return out
 
 
-def run_and_probe(argv: list, out_path: str):
+def run_and_probe(argv: list, out_path: str, tensors_path: str = None):
     """In a child process (see the test): train with `argv`, then probe every agent (probe_agents). Ray and
-    vLLM never live in the pytest process itself."""
+    vLLM never live in the pytest process itself. With `tensors_path`, every step's experience tensors are
+    saved as the advantage step leaves them (rewards.compute_advantages is observed, not replaced)."""
     import ray
 
+    from openrlhf_mappa import rewards
     from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
 
+    if tensors_path:
+        steps, compute = [], rewards.compute_advantages
+
+        def recording(batches_by_agent, kl_coef, scope="agent"):
+            compute(batches_by_agent, kl_coef, scope)
+            keys = ("sequences", "action_mask", "rewards", "kl", "action_log_probs", "returns", "advantages")
+            steps.append({name: [{k: getattr(b, k).clone() for k in keys} for b in batches]
+                          for name, batches in batches_by_agent.items()})  # fmt: skip
+            torch.save(steps, tensors_path)
+
+        rewards.compute_advantages = recording
     agents = train(parse_args(argv))
     with open(out_path, "w") as f:
         json.dump(probe_agents(agents), f)
@@ -65,23 +94,25 @@ def run_and_probe(argv: list, out_path: str):
 
 
 @pytest.mark.e2e
-def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server):
+def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
     models = {}
     for seed, name in enumerate(AGENTS):
         models[name] = str(tmp_path / f"model-{name}")
         subprocess.run([MAPPA, "tiny-model", models[name], "--seed", str(seed)], check=True, capture_output=True)
+    agent_rows = {
+        "solver": dict(max_actions=2, num_gpus_per_node=2),  # acts twice; 2 actor and 2 reference ranks
+        "mute": dict(max_actions=1),
+    }
     topology = {
         "name": "e2e",
-        "env": "mathchat",
+        "env": "test_mappa_e2e:EveryTurnMathEnv",
         "coach_template": COACH_TEMPLATE,
-        "agents": [
-            {"name": n, "model": models[n], "role": f"{n} role", "prompt": "{task}\n{history}", "max_actions": 1}
-            for n in AGENTS
-        ],
-    }
+        "agents": [dict(name=n, model=models[n], role=f"{n} role", prompt="{task}\n{history}", **agent_rows[n])
+                   for n in AGENTS],
+    }  # fmt: skip
     (tmp_path / "topology.yaml").write_text(yaml.safe_dump(topology))
     with open(tmp_path / "tasks.jsonl", "w") as f:
-        for i in range(2):
+        for i in range(4):  # 2 steps of 2 tasks x 2 samples
             f.write(json.dumps({"id": i, "prompt": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n")
 
     run_dir = tmp_path / "run"
@@ -94,16 +125,22 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server):
         "--mappa.run_dir", str(run_dir),
         "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"),
         *TINY_RUN_FLAGS,
+        "--algo.kl.init_coef", str(BETA),  # after TINY_RUN_FLAGS' 0: the later flag wins
+        "--algo.kl.estimator", "k1",
+        "--ref.num_gpus_per_node", "1",
         "--actor.adam.lr", "1e-2",
         "--actor.lr_warmup_ratio", "0",
         "--ckpt.path", str(tmp_path / "ckpt"),
         "--ckpt.output_dir", str(tmp_path / "final"),
-    ]
-    env = local_cluster_env(4, MAPPA_TEST_COACH_KEY="secret-123")
-    child = f"import sys; sys.path.insert(0, {TESTS!r}); from test_mappa_e2e import run_and_probe; run_and_probe({argv!r}, {str(tmp_path / 'probe.json')!r})"
-    proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    ]  # fmt: skip
+    # solver: 2 actor + 2 reference + 1 engine; mute: 1 + 1 + 1
+    env = local_cluster_env(8, MAPPA_TEST_COACH_KEY="secret-123")
+    probe_path, tensors_path = str(tmp_path / "probe.json"), str(tmp_path / "tensors.pt")
+    child = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_mappa_e2e import run_and_probe; "
+             f"run_and_probe({argv!r}, {probe_path!r}, {tensors_path!r})")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    result = json.load(open(tmp_path / "probe.json"))
+    result = json.load(open(probe_path))
     probe = result["probe"]
     engine = {n: torch.tensor(v) for n, v in result["engine"].items()}
     actor = {n: torch.tensor(v) for n, v in result["actor"].items()}
@@ -119,44 +156,80 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server):
         # ... and not another agent's
         for o in others:
             assert (engine[n] - actor[o]).abs().mean() > 0.1, (n, o)
-    # coached: trained, its weights moved away from the initial model
+    # coached: trained, its weights moved away from the initial model; both data-parallel ranks agree
     assert (actor["solver"] - init["solver"]).abs().mean() > 0.1
-    # "mute" had only unparsable verdicts: no experience, not updated
+    rank0, rank1 = (torch.tensor(r) for r in result["actor_ranks"]["solver"])
+    assert (rank0 - rank1).abs().max() < 1e-4
+    # "mute" never had a score: no experience, not updated
     assert (actor["mute"] - init["mute"]).abs().max() < 0.02
+    processes = json.load(open(run_dir / "processes.json"))
+    assert {"solver/actor rank 1", "solver/reference rank 1", "mute/reference rank 0"} <= set(processes)
 
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert [m["step"] for m in metrics] == [1]
-    m = metrics[0]
-    assert m["agent/solver/updated"] == 1 and m["agent/mute/updated"] == 0
-    assert m["agent/mute/trained_actions"] == 0
-    assert (m["coach/verdicts_parse_error"], m["coach/verdicts_ok"], m["coach/failure_fraction"]) == (4, 4, 0.5)
-    assert m["coach/retries"] == 8  # each unparsable reply re-prompted twice (--mappa.coach.format_retries 2)
-    assert m["coach_bias/solver/math/n"] == 4 and "coach_bias/mute/math/n" not in m and m["coach_bias/warning"] == 0
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["agent/solver/updated"] == 1 and m["agent/mute/updated"] == 0
+        assert m["agent/solver/trained_actions"] == 8 and m["agent/mute/trained_actions"] == 0  # 4 episodes x 2 actions
+        assert (m["coach/verdicts_parse_error"], m["coach/verdicts_ok"]) == (4, 8)
+        assert m["coach/failure_fraction"] == pytest.approx(4 / 12)
+        assert m["coach/retries"] == 8  # each unscorable reply re-prompted twice (--mappa.coach.format_retries 2)
+        assert m["coach_bias/solver/math/n"] == 8 and "coach_bias/mute/math/n" not in m and m["coach_bias/warning"] == 0
+        for n in AGENTS:
+            for key in ("coach_score", "outcome_success", "action_length", "tool_use_rate", "num_actions"):
+                assert f"agent/{n}/{key}" in m
+        assert "agent/solver/policy_loss" in m and m["agent/solver/kl"] is not None
+    assert metrics[1]["agent/solver/kl"] != 0.0  # the actor left the reference after step 1
     assert os.path.exists(run_dir / "coach_cache.sqlite")
-    for n in AGENTS:
-        for key in ("coach_score", "outcome_success", "action_length", "tool_use_rate", "num_actions"):
-            assert f"agent/{n}/{key}" in m
-    assert m["agent/solver/trained_actions"] == 4 and "agent/solver/policy_loss" in m
 
     episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
-    assert len(episodes) == 4
+    assert len(episodes) == 8
     for ep in episodes:
-        assert [a["agent"] for a in ep["actions"]] == list(AGENTS)
+        assert [(a["agent"], a["turn"]) for a in ep["actions"]] == [("solver", 0), ("solver", 1), ("mute", 0)]
         for a in ep["actions"]:
             v = a["verdict"]
-            if a["agent"] == "mute":
+            if a["agent"] == "mute":  # prose full of numbers, none of them a score: no score recorded
                 assert v["status"] == "parse_error" and v["score"] is None and a["reward"] is None
-            else:
+            else:  # both of the solver's actions trained on their own verdicts
                 assert v["status"] == "ok" and v["coach"] == "openai:rule-coach"
                 assert a["reward"] == v["score"] and a["advantage"] is not None
-    assert len(coach_server.requests) == 4 + 4 * 3
+    assert len([r for r in coach_server.requests if r["prompt"]]) == 2 * (8 + 4 * 3)
     assert {r["authorization"] for r in coach_server.requests} == {"Bearer secret-123"}  # key from the named env var
+
+    # The real experience tensors of every step: only the solver's, and its rewards are the verdicts'.
+    steps = torch.load(tensors_path)
+    assert len(steps) == 2 and all(set(s) == {"solver"} for s in steps)
+    from transformers import AutoModelForCausalLM
+
+    ref_model = AutoModelForCausalLM.from_pretrained(models["solver"], torch_dtype=torch.float32)
+    for step, s in enumerate(steps, 1):
+        R_B = torch.cat([b["rewards"] for b in s["solver"]])
+        trained = sorted(a["reward"] for ep in episodes if ep["step"] == step for a in ep["actions"] if a["agent"] == "solver")
+        assert sorted(R_B.tolist()) == pytest.approx(trained)
+        for b in s["solver"]:
+            mask_BA, kl_BA, G_BA = b["action_mask"].bool(), b["kl"].float(), b["returns"].float()
+            # r_t = G_t − G_{t+1}, read off the returns the actor trains on ...
+            r_BA = torch.where(mask_BA, G_BA - torch.nn.functional.pad(G_BA[:, 1:], (0, 1)), 0.0)
+            pos_A = torch.arange(mask_BA.size(1))
+            is_last_BA = pos_A == torch.where(mask_BA, pos_A, -1).max(1).values[:, None]
+            # ... is −β·KL_t on every action token, plus the action's reward R on its last one
+            expected_BA = torch.where(mask_BA, -BETA * kl_BA + is_last_BA * b["rewards"][:, None].float(), 0.0)
+            assert torch.allclose(r_BA, expected_BA, atol=1e-5), (step, (r_BA - expected_BA).abs().max())
+            # KL (k1) is the actor's log-probs minus the reference's, and the reference is the frozen initial
+            # model: logp − KL matches the initial model's log-probs at both steps.
+            with torch.no_grad():
+                logits = ref_model(b["sequences"]).logits[:, :-1].float()
+            ref_BA = torch.log_softmax(logits, -1).gather(-1, b["sequences"][:, 1:, None])[..., 0][:, -mask_BA.size(1):]
+            gap = ((b["action_log_probs"].float() - kl_BA) - ref_BA)[mask_BA].abs()
+            assert gap.max() < 0.02 and gap.mean() < 0.005, (step, gap.max(), gap.mean())  # measured 0.004, 0.001
+        kl_abs = torch.cat([b["kl"][b["action_mask"].bool()].abs().flatten() for b in s["solver"]])
+        # step 1: the actor is still the initial model (KL 0 measured); step 2: it moved (0.28 measured)
+        assert kl_abs.max() < 1e-4 if step == 1 else kl_abs.mean() > 1e-2
 
     # The run's HTML report; rendered where Chromium is installed (CI installs it), the mute agent's cards grey.
     proc = subprocess.run([MAPPA, "report", str(run_dir)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     if shutil.which("chromium"):
-        dom = assert_report_renders(str(run_dir / "report.html"), AGENTS, steps=1, episodes=4)
+        dom = assert_report_renders(str(run_dir / "report.html"), AGENTS, steps=2, episodes=8)
         mute = [c for c in dom.find_all("div", "action") if c.attrs["data-agent"] == "mute"]
         assert mute and all(c.find_all("div", "score")[0].text() == "no score: parse_error" for c in mute)
 
