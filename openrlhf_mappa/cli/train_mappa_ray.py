@@ -56,6 +56,10 @@ def add_mappa_args(parser):
                    help="standardize coach scores per agent x task type (bias mitigation)")
     g.add_argument("--mappa.coach.price_in", type=float, default=0.0, help="USD per 1M prompt tokens (cost metrics)")
     g.add_argument("--mappa.coach.price_out", type=float, default=0.0, help="USD per 1M completion tokens")
+    g.add_argument("--mappa.startup_warn_s", type=float, default=300.0,
+                   help="while engines and actors start: name those not up yet, and what they wait for, every this many seconds")
+    g.add_argument("--mappa.startup_timeout_s", type=float, default=1800.0,
+                   help="stop a start-up not done after this many seconds, with that message")
     # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
     parser.set_defaults(**{"algo.advantage.estimator": "reinforce"})
 
@@ -105,6 +109,8 @@ def validate(args):
         raise SystemExit(f"--mappa.coach.max_failure_fraction must be in [0, 1], got {args.mappa.coach.max_failure_fraction}")
     if args.mappa.norm_scope == "group" and args.rollout.n_samples_per_prompt < 2:
         raise SystemExit("--mappa.norm_scope group compares the samples of each prompt: set --rollout.n_samples_per_prompt >= 2")
+    if not 0 < args.mappa.startup_warn_s <= args.mappa.startup_timeout_s:
+        raise SystemExit("--mappa.startup_warn_s must be > 0 and at most --mappa.startup_timeout_s")
     if args.algo.kl.use_loss:
         raise SystemExit("MAPPA puts KL in the reward (r_t = score - beta*KL); --algo.kl.use_loss is not supported")
 
@@ -124,7 +130,8 @@ def train(args):
     from openrlhf_mappa.envs.base import load_tasks
     from openrlhf_mappa.evaluation import load_eval_sets
     from openrlhf_mappa.topology import load_topology
-    from openrlhf_mappa.trainer import MappaTrainer, Watchdog, build_agents, components, find_dead, prepare_resume
+    from openrlhf_mappa.trainer import (MappaTrainer, StartupWatchdog, Watchdog, build_agents, components, find_dead,
+                                        prepare_resume)
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
     validate(args)
@@ -150,7 +157,16 @@ def train(args):
     start = prepare_resume(args, topology)
     if start:
         print(f"[mappa] resuming after step {start} (checkpoints in {os.path.abspath(args.ckpt.path)})")
-    agents = build_agents(args, topology, max_steps)
+    startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s, [a.model for a in topology.agents])
+    startup.start()
+    try:
+        agents = build_agents(args, topology, max_steps, startup)
+    except KeyboardInterrupt:
+        if not startup.reason:
+            raise
+        raise SystemExit(f"[mappa] run stopped at start-up: {startup.reason}") from None
+    finally:
+        startup.done.set()
     trainer = MappaTrainer(args, topology, agents, coach, tasks, args.mappa.run_dir, eval_sets)
     with open(os.path.join(args.mappa.run_dir, "processes.json"), "w") as f:  # which process is whose
         json.dump({f"{name}/{what}": ray.get(h.__ray_call__.remote(lambda self: os.getpid()))
