@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from coach_server import COACH_TEMPLATE, CoachServer
-from conftest import MAPPA, TINY_RUN_FLAGS, assert_report_renders, local_cluster_env
+from conftest import MAPPA, TINY_RUN_FLAGS, assert_report_renders, local_cluster_env, run_training
 
 AGENTS = ("solver", "mute")
 PROBE_TEXT = "Probe: 7 + 5 = 12, the answer is 12."
@@ -101,7 +101,7 @@ def test_mappa_step_trains_each_agent_on_its_own(tmp_path, coach_server):
     ]
     env = local_cluster_env(4, MAPPA_TEST_COACH_KEY="secret-123")
     child = f"import sys; sys.path.insert(0, {TESTS!r}); from test_mappa_e2e import run_and_probe; run_and_probe({argv!r}, {str(tmp_path / 'probe.json')!r})"
-    proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_training([sys.executable, "-c", child], tmp_path / "train", timeout=900, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     result = json.load(open(tmp_path / "probe.json"))
     probe = result["probe"]
@@ -172,12 +172,12 @@ def test_launch_fails_fast_when_the_cluster_has_too_few_gpus(tmp_path, tiny_mode
     }
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(topology))
     env = local_cluster_env(1)
-    proc = subprocess.run(
+    proc = run_training(
         [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--mappa.topology", str(tmp_path / "t.yaml"),
          "--data.prompt_dataset", str(tasks), "--rollout.batch_size", "1", "--train.batch_size", "1",
          "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--algo.kl.init_coef", "0",
          "--mappa.run_dir", str(tmp_path / "run")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+        tmp_path / "train", timeout=180, cwd=tmp_path, env=env,
     )
     assert proc.returncode != 0
     assert "not enough GPUs" in proc.stderr and "need 4 GPUs" in proc.stderr and "has 1" in proc.stderr, proc.stderr[-2000:]
