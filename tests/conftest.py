@@ -1,8 +1,11 @@
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from html.parser import HTMLParser
 
 import pytest
@@ -26,6 +29,44 @@ def local_cluster_env(num_gpus: int, **extra) -> dict:
     env = dict(os.environ, MAPPA_CPU_NUM_GPUS=str(num_gpus), **extra)
     env.pop("RAY_ADDRESS", None)
     return env
+
+
+@contextlib.contextmanager
+def training(cmd: list, log, **popen):
+    """A training process (the driver of its own Ray cluster, engines and actors) for the span of a `with`
+    block, its output in `log`.out and `log`.err. It starts in a session of its own, and at the block's end,
+    pass or fail, its whole process group is SIGKILLed: a failed test once left a cluster running, holding
+    a build lock that hung every later run."""
+    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True, **popen)
+    proc.log = str(log)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_for(proc, done, timeout: float, what: str):
+    """Poll `done()` until it holds. If the run ends first or `timeout` seconds pass, fail with the run's
+    last log lines, so that a slow or stuck run says where it was."""
+    deadline = time.time() + timeout
+    while not done():
+        ended = proc.poll() is not None and not done()
+        if ended or time.time() > deadline:
+            tails = [f"--- {proc.log}.{stream}, last lines ---\n" + "\n".join(open(f"{proc.log}.{stream}").read().splitlines()[-60:])
+                     for stream in ("out", "err")]  # fmt: skip
+            why = f"the run exited with {proc.returncode} before {what}" if ended else f"no {what} within {timeout:g} s"
+            pytest.fail(why + "\n" + "\n".join(tails))
+        time.sleep(0.5)
+
+
+def run_training(cmd: list, log, timeout: float, **popen) -> subprocess.CompletedProcess:
+    """`cmd` run to its end, at most `timeout` seconds, as a `training` block: its exit code and output."""
+    with training(cmd, log, **popen) as proc:
+        wait_for(proc, lambda: proc.poll() is not None, timeout, "end of the run")
+    return subprocess.CompletedProcess(cmd, proc.returncode, open(f"{log}.out").read(), open(f"{log}.err").read())
 
 
 # The tiny MAPPA runs of the e2e tests: per agent one actor GPU and one eager vLLM engine, ZeRO-3 with SDPA

@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import MAPPA, REPO, local_cluster_env
+from conftest import MAPPA, REPO, local_cluster_env, run_training
 
 AGENTS = ["data_engineer", "modeler", "analyst"]
 
@@ -58,8 +58,8 @@ def test_dsbench_mappa_run_completes_with_verdicts(tmp_path, tiny_model):
     ]  # fmt: skip
     # 3 agents x (actor + vLLM engine); no reference model with KL 0.
     env = local_cluster_env(6, VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    proc = run_training([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], tmp_path / "train",
+                        timeout=1200, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
 
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]

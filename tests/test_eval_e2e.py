@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import MAPPA, TINY_RUN_FLAGS, local_cluster_env, two_agent_mathchat
+from conftest import MAPPA, TINY_RUN_FLAGS, local_cluster_env, run_training, two_agent_mathchat
 from openrlhf_mappa.envs.mathchat import grade
 
 AGENTS = ("problem_solver", "verifier")
@@ -23,11 +23,11 @@ def test_mappa_eval_over_per_agent_checkpoints(tmp_path):
     for seed, name in enumerate(AGENTS):  # the layout of a run's HF exports: one model per agent
         subprocess.run([MAPPA, "tiny-model", str(tmp_path / "final" / name), "--seed", str(seed)], check=True)
     out = tmp_path / "eval.json"
-    proc = subprocess.run(
+    proc = run_training(
         [MAPPA, "eval", "--topology", topology, "--data", tasks, "--checkpoint", str(tmp_path / "final"),
          "--n-samples", "2", "--max-new-tokens", "12", "--max-len", "512", "--enforce-eager",
          "--gpu-memory-utilization", "0.2", "--out", str(out)],
-        cwd=tmp_path, env=local_cluster_env(2), capture_output=True, text=True, timeout=600,
+        tmp_path / "eval", timeout=600, cwd=tmp_path, env=local_cluster_env(2),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.load(open(out))
@@ -69,8 +69,7 @@ def test_shared_policy_group_norm_run_evaluates_before_and_after(tmp_path, tiny_
     ]  # fmt: skip
     child = (f"import sys; sys.path.insert(0, {TESTS_DIR!r}); from test_mappa_e2e import run_and_probe; "
              f"run_and_probe({argv!r}, {str(tmp_path / 'probe.json')!r})")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=local_cluster_env(2), capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    proc = run_training([sys.executable, "-c", child], tmp_path / "train", timeout=900, cwd=tmp_path, env=local_cluster_env(2))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
 
     # One policy: one engine and one actor (2 logical GPUs sufficed), playing and training both roles.

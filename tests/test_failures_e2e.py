@@ -5,13 +5,12 @@ bounded time, non-zero, with a message naming that agent and component, keeping 
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import TINY_RUN_FLAGS, local_cluster_env, two_agent_mathchat
+from conftest import TINY_RUN_FLAGS, local_cluster_env, training, two_agent_mathchat, wait_for
 
 
 @pytest.mark.e2e
@@ -27,33 +26,17 @@ def test_a_dead_engine_stops_the_run_naming_its_agent(tmp_path, tiny_model):
         "--ckpt.path", str(tmp_path / "ckpt"),
         "--ckpt.output_dir", str(tmp_path / "final"),
     ]  # fmt: skip
-    env = local_cluster_env(4)
-    out = open(tmp_path / "run.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], cwd=tmp_path, env=env,
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + 600
-        metrics = run_dir / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().endswith("\n")):
-            assert proc.poll() is None, (tmp_path / "run.log").read_text()[-4000:]
-            assert time.time() < deadline, "no step within 10 minutes"
-            time.sleep(0.2)
+    metrics = run_dir / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv]
+    with training(cmd, tmp_path / "train", cwd=tmp_path, env=local_cluster_env(4)) as proc:
+        wait_for(proc, lambda: metrics.exists() and metrics.read_text().endswith("\n"), 600, "first step")
         pid = json.loads((run_dir / "processes.json").read_text())["verifier/vLLM engine 0"]
         os.kill(pid, signal.SIGKILL)
         killed_at = time.time()
-        try:
-            returncode = proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the run did not stop within 3 minutes of its engine's death")
+        wait_for(proc, lambda: proc.poll() is not None, 180, "stop after the engine's death")
         stopped_after = time.time() - killed_at
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the run's processes
-        except ProcessLookupError:
-            pass
-        out.close()
-    log = (tmp_path / "run.log").read_text()
-    assert returncode != 0
+    log = (tmp_path / "train.err").read_text()
+    assert proc.returncode != 0
     assert "agent 'verifier': vLLM engine 0 died" in log, log[-4000:]
     assert "agent 'problem_solver'" not in log.split("[mappa] run stopped:")[-1].split("\n")[0]  # only the dead one
     assert stopped_after < 120

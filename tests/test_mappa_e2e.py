@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from coach_server import COACH_TEMPLATE, CoachServer
-from conftest import MAPPA, TINY_RUN_FLAGS, assert_report_renders, local_cluster_env
+from conftest import MAPPA, TINY_RUN_FLAGS, assert_report_renders, local_cluster_env, run_training
 from openrlhf_mappa.envs.mathchat import MathChatEnv
 
 AGENTS = ("solver", "mute")  # the coach never gives "mute" a score
@@ -138,7 +138,7 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
     probe_path, tensors_path = str(tmp_path / "probe.json"), str(tmp_path / "tensors.pt")
     child = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_mappa_e2e import run_and_probe; "
              f"run_and_probe({argv!r}, {probe_path!r}, {tensors_path!r})")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    proc = run_training([sys.executable, "-c", child], tmp_path / "train", timeout=1500, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     result = json.load(open(probe_path))
     probe = result["probe"]
@@ -245,12 +245,12 @@ def test_launch_fails_fast_when_the_cluster_has_too_few_gpus(tmp_path, tiny_mode
     }
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(topology))
     env = local_cluster_env(1)
-    proc = subprocess.run(
+    proc = run_training(
         [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--mappa.topology", str(tmp_path / "t.yaml"),
          "--data.prompt_dataset", str(tasks), "--rollout.batch_size", "1", "--train.batch_size", "1",
          "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--algo.kl.init_coef", "0",
          "--mappa.run_dir", str(tmp_path / "run")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+        tmp_path / "train", timeout=180, cwd=tmp_path, env=env,
     )
     assert proc.returncode != 0
     assert "not enough GPUs" in proc.stderr and "need 4 GPUs" in proc.stderr and "has 1" in proc.stderr, proc.stderr[-2000:]

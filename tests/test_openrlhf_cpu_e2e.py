@@ -9,15 +9,13 @@ initial model's.
 """
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import local_cluster_env, run_training
 
 PROBE_TEXT = "Probe: 12 + 30 = 42, so the answer is 42."
 ROLLOUT_BATCH = 4
@@ -106,10 +104,7 @@ def test_train_ppo_ray_cpu_syncs_weights_to_vllm(tiny_model, tmp_path):
         "--ckpt.path", str(ckpt),
         "--ckpt.output_dir", str(tmp_path / "final"),
     ]
-    env = dict(os.environ, MAPPA_CPU_NUM_GPUS="2", RAY_ADDRESS="")
-    env.pop("RAY_ADDRESS")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
+    proc = run_training(cmd, tmp_path / "train", timeout=600, cwd=tmp_path, env=local_cluster_env(2))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
     probes = [json.loads(line) for line in open(probe_out)]

@@ -9,15 +9,12 @@ episodes.jsonl end with every step exactly once.
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import TINY_RUN_FLAGS, local_cluster_env, two_agent_mathchat
+from conftest import TINY_RUN_FLAGS, local_cluster_env, run_training, training, two_agent_mathchat, wait_for
 
 
 AGENTS = ("problem_solver", "verifier")
@@ -67,19 +64,10 @@ def test_sigkilled_run_resumes_with_weights_and_logs_intact(tmp_path, tiny_model
     ]  # fmt: skip
     env = local_cluster_env(4)
 
-    # Run 1: SIGKILL the whole process group as soon as the first team checkpoint exists.
+    # Run 1: its whole process group SIGKILLed (at the end of the `training` block) once the first team checkpoint exists.
     marker = ckpt / "mappa_checkpoint.json"
-    log = open(tmp_path / "run1.log", "w")
-    run1 = subprocess.Popen([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], cwd=tmp_path,
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 600
-    while not marker.exists():
-        assert run1.poll() is None, (tmp_path / "run1.log").read_text()[-4000:]
-        assert time.time() < deadline, "no checkpoint within 10 minutes"
-        time.sleep(0.2)
-    os.killpg(run1.pid, signal.SIGKILL)
-    run1.wait()
-    log.close()
+    with training([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], tmp_path / "train1", cwd=tmp_path, env=env) as run1:
+        wait_for(run1, marker.exists, 600, "first team checkpoint")
     saved = json.loads(marker.read_text())["step"]
     assert saved in (1, 2)  # the kill may land after step 2's save, never before step 1's
     with open(run_dir / "metrics.jsonl", "a") as f:
@@ -87,7 +75,7 @@ def test_sigkilled_run_resumes_with_weights_and_logs_intact(tmp_path, tiny_model
 
     # Run 2: the same command resumes; probe every agent right before its first resumed step.
     child = f"import sys; sys.path.insert(0, {TESTS!r}); from test_resume_e2e import resume_and_probe; resume_and_probe({argv!r}, {str(tmp_path / 'probe.json')!r})"
-    proc = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_training([sys.executable, "-c", child], tmp_path / "train2", timeout=900, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert f"resuming after step {saved}" in proc.stdout
 

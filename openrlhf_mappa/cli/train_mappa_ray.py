@@ -71,6 +71,10 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.coach.score_outcome_runs", action="store_true",
                    help="with --mappa.reward outcome: still ask the coach about every action, for comparison "
                         "(logged, never trained on; default: no coach calls)")
+    g.add_argument("--mappa.startup_warn_s", type=float, default=300.0,
+                   help="while engines and actors start: name those not up yet, and what they wait for, every this many seconds")
+    g.add_argument("--mappa.startup_timeout_s", type=float, default=1800.0,
+                   help="stop a start-up not done after this many seconds, with that message")
     # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
     parser.set_defaults(**{"algo.advantage.estimator": "reinforce"})
 
@@ -174,6 +178,8 @@ def validate(args, topology):
         raise SystemExit(f"--mappa.coach.max_failure_fraction must be in [0, 1], got {args.mappa.coach.max_failure_fraction}")
     if args.mappa.norm_scope == "group" and args.rollout.n_samples_per_prompt < 2:
         raise SystemExit("--mappa.norm_scope group compares the samples of each prompt: set --rollout.n_samples_per_prompt >= 2")
+    if not 0 < args.mappa.startup_warn_s <= args.mappa.startup_timeout_s:
+        raise SystemExit("--mappa.startup_warn_s must be > 0 and at most --mappa.startup_timeout_s")
     if args.algo.kl.use_loss:
         raise SystemExit("MAPPA puts KL in the reward (r_t = score - beta*KL); --algo.kl.use_loss is not supported")
     if args.mappa.coach.score_outcome_runs and args.mappa.reward != "outcome":
@@ -247,7 +253,8 @@ def train(args):
 
     import ray
 
-    from openrlhf_mappa.trainer import MappaTrainer, Watchdog, build_agents, components, find_dead, prepare_resume
+    from openrlhf_mappa.trainer import (MappaTrainer, StartupWatchdog, Watchdog, build_agents, components, find_dead,
+                                        prepare_resume)
 
     start = prepare_resume(args, topology)  # before Ray: it refuses a resume that would silently start over
     if not ray.is_initialized():
@@ -259,7 +266,16 @@ def train(args):
     max_steps = steps * max(1, actions_per_step // args.train.batch_size)
     if start:
         print(f"[mappa] resuming after step {start} (checkpoints in {os.path.abspath(args.ckpt.path)})")
-    agents = build_agents(args, topology, max_steps)
+    startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s, [a.model for a in topology.agents])
+    startup.start()
+    try:
+        agents = build_agents(args, topology, max_steps, startup)
+    except KeyboardInterrupt:
+        if not startup.reason:
+            raise
+        raise SystemExit(f"[mappa] run stopped at start-up: {startup.reason}") from None
+    finally:
+        startup.done.set()
     trainer = MappaTrainer(args, topology, agents, coach, tasks, args.mappa.run_dir, eval_sets)
     with open(os.path.join(args.mappa.run_dir, "processes.json"), "w") as f:  # which process is whose
         json.dump({f"{name}/{what}": ray.get(h.__ray_call__.remote(lambda self: os.getpid()))

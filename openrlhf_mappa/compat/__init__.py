@@ -144,3 +144,8 @@ def install() -> None:
     """Idempotent. Must run before the watched modules are imported (the .pth file sees to that)."""
     if not any(isinstance(f, _PatchFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchFinder())
+    # One extension cache per virtual environment, for every process of it: under ~/.cache, two checkouts
+    # rebuild each other's ops (build.ninja names each one's paths) and share the lock a killed build leaves.
+    # Not keyed to CPU mode: deciding it needs torch, too slow to import in every process here.
+    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
