@@ -1,10 +1,11 @@
-"""`mappa report RUN_DIR`: one self-contained HTML page about a training run, readable from file://.
+"""`mappa report RUN_DIR [RUN_DIR ...]`: one self-contained HTML page about training runs, readable from file://.
 
 It reads what a run writes into its run directory: metrics.jsonl (curves per agent, the coach's verdicts,
 the coach-bias audit), eval.jsonl when evaluation ran, and episodes.jsonl (the trajectory viewer: every
-action's output, tool feedback and coach verdict). Nothing is fetched: the charts are inline SVG drawn by
-a few lines of JS. Agent output is untrusted text, so all data travels as JSON in a script block with
-every `<` escaped, and the page shows it through textContent only.
+action's output, tool feedback and coach verdict). Several runs (e.g. process against outcome rewards) share
+each chart, one line style per run. Nothing is fetched: the charts are inline SVG drawn by a few lines of
+JS. Agent output is untrusted text, so all data travels as JSON in a script block with every `<` escaped,
+and the page shows it through textContent only.
 """
 
 import html
@@ -28,10 +29,16 @@ def series(rows: list, key: str, name: str) -> dict:
     return {"name": name, "points": points}
 
 
-def chart(title: str, all_series: list):
-    """A chart of the series that have points, or None (no empty charts: e.g. KL of a run without β)."""
+def chart(title: str, all_series: list, scale: list = None):
+    """A chart of the series that have points, or None (no empty charts: e.g. KL of a run without β). `scale`:
+    a y range the axis always spans (values outside widen it)."""
     kept = [s for s in all_series if s["points"]]
-    return {"title": title, "series": kept} if kept else None
+    return {"title": title, "series": kept, "scale": scale} if kept else None
+
+
+def full_scale(key: str):
+    """Scores and rates are drawn on their whole scale (0-10, 0-1), so runs and steps compare at a glance."""
+    return [0, 10] if key.endswith("coach_score") else [0, 1] if key.endswith(("_rate", "outcome_success")) else None
 
 
 def clip(text) -> str:
@@ -76,11 +83,12 @@ def load_run(run_dir: str) -> dict:
     agents = list(dict.fromkeys([k.split("/")[1] for k in keys if k.startswith("agent/") and k.count("/") >= 2]
                                 + [a["agent"] for ep in episodes for a in ep.get("actions", [])]))  # fmt: skip
 
-    training = [chart(f"agent/*/{k}", [series(metrics, f"agent/{a}/{k}", a) for a in agents]) for k in AGENT_CURVES]
-    training.append(chart("outcome/success_rate", [series(metrics, "outcome/success_rate", "all episodes")]))
+    # The page opens with what a user looks at first: did the team get better, and how did the coach score each agent.
+    training = [chart("outcome/success_rate", [series(metrics, "outcome/success_rate", "all episodes")], [0, 1])]
+    training += [chart(f"agent/*/{k}", [series(metrics, f"agent/{a}/{k}", a) for a in agents], full_scale(k)) for k in AGENT_CURVES]
     coach = [
         chart("coach verdicts by status", [series(metrics, f"coach/verdicts_{s}", s) for s in VERDICT_STATUSES]),
-        chart("coach/failure_fraction", [series(metrics, "coach/failure_fraction", "failed verdicts")]),
+        chart("coach/failure_fraction", [series(metrics, "coach/failure_fraction", "failed verdicts")], [0, 1]),
         chart("coach latency (s)", [series(metrics, f"coach/latency_p{q}", f"p{q}") for q in (50, 90, 99)]),
     ]
     bias = []
@@ -88,7 +96,7 @@ def load_run(run_dir: str) -> dict:
         prefix = f"coach_bias/{a}/"
         types = [k[len(prefix) : -len("/mean")] for k in keys if k.startswith(prefix) and k.endswith("/mean")]
         per_type = [series(metrics, f"{prefix}{t}/mean", t) for t in types]
-        bias.append(chart(f"{a}: mean coach score per task type", per_type))
+        bias.append(chart(f"{a}: mean coach score per task type", per_type, [0, 10]))
     bias.append(chart("coach score gap between task types",
                       [series(metrics, f"coach_bias/{a}/type_gap", a) for a in agents]
                       + [series(metrics, "coach_bias/max_type_gap", "max")]))  # fmt: skip
@@ -106,7 +114,8 @@ def load_run(run_dir: str) -> dict:
             size = f" ({rows[-1].get('n_problems', '?')} problems x {rows[-1].get('n_samples', '?')} samples)"
             evaluation.append(chart(d + size, [series(rows, k, k) for k in names]))
             # Behaviour on the evaluation set: one chart per metric, a line per agent, as in training.
-            evaluation += [chart(f"{d}: agent/*/{k}", [series(rows, f"agent/{a}/{k}", a) for a in agents]) for k in AGENT_CURVES]
+            evaluation += [chart(f"{d}: agent/*/{k}", [series(rows, f"agent/{a}/{k}", a) for a in agents], full_scale(k))
+                           for k in AGENT_CURVES]
 
     steps = sorted({r["step"] for r in metrics})
     return {
@@ -125,20 +134,49 @@ def load_run(run_dir: str) -> dict:
     }
 
 
+def combine(runs: list, labels: list) -> dict:
+    """The page's data for one run or several: each run's header, its episodes and its series tagged with its
+    index; the charts of all runs merged by title (a chart only one run has keeps that run's lines)."""
+    sections = {}
+    for name in runs[0]["sections"]:
+        per_run = [r["sections"][name] for r in runs]
+        if all(charts is None for charts in per_run):
+            sections[name] = None
+            continue
+        merged = {}
+        for i, charts in enumerate(per_run):
+            for c in charts or []:
+                into = merged.setdefault(c["title"], dict(c, series=[]))
+                into["series"] += [dict(s, run=i) for s in c["series"]]
+        sections[name] = list(merged.values())
+    head = ("run_dir", "steps", "agents", "episodes_total", "bias_warning_steps")
+    return {
+        "runs": [dict({k: r[k] for k in head}, label=label) for r, label in zip(runs, labels)],
+        "episodes_total": sum(r["episodes_total"] for r in runs),
+        "episodes": [dict(ep, run=i) for i, r in enumerate(runs) for ep in r["episodes"]],
+        "sections": sections,
+    }
+
+
 def render(data: dict) -> str:
     # NaN/Infinity (e.g. in an outcome's metric) are not JSON: they become null. Every "<" is escaped so no
     # agent text can close the script block ("</script>") or open a comment in it; ASCII-only JSON also
     # carries a lone surrogate (an escape in a hand-edited JSONL file) that UTF-8 could not encode.
     data = json.loads(json.dumps(data), parse_constant=lambda _: None)
     payload = json.dumps(data).replace("<", "\\u003c")
-    title = html.escape(f"MAPPA run {data['run_dir']}")
+    title = html.escape("MAPPA run " + " vs ".join(r["run_dir"] for r in data["runs"]))
     before, after = TEMPLATE.split("__DATA__")  # the payload is never searched for a placeholder
     return before.replace("__TITLE__", title) + payload + after
 
 
-def write_report(run_dir: str, out: str = None) -> str:
-    out = out or os.path.join(run_dir, "report.html")
-    page = render(load_run(run_dir))
+def write_report(*run_dirs: str, out: str = None) -> str:
+    """The report of one run (default: RUN_DIR/report.html) or of several overlaid (RUN_A/compare.html)."""
+    # Each run is named by the shortest ending of its path that tells the runs apart (runs/a/run vs runs/b/run).
+    parts = [os.path.abspath(d).split(os.sep) for d in run_dirs]
+    n = next((n for n in range(1, max(map(len, parts)) + 1) if len({"/".join(p[-n:]) for p in parts}) == len(parts)), 1)
+    labels = ["/".join(p[-n:]) for p in parts]
+    out = out or os.path.join(run_dirs[0], "report.html" if len(run_dirs) == 1 else "compare.html")
+    page = render(combine([load_run(d) for d in run_dirs], labels))
     with open(out, "w", encoding="utf-8") as f:
         f.write(page)
     return out
@@ -149,7 +187,9 @@ TEMPLATE = """<!DOCTYPE html>
 <style>
 body { font: 14px sans-serif; margin: 1em 2em; color: #222; }
 .charts { display: flex; flex-wrap: wrap; gap: 1em; }
-figure.chart { margin: 0; } .legend span { margin-right: 1em; white-space: nowrap; }
+figure.chart { margin: 0; } .legend { max-width: 420px; font-size: 12px; }
+.legend .item { margin-right: 1em; white-space: nowrap; display: inline-block; } .legend svg { margin-right: 3px; }
+#header .run { margin-bottom: 0.5em; }
 #viewer { display: flex; gap: 1em; align-items: flex-start; }
 #episodes { list-style: none; padding: 0; margin: 0; width: 28em; max-height: 80vh; overflow-y: auto; }
 #episodes li { padding: 2px 4px; cursor: pointer; border-left: 4px solid #c33; font-size: 12px; }
@@ -167,7 +207,8 @@ pre { white-space: pre-wrap; word-break: break-all; background: #fff8; padding: 
 <h2>Evaluation</h2><div id="eval" class="charts"></div>
 <h2>Trajectories</h2>
 <p id="episodes-note"></p>
-<p>step <select id="f-step"><option value="">all</option></select>
+<p><span id="f-run-box" hidden>run <select id="f-run"><option value="">all</option></select></span>
+step <select id="f-step"><option value="">all</option></select>
 outcome <select id="f-ok"><option value="">all</option><option value="true">success</option>
 <option value="false">failure</option></select></p>
 <div id="viewer"><ul id="episodes"></ul><div id="detail"></div></div>
@@ -176,6 +217,7 @@ outcome <select id="f-ok"><option value="">all</option><option value="true">succ
 "use strict";
 const D = JSON.parse(document.getElementById("data").textContent);
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
+const DASHES = [["solid", ""], ["dashed", "6 3"], ["dotted", "2 2"], ["dash-dotted", "8 3 2 3"]];  // one per run
 const fmt = v => (v == null ? "-" : String(+(+v).toPrecision(3)));
 
 // Data only ever becomes text (textContent) or an attribute value, never markup.
@@ -192,67 +234,106 @@ function svg(parent, tag, attrs, text) {
   return parent.appendChild(e);
 }
 
-// One chart: each series [[step, value], ...] a polyline over shared axes, a dot per point whose hover
-// title gives the value, and a legend.
+// Round tick values (1, 2 or 5 × 10^k apart, about n of them) from lo to hi. `outward`: the first and last
+// tick enclose [lo, hi] and become the axis ends; otherwise only ticks inside [lo, hi] (steps: integers).
+function ticks(lo, hi, n, outward) {
+  const raw = (hi - lo) / n, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  let step = [1, 2, 5, 10].map(m => m * mag).find(x => x >= raw * 0.999);
+  if (!outward) step = Math.max(1, Math.round(step));
+  const e = outward ? 1e-9 : -1e-9;  // a bound within rounding error of a tick is that tick
+  const a = (outward ? Math.floor : Math.ceil)(lo / step + e), b = (outward ? Math.ceil : Math.floor)(hi / step - e);
+  const out = [];
+  for (let i = a; i <= b; i++) out.push(+(i * step).toPrecision(12));
+  return out;
+}
+
+// One chart: each series [[step, value], ...] a polyline over shared axes with ticks and light gridlines,
+// a dot per point whose hover title gives the value, and a legend. A line's colour is its name (an agent
+// keeps its colour across runs), its dash pattern its run.
 function chart(c) {
-  const W = 380, H = 210, L = 50, R = 12, T = 22, B = 30;
+  const W = 420, H = 240, L = 48, R = 14, T = 24, B = 34, many = D.runs.length > 1;
   const pts = c.series.flatMap(s => s.points);
   let x0 = Math.min(...pts.map(p => p[0])), x1 = Math.max(...pts.map(p => p[0]));
   let y0 = Math.min(...pts.map(p => p[1])), y1 = Math.max(...pts.map(p => p[1]));
-  if (x0 === x1) { x0 -= 1; x1 += 1; }
-  if (y0 === y1) { y0 -= 1; y1 += 1; }
+  if (c.scale) { y0 = Math.min(y0, c.scale[0]); y1 = Math.max(y1, c.scale[1]); }
+  if (x0 === x1) { x0 = Math.max(0, x0 - 1); x1 += 1; }
+  // A constant series sits on an axis from 0 to its value (0 to 1 when it is 0), not on an invented range.
+  if (y0 === y1) { y0 = Math.min(0, y0); y1 = Math.max(0, y1) || 1; }
+  const yt = ticks(y0, y1, 5, true), xt = ticks(x0, x1, 6, false);
+  y0 = yt[0]; y1 = yt[yt.length - 1];
   const X = x => (L + (x - x0) / (x1 - x0) * (W - L - R)).toFixed(1);
   const Y = y => (H - B - (y - y0) / (y1 - y0) * (H - T - B)).toFixed(1);
   const fig = el("figure", {class: "chart", "data-title": c.title});
   const s = svg(fig, "svg", {width: W, height: H});
   svg(s, "text", {x: L, y: 14, "font-weight": "bold"}, c.title);
+  for (const v of yt) {
+    svg(s, "line", {class: "grid", x1: L, x2: W - R, y1: Y(v), y2: Y(v), stroke: "#e4e4e4"});
+    svg(s, "text", {class: "tick y", x: L - 5, y: +Y(v) + 4, "text-anchor": "end", "font-size": 11}, fmt(v));
+  }
+  for (const v of xt) {
+    svg(s, "line", {class: "grid", x1: X(v), x2: X(v), y1: T, y2: H - B, stroke: "#f0f0f0"});
+    svg(s, "line", {x1: X(v), x2: X(v), y1: H - B, y2: H - B + 4, stroke: "#888"});
+    svg(s, "text", {class: "tick x", x: X(v), y: H - B + 16, "text-anchor": "middle", "font-size": 11}, fmt(v));
+  }
   svg(s, "polyline", {class: "axis", points: `${L},${T} ${L},${H - B} ${W - R},${H - B}`, fill: "none", stroke: "#888"});
-  svg(s, "text", {x: L - 4, y: H - B, "text-anchor": "end", "font-size": 11}, fmt(y0));
-  svg(s, "text", {x: L - 4, y: T + 8, "text-anchor": "end", "font-size": 11}, fmt(y1));
-  svg(s, "text", {x: L, y: H - B + 14, "font-size": 11}, "step " + fmt(x0));
-  svg(s, "text", {x: W - R, y: H - B + 14, "text-anchor": "end", "font-size": 11}, fmt(x1));
+  svg(s, "text", {x: W - R, y: H - 4, "text-anchor": "end", "font-size": 11, fill: "#555"}, "step");
+  const names = [...new Set(c.series.map(ser => ser.name))];
   const legend = el("div", {class: "legend"});
-  c.series.forEach((ser, i) => {
-    const color = COLORS[i % COLORS.length];
-    svg(s, "polyline", {class: "series", "data-series": ser.name, fill: "none", stroke: color, "stroke-width": 1.5,
-                        points: ser.points.map(p => X(p[0]) + "," + Y(p[1])).join(" ")});
+  for (const ser of c.series) {
+    const color = COLORS[names.indexOf(ser.name) % COLORS.length], dash = DASHES[ser.run % DASHES.length][1];
+    const name = (many ? D.runs[ser.run].label + ": " : "") + ser.name;
+    svg(s, "polyline", {class: "series", "data-series": ser.name, "data-run": ser.run, fill: "none", stroke: color,
+                        "stroke-width": 1.5, "stroke-dasharray": dash, points: ser.points.map(p => X(p[0]) + "," + Y(p[1])).join(" ")});
     for (const p of ser.points) {
-      const dot = svg(s, "circle", {cx: X(p[0]), cy: Y(p[1]), r: 3, fill: color});
-      svg(dot, "title", {}, `${ser.name}, step ${p[0]}: ${fmt(p[1])}`);
+      const dot = svg(s, "circle", {cx: X(p[0]), cy: Y(p[1]), r: ser.points.length > 30 ? 1.5 : 2.5, fill: color});
+      svg(dot, "title", {}, `${name}, step ${p[0]}: ${fmt(p[1])}`);
     }
-    const item = legend.appendChild(el("span", {}, " " + ser.name));
-    item.prepend(el("b", {style: "color:" + color}, "\u25a0"));
-  });
+    const item = legend.appendChild(el("span", {class: "item"}, " " + name));
+    const key = svg(item, "svg", {width: 22, height: 8});
+    svg(key, "line", {x1: 0, x2: 22, y1: 4, y2: 4, stroke: color, "stroke-width": 2, "stroke-dasharray": dash});
+    item.prepend(key);
+  }
   fig.append(legend);
   return fig;
 }
 
-const steps = D.steps.length ? `${D.steps.length} (${D.steps[0]} to ${D.steps[D.steps.length - 1]})` : "none";
-const header = [["run directory", D.run_dir], ["steps", steps], ["episodes", D.episodes_total], ["agents", D.agents.join(", ")]];
-for (const [k, v] of header) document.getElementById("header").append(el("div", {}, `${k}: ${v}`));
+for (const r of D.runs) {
+  const steps = r.steps.length ? `${r.steps.length} (${r.steps[0]} to ${r.steps[r.steps.length - 1]})` : "none";
+  const box = document.getElementById("header").appendChild(el("div", {class: "run"}));
+  if (D.runs.length > 1) box.append(el("b", {}, `${r.label} (${DASHES[D.runs.indexOf(r) % DASHES.length][0]} lines)`));
+  for (const [k, v] of [["run directory", r.run_dir], ["steps", steps], ["episodes", r.episodes_total], ["agents", r.agents.join(", ")]])
+    box.append(el("div", {}, `${k}: ${v}`));
+}
 for (const [name, charts] of Object.entries(D.sections)) {
   const box = document.getElementById(name);
   if (charts === null) box.append(el("p", {}, "no evaluation in this run (no eval.jsonl)"));
   else if (!charts.length) box.append(el("p", {}, "no data in this run"));
   else for (const c of charts) box.append(chart(c));
 }
-document.getElementById("bias-warning").textContent = D.bias_warning_steps.length
-  ? "coach-bias warning (a score gap between task types above the threshold) at steps " + D.bias_warning_steps.join(", ")
+const warned = D.runs.filter(r => r.bias_warning_steps.length);
+document.getElementById("bias-warning").textContent = warned.length
+  ? "coach-bias warning (a score gap between task types above the threshold) at steps "
+    + warned.map(r => (D.runs.length > 1 ? r.label + ": " : "") + r.bias_warning_steps.join(", ")).join("; ")
   : "no coach-bias warning in this run";
-document.getElementById("episodes-note").textContent = D.episodes.length < D.episodes_total
-  ? `the last ${D.episodes.length} of ${D.episodes_total} episodes are embedded (episodes.jsonl has them all)`
+const embedded = D.episodes.length;
+document.getElementById("episodes-note").textContent = embedded < D.episodes_total
+  ? `the last ${embedded} of ${D.episodes_total} episodes are embedded (episodes.jsonl has them all)`
   : `${D.episodes_total} episodes`;
 
-const stepSel = document.getElementById("f-step"), okSel = document.getElementById("f-ok");
+const runSel = document.getElementById("f-run"), stepSel = document.getElementById("f-step"), okSel = document.getElementById("f-ok");
 const list = document.getElementById("episodes"), detail = document.getElementById("detail");
-for (const s of new Set(D.episodes.map(e => e.step))) stepSel.append(el("option", {value: s}, "step " + s));
+D.runs.forEach((r, i) => runSel.append(el("option", {value: i}, r.label)));
+document.getElementById("f-run-box").hidden = D.runs.length < 2;
+for (const s of [...new Set(D.episodes.map(e => e.step))].sort((a, b) => a - b)) stepSel.append(el("option", {value: s}, "step " + s));
 
 function showList() {
-  const shown = D.episodes.filter(e => (stepSel.value === "" || String(e.step) === stepSel.value)
+  const shown = D.episodes.filter(e => (runSel.value === "" || String(e.run) === runSel.value)
+                                    && (stepSel.value === "" || String(e.step) === stepSel.value)
                                     && (okSel.value === "" || String(e.success) === okSel.value));
   list.replaceChildren(...shown.reverse().map(e => {  // newest first
+    const run = D.runs.length > 1 ? D.runs[e.run].label + " | " : "";
     const li = el("li", {class: "episode" + (e.success ? " ok" : "")},
-                  `step ${e.step} | task ${e.task_id} | ${e.success ? "success" : "failure"} | ${e.id}`);
+                  `${run}step ${e.step} | task ${e.task_id} | ${e.success ? "success" : "failure"} | ${e.id}`);
     li.onclick = () => showEpisode(e, li);
     return li;
   }));
@@ -283,8 +364,9 @@ function showEpisode(e, li) {
     detail.append(card);
   }
 }
-stepSel.onchange = okSel.onchange = showList;
+runSel.onchange = stepSel.onchange = okSel.onchange = showList;
 showList();
+document.body.setAttribute("data-rendered", "1");  // reached only when no script error stopped the page
 </script>
 </body></html>
 """

@@ -149,16 +149,25 @@ class DomParser(HTMLParser):
         self.stack[-1].children.append(data)
 
 
-def render_report_dom(html_path: str) -> Node:
-    """The page as headless Chromium leaves it after its scripts ran (--dump-dom), parsed. Skips the test
-    when Chromium is not installed (CI installs it: .ci/run)."""
-    chromium = shutil.which("chromium")
-    if chromium is None:
+def chromium(html_path: str, *args) -> subprocess.CompletedProcess:
+    """Headless Chromium on a page, its console on stderr; asserts that no script error was reported. Skips the
+    test when Chromium is not installed (CI installs it: .ci/run)."""
+    binary = shutil.which("chromium")
+    if binary is None:
         pytest.skip("chromium is not installed (apt-get install chromium): the report's page cannot be rendered")
-    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           "--virtual-time-budget=5000", "--dump-dom", "file://" + os.path.abspath(html_path)]  # fmt: skip
+    cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+           "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000", *args, "file://" + os.path.abspath(html_path)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0 and "</html>" in proc.stdout, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line and "Uncaught" in line]
+    assert proc.returncode == 0 and not errors, (errors, proc.stderr[-3000:])
+    return proc
+
+
+def render_report_dom(html_path: str) -> Node:
+    """The page as headless Chromium leaves it after its scripts ran (--dump-dom), parsed; its script ran to
+    the end (the body's data-rendered mark)."""
+    proc = chromium(html_path, "--dump-dom")
+    assert "</html>" in proc.stdout and 'data-rendered="1"' in proc.stdout, proc.stderr[-3000:]
     parser = DomParser()
     parser.feed(proc.stdout)
     return parser.stack[0]

@@ -6,8 +6,9 @@ import subprocess
 from types import SimpleNamespace
 
 import pytest
+from PIL import Image
 
-from conftest import MAPPA, assert_report_renders
+from conftest import MAPPA, assert_report_renders, chromium, render_report_dom
 from openrlhf_mappa import report
 
 HOSTILE = "</script><img src=x onerror=alert(1)><!-- \u2028 \ufffd"
@@ -68,8 +69,8 @@ def test_agent_text_cannot_break_out_of_the_page(tmp_path):
     assert len(clipped) < 4100 and "[... 6000 characters cut ...]" in clipped
 
 
-def run_dir_from_a_real_rollout(run_dir, tmp_path) -> list:
-    """Three steps of a real rollout (the MathChat environment, code run in the sandbox, the heuristic coach),
+def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3) -> list:
+    """Three steps (or `steps`) of a real rollout (the MathChat environment, code run in the sandbox, the heuristic coach),
     scripted policies standing in for the engines, logged by the trainer's own step_metrics, coach metrics,
     bias audit, write_episodes and log. The newest episode has the hostile reply and a failed verdict."""
     from test_coach import ScriptedPolicy
@@ -92,7 +93,7 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path) -> list:
                               mappa=SimpleNamespace(coach=SimpleNamespace(on_failure="skip")), owner={n: n for n in agents},
                               topology=topology)  # fmt: skip
     audit = BiasAudit()
-    for step in (1, 2, 3):
+    for step in range(1, steps + 1):
         replies = {"solver": "It is 4." if step < 3 else HOSTILE, "coder": f"```python\nprint(2 + {step - 1})\n```",
                    "verifier": "\\boxed{4}" if step > 1 else "maybe 5"}  # fmt: skip
         policies = {n: ScriptedPolicy(r) for n, r in replies.items()}
@@ -142,3 +143,66 @@ def test_report_renders_in_chromium(tmp_path):
     assert "the coach's reply had no score" in cards["verifier"].find_all("pre", "rationale")[0].text()
     assert cards["verifier"].attrs["style"] == "background: rgb(221, 221, 221);"  # grey: no score
     assert "no coach-bias warning" in dom.text()
+
+
+def tick_labels(figure, axis) -> list:
+    return [t.text() for t in figure.find_all("text", "tick") if axis in t.attrs["class"].split()]
+
+
+def test_report_screenshot_has_ticks_and_opens_with_success_and_coach_scores(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    agents = run_dir_from_a_real_rollout(run_dir, tmp_path)
+    page = report.write_report(str(run_dir))
+    shot = tmp_path / "report.png"
+    chromium(page, "--window-size=1400,1000", f"--screenshot={shot}")
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1400, 1000)
+    # The first chart's line and dots are drawn in the first series colour (#1f77b4): the charts were painted.
+    colours = {c: n for n, c in image.crop((0, 0, 1400, 700)).getcolors(1400 * 700)}
+    assert colours.get((31, 119, 180), 0) > 50
+
+    dom = render_report_dom(page)
+    charts = dom.find_all("figure", "chart")
+    # It opens with the success rate, then each agent's coach score, on their whole scales.
+    assert [c.attrs["data-title"] for c in charts[:2]] == ["outcome/success_rate", "agent/*/coach_score"]
+    assert tick_labels(charts[0], "y") == ["0", "0.2", "0.4", "0.6", "0.8", "1"]
+    assert tick_labels(charts[1], "y") == ["0", "2", "4", "6", "8", "10"]
+    assert tick_labels(charts[0], "x") == ["1", "2", "3"]  # one per step
+    assert {p.attrs["data-series"] for p in charts[1].find_all("polyline", "series")} == set(agents)
+    assert all(len(c.find_all("line", "grid")) >= 4 for c in charts)  # light gridlines at the ticks
+    # A constant series (every action the same length each step) gets an axis from 0 to its value.
+    lengths = {json.loads(line)["agent/solver/action_length"] for line in open(run_dir / "metrics.jsonl")}
+    assert len(lengths) == 1
+    (length,) = lengths
+    y = [float(t) for t in tick_labels(next(c for c in charts if c.attrs["data-title"] == "agent/*/action_length"), "y")]
+    assert y[0] == 0 < length <= y[-1] and len(y) >= 3, (length, y)
+
+
+def test_two_runs_overlay(tmp_path):
+    # Two real runs of different lengths, both named "run" in directories that tell them apart.
+    runs = [tmp_path / "process" / "run", tmp_path / "outcome" / "run"]
+    for run_dir, steps in zip(runs, (3, 2)):
+        run_dir.mkdir(parents=True)
+        agents = run_dir_from_a_real_rollout(run_dir, run_dir.parent, steps=steps)
+    proc = subprocess.run([MAPPA, "report", *map(str, runs)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(runs[0] / "compare.html"), proc.stderr
+
+    dom = render_report_dom(proc.stdout.strip())
+    charts = {f.attrs["data-title"]: f for f in dom.find_all("figure", "chart")}
+    for title in ("outcome/success_rate", "agent/*/coach_score", "coach verdicts by status"):
+        lines = charts[title].find_all("polyline", "series")
+        points = {}
+        for p in lines:
+            points.setdefault(p.attrs["data-run"], []).append(len(p.attrs["points"].split()))
+        assert set(points["0"]) == {3} and set(points["1"]) == {2}, (title, points)  # each run's own steps
+        # One line style per run, a legend entry per run and series.
+        assert {p.attrs["stroke-dasharray"] for p in lines if p.attrs["data-run"] == "0"} == {""}
+        assert "" not in {p.attrs["stroke-dasharray"] for p in lines if p.attrs["data-run"] == "1"}
+    legend = [i.text().strip() for i in charts["agent/*/coach_score"].find_all("span", "item")]
+    assert legend == [f"{run}/run: {a}" for run in ("process", "outcome") for a in agents]
+    # Both runs in the header; the viewer lists every episode of both, labelled, with a run filter.
+    assert "process/run (solid lines)" in dom.text() and "outcome/run (dashed lines)" in dom.text()
+    items = [li.text() for li in dom.find_all("li", "episode")]
+    assert len(items) == 12 + 8 and sum(i.startswith("outcome/run | ") for i in items) == 8
+    assert [o.text() for o in dom.find_all("select")[0].find_all("option")] == ["all", "process/run", "outcome/run"]

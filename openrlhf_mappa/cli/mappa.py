@@ -82,9 +82,10 @@ def main(argv=None):
     q.add_argument("--task-dir", required=True)
     q.add_argument("--submission", required=True)
 
-    p = sub.add_parser("report", help="write a self-contained HTML report of a training run (curves, coach, episodes)")
-    p.add_argument("run_dir", help="the run's --mappa.run_dir (metrics.jsonl, episodes.jsonl, eval.jsonl)")
-    p.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html)")
+    p = sub.add_parser("report", help="write a self-contained HTML report of training runs (curves, coach, episodes)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="a run's --mappa.run_dir (metrics.jsonl, episodes.jsonl, eval.jsonl); several: overlaid")
+    p.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html; several runs: the first's compare.html)")
 
     args = parser.parse_args(argv)
     if args.command == "eval":
@@ -112,7 +113,7 @@ def main(argv=None):
         from openrlhf_mappa.report import write_report
 
         try:
-            print(write_report(args.run_dir, args.out))
+            print(write_report(*args.run_dirs, out=args.out))
         except (OSError, ValueError) as e:
             raise SystemExit(f"mappa report: {e}")
 
