@@ -1,10 +1,19 @@
-"""The README's "your own environment" example, run exactly as written there."""
+"""The README's "your own environment" example, run exactly as written there; the docs' links and flags."""
 
+import os
 import re
+import subprocess
 import sys
 
 from openrlhf_mappa.topology import load_topology
 from conftest import REPO
+
+DOCS = ("README.md", "docs/reference.md", "benchmarks/README.md", "tests/README.md")
+
+
+def prose(path) -> str:
+    """A markdown file without its code blocks (a `#` line in a shell block is no heading)."""
+    return re.sub(r"```.*?```", "", open(path, encoding="utf-8").read(), flags=re.S)
 
 
 def readme_example(name):
@@ -35,3 +44,32 @@ def test_readme_environment_example_runs(tmp_path, monkeypatch):
 
     assert play("The moon is grey and every Crater shows it.") == {"success": True}
     assert play("The moon is grey.") == {"success": False}
+
+
+def test_every_link_between_the_docs_resolves():
+    # GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens.
+    def anchors(path):
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.*)$", prose(path), re.M)}
+
+    checked = 0
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(f"{REPO}/{doc}")):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            file = os.path.normpath(os.path.join(REPO, os.path.dirname(doc), path)) if path else f"{REPO}/{doc}"
+            assert os.path.exists(file), f"{doc}: link to {target}: no such file"
+            assert not anchor or anchor in anchors(file), f"{doc}: link to {target}: no such heading"
+            checked += 1
+    assert checked > 40
+
+
+def test_every_dotted_flag_in_the_docs_is_accepted_by_the_launcher():
+    # OpenRLHF's and MAPPA's dotted flags as the real launcher's parser lists them.
+    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--help"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    accepted = set(re.findall(r"--[a-z_]+(?:\.[a-z0-9_]+)+", proc.stdout))
+    named = {f for doc in DOCS for f in re.findall(r"--[a-z_]+(?:\.[a-z0-9_]+)+", open(f"{REPO}/{doc}", encoding="utf-8").read())}
+    assert "--mappa.coach.on_failure" in named and "--mappa.coach.on_failure" in accepted
+    assert sorted(named - accepted) == []
