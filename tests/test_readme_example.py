@@ -13,7 +13,7 @@ DOCS = ("README.md", "docs/reference.md", "benchmarks/README.md", "tests/README.
 
 def prose(path) -> str:
     """A markdown file without its code blocks (a `#` line in a shell block is no heading)."""
-    return re.sub(r"```.*?```", "", open(path, encoding="utf-8").read(), flags=re.S)
+    return re.sub(r"^```.*?^```", "", open(path, encoding="utf-8").read(), flags=re.S | re.M)
 
 
 def readme_example(name):
