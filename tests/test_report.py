@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import subprocess
 from types import SimpleNamespace
 
@@ -188,6 +189,10 @@ def test_two_runs_overlay(tmp_path):
     proc = subprocess.run([MAPPA, "report", *map(str, runs)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == str(runs[0] / "compare.html"), proc.stderr
 
+    # Self-contained: outside its data (agent text, shown as text only) the page fetches nothing.
+    page = open(proc.stdout.strip(), encoding="utf-8").read()
+    page = re.sub(r'<script type="application/json" id="data">.*?</script>', "", page, flags=re.S)
+    assert "function chart(" in page and not re.search(r"<(link|img|iframe)|src=|href=|url\(|import ", page)
     dom = render_report_dom(proc.stdout.strip())
     charts = {f.attrs["data-title"]: f for f in dom.find_all("figure", "chart")}
     for title in ("outcome/success_rate", "agent/*/coach_score", "coach verdicts by status"):
