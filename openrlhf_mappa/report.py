@@ -82,7 +82,11 @@ def load_run(run_dir: str) -> dict:
         chart("coach verdicts by status", [series(metrics, f"coach/verdicts_{s}", s) for s in VERDICT_STATUSES]),
         chart("coach/failure_fraction", [series(metrics, "coach/failure_fraction", "failed verdicts")]),
         chart("coach latency (s)", [series(metrics, f"coach/latency_p{q}", f"p{q}") for q in (50, 90, 99)]),
+        chart("coach template stage (criteria schedule)", [series(metrics, "coach/template_stage", "stage")]),
     ]
+    # The first step that each coach template of a criteria schedule scored: a marker on every chart.
+    stages = [(r["step"], r.get("coach/template_stage")) for r in metrics if r.get("coach/template_stage") is not None]
+    switches = [{"step": s, "stage": k} for (_, before), (s, k) in zip(stages, stages[1:]) if k != before]
     bias = []
     for a in agents:
         prefix = f"coach_bias/{a}/"
@@ -116,6 +120,7 @@ def load_run(run_dir: str) -> dict:
         "episodes_total": len(episodes),
         "episodes": [episode_view(ep) for ep in episodes[-MAX_EPISODES:]],
         "bias_warning_steps": [r["step"] for r in metrics if r.get("coach_bias/warning")],
+        "template_switches": switches,
         "sections": {
             "training": [c for c in training if c],
             "coach": [c for c in coach if c],
@@ -211,6 +216,11 @@ function chart(c) {
   svg(s, "text", {x: L - 4, y: T + 8, "text-anchor": "end", "font-size": 11}, fmt(y1));
   svg(s, "text", {x: L, y: H - B + 14, "font-size": 11}, "step " + fmt(x0));
   svg(s, "text", {x: W - R, y: H - B + 14, "text-anchor": "end", "font-size": 11}, fmt(x1));
+  for (const w of D.template_switches.filter(w => w.step >= x0 && w.step <= x1)) {
+    const line = svg(s, "line", {class: "switch", x1: X(w.step), x2: X(w.step), y1: T, y2: H - B, stroke: "#888",
+                                 "stroke-dasharray": "4 3"});
+    svg(line, "title", {}, `coach template stage ${w.stage} from step ${w.step}`);
+  }
   const legend = el("div", {class: "legend"});
   c.series.forEach((ser, i) => {
     const color = COLORS[i % COLORS.length];
@@ -229,6 +239,9 @@ function chart(c) {
 
 const steps = D.steps.length ? `${D.steps.length} (${D.steps[0]} to ${D.steps[D.steps.length - 1]})` : "none";
 const header = [["run directory", D.run_dir], ["steps", steps], ["episodes", D.episodes_total], ["agents", D.agents.join(", ")]];
+if (D.template_switches.length)  // dashed lines on the charts
+  header.push(["coach criteria switches",
+               D.template_switches.map(w => `stage ${w.stage} from step ${w.step}`).join(", ")]);
 for (const [k, v] of header) document.getElementById("header").append(el("div", {}, `${k}: ${v}`));
 for (const [name, charts] of Object.entries(D.sections)) {
   const box = document.getElementById(name);
