@@ -131,6 +131,16 @@ class Episode:
             a.pop("prompt_ids"), a.pop("response_ids"), a.pop("rollout_logprobs")
         return json.dumps(d, ensure_ascii=False)
 
+    @classmethod
+    def from_record(cls, record: dict) -> "Episode":
+        """An episodes.jsonl record as an Episode again; its token ids, not kept there, are empty lists."""
+        actions = [
+            Action(**{**a, "prompt_ids": [], "response_ids": [], "feedback": ToolFeedback(**a.get("feedback") or {}),
+                      "verdict": Verdict(**a["verdict"]) if a.get("verdict") else None})
+            for a in record.get("actions", [])
+        ]  # fmt: skip
+        return cls(**{**record, "actions": actions})
+
 
 def read_jsonl(path: str) -> list:
     """(line number, record) of each non-empty line of a run's JSONL file. A cut-off last line (a run killed

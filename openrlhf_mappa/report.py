@@ -90,7 +90,11 @@ def load_run(run_dir: str) -> dict:
         chart("coach verdicts by status", [series(metrics, f"coach/verdicts_{s}", s) for s in VERDICT_STATUSES]),
         chart("coach/failure_fraction", [series(metrics, "coach/failure_fraction", "failed verdicts")], [0, 1]),
         chart("coach latency (s)", [series(metrics, f"coach/latency_p{q}", f"p{q}") for q in (50, 90, 99)]),
+        chart("coach template stage (criteria schedule)", [series(metrics, "coach/template_stage", "stage")]),
     ]
+    # The first step that each coach template of a criteria schedule scored: a marker on every chart.
+    stages = [(r["step"], r.get("coach/template_stage")) for r in metrics if r.get("coach/template_stage") is not None]
+    switches = [{"step": s, "stage": k} for (_, before), (s, k) in zip(stages, stages[1:]) if k != before]
     bias = []
     for a in agents:
         prefix = f"coach_bias/{a}/"
@@ -125,6 +129,7 @@ def load_run(run_dir: str) -> dict:
         "episodes_total": len(episodes),
         "episodes": [episode_view(ep) for ep in episodes[-MAX_EPISODES:]],
         "bias_warning_steps": [r["step"] for r in metrics if r.get("coach_bias/warning")],
+        "template_switches": switches,
         "sections": {
             "training": [c for c in training if c],
             "coach": [c for c in coach if c],
@@ -149,7 +154,7 @@ def combine(runs: list, labels: list) -> dict:
                 into = merged.setdefault(c["title"], dict(c, series=[]))
                 into["series"] += [dict(s, run=i) for s in c["series"]]
         sections[name] = list(merged.values())
-    head = ("run_dir", "steps", "agents", "episodes_total", "bias_warning_steps")
+    head = ("run_dir", "steps", "agents", "episodes_total", "bias_warning_steps", "template_switches")
     return {
         "runs": [dict({k: r[k] for k in head}, label=label) for r, label in zip(runs, labels)],
         "episodes_total": sum(r["episodes_total"] for r in runs),
@@ -277,6 +282,12 @@ function chart(c) {
   }
   svg(s, "polyline", {class: "axis", points: `${L},${T} ${L},${H - B} ${W - R},${H - B}`, fill: "none", stroke: "#888"});
   svg(s, "text", {x: W - R, y: H - 4, "text-anchor": "end", "font-size": 11, fill: "#555"}, "step");
+  for (const r of D.runs)
+    for (const w of r.template_switches.filter(w => w.step >= x0 && w.step <= x1)) {
+      const line = svg(s, "line", {class: "switch", x1: X(w.step), x2: X(w.step), y1: T, y2: H - B, stroke: "#888",
+                                   "stroke-dasharray": "4 3"});
+      svg(line, "title", {}, `${many ? r.label + ": " : ""}coach template stage ${w.stage} from step ${w.step}`);
+    }
   const names = [...new Set(c.series.map(ser => ser.name))];
   const legend = el("div", {class: "legend"});
   for (const ser of c.series) {
@@ -303,6 +314,9 @@ for (const r of D.runs) {
   if (D.runs.length > 1) box.append(el("b", {}, `${r.label} (${DASHES[D.runs.indexOf(r) % DASHES.length][0]} lines)`));
   for (const [k, v] of [["run directory", r.run_dir], ["steps", steps], ["episodes", r.episodes_total], ["agents", r.agents.join(", ")]])
     box.append(el("div", {}, `${k}: ${v}`));
+  if (r.template_switches.length)  // dashed lines on the charts
+    box.append(el("div", {}, "coach criteria switches: " +
+                             r.template_switches.map(w => `stage ${w.stage} from step ${w.step}`).join(", ")));
 }
 for (const [name, charts] of Object.entries(D.sections)) {
   const box = document.getElementById(name);

@@ -62,7 +62,8 @@ class AgentPolicy:
         return list(output.token_ids), output.finish_reason == "length"
 
 
-async def run_episode(topology, task: dict, policies: dict, coach: Coach, workspace: str, step: int) -> Episode:
+async def run_episode(topology, task: dict, policies: dict, coach: Coach, workspace: str, step: int,
+                      coach_bias: str = None) -> Episode:
     episode_id = f"s{step}-{task.get('id', '')}-{uuid.uuid4().hex[:8]}"
     os.makedirs(workspace, exist_ok=True)
     env = topology.make_env(task, workspace)
@@ -112,6 +113,8 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
                 is_final_agent=spec is topology.agents[-1],
                 runs_code=spec.runs_code,
                 truncated_at=policy.max_new_tokens if truncated else None,
+                # Kept with the action only when shown, so that re-scoring sends the prompt this coach saw.
+                **({"coach_bias": coach_bias} if coach_bias is not None else {}),
             )
             request = CoachRequest(
                 episode_id, spec.name, turn, agent_input=prompt_text, agent_output=response_text, **action.coach_request
@@ -127,11 +130,14 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
     return episode
 
 
-async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int) -> list:
-    """All episodes of one step, concurrently; results in task order."""
+async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,
+                  coach_bias: str = None) -> list:
+    """All episodes of one step, concurrently; results in task order. `coach_bias`: the coach's running
+    bias figures, shown in every coach request of the step (--mappa.coach.show_bias)."""
     return await asyncio.gather(
         *(
-            run_episode(topology, task, policies, coach, os.path.join(workspace_root, f"step{step}", f"ep{i}"), step)
+            run_episode(topology, task, policies, coach, os.path.join(workspace_root, f"step{step}", f"ep{i}"), step,
+                        coach_bias)
             for i, task in enumerate(tasks)
         )
     )

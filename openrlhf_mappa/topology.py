@@ -7,6 +7,7 @@ that names the file and what to fix, not an hour later inside a Ray worker.
 import dataclasses
 import inspect
 import logging
+import operator
 import os
 import re
 import string
@@ -23,10 +24,24 @@ logger = logging.getLogger(__name__)
 AGENT_PROMPT_FIELDS = ("task", "history")
 COACH_PROMPT_FIELDS = (
     "task", "role", "agent", "turn", "task_type", "agent_input", "agent_output", "feedback", "ground_truth",
+    "coach_bias",
 )  # fmt: skip
 # Agent names become parts of checkpoint paths and metric keys.
 AGENT_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
 VIEW_KEYS = ("agents", "actions", "tool_output", "strip_thinking")
+STAGE_KEYS = ("name", "template", "when")
+# A switch rule of coach_templates: `<metric> <op> <number>`, the metric a key of metrics.jsonl or `step`.
+SWITCH_RULE_RE = re.compile(r"\s*(\S+)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*")
+SWITCH_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
+SWITCH_NAMESPACES = ("step", "agent/<agent>/<metric>", "outcome/success_rate", "coach/<metric>", "coach_bias/<...>")
+# The per-agent keys the trainer logs (trainer.step_metrics, evaluation.behaviour_metrics); a rule on any other
+# agent key would never fire. tests/test_criteria.py checks this list against what a step really logs.
+AGENT_METRICS = (
+    "coach_score", "outcome_success", "truncated_left_out", "trained_actions", "dropped_for_batching", "updated",
+    "kl", "policy_loss", "actor_lr", "actor_grad_norm", "ppo_clip_ratio", "num_actions", "action_length",
+    "tool_use_rate", "tool_error_rate", "code_error_rate", "truncated_rate", "prompt_truncated",
+    "prompt_too_long_skipped", "answer_format_rate",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,28 @@ class View:
     actions: str = "all"  # "last": each agent's final reply (and, with tool_output, its latest code run) only
     tool_output: bool = True  # show what their code printed
     strip_thinking: bool = False  # drop <think>...</think> from their replies
+
+
+@dataclass(frozen=True)
+class CoachStage:
+    """One coach template of a criteria schedule (topology key coach_templates) and the rule that switches
+    to it after a step: `metric op threshold` on that step's logged metrics (None for the first stage)."""
+
+    name: str
+    template: str
+    metric: Optional[str] = None  # a metrics.jsonl key, or "step"
+    op: Optional[str] = None  # <, <=, > or >=
+    threshold: Optional[float] = None
+
+    def holds(self, value) -> bool:
+        """Whether the rule holds for a logged value; a missing value (None, NaN) never switches."""
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+            return False
+        return SWITCH_OPS[self.op](value, self.threshold)
+
+    @property
+    def when(self) -> str:
+        return f"{self.metric} {self.op} {self.threshold:g}"
 
 
 @dataclass
@@ -62,10 +99,13 @@ class Topology:
     name: str
     env: str  # "package.module:Class", or a built-in short name such as "mathchat"
     agents: list  # list[AgentSpec], in the order they act
-    coach_template: str  # str.format template; fields: COACH_PROMPT_FIELDS
+    coach_template: str  # str.format template; fields: COACH_PROMPT_FIELDS (with coach_templates: the first's)
     env_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of the env's constructor
     score_key: str = DEFAULT_SCORE_KEY  # a text reply of the coach states its score on a line `<score_key>: <n>`
     reward_scale: float = 1.0  # every reward is multiplied by it (coach score and outcome alike; see rewards.py)
+    # Criteria that change over training: the coach templates in the order they take over, each after the
+    # first with its switch rule (topology key coach_templates). Empty: coach_template throughout.
+    coach_stages: list = field(default_factory=list)
 
     def env_class(self) -> type:
         return load_env_class(self.env)
@@ -75,7 +115,7 @@ class Topology:
         return self.env_class()(self, task, workspace, **self.env_kwargs)
 
 
-TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "env_kwargs", "score_key", "reward_scale")
+TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "coach_templates", "env_kwargs", "score_key", "reward_scale")
 AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec))
 
 
@@ -95,18 +135,18 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     unknown = sorted(set(raw) - set(TOPOLOGY_KEYS))
     if unknown:
         fail(f"unknown key(s) {unknown}; allowed top-level keys: {', '.join(TOPOLOGY_KEYS)}")
-    for key in ("env", "coach_template"):
-        if not isinstance(raw.get(key), str) or not raw[key].strip():
-            fail(f"'{key}' is missing or empty; it must be a non-empty string")
-    _check_template(raw["coach_template"], COACH_PROMPT_FIELDS, "coach_template", fail)
+    if not isinstance(raw.get("env"), str) or not raw["env"].strip():
+        fail("'env' is missing or empty; it must be a non-empty string")
+    if "coach_templates" in raw and "coach_template" in raw:
+        fail("give either 'coach_template' (one coach prompt) or 'coach_templates' (prompts that take over in "
+             "turn, each after a switch rule), not both")
+    if "coach_template" in raw or "coach_templates" not in raw:
+        if not isinstance(raw.get("coach_template"), str) or not raw["coach_template"].strip():
+            fail("'coach_template' is missing or empty; it must be a non-empty string (or give coach_templates)")
+        _check_template(raw["coach_template"], COACH_PROMPT_FIELDS, "coach_template", fail)
     score_key = raw.get("score_key", DEFAULT_SCORE_KEY)
     if not isinstance(score_key, str) or not SCORE_KEY_RE.fullmatch(score_key):
         fail(f"'score_key' must be a word of letters, digits and '_' starting with a letter, got {score_key!r}")
-    if score_key.lower() not in raw["coach_template"].lower():
-        # Not an error (a server with JSON-schema output never needs the line), but a text coach that is not
-        # told the key states its score some other way, and every such verdict costs a re-prompt or fails.
-        logger.warning("%s: coach_template never names the score key %s; ask for a last line `%s: <0-10>` "
-                       "or set score_key to the key it asks for", path, score_key, score_key)
     env_kwargs = raw.get("env_kwargs") or {}
     if not isinstance(env_kwargs, dict):
         fail("'env_kwargs' must be a mapping of keyword arguments for the environment")
@@ -125,6 +165,14 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
         fail(f"agent name(s) {duplicated} used more than once; every agent needs its own name")
     for i, (agent, row) in enumerate(zip(agents, agent_rows)):
         agent.view = _parse_view(row.get("view", "all"), names, i, fail)
+    stages = _parse_stages(raw["coach_templates"], names, fail) if "coach_templates" in raw else []
+    templates = [(f"coach_templates[{s.name!r}]", s.template) for s in stages] or [("coach_template", raw["coach_template"])]
+    for label, template in templates:
+        if score_key.lower() not in template.lower():
+            # Not an error (a server with JSON-schema output never needs the line), but a text coach that is not
+            # told the key states its score some other way, and every such verdict costs a re-prompt or fails.
+            logger.warning("%s: %s never names the score key %s; ask for a last line `%s: <0-10>` "
+                           "or set score_key to the key it asks for", path, label, score_key, score_key)
 
     try:
         env_cls = load_env_class(raw["env"])
@@ -134,10 +182,11 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
         name=str(raw.get("name") or os.path.splitext(os.path.basename(path))[0]),
         env=raw["env"],
         agents=agents,
-        coach_template=raw["coach_template"],
+        coach_template=stages[0].template if stages else raw["coach_template"],
         env_kwargs=env_kwargs,
         score_key=score_key,
         reward_scale=float(reward_scale),
+        coach_stages=stages,
     )
     # Bind the constructor's arguments now so a misspelled env_kwargs key fails here, not in the first rollout.
     try:
@@ -211,6 +260,64 @@ def _parse_view(raw, names: list, index: int, fail) -> View:
         if not isinstance(raw.get(key, False), bool):
             fail(f"{label}: '{key}' must be true or false, got {raw[key]!r}")
     return View(agents, raw.get("actions", "all"), raw.get("tool_output", True), raw.get("strip_thinking", False))
+
+
+def _parse_stages(rows, agent_names: list, fail) -> list:
+    """coach_templates: a list of {name, template, when}; the first stage starts, each later one takes over
+    after the first step whose metrics satisfy its `when` (checked only while the stage before it is in use)."""
+    if not isinstance(rows, list) or len(rows) < 2:
+        fail("'coach_templates' must be a list of at least two stages {name, template, when} (one template: "
+             "use coach_template)")
+    stages = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            fail(f"coach_templates[{i}] must be a mapping with keys {', '.join(STAGE_KEYS)}")
+        unknown = sorted(set(row) - set(STAGE_KEYS))
+        if unknown:
+            fail(f"coach_templates[{i}]: unknown key(s) {unknown}; allowed: {', '.join(STAGE_KEYS)}")
+        name = row.get("name")
+        if not isinstance(name, str) or not AGENT_NAME_RE.fullmatch(name):
+            fail(f"coach_templates[{i}]: 'name' must be a word of letters, digits, '_' and '-', got {name!r}")
+        if name in [s.name for s in stages]:
+            fail(f"coach_templates[{i}]: the name {name!r} is used twice; every stage needs its own name")
+        label = f"coach_templates[{i}] ({name})"
+        template = row.get("template")
+        if not isinstance(template, str) or not template.strip():
+            fail(f"{label}: 'template' is missing or empty")
+        _check_template(template, COACH_PROMPT_FIELDS, f"{label}: template", fail)
+        when = row.get("when")
+        if i == 0:
+            if when is not None:
+                fail(f"{label}: the first stage is in use from step 1; a 'when' belongs to the stages after it")
+            stages.append(CoachStage(name, template))
+            continue
+        if not isinstance(when, str):
+            fail(f"{label}: 'when' must be a switch rule '<metric> <op> <number>', e.g. "
+                 f"'agent/{agent_names[-1]}/code_error_rate < 0.2' or 'step >= 50'")
+        rule = SWITCH_RULE_RE.fullmatch(when)
+        if not rule:
+            fail(f"{label}: when {when!r} is not '<metric> <op> <number>' with op one of <, <=, >, >= "
+                 f"(e.g. 'outcome/success_rate >= 0.5' or 'step >= 50')")
+        metric, op, threshold = rule.group(1), rule.group(2), float(rule.group(3))
+        _check_switch_metric(metric, agent_names, f"{label}: when {when!r}", fail)
+        stages.append(CoachStage(name, template, metric, op, threshold))
+    return stages
+
+
+def _check_switch_metric(metric: str, agent_names: list, label: str, fail) -> None:
+    """A rule's metric must be one a step logs: a rule on a misspelt key would wait forever, silently."""
+    parts = metric.split("/")
+    if metric == "step" or metric == "outcome/success_rate":
+        return
+    if parts[0] in ("coach", "coach_bias") and len(parts) >= 2 and all(parts):
+        return
+    if parts[0] == "agent" and len(parts) == 3:
+        if parts[1] not in agent_names:
+            fail(f"{label}: unknown agent {parts[1]!r}; the agents are {', '.join(agent_names)}")
+        if parts[2] not in AGENT_METRICS:
+            fail(f"{label}: agents log no metric {parts[2]!r}; per-agent metrics: {', '.join(AGENT_METRICS)}")
+        return
+    fail(f"{label}: unknown metric name {metric!r}; a rule reads one of: {', '.join(SWITCH_NAMESPACES)}")
 
 
 def _check_template(template: str, allowed: tuple, label: str, fail) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from openrlhf_mappa import rewards
 from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, coach_step_metrics
+from openrlhf_mappa.episode import Episode, read_jsonl
 from openrlhf_mappa.evaluation import NoCoach, behaviour_metrics, evaluate, format_table, summarize
 from openrlhf_mappa.rollout import AgentPolicy, rollout
 
@@ -310,6 +311,12 @@ def prepare_resume(args, topology) -> int:
                          f"{os.path.abspath(args.ckpt.path)} holds no checkpoint ({CHECKPOINT_MARKER}), so the run would "
                          f"start over at step 0. Point --ckpt.path at the run's checkpoints (an absolute path), or start "
                          f"fresh: a new --mappa.run_dir, or drop --ckpt.load_enable to overwrite this one's logs.")
+    saved = json.load(open(marker)).get("coach_template") if step else None
+    stages = [s.name for s in topology.coach_stages] if saved else []
+    if saved and saved["name"] not in stages:
+        raise SystemExit(f"resume: {marker} says step {step} was scored with coach template {saved['name']!r}, which "
+                         f"is not in the coach_templates of {args.mappa.topology} ({', '.join(stages) or 'none'}); "
+                         f"resume with the topology of the first run")
     tag = f"global_step{step}"
     for spec in trainee_specs(args, topology):
         actor_dir = os.path.join(args.ckpt.path, spec.name, "_actor")
@@ -369,6 +376,8 @@ class MappaTrainer:
         self.rollout_coach = coach if self.scored else NoCoach("outcome baseline: not scored")
         self.bias_audit = BiasAudit(self.mappa.coach.bias_threshold, self.mappa.coach.bias_window)
         self.coach_cost_usd = 0.0
+        # The coach template in use (an index into topology.coach_stages) and the first step it scored.
+        self.stage, self.stage_since, self.stage_waits_noted = 0, 1, set()
         os.makedirs(run_dir, exist_ok=True)
         self.policies, self.eval_policies = (
             {
@@ -418,8 +427,26 @@ class MappaTrainer:
             if loaded != step:
                 raise RuntimeError(f"resume: agent {ag.spec.name!r} loaded the checkpoint of step {loaded}, expected {step}")
         ray.get([ref for ag in self.trainees for ref in ag.actor.async_run_method("broadcast_to_vllm")])
+        self.restore(step)
+
+    def restore(self, step: int):
+        """The driver's own state as the team checkpoint of step `step` left it (see write_marker): the coach's
+        cost so far, the coach template in use, the bias audit's window."""
         marker = json.load(open(os.path.join(self.args.ckpt.path, CHECKPOINT_MARKER)))
         self.coach_cost_usd = marker.get("coach_cost_usd", 0.0)
+        if marker.get("coach_template"):  # its name was checked against the topology by prepare_resume
+            name, since = marker["coach_template"]["name"], marker["coach_template"]["since_step"]
+            self.set_stage([s.name for s in self.topology.coach_stages].index(name), since)
+            print(f"[mappa] coach criteria: resuming with coach template {name!r} (in use since step {since})",
+                  flush=True)
+        # The bias audit's window, as the steps up to the checkpoint left it: its warnings and the figures a
+        # coach is shown (--mappa.coach.show_bias) would otherwise restart from nothing.
+        path, by_step = os.path.join(self.run_dir, "episodes.jsonl"), {}
+        for _, ep in read_jsonl(path) if os.path.exists(path) else []:
+            if step - self.bias_audit.window.maxlen < ep["step"] <= step:
+                by_step.setdefault(ep["step"], []).append(Episode.from_record(ep))
+        for k in sorted(by_step):
+            self.bias_audit.update(by_step[k])
 
     def fit(self, start_step: int = 0):
         from tqdm import tqdm
@@ -431,6 +458,7 @@ class MappaTrainer:
         for step, tasks in tqdm(self.batches(start_step), total=total, initial=start_step, desc="MAPPA steps"):
             metrics = self.train_step(step, tasks)
             self.log(step, metrics)
+            self.advance_criteria(step, metrics)  # before the checkpoint, which records the template in use
             if (every > 0 and step % every == 0) or step == total:
                 self.evaluate(step)
             if self.args.ckpt.save_steps > 0 and step % self.args.ckpt.save_steps == 0:
@@ -444,12 +472,13 @@ class MappaTrainer:
         from openrlhf.trainer.ppo_utils.experience import Experience
 
         t_start = t0 = time.time()
+        c = self.mappa.coach
         workspace = os.path.join(self.run_dir, "workspaces")
+        bias = self.bias_audit.prompt_text() if c.show_bias else None  # the steps before this one
         episodes = self.loop.run_until_complete(
-            rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step)
+            rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step, coach_bias=bias)
         )
         t_rollout = time.time() - t0
-        c = self.mappa.coach
         coach_metrics = coach_step_metrics(episodes, c.price_in, c.price_out)
         coach_metrics.update(self.bias_audit.update(episodes))
         self.coach_cost_usd += coach_metrics.get("coach/cost_usd", 0.0)
@@ -516,7 +545,31 @@ class MappaTrainer:
         metrics.update(coach_metrics)
         metrics.update({"time/rollout": t_rollout, "time/experience": t_experience, "time/train": t_train,
                         "time/sync": t_sync, "time/step": time.time() - t_start})
+        if self.topology.coach_stages:
+            metrics["coach/template_stage"] = self.stage  # 0-based, in coach_templates' order
         return metrics
+
+    def advance_criteria(self, step: int, metrics: dict):
+        """After step `step`: when the rule of the next template in the topology's coach_templates holds on this
+        step's metrics, that template scores from step + 1 on. Stages advance in order, one per step at most;
+        a metric with no value this step (e.g. a code error rate when no code ran) switches nothing."""
+        stages = self.topology.coach_stages
+        if self.stage + 1 >= len(stages):
+            return
+        stage = stages[self.stage + 1]
+        value = step if stage.metric == "step" else metrics.get(stage.metric)
+        if stage.holds(value):
+            print(f"[mappa] coach criteria: after step {step}, {stage.metric} = {value:g} ({stage.when}): coach "
+                  f"template {stages[self.stage].name!r} -> {stage.name!r}, in use from step {step + 1}", flush=True)
+            self.set_stage(self.stage + 1, step + 1)
+        elif value is None and stage.name not in self.stage_waits_noted:
+            self.stage_waits_noted.add(stage.name)
+            print(f"[mappa] coach criteria: step {step} logged no value of {stage.metric}; coach template "
+                  f"{stage.name!r} waits for a step where {stage.when}", flush=True)
+
+    def set_stage(self, index: int, since: int):
+        self.stage, self.stage_since = index, since
+        self.coach.template = self.topology.coach_stages[index].template
 
     def batch_rule(self, actions: list, step: int):
         """Keep a whole number of global train batches (train.batch_size) per agent and step.
@@ -600,8 +653,16 @@ class MappaTrainer:
                 method_name="save_checkpoint", tag=f"global_step{step}", client_states={"global_step": step}
             )
         ray.get(refs)
-        # Only now is step `step` a checkpoint of the whole team (see prepare_resume); written atomically.
+        self.write_marker(step)
+
+    def write_marker(self, step: int):
+        """Only once every agent saved is step `step` a checkpoint of the whole team (see prepare_resume); the
+        marker says so, with the driver's state that restore() reads back. Written atomically."""
         marker = os.path.join(self.args.ckpt.path, CHECKPOINT_MARKER)
+        state = {"step": step, "coach_cost_usd": self.coach_cost_usd}
+        if self.topology.coach_stages:  # the template in use for the next step, read by restore()
+            name = self.topology.coach_stages[self.stage].name
+            state["coach_template"] = {"name": name, "since_step": self.stage_since}
         with open(marker + ".tmp", "w") as f:
-            json.dump({"step": step, "coach_cost_usd": self.coach_cost_usd}, f)
+            json.dump(state, f)
         os.replace(marker + ".tmp", marker)

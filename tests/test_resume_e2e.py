@@ -4,7 +4,9 @@ is left at the end of metrics.jsonl, and the same command resumes it.
 
 Asserted: every agent's resumed actor equals its checkpoint (log-probs of a fixed sequence against the
 checkpoint's HF export), its engine got those weights before the first resumed rollout, and metrics.jsonl /
-episodes.jsonl end with every step exactly once.
+episodes.jsonl end with every step exactly once. The topology's coach criteria switch after step 1 and the
+coach is shown its running bias: the resumed run goes on with the switched template, and the figures its
+first resumed step shows cover the steps before the checkpoint.
 """
 
 import json
@@ -13,6 +15,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 from conftest import TINY_RUN_FLAGS, local_cluster_env, run_training, training, two_agent_mathchat, wait_for
 
@@ -47,6 +50,10 @@ def test_sigkilled_run_resumes_with_weights_and_logs_intact(tmp_path, tiny_model
     from test_openrlhf_cpu_e2e import hf_probe_logprobs
 
     topology, tasks = two_agent_mathchat(tmp_path, num_tasks=6)  # 3 steps of 2 tasks
+    raw = yaml.safe_load(open(topology))
+    raw["coach_templates"] = [{"name": "first", "template": raw.pop("coach_template")},
+                              {"name": "later", "template": "Later criteria.\n{agent_output}", "when": "step >= 1"}]  # fmt: skip
+    open(topology, "w").write(yaml.safe_dump(raw))
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     argv = [
         "--mappa.topology", topology,
@@ -61,6 +68,7 @@ def test_sigkilled_run_resumes_with_weights_and_logs_intact(tmp_path, tiny_model
         "--ckpt.load_enable",  # the same command starts and resumes
         "--ckpt.path", str(ckpt),
         "--ckpt.output_dir", str(tmp_path / "final"),
+        "--mappa.coach.show_bias",
     ]  # fmt: skip
     env = local_cluster_env(4)
 
@@ -78,6 +86,9 @@ def test_sigkilled_run_resumes_with_weights_and_logs_intact(tmp_path, tiny_model
     proc = run_training([sys.executable, "-c", child], tmp_path / "train2", timeout=900, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert f"resuming after step {saved}" in proc.stdout
+    assert "'first' -> 'later', in use from step 2" in open(tmp_path / "train1.out").read()
+    assert "resuming with coach template 'later' (in use since step 2)" in proc.stdout
+    assert "coach criteria: after step" not in proc.stdout  # no second switch
 
     result = json.load(open(tmp_path / "probe.json"))
     assert result["start"] == saved
@@ -91,6 +102,13 @@ def test_sigkilled_run_resumes_with_weights_and_logs_intact(tmp_path, tiny_model
 
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2, 3]
-    steps = [json.loads(line)["step"] for line in open(run_dir / "episodes.jsonl")]
-    assert sorted(steps) == [1] * 4 + [2] * 4 + [3] * 4
-    assert json.loads(marker.read_text())["step"] == 3
+    assert [m["coach/template_stage"] for m in metrics] == [0, 1, 1]
+    episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
+    assert sorted(ep["step"] for ep in episodes) == [1] * 4 + [2] * 4 + [3] * 4
+    assert json.loads(marker.read_text()) == {"step": 3, "coach_cost_usd": 0.0,
+                                              "coach_template": {"name": "later", "since_step": 2}}  # fmt: skip
+    # The figures shown in the first resumed step: the steps up to the checkpoint, rebuilt from episodes.jsonl.
+    shown = {a["coach_request"]["coach_bias"] for ep in episodes if ep["step"] == saved + 1 for a in ep["actions"]}
+    (figures,) = shown
+    assert figures.startswith(f"Your recent scoring in this run (the last {saved} training step"), figures
+    assert f"{saved * 8} scored actions" in figures  # 4 episodes x 2 agents per step

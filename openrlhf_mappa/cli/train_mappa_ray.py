@@ -66,6 +66,10 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.coach.bias_window", type=int, default=5, help="steps pooled by the coach-bias audit")
     g.add_argument("--mappa.coach.standardize_task_type", action="store_true",
                    help="standardize coach scores per agent x task type (bias mitigation)")
+    g.add_argument("--mappa.coach.show_bias", action="store_true",
+                   help="show an LLM coach its own running bias in every prompt: its mean score per agent and task type "
+                        "and how its scores agree with outcomes, over the last --mappa.coach.bias_window steps "
+                        "(where the template names {coach_bias}, else above the prompt)")
     g.add_argument("--mappa.coach.price_in", type=float, default=0.0, help="USD per 1M prompt tokens (cost metrics)")
     g.add_argument("--mappa.coach.price_out", type=float, default=0.0, help="USD per 1M completion tokens")
     g.add_argument("--mappa.coach.score_outcome_runs", action="store_true",

@@ -7,6 +7,7 @@ OpenAI-compatible chat-completions server: a hosted API or a local open-weight c
 
 import json
 import re
+import string
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,7 +15,8 @@ from openrlhf_mappa.episode import Verdict
 
 COACH_KINDS = ("heuristic", "openai")
 PROMPT_FIELDS = (
-    "task", "role", "agent", "turn", "task_type", "agent_input", "agent_output", "feedback", "ground_truth"
+    "task", "role", "agent", "turn", "task_type", "agent_input", "agent_output", "feedback", "ground_truth",
+    "coach_bias",
 )
 
 
@@ -35,6 +37,8 @@ class CoachRequest:
     is_final_agent: bool = False
     runs_code: bool = False  # the agent's actions are executed as code
     truncated_at: Optional[int] = None  # the output was cut off at this token limit (None: it ended by itself)
+    # --mappa.coach.show_bias: the coach's own recent figures (BiasAudit.prompt_text), None when not shown.
+    coach_bias: Optional[str] = None
 
 
 class Coach:
@@ -42,6 +46,7 @@ class Coach:
     the caller can leave the action out of training instead of inventing a score."""
 
     name: str = "coach"
+    template: str = ""  # an LLM coach's prompt template; the trainer swaps it when the criteria switch
 
     async def score(self, request: CoachRequest) -> Verdict:
         raise NotImplementedError
@@ -86,7 +91,9 @@ def render_prompt(template: str, request: CoachRequest) -> str:
     """Fill a coach prompt template (str.format syntax; literal braces must be doubled: {{ }}).
 
     An output cut off at the token limit says so at its end, whatever the template: otherwise the coach
-    would judge an unfinished answer as if the agent had chosen to stop there."""
+    would judge an unfinished answer as if the agent had chosen to stop there. The coach's running bias
+    figures (request.coach_bias) go where the template names {coach_bias}, else before the whole prompt,
+    so that any template can show them; without them {coach_bias} is empty."""
     agent_output = request.agent_output
     if request.truncated_at is not None:
         agent_output += f"\n[cut off at the limit of {request.truncated_at} tokens]"
@@ -100,9 +107,10 @@ def render_prompt(template: str, request: CoachRequest) -> str:
         "agent_output": agent_output,
         "feedback": request.feedback or "(none)",
         "ground_truth": request.ground_truth if request.ground_truth is not None else "(not available)",
+        "coach_bias": request.coach_bias or "",
     }
     try:
-        return template.format(**fields)
+        prompt = template.format(**fields)
     except KeyError as e:
         raise ValueError(
             f"coach prompt template names unknown field {{{e.args[0]}}}; allowed fields: {', '.join(PROMPT_FIELDS)}"
@@ -111,6 +119,9 @@ def render_prompt(template: str, request: CoachRequest) -> str:
         raise ValueError(
             f"coach prompt template has a positional field {{}}; use named ones: {', '.join(PROMPT_FIELDS)}"
         ) from None
+    if request.coach_bias and "coach_bias" not in {name for _, name, _, _ in string.Formatter().parse(template)}:
+        prompt = request.coach_bias + "\n\n" + prompt
+    return prompt
 
 
 # Where a score may come from, and nowhere else: the JSON verdict's "score"; a line `<KEY>: <number>` (the

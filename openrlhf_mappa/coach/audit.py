@@ -74,7 +74,8 @@ class BiasAudit:
 
     def __init__(self, threshold: float = 1.0, window: int = 5):
         self.threshold = threshold
-        self.window = deque(maxlen=window)  # per step: {(agent, task_type): [scores]}
+        # per step: ({(agent, task_type): [scores]}, [(final agent's score, episode success)])
+        self.window = deque(maxlen=window)
 
     def update(self, episodes: list) -> dict:
         step = {}
@@ -87,7 +88,7 @@ class BiasAudit:
             finals = [a for a in ep.actions if a.coach_request.get("is_final_agent") and a.verdict and a.verdict.score is not None]
             if finals:
                 final_pairs.append((finals[-1].verdict.score, float(ep.success)))
-        self.window.append(step)
+        self.window.append((step, final_pairs))
 
         m = {}
         for (agent, task_type), scores in sorted(step.items()):
@@ -103,10 +104,7 @@ class BiasAudit:
             scores = [s for s, ok in final_pairs if ok == success]
             m[f"coach_bias/final_score_on_{label}"] = statistics.fmean(scores) if scores else None
 
-        pooled = {}
-        for past in self.window:
-            for key, scores in past.items():
-                pooled.setdefault(key, []).extend(scores)
+        pooled = self.pooled()
         worst = (0.0, None)
         for agent in sorted({agent for agent, _ in pooled}):
             means = {t: statistics.fmean(s) for (a, t), s in pooled.items() if a == agent and len(s) >= MIN_SCORES_FOR_GAP}
@@ -126,3 +124,46 @@ class BiasAudit:
                 worst[1], len(self.window), self.threshold,
             )
         return m
+
+    def pooled(self) -> dict:
+        """{(agent, task_type): [scores]} over the window's steps."""
+        pooled = {}
+        for step, _ in self.window:
+            for key, scores in step.items():
+                pooled.setdefault(key, []).extend(scores)
+        return pooled
+
+    def prompt_text(self) -> str:
+        """The window's figures for the coach's own prompt (--mappa.coach.show_bias): its mean score per agent
+        and task type, and how its final-agent scores agreed with the outcomes. Only measured figures: before
+        any scored step, and where a figure is undefined, the text says so instead."""
+        pooled = self.pooled()
+        if not pooled:
+            return ("Your recent scoring in this run: no figures yet (none of your scores in this run has been "
+                    "tallied so far).")
+        steps, n = len(self.window), sum(len(s) for s in pooled.values())
+        lines = [
+            f"Your recent scoring in this run (the last {steps} training step{'s' * (steps > 1)}, {n} scored actions). "
+            "Agents learn to exploit a coach's systematic leanings, such as a higher average for one task type or "
+            "one agent that the work does not justify. Check these figures for such a leaning and keep your scale "
+            "the same for every agent and task type; still judge this action on its own merits.",
+            "Your mean score per agent and task type:",
+        ]
+        for (agent, task_type), scores in sorted(pooled.items()):
+            lines.append(f"- {agent}, {task_type}: {statistics.fmean(scores):.2f} (n={len(scores)})")
+        pairs = [p for _, final_pairs in self.window for p in final_pairs]
+        if not pairs:
+            lines.append("Agreement of your scores with outcomes: not measurable yet (no final agent's action was "
+                         "scored).")
+            return "\n".join(lines)
+        r = pearson(*zip(*pairs)) if len(pairs) > 1 else None
+        agree = (f"Pearson correlation {r:.2f}" if r is not None
+                 else "Pearson correlation undefined (one outcome only, or constant scores)")
+        means = []
+        for label, success in (("solved", 1.0), ("failed", 0.0)):
+            scores = [score for score, ok in pairs if ok == success]
+            means.append(f"mean {statistics.fmean(scores):.2f} on {label} episodes (n={len(scores)})" if scores
+                         else f"no {label} episode")
+        lines.append(f"Agreement of your scores with outcomes (the final agent's score vs. the episode's success, "
+                     f"{len(pairs)} episodes): {agree}; {'; '.join(means)}.")
+        return "\n".join(lines)

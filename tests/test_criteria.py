@@ -1,0 +1,301 @@
+"""Coach criteria that change over training (topology `coach_templates`), and a coach that sees its running
+bias (--mappa.coach.show_bias): validation at load time, the switch rule, the switch surviving a resume from
+the files a run writes, the report's marker, and the bias figures in the prompt an OpenAI-compatible coach
+server receives. Real rollouts (MathChat environment, code run in the sandbox), a real HTTP coach server on
+127.0.0.1 and scripted policies standing in for the vLLM engines; no Ray (the e2e part is in
+test_resume_e2e.py)."""
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from coach_server import COACH_TEMPLATE, CoachServer
+from conftest import render_report_dom
+from test_coach import ScriptedPolicy
+
+from openrlhf_mappa import report
+from openrlhf_mappa.coach import CoachRequest, build_coach, render_prompt
+from openrlhf_mappa.coach.audit import BiasAudit, coach_step_metrics
+from openrlhf_mappa.evaluation import behaviour_metrics
+from openrlhf_mappa.episode import Action, Episode, ToolFeedback, Verdict
+from openrlhf_mappa.rollout import rollout
+from openrlhf_mappa.topology import AGENT_METRICS, load_topology
+from openrlhf_mappa.trainer import CHECKPOINT_MARKER, MappaTrainer, prepare_resume, truncate_logs
+
+AGENTS = [
+    {"name": "solver", "model": "m", "role": "solves", "prompt": "Solve: {task}\n{history}"},
+    {"name": "coder", "model": "m", "role": "computes", "prompt": "Compute: {task}\n{history}", "runs_code": True},
+]
+STAGES = [
+    {"name": "reliability", "template": "RELIABILITY\n" + COACH_TEMPLATE},
+    {"name": "quality", "template": "QUALITY\n" + COACH_TEMPLATE, "when": "agent/coder/code_error_rate < 0.2"},
+    {"name": "polish", "template": "POLISH\n" + COACH_TEMPLATE, "when": "step >= 4"},
+]
+
+
+def write_topology(tmp_path, **overrides):
+    raw = {"name": "t", "env": "mathchat", "agents": AGENTS, "coach_templates": STAGES}
+    raw.update(overrides)
+    raw = {k: v for k, v in raw.items() if v is not None}
+    path = tmp_path / "topo.yaml"
+    path.write_text(json.dumps(raw))  # JSON is valid YAML
+    return str(path)
+
+
+# ---------------------------------------------------------------- the schedule in the topology
+
+
+def test_coach_templates_load_as_stages_in_order(tmp_path):
+    topology = load_topology(write_topology(tmp_path))
+    assert [s.name for s in topology.coach_stages] == ["reliability", "quality", "polish"]
+    assert topology.coach_template == STAGES[0]["template"]  # the one a run starts with
+    first, quality, polish = topology.coach_stages
+    assert first.metric is None and quality.when == "agent/coder/code_error_rate < 0.2" and polish.when == "step >= 4"
+    assert quality.holds(0.1) and not quality.holds(0.2) and not quality.holds(None) and not quality.holds(float("nan"))
+    assert polish.holds(4) and not polish.holds(3)
+    assert load_topology(write_topology(tmp_path, coach_templates=None, coach_template="{agent_output}")).coach_stages == []
+
+
+@pytest.mark.parametrize(
+    "stages, message",
+    [
+        ("x", "'coach_templates' must be a list of at least two stages"),
+        (STAGES[:1], "'coach_templates' must be a list of at least two stages"),
+        ([STAGES[0], dict(STAGES[1], after=3)], "coach_templates[1]: unknown key(s) ['after']; allowed: name, template, when"),
+        ([STAGES[0], dict(STAGES[1], name="a b")], "coach_templates[1]: 'name' must be a word"),
+        ([STAGES[0], dict(STAGES[1], name="reliability")], "the name 'reliability' is used twice"),
+        ([dict(STAGES[0], when="step >= 1"), STAGES[1]], "(reliability): the first stage is in use from step 1"),
+        ([STAGES[0], {"name": "q", "template": "x"}], "coach_templates[1] (q): 'when' must be a switch rule"),
+        ([STAGES[0], dict(STAGES[1], when=50)], "'when' must be a switch rule '<metric> <op> <number>'"),
+        ([STAGES[0], dict(STAGES[1], template="{agent_output} {score}")], "(quality): template: unknown field {score}"),
+        ([STAGES[0], dict(STAGES[1], template="")], "(quality): 'template' is missing or empty"),
+        ([STAGES[0], dict(STAGES[1], when="code_error_rate below 0.2")], "is not '<metric> <op> <number>'"),
+        ([STAGES[0], dict(STAGES[1], when="agent/coder/code_error_rate == 0")], "is not '<metric> <op> <number>'"),
+        ([STAGES[0], dict(STAGES[1], when="agent/code_executor/code_error_rate < 0.2")],
+         "unknown agent 'code_executor'; the agents are solver, coder"),
+        ([STAGES[0], dict(STAGES[1], when="agent/coder/code_errors < 0.2")], "agents log no metric 'code_errors'"),
+        ([STAGES[0], dict(STAGES[1], when="code_error_rate < 0.2")], "unknown metric name 'code_error_rate'"),
+        ([STAGES[0], dict(STAGES[1], when="eval/accuracy > 0.5")], "a rule reads one of: step, agent/<agent>/<metric>"),
+        ([STAGES[0], dict(STAGES[1], when="coach/ < 1")], "unknown metric name 'coach/'"),
+    ],
+)  # fmt: skip
+def test_bad_schedules_are_refused_at_load_time(tmp_path, stages, message):
+    path = write_topology(tmp_path, coach_templates=stages)
+    with pytest.raises(ValueError) as err:
+        load_topology(path)
+    assert str(err.value).startswith(path + ": ") and message in str(err.value)
+
+
+def test_one_coach_template_or_a_schedule_not_both(tmp_path):
+    with pytest.raises(ValueError, match="give either 'coach_template' .* or 'coach_templates'"):
+        load_topology(write_topology(tmp_path, coach_template="{agent_output}"))
+
+
+def test_the_rule_metrics_are_the_per_agent_keys_a_step_logs():
+    # Catches a per-agent metric added to the trainer (or renamed) but not to the list a rule is checked against:
+    # a rule on it would be refused, or a rule on a removed one would wait forever.
+    trainer = MappaTrainer.__new__(MappaTrainer)
+    trainer.mappa = SimpleNamespace(coach=SimpleNamespace(on_failure="skip"))
+    trainer.topology = SimpleNamespace(reward_scale=1.0)
+    trainer.agents, trainer.owner = [SimpleNamespace(spec=SimpleNamespace(name="coder"))], {"coder": "coder"}
+    ran = ToolFeedback(stdout="4", exit_code=0)
+    action = Action("e", "coder", 0, [1], [2], formatted=True, feedback=ran, verdict=Verdict(6.0, "ok"), reward=6.0)
+    episodes = [Episode("e", "t", outcome={"success": True}, actions=[action])]
+    batch = SimpleNamespace(info={"kl": torch.tensor([0.1])}, sequences=torch.zeros(1, 3))
+    status = {"coder": {"policy_loss": 0.1, "actor_lr": 1e-6, "actor_grad_norm": 1.0, "ppo_clip_ratio": 0.0}}
+    counts = {"left_out": 0, "fallback": 0, "truncated_left_out": {}}
+    logged = trainer.step_metrics(episodes, {"coder": [batch]}, status, {"coder": 0}, counts)
+    assert {k.split("/")[2] for k in logged if k.startswith("agent/coder/")} == set(AGENT_METRICS)
+
+
+# ---------------------------------------------------------------- switching, and switching after a resume
+
+
+def trainer_for(topology, coach, tmp_path, show_bias=False) -> MappaTrainer:
+    """A MappaTrainer with no agents (nothing on Ray): the driver's part of a run."""
+    args = SimpleNamespace(
+        mappa=SimpleNamespace(reward="process", run_dir=str(tmp_path / "run"), shared_policy=False, topology="topo.yaml",
+                              coach=SimpleNamespace(score_outcome_runs=False, bias_threshold=1.0, bias_window=5,
+                                                    show_bias=show_bias)),
+        ckpt=SimpleNamespace(path=str(tmp_path / "ckpt"), load_enable=True),
+        rollout=SimpleNamespace(temperature=1.0, top_p=1.0), eval=SimpleNamespace(temperature=0.6),
+        data=SimpleNamespace(max_len=64), logger=SimpleNamespace(wandb=SimpleNamespace(key=None), tensorboard_dir=None),
+    )  # fmt: skip
+    os.makedirs(args.ckpt.path, exist_ok=True)
+    return MappaTrainer(args, topology, [], coach, [], args.mappa.run_dir)
+
+
+def agents_saved(ckpt, step: int):
+    """Each agent's DeepSpeed checkpoint directory as its actor leaves it (the part of a save that needs Ray)."""
+    for agent in ("solver", "coder"):
+        (ckpt / agent / "_actor" / f"global_step{step}").mkdir(parents=True)
+        (ckpt / agent / "_actor" / "latest").write_text(f"global_step{step}")
+
+
+def play_step(trainer, step: int, code: str) -> dict:
+    """What fit() does around a training step, minus the Ray part: a real rollout (the coder's code runs in
+    the sandbox; the coach is asked over HTTP, with its running figures when shown), the coach metrics and
+    bias audit, the behaviour metrics, the logs, then the criteria rule."""
+    policies = {"solver": ScriptedPolicy("2 + 2 is 4."), "coder": ScriptedPolicy(f"```python\n{code}\n```")}
+    # A task text of its own per episode and step: no coach prompt repeats, so none is served from the cache.
+    tasks = [{"id": f"{step}-{i}", "prompt": f"What is {step} + {i}?", "answer": str(step + i)} for i in range(2)]
+    bias = trainer.bias_audit.prompt_text() if trainer.mappa.coach.show_bias else None
+    workspace = os.path.join(trainer.run_dir, "ws")
+    episodes = trainer.loop.run_until_complete(rollout(trainer.topology, tasks, policies, trainer.coach, workspace, step, coach_bias=bias))
+    metrics = {**coach_step_metrics(episodes), **trainer.bias_audit.update(episodes)}
+    metrics.update(behaviour_metrics(episodes, ["solver", "coder"]), **{"coach/template_stage": trainer.stage})
+    trainer.write_episodes(episodes)
+    trainer.log(step, metrics)
+    trainer.advance_criteria(step, metrics)
+    return metrics
+
+
+def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsys):
+    topology = load_topology(write_topology(tmp_path))
+    with CoachServer() as server:
+        coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
+        first = trainer_for(topology, coach, tmp_path)
+        play_step(first, 1, "print(1 / 0)")  # the coder's code fails: error rate 1, no switch
+        assert first.stage == 0 and "coach template" not in capsys.readouterr().out
+        play_step(first, 2, "print(2 + 2)")  # runs: error rate 0 < 0.2 -> quality from step 3
+        out = capsys.readouterr().out
+        assert ("[mappa] coach criteria: after step 2, agent/coder/code_error_rate = 0 (agent/coder/code_error_rate < 0.2): "
+                "coach template 'reliability' -> 'quality', in use from step 3") in out  # fmt: skip
+        assert (first.stage, first.stage_since, coach.template) == (1, 3, STAGES[1]["template"])
+        agents_saved(tmp_path / "ckpt", 2)
+        first.write_marker(2)  # the team checkpoint of step 2
+        figures = first.bias_audit.prompt_text()
+        assert "(the last 2 training steps, 8 scored actions)" in figures
+        play_step(first, 3, "print(2 + 2)")  # then the run is killed before step 3's checkpoint
+        prompts = [r["prompt"].split("\n", 1)[0] for r in server.requests]
+        assert prompts == ["RELIABILITY"] * 8 + ["QUALITY"] * 4  # 2 episodes x 2 actions per step
+        first.loop.run_until_complete(coach.aclose())
+
+        # The same command again: the CLI builds the coach with the first template; the trainer restores.
+        assert prepare_resume(first.args, topology) == 2
+        assert json.load(open(tmp_path / "ckpt" / CHECKPOINT_MARKER))["coach_template"] == {"name": "quality", "since_step": 3}
+        coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
+        second = trainer_for(topology, coach, tmp_path)
+        truncate_logs(second.run_dir, 2)
+        second.restore(2)
+        assert "resuming with coach template 'quality' (in use since step 3)" in capsys.readouterr().out
+        assert (second.stage, second.stage_since, coach.template) == (1, 3, STAGES[1]["template"])
+        assert second.bias_audit.prompt_text() == figures  # the audit's window, rebuilt from episodes.jsonl
+        del server.requests[:]
+        play_step(second, 3, "print(2 + 2)")
+        play_step(second, 4, "print(2 + 2)")  # step >= 4: polish from step 5
+        assert "'quality' -> 'polish', in use from step 5" in capsys.readouterr().out
+        play_step(second, 5, "print(2 + 2)")
+        assert [r["prompt"].split("\n", 1)[0] for r in server.requests] == ["QUALITY"] * 8 + ["POLISH"] * 4
+        second.loop.run_until_complete(coach.aclose())
+
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [(r["step"], r["coach/template_stage"]) for r in rows] == [(1, 0), (2, 0), (3, 1), (4, 1), (5, 2)]
+    # The report marks the first step of each new template on its charts and in its header.
+    data = report.load_run(str(tmp_path / "run"))
+    assert data["template_switches"] == [{"step": 3, "stage": 1}, {"step": 5, "stage": 2}]
+    out = tmp_path / "page.html"
+    report.write_report(str(tmp_path / "run"), str(out))
+    dom = render_report_dom(str(out))
+    assert "coach criteria switches: stage 1 from step 3, stage 2 from step 5" in dom.text()
+    chart = next(f for f in dom.find_all("figure", "chart") if f.attrs["data-title"] == "agent/*/code_error_rate")
+    assert [line.find_all("title")[0].text() for line in chart.find_all("line", "switch")] == [
+        "coach template stage 1 from step 3", "coach template stage 2 from step 5"]  # fmt: skip
+
+
+def test_a_metric_without_a_value_switches_nothing_and_says_so(tmp_path, capsys):
+    topology = load_topology(write_topology(tmp_path))
+    trainer = trainer_for(topology, build_coach("heuristic"), tmp_path)
+    for step in (1, 2):  # no code ran: the coder's code_error_rate is None
+        trainer.advance_criteria(step, {"agent/coder/code_error_rate": None})
+    assert trainer.stage == 0
+    out = capsys.readouterr().out
+    assert out.count("step 1 logged no value of agent/coder/code_error_rate; coach template 'quality' waits") == 1
+    assert "step 2 logged" not in out  # said once, not every step
+
+
+def test_a_resume_with_a_template_the_topology_no_longer_has_is_refused(tmp_path):
+    topology = load_topology(write_topology(tmp_path))
+    trainer = trainer_for(topology, build_coach("heuristic"), tmp_path)
+    trainer.set_stage(2, 7)
+    agents_saved(tmp_path / "ckpt", 9)
+    trainer.write_marker(9)
+    renamed = load_topology(write_topology(tmp_path, coach_templates=STAGES[:2]))
+    with pytest.raises(SystemExit, match="scored with coach template 'polish', which is not in the coach_templates of "
+                                         r"topo.yaml \(reliability, quality\)"):
+        prepare_resume(trainer.args, renamed)
+    assert prepare_resume(trainer.args, topology) == 9
+
+
+# ---------------------------------------------------------------- the coach's running bias in its prompt
+
+
+def scored_episode(agent_scores: dict, task_type: str, success: bool) -> Episode:
+    actions = [Action("e", agent, 0, [1], [2], verdict=Verdict(score, "ok"), coach_request={"is_final_agent": agent == "coder"})
+               for agent, score in agent_scores.items()]  # fmt: skip
+    return Episode("e", "t", task_type=task_type, outcome={"success": success}, actions=actions)
+
+
+def test_bias_figures_are_measured_or_absent_never_invented():
+    audit = BiasAudit(window=2)
+    assert audit.prompt_text() == ("Your recent scoring in this run: no figures yet (none of your scores in this run "
+                                   "has been tallied so far).")  # fmt: skip
+    audit.update([scored_episode({"solver": 8.0}, "regression", True)])  # no final agent scored
+    assert "Agreement of your scores with outcomes: not measurable yet (no final agent's action was scored)." in audit.prompt_text()
+    audit.update([scored_episode({"solver": 6.0, "coder": 9.0}, "regression", True),
+                  scored_episode({"solver": 4.0, "coder": 3.0}, "classification", False),
+                  scored_episode({"solver": 5.0, "coder": 5.0}, "classification", False)])  # fmt: skip
+    text = audit.prompt_text()
+    assert "(the last 2 training steps, 7 scored actions)" in text
+    assert ("- coder, classification: 4.00 (n=2)\n- coder, regression: 9.00 (n=1)\n"
+            "- solver, classification: 4.50 (n=2)\n- solver, regression: 7.00 (n=2)") in text  # fmt: skip
+    # final scores 9 (solved), 3 and 5 (failed): r = 0.945
+    assert "(the final agent's score vs. the episode's success, 3 episodes): Pearson correlation 0.94;" in text
+    assert "mean 9.00 on solved episodes (n=1); mean 4.00 on failed episodes (n=2)." in text
+    audit.update([scored_episode({"coder": 5.0}, "regression", False)] * 2)  # step 1 leaves the window
+    assert "- solver, regression: 6.00 (n=1)" in audit.prompt_text()
+    assert "correlation undefined" not in audit.prompt_text()
+    one_outcome = BiasAudit()
+    one_outcome.update([scored_episode({"coder": s}, "math", False) for s in (2.0, 4.0)])
+    assert "correlation undefined (one outcome only, or constant scores); no solved episode; mean 3.00 on failed" in one_outcome.prompt_text()
+
+
+def test_the_coach_prompt_shows_the_bias_figures_only_when_enabled(tmp_path):
+    topology = load_topology(write_topology(tmp_path, coach_templates=None, coach_template=COACH_TEMPLATE))
+    with CoachServer() as server:
+        for show_bias in (True, False):
+            coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
+            trainer = trainer_for(topology, coach, tmp_path / str(show_bias), show_bias=show_bias)
+            play_step(trainer, 1, "print(2 + 2)")
+            play_step(trainer, 2, "print(2 + 2)")
+            trainer.loop.run_until_complete(coach.aclose())
+        step1, step2, off = server.requests[:4], server.requests[4:8], server.requests[8:]
+    assert all(r["prompt"].startswith("Your recent scoring in this run: no figures yet") for r in step1)
+    solver_score = len(set("2 + 2 is 4.")) % 11  # what the server's rule gives the solver's reply
+    for r in step2:
+        assert r["prompt"].startswith("Your recent scoring in this run (the last 1 training step, 4 scored actions).")
+        assert f"- solver, math: {solver_score:.2f} (n=2)" in r["prompt"]
+        assert "Agreement of your scores with outcomes (the final agent's score vs. the episode's success, 2 episodes)" in r["prompt"]
+        assert "\n\nAGENT=" in r["prompt"]  # the figures, then the template as without them
+    assert len(off) == 8 and not any("recent scoring" in r["prompt"] or "mean score" in r["prompt"] for r in off)
+    assert all(r["prompt"].startswith("AGENT=") for r in off)
+
+    # Re-scoring sends the prompt the coach saw: the figures are kept with each action when shown, and only then.
+    from openrlhf_mappa.coach import rescore
+
+    shown = rescore.read_actions(str(tmp_path / "True" / "run" / "episodes.jsonl"))
+    assert all(a["coach_request"]["coach_bias"].startswith("Your recent scoring") for _, a in shown)
+    hidden = rescore.read_actions(str(tmp_path / "False" / "run" / "episodes.jsonl"))
+    assert not any("coach_bias" in a["coach_request"] for _, a in hidden)
+
+
+def test_a_template_places_the_figures_where_it_names_them():
+    request = CoachRequest("e", "solver", 0, "solves", "2 + 2?", "math", "in", "4", "", coach_bias="FIGURES")
+    assert render_prompt("Judge {agent_output}.\n{coach_bias}\nPROCESS_SCORE:", request) == "Judge 4.\nFIGURES\nPROCESS_SCORE:"
+    assert render_prompt("Judge {agent_output}.", request) == "FIGURES\n\nJudge 4."
+    request.coach_bias = None
+    assert render_prompt("Judge {agent_output}.\n{coach_bias}\nPROCESS_SCORE:", request) == "Judge 4.\n\nPROCESS_SCORE:"
+    assert render_prompt("Judge {agent_output}. {{coach_bias}}", request) == "Judge 4. {coach_bias}"
