@@ -198,7 +198,7 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
     data = report.load_run(str(tmp_path / "run"))
     assert data["template_switches"] == [{"step": 3, "stage": 1}, {"step": 5, "stage": 2}]
     out = tmp_path / "page.html"
-    report.write_report(str(tmp_path / "run"), str(out))
+    report.write_report(str(tmp_path / "run"), out=str(out))
     dom = render_report_dom(str(out))
     assert "coach criteria switches: stage 1 from step 3, stage 2 from step 5" in dom.text()
     chart = next(f for f in dom.find_all("figure", "chart") if f.attrs["data-title"] == "agent/*/code_error_rate")
