@@ -248,7 +248,7 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
             counts[f"{spec.name}/reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
         counts[f"{spec.name}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
         size = (sizes or {}).get(spec.name)
-        if size is None:
+        if size is None and gpu_gib is not None:  # the memory check needs the sizes; the count check does not
             try:
                 size = model_size(read_config(spec.model))
             except (ValueError, KeyError, OSError) as e:
@@ -404,7 +404,7 @@ def format_plan(plan: Plan, gpus: int = None) -> str:
                 out.append(f"    {phase} adds " + " + ".join(f"{k} {v:.1f}" for k, v in extra.items()))
         out += [f"    {note}" for note in g.notes]
     for name, (model, size) in plan.sizes.items():
-        if not isinstance(size, ModelSize):
+        if isinstance(size, str):  # why the memory of this agent's components is not estimated
             out.append(f"\n{name}: {model}: {size}")
     return "\n".join(out)
 

@@ -133,8 +133,8 @@ NO_DUPLICATE = ("MAPPA builds each agent's actor and reference groups without Op
                 "ranks of one ring-attention / tensor-parallel group would get different data")
 DYNAMIC_BATCH = ("MAPPA trains whole --train.batch_size batches per agent (trainer.batch_rule) and splits "
                  "experiences by --rollout.micro_batch_size; token-budget batching is not wired in")
-LORA = ("OpenRLHF 0.11.2's weight sync sends the adapter-wrapped parameter names, which vLLM cannot load "
-        "(OpenRLHF issue #1349): the engines would go on sampling the base model")
+LORA = ("OpenRLHF 0.11.2's weight sync sends the PEFT-wrapped parameter names (base_model.model..., lora_A), "
+        "which vLLM's weight loader rejects (OpenRLHF issue #1349)")
 IS_CORRECTION = "MAPPA's experiences carry no rollout log-probs, which the correction compares against"
 KL_IN_REWARD = "MAPPA puts KL in the reward (r_t = score - beta * KL); KL as a loss is not supported"
 TEXT_ONLY = "MAPPA's agents are text-only"
