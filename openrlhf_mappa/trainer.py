@@ -7,7 +7,6 @@ experiences train agent k's actor only -> agent k's weights go to agent k's engi
 """
 
 import asyncio
-import copy
 import dataclasses
 import glob
 import json
@@ -22,44 +21,27 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from openrlhf_mappa import rewards
+from openrlhf_mappa import placement, rewards
 from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, coach_step_metrics
 from openrlhf_mappa.episode import Episode, read_jsonl
 from openrlhf_mappa.evaluation import NoCoach, behaviour_metrics, evaluate, format_table, summarize
+from openrlhf_mappa.placement import agent_args, trainee_specs
 from openrlhf_mappa.rollout import AgentPolicy, rollout
 
 
-def check_gpu_budget(needs: dict) -> None:
-    """Fail before any actor exists when the Ray cluster has fewer GPUs (logical or real) than asked.
-
-    `needs` maps a component label (e.g. "verifier/actor") to its GPU count. Ray itself would wait
-    forever, silently, for resources that never come.
-    """
-    have = ray.cluster_resources().get("GPU", 0.0)
-    need = sum(needs.values())
-    if need > have:
-        detail = ", ".join(f"{name}: {n:g}" for name, n in needs.items())
-        raise RuntimeError(
-            f"not enough GPUs: the requested actor groups and vLLM engines need {need:g} GPUs but the Ray "
-            f"cluster has {have:g} ({detail}). Lower the per-agent GPU/engine flags, add GPUs, or on CPU "
-            f"raise MAPPA_CPU_NUM_GPUS (logical GPUs for a local cluster)."
-        )
-
-
-def agent_args(args, spec):
-    """A per-agent copy of OpenRLHF's args: its model, resources, and checkpoint/export paths.
-
-    OpenRLHF's actor, checkpoint and sync code read `strategy.args`, so a per-agent strategy built from
-    this copy keeps every agent's files and sync group apart."""
-    a = copy.deepcopy(args)
-    a.actor.model_name_or_path = spec.model
-    a.actor.num_gpus_per_node = spec.num_gpus_per_node or args.actor.num_gpus_per_node
-    a.ref.num_gpus_per_node = spec.num_gpus_per_node or args.ref.num_gpus_per_node
-    a.vllm.num_engines = spec.vllm_num_engines or args.vllm.num_engines
-    a.rollout.max_new_tokens = spec.max_new_tokens or args.rollout.max_new_tokens
-    a.ckpt.path = os.path.join(args.ckpt.path, spec.name)
-    a.ckpt.output_dir = os.path.join(args.ckpt.output_dir, spec.name)
-    return a
+def check_placement(args, topology) -> None:
+    """Before any actor exists: the plan (placement.py) against the Ray cluster's GPUs, logical or real, and
+    their memory where known (--mappa.gpu_memory_gib, else this process's GPU). Printed when it fits; refused,
+    with the smallest change that would fit, when not. Ray itself would wait forever, silently, for GPUs
+    that never come."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    gib = args.mappa.gpu_memory_gib or placement.detect_gpus()[1]
+    try:
+        plan = placement.check(args, topology, gpus, gib)
+    except ValueError as e:
+        raise SystemExit(f"[mappa] {e}\n(On CPU, MAPPA_CPU_NUM_GPUS sets a local cluster's logical GPUs.)") from None
+    memory = "" if gib else " (GPU memory not known here: give --mappa.gpu_memory_gib to check it too)"
+    print(f"[mappa] placement plan for {gpus} GPUs{memory}:\n{placement.format_plan(plan, gpus)}", flush=True)
 
 
 @dataclass
@@ -86,14 +68,8 @@ def build_agents(args, topology, max_steps: int, startup) -> list:
     from openrlhf.utils import get_strategy
     from transformers import AutoTokenizer
 
+    check_placement(args, topology)
     per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
-    needs = {}
-    for spec, a in per_agent:
-        needs[f"{spec.name}/actor"] = a.actor.num_nodes * a.actor.num_gpus_per_node
-        if a.algo.kl.init_coef > 0:
-            needs[f"{spec.name}/reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
-        needs[f"{spec.name}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
-    check_gpu_budget(needs)
 
     agents, init_refs = [], []
     for spec, a in per_agent:
@@ -130,18 +106,6 @@ def build_agents(args, topology, max_steps: int, startup) -> list:
     for spec in topology.agents[len(agents) :]:
         agents.append(dataclasses.replace(agents[0], spec=spec, args=agent_args(args, spec)))
     return agents
-
-
-def trainee_specs(args, topology) -> list:
-    """The agents that own weights: all of them, or with --mappa.shared_policy only the first, whose one
-    policy then plays every role (the baseline MAPPA's separate weights are compared against)."""
-    if not args.mappa.shared_policy:
-        return topology.agents
-    models = {spec.model for spec in topology.agents}
-    if len(models) > 1:
-        raise SystemExit(f"--mappa.shared_policy trains one model for every role, but the topology names "
-                         f"{len(models)} ({', '.join(sorted(models))}); pick one with --mappa.model")
-    return topology.agents[:1]
 
 
 def experience_of(action):

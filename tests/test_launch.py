@@ -3,11 +3,13 @@ by the real CLI before Ray starts (message alone, no traceback, in seconds), inc
 silently start over. Nothing here starts Ray: every refusal happens before it, which is the point."""
 
 import ast
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +21,8 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from openrlhf_mappa.cli.train_mappa_ray import parse_args, validate
+from openrlhf_mappa.cli.train_mappa_ray import UPSTREAM_FLAGS, parse_args, upstream_cli, validate
+from openrlhf_mappa import placement
 from openrlhf_mappa.topology import check_model, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,6 +142,10 @@ def test_gpu_script_submits_absolute_paths_and_declares_its_gpus(tmp_path, scrip
         for a in topology.agents
     )
     assert need == 18 and args.algo.kl.init_coef > 0  # the reference models count
+    # And they fit in memory on 18 GPUs of 80 GiB (Qwen3-4B's sizes from its config, test_placement.py).
+    size = placement.model_size(json.loads((ROOT / "tests" / "fixtures" / "qwen3-4b" / "config.json").read_text()))
+    assert {a.model for a in topology.agents} == {"Qwen/Qwen3-4B"}
+    placement.check(args, topology, 18, 80.0, sizes={a.name: size for a in topology.agents})
     assert f"this recipe needs {need} GPUs in the Ray cluster" in proc.stdout
 
 
@@ -352,6 +359,136 @@ def test_a_changed_upstream_block_fails_loudly(tmp_path, monkeypatch, change, na
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(origin=str(tmp_path / "cli" / "train_ppo_ray.py")))
     with pytest.raises(RuntimeError, match=re.escape(named)):
         parse_args(["--mappa.topology", "t.yaml"])
+
+
+def test_upstream_main_block_is_the_one_upstream_cli_was_written_for():
+    # Until openrlhf ships get_parser()/validate() (patches/openrlhf_train_ppo_ray_get_parser.patch), MAPPA
+    # executes train_ppo_ray's main block from its syntax tree. Any change to that block's shape, even one the
+    # checks above would let through (a new check, a flag moved), stops here: re-read it against upstream_cli's
+    # rewrites and the flag table (UPSTREAM_FLAGS), then pin the new digest.
+    path = importlib.util.find_spec("openrlhf.cli.train_ppo_ray").origin
+    main = next(n for n in ast.parse(Path(path).read_text()).body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
+    digest = hashlib.sha256(ast.dump(main).encode()).hexdigest()[:16]
+    assert digest == "b29c0df209a8c9f7", f"openrlhf's train_ppo_ray main block changed shape ({path}): review upstream_cli"
+
+
+def upstream_options():
+    """Every option of upstream's PPO parser, as the table names it (without the dashes)."""
+    get_parser, _, _ = upstream_cli()
+    return {a.option_strings[0].lstrip("-") for a in get_parser()._actions if a.dest != "help"}
+
+
+def test_every_upstream_flag_is_honoured_or_refused():
+    # An openrlhf upgrade that adds a flag fails here until the flag is classified, so it cannot be silently
+    # ignored; a flag upstream dropped leaves a stale entry, which fails too.
+    options = upstream_options()
+    assert len(options) > 150  # the whole parser was read, not a prefix of it
+    assert sorted(options - set(UPSTREAM_FLAGS)) == [], "classify these in train_mappa_ray.UPSTREAM_FLAGS"
+    assert sorted(set(UPSTREAM_FLAGS) - options) == [], "no longer in upstream's parser"
+    assert all(v == "honoured" or (v.startswith("refused: ") and len(v) > 20) for v in UPSTREAM_FLAGS.values())
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--ds.ring_attn_size", "2"], "without OpenRLHF's duplicate_actors"),
+    (["--ds.tensor_parallel_size", "2"], "without OpenRLHF's duplicate_actors"),
+    (["--train.dynamic_batch_enable"], "token-budget batching is not wired in"),
+    (["--vllm.sync_with_ray"], "would be named 'openrlhf'"),
+    (["--algo.advantage.is_correction_level", "token"], "carry no rollout log-probs"),
+    (["--algo.kl.target", "0.1"], "no adaptive KL controller"),
+    (["--algo.advantage.gamma", "0.99"], "undiscounted (gamma = 1"),
+    (["--algo.advantage.no_std_norm"], "whitens advantages by mean and std"),
+    (["--logger.logging_steps", "10"], "MAPPA logs every step"),
+    (["--data.input_key", "question"], "prompt/answer rows"),
+    (["--data.label_key", "solution"], "prompt/answer rows"),
+    (["--actor.model_name_or_path", "Qwen/Qwen3-4B"], "comes from the topology (or --mappa.model)"),
+    (["--train.colocate_all"], "GPUs of their own"),
+    (["--vllm.enable_sleep"], "GPUs of their own"),  # upstream itself turns it off without colocate_all
+    (["--algo.advantage.estimator", "gae"], "only reinforce"),
+    (["--algo.kl.use_loss"], "KL in the reward"),
+])  # fmt: skip
+def test_refused_flags_name_their_reason(flags, reason):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--mappa.topology", "t.yaml", *flags])
+    message = str(e.value)
+    assert message.startswith("[mappa] OpenRLHF flags that MAPPA does not honour") and reason in message
+    assert f"{flags[0]} " in message
+
+
+def test_refused_flags_at_their_default_pass_and_the_cli_refuses_before_ray(workdir):
+    # Set to the default value, a refused flag changes nothing: passed.
+    args = parse_args(["--mappa.topology", "t.yaml", "--algo.advantage.gamma", "1.0", "--reward.clip_range", "-10", "10",
+                       "--logger.logging_steps", "1", "--algo.advantage.estimator", "reinforce"])
+    assert args.algo.advantage.gamma == 1.0
+    # Several at once, all named, through the real CLI before torch or Ray load.
+    write_topology(workdir)
+    proc = cli(workdir, GOOD + ["--algo.advantage.gamma", "0.9", "--train.async_enable"], "refused flags")
+    assert_refused(proc, "refused flags", "--train.async_enable True: MAPPA's team loop is synchronous")
+    assert "--algo.advantage.gamma 0.9: MAPPA's returns are undiscounted" in proc.message and proc.returncode == 1
+
+
+def patched_upstream(tmp_path, monkeypatch):
+    """A copy of the installed openrlhf train_ppo_ray with the upstream-candidate patch applied by `patch`,
+    and find_spec pointed at it (as a release that took the patch would be installed)."""
+    real = Path(importlib.util.find_spec("openrlhf.cli.train_ppo_ray").origin)
+    (tmp_path / "openrlhf" / "cli").mkdir(parents=True)
+    (tmp_path / "openrlhf" / "utils").mkdir()
+    shutil.copy(real, tmp_path / "openrlhf" / "cli" / "train_ppo_ray.py")
+    shutil.copy(real.parent.parent / "utils" / "config.py", tmp_path / "openrlhf" / "utils" / "config.py")
+    for check in (["git", "apply", "--check", "-p1", str(PATCH)], ["patch", "-p1", "--dry-run", "-i", str(PATCH)]):
+        proc = subprocess.run(check, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "FAILED" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    proc = subprocess.run(["patch", "-p1", "-i", str(PATCH)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "fuzz" not in proc.stdout and "offset" not in proc.stdout, proc.stdout
+    path = tmp_path / "openrlhf" / "cli" / "train_ppo_ray.py"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(origin=str(path)))
+    return path
+
+
+PATCH = ROOT / "patches" / "openrlhf_train_ppo_ray_get_parser.patch"
+
+
+def test_get_parser_patch_applies_and_its_parser_is_the_same(tmp_path, monkeypatch):
+    argvs = [
+        ["--mappa.topology", "t.yaml", "--eval.dataset", "e.jsonl", "--logger.wandb.run_name", "r"],
+        GOOD + ["--ds.ring_attn_head_stride", "1", "--actor.eps_clip", "0.3", "--rollout.micro_batch_size", "2",
+                "--logger.wandb.run_name", "r", "--data.max_len", "4096"],
+    ]
+    syntax_tree = [vars_of(parse_args(argv)) for argv in argvs]
+    path = patched_upstream(tmp_path, monkeypatch)
+    text = path.read_text()
+    assert "def get_parser():" in text and "def validate(args):" in text and "\nimport ray" not in text
+    assert upstream_cli()[0].__module__ == "_openrlhf_train_ppo_ray"  # the importable functions are taken
+    assert [vars_of(parse_args(argv)) for argv in argvs] == syntax_tree
+    # Upstream's own checks and MAPPA's table still refuse, the same way.
+    with pytest.raises(SystemExit, match="The number of sample batches must be greater"):
+        parse_args(["--mappa.topology", "t.yaml", "--rollout.batch_size", "1", "--rollout.micro_batch_size", "4",
+                    "--actor.num_gpus_per_node", "2"])
+    with pytest.raises(SystemExit, match="--algo.kl.target 0.1: MAPPA keeps the KL coefficient fixed"):
+        parse_args(["--mappa.topology", "t.yaml", "--algo.kl.target", "0.1"])
+    # Imported for its parser, the patched module loads neither Ray nor torch.
+    proc = subprocess.run([sys.executable, "-c", f"import importlib.util, sys\n"
+                           f"s = importlib.util.spec_from_file_location('m', {str(path)!r}); m = importlib.util.module_from_spec(s)\n"
+                           f"s.loader.exec_module(m); m.get_parser()\n"
+                           f"print(sorted(x for x in sys.modules if x.split('.')[0] in {sorted(HEAVY)!r}))"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr[-2000:]
+
+
+def vars_of(namespace):
+    return {k: vars_of(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(namespace).items()}
+
+
+def test_launch_with_the_cluster_given_refuses_a_plan_that_cannot_fit(workdir):
+    # The model directory holds Qwen3-4B's config.json (the plan reads sizes from it; no weights needed).
+    shutil.copy(ROOT / "tests" / "fixtures" / "qwen3-4b" / "config.json", workdir / "model" / "config.json")
+    write_topology(workdir)
+    proc = cli(workdir, GOOD + ["--ref.num_gpus_per_node", "1", "--mappa.gpus", "1", "--mappa.gpu_memory_gib", "80"], "plan: too few GPUs")
+    assert_refused(proc, "plan: too few GPUs", "[mappa] the plan does not fit 1 x 80 GiB GPUs:\n  - not enough GPUs: "
+                   "the requested actor groups and vLLM engines need 3 GPUs but the cluster has 1")
+    proc = cli(workdir, GOOD + ["--ref.num_gpus_per_node", "1", "--mappa.gpus", "3", "--mappa.gpu_memory_gib", "80", "--data.max_len", "8192"],
+               "plan: too little memory")
+    assert_refused(proc, "plan: too little memory", "GPU 0 (solver actor rank 0/1) needs")
+    assert "Smallest change that fits: --actor.gradient_checkpointing_enable" in proc.message
 
 
 def test_print_refusal_times():

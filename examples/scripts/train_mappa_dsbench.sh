@@ -4,6 +4,9 @@
 # per-action coach scores, KL 0.01 in the reward, lr 1e-6, rollout batch 16, 16K generation, 30 episodes,
 # ZeRO-3, bf16. Per agent: 2 actor GPUs, 2 reference GPUs, 2 vLLM engines: 18 GPUs for three agents
 # (printed below; ACTOR_GPUS, REF_GPUS, ENGINES change it, as do per-agent overrides in the topology YAML).
+# Memory: Adam states on CPU (--ds.adam_offload, as the authors ran it) and forward micro-batches of 2, so that
+# an action of --data.max_len tokens fits an 80 GiB GPU; `mappa plan` with these flags (plus --mappa.gpus N
+# --mappa.gpu_memory_gib G) prints where everything goes and its memory, and the launch checks the same.
 #
 # Tasks: the paper trains on DSBench's 64 modeling tasks. Download DSBench's data yourself, then
 #   mappa dsbench import --data-root DIR --metadata dsbench_modeling_train.json --out data/dsbench
@@ -42,13 +45,14 @@ ray job submit --address="http://127.0.0.1:8265" \
    --vllm.gpu_memory_utilization 0.6 \
    --ds.zero_stage 3 \
    --ds.param_dtype bf16 \
+   --ds.adam_offload \
    --algo.advantage.estimator reinforce \
    --algo.kl.init_coef 0.01 \
    --algo.kl.estimator k1 \
    --actor.adam.lr 1e-6 \
    --rollout.batch_size 16 \
    --rollout.n_samples_per_prompt 2 \
-   --rollout.micro_batch_size 4 \
+   --rollout.micro_batch_size 2 \
    --rollout.max_new_tokens 16384 \
    --data.max_len 32768 \
    --train.batch_size 16 \

@@ -4,6 +4,9 @@
 # 2 samples per prompt, ZeRO-3, bf16. Per agent: 2 actor GPUs, 2 reference GPUs, 2 vLLM engines: 18 GPUs for
 # three agents (printed below; ACTOR_GPUS, REF_GPUS, ENGINES change it, as do per-agent overrides in the
 # topology YAML). The coach's GPUs, if you serve it yourself, must stay out of Ray (see README, GPU usage).
+# Memory: Adam states on CPU (--ds.adam_offload, as the authors ran it) and forward micro-batches of 2, so that
+# an action of --data.max_len tokens fits an 80 GiB GPU; `mappa plan` with these flags (plus --mappa.gpus N
+# --mappa.gpu_memory_gib G) prints where everything goes and its memory, and the launch checks the same.
 #
 # The coach is any OpenAI-compatible endpoint:
 #   export MAPPA_COACH_BASE_URL=https://api.openai.com/v1 MAPPA_COACH_MODEL=gpt-4o-mini OPENAI_API_KEY=...
@@ -39,13 +42,14 @@ ray job submit --address="http://127.0.0.1:8265" \
    --vllm.gpu_memory_utilization 0.6 \
    --ds.zero_stage 3 \
    --ds.param_dtype bf16 \
+   --ds.adam_offload \
    --algo.advantage.estimator reinforce \
    --algo.kl.init_coef 0.01 \
    --algo.kl.estimator k1 \
    --actor.adam.lr 1e-6 \
    --rollout.batch_size 32 \
    --rollout.n_samples_per_prompt 2 \
-   --rollout.micro_batch_size 4 \
+   --rollout.micro_batch_size 2 \
    --rollout.max_new_tokens 4096 \
    --data.max_len 28672 \
    --train.batch_size 16 \

@@ -1,5 +1,5 @@
-"""The `mappa` command: project tools (`mappa eval`, `mappa report`, `mappa tiny-model`, `mappa coach score`,
-`mappa sandbox run`, `mappa dsbench make-pack|import|score`)."""
+"""The `mappa` command: project tools (`mappa plan`, `mappa eval`, `mappa report`, `mappa tiny-model`,
+`mappa coach score`, `mappa sandbox run`, `mappa dsbench make-pack|import|score`)."""
 
 import argparse
 import json
@@ -7,8 +7,15 @@ import sys
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:  # its flags are train_mappa_ray's, which argparse cannot pass through a subparser
+        sys.exit(plan_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="mappa", description="openrlhf_mappa tools")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("plan", help="which GPU holds which agent's actor, reference and engines, and the memory each "
+                   "needs per phase; takes train_mappa_ray's flags, the cluster as --mappa.gpus N "
+                   "--mappa.gpu_memory_gib G (default: this machine's GPUs); exit 1 when it does not fit")
 
     p = sub.add_parser("eval", help="evaluate a team on task files: pass@1 accuracy or DSBench scores, and behaviour")
     p.add_argument("--topology", required=True, help="topology YAML (agents, env)")
@@ -116,6 +123,35 @@ def main(argv=None):
             print(write_report(*args.run_dirs, out=args.out))
         except (OSError, ValueError) as e:
             raise SystemExit(f"mappa report: {e}")
+
+
+def plan_main(argv) -> int:
+    """`mappa plan`: the launch's own plan and check (placement.py), without a cluster."""
+    from openrlhf_mappa import placement
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args, refusals, validate
+    from openrlhf_mappa.topology import load_topology
+
+    args = parse_args(argv)
+    with refusals():
+        topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
+        validate(args, topology)
+    gpus, gib = args.mappa.gpus, args.mappa.gpu_memory_gib
+    if gpus is None or gib is None:
+        found = placement.detect_gpus()
+        gpus, gib = gpus if gpus is not None else found[0], gib if gib is not None else found[1]
+    if gpus is None or gib is None:
+        raise SystemExit("mappa plan: no GPU here to measure: give the cluster as --mappa.gpus N --mappa.gpu_memory_gib G")
+    plan = placement.make_plan(args, topology, gib)
+    print(f"mappa plan: {len(topology.agents)} agents on {gpus} GPUs of {gib:g} GiB; placement: each agent's actor, "
+          f"reference and vLLM engines on GPUs of their own\n")
+    print(placement.format_plan(plan, gpus))
+    try:
+        placement.check(args, topology, gpus, gib)
+    except ValueError as e:
+        print(f"\nREFUSED: {e}")
+        return 1
+    print(f"\nfits: {plan.need} of {gpus} GPUs")
+    return 0
 
 
 def eval_main(parser, args):

@@ -75,6 +75,10 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.coach.score_outcome_runs", action="store_true",
                    help="with --mappa.reward outcome: still ask the coach about every action, for comparison "
                         "(logged, never trained on; default: no coach calls)")
+    g.add_argument("--mappa.gpus", type=int, default=None,
+                   help="GPUs in the cluster, for `mappa plan` and the check before Ray starts (at launch: Ray's count)")
+    g.add_argument("--mappa.gpu_memory_gib", type=float, default=None,
+                   help="memory of one GPU in GiB, for the plan's memory check (default: detected where the driver sees a GPU)")
     g.add_argument("--mappa.startup_warn_s", type=float, default=300.0,
                    help="while engines and actors start: name those not up yet, and what they wait for, every this many seconds")
     g.add_argument("--mappa.startup_timeout_s", type=float, default=1800.0,
@@ -95,19 +99,138 @@ def refusals():
         raise SystemExit(f"[mappa] {e or type(e).__name__}") from None
 
 
-# Statements of upstream's main block that MAPPA changes; parse_args fails loudly when one is missing.
-UPSTREAM_PARSE = "args = parser.parse_args()"  # MAPPA's flags are added just before it
+# ---------------------------------------------------------------- OpenRLHF's flags, honoured or refused
+# Every flag of train_ppo_ray's parser: "honoured" (it does in MAPPA what it does in OpenRLHF: MAPPA passes it
+# on, or OpenRLHF's actor, strategy or engine classes that MAPPA builds read it) or "refused: why". A refused
+# flag set to anything but its default stops the launch before Ray starts, instead of being silently ignored.
+# tests/test_launch.py fails when upstream's parser has a flag this table does not name (an openrlhf upgrade).
+HONOURED = """
+    actor.num_nodes actor.num_gpus_per_node ref.num_nodes ref.num_gpus_per_node ref.offload
+    vllm.num_engines vllm.tensor_parallel_size vllm.sync_backend vllm.enable_prefix_caching vllm.enforce_eager
+    vllm.gpu_memory_utilization
+    ds.zero_stage ds.param_dtype ds.zpg ds.adam_offload ds.attn_implementation ds.experts_implementation
+    ds.use_liger_kernel ds.grad_accum_dtype ds.overlap_comm ds.deepcompile ds.packing_samples ds.use_universal_ckpt
+    actor.gradient_checkpointing_enable actor.gradient_checkpointing_reentrant
+    actor.eps_clip actor.eps_clip_low_high actor.dual_clip actor.policy_loss_type actor.loss_agg_mode
+    actor.aux_loss_coef actor.entropy_coef actor.optim actor.muon.lr actor.muon.momentum actor.muon.ns_steps
+    actor.muon.nesterov actor.muon.no_nesterov actor.adam.lr actor.adam.betas actor.adam.eps actor.adam.weight_decay
+    actor.lr_scheduler actor.lr_warmup_ratio actor.min_lr_ratio actor.max_norm
+    train.enable_ema train.ema_beta train.max_epochs train.micro_batch_size train.batch_size train.num_episodes
+    train.seed train.full_determinism_enable
+    rollout.batch_size rollout.micro_batch_size rollout.max_new_tokens rollout.n_samples_per_prompt
+    rollout.temperature rollout.top_p
+    algo.kl.init_coef algo.kl.estimator
+    data.prompt_dataset data.max_len data.max_samples data.apply_chat_template
+    eval.dataset eval.steps eval.temperature eval.n_samples_per_prompt
+    ckpt.path ckpt.output_dir ckpt.save_steps ckpt.save_hf ckpt.disable_ds ckpt.max_num ckpt.max_mem ckpt.load_enable
+    logger.wandb.key logger.wandb.org logger.wandb.group logger.wandb.project logger.wandb.run_name
+    logger.tensorboard_dir
+""".split()  # data.apply_chat_template: MAPPA always renders prompts with each model's chat template
+NO_CRITIC = "MAPPA has no critic: its advantages are REINFORCE++ return-to-go (rewards.py)"
+NO_REWARD_MODEL = "MAPPA has no reward model: the coach scores every action (--mappa.coach.*)"
+OWN_GPUS = ("each agent's actor, reference and engines run on GPUs of their own (see `mappa plan`); "
+            "colocation and sleep come with issue 14's hybrid engine")
+SYNCHRONOUS = "MAPPA's team loop is synchronous: rollout, coach, then each agent's update"
+OWN_TASKS = "MAPPA reads tasks itself, JSON lists or JSONL of prompt/answer rows (--data.prompt_dataset, --eval.dataset)"
+OWN_PROMPTS = "each agent's prompt comes from the topology, rendered with that agent's chat template"
+NO_DUPLICATE = ("MAPPA builds each agent's actor and reference groups without OpenRLHF's duplicate_actors, so "
+                "ranks of one ring-attention / tensor-parallel group would get different data")
+DYNAMIC_BATCH = ("MAPPA trains whole --train.batch_size batches per agent (trainer.batch_rule) and splits "
+                 "experiences by --rollout.micro_batch_size; token-budget batching is not wired in")
+LORA = ("OpenRLHF 0.11.2's weight sync sends the PEFT-wrapped parameter names (base_model.model..., lora_A), "
+        "which vLLM's weight loader rejects (OpenRLHF issue #1349)")
+IS_CORRECTION = "MAPPA's experiences carry no rollout log-probs, which the correction compares against"
+KL_IN_REWARD = "MAPPA puts KL in the reward (r_t = score - beta * KL); KL as a loss is not supported"
+TEXT_ONLY = "MAPPA's agents are text-only"
+REFUSED = {
+    "reward.num_nodes": NO_REWARD_MODEL, "reward.num_gpus_per_node": NO_REWARD_MODEL, "reward.offload": NO_REWARD_MODEL,
+    "reward.model_name_or_path": NO_REWARD_MODEL, "reward.remote_url": NO_REWARD_MODEL,
+    "reward.normalize_enable": NO_REWARD_MODEL, "ds.value_head_prefix": NO_REWARD_MODEL + ", and no critic",
+    "reward.clip_range": "coach scores are never clamped (rewards.token_rewards)",
+    "reward.overlong_buffer_len": "OpenRLHF's length penalties are not applied: MAPPA leaves actions cut off at the "
+                                  "token limit out of training instead (--mappa.train_truncated)",
+    "reward.overlong_penalty_factor": "applies only with --reward.overlong_buffer_len, which MAPPA refuses",
+    "reward.stop_properly_penalty_coef": "OpenRLHF's length penalties are not applied (see --mappa.train_truncated)",
+    "critic.num_nodes": NO_CRITIC, "critic.num_gpus_per_node": NO_CRITIC, "critic.model_name_or_path": NO_CRITIC,
+    "critic.value_clip": NO_CRITIC, "critic.freezing_steps": NO_CRITIC, "critic.save_value_network": NO_CRITIC,
+    "critic.optim": NO_CRITIC, "critic.muon.lr": NO_CRITIC, "critic.muon.momentum": NO_CRITIC,
+    "critic.muon.ns_steps": NO_CRITIC, "critic.muon.nesterov": NO_CRITIC, "critic.muon.no_nesterov": NO_CRITIC,
+    "critic.adam.lr": NO_CRITIC, "critic.adam.betas": NO_CRITIC, "critic.adam.eps": NO_CRITIC,
+    "critic.adam.weight_decay": NO_CRITIC, "critic.lr_scheduler": NO_CRITIC, "critic.lr_warmup_ratio": NO_CRITIC,
+    "critic.min_lr_ratio": NO_CRITIC, "critic.max_norm": NO_CRITIC,
+    "train.colocate_actor_ref": OWN_GPUS, "train.colocate_all": OWN_GPUS,
+    "train.colocate_critic_reward": NO_CRITIC + "; " + NO_REWARD_MODEL,
+    "vllm.enable_sleep": OWN_GPUS, "ds.enable_sleep": OWN_GPUS + " (the actor would start offloaded and nothing reloads it)",
+    "vllm.sync_with_ray": "every agent's Ray collective sync group would be named 'openrlhf', so agents' weight "
+                          "syncs would collide; use --vllm.sync_backend",
+    "train.async_enable": SYNCHRONOUS, "train.async_queue_size": SYNCHRONOUS, "train.partial_rollout_enable": SYNCHRONOUS,
+    "rollout.vllm_generate_batch_size": "MAPPA submits every episode of a step to the engines at once",
+    "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
+    "algo.advantage.gamma": "MAPPA's returns are undiscounted (gamma = 1, rewards.returns_to_go), as in the paper",
+    "algo.advantage.lambd": "GAE's lambda: " + NO_CRITIC,
+    "algo.advantage.no_std_norm": "MAPPA whitens advantages by mean and std (rewards.whiten) over --mappa.norm_scope",
+    "algo.advantage.is_correction_level": IS_CORRECTION, "algo.advantage.is_correction_mode": IS_CORRECTION,
+    "algo.advantage.is_correction_gating": IS_CORRECTION, "algo.advantage.is_correction_threshold": IS_CORRECTION,
+    "algo.kl.use_loss": KL_IN_REWARD, "algo.kl.unbiased_gradient": KL_IN_REWARD,
+    "algo.kl.target": "MAPPA keeps the KL coefficient fixed at --algo.kl.init_coef (no adaptive KL controller)",
+    "algo.kl.horizon": "applies only with --algo.kl.target (adaptive KL), which MAPPA refuses",
+    "algo.dynamic_filtering_enable": "MAPPA trains on every scored action; filtering prompt groups by reward is not wired in",
+    "algo.dynamic_filtering_range": "applies only with --algo.dynamic_filtering_enable, which MAPPA refuses",
+    "train.dynamic_batch_enable": DYNAMIC_BATCH, "rollout.max_tokens_per_gpu": DYNAMIC_BATCH,
+    "train.max_tokens_per_gpu": DYNAMIC_BATCH,
+    "ds.ring_attn_size": NO_DUPLICATE, "ds.ring_attn_head_stride": NO_DUPLICATE, "ds.tensor_parallel_size": NO_DUPLICATE,
+    "ds.lora.rank": LORA, "ds.lora.alpha": LORA, "ds.lora.target_modules": LORA, "ds.lora.dropout": LORA,
+    "ds.load_in_4bit": LORA + " (4-bit base weights are for LoRA training)",
+    "actor.model_name_or_path": "each agent's model comes from the topology (or --mappa.model)",
+    "train.agent_func_path": "the topology's environment drives each episode (--mappa.topology)",
+    "data.prompt_probs": OWN_TASKS, "data.prompt_split": OWN_TASKS, "eval.split": OWN_TASKS,
+    "data.input_key": OWN_TASKS, "data.label_key": OWN_TASKS, "data.dataloader_num_workers": OWN_TASKS,
+    "data.input_template": OWN_PROMPTS,
+    "data.disable_fast_tokenizer": "MAPPA's rollout tokenizes with each model's default (fast) tokenizer",
+    "data.image_key": TEXT_ONLY, "data.max_images_per_prompt": TEXT_ONLY, "actor.freeze_visual_encoder": TEXT_ONLY,
+    "logger.logging_steps": "MAPPA logs every step (metrics.jsonl and the loggers)",
+    "ckpt.best_metric_key": "only OpenRLHF's own trainer keeps a best checkpoint; MAPPA's evaluations go to eval.jsonl",
+    "local_rank": "DeepSpeed's launcher sets it; under Ray each actor's rank comes from Ray",
+    "use_ms": "ModelScope would patch the driver only; MAPPA's actors and engines load from the Hugging Face hub "
+              "or local directories",
+}  # fmt: skip
+UPSTREAM_FLAGS = {**dict.fromkeys(HONOURED, "honoured"), **{k: f"refused: {why}" for k, why in REFUSED.items()}}
+
+
+def refuse_ignored_flags(parser, raw) -> None:
+    """Stop when a flag the table refuses was given a value other than its default. `raw` is the parsed
+    namespace before upstream's checks, which change some values (e.g. --vllm.enable_sleep back to False)."""
+    plain = lambda v: list(v) if isinstance(v, tuple) else v  # nargs flags: a list given, a tuple as default
+    refused = {}  # dest -> message (--x.nesterov and --x.no_nesterov share one)
+    for action in parser._actions:
+        name = action.option_strings[0].lstrip("-")
+        verdict = UPSTREAM_FLAGS.get(name, "refused: not classified for this openrlhf release")
+        if name.startswith("mappa.") or action.dest == "help" or verdict == "honoured":
+            continue
+        value = getattr(raw, action.dest)
+        if plain(value) != plain(action.default):
+            refused.setdefault(action.dest, f"--{name} {value!r}: {verdict.removeprefix('refused: ')}")
+    if refused:
+        raise SystemExit("[mappa] OpenRLHF flags that MAPPA does not honour (refused rather than silently ignored):\n  "
+                         + "\n  ".join(refused.values()))
+
+
+# Statements of upstream's main block that MAPPA changes; upstream_cli fails loudly when one is missing.
+UPSTREAM_PARSE = "args = parser.parse_args()"  # the block splits here: the parser before, the checks after
 UPSTREAM_HIERARCHIZE = "from openrlhf.utils.config import hierarchize"  # its package imports DeepSpeed
+UPSTREAM_HIERARCHIZED = "args = hierarchize(args)"  # parse_args hierarchizes itself
 UPSTREAM_EVAL_CHECK = "args.eval.dataset"  # demands a reward model for --eval.dataset; MAPPA's env grades it
-UPSTREAM_TRAIN = "train(args)"  # where parsing ends
+UPSTREAM_TRAIN = "train(args)"  # where the checks end
 
 
-def parse_args(argv=None):
-    """OpenRLHF's parser + validation from train_ppo_ray's main block, with MAPPA's flags added.
+def upstream_cli():
+    """OpenRLHF's (get_parser, validate) of train_ppo_ray, and its hierarchize; none loads torch or Ray.
 
-    The block is read from the source file, not imported: importing train_ppo_ray loads torch, DeepSpeed
-    and vLLM, 10-40 s before a typo could be reported. So the block may take only standard-library names
-    from its module; `hierarchize` comes from its own small file."""
+    Imported where train_ppo_ray has them (patches/openrlhf_train_ppo_ray_get_parser.patch, an upstream
+    candidate). openrlhf 0.11.2 keeps both inline under `if __name__ == "__main__"`: then the block is read
+    from the source file and split at its parse_args() into the two: importing the module would load torch,
+    DeepSpeed and vLLM, 10-40 s before a typo could be reported. So the block may take only standard-library
+    names from its module; `hierarchize` comes from its own file."""
     installed = importlib.metadata.version("openrlhf")
     if installed not in OPENRLHF_FITS:
         raise SystemExit(f"[mappa] openrlhf_mappa's CLI reads openrlhf {', '.join(OPENRLHF_FITS)}'s train_ppo_ray; "
@@ -115,49 +238,77 @@ def parse_args(argv=None):
     path = importlib.util.find_spec("openrlhf.cli.train_ppo_ray").origin  # imports only the empty packages
     with open(path, encoding="utf-8") as f:
         module = ast.parse(f.read(), path)
+    hierarchize = load_file_module("_openrlhf_config", os.path.join(os.path.dirname(path), "..", "utils", "config.py")).hierarchize
+    if any(isinstance(n, ast.FunctionDef) and n.name == "get_parser" for n in module.body):
+        upstream = load_file_module("_openrlhf_train_ppo_ray", path)
+
+        def validate_upstream(args):
+            eval_dataset, args.eval.dataset = args.eval.dataset, None  # as the block's eval check is left out below
+            upstream.validate(args)
+            args.eval.dataset = eval_dataset
+
+        return upstream.get_parser, validate_upstream, hierarchize
+
     main = next(n for n in module.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
-    body, seen = [], set()
+    build, checks, seen = [], [], set()
     for stmt in main.body:
         text = ast.unparse(stmt.test if isinstance(stmt, ast.If) else stmt)
         seen.add(text)
         if text == UPSTREAM_TRAIN:
             break
-        if text in (UPSTREAM_EVAL_CHECK, UPSTREAM_HIERARCHIZE):
-            continue
-        if text == UPSTREAM_PARSE:
-            body.append(ast.parse("__add_mappa_args__(parser)").body[0])
-        body.append(stmt)
-    block = ast.Module(body=body, type_ignores=[])
-
-    spec = importlib.util.spec_from_file_location("_openrlhf_config", os.path.join(os.path.dirname(path), "..", "utils", "config.py"))
-    config = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(config)
-    namespace = {"__add_mappa_args__": add_mappa_args, "hierarchize": config.hierarchize}
+        if text not in (UPSTREAM_PARSE, UPSTREAM_HIERARCHIZE, UPSTREAM_HIERARCHIZED, UPSTREAM_EVAL_CHECK):
+            (checks if UPSTREAM_PARSE in seen else build).append(stmt)
+    namespace = {}
     for stmt in module.body:
         if isinstance(stmt, (ast.Import, ast.ImportFrom)) and ast.unparse(stmt).split()[1].split(".")[0] in sys.stdlib_module_names:
             exec(compile(ast.Module(body=[stmt], type_ignores=[]), path, "exec"), namespace)
-    nodes = list(ast.walk(block))
-    bound = {n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    nodes = [n for stmt in build + checks for n in ast.walk(stmt)]
+    bound = {n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)} | {"args"}
     bound |= {(a.asname or a.name).split(".")[0] for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     unbound = {n.id for n in nodes if isinstance(n, ast.Name)} - bound - set(namespace) - set(dir(builtins))
-    missing = [s for s in (UPSTREAM_PARSE, UPSTREAM_HIERARCHIZE, UPSTREAM_EVAL_CHECK, UPSTREAM_TRAIN) if s not in seen]
+    rewritten = (UPSTREAM_PARSE, UPSTREAM_HIERARCHIZE, UPSTREAM_HIERARCHIZED, UPSTREAM_EVAL_CHECK, UPSTREAM_TRAIN)
+    missing = [s for s in rewritten if s not in seen]
     if missing or unbound:
         raise RuntimeError(f"openrlhf {installed} changed the main block of {path}: statements MAPPA rewrites not "
                            f"found: {missing}; names it reads that are not standard library: {sorted(unbound)}. "
-                           f"Update openrlhf_mappa/cli/train_mappa_ray.py parse_args.")
+                           f"Update openrlhf_mappa/cli/train_mappa_ray.py upstream_cli.")
+    build, checks = (compile(ast.Module(body=b, type_ignores=[]), path, "exec") for b in (build, checks))
 
-    saved, sys.argv = sys.argv, [sys.argv[0]] + list(sys.argv[1:] if argv is None else argv)
-    try:
-        with refusals():  # upstream validates with assert
-            exec(compile(block, path, "exec"), namespace)
-    finally:
-        sys.argv = saved
-    return namespace["args"]
+    def get_parser():
+        scope = dict(namespace)
+        exec(build, scope)
+        return scope["parser"]
+
+    def validate_upstream(args):
+        exec(checks, dict(namespace, args=args))
+
+    return get_parser, validate_upstream, hierarchize
+
+
+def parse_args(argv=None):
+    """OpenRLHF's flags and checks (upstream_cli) with MAPPA's flags added; the flag table checked on the
+    parsed values before upstream's checks change any of them."""
+    get_parser, validate_upstream, hierarchize = upstream_cli()
+    parser = get_parser()
+    add_mappa_args(parser)
+    raw = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    refuse_ignored_flags(parser, raw)
+    args = hierarchize(raw)
+    with refusals():  # upstream validates with assert
+        validate_upstream(args)
+    return args
+
+
+def load_file_module(name, path):
+    """A module executed from its file, without importing the package around it (whose __init__ may load
+    DeepSpeed)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def validate(args, topology):
-    if args.train.colocate_all or args.train.colocate_actor_ref or args.train.async_enable:
-        raise SystemExit("MAPPA runs each agent on its own GPUs: --train.colocate_* and --train.async_enable are not supported yet")
     if not args.vllm.num_engines:
         raise SystemExit("MAPPA generates with vLLM: set --vllm.num_engines (per agent; a topology may override it)")
     if not args.data.prompt_dataset:
@@ -166,8 +317,7 @@ def validate(args, topology):
     # (experiences) and --train.micro_batch_size pieces (DeepSpeed's gradient accumulation). A topology may
     # give an agent its own GPU count; under --mappa.shared_policy only the first agent trains (trainee_specs).
     for spec in topology.agents[:1] if args.mappa.shared_policy else topology.agents:
-        gpus = args.actor.num_nodes * (spec.num_gpus_per_node or args.actor.num_gpus_per_node)
-        ranks = gpus // (args.ds.ring_attn_size * args.ds.tensor_parallel_size)
+        ranks = args.actor.num_nodes * (spec.num_gpus_per_node or args.actor.num_gpus_per_node)
         for flag, micro in (("train.micro_batch_size", args.train.micro_batch_size),
                             ("rollout.micro_batch_size", args.rollout.micro_batch_size)):
             if args.train.batch_size % (micro * ranks):
@@ -176,16 +326,12 @@ def validate(args, topology):
                 raise SystemExit(f"agent {spec.name!r}: --train.batch_size ({args.train.batch_size}) must be a multiple of "
                                  f"--{flag} ({micro}) x its {ranks} data-parallel actor ranks ({where}) = {micro * ranks}, "
                                  f"so that every rank gets whole micro-batches")
-    if args.algo.advantage.estimator != "reinforce":
-        raise SystemExit("MAPPA's advantages are REINFORCE++ (rewards.py); --algo.advantage.estimator must be reinforce")
     if not 0.0 <= args.mappa.coach.max_failure_fraction <= 1.0:
         raise SystemExit(f"--mappa.coach.max_failure_fraction must be in [0, 1], got {args.mappa.coach.max_failure_fraction}")
     if args.mappa.norm_scope == "group" and args.rollout.n_samples_per_prompt < 2:
         raise SystemExit("--mappa.norm_scope group compares the samples of each prompt: set --rollout.n_samples_per_prompt >= 2")
     if not 0 < args.mappa.startup_warn_s <= args.mappa.startup_timeout_s:
         raise SystemExit("--mappa.startup_warn_s must be > 0 and at most --mappa.startup_timeout_s")
-    if args.algo.kl.use_loss:
-        raise SystemExit("MAPPA puts KL in the reward (r_t = score - beta*KL); --algo.kl.use_loss is not supported")
     if args.mappa.coach.score_outcome_runs and args.mappa.reward != "outcome":
         raise SystemExit("--mappa.coach.score_outcome_runs is for --mappa.reward outcome (process runs always ask the coach)")
 
@@ -212,6 +358,7 @@ def coach_cache_path(args):
 
 def train(args):
     """Build every agent on the Ray cluster, train, export; returns the agents (their handles stay up)."""
+    from openrlhf_mappa import placement
     from openrlhf_mappa.coach import build_coach
     from openrlhf_mappa.envs.base import load_tasks
     from openrlhf_mappa.evaluation import load_eval_sets
@@ -222,6 +369,8 @@ def train(args):
         validate(args, topology)
         for spec in topology.agents:
             check_model(spec.model, "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}")
+        if args.mappa.gpus or args.mappa.gpu_memory_gib:  # the cluster as given: the plan, before Ray starts
+            placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib)
         all_tasks = load_tasks(args.data.prompt_dataset)
         tasks = choose_train_tasks(all_tasks, args.data.max_samples, args.train.seed)
         # The chosen ids go into the run directory; a resumed run must train on the same tasks, or the steps after
@@ -267,7 +416,9 @@ def train(args):
     per_episode = [a.max_actions for a in topology.agents]  # the actions one actor trains on per episode, at most
     actions_per_step = args.rollout.batch_size * args.rollout.n_samples_per_prompt * (
         sum(per_episode) if args.mappa.shared_policy else max(per_episode))
-    max_steps = steps * max(1, actions_per_step // args.train.batch_size)
+    # The learning-rate schedule's length: optimizer steps over the run (each agent's actor, --train.max_epochs
+    # passes over each step's batch), as OpenRLHF's trainer counts them.
+    max_steps = steps * max(1, actions_per_step // args.train.batch_size) * args.train.max_epochs
     if start:
         print(f"[mappa] resuming after step {start} (checkpoints in {os.path.abspath(args.ckpt.path)})")
     startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s, [a.model for a in topology.agents])

@@ -1,0 +1,420 @@
+"""The GPU plan, before any actor starts (`mappa plan`, and the same check at launch): which GPU holds which
+agent's actor, reference and vLLM engines, and an estimate of each GPU's peak memory in each phase of a step.
+A plan that cannot fit is refused, naming the smallest change that would fit.
+
+Placement today: each agent's actor ranks, reference ranks and engines on GPUs of their own (`layout`).
+Colocated placements (per agent, whole team; issue 14) add a layout there, and the phases in which a
+sleeping component frees its GPU in `component_groups`; the sums, the checks and the search stay as they are.
+
+Memory model, per GPU, in bytes. P parameters, D data-parallel ranks, b micro-batch, s = --data.max_len
+tokens (the longest action a rollout lets through), h hidden size, L layers, V vocabulary, I intermediate
+size, k = key/value heads x head dim, TP an engine's tensor-parallel size:
+  training states (ZeRO paper, bf16 with fp32 Adam): weights 2P, gradients 2P, Adam (fp32 master, m, v) 12P.
+      ZeRO-1 shards Adam over D, ZeRO-2 also the gradients, ZeRO-3 also the weights. --ds.adam_offload moves
+      Adam to CPU memory. The reference holds weights only (sharded under ZeRO-3; on CPU with --ref.offload).
+  activations: with gradient checkpointing, every layer's input b*s*h*2 (x L) plus one layer recomputed in
+      backward, b*s*(6h + 2k + 4I)*2; without it, the latter for all L layers. Eager attention adds the
+      score matrix, b*heads*s^2*4, per stored layer. A forward pass without gradients holds one layer's.
+  logits: b*s*V x 10 bytes when training (fp32 logits kept for backward, their fp32 gradient, its bf16
+      copy), x 6 in a forward pass (bf16 output and its fp32 copy).
+  ZeRO-3 gathers two layers' weights at a time (the current and the prefetched one): 2 x layer params x 2;
+      the weight sync gathers the largest tensor, the embedding, V*h*2.
+  a vLLM engine takes --vllm.gpu_memory_utilization x the GPU: weights 2P/TP, an activation reserve (8192
+      batched tokens through one layer, logits of 256 sequences), and the rest is KV cache of 2*L*k*2 bytes
+      per token / TP. It must hold one --data.max_len sequence, or vLLM refuses to start.
+  CUDA context and communication buffers: 1 GiB per DeepSpeed process.
+It is an estimate at the worst case the flags allow (every action --data.max_len tokens long).
+"""
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field
+
+GIB = 2**30
+PHASES = ("rollout", "experience", "train", "sync")
+CONTEXT_GIB = 1.0
+VLLM_BATCHED_TOKENS, VLLM_SEQS = 8192, 256
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def agent_args(args, spec):
+    """A per-agent copy of OpenRLHF's args: its model, resources, and checkpoint/export paths.
+
+    OpenRLHF's actor, checkpoint and sync code read `strategy.args`, so a per-agent strategy built from
+    this copy keeps every agent's files and sync group apart."""
+    a = copy.deepcopy(args)
+    a.actor.model_name_or_path = spec.model
+    a.actor.num_gpus_per_node = spec.num_gpus_per_node or args.actor.num_gpus_per_node
+    a.ref.num_gpus_per_node = spec.num_gpus_per_node or args.ref.num_gpus_per_node
+    a.vllm.num_engines = spec.vllm_num_engines or args.vllm.num_engines
+    a.rollout.max_new_tokens = spec.max_new_tokens or args.rollout.max_new_tokens
+    a.ckpt.path = os.path.join(args.ckpt.path, spec.name)
+    a.ckpt.output_dir = os.path.join(args.ckpt.output_dir, spec.name)
+    return a
+
+
+def trainee_specs(args, topology) -> list:
+    """The agents that own weights: all of them, or with --mappa.shared_policy only the first, whose one
+    policy then plays every role (the baseline MAPPA's separate weights are compared against)."""
+    if not args.mappa.shared_policy:
+        return topology.agents
+    models = {spec.model for spec in topology.agents}
+    if len(models) > 1:
+        raise SystemExit(f"--mappa.shared_policy trains one model for every role, but the topology names "
+                         f"{len(models)} ({', '.join(sorted(models))}); pick one with --mappa.model")
+    return topology.agents[:1]
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the memory model needs of a decoder-only transformer, from its config.json."""
+
+    params: int
+    layer_params: int
+    hidden: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_dim: int  # key/value heads x head dim
+    intermediate: int
+
+
+def model_size(config: dict) -> ModelSize:
+    """Parameter count of a dense Llama-family config (Llama, Mistral, Qwen2, Qwen3):
+    L x (attention + MLP + norms) + embedding (+ an untied output head) + the final norm."""
+    config = config.get("text_config") or config
+    kind = config.get("model_type")
+    if kind not in DENSE_TYPES:
+        raise ValueError(f"model_type {kind!r}: the memory model knows the dense {', '.join(DENSE_TYPES)} families")
+    h, L, V, I = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    q, k = heads * head_dim, (config.get("num_key_value_heads") or heads) * head_dim
+    attention = h * q + 2 * h * k + q * h  # q, k, v, o projections
+    if kind == "qwen2":
+        attention += q + 2 * k  # q, k, v biases
+    elif config.get("attention_bias"):
+        attention += q + 2 * k + h
+    if kind == "qwen3":
+        attention += 2 * head_dim  # q_norm, k_norm
+    mlp = 3 * h * I + (2 * I + h if config.get("mlp_bias") else 0)  # gate, up, down
+    layer = attention + mlp + 2 * h  # two RMSNorms
+    params = L * layer + V * h * (1 if config.get("tie_word_embeddings", False) else 2) + h
+    return ModelSize(params, layer, h, L, V, heads, k, I)
+
+
+def read_config(model: str) -> dict:
+    """config.json of a local model directory, or of a hub id (from the cache, else fetched alone: no weights)."""
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+    else:
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = hf_hub_download(model, "config.json")
+        except Exception as e:  # offline and not cached, unknown repo, no network: no estimate, said so
+            raise ValueError(f"{model}: config.json not readable ({type(e).__name__})") from None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@dataclass
+class Group:
+    """One agent's actor, reference or engines: how many GPUs, and what each of its GPUs holds per phase."""
+
+    agent: str
+    kind: str  # "actor", "reference", "vllm"
+    gpus: int
+    tp: int  # GPUs per process: an engine's tensor-parallel size, else 1
+    held: dict  # label -> GiB, on each GPU in every phase
+    adds: dict = field(default_factory=dict)  # phase -> {label: GiB} on top of `held`
+    notes: list = field(default_factory=list)
+    problems: list = field(default_factory=list)  # what cannot work whatever the GPU count (KV cache too small)
+
+    def gib(self, phase: str) -> float:
+        return sum(self.held.values()) + sum(self.adds.get(phase, {}).values())
+
+    def label(self, i: int) -> str:
+        if self.kind == "vllm":
+            return f"{self.agent} vLLM engine {i // self.tp}" + (f" (TP rank {i % self.tp})" if self.tp > 1 else "")
+        return f"{self.agent} {self.kind} rank {i}/{self.gpus}"
+
+
+def component_groups(a, name: str, size: ModelSize, gpu_gib: float) -> list:
+    """The groups of one agent (its per-agent args `a`), memory per GPU by the model in the docstring."""
+    s, h, L, V = a.data.max_len, size.hidden, size.layers, size.vocab
+    layer_act = 2 * (6 * h + 2 * size.kv_dim + 4 * size.intermediate)  # bytes per token, one layer
+    token_layer = layer_act + (size.heads * s * 4 if a.ds.attn_implementation == "eager" else 0)  # + scores
+
+    def forward(b: int) -> dict:  # no gradients: one layer's activations at a time, then the logits
+        return {"activations": b * s * token_layer / GIB, "logits": b * s * V * 6 / GIB}
+
+    zero3 = a.ds.zero_stage == 3
+    gathered = {"ZeRO-3 gathered layers": 2 * size.layer_params * 2 / GIB} if zero3 else {}
+    P, D = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node
+    shard = lambda nbytes, stage: nbytes / (D if a.ds.zero_stage >= stage else 1)
+    held = {"weights": shard(2 * P, 3) / GIB, "gradients": shard(2 * P, 2) / GIB,
+            **({} if a.ds.adam_offload else {"Adam states": shard(12 * P, 1) / GIB}), "CUDA context": CONTEXT_GIB}
+    b = a.train.micro_batch_size
+    stored = b * s * h * 2 * L + b * s * token_layer if a.actor.gradient_checkpointing_enable else b * s * token_layer * L
+    actor = Group(name, "actor", D, 1, held, {
+        "experience": {**forward(a.rollout.micro_batch_size), **gathered},
+        "train": {"activations": stored / GIB, "logits": b * s * V * 10 / GIB, **gathered},
+        "sync": {"gathered embedding": V * h * 2 / GIB} if zero3 else {},
+    })
+    if a.ds.adam_offload:
+        actor.notes.append(f"Adam states on CPU: {shard(12 * P, 1) / GIB:.1f} GiB per rank")
+    groups = [actor]
+    if a.algo.kl.init_coef > 0:
+        R = a.ref.num_nodes * a.ref.num_gpus_per_node
+        weights = 0.0 if a.ref.offload else 2 * P / (R if zero3 else 1) / GIB
+        groups.append(Group(name, "reference", R, 1, {"weights": weights, "CUDA context": CONTEXT_GIB}, {
+            "experience": {**forward(a.rollout.micro_batch_size), **(gathered if zero3 or a.ref.offload else {})}}))
+    tp = a.vllm.tensor_parallel_size
+    budget = a.vllm.gpu_memory_utilization * gpu_gib
+    weights = 2 * P / tp / GIB
+    reserve = (VLLM_BATCHED_TOKENS * layer_act + VLLM_SEQS * V * 4) / tp / GIB
+    kv_token = 2 * L * size.kv_dim * 2 / tp
+    kv = budget - weights - reserve
+    engines = Group(name, "vllm", a.vllm.num_engines * tp, tp,
+                    {"weights": weights, "activation reserve": reserve, "KV cache": max(kv, 0.0)})
+    tokens = int(max(kv, 0) * GIB / kv_token)
+    engines.notes.append(f"KV cache {max(kv, 0):.1f} GiB = {tokens} tokens = {tokens // s} sequences of {s} per engine")
+    if tokens < s:
+        engines.problems.append(f"{name}'s vLLM engines: {a.vllm.gpu_memory_utilization:g} x {gpu_gib:g} GiB leaves "
+                                f"{max(kv, 0):.1f} GiB of KV cache, {tokens} tokens, fewer than one --data.max_len "
+                                f"sequence ({s}); vLLM would refuse to start")
+    return groups + [engines]
+
+
+def layout(groups: list) -> list:
+    """GPU slots in the order the agents are built, each a list of (group, index in the group) it holds.
+    Today every group's GPUs are its own; a colocated placement puts several groups on one slot here."""
+    return [[(g, i)] for g in groups for i in range(g.gpus)]
+
+
+@dataclass
+class Plan:
+    counts: dict  # "agent/component" -> GPUs
+    slots: list  # per GPU: [(group, index)], empty when the GPU memory is not known
+    sizes: dict  # agent -> (model, its ModelSize or why it is not known)
+    gpu_gib: float
+
+    @property
+    def need(self) -> int:
+        return sum(self.counts.values())
+
+    def peak(self, slot: list, phase: str) -> float:
+        return sum(g.gib(phase) for g, _ in slot)
+
+    def overfull(self) -> dict:
+        """(group ids on the GPU) -> message, once per group of alike GPUs that exceed their memory."""
+        out = {}
+        for i, slot in enumerate(self.slots):
+            phase = max(PHASES, key=lambda p: self.peak(slot, p))
+            key = tuple(id(g) for g, _ in slot)
+            if self.peak(slot, phase) > self.gpu_gib and key not in out:
+                what = " + ".join(g.label(j) for g, j in slot)
+                out[key] = (f"GPU {i} ({what}) needs {self.peak(slot, phase):.1f} GiB in the {phase} phase, more than "
+                            f"its {self.gpu_gib:g} GiB")
+        return out
+
+    def groups(self) -> list:
+        return list({id(g): g for slot in self.slots for g, _ in slot}.values())
+
+    def problems(self, gpus: int = None) -> list:
+        out = []
+        if gpus is not None and self.need > gpus:
+            detail = ", ".join(f"{k}: {n}" for k, n in self.counts.items())
+            out.append(f"not enough GPUs: the requested actor groups and vLLM engines need {self.need} GPUs but the "
+                       f"cluster has {gpus} ({detail})")
+        return out + [p for g in self.groups() for p in g.problems] + list(self.overfull().values())
+
+    def unfit_kinds(self) -> set:
+        """The kinds of component (actor, reference, vllm) that do not fit their GPUs."""
+        bad = {g.kind for g in self.groups() if g.problems}
+        return bad | {g.kind for key in self.overfull() for g in self.groups() if id(g) in key}
+
+
+def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan:
+    """The plan for these flags and topology. `sizes` (agent -> ModelSize) skips reading config.json;
+    without `gpu_gib` only the GPU counts are planned."""
+    counts, groups, known = {}, [], {}
+    for spec in trainee_specs(args, topology):
+        a = agent_args(args, spec)
+        counts[f"{spec.name}/actor"] = a.actor.num_nodes * a.actor.num_gpus_per_node
+        if a.algo.kl.init_coef > 0:
+            counts[f"{spec.name}/reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
+        counts[f"{spec.name}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
+        size = (sizes or {}).get(spec.name)
+        if size is None and gpu_gib is not None:  # the memory check needs the sizes; the count check does not
+            try:
+                size = model_size(read_config(spec.model))
+            except (ValueError, KeyError, OSError) as e:
+                size = f"memory not estimated: {e}"
+        known[spec.name] = (spec.model, size)
+        if gpu_gib is not None and isinstance(size, ModelSize):
+            groups += component_groups(a, spec.name, size, gpu_gib)
+    return Plan(counts, layout(groups), known, gpu_gib)
+
+
+def memory_flags(args) -> list:
+    """(flag text, change) of the memory savings OpenRLHF offers and MAPPA honours, not yet on: no extra GPU."""
+    out = []
+    if not args.actor.gradient_checkpointing_enable:
+        out.append(("--actor.gradient_checkpointing_enable", setter("actor", "gradient_checkpointing_enable", True)))
+    if args.ds.zero_stage < 3:
+        out.append(("--ds.zero_stage 3", setter("ds", "zero_stage", 3)))
+    if args.train.micro_batch_size > 1:
+        out.append(("--train.micro_batch_size 1", setter("train", "micro_batch_size", 1)))
+    if args.rollout.micro_batch_size > 1:
+        out.append(("--rollout.micro_batch_size 1", setter("rollout", "micro_batch_size", 1)))
+    if args.algo.kl.init_coef > 0 and not args.ref.offload:
+        out.append(("--ref.offload", setter("ref", "offload", True)))
+    if not args.ds.adam_offload:
+        out.append(("--ds.adam_offload", setter("ds", "adam_offload", True)))
+    return out
+
+
+def setter(section: str, key: str, value):
+    return lambda a: setattr(getattr(a, section), key, value)
+
+
+def single_changes(args) -> list:
+    """Changes of one flag, smallest first: memory savings that cost no GPU, then fewer GPUs for a component
+    (fewer engines first), then more GPUs for one (a bigger share of the cluster), then all savings at once."""
+    out = memory_flags(args)
+    for n in range(args.vllm.num_engines - 1, 0, -1):
+        out.append((f"--vllm.num_engines {n}", setter("vllm", "num_engines", n)))
+    if args.algo.kl.init_coef > 0:
+        out += [(f"--ref.num_gpus_per_node {n}", setter("ref", "num_gpus_per_node", n)) for n in range(args.ref.num_gpus_per_node - 1, 0, -1)]
+    out += [(f"--actor.num_gpus_per_node {n}", setter("actor", "num_gpus_per_node", n)) for n in range(args.actor.num_gpus_per_node - 1, 0, -1)]
+    out += [(f"--actor.num_gpus_per_node {n}", setter("actor", "num_gpus_per_node", n)) for n in range(args.actor.num_gpus_per_node + 1, 17)]
+    if args.algo.kl.init_coef > 0:
+        out += [(f"--ref.num_gpus_per_node {n}", setter("ref", "num_gpus_per_node", n)) for n in range(args.ref.num_gpus_per_node + 1, 9)]
+    out += [(f"--vllm.tensor_parallel_size {n}", setter("vllm", "tensor_parallel_size", n)) for n in (2, 4, 8) if n > args.vllm.tensor_parallel_size]
+    savings = memory_flags(args)
+    if len(savings) > 1:
+        out.append((" ".join(f for f, _ in savings), lambda a: [change(a) for _, change in savings]))
+    return out
+
+
+def batch_fits(args, topology) -> bool:
+    """train.batch_size splits into whole micro-batches on every trainee's actor ranks (validate's rule)."""
+    for spec in trainee_specs(args, topology):
+        ranks = args.actor.num_nodes * (spec.num_gpus_per_node or args.actor.num_gpus_per_node)
+        if any(args.train.batch_size % (m * ranks) for m in (args.train.micro_batch_size, args.rollout.micro_batch_size)):
+            return False
+    return True
+
+
+def with_changes(args, changes: list):
+    a = copy.deepcopy(args)
+    for change in changes:
+        change(a)
+    return a
+
+
+def fewest_gpus(args, topology, gpu_gib: float, sizes: dict):
+    """(GPUs, flags) of the smallest layout that fits: one engine per agent, each agent's actor and reference
+    on the fewest GPUs that hold them and the smallest tensor-parallel size that holds the model, with the
+    flags as given or with the memory savings it needs, whichever takes fewer GPUs. None when no count up to
+    16 fits."""
+    found = []
+    for savings in ([], memory_flags(args)):
+        changes, flags = [setter("vllm", "num_engines", 1)], ["--vllm.num_engines 1"] * (args.vllm.num_engines != 1)
+        for kind, section, key, options in (("actor", "actor", "num_gpus_per_node", range(1, 17)),
+                                            ("reference", "ref", "num_gpus_per_node", range(1, 17)),
+                                            ("vllm", "vllm", "tensor_parallel_size", (1, 2, 4, 8))):
+            if kind == "reference" and args.algo.kl.init_coef <= 0:
+                continue
+            for n in options:
+                a = with_changes(args, [c for _, c in savings] + changes + [setter(section, key, n)])
+                if (kind != "actor" or batch_fits(a, topology)) and kind not in make_plan(a, topology, gpu_gib, sizes).unfit_kinds():
+                    changes.append(setter(section, key, n))
+                    flags += [f"--{section}.{key} {n}"] * (n != getattr(getattr(args, section), key))
+                    break
+            else:
+                break  # no count fits this component: try again with the memory savings
+        else:
+            kept = list(savings)
+            for saving in list(kept):  # drop the savings this layout does not need
+                rest = [c for s, c in kept if s != saving[0]]
+                if not make_plan(with_changes(args, rest + changes), topology, gpu_gib, sizes).problems():
+                    kept.remove(saving)
+            plan = make_plan(with_changes(args, [c for _, c in kept] + changes), topology, gpu_gib, sizes)
+            found.append((plan.need, [f for f, _ in kept] + flags))
+    return min(found, key=lambda f: f[0], default=None)
+
+
+def check(args, topology, gpus: int, gpu_gib: float = None, sizes: dict = None) -> Plan:
+    """The plan, or ValueError naming what does not fit and the smallest change that would."""
+    plan = make_plan(args, topology, gpu_gib, sizes)
+    problems = plan.problems(gpus)
+    if not problems:
+        return plan
+    sizes = {name: size for name, (_, size) in plan.sizes.items()}  # read once for the search below
+    cluster = f"{gpus if gpus is not None else 'the'}{f' x {gpu_gib:g} GiB' if gpu_gib else ''} GPUs"
+    lines = [f"the plan does not fit {cluster}:"] + [f"  - {p}" for p in problems]
+    fixes = []
+    for flag, change in single_changes(args):
+        a = with_changes(args, [change])
+        if batch_fits(a, topology) and not make_plan(a, topology, gpu_gib, sizes).problems(gpus):
+            fixes.append(flag)
+            if len(fixes) == 3:
+                break
+    if fixes:
+        lines.append(f"Smallest change that fits: {fixes[0]}" + (f" (others: {'; '.join(fixes[1:])})" if fixes[1:] else ""))
+    elif gpu_gib is None:
+        lines.append(f"Smallest change that fits: a cluster of {plan.need} GPUs, or fewer GPUs per agent "
+                     f"(--actor.num_gpus_per_node, --ref.num_gpus_per_node, --vllm.num_engines)")
+    else:
+        fewest = fewest_gpus(args, topology, gpu_gib, sizes)
+        if fewest is None:
+            lines.append("No layout of today's placement fits: some model does not fit even 16 GPUs of this size "
+                         "with every memory saving on")
+        else:
+            n, flags = fewest
+            lines.append(f"Smallest change that fits: more GPUs. Today's placement (each agent's actor, reference "
+                         f"and engines on GPUs of their own) needs at least {n} GPUs of {gpu_gib:g} GiB for this team: "
+                         f"{' '.join(flags)}" + (f"; as configured, {plan.need}" if plan.need != n else ""))
+    raise ValueError("\n".join(lines))
+
+
+def format_plan(plan: Plan, gpus: int = None) -> str:
+    """The table (GPU, what it holds, GiB per phase) and, per agent, what the numbers are made of."""
+    out = [f"{'GPU':>4}  {'holds':<44}" + "".join(f"{p:>11}" for p in PHASES) + "   (GiB, peak per phase)"]
+    for i, slot in enumerate(plan.slots):
+        what = " + ".join(g.label(j) for g, j in slot)
+        mark = "  <- beyond the cluster's GPUs" if gpus is not None and i >= gpus else ""
+        out.append(f"{i:>4}  {what:<44}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES) + mark)
+    if not plan.slots:  # GPU memory not known: the counts only
+        out = [f"{n:>4}  GPUs: {label}" for label, n in plan.counts.items()]
+    out.append(f"total: {plan.need} GPUs" + (f" of the cluster's {gpus}" if gpus is not None else ""))
+    for g in plan.groups():
+        if g.kind == "actor":
+            model, size = plan.sizes[g.agent]
+            out.append(f"\n{g.agent}: {model}, {size.params / 1e9:.2f}B parameters ({size.layers} layers, hidden "
+                       f"{size.hidden}, vocabulary {size.vocab})")
+        parts = " + ".join(f"{k} {v:.1f}" for k, v in g.held.items())
+        out.append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {parts} = {sum(g.held.values()):.1f} GiB held")
+        for phase, extra in g.adds.items():
+            if extra:
+                out.append(f"    {phase} adds " + " + ".join(f"{k} {v:.1f}" for k, v in extra.items()))
+        out += [f"    {note}" for note in g.notes]
+    for name, (model, size) in plan.sizes.items():
+        if isinstance(size, str):  # why the memory of this agent's components is not estimated
+            out.append(f"\n{name}: {model}: {size}")
+    return "\n".join(out)
+
+
+def detect_gpus():
+    """(GPU count, GiB of the first GPU) of this machine's accelerator, or (None, None) without one."""
+    import torch
+
+    if not torch.accelerator.is_available():
+        return None, None
+    # Device properties, not memory info: a query that allocates nothing on a GPU an actor will want.
+    props = torch.get_device_module(torch.accelerator.current_accelerator()).get_device_properties(0)
+    return torch.accelerator.device_count(), props.total_memory / GIB
