@@ -71,6 +71,8 @@ def test_every_dotted_flag_in_the_docs_is_accepted_by_the_launcher():
                           capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     accepted = set(re.findall(r"--[a-z_]+(?:\.[a-z0-9_]+)+", proc.stdout))
-    named = {f for doc in DOCS for f in re.findall(r"--[a-z_]+(?:\.[a-z0-9_]+)+", open(f"{REPO}/{doc}", encoding="utf-8").read())}
+    named = {f for doc in DOCS for f in re.findall(r"--[a-z_]+(?:\.[a-z0-9_]+)+(?:\.?\*)?", open(f"{REPO}/{doc}", encoding="utf-8").read())}
     assert "--mappa.coach.on_failure" in named and "--mappa.coach.on_failure" in accepted
-    assert sorted(named - accepted) == []
+    # A family written with a "*" (`--reward.overlong_*`, `--ds.lora.*`): some accepted flag must start so.
+    unknown = [f for f in named - accepted if not (f.endswith("*") and any(a.startswith(f[:-1]) for a in accepted))]
+    assert sorted(unknown) == []
