@@ -76,8 +76,9 @@ def load_run(run_dir: str) -> dict:
     agents = list(dict.fromkeys([k.split("/")[1] for k in keys if k.startswith("agent/") and k.count("/") >= 2]
                                 + [a["agent"] for ep in episodes for a in ep.get("actions", [])]))  # fmt: skip
 
-    training = [chart(f"agent/*/{k}", [series(metrics, f"agent/{a}/{k}", a) for a in agents]) for k in AGENT_CURVES]
-    training.append(chart("outcome/success_rate", [series(metrics, "outcome/success_rate", "all episodes")]))
+    # The page opens with what a run is for: the team's success rate, then each agent's coach score.
+    training = [chart("outcome/success_rate", [series(metrics, "outcome/success_rate", "all episodes")])]
+    training += [chart(f"agent/*/{k}", [series(metrics, f"agent/{a}/{k}", a) for a in agents]) for k in AGENT_CURVES]
     coach = [
         chart("coach verdicts by status", [series(metrics, f"coach/verdicts_{s}", s) for s in VERDICT_STATUSES]),
         chart("coach/failure_fraction", [series(metrics, "coach/failure_fraction", "failed verdicts")]),

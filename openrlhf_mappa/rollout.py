@@ -127,11 +127,15 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
     return episode
 
 
-async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int) -> list:
-    """All episodes of one step, concurrently; results in task order."""
-    return await asyncio.gather(
-        *(
-            run_episode(topology, task, policies, coach, os.path.join(workspace_root, f"step{step}", f"ep{i}"), step)
-            for i, task in enumerate(tasks)
-        )
-    )
+async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,
+                  progress=None) -> list:
+    """All episodes of one step, concurrently; results in task order. progress(1) is called as each one ends
+    (a progress bar's update)."""
+
+    async def episode(i, task):
+        ep = await run_episode(topology, task, policies, coach, os.path.join(workspace_root, f"step{step}", f"ep{i}"), step)
+        if progress:
+            progress(1)
+        return ep
+
+    return await asyncio.gather(*(episode(i, task) for i, task in enumerate(tasks)))

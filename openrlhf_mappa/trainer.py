@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from dataclasses import dataclass
 
 import ray
@@ -24,8 +25,61 @@ import torch
 
 from openrlhf_mappa import rewards
 from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, coach_step_metrics
+from openrlhf_mappa.episode import read_jsonl
 from openrlhf_mappa.evaluation import NoCoach, behaviour_metrics, evaluate, format_table, summarize
 from openrlhf_mappa.rollout import AgentPolicy, rollout
+
+# The user's terminal: the run's own output goes here (step lines, progress bars, evaluation tables and the
+# watchdogs' messages to `err`, written with tqdm.write so they land above the bars). Without --mappa.verbose, train_mappa_ray sends the process's stdout and stderr (Ray's,
+# vLLM's and DeepSpeed's output, and what Ray forwards from its workers) to a log file and points these at
+# copies of the terminal's.
+console = types.SimpleNamespace(out=sys.stdout, err=sys.stderr)
+
+
+def step_line(step: int, total: int, metrics: dict, agents: list) -> str:
+    """One step on one line, as OpenRLHF logs its steps: success rate, each agent's mean coach score, the
+    agents' mean KL and policy loss, and the phase timings. A value missing that step is printed as '-'."""
+
+    def num(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    def mean(key):
+        values = [metrics[f"agent/{a}/{key}"] for a in agents if metrics.get(f"agent/{a}/{key}") is not None]
+        return sum(values) / len(values) if values else None
+
+    coach = ", ".join(f"{a} {num(metrics.get(f'agent/{a}/coach_score'), '.2f')}" for a in agents)
+    phases = ", ".join(f"{k} {num(metrics.get('time/' + k), '.1f')}s" for k in ("rollout", "experience", "train", "sync", "step"))
+    return (f"[mappa] step {step}/{total} | success {num(metrics.get('outcome/success_rate'), '.3f')} | coach {coach} | "
+            f"kl {num(mean('kl'), '.3g')} | loss {num(mean('policy_loss'), '.3g')} | {phases}")
+
+
+def run_summary(run_dir: str) -> list:
+    """The end of a run in a few lines, from its metrics.jsonl and eval.jsonl: steps and time, the success rate
+    of the first and last 3 steps, each agent's coach score then and now, and every evaluation set's accuracy
+    at its first and last evaluation."""
+    metrics, evals = ([r for _, r in read_jsonl(path)] if os.path.exists(path) else []
+                      for path in (os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "eval.jsonl")))
+    if not metrics:
+        return ["[mappa] no step finished"]
+
+    def mean(rows, key):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return f"{sum(values) / len(values):.3f}" if values else "-"
+
+    first, last = metrics[:3], metrics[-3:]
+    seconds = sum(r.get("time/step") or 0.0 for r in metrics)
+    lines = [f"[mappa] {len(metrics)} steps ({seconds / 60:.1f} min of training steps); "
+             f"success rate {mean(first, 'outcome/success_rate')} (first 3 steps) -> {mean(last, 'outcome/success_rate')} (last 3)"]
+    agents = list(dict.fromkeys(k.split("/")[1] for r in metrics for k in r if k.startswith("agent/") and k.endswith("/coach_score")))
+    if agents:
+        scores = ", ".join(f"{a} {mean(first, f'agent/{a}/coach_score')} -> {mean(last, f'agent/{a}/coach_score')}" for a in agents)
+        lines.append(f"[mappa] coach score (first 3 -> last 3 steps): {scores}")
+    for dataset in dict.fromkeys(r.get("dataset") for r in evals):
+        rows = [r for r in evals if r.get("dataset") == dataset]
+        a, b = rows[0], rows[-1]
+        lines.append(f"[mappa] evaluation {dataset}: accuracy {mean([a], 'accuracy')} (step {a['step']}) -> "
+                     f"{mean([b], 'accuracy')} (step {b['step']})")
+    return lines
 
 
 def check_gpu_budget(needs: dict) -> None:
@@ -222,7 +276,7 @@ class Watchdog(threading.Thread):
         while not self.done.wait(self.interval_s):
             self.reason = self.check()
             if self.reason:
-                print(f"[mappa] stopping: {self.reason}", file=sys.stderr, flush=True)
+                print(f"[mappa] stopping: {self.reason}", file=console.err, flush=True)
                 # Repeated: one SIGINT can be lost (landing in a finalizer or callback, it is only printed as
                 # "Exception ignored in ..."); a start-up on a loaded machine once blocked on after it.
                 deadline = time.time() + self.grace_s
@@ -281,7 +335,7 @@ class StartupWatchdog(Watchdog):
                   f"waiting for: {'; '.join(seen) or 'nothing seen from here (still loading?)'}")
         if stop:
             return f"{report}. Stopped by --mappa.startup_timeout_s {self.timeout_s:g}."
-        print(f"[mappa] {report}. Stops after --mappa.startup_timeout_s {self.timeout_s:g}.", file=sys.stderr, flush=True)
+        print(f"[mappa] {report}. Stops after --mappa.startup_timeout_s {self.timeout_s:g}.", file=console.err, flush=True)
         self.next_warn += self.warn_s
         return None
 
@@ -350,7 +404,8 @@ def truncate_logs(run_dir: str, step: int) -> None:
             f.writelines(kept)
         os.replace(path + ".tmp", path)
         if dropped:
-            print(f"[mappa] {path}: kept {len(kept)} lines up to step {step}, dropped {dropped} (later steps or cut off)")
+            print(f"[mappa] {path}: kept {len(kept)} lines up to step {step}, dropped {dropped} (later steps or cut off)",
+                  file=console.out, flush=True)
 
 
 class MappaTrainer:
@@ -428,9 +483,12 @@ class MappaTrainer:
         every = self.args.eval.steps
         if start_step == 0:
             self.evaluate(0)  # the untrained models: the baseline every later evaluation compares with
-        for step, tasks in tqdm(self.batches(start_step), total=total, initial=start_step, desc="MAPPA steps"):
-            metrics = self.train_step(step, tasks)
+        steps = tqdm(self.batches(start_step), total=total, initial=start_step, desc="MAPPA steps", file=console.err)
+        for step, tasks in steps:
+            with tqdm(total=len(tasks), desc=f"step {step} rollout", unit="episode", leave=False, file=console.err) as bar:
+                metrics = self.train_step(step, tasks, progress=bar.update)
             self.log(step, metrics)
+            tqdm.write(step_line(step, total, metrics, [ag.spec.name for ag in self.agents]), file=console.err)
             if (every > 0 and step % every == 0) or step == total:
                 self.evaluate(step)
             if self.args.ckpt.save_steps > 0 and step % self.args.ckpt.save_steps == 0:
@@ -440,13 +498,13 @@ class MappaTrainer:
             logger.close()
         self.loop.run_until_complete(self.coach.aclose())
 
-    def train_step(self, step: int, tasks: list) -> dict:
+    def train_step(self, step: int, tasks: list, progress=None) -> dict:
         from openrlhf.trainer.ppo_utils.experience import Experience
 
         t_start = t0 = time.time()
         workspace = os.path.join(self.run_dir, "workspaces")
         episodes = self.loop.run_until_complete(
-            rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step)
+            rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step, progress)
         )
         t_rollout = time.time() - t0
         c = self.mappa.coach
@@ -564,12 +622,16 @@ class MappaTrainer:
         """Every --eval.dataset, n samples per task at --eval.temperature, on the current weights: one line
         per dataset in eval.jsonl (read by `mappa report`), the per-problem results in eval/, and the
         loggers' eval/ namespace."""
+        from tqdm import tqdm
+
         e, names = self.args.eval, [ag.spec.name for ag in self.agents]
         for dataset, tasks in self.eval_sets.items():
             workspace = os.path.join(self.run_dir, "workspaces", f"eval-{dataset}")
-            episodes = self.loop.run_until_complete(
-                evaluate(self.topology, tasks, self.eval_policies, e.n_samples_per_prompt, workspace, step)
-            )
+            total = len(tasks) * e.n_samples_per_prompt
+            with tqdm(total=total, desc=f"evaluation {dataset}", unit="episode", leave=False, file=console.err) as bar:
+                episodes = self.loop.run_until_complete(
+                    evaluate(self.topology, tasks, self.eval_policies, e.n_samples_per_prompt, workspace, step, bar.update)
+                )
             summary, problems = summarize(episodes, names, tasks)
             os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
             with open(os.path.join(self.run_dir, "eval", f"{dataset}-step{step}.json"), "w", encoding="utf-8") as f:
@@ -578,7 +640,7 @@ class MappaTrainer:
                 f.write(json.dumps({"step": step, "dataset": dataset, **summary}) + "\n")
             for logger in self.loggers:
                 logger.log_eval(step, {f"{dataset}/{k}": v for k, v in summary.items()})
-            print(f"[mappa] evaluation after step {step}\n{format_table({dataset: summary})}", flush=True)
+            tqdm.write(f"[mappa] evaluation after step {step}\n{format_table({dataset: summary})}", file=console.err)
 
     def write_episodes(self, episodes: list):
         with open(os.path.join(self.run_dir, "episodes.jsonl"), "a", encoding="utf-8") as f:
