@@ -336,3 +336,28 @@ def test_run_summary_compares_the_first_and_last_steps_and_evaluations(tmp_path)
         "[mappa] coach score (first 3 -> last 3 steps): quantity 1.467 -> 3.375, item 2.367 -> 2.591, code 2.133 -> 3.396",
         "[mappa] evaluation relay_eval: accuracy 0.000 (step 0) -> 0.375 (step 30)",
     ]
+
+
+def test_output_to_sends_the_noise_to_the_log_and_keeps_errors_on_the_terminal(tmp_path):
+    # What --mappa.verbose turns off, in a real child process: a library's write to file descriptor 2 (as
+    # vLLM's and DeepSpeed's log handlers do) and print() (as Ray's forwarding of its workers' output) go to
+    # the log; the run's own lines stay on the terminal, and so does the error that ends the run.
+    code = f"""
+import os, sys
+from openrlhf_mappa import trainer
+from openrlhf_mappa.cli.train_mappa_ray import output_to
+with output_to({str(tmp_path / 'train.log')!r}):
+    os.write(2, b"INFO vllm engine noise\\n")
+    print("(RolloutRayActor pid=1) forwarded worker line")
+    print("[mappa] step 1/1 | success 1.000", file=trainer.console.err)
+    print("[mappa] resuming after step 3", file=trainer.console.out)
+    raise RuntimeError("agent 'solver': actor rank 0 died")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    log = (tmp_path / "train.log").read_text()
+    assert "INFO vllm engine noise" in log and "forwarded worker line" in log
+    assert "vllm engine" not in proc.stdout + proc.stderr and "worker line" not in proc.stdout + proc.stderr
+    assert proc.stdout == "[mappa] resuming after step 3\n"
+    assert ("[mappa] step 1/1 | success 1.000\n[mappa] the run stopped; Ray's, vLLM's and DeepSpeed's output is in "
+            f"{tmp_path / 'train.log'}\nTraceback") in proc.stderr  # (importing torch warns before the redirect)
+    assert proc.returncode == 1 and proc.stderr.endswith("RuntimeError: agent 'solver': actor rank 0 died\n")
