@@ -29,10 +29,10 @@ from openrlhf_mappa.episode import read_jsonl
 from openrlhf_mappa.evaluation import NoCoach, behaviour_metrics, evaluate, format_table, summarize
 from openrlhf_mappa.rollout import AgentPolicy, rollout
 
-# The user's terminal: the run's own output goes here (step lines, progress bars, evaluation tables and the
-# watchdogs' messages to `err`, written with tqdm.write so they land above the bars). Without --mappa.verbose, train_mappa_ray sends the process's stdout and stderr (Ray's,
-# vLLM's and DeepSpeed's output, and what Ray forwards from its workers) to a log file and points these at
-# copies of the terminal's.
+# The user's terminal, where the run's own output goes: step lines, progress bars, evaluation tables and the
+# watchdogs' messages to `err` (with tqdm.write, so they land above the bars). Without --mappa.verbose,
+# train_mappa_ray sends the process's stdout and stderr (Ray's, vLLM's and DeepSpeed's output, and what Ray
+# forwards from its workers) to a log file and points these at copies of the terminal's.
 console = types.SimpleNamespace(out=sys.stdout, err=sys.stderr)
 
 
