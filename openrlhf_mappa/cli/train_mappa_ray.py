@@ -360,4 +360,10 @@ def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> l
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    args = parse_args()
+    train(args)
+    import ray
+
+    # Ray's engines and actors print as they shut down: into the run's log too, not under the summary.
+    with contextlib.nullcontext() if args.mappa.verbose else output_to(os.path.join(args.mappa.run_dir, "train.log")):
+        ray.shutdown()
