@@ -615,6 +615,8 @@ class CannedPolicy:
     ({"quantity": ("12", False), "item": ("apples", False), "code": ("XK", False)}, True, [10, 10, 10]),
     # cut off at the limit: nothing for that action, though its text alone matches (the coach sees the cut-off)
     ({"quantity": ("12", False), "item": ("apples", True), "code": ("XK", False)}, True, [10, 0, 10]),
+    # 16 capitals cut off at the limit: with an unbounded goal ([A-Z]+) this passed as a success
+    ({"quantity": ("12", False), "item": ("apples", False), "code": ("XKQWERTYUIOPASDF", True)}, False, [10, 10, 0]),
     # ended on its own but not only the required text: 5, + 2 when the text contains it; the episode fails
     ({"quantity": ("12 boxes", False), "item": ("Apples!", False), "code": ("", False)}, False, [7, 7, 5]),
 ])  # fmt: skip
@@ -630,8 +632,8 @@ def test_relay_succeeds_only_when_every_agent_meets_its_goal(tmp_path, replies, 
     assert done == [1, 1]  # the progress bar moves once per finished episode
     ep = episodes[0]
     assert ep.task_type == "relay" and ep.success is success
-    assert [a.coach_request["ground_truth"] for a in ep.actions] == ["Required reply: \\d+", "Required reply: [a-z]+",
-                                                                     "Required reply: [A-Z]+"]  # fmt: skip
+    assert [a.coach_request["ground_truth"] for a in ep.actions] == ["Required reply: \\d{1,3}", "Required reply: [a-z]{1,8}",
+                                                                     "Required reply: [A-Z]{1,4}"]  # fmt: skip
     # the readability bonus (up to 0.9) comes on top of every score below 10
     assert [int(a.verdict.score) for a in ep.actions] == scores
     assert "Order 1: a customer orders apples." in ep.actions[2].prompt_text and "### item" in ep.actions[2].prompt_text

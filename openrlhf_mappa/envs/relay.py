@@ -7,17 +7,19 @@ topology's `env_kwargs` (examples/configs/relay.yaml):
 
     env: relay
     env_kwargs:
-      goals: {quantity: '\\d+', item: '[a-z]+', code: '[A-Z]+'}
+      goals: {quantity: '\\d{1,3}', item: '[a-z]{1,8}', code: '[A-Z]{1,4}'}
 
 The coach is told each agent's own goal as ground truth ("Required reply: <regex>"), so it judges every action
 on its own: the heuristic coach pays 10 for a reply that is exactly a match and ended on its own, and partial
 credit for either half (coach/heuristic.py, rule 2). That per-action credit is what lets the team learn while
 the joint success is still near zero.
 
-An environment sees reply texts only; it cannot see whether a reply was cut off. The goals ask for short
-replies, so a matching reply is cut off only if the model also wrote invisible special tokens up to the limit;
-the coach, which is told about every cut-off, never pays a cut-off reply in full. `agent/<name>/truncated_rate`
-in metrics.jsonl shows how often replies hit the limit.
+An environment sees reply texts only; it cannot see whether a reply was cut off. So the goals bound the
+length of a reply well below the token limit (the demo: at most 8 characters, cut off at 16 tokens): a cut-off
+reply that matched would need 8 or more special tokens, which decode to nothing. With an unbounded goal such
+as `[A-Z]+`, 16 capitals cut off at the limit counted as a success (measured in an early demo run). The
+coach, told about every cut-off, pays nothing for one; `agent/<name>/truncated_rate` in metrics.jsonl shows
+how often replies hit the limit.
 
 Also a small example of writing your own environment (see envs/base.py): override `outcome` and, to give
 the coach a checkable goal per action, `coach_ground_truth`.
