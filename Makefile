@@ -1,5 +1,6 @@
 # CPU machines: `make install` builds .venv with the pinned CPU stack, `make test` runs the whole suite,
-# `make demo` runs the main job (three tiny agents, heuristic coach). GPU clusters: see README.
+# `make demo` runs the demo: three tiny agents learn a relay task from scratch (heuristic coach, ~5 min).
+# GPU clusters: see README.
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.mappa-installed

@@ -34,9 +34,11 @@ def load_eval_sets(paths: list, limit: int = 0) -> dict:
     return {os.path.splitext(os.path.basename(p))[0]: load_tasks(p)[: limit or None] for p in paths}
 
 
-async def evaluate(topology, tasks: list, policies: dict, n_samples: int, workspace_root: str, step: int = 0) -> list:
-    """n_samples episodes per task, all at once; returns the episodes, task-major."""
-    return await rollout(topology, [t for t in tasks for _ in range(n_samples)], policies, NoCoach(), workspace_root, step)
+async def evaluate(topology, tasks: list, policies: dict, n_samples: int, workspace_root: str, step: int = 0,
+                   progress=None) -> list:
+    """n_samples episodes per task, all at once; returns the episodes, task-major. progress: see rollout."""
+    episodes = [t for t in tasks for _ in range(n_samples)]
+    return await rollout(topology, episodes, policies, NoCoach(), workspace_root, step, progress)
 
 
 def _mean(values):

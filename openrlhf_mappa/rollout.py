@@ -131,13 +131,16 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
 
 
 async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,
-                  coach_bias: str = None) -> list:
+                  coach_bias: str = None, progress=None) -> list:
     """All episodes of one step, concurrently; results in task order. `coach_bias`: the coach's running
-    bias figures, shown in every coach request of the step (--mappa.coach.show_bias)."""
-    return await asyncio.gather(
-        *(
-            run_episode(topology, task, policies, coach, os.path.join(workspace_root, f"step{step}", f"ep{i}"), step,
-                        coach_bias)
-            for i, task in enumerate(tasks)
-        )
-    )
+    bias figures, shown in every coach request of the step (--mappa.coach.show_bias). progress(1) is called as
+    each episode ends (a progress bar's update)."""
+
+    async def episode(i, task):
+        workspace = os.path.join(workspace_root, f"step{step}", f"ep{i}")
+        ep = await run_episode(topology, task, policies, coach, workspace, step, coach_bias)
+        if progress:
+            progress(1)
+        return ep
+
+    return await asyncio.gather(*(episode(i, task) for i, task in enumerate(tasks)))

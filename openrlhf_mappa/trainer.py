@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from dataclasses import dataclass
 
 import ray
@@ -27,6 +28,58 @@ from openrlhf_mappa.episode import Episode, read_jsonl
 from openrlhf_mappa.evaluation import NoCoach, behaviour_metrics, evaluate, format_table, summarize
 from openrlhf_mappa.placement import agent_args, trainee_specs
 from openrlhf_mappa.rollout import AgentPolicy, rollout
+
+# The user's terminal, where the run's own output goes: step lines, progress bars, evaluation tables and the
+# watchdogs' messages to `err` (with tqdm.write, so they land above the bars). Without --mappa.verbose,
+# train_mappa_ray sends the process's stdout and stderr (Ray's, vLLM's and DeepSpeed's output, and what Ray
+# forwards from its workers) to a log file and points these at copies of the terminal's.
+console = types.SimpleNamespace(out=sys.stdout, err=sys.stderr)
+
+
+def step_line(step: int, total: int, metrics: dict, agents: list) -> str:
+    """One step on one line, as OpenRLHF logs its steps: success rate, each agent's mean coach score, the
+    agents' mean KL and policy loss, and the phase timings. A value missing that step is printed as '-'."""
+
+    def num(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    def mean(key):
+        values = [metrics[f"agent/{a}/{key}"] for a in agents if metrics.get(f"agent/{a}/{key}") is not None]
+        return sum(values) / len(values) if values else None
+
+    coach = ", ".join(f"{a} {num(metrics.get(f'agent/{a}/coach_score'), '.2f')}" for a in agents)
+    phases = ", ".join(f"{k} {num(metrics.get('time/' + k), '.1f')}s" for k in ("rollout", "experience", "train", "sync", "step"))
+    return (f"[mappa] step {step}/{total} | success {num(metrics.get('outcome/success_rate'), '.3f')} | coach {coach} | "
+            f"kl {num(mean('kl'), '.3g')} | loss {num(mean('policy_loss'), '.3g')} | {phases}")
+
+
+def run_summary(run_dir: str) -> list:
+    """The end of a run in a few lines, from its metrics.jsonl and eval.jsonl: steps and time, the success rate
+    of the first and last 3 steps, each agent's coach score then and now, and every evaluation set's accuracy
+    at its first and last evaluation."""
+    metrics, evals = ([r for _, r in read_jsonl(path)] if os.path.exists(path) else []
+                      for path in (os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "eval.jsonl")))
+    if not metrics:
+        return ["[mappa] no step finished"]
+
+    def mean(rows, key):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return f"{sum(values) / len(values):.3f}" if values else "-"
+
+    first, last = metrics[:3], metrics[-3:]
+    seconds = sum(r.get("time/step") or 0.0 for r in metrics)
+    lines = [f"[mappa] {len(metrics)} steps ({seconds / 60:.1f} min of training steps); "
+             f"success rate {mean(first, 'outcome/success_rate')} (first 3 steps) -> {mean(last, 'outcome/success_rate')} (last 3)"]
+    agents = list(dict.fromkeys(k.split("/")[1] for r in metrics for k in r if k.startswith("agent/") and k.endswith("/coach_score")))
+    if agents:
+        scores = ", ".join(f"{a} {mean(first, f'agent/{a}/coach_score')} -> {mean(last, f'agent/{a}/coach_score')}" for a in agents)
+        lines.append(f"[mappa] coach score (first 3 -> last 3 steps): {scores}")
+    for dataset in dict.fromkeys(r.get("dataset") for r in evals):
+        rows = [r for r in evals if r.get("dataset") == dataset]
+        a, b = rows[0], rows[-1]
+        lines.append(f"[mappa] evaluation {dataset}: accuracy {mean([a], 'accuracy')} (step {a['step']}) -> "
+                     f"{mean([b], 'accuracy')} (step {b['step']})")
+    return lines
 
 
 def check_placement(args, topology) -> None:
@@ -41,7 +94,7 @@ def check_placement(args, topology) -> None:
     except ValueError as e:
         raise SystemExit(f"[mappa] {e}\n(On CPU, MAPPA_CPU_NUM_GPUS sets a local cluster's logical GPUs.)") from None
     memory = "" if gib else " (GPU memory not known here: give --mappa.gpu_memory_gib to check it too)"
-    print(f"[mappa] placement plan for {gpus} GPUs{memory}:\n{placement.format_plan(plan, gpus)}", flush=True)
+    print(f"[mappa] placement plan for {gpus} GPUs{memory}:\n{placement.format_plan(plan, gpus)}", file=console.out, flush=True)
 
 
 @dataclass
@@ -187,7 +240,7 @@ class Watchdog(threading.Thread):
         while not self.done.wait(self.interval_s):
             self.reason = self.check()
             if self.reason:
-                print(f"[mappa] stopping: {self.reason}", file=sys.stderr, flush=True)
+                print(f"[mappa] stopping: {self.reason}", file=console.err, flush=True)
                 # Repeated: one SIGINT can be lost (landing in a finalizer or callback, it is only printed as
                 # "Exception ignored in ..."); a start-up on a loaded machine once blocked on after it.
                 deadline = time.time() + self.grace_s
@@ -246,7 +299,7 @@ class StartupWatchdog(Watchdog):
                   f"waiting for: {'; '.join(seen) or 'nothing seen from here (still loading?)'}")
         if stop:
             return f"{report}. Stopped by --mappa.startup_timeout_s {self.timeout_s:g}."
-        print(f"[mappa] {report}. Stops after --mappa.startup_timeout_s {self.timeout_s:g}.", file=sys.stderr, flush=True)
+        print(f"[mappa] {report}. Stops after --mappa.startup_timeout_s {self.timeout_s:g}.", file=console.err, flush=True)
         self.next_warn += self.warn_s
         return None
 
@@ -321,7 +374,8 @@ def truncate_logs(run_dir: str, step: int) -> None:
             f.writelines(kept)
         os.replace(path + ".tmp", path)
         if dropped:
-            print(f"[mappa] {path}: kept {len(kept)} lines up to step {step}, dropped {dropped} (later steps or cut off)")
+            print(f"[mappa] {path}: kept {len(kept)} lines up to step {step}, dropped {dropped} (later steps or cut off)",
+                  file=console.out, flush=True)
 
 
 class MappaTrainer:
@@ -402,7 +456,7 @@ class MappaTrainer:
             name, since = marker["coach_template"]["name"], marker["coach_template"]["since_step"]
             self.set_stage([s.name for s in self.topology.coach_stages].index(name), since)
             print(f"[mappa] coach criteria: resuming with coach template {name!r} (in use since step {since})",
-                  flush=True)
+                  file=console.out, flush=True)
         # The bias audit's window, as the steps up to the checkpoint left it: its warnings and the figures a
         # coach is shown (--mappa.coach.show_bias) would otherwise restart from nothing.
         path, by_step = os.path.join(self.run_dir, "episodes.jsonl"), {}
@@ -419,9 +473,12 @@ class MappaTrainer:
         every = self.args.eval.steps
         if start_step == 0:
             self.evaluate(0)  # the untrained models: the baseline every later evaluation compares with
-        for step, tasks in tqdm(self.batches(start_step), total=total, initial=start_step, desc="MAPPA steps"):
-            metrics = self.train_step(step, tasks)
+        steps = tqdm(self.batches(start_step), total=total, initial=start_step, desc="MAPPA steps", file=console.err)
+        for step, tasks in steps:
+            with tqdm(total=len(tasks), desc=f"step {step} rollout", unit="episode", leave=False, file=console.err) as bar:
+                metrics = self.train_step(step, tasks, progress=bar.update)
             self.log(step, metrics)
+            tqdm.write(step_line(step, total, metrics, [ag.spec.name for ag in self.agents]), file=console.err)
             self.advance_criteria(step, metrics)  # before the checkpoint, which records the template in use
             if (every > 0 and step % every == 0) or step == total:
                 self.evaluate(step)
@@ -432,7 +489,7 @@ class MappaTrainer:
             logger.close()
         self.loop.run_until_complete(self.coach.aclose())
 
-    def train_step(self, step: int, tasks: list) -> dict:
+    def train_step(self, step: int, tasks: list, progress=None) -> dict:
         from openrlhf.trainer.ppo_utils.experience import Experience
 
         t_start = t0 = time.time()
@@ -440,7 +497,8 @@ class MappaTrainer:
         workspace = os.path.join(self.run_dir, "workspaces")
         bias = self.bias_audit.prompt_text() if c.show_bias else None  # the steps before this one
         episodes = self.loop.run_until_complete(
-            rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step, coach_bias=bias)
+            rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step, coach_bias=bias,
+                    progress=progress)
         )
         t_rollout = time.time() - t0
         coach_metrics = coach_step_metrics(episodes, c.price_in, c.price_out)
@@ -517,19 +575,21 @@ class MappaTrainer:
         """After step `step`: when the rule of the next template in the topology's coach_templates holds on this
         step's metrics, that template scores from step + 1 on. Stages advance in order, one per step at most;
         a metric with no value this step (e.g. a code error rate when no code ran) switches nothing."""
+        from tqdm import tqdm
+
         stages = self.topology.coach_stages
         if self.stage + 1 >= len(stages):
             return
         stage = stages[self.stage + 1]
         value = step if stage.metric == "step" else metrics.get(stage.metric)
         if stage.holds(value):
-            print(f"[mappa] coach criteria: after step {step}, {stage.metric} = {value:g} ({stage.when}): coach "
-                  f"template {stages[self.stage].name!r} -> {stage.name!r}, in use from step {step + 1}", flush=True)
+            tqdm.write(f"[mappa] coach criteria: after step {step}, {stage.metric} = {value:g} ({stage.when}): coach "
+                       f"template {stages[self.stage].name!r} -> {stage.name!r}, in use from step {step + 1}", file=console.out)
             self.set_stage(self.stage + 1, step + 1)
         elif value is None and stage.name not in self.stage_waits_noted:
             self.stage_waits_noted.add(stage.name)
-            print(f"[mappa] coach criteria: step {step} logged no value of {stage.metric}; coach template "
-                  f"{stage.name!r} waits for a step where {stage.when}", flush=True)
+            tqdm.write(f"[mappa] coach criteria: step {step} logged no value of {stage.metric}; coach template "
+                       f"{stage.name!r} waits for a step where {stage.when}", file=console.out)
 
     def set_stage(self, index: int, since: int):
         self.stage, self.stage_since = index, since
@@ -581,12 +641,16 @@ class MappaTrainer:
         """Every --eval.dataset, n samples per task at --eval.temperature, on the current weights: one line
         per dataset in eval.jsonl (read by `mappa report`), the per-problem results in eval/, and the
         loggers' eval/ namespace."""
+        from tqdm import tqdm
+
         e, names = self.args.eval, [ag.spec.name for ag in self.agents]
         for dataset, tasks in self.eval_sets.items():
             workspace = os.path.join(self.run_dir, "workspaces", f"eval-{dataset}")
-            episodes = self.loop.run_until_complete(
-                evaluate(self.topology, tasks, self.eval_policies, e.n_samples_per_prompt, workspace, step)
-            )
+            total = len(tasks) * e.n_samples_per_prompt
+            with tqdm(total=total, desc=f"evaluation {dataset}", unit="episode", leave=False, file=console.err) as bar:
+                episodes = self.loop.run_until_complete(
+                    evaluate(self.topology, tasks, self.eval_policies, e.n_samples_per_prompt, workspace, step, bar.update)
+                )
             summary, problems = summarize(episodes, names, tasks)
             os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
             with open(os.path.join(self.run_dir, "eval", f"{dataset}-step{step}.json"), "w", encoding="utf-8") as f:
@@ -595,7 +659,7 @@ class MappaTrainer:
                 f.write(json.dumps({"step": step, "dataset": dataset, **summary}) + "\n")
             for logger in self.loggers:
                 logger.log_eval(step, {f"{dataset}/{k}": v for k, v in summary.items()})
-            print(f"[mappa] evaluation after step {step}\n{format_table({dataset: summary})}", flush=True)
+            tqdm.write(f"[mappa] evaluation after step {step}\n{format_table({dataset: summary})}", file=console.err)
 
     def write_episodes(self, episodes: list):
         with open(os.path.join(self.run_dir, "episodes.jsonl"), "a", encoding="utf-8") as f:

@@ -392,10 +392,10 @@ def test_placement_check_against_a_real_cluster(tmp_path):
     flags = ["--mappa.topology", str(tmp_path / "t.yaml"), "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1",
              "--algo.kl.init_coef", "0", "--rollout.batch_size", "2", "--train.batch_size", "2"]
     proc = run_child(f"""
-        import contextlib, io, json, ray
+        import io, json, ray
         from openrlhf_mappa.cli.train_mappa_ray import parse_args
         from openrlhf_mappa.topology import load_topology
-        from openrlhf_mappa.trainer import check_placement
+        from openrlhf_mappa.trainer import check_placement, console
         ray.init(num_cpus=1, num_gpus=2, include_dashboard=False)
         facts = {{"gpus": ray.cluster_resources().get("GPU")}}
         args = parse_args({flags!r})
@@ -404,8 +404,8 @@ def test_placement_check_against_a_real_cluster(tmp_path):
         except SystemExit as e:
             facts["refused"] = str(e)
         args = parse_args({flags!r} + ["--mappa.shared_policy"])  # one policy for both roles: 2 GPUs, an exact fit
-        with contextlib.redirect_stdout(io.StringIO()) as out:
-            check_placement(args, load_topology(args.mappa.topology))
+        console.out = out = io.StringIO()  # the run's own output goes to the terminal's stream, trainer.console
+        check_placement(args, load_topology(args.mappa.topology))
         facts["printed"] = out.getvalue()
         ray.shutdown()
         print("FACTS " + json.dumps(facts))

@@ -7,6 +7,7 @@ test_resume_e2e.py)."""
 
 import json
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +24,7 @@ from openrlhf_mappa.evaluation import behaviour_metrics
 from openrlhf_mappa.episode import Action, Episode, ToolFeedback, Verdict
 from openrlhf_mappa.rollout import rollout
 from openrlhf_mappa.topology import AGENT_METRICS, load_topology
+from openrlhf_mappa import trainer as trainer_module
 from openrlhf_mappa.trainer import CHECKPOINT_MARKER, MappaTrainer, prepare_resume, truncate_logs
 
 AGENTS = [
@@ -153,7 +155,8 @@ def play_step(trainer, step: int, code: str) -> dict:
     return metrics
 
 
-def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsys):
+def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(trainer_module, "console", SimpleNamespace(out=sys.stdout, err=sys.stderr))  # the captured terminal
     topology = load_topology(write_topology(tmp_path))
     with CoachServer() as server:
         coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
@@ -206,7 +209,8 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
         "coach template stage 1 from step 3", "coach template stage 2 from step 5"]  # fmt: skip
 
 
-def test_a_metric_without_a_value_switches_nothing_and_says_so(tmp_path, capsys):
+def test_a_metric_without_a_value_switches_nothing_and_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(trainer_module, "console", SimpleNamespace(out=sys.stdout, err=sys.stderr))  # the captured terminal
     topology = load_topology(write_topology(tmp_path))
     trainer = trainer_for(topology, build_coach("heuristic"), tmp_path)
     for step in (1, 2):  # no code ran: the coder's code_error_rate is None

@@ -31,6 +31,7 @@ def test_reading_tolerates_a_cut_off_last_line_and_names_a_broken_one(tmp_path, 
     assert "metrics.jsonl: line 3 is cut off" in capsys.readouterr().err
     curves = {c["title"]: c["series"] for c in data["sections"]["training"]}
     assert curves["agent/*/coach_score"] == [{"name": "solver", "points": [[1, 5.0], [2, 6.0]]}]
+    assert list(curves)[:2] == ["outcome/success_rate", "agent/*/coach_score"]  # the page opens with these
     assert "agent/*/kl" not in curves  # null every step: no chart rather than an empty one
     assert data["sections"]["eval"] is None and data["episodes"] == []  # no eval.jsonl, no episodes.jsonl
 

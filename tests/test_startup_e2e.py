@@ -80,6 +80,12 @@ def test_start_up_killed_then_restarted_past_stale_locks(tmp_path, tiny_model):
                 os.rmdir(os.path.dirname(lock))  # when the test made it, empty
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")] == [1]
+    # The console without --mappa.verbose: the step line and the summary with the paths; Ray's start-up noise
+    # is in the run's train.log instead.
+    assert "[mappa] step 1/1 | success " in proc.stderr and "| coach problem_solver " in proc.stderr
+    assert f"[mappa] log:         {tmp_path / 'run' / 'train.log'}" in proc.stdout.splitlines()
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+    assert "Started a local Ray instance" in (tmp_path / "run" / "train.log").read_text()
     warnings = [line for line in proc.stderr.splitlines() if "start-up not done after" in line]
     assert warnings, proc.stderr[-4000:]  # every 10 s of start-up, the watchdog says what is not up yet ...
     assert all(f"the build lock {lock}" in warnings[0] for lock in locks), warnings[0]  # ... and sees the locks

@@ -59,3 +59,22 @@ def test_vllm_generates_from_tiny_model(tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("GENERATED"))
     assert int(line.split()[1]) > 0
+
+
+def test_a_small_init_std_makes_every_seed_start_near_uniform(tmp_path):
+    # The demo's agents must all start alike: at the default std one seed's model ends 0.5% of its replies,
+    # another's 6% (the end token's odds differ by seed); at 0.002 every token's odds are close to 1/vocab.
+    from transformers import AutoModelForCausalLM
+
+    from openrlhf_mappa.tiny_model import build_tiny_model
+
+    spread = {}
+    for std in (0.02, 0.002):
+        probs = []
+        for seed in range(3):
+            out = build_tiny_model(str(tmp_path / f"{std}-{seed}"), seed=seed, vocab_size=259, init_std=std)
+            with torch.no_grad():
+                logits = AutoModelForCausalLM.from_pretrained(out).float()(torch.tensor([[10, 20, 30]])).logits[0, -1]
+            probs.append(torch.softmax(logits, -1))
+        spread[std] = max(float(p.max() / p.min()) for p in probs)  # the likeliest token's odds over the least likely's
+    assert spread[0.002] < 1.5 < 2.5 < spread[0.02], spread  # measured: 1.14 and 3.7

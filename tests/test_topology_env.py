@@ -590,3 +590,56 @@ def test_extract_boxed(text, boxed):
 )
 def test_answers_match(a, b, same):
     assert answers_match(a, b) is same
+
+
+# ---------------------------------------------------------------- the demo's relay
+
+
+class CannedPolicy:
+    """An agent's engine with a fixed reply (token ids 1 per character) and whether it hit the token limit."""
+
+    def __init__(self, reply, truncated=False):
+        self.reply, self.truncated, self.tokenizer, self.max_new_tokens = reply, truncated, self, 16
+
+    def prompt_ids(self, messages):
+        return messages[-1]["content"], [1, 2, 3], False
+
+    async def generate(self, prompt_ids):
+        return [1] * max(1, len(self.reply)), self.truncated
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.reply
+
+
+@pytest.mark.parametrize("replies, success, scores", [
+    ({"quantity": ("12", False), "item": ("apples", False), "code": ("XK", False)}, True, [10, 10, 10]),
+    # cut off at the limit: nothing for that action, though its text alone matches (the coach sees the cut-off)
+    ({"quantity": ("12", False), "item": ("apples", True), "code": ("XK", False)}, True, [10, 0, 10]),
+    # 16 capitals cut off at the limit: with an unbounded goal ([A-Z]+) this passed as a success
+    ({"quantity": ("12", False), "item": ("apples", False), "code": ("XKQWERTYUIOPASDF", True)}, False, [10, 10, 0]),
+    # ended on its own but not only the required text: 5, + 2 when the text contains it; the episode fails
+    ({"quantity": ("12 boxes", False), "item": ("Apples!", False), "code": ("", False)}, False, [7, 7, 5]),
+])  # fmt: skip
+def test_relay_succeeds_only_when_every_agent_meets_its_goal(tmp_path, replies, success, scores):
+    from openrlhf_mappa.coach.heuristic import HeuristicCoach
+    from openrlhf_mappa.rollout import rollout
+
+    topology = load_topology(str(ROOT / "examples" / "configs" / "relay.yaml"))
+    policies = {name: CannedPolicy(*reply) for name, reply in replies.items()}
+    tasks = load_tasks(str(ROOT / "examples" / "data" / "relay_train.jsonl"))[:2]
+    done = []
+    episodes = asyncio.run(rollout(topology, tasks, policies, HeuristicCoach(), str(tmp_path), step=1, progress=done.append))
+    assert done == [1, 1]  # the progress bar moves once per finished episode
+    ep = episodes[0]
+    assert ep.task_type == "relay" and ep.success is success
+    assert [a.coach_request["ground_truth"] for a in ep.actions] == ["Required reply: \\d{1,3}", "Required reply: [a-z]{1,8}",
+                                                                     "Required reply: [A-Z]{1,4}"]  # fmt: skip
+    # the readability bonus (up to 0.9) comes on top of every score below 10
+    assert [int(a.verdict.score) for a in ep.actions] == scores
+    assert "Order 1: a customer orders apples." in ep.actions[2].prompt_text and "### item" in ep.actions[2].prompt_text
+
+
+def test_relay_names_an_agent_without_a_goal(tmp_path):
+    topology = load_topology(str(ROOT / "examples" / "configs" / "relay.yaml"))
+    with pytest.raises(ValueError, match=r"no goal for agent\(s\) \['code'\]"):
+        topology.env_class()(topology, {"prompt": "p", "answer": "-"}, str(tmp_path), goals={"quantity": "1", "item": "a"})

@@ -285,3 +285,79 @@ def test_step_metrics_count_truncated_actions_per_agent_and_log_the_scale():
     assert (m["agent/solver/truncated_left_out"], m["agent/verifier/truncated_left_out"]) == (1, 0)
     assert m["reward_scale"] == 0.1 and m["coach/left_out"] == 0
     assert episodes[0].actions[1].reward == pytest.approx(0.8)  # Action.reward: the scaled reward it trains on
+
+
+# Steps 1, 2, 3 and 25 of a real `make demo` run (its metrics.jsonl; only the keys the console reads, and one
+# agent's KL and loss missing at step 2, as when an agent skips its update), and its eval.jsonl.
+DEMO_METRICS = [
+    {"step": 1, "outcome/success_rate": 0.0, "agent/quantity/coach_score": 1.3, "agent/item/coach_score": 3.1,
+     "agent/code/coach_score": 2.5, "agent/quantity/kl": 0.0, "agent/item/kl": 0.0, "agent/code/kl": 0.0,
+     "agent/quantity/policy_loss": 2e-07, "agent/item/policy_loss": 1e-07, "agent/code/policy_loss": 0.0,
+     "time/rollout": 0.61, "time/experience": 0.8, "time/train": 2.0, "time/sync": 1.4, "time/step": 4.9},
+    {"step": 2, "outcome/success_rate": 0.0, "agent/quantity/coach_score": 1.2, "agent/item/coach_score": 2.0,
+     "agent/code/coach_score": 1.5, "agent/quantity/kl": 0.0, "agent/item/kl": 0.0,
+     "agent/quantity/policy_loss": 3e-07, "agent/item/policy_loss": 3e-07,
+     "time/rollout": 0.5, "time/experience": 0.4, "time/train": 0.9, "time/sync": 0.3, "time/step": 2.2},
+    {"step": 3, "outcome/success_rate": 0.0625, "agent/quantity/coach_score": 1.9, "agent/item/coach_score": 2.0,
+     "agent/code/coach_score": 2.4, "time/step": 2.3},
+    {"step": 25, "outcome/success_rate": 0.0625, "agent/quantity/coach_score": 7.024249999999999,
+     "agent/item/coach_score": 3.771562499999999, "agent/code/coach_score": 6.289062499999999,
+     "agent/quantity/kl": 0.0, "agent/item/kl": 0.0, "agent/code/kl": 0.0,
+     "agent/quantity/policy_loss": -3.0139707169442805e-07, "agent/item/policy_loss": 2.789311110973358e-07,
+     "agent/code/policy_loss": 6.235562838040866e-08, "time/rollout": 0.7059924602508545,
+     "time/experience": 0.8145232200622559, "time/train": 2.0146102905273438, "time/sync": 1.3925509452819824,
+     "time/step": 4.941298246383667},
+]
+DEMO_EVAL = [{"step": 0, "dataset": "relay_eval", "accuracy": 0.0, "n_problems": 8, "n_samples": 2},
+             {"step": 30, "dataset": "relay_eval", "accuracy": 0.375, "n_problems": 8, "n_samples": 2}]
+
+
+def test_step_line_reads_like_openrlhfs_step_log():
+    from openrlhf_mappa.trainer import step_line
+
+    agents = ["quantity", "item", "code"]
+    assert step_line(25, 30, DEMO_METRICS[3], agents) == (
+        "[mappa] step 25/30 | success 0.062 | coach quantity 7.02, item 3.77, code 6.29 | kl 0 | loss 1.33e-08 | "
+        "rollout 0.7s, experience 0.8s, train 2.0s, sync 1.4s, step 4.9s")
+    # KL and loss are the means over the agents that updated; a value nobody logged is a dash, not a zero.
+    assert " | kl 0 | loss 3e-07 | " in step_line(2, 30, DEMO_METRICS[1], agents)
+    line = step_line(3, 30, DEMO_METRICS[2], agents)
+    assert " | kl - | loss - | rollout -s, experience -s, train -s, sync -s, step 2.3s" in line
+
+
+def test_run_summary_compares_the_first_and_last_steps_and_evaluations(tmp_path):
+    from openrlhf_mappa.trainer import run_summary
+
+    assert run_summary(str(tmp_path)) == ["[mappa] no step finished"]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in DEMO_METRICS))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(m) + "\n" for m in DEMO_EVAL))
+    assert run_summary(str(tmp_path)) == [
+        "[mappa] 4 steps (0.2 min of training steps); success rate 0.021 (first 3 steps) -> 0.042 (last 3)",
+        "[mappa] coach score (first 3 -> last 3 steps): quantity 1.467 -> 3.375, item 2.367 -> 2.591, code 2.133 -> 3.396",
+        "[mappa] evaluation relay_eval: accuracy 0.000 (step 0) -> 0.375 (step 30)",
+    ]
+
+
+def test_output_to_sends_the_noise_to_the_log_and_keeps_errors_on_the_terminal(tmp_path):
+    # What --mappa.verbose turns off, in a real child process: a library's write to file descriptor 2 (as
+    # vLLM's and DeepSpeed's log handlers do) and print() (as Ray's forwarding of its workers' output) go to
+    # the log; the run's own lines stay on the terminal, and so does the error that ends the run.
+    code = f"""
+import os, sys
+from openrlhf_mappa import trainer
+from openrlhf_mappa.cli.train_mappa_ray import output_to
+with output_to({str(tmp_path / 'train.log')!r}):
+    os.write(2, b"INFO vllm engine noise\\n")
+    print("(RolloutRayActor pid=1) forwarded worker line")
+    print("[mappa] step 1/1 | success 1.000", file=trainer.console.err)
+    print("[mappa] resuming after step 3", file=trainer.console.out)
+    raise RuntimeError("agent 'solver': actor rank 0 died")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    log = (tmp_path / "train.log").read_text()
+    assert "INFO vllm engine noise" in log and "forwarded worker line" in log
+    assert "vllm engine" not in proc.stdout + proc.stderr and "worker line" not in proc.stdout + proc.stderr
+    assert proc.stdout == "[mappa] resuming after step 3\n"
+    assert ("[mappa] step 1/1 | success 1.000\n[mappa] the run stopped; Ray's, vLLM's and DeepSpeed's output is in "
+            f"{tmp_path / 'train.log'}\nTraceback") in proc.stderr  # (importing torch warns before the redirect)
+    assert proc.returncode == 1 and proc.stderr.endswith("RuntimeError: agent 'solver': actor rank 0 died\n")

@@ -44,6 +44,8 @@ def main(argv=None):
     p.add_argument("--hidden-size", type=int, default=128, help="a multiple of 32 (head_dim is 32)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=320)
+    p.add_argument("--init-std", type=float, default=0.02,
+                   help="initial weight std; smaller: next-token odds closer to uniform, alike for every seed")
 
     p = sub.add_parser("coach", help="coach tools")
     coach_sub = p.add_subparsers(dest="coach_command", required=True)
@@ -102,7 +104,7 @@ def main(argv=None):
     elif args.command == "tiny-model":
         from openrlhf_mappa.tiny_model import build_tiny_model
 
-        out = build_tiny_model(args.out_dir, args.seed, args.hidden_size, args.layers, args.vocab_size)
+        out = build_tiny_model(args.out_dir, args.seed, args.hidden_size, args.layers, args.vocab_size, args.init_std)
         print(f"tiny model written to {out}")
     elif args.command == "sandbox":
         import dataclasses

@@ -83,6 +83,9 @@ def add_mappa_args(parser):
                    help="while engines and actors start: name those not up yet, and what they wait for, every this many seconds")
     g.add_argument("--mappa.startup_timeout_s", type=float, default=1800.0,
                    help="stop a start-up not done after this many seconds, with that message")
+    g.add_argument("--mappa.verbose", action="store_true",
+                   help="show Ray's, vLLM's and DeepSpeed's output on the console (default: in <run_dir>/train.log; "
+                        "the console shows the step lines, progress bars, errors and the watchdogs' messages)")
     # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
     parser.set_defaults(**{"algo.advantage.estimator": "reinforce"})
 
@@ -349,6 +352,40 @@ def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:
     return [tasks[i] for i in sorted(picked.tolist())]
 
 
+@contextlib.contextmanager
+def output_to(log_path: str):
+    """Send this process's stdout and stderr to `log_path`, at the file-descriptor level, so Ray's, vLLM's and
+    DeepSpeed's output goes there too (their log handlers hold the original streams, and Ray forwards its
+    workers' output through sys.stdout/sys.stderr); trainer.console keeps the terminal for the run's own
+    output. On the way out the terminal is restored first, so an error that ends the run is shown there."""
+    from openrlhf_mappa import trainer
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    trainer.console.out, trainer.console.err = (open(os.dup(fd), "w", buffering=1, encoding=s.encoding, errors=s.errors)
+                                                for fd, s in zip(saved, (sys.stdout, sys.stderr)))
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    try:
+        yield
+    except BaseException:
+        print(f"[mappa] the run stopped; Ray's, vLLM's and DeepSpeed's output is in {os.path.abspath(log_path)}",
+              file=trainer.console.err, flush=True)
+        raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        trainer.console.out.close()
+        trainer.console.err.close()
+        trainer.console.out, trainer.console.err = sys.stdout, sys.stderr
+        for fd, saved_fd in ((1, saved[0]), (2, saved[1])):
+            os.dup2(saved_fd, fd)
+            os.close(saved_fd)
+
+
 def coach_cache_path(args):
     cache = args.mappa.coach.cache
     if cache is None:
@@ -404,12 +441,38 @@ def train(args):
         if args.mappa.reward == "process" or c.score_outcome_runs:
             asyncio.run(coach.probe())
 
-    import ray
-
-    from openrlhf_mappa.trainer import (MappaTrainer, StartupWatchdog, Watchdog, build_agents, components, find_dead,
-                                        prepare_resume)
+    if not args.mappa.verbose:
+        # Ray holds its workers' repeated lines back and prints them when it shuts down, after the terminal is
+        # restored (see output_to); a log file needs no deduplication. Read when Ray is first imported: here.
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    from openrlhf_mappa.trainer import prepare_resume, run_summary
 
     start = prepare_resume(args, topology)  # before Ray: it refuses a resume that would silently start over
+    log = os.path.join(args.mappa.run_dir, "train.log")
+    if not args.mappa.verbose:
+        print(f"[mappa] Ray's, vLLM's and DeepSpeed's output goes to {os.path.abspath(log)} (--mappa.verbose: here)", flush=True)
+    with contextlib.nullcontext() if args.mappa.verbose else output_to(log):
+        agents = launch(args, topology, coach, tasks, eval_sets, start)
+    for line in run_summary(args.mappa.run_dir):
+        print(line)
+    print(f"[mappa] metrics:     {os.path.abspath(os.path.join(args.mappa.run_dir, 'metrics.jsonl'))}")
+    print(f"[mappa] episodes:    {os.path.abspath(os.path.join(args.mappa.run_dir, 'episodes.jsonl'))}")
+    if eval_sets:
+        print(f"[mappa] evaluation:  {os.path.abspath(os.path.join(args.mappa.run_dir, 'eval.jsonl'))} (per problem: eval/)")
+    print(f"[mappa] checkpoints: {os.path.abspath(args.ckpt.path)}/<agent>/ ; HF exports: {os.path.abspath(args.ckpt.output_dir)}/<agent>/")
+    if args.logger.tensorboard_dir:
+        print(f"[mappa] tensorboard: {os.path.abspath(args.logger.tensorboard_dir)}")
+    if not args.mappa.verbose:
+        print(f"[mappa] log:         {os.path.abspath(log)}")
+    return agents
+
+
+def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> list:
+    """Start Ray and every agent's engines and actors, then train from step `start`."""
+    import ray
+
+    from openrlhf_mappa.trainer import MappaTrainer, StartupWatchdog, Watchdog, build_agents, components, find_dead, console
+
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     steps = (len(tasks) // args.rollout.batch_size) * args.train.num_episodes
@@ -420,7 +483,7 @@ def train(args):
     # passes over each step's batch), as OpenRLHF's trainer counts them.
     max_steps = steps * max(1, actions_per_step // args.train.batch_size) * args.train.max_epochs
     if start:
-        print(f"[mappa] resuming after step {start} (checkpoints in {os.path.abspath(args.ckpt.path)})")
+        print(f"[mappa] resuming after step {start} (checkpoints in {os.path.abspath(args.ckpt.path)})", file=console.out, flush=True)
     startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s, [a.model for a in topology.agents])
     startup.start()
     try:
@@ -448,15 +511,14 @@ def train(args):
                          f"in {args.mappa.run_dir}; resume from the last checkpoint with --ckpt.load_enable.") from None
     finally:
         watchdog.done.set()
-    print(f"[mappa] metrics:     {os.path.abspath(os.path.join(args.mappa.run_dir, 'metrics.jsonl'))}")
-    print(f"[mappa] episodes:    {os.path.abspath(os.path.join(args.mappa.run_dir, 'episodes.jsonl'))}")
-    if eval_sets:
-        print(f"[mappa] evaluation:  {os.path.abspath(os.path.join(args.mappa.run_dir, 'eval.jsonl'))} (per problem: eval/)")
-    print(f"[mappa] checkpoints: {os.path.abspath(args.ckpt.path)}/<agent>/ ; HF exports: {os.path.abspath(args.ckpt.output_dir)}/<agent>/")
-    if args.logger.tensorboard_dir:
-        print(f"[mappa] tensorboard: {os.path.abspath(args.logger.tensorboard_dir)}")
     return agents
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    args = parse_args()
+    train(args)
+    import ray
+
+    # Ray's engines and actors print as they shut down: into the run's log too, not under the summary.
+    with contextlib.nullcontext() if args.mappa.verbose else output_to(os.path.join(args.mappa.run_dir, "train.log")):
+        ray.shutdown()

@@ -16,8 +16,9 @@ _NUMBER_RE = re.compile(r"\d")
 # The workspace check DSBenchEnv.coach_ground_truth writes (the file contract after the action).
 _DSBENCH_RE = re.compile(r"^Missing inputs[^:]*: (.*)\nMissing outputs[^:]*: (.*)$", re.MULTILINE)
 _SUBMISSION_RE = re.compile(r"^Submission check: (valid|invalid).*?(?:relative score ([\d.]+))?$", re.MULTILINE)
-# A per-action goal that a pipeline can check mechanically, given as the ground truth (see rule 2).
+# Per-action goals that a pipeline can check mechanically, given as the ground truth (see rule 2).
 PATTERN_PREFIX = "Required pattern: "
+REPLY_PREFIX = "Required reply: "
 
 
 class HeuristicCoach(Coach):
@@ -32,6 +33,10 @@ class HeuristicCoach(Coach):
        ran cleanly and printed something -> 7; ran cleanly with no output -> 5.
     2. ground truth given: "Required pattern: <regex>" (a pipeline states a checkable goal for this agent's
        own action, e.g. benchmarks/credit_assignment.py) -> 10 if the output contains a match, else 0;
+       "Required reply: <regex>" (the whole reply must match it and end on its own, as in the demo's
+       envs/relay.py) -> 10 if both hold; a reply cut off at the token limit -> 0; one that ended on its
+       own but is not a match -> 5, + 2 if it contains one. So an untrained agent first learns to stop
+       (content paid before that would crowd out the rare end token), then to say the right thing;
        otherwise the last \\boxed{...} of the output equals it (MathChat's `grade`) -> 10;
        a boxed answer that differs -> 2; no boxed answer -> 0.
     3. the agent runs code but the output has no ```python block -> 1.
@@ -70,6 +75,15 @@ class HeuristicCoach(Coach):
                 if re.search(pattern, output):
                     return 10.0, f"pattern rule: the output matches {pattern!r}"
                 return 0.0, f"pattern rule: the output does not match {pattern!r}"
+            if request.ground_truth.startswith(REPLY_PREFIX):
+                pattern = request.ground_truth[len(REPLY_PREFIX) :]
+                ended = request.truncated_at is None
+                if ended and re.fullmatch(pattern, output):
+                    return 10.0, f"reply rule: the reply is {pattern!r} and ended on its own"
+                if not ended:
+                    return 0.0, f"reply rule: cut off at the token limit ({request.truncated_at} tokens)"
+                found = bool(re.search(pattern, output))
+                return 5.0 + 2.0 * found, f"reply rule: ended on its own but is not {pattern!r}; contains it: {found}"
             boxed = extract_boxed(output)
             if boxed is None:
                 return 0.0, "answer rule: no \\boxed{} answer"

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 BUILTIN_ENVS = {
     "mathchat": "openrlhf_mappa.envs.mathchat:MathChatEnv",
     "dsbench": "openrlhf_mappa.envs.dsbench:DSBenchEnv",
+    "relay": "openrlhf_mappa.envs.relay:RelayEnv",
 }
 
 
