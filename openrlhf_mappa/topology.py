@@ -15,15 +15,12 @@ from typing import Optional, Union
 
 import yaml
 
-from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, SCORE_KEY_RE
-from openrlhf_mappa.envs.base import load_env_class
+from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, PROMPT_FIELDS, SCORE_KEY_RE
+from openrlhf_mappa.envs.base import MultiAgentEnv, load_env_class
 
 logger = logging.getLogger(__name__)
 
 AGENT_PROMPT_FIELDS = ("task", "history")
-COACH_PROMPT_FIELDS = (
-    "task", "role", "agent", "turn", "task_type", "agent_input", "agent_output", "feedback", "ground_truth",
-)  # fmt: skip
 # Agent names become parts of checkpoint paths and metric keys.
 AGENT_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
 VIEW_KEYS = ("agents", "actions", "tool_output", "strip_thinking")
@@ -61,11 +58,14 @@ class AgentSpec:
 class Topology:
     name: str
     env: str  # "package.module:Class", or a built-in short name such as "mathchat"
-    agents: list  # list[AgentSpec], in the order they act
-    coach_template: str  # str.format template; fields: COACH_PROMPT_FIELDS
+    agents: list  # list[AgentSpec]; in the order they act, unless the env's next_agents decides otherwise
+    coach_template: str  # str.format template; fields: PROMPT_FIELDS
     env_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of the env's constructor
     score_key: str = DEFAULT_SCORE_KEY  # a text reply of the coach states its score on a line `<score_key>: <n>`
     reward_scale: float = 1.0  # every reward is multiplied by it (coach score and outcome alike; see rewards.py)
+    # The most actions one episode may take (None: the sum of the agents' max_actions); an episode that would
+    # take more is stopped and counted as a failure (see rollout.run_episode).
+    max_episode_actions: Optional[int] = None
 
     def env_class(self) -> type:
         return load_env_class(self.env)
@@ -75,7 +75,7 @@ class Topology:
         return self.env_class()(self, task, workspace, **self.env_kwargs)
 
 
-TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "env_kwargs", "score_key", "reward_scale")
+TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "env_kwargs", "score_key", "reward_scale", "max_episode_actions")
 AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec))
 
 
@@ -98,7 +98,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     for key in ("env", "coach_template"):
         if not isinstance(raw.get(key), str) or not raw[key].strip():
             fail(f"'{key}' is missing or empty; it must be a non-empty string")
-    _check_template(raw["coach_template"], COACH_PROMPT_FIELDS, "coach_template", fail)
+    _check_template(raw["coach_template"], PROMPT_FIELDS, "coach_template", fail)
     score_key = raw.get("score_key", DEFAULT_SCORE_KEY)
     if not isinstance(score_key, str) or not SCORE_KEY_RE.fullmatch(score_key):
         fail(f"'score_key' must be a word of letters, digits and '_' starting with a letter, got {score_key!r}")
@@ -115,6 +115,19 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     if not (is_number and 0 < reward_scale < float("inf")):
         fail(f"'reward_scale' must be a positive number (1.0: coach scores as given), got {reward_scale!r}")
 
+    max_episode_actions = raw.get("max_episode_actions")
+    if max_episode_actions is not None and (isinstance(max_episode_actions, bool) or not isinstance(max_episode_actions, int)
+                                            or max_episode_actions < 1):  # fmt: skip
+        fail(f"'max_episode_actions' must be an integer >= 1 or left out (the sum of the agents' max_actions), "
+             f"got {max_episode_actions!r}")
+    try:
+        env_cls = load_env_class(raw["env"])
+    except ValueError as e:
+        fail(str(e))
+    # Only the default workflow (the chain) fixes who acts before whom; an env with its own next_agents may
+    # let any agent see any other.
+    chain = getattr(env_cls, "next_agents", None) is MultiAgentEnv.next_agents
+
     agent_rows = raw.get("agents")
     if not isinstance(agent_rows, list) or not agent_rows:
         fail("'agents' must be a non-empty list; each agent needs at least name, model, role and prompt")
@@ -124,12 +137,8 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     if duplicated:
         fail(f"agent name(s) {duplicated} used more than once; every agent needs its own name")
     for i, (agent, row) in enumerate(zip(agents, agent_rows)):
-        agent.view = _parse_view(row.get("view", "all"), names, i, fail)
+        agent.view = _parse_view(row.get("view", "all"), names, i, chain, fail)
 
-    try:
-        env_cls = load_env_class(raw["env"])
-    except ValueError as e:
-        fail(str(e))
     topology = Topology(
         name=str(raw.get("name") or os.path.splitext(os.path.basename(path))[0]),
         env=raw["env"],
@@ -138,6 +147,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
         env_kwargs=env_kwargs,
         score_key=score_key,
         reward_scale=float(reward_scale),
+        max_episode_actions=max_episode_actions,
     )
     # Bind the constructor's arguments now so a misspelled env_kwargs key fails here, not in the first rollout.
     try:
@@ -180,9 +190,10 @@ def _parse_agent(row, index: int, model_override: Optional[str], fail) -> AgentS
     return AgentSpec(**row)
 
 
-def _parse_view(raw, names: list, index: int, fail) -> View:
-    """An agent's view, its names checked: agents act once each, in the listed order, so a view may only name
-    agents listed before it (later ones have not acted yet; its own actions are always shown)."""
+def _parse_view(raw, names: list, index: int, chain: bool, fail) -> View:
+    """An agent's view, its names checked. In a chain (the default workflow) agents act in the listed order, so
+    a view may only name agents listed before it (later ones have not acted yet); its own actions are always
+    shown."""
     label = f"agent {names[index]!r}: view"
     if not isinstance(raw, dict):
         raw = {"agents": raw}
@@ -202,7 +213,7 @@ def _parse_view(raw, names: list, index: int, fail) -> View:
                 fail(f"{label}: unknown agent {a!r}; the agents are {', '.join(names)}")
             if a == names[index]:
                 fail(f"{label}: names the agent itself; its own earlier actions are always shown to it")
-            if names.index(a) > index:
+            if chain and names.index(a) > index:
                 fail(f"{label}: names {a!r}, which acts after it (agents act in the listed order)")
         agents = tuple(agents)
     if raw.get("actions", "all") not in ("all", "last"):

@@ -14,7 +14,8 @@ from openrlhf_mappa.episode import Verdict
 
 COACH_KINDS = ("heuristic", "openai")
 PROMPT_FIELDS = (
-    "task", "role", "agent", "turn", "task_type", "agent_input", "agent_output", "feedback", "ground_truth"
+    "task", "role", "agent", "turn", "round", "position", "task_type", "agent_input", "agent_output", "feedback",
+    "ground_truth",
 )
 
 
@@ -35,6 +36,8 @@ class CoachRequest:
     is_final_agent: bool = False
     runs_code: bool = False  # the agent's actions are executed as code
     truncated_at: Optional[int] = None  # the output was cut off at this token limit (None: it ended by itself)
+    round: int = 0  # where the action stands in the episode (see Action): its round and position, from 0
+    position: int = 0
 
 
 class Coach:
@@ -95,6 +98,8 @@ def render_prompt(template: str, request: CoachRequest) -> str:
         "role": request.role,
         "agent": request.agent,
         "turn": request.turn,
+        "round": request.round,
+        "position": request.position,
         "task_type": request.task_type,
         "agent_input": request.agent_input,
         "agent_output": agent_output,
