@@ -92,6 +92,8 @@ class Action:
     turn: int  # the agent's own turn index within the episode, from 0
     prompt_ids: list  # token ids the agent's policy saw (its chat template applied)
     response_ids: list  # token ids the agent generated; only these train
+    round: int = 0  # the round of the episode it was taken in, from 0 (agents of one round act concurrently)
+    position: int = 0  # its index among the episode's actions, from 0
     prompt_text: str = ""
     response_text: str = ""
     rollout_logprobs: Optional[list] = None
@@ -119,6 +121,9 @@ class Episode:
     # Actions never taken: even with all history left out their prompt exceeded max_len - max_new_tokens.
     # {"agent", "turn", "prompt_tokens" (that shortest prompt), "budget"}; that agent's turns ended there.
     skipped_actions: list = field(default_factory=list)
+    # Why the episode was stopped by a limit (an agent's max_actions, the topology's max_episode_actions), or
+    # "" when it ended by itself. A stopped episode is a failure, whatever its env's outcome said.
+    action_limit: str = ""
 
     @property
     def success(self) -> bool:

@@ -97,6 +97,8 @@ def summarize(episodes: list, agent_names: list, tasks: list) -> tuple:
     }
     if any("answered" in o for o in outcomes):
         summary["answered_rate"] = _mean([float(bool(o.get("answered"))) for o in outcomes])
+    if any(ep.action_limit for ep in episodes):  # stopped by a limit (rollout.run_episode): failures, counted
+        summary["action_limit_episodes"] = sum(bool(ep.action_limit) for ep in episodes)
     if any("relative_score" in o for o in outcomes):
         summary["relative_score"] = _mean([o.get("relative_score") or 0.0 for o in outcomes])
         for metric in sorted({o["metric_name"] for o in outcomes if o.get("metric_name")}):

@@ -3,7 +3,10 @@
 Each agent's actions are generated on that agent's own engines, from messages rendered with that
 agent's own chat template. A prompt longer than max_len - max_new_tokens loses its oldest history entries
 (`env.observe(..., omit=k)`), never its system message, prompt or task; when those alone are too long the
-action is not taken and is recorded in `Episode.skipped_actions`. The coach request for an action is
+action is not taken and is recorded in `Episode.skipped_actions`. Who acts when is the environment's choice
+(`MultiAgentEnv.next_agents`, by default the topology's chain); the agents of one round generate concurrently,
+and an episode that asks for more than the topology's action limits ends as a counted failure
+(`Episode.action_limit`). The coach request for an action is
 submitted as soon as the action's tool feedback exists and awaited only when the episode is complete, so
 coach latency overlaps with the next agents' generation and with other episodes.
 """
@@ -71,29 +74,59 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
     verdict_futures = []
     # An env whose own observe() takes no `omit` cannot leave history out: its over-long prompts are skipped.
     can_omit = "omit" in inspect.signature(env.observe).parameters
-    t0 = time.time()
-    for spec in topology.agents:
+
+    def fit(spec, turn):
+        """(text, ids, too_long, omitted): the agent's prompt, its oldest history left out as far as needed."""
         policy = policies[spec.name]
-        for turn in range(spec.max_actions):
-            prompt_text, prompt_ids, too_long = policy.prompt_ids(env.observe(spec, turn))
-            omitted = 0
-            if too_long and can_omit:
-                observe = functools.partial(env.observe, spec, turn)  # observe(k): k oldest entries left out
-                prompt_text, prompt_ids, too_long, omitted = policy.shorten(observe, len(env.history))
+        prompt_text, prompt_ids, too_long = policy.prompt_ids(env.observe(spec, turn))
+        if too_long and can_omit:
+            observe = functools.partial(env.observe, spec, turn)  # observe(k): k oldest entries left out
+            return policy.shorten(observe, len(env.history))
+        return prompt_text, prompt_ids, too_long, 0
+
+    limit = topology.max_episode_actions or sum(a.max_actions for a in topology.agents)
+    turns, last, round_ = {a.name: 0 for a in topology.agents}, {}, 0
+    t0 = time.time()
+    while agents := env.next_agents(turns, last):
+        ids = [id(a) for a in agents] if isinstance(agents, (list, tuple)) else None
+        if ids is None or not set(ids) <= {id(a) for a in topology.agents} or len(set(ids)) < len(ids):
+            shown = [getattr(a, "name", a) for a in agents] if ids is not None else agents
+            raise ValueError(f"{type(env).__name__}.next_agents returned {shown!r}: expected a list of this "
+                             f"topology's AgentSpecs (env.topology.agents), each at most once per round")
+        over = [f"agent {a.name!r} asked to act beyond its max_actions {a.max_actions}"
+                for a in agents if turns[a.name] >= a.max_actions]  # fmt: skip
+        if sum(turns.values()) + len(agents) > limit:
+            over.append(f"more than max_episode_actions {limit} actions")
+        if over:  # a workflow that would go on forever (or past its budget) ends here, as a counted failure
+            episode.action_limit = "; ".join(over)
+            break
+        # Every agent of the round sees the history as it stands before the round, so their generations are
+        # independent and run concurrently; their steps then run in the order next_agents gave.
+        prompts = [fit(spec, turns[spec.name]) for spec in agents]
+        generated = iter(await asyncio.gather(
+            *(policies[spec.name].generate(p[1]) for spec, p in zip(agents, prompts) if not p[2])
+        ))  # fmt: skip
+        last = {}
+        for spec, (prompt_text, prompt_ids, too_long, omitted) in zip(agents, prompts):
+            policy, turn = policies[spec.name], turns[spec.name]
+            turns[spec.name] += 1
             if too_long:
                 # Even its system message, prompt and task alone do not fit: no action (nothing generated, nothing
-                # trained, no coach); its turns end, since later ones would not fit either; the next agent acts.
+                # trained, no coach); next_agents hears None for it (the chain then moves to the next agent).
                 budget = policy.max_len - policy.max_new_tokens
                 skipped = {"agent": spec.name, "turn": turn, "prompt_tokens": len(prompt_ids), "budget": budget}
                 episode.skipped_actions.append(skipped)
-                break
-            response_ids, truncated = await policy.generate(prompt_ids)
+                last[spec.name] = None
+                continue
+            response_ids, truncated = next(generated)
             response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
-            result = await asyncio.to_thread(env.step, spec, turn, response_text)
+            result = last[spec.name] = await asyncio.to_thread(env.step, spec, turn, response_text)
             action = Action(
                 episode_id=episode_id,
                 agent=spec.name,
                 turn=turn,
+                round=round_,
+                position=len(episode.actions),
                 prompt_ids=prompt_ids,
                 response_ids=response_ids,
                 prompt_text=prompt_text,
@@ -113,6 +146,8 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
                 is_final_agent=spec is topology.agents[-1],
                 runs_code=spec.runs_code,
                 truncated_at=policy.max_new_tokens if truncated else None,
+                round=action.round,
+                position=action.position,
                 # Kept with the action only when shown, so that re-scoring sends the prompt this coach saw.
                 **({"coach_bias": coach_bias} if coach_bias is not None else {}),
             )
@@ -120,10 +155,10 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
                 episode_id, spec.name, turn, agent_input=prompt_text, agent_output=response_text, **action.coach_request
             )
             verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
-            if result.done:
-                break
+        round_ += 1
     episode.timings["rollout_s"] = time.time() - t0
-    episode.outcome = env.outcome()
+    # An episode stopped by a limit never reached its end: a failure, whatever the env's outcome says.
+    episode.outcome = {**env.outcome(), "success": False} if episode.action_limit else env.outcome()
     for action, verdict in zip(episode.actions, await asyncio.gather(*verdict_futures)):
         action.verdict = verdict
     episode.timings["coach_wait_s"] = time.time() - t0 - episode.timings["rollout_s"]

@@ -16,16 +16,12 @@ from typing import Optional, Union
 
 import yaml
 
-from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, SCORE_KEY_RE
-from openrlhf_mappa.envs.base import load_env_class
+from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, PROMPT_FIELDS, SCORE_KEY_RE
+from openrlhf_mappa.envs.base import MultiAgentEnv, load_env_class
 
 logger = logging.getLogger(__name__)
 
 AGENT_PROMPT_FIELDS = ("task", "history")
-COACH_PROMPT_FIELDS = (
-    "task", "role", "agent", "turn", "task_type", "agent_input", "agent_output", "feedback", "ground_truth",
-    "coach_bias",
-)  # fmt: skip
 # Agent names become parts of checkpoint paths and metric keys.
 AGENT_NAME_RE = re.compile(r"[A-Za-z0-9_-]+")
 VIEW_KEYS = ("agents", "actions", "tool_output", "strip_thinking")
@@ -98,14 +94,17 @@ class AgentSpec:
 class Topology:
     name: str
     env: str  # "package.module:Class", or a built-in short name such as "mathchat"
-    agents: list  # list[AgentSpec], in the order they act
-    coach_template: str  # str.format template; fields: COACH_PROMPT_FIELDS (with coach_templates: the first's)
+    agents: list  # list[AgentSpec]; in the order they act, unless the env's next_agents decides otherwise
+    coach_template: str  # str.format template; fields: PROMPT_FIELDS (with coach_templates: the first's)
     env_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of the env's constructor
     score_key: str = DEFAULT_SCORE_KEY  # a text reply of the coach states its score on a line `<score_key>: <n>`
     reward_scale: float = 1.0  # every reward is multiplied by it (coach score and outcome alike; see rewards.py)
     # Criteria that change over training: the coach templates in the order they take over, each after the
     # first with its switch rule (topology key coach_templates). Empty: coach_template throughout.
     coach_stages: list = field(default_factory=list)
+    # The most actions one episode may take (None: the sum of the agents' max_actions); an episode that would
+    # take more is stopped and counted as a failure (see rollout.run_episode).
+    max_episode_actions: Optional[int] = None
 
     def env_class(self) -> type:
         return load_env_class(self.env)
@@ -115,7 +114,8 @@ class Topology:
         return self.env_class()(self, task, workspace, **self.env_kwargs)
 
 
-TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "coach_templates", "env_kwargs", "score_key", "reward_scale")
+TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "coach_templates", "env_kwargs", "score_key", "reward_scale",
+                 "max_episode_actions")
 AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec))
 
 
@@ -143,7 +143,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     if "coach_template" in raw or "coach_templates" not in raw:
         if not isinstance(raw.get("coach_template"), str) or not raw["coach_template"].strip():
             fail("'coach_template' is missing or empty; it must be a non-empty string (or give coach_templates)")
-        _check_template(raw["coach_template"], COACH_PROMPT_FIELDS, "coach_template", fail)
+        _check_template(raw["coach_template"], PROMPT_FIELDS, "coach_template", fail)
     score_key = raw.get("score_key", DEFAULT_SCORE_KEY)
     if not isinstance(score_key, str) or not SCORE_KEY_RE.fullmatch(score_key):
         fail(f"'score_key' must be a word of letters, digits and '_' starting with a letter, got {score_key!r}")
@@ -155,6 +155,19 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     if not (is_number and 0 < reward_scale < float("inf")):
         fail(f"'reward_scale' must be a positive number (1.0: coach scores as given), got {reward_scale!r}")
 
+    max_episode_actions = raw.get("max_episode_actions")
+    if max_episode_actions is not None and (isinstance(max_episode_actions, bool) or not isinstance(max_episode_actions, int)
+                                            or max_episode_actions < 1):  # fmt: skip
+        fail(f"'max_episode_actions' must be an integer >= 1 or left out (the sum of the agents' max_actions), "
+             f"got {max_episode_actions!r}")
+    try:
+        env_cls = load_env_class(raw["env"])
+    except ValueError as e:
+        fail(str(e))
+    # Only the default workflow (the chain) fixes who acts before whom; an env with its own next_agents may
+    # let any agent see any other.
+    chain = getattr(env_cls, "next_agents", None) is MultiAgentEnv.next_agents
+
     agent_rows = raw.get("agents")
     if not isinstance(agent_rows, list) or not agent_rows:
         fail("'agents' must be a non-empty list; each agent needs at least name, model, role and prompt")
@@ -164,7 +177,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     if duplicated:
         fail(f"agent name(s) {duplicated} used more than once; every agent needs its own name")
     for i, (agent, row) in enumerate(zip(agents, agent_rows)):
-        agent.view = _parse_view(row.get("view", "all"), names, i, fail)
+        agent.view = _parse_view(row.get("view", "all"), names, i, chain, fail)
     stages = _parse_stages(raw["coach_templates"], names, fail) if "coach_templates" in raw else []
     templates = [(f"coach_templates[{s.name!r}]", s.template) for s in stages] or [("coach_template", raw["coach_template"])]
     for label, template in templates:
@@ -174,10 +187,6 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
             logger.warning("%s: %s never names the score key %s; ask for a last line `%s: <0-10>` "
                            "or set score_key to the key it asks for", path, label, score_key, score_key)
 
-    try:
-        env_cls = load_env_class(raw["env"])
-    except ValueError as e:
-        fail(str(e))
     topology = Topology(
         name=str(raw.get("name") or os.path.splitext(os.path.basename(path))[0]),
         env=raw["env"],
@@ -187,6 +196,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
         score_key=score_key,
         reward_scale=float(reward_scale),
         coach_stages=stages,
+        max_episode_actions=max_episode_actions,
     )
     # Bind the constructor's arguments now so a misspelled env_kwargs key fails here, not in the first rollout.
     try:
@@ -229,9 +239,10 @@ def _parse_agent(row, index: int, model_override: Optional[str], fail) -> AgentS
     return AgentSpec(**row)
 
 
-def _parse_view(raw, names: list, index: int, fail) -> View:
-    """An agent's view, its names checked: agents act once each, in the listed order, so a view may only name
-    agents listed before it (later ones have not acted yet; its own actions are always shown)."""
+def _parse_view(raw, names: list, index: int, chain: bool, fail) -> View:
+    """An agent's view, its names checked. In a chain (the default workflow) agents act in the listed order, so
+    a view may only name agents listed before it (later ones have not acted yet); its own actions are always
+    shown."""
     label = f"agent {names[index]!r}: view"
     if not isinstance(raw, dict):
         raw = {"agents": raw}
@@ -251,7 +262,7 @@ def _parse_view(raw, names: list, index: int, fail) -> View:
                 fail(f"{label}: unknown agent {a!r}; the agents are {', '.join(names)}")
             if a == names[index]:
                 fail(f"{label}: names the agent itself; its own earlier actions are always shown to it")
-            if names.index(a) > index:
+            if chain and names.index(a) > index:
                 fail(f"{label}: names {a!r}, which acts after it (agents act in the listed order)")
         agents = tuple(agents)
     if raw.get("actions", "all") not in ("all", "last"):
@@ -284,7 +295,7 @@ def _parse_stages(rows, agent_names: list, fail) -> list:
         template = row.get("template")
         if not isinstance(template, str) or not template.strip():
             fail(f"{label}: 'template' is missing or empty")
-        _check_template(template, COACH_PROMPT_FIELDS, f"{label}: template", fail)
+        _check_template(template, PROMPT_FIELDS, f"{label}: template", fail)
         when = row.get("when")
         if i == 0:
             if when is not None:

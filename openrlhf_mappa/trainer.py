@@ -611,6 +611,8 @@ class MappaTrainer:
         c = self.mappa.coach
         m = {
             "outcome/success_rate": sum(ep.success for ep in episodes) / len(episodes),
+            # episodes stopped by an agent's max_actions or max_episode_actions (failures; see rollout.py)
+            "outcome/action_limit_episodes": sum(bool(ep.action_limit) for ep in episodes),
             "coach/left_out": counts["left_out"],
             "reward_scale": self.topology.reward_scale,
             **({f"coach/fallback_{c.on_failure}": counts["fallback"]} if c.on_failure != "skip" else {}),

@@ -1,10 +1,11 @@
-"""The README's "your own environment" example, run exactly as written there; the docs' links and flags."""
+"""The README's "your own environment" examples, run exactly as written there; the docs' links and flags."""
 
 import os
 import re
 import subprocess
 import sys
 
+from openrlhf_mappa.coach import render_prompt
 from openrlhf_mappa.topology import load_topology
 from conftest import REPO
 
@@ -76,3 +77,31 @@ def test_every_dotted_flag_in_the_docs_is_accepted_by_the_launcher():
     # A family written with a "*" (`--reward.overlong_*`, `--ds.lora.*`): some accepted flag must start so.
     unknown = [f for f in named - accepted if not (f.endswith("*") and any(a.startswith(f[:-1]) for a in accepted))]
     assert sorted(unknown) == []
+
+
+def test_readme_loop_example_runs_until_agreement(tmp_path, monkeypatch, tiny_model):
+    """The README's solver/checker loop, through the real rollout with scripted engines (no model): they
+    alternate until the checker agrees, or stop after max_actions rounds each without counting as a limit."""
+    from test_workflows import Script, order, play
+    from transformers import AutoTokenizer
+
+    (tmp_path / "loop_envs.py").write_text(readme_example("loop_envs.py"))
+    (tmp_path / "loop.yaml").write_text(readme_example("loop.yaml"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("loop_envs", None)
+    topology = load_topology(str(tmp_path / "loop.yaml"))
+    assert topology.agents[0].view.agents == ("checker",)  # a view of a later agent: this env is no chain
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    task = {"id": "t1", "prompt": "3 boxes of 4 apples, 2 eaten: how many left?", "answer": "10"}
+
+    script = Script(tokenizer, {"solver": ["\\boxed{12}", "\\boxed{10}"], "checker": ["No: 2 were eaten.", "AGREE"]})
+    episode, requests = play(topology, script, tmp_path / "a", task)
+    assert order(episode) == [("solver", 0, 0, 0), ("checker", 0, 1, 1), ("solver", 1, 2, 2), ("checker", 1, 3, 3)]
+    assert "No: 2 were eaten." in script.calls[2]["prompt"]  # the solver revises after the review
+    assert episode.outcome == {"success": True, "answer": "10"} and episode.action_limit == ""
+    assert render_prompt(topology.coach_template, requests[2]).startswith(f"Task: {task['prompt']}\nRound 2 (action 2 of")
+
+    script = Script(tokenizer, {"solver": ["\\boxed{12}"] * 3, "checker": ["No."] * 3})  # never agrees
+    episode, _ = play(topology, script, tmp_path / "b", task)
+    assert [a.agent for a in episode.actions] == ["solver", "checker"] * 3
+    assert episode.outcome == {"success": False, "answer": "12"} and episode.action_limit == ""

@@ -54,7 +54,7 @@ def test_mathchat_yaml_loads():
         agent.prompt.format(task="T", history="H")
 
 
-@pytest.mark.parametrize("name", ["mathchat", "dsbench"])
+@pytest.mark.parametrize("name", ["mathchat", "dsbench", "debate"])
 def test_example_coach_templates_end_with_the_score_line(name):
     topo = load_topology(str(ROOT / "examples" / "configs" / f"{name}.yaml"))
     assert topo.score_key == "PROCESS_SCORE"

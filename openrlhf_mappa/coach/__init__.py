@@ -15,8 +15,8 @@ from openrlhf_mappa.episode import Verdict
 
 COACH_KINDS = ("heuristic", "openai")
 PROMPT_FIELDS = (
-    "task", "role", "agent", "turn", "task_type", "agent_input", "agent_output", "feedback", "ground_truth",
-    "coach_bias",
+    "task", "role", "agent", "turn", "round", "position", "task_type", "agent_input", "agent_output", "feedback",
+    "ground_truth", "coach_bias",
 )
 
 
@@ -39,6 +39,8 @@ class CoachRequest:
     truncated_at: Optional[int] = None  # the output was cut off at this token limit (None: it ended by itself)
     # --mappa.coach.show_bias: the coach's own recent figures (BiasAudit.prompt_text), None when not shown.
     coach_bias: Optional[str] = None
+    round: int = 0  # where the action stands in the episode (see Action): its round and position, from 0
+    position: int = 0
 
 
 class Coach:
@@ -102,6 +104,8 @@ def render_prompt(template: str, request: CoachRequest) -> str:
         "role": request.role,
         "agent": request.agent,
         "turn": request.turn,
+        "round": request.round,
+        "position": request.position,
         "task_type": request.task_type,
         "agent_input": request.agent_input,
         "agent_output": agent_output,

@@ -1,19 +1,27 @@
 """The environment protocol: how a pipeline tells MAPPA what each agent sees and what its actions do.
 
-One environment instance serves one episode (one task). The rollout drives it like this::
+One environment instance serves one episode (one task). The rollout drives it in rounds::
 
     env = topology.make_env(task, workspace)      # env_class(topology, task, workspace, **env_kwargs)
-    for agent in topology.agents:                 # in the topology's order
-        for turn in range(agent.max_actions):     # turn counts this agent's own actions, from 0
-            messages = env.observe(agent, turn)   # chat messages; the agent's chat template is applied to them
+    turns, last = {every agent: 0}, {}
+    while agents := env.next_agents(turns, last): # who acts next; [] ends the episode
+        <more than an agent's max_actions or the topology's max_episode_actions: the episode ends, a failure>
+        for agent in agents:                      # all of them see the history as it stands now
+            messages = env.observe(agent, turns[agent.name])   # chat messages; the agent's chat template is applied
             <too long for max_len - max_new_tokens? env.observe(agent, turn, omit=k) with the fewest k that fits;
-             if even all history left out does not fit, no action: this agent's turns end (counted)>
-            response = <agent's policy generates>
-            result = env.step(agent, turn, response)   # runs tools, records history -> StepResult
-            <the coach scores (task, role, input, response, result.feedback, env.coach_ground_truth(agent))>
-            if result.done:
-                break                             # this agent is finished; the next agent starts
+             if even all history left out does not fit, no action: last[agent.name] = None (counted)>
+        responses = <the agents' policies generate, concurrently>
+        for agent, response in zip(agents, responses):        # in the order next_agents gave
+            result = last[agent.name] = env.step(agent, turn, response)   # runs tools, records history
+            <the coach scores (task, role, round, position, input, response, result.feedback,
+             env.coach_ground_truth(agent))>
+            turns[agent.name] += 1                # turn counts this agent's own actions, from 0
     outcome = env.outcome()                       # {"success": bool, ...metrics}, logged with the episode
+
+`next_agents` decides the workflow. The default is a chain: the topology's agents in order, each acting until
+its `step` says done or it has taken max_actions. A loop, debate rounds or routing override it (see
+envs/debate.py and the README's loop example); an agent may then act many times, interleaved with others, and
+each of its actions is one experience with its own verdict.
 
 To write your own pipeline, subclass `MultiAgentEnv`, override what differs (usually `outcome`, often
 `step`), and name it in the topology YAML as `env: mypackage.mymodule:MyEnv`. Keyword arguments of your
@@ -54,6 +62,7 @@ if TYPE_CHECKING:
 
 BUILTIN_ENVS = {
     "mathchat": "openrlhf_mappa.envs.mathchat:MathChatEnv",
+    "debate": "openrlhf_mappa.envs.debate:MathDebateEnv",
     "dsbench": "openrlhf_mappa.envs.dsbench:DSBenchEnv",
     "relay": "openrlhf_mappa.envs.relay:RelayEnv",
 }
@@ -62,7 +71,7 @@ BUILTIN_ENVS = {
 @dataclass
 class StepResult:
     feedback: ToolFeedback
-    done: bool = False  # True ends this agent's turns early
+    done: bool = False  # True ends this agent's turns early (read by the default next_agents, the chain)
 
 
 class HistoryEntry(NamedTuple):
@@ -102,6 +111,23 @@ class MultiAgentEnv:
     @property
     def task_text(self) -> str:
         return self.task["prompt"]
+
+    def next_agents(self, turns: dict, last: dict) -> list:
+        """Who acts next, given the episode so far: the AgentSpecs of the next round, generated concurrently
+        (none sees another's action of the same round); [] ends the episode. `turns`: each agent's number of
+        actions so far (name -> int); `last`: the round just played, name -> its StepResult, or None where the
+        prompt did not fit and no action was taken; {} before the first round.
+
+        The default is the chain: the topology's agents in order, one at a time, each until its step says done,
+        it took max_actions, or its prompt did not fit."""
+        agents = self.topology.agents
+        if not last:
+            return agents[:1]
+        ((name, result),) = last.items()  # the chain plays one agent per round
+        i = next(i for i, a in enumerate(agents) if a.name == name)
+        if result is not None and not result.done and turns[name] < agents[i].max_actions:
+            return [agents[i]]
+        return agents[i + 1 : i + 2]
 
     def observe(self, agent: AgentSpec, turn: int, omit: int = 0) -> list[dict]:
         view, shows_history = agent.view, "{history}" in agent.prompt

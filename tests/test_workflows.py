@@ -1,0 +1,244 @@
+"""Who acts when: the chain (default), debate rounds, routing, the action limits and concurrency within a round,
+through the real rollout (run_episode) with scripted engines: no model generates, the replies are canned.
+The loop-until-agreement example is the README's, run verbatim in test_readme_example.py."""
+
+import asyncio
+import functools
+import json
+
+import pytest
+
+from openrlhf_mappa.coach import render_prompt
+from openrlhf_mappa.envs.base import MultiAgentEnv
+from openrlhf_mappa.envs.mathchat import MathChatEnv, extract_boxed, grade
+from openrlhf_mappa.episode import Verdict
+from openrlhf_mappa.evaluation import summarize
+from openrlhf_mappa.rollout import AgentPolicy, run_episode
+from openrlhf_mappa.topology import load_topology
+from conftest import REPO
+
+TASK = {"id": "t1", "prompt": "Tom has 3 boxes of 4 apples and eats 2. How many apples are left?", "answer": "10"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+class Script:
+    """Scripted engines for run_episode: agent k answers with its next canned reply. Records the prompt each
+    generation got and which other generations were still in flight when it started."""
+
+    def __init__(self, tokenizer, replies: dict):
+        self.tokenizer, self.in_flight, self.calls = tokenizer, set(), []
+        self.policies = {}
+        for name, texts in replies.items():
+            policy = AgentPolicy(engines=[], tokenizer=tokenizer, max_new_tokens=64, max_len=4096)
+            policy.generate = functools.partial(self.generate, name, iter(texts))
+            self.policies[name] = policy
+
+    async def generate(self, name, texts, prompt_ids):
+        self.calls.append({"agent": name, "prompt": self.tokenizer.decode(prompt_ids), "overlaps": set(self.in_flight)})
+        self.in_flight.add(name)
+        await asyncio.sleep(0.01)  # an engine takes time; a generation started concurrently is in flight meanwhile
+        self.in_flight.discard(name)
+        return self.tokenizer(next(texts), add_special_tokens=False)["input_ids"], False
+
+
+class RecordingCoach:
+    def __init__(self):
+        self.requests = []
+
+    async def score(self, request):
+        self.requests.append(request)
+        return Verdict(None, "skipped")
+
+
+def play(topology, script, tmp_path, task=TASK):
+    coach = RecordingCoach()
+    episode = asyncio.run(run_episode(topology, dict(task), script.policies, coach, str(tmp_path), step=1))
+    return episode, coach.requests
+
+
+def order(episode):
+    return [(a.agent, a.turn, a.round, a.position) for a in episode.actions]
+
+
+def write_topology(tmp_path, env, agents, **extra):
+    raw = {"name": "t", "env": env, "coach_template": "{agent} {round} {position} {agent_output} PROCESS_SCORE:",
+           "agents": [dict(name=n, model="m", role=n, prompt="{task}\n{history}", **row) for n, row in agents.items()],
+           **extra}  # fmt: skip
+    path = tmp_path / "topology.yaml"
+    path.write_text(json.dumps(raw))  # JSON is valid YAML
+    return str(path)
+
+
+# ---------------------------------------------------------------- the chain (default)
+
+
+def test_the_default_is_the_chain_one_agent_per_round(tokenizer, tmp_path):
+    topology = load_topology(f"{REPO}/examples/configs/mathchat.yaml", model_override="tiny")
+    script = Script(tokenizer, {
+        "problem_solver": ["3 boxes of 4 apples is 12; eating 2 leaves 10."],
+        "code_executor": ["```python\nprint(3 * 4 - 2)\n```", "The program printed 10."],
+        "verifier": ["\\boxed{10}"],
+    })  # fmt: skip
+    episode, requests = play(topology, script, tmp_path)
+    assert order(episode) == [("problem_solver", 0, 0, 0), ("code_executor", 0, 1, 1), ("code_executor", 1, 2, 2),
+                              ("verifier", 0, 3, 3)]  # fmt: skip
+    assert all(not c["overlaps"] for c in script.calls)  # one generation at a time
+    assert episode.success and episode.action_limit == ""
+    assert [(r.round, r.position) for r in requests] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [json.loads(episode.to_json())["actions"][i]["round"] for i in range(4)] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- debate
+
+
+def test_debate_rounds_run_concurrently_then_the_judge_decides(tokenizer, tmp_path):
+    topology = load_topology(f"{REPO}/examples/configs/debate.yaml", model_override="tiny")
+    script = Script(tokenizer, {
+        "debater_a": ["A0: 3 * 4 = 12, so \\boxed{12}.", "A1: B is right, 12 - 2 = 10: \\boxed{10}."],
+        "debater_b": ["B0: 3 * 4 - 2 = 10, so \\boxed{10}.", "B1: A forgot the 2 eaten: \\boxed{10}."],
+        "judge": ["Both end at 10: \\boxed{10}"],
+    })  # fmt: skip
+    episode, requests = play(topology, script, tmp_path)
+    assert order(episode) == [("debater_a", 0, 0, 0), ("debater_b", 0, 0, 1), ("debater_a", 1, 1, 2),
+                              ("debater_b", 1, 1, 3), ("judge", 0, 2, 4)]  # fmt: skip
+    # Concurrency: in each debate round debater_b's generation starts while debater_a's is in flight; the
+    # judge's starts alone.
+    assert [(c["agent"], c["overlaps"]) for c in script.calls] == [
+        ("debater_a", set()), ("debater_b", {"debater_a"}), ("debater_a", set()), ("debater_b", {"debater_a"}),
+        ("judge", set())]  # fmt: skip
+    prompt = {(c["agent"], i): c["prompt"] for i, c in enumerate(script.calls)}
+    # Round 0: nobody has argued yet. Round 1: each sees the other's round-0 argument (never its round-1 one,
+    # generated at the same time) and its own round-0 argument as its earlier chat turn.
+    assert "A0" not in prompt["debater_b", 1] and "B0" not in prompt["debater_a", 0]
+    assert "B0" in prompt["debater_a", 2] and "A0" in prompt["debater_a", 2] and "B1" not in prompt["debater_a", 2]
+    assert "A0" in prompt["debater_b", 3] and "A1" not in prompt["debater_b", 3]
+    assert all(tag in prompt["judge", 4] for tag in ("A0", "B0", "A1", "B1"))
+    assert episode.outcome == {"success": True, "answer": "10", "answered": True} and episode.action_limit == ""
+    # The coach knows where each action stands, and only the judge is judged against the answer.
+    assert [(r.agent, r.round, r.position, r.ground_truth) for r in requests] == [
+        ("debater_a", 0, 0, None), ("debater_b", 0, 1, None), ("debater_a", 1, 2, None), ("debater_b", 1, 3, None),
+        ("judge", 2, 4, "10")]  # fmt: skip
+    shown = render_prompt(topology.coach_template, requests[3])
+    assert "Agent: debater_b; this is its action number 1, taken in round 1 of the debate (action 3 of" in shown
+
+
+# ---------------------------------------------------------------- routing
+
+
+class RouterEnv(MultiAgentEnv):
+    """The router names the specialist who answers (the first specialist its reply names); then the episode ends."""
+
+    def next_agents(self, turns, last):
+        router, *specialists = self.topology.agents
+        if not last:
+            return [router]
+        if router.name in last:
+            return [s for s in specialists if s.name in self.history[-1].response][:1]
+        return []
+
+    def outcome(self):
+        answer = extract_boxed(self.history[-1].response)
+        return {"success": grade(answer, self.task["answer"]), "answer": answer}
+
+
+@pytest.mark.parametrize("route, acted", [
+    ("This is counting: arithmetic.", ["router", "arithmetic"]),
+    ("Shapes: geometry.", ["router", "geometry"]),
+    ("No idea.", ["router"]),  # names nobody: the episode ends after the router
+])  # fmt: skip
+def test_routing_by_an_agents_output(tokenizer, tmp_path, route, acted):
+    topology = load_topology(write_topology(tmp_path, "test_workflows:RouterEnv",
+                                            {"router": {}, "arithmetic": {}, "geometry": {}}))  # fmt: skip
+    script = Script(tokenizer, {"router": [route], "arithmetic": ["\\boxed{10}"], "geometry": ["\\boxed{7}"]})
+    episode, _ = play(topology, script, tmp_path / "ws")
+    assert [a.agent for a in episode.actions] == acted
+    assert [a.round for a in episode.actions] == list(range(len(acted)))
+    assert episode.success == (acted[-1] == "arithmetic") and episode.action_limit == ""
+
+
+# ---------------------------------------------------------------- limits
+
+
+class ForeverEnv(MultiAgentEnv):
+    """Never ends by itself: every agent, every round. Its outcome claims success, which a stopped episode
+    must not keep."""
+
+    def next_agents(self, turns, last):
+        return list(self.topology.agents)
+
+    def outcome(self):
+        return {"success": True}
+
+
+def test_an_agent_asked_beyond_its_max_actions_ends_the_episode_as_a_failure(tokenizer, tmp_path):
+    topology = load_topology(write_topology(tmp_path, "test_workflows:ForeverEnv", {"a": {"max_actions": 3}}))
+    episode, requests = play(topology, Script(tokenizer, {"a": ["again"] * 10}), tmp_path / "ws")
+    assert order(episode) == [("a", 0, 0, 0), ("a", 1, 1, 1), ("a", 2, 2, 2)] and len(requests) == 3
+    assert episode.action_limit == "agent 'a' asked to act beyond its max_actions 3; more than max_episode_actions 3 actions"
+    assert episode.outcome == {"success": False} and not episode.success
+    assert json.loads(episode.to_json())["action_limit"] == episode.action_limit
+    summary, _ = summarize([episode, episode], ["a"], [dict(TASK)])
+    assert summary["action_limit_episodes"] == 2 and summary["accuracy"] == 0.0
+
+
+def test_max_episode_actions_caps_an_episode_and_never_splits_a_round(tokenizer, tmp_path):
+    path = write_topology(tmp_path, "test_workflows:ForeverEnv", {"a": {"max_actions": 9}, "b": {"max_actions": 9}},
+                          max_episode_actions=5)  # fmt: skip
+    topology = load_topology(path)
+    assert topology.max_episode_actions == 5
+    episode, _ = play(topology, Script(tokenizer, {"a": ["x"] * 9, "b": ["y"] * 9}), tmp_path / "ws")
+    # rounds of two: 2, 4, then a third round would make 6 > 5, so it is not started
+    assert [(a.agent, a.round) for a in episode.actions] == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    assert episode.action_limit == "more than max_episode_actions 5 actions" and not episode.success
+
+
+def test_a_finished_workflow_is_not_a_limit(tokenizer, tmp_path):
+    """The debate uses its whole budget (2 x 2 + 1 = the sum of max_actions) and ends by itself."""
+    topology = load_topology(f"{REPO}/examples/configs/debate.yaml", model_override="tiny")
+    assert topology.max_episode_actions is None
+    script = Script(tokenizer, {"debater_a": ["1", "2"], "debater_b": ["3", "4"], "judge": ["\\boxed{9}"]})
+    episode, _ = play(topology, script, tmp_path)
+    assert len(episode.actions) == 5 and episode.action_limit == "" and episode.outcome["answer"] == "9"
+
+
+class WrongAnswerEnv(ForeverEnv):
+    returns = None
+
+    def next_agents(self, turns, last):
+        return self.returns(self.topology.agents) if not last else []
+
+
+@pytest.mark.parametrize("returns", [
+    lambda agents: ["a"],  # a name, not the AgentSpec
+    lambda agents: [agents[0], agents[0]],  # the same agent twice in one round
+    lambda agents: agents[0],  # one AgentSpec, not a list
+])  # fmt: skip
+def test_next_agents_must_name_this_topologys_agents_once_per_round(tokenizer, tmp_path, monkeypatch, returns):
+    monkeypatch.setattr(WrongAnswerEnv, "returns", staticmethod(returns))
+    topology = load_topology(write_topology(tmp_path, "test_workflows:WrongAnswerEnv", {"a": {"max_actions": 2}}))
+    with pytest.raises(ValueError, match=r"WrongAnswerEnv.next_agents returned .*: expected a list of this topology's"):
+        play(topology, Script(tokenizer, {"a": ["x", "y"]}), tmp_path / "ws")
+
+
+# ---------------------------------------------------------------- topology checks
+
+
+@pytest.mark.parametrize("value", [0, "5", True, 2.5])
+def test_max_episode_actions_must_be_a_positive_integer(tmp_path, value):
+    path = write_topology(tmp_path, "mathchat", {"a": {}}, max_episode_actions=value)
+    with pytest.raises(ValueError, match=rf"{path}: 'max_episode_actions' must be an integer >= 1"):
+        load_topology(path)
+
+
+def test_a_view_may_name_a_later_agent_only_outside_the_chain(tmp_path):
+    agents = {"a": {"view": ["b"]}, "b": {}}
+    with pytest.raises(ValueError, match="names 'b', which acts after it"):
+        load_topology(write_topology(tmp_path, "mathchat", agents))  # the chain: b has not acted yet
+    topology = load_topology(write_topology(tmp_path, "test_workflows:RouterEnv", agents))
+    assert topology.agents[0].view.agents == ("b",)
