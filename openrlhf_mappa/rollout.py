@@ -5,7 +5,8 @@ agent's own chat template. A prompt longer than max_len - max_new_tokens loses i
 (`env.observe(..., omit=k)`), never its system message, prompt or task; when those alone are too long the
 action is not taken and is recorded in `Episode.skipped_actions`. The coach request for an action is
 submitted as soon as the action's tool feedback exists and awaited only when the episode is complete, so
-coach latency overlaps with the next agents' generation and with other episodes.
+coach latency overlaps with the next agents' generation and with other episodes. In hindsight mode
+(`coach_mode`, see coach.judge_episode) there is none: one review of the whole episode follows its outcome.
 """
 
 import asyncio
@@ -17,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from openrlhf_mappa.coach import Coach, CoachRequest
+from openrlhf_mappa.coach import Coach, CoachRequest, judge_episode
 from openrlhf_mappa.episode import Action, Episode
 
 
@@ -62,12 +63,13 @@ class AgentPolicy:
         return list(output.token_ids), output.finish_reason == "length"
 
 
-async def run_episode(topology, task: dict, policies: dict, coach: Coach, workspace: str, step: int) -> Episode:
+async def run_episode(topology, task: dict, policies: dict, coach: Coach, workspace: str, step: int,
+                      coach_mode: str = "per_action") -> Episode:
     episode_id = f"s{step}-{task.get('id', '')}-{uuid.uuid4().hex[:8]}"
     os.makedirs(workspace, exist_ok=True)
     env = topology.make_env(task, workspace)
     episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=env.task_type, step=step)
-    verdict_futures = []
+    requests, verdict_futures = [], []
     # An env whose own observe() takes no `omit` cannot leave history out: its over-long prompts are skipped.
     can_omit = "omit" in inspect.signature(env.observe).parameters
     t0 = time.time()
@@ -116,22 +118,27 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
             request = CoachRequest(
                 episode_id, spec.name, turn, agent_input=prompt_text, agent_output=response_text, **action.coach_request
             )
-            verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
+            requests.append(request)
+            if coach_mode != "hindsight":
+                verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
             if result.done:
                 break
     episode.timings["rollout_s"] = time.time() - t0
     episode.outcome = env.outcome()
-    for action, verdict in zip(episode.actions, await asyncio.gather(*verdict_futures)):
-        action.verdict = verdict
+    verdicts, parts, episode.review = await judge_episode(coach, coach_mode, requests, episode.outcome, verdict_futures)
+    for action, verdict, part in zip(episode.actions, verdicts, parts):
+        action.verdict, action.verdict_parts = verdict, part
     episode.timings["coach_wait_s"] = time.time() - t0 - episode.timings["rollout_s"]
     return episode
 
 
-async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int) -> list:
+async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,
+                  coach_mode: str = "per_action") -> list:
     """All episodes of one step, concurrently; results in task order."""
     return await asyncio.gather(
         *(
-            run_episode(topology, task, policies, coach, os.path.join(workspace_root, f"step{step}", f"ep{i}"), step)
+            run_episode(topology, task, policies, coach, os.path.join(workspace_root, f"step{step}", f"ep{i}"), step,
+                        coach_mode)
             for i, task in enumerate(tasks)
         )
     )

@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 import yaml
 
-from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, SCORE_KEY_RE
+from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, REVIEW_FIELDS, SCORE_KEY_RE
 from openrlhf_mappa.envs.base import load_env_class
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class Topology:
     env_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of the env's constructor
     score_key: str = DEFAULT_SCORE_KEY  # a text reply of the coach states its score on a line `<score_key>: <n>`
     reward_scale: float = 1.0  # every reward is multiplied by it (coach score and outcome alike; see rewards.py)
+    review_template: Optional[str] = None  # hindsight prompt (fields: coach.REVIEW_FIELDS); None: the default
 
     def env_class(self) -> type:
         return load_env_class(self.env)
@@ -75,7 +76,7 @@ class Topology:
         return self.env_class()(self, task, workspace, **self.env_kwargs)
 
 
-TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "env_kwargs", "score_key", "reward_scale")
+TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "env_kwargs", "score_key", "reward_scale", "review_template")
 AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec))
 
 
@@ -107,6 +108,11 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
         # told the key states its score some other way, and every such verdict costs a re-prompt or fails.
         logger.warning("%s: coach_template never names the score key %s; ask for a last line `%s: <0-10>` "
                        "or set score_key to the key it asks for", path, score_key, score_key)
+    review_template = raw.get("review_template")
+    if review_template is not None:
+        if not isinstance(review_template, str) or not review_template.strip():
+            fail("'review_template' must be a non-empty string (or left out for the default hindsight prompt)")
+        _check_template(review_template, REVIEW_FIELDS, "review_template", fail)
     env_kwargs = raw.get("env_kwargs") or {}
     if not isinstance(env_kwargs, dict):
         fail("'env_kwargs' must be a mapping of keyword arguments for the environment")
@@ -138,6 +144,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
         env_kwargs=env_kwargs,
         score_key=score_key,
         reward_scale=float(reward_scale),
+        review_template=review_template,
     )
     # Bind the constructor's arguments now so a misspelled env_kwargs key fails here, not in the first rollout.
     try:

@@ -445,11 +445,11 @@ class MappaTrainer:
 
         t_start = t0 = time.time()
         workspace = os.path.join(self.run_dir, "workspaces")
+        c = self.mappa.coach
         episodes = self.loop.run_until_complete(
-            rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step)
+            rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step, c.mode if self.scored else "per_action")
         )
         t_rollout = time.time() - t0
-        c = self.mappa.coach
         coach_metrics = coach_step_metrics(episodes, c.price_in, c.price_out)
         coach_metrics.update(self.bias_audit.update(episodes))
         self.coach_cost_usd += coach_metrics.get("coach/cost_usd", 0.0)
