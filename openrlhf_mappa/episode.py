@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 VERDICT_STATUSES = ("ok", "parse_error", "api_error", "timeout", "skipped")
+# Where a verdict's score comes from (--mappa.coach.mode): the coach's request about this one action, the
+# hindsight review of the whole episode, or both combined (coach.combine).
+VERDICT_SOURCES = ("per_action", "hindsight", "both")
 # ToolFeedback.limit values, as as_text() tells them to the coach.
 LIMIT_MARKERS = {
     "timeout": "[timed out]",
@@ -75,14 +78,52 @@ class Verdict:
     tokens_out: int = 0
     retries: int = 0  # HTTP attempts beyond the first (429, 5xx, timeouts) and format re-prompts
     cached: bool = False  # served from the verdict cache: cost nothing this time
+    # "hindsight" and "both" verdicts are not requests of their own: their cost is the episode's Review's
+    # and the per-action verdict's (Action.verdict_parts), counted there (audit.coach_calls).
+    source: str = "per_action"
 
     def __post_init__(self):
         if self.status not in VERDICT_STATUSES:
             raise ValueError(f"unknown verdict status {self.status!r}; expected one of {VERDICT_STATUSES}")
+        if self.source not in VERDICT_SOURCES:
+            raise ValueError(f"unknown verdict source {self.source!r}; expected one of {VERDICT_SOURCES}")
         if self.status == "ok" and (self.score is None or not 0.0 <= self.score <= 10.0):
             raise ValueError(f"an 'ok' verdict needs a score in [0, 10], got {self.score!r}")
         if self.status != "ok" and self.score is not None:
             raise ValueError(f"a {self.status!r} verdict must not carry a score (got {self.score!r})")
+
+
+@dataclass
+class Review:
+    """The coach's hindsight review of a whole episode, once its outcome is known: one request, a score for
+    every action (in episode order) and the action it holds responsible for the outcome. A failed review
+    (status not "ok") has neither: no action gets a score from it."""
+
+    scores: Optional[list]  # one score in [0, 10] per action of the episode, or None
+    responsible: Optional[int]  # index into Episode.actions (the coach's action id - 1), or None
+    status: str  # one of VERDICT_STATUSES
+    rationale: str = ""
+    coach: str = ""
+    latency_s: float = 0.0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    retries: int = 0
+    cached: bool = False
+
+    def __post_init__(self):
+        if self.status not in VERDICT_STATUSES:
+            raise ValueError(f"unknown review status {self.status!r}; expected one of {VERDICT_STATUSES}")
+        if (self.status == "ok") != (self.scores is not None and self.responsible is not None):
+            raise ValueError(f"an 'ok' review, and only one, has scores and a responsible action (status {self.status!r})")
+
+    def verdicts(self, n: int) -> list:
+        """A Verdict for each of the episode's `n` actions, naming the responsible one; when the review failed,
+        n verdicts of its status and no score."""
+        if self.status != "ok":
+            return [Verdict(None, self.status, f"hindsight review: {self.rationale}", self.coach, source="hindsight")
+                    for _ in range(n)]
+        why = f"hindsight review, action {self.responsible + 1} of {n} held responsible: {self.rationale}"
+        return [Verdict(float(s), "ok", why, self.coach, cached=self.cached, source="hindsight") for s in self.scores]
 
 
 @dataclass
@@ -104,7 +145,9 @@ class Action:
     # What the coach saw besides prompt_text/response_text (role, task, feedback text, ground truth, ...),
     # so `mappa coach score` can re-score this action later with another coach or template.
     coach_request: dict = field(default_factory=dict)
-    verdict: Optional[Verdict] = None
+    verdict: Optional[Verdict] = None  # the verdict it trains on (see --mappa.coach.mode)
+    # Mode "both" only: {"per_action": Verdict, "hindsight": Verdict}, the two that `verdict` combines.
+    verdict_parts: dict = field(default_factory=dict)
     reward: Optional[float] = None  # the scalar reward this action trained on (None: left out)
     advantage: Optional[float] = None  # mean normalized advantage over its tokens
 
@@ -124,6 +167,7 @@ class Episode:
     # Why the episode was stopped by a limit (an agent's max_actions, the topology's max_episode_actions), or
     # "" when it ended by itself. A stopped episode is a failure, whatever its env's outcome said.
     action_limit: str = ""
+    review: Optional[Review] = None  # the hindsight review (--mappa.coach.mode hindsight or both)
 
     @property
     def success(self) -> bool:

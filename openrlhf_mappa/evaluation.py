@@ -38,7 +38,7 @@ async def evaluate(topology, tasks: list, policies: dict, n_samples: int, worksp
                    progress=None) -> list:
     """n_samples episodes per task, all at once; returns the episodes, task-major. progress: see rollout."""
     episodes = [t for t in tasks for _ in range(n_samples)]
-    return await rollout(topology, episodes, policies, NoCoach(), workspace_root, step, progress)
+    return await rollout(topology, episodes, policies, NoCoach(), workspace_root, step, progress=progress)
 
 
 def _mean(values):

@@ -53,14 +53,17 @@ def episode_view(ep: dict) -> dict:
     """What the viewer shows of an episode: no prompts or token ids, texts clipped."""
     actions = ep.get("actions", [])
     task = next((a["coach_request"].get("task") for a in actions if a.get("coach_request")), "")
+    review = ep.get("review")  # hindsight modes: the responsible action and why
     return {
         "id": ep.get("episode_id"), "task_id": ep.get("task_id"), "task_type": ep.get("task_type"),
         "step": ep.get("step"), "success": bool(ep.get("outcome", {}).get("success")), "outcome": ep.get("outcome", {}),
         "task": clip(task),
+        "review": review and {k: review.get(k) for k in ("status", "responsible", "coach")} | {"rationale": clip(review.get("rationale"))},
         "actions": [
             {"agent": a.get("agent"), "turn": a.get("turn"), "response": clip(a.get("response_text")),
              "truncated": a.get("truncated"), "verdict": a.get("verdict"), "reward": a.get("reward"),
              "advantage": a.get("advantage"),
+             "parts": {k: (v or {}).get("score") for k, v in (a.get("verdict_parts") or {}).items()},
              "feedback": {k: clip(v) if k in ("stdout", "stderr") else v for k, v in (a.get("feedback") or {}).items()
                           if k in ("stdout", "stderr", "exit_code", "timed_out", "limit")}}
             for a in actions
@@ -89,6 +92,8 @@ def load_run(run_dir: str) -> dict:
     coach = [
         chart("coach verdicts by status", [series(metrics, f"coach/verdicts_{s}", s) for s in VERDICT_STATUSES]),
         chart("coach/failure_fraction", [series(metrics, "coach/failure_fraction", "failed verdicts")], [0, 1]),
+        chart("coach requests per step", [series(metrics, "coach/requests", "requests")]),
+        chart("hindsight reviews by status", [series(metrics, f"coach/reviews_{s}", s) for s in VERDICT_STATUSES]),
         chart("coach latency (s)", [series(metrics, f"coach/latency_p{q}", f"p{q}") for q in (50, 90, 99)]),
         chart("coach template stage (criteria schedule)", [series(metrics, "coach/template_stage", "stage")]),
     ]
@@ -360,13 +365,19 @@ function showEpisode(e, li) {
   for (const x of list.children) x.classList.toggle("sel", x === li);
   detail.replaceChildren(el("h3", {}, `episode ${e.id} (task ${e.task_id}, ${e.task_type || "-"}, step ${e.step})`),
                          el("pre", {class: "task"}, e.task), el("div", {}, "outcome: " + JSON.stringify(e.outcome)));
-  for (const a of e.actions) {
+  const r = e.review;
+  if (r) detail.append(el("div", {class: "review"}, r.status === "ok"
+    ? `hindsight review (${r.coach}): action ${r.responsible + 1} held responsible for the outcome: ${r.rationale}`
+    : `hindsight review failed (${r.status}): ${r.rationale}`));
+  e.actions.forEach((a, i) => {
     const v = a.verdict, score = v && v.score != null ? v.score : null, f = a.feedback;
     const card = el("div", {class: "action", "data-agent": a.agent});
     card.style.background = score == null ? "#ddd" : `hsl(${score * 12}, 70%, 85%)`;
     const verdict = score != null ? `coach score ${fmt(score)}` : `no score: ${v ? v.status : "no verdict"}`;
-    card.append(el("h4", {}, `${a.agent}, turn ${a.turn}` + (a.truncated ? " (hit the token limit)" : "")),
-                el("div", {class: "score"}, verdict),
+    const parts = Object.entries(a.parts || {}).map(([k, p]) => `${k} ${fmt(p)}`).join(", ");
+    const blamed = r && r.status === "ok" && r.responsible === i ? " - held responsible for the outcome" : "";
+    card.append(el("h4", {}, `${a.agent}, turn ${a.turn}` + (a.truncated ? " (hit the token limit)" : "") + blamed),
+                el("div", {class: "score"}, verdict + (parts ? ` (${parts})` : "")),
                 el("pre", {class: "rationale"}, v ? `${v.coach}: ${v.rationale}` : ""),
                 el("div", {}, "response:"), el("pre", {class: "response"}, a.response));
     if (f.exit_code != null || f.timed_out) {
@@ -376,7 +387,7 @@ function showEpisode(e, li) {
     }
     card.append(el("div", {class: "reward"}, `reward ${fmt(a.reward)}, advantage ${fmt(a.advantage)}`));
     detail.append(card);
-  }
+  });
 }
 runSel.onchange = stepSel.onchange = okSel.onchange = showList;
 showList();

@@ -8,7 +8,8 @@ action is not taken and is recorded in `Episode.skipped_actions`. Who acts when 
 and an episode that asks for more than the topology's action limits ends as a counted failure
 (`Episode.action_limit`). The coach request for an action is
 submitted as soon as the action's tool feedback exists and awaited only when the episode is complete, so
-coach latency overlaps with the next agents' generation and with other episodes.
+coach latency overlaps with the next agents' generation and with other episodes. In hindsight mode
+(`coach_mode`, see coach.judge_episode) there is none: one review of the whole episode follows its outcome.
 """
 
 import asyncio
@@ -20,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from openrlhf_mappa.coach import Coach, CoachRequest
+from openrlhf_mappa.coach import Coach, CoachRequest, judge_episode
 from openrlhf_mappa.episode import Action, Episode
 
 
@@ -66,12 +67,12 @@ class AgentPolicy:
 
 
 async def run_episode(topology, task: dict, policies: dict, coach: Coach, workspace: str, step: int,
-                      coach_bias: str = None) -> Episode:
+                      coach_bias: str = None, coach_mode: str = "per_action") -> Episode:
     episode_id = f"s{step}-{task.get('id', '')}-{uuid.uuid4().hex[:8]}"
     os.makedirs(workspace, exist_ok=True)
     env = topology.make_env(task, workspace)
     episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=env.task_type, step=step)
-    verdict_futures = []
+    requests, verdict_futures = [], []
     # An env whose own observe() takes no `omit` cannot leave history out: its over-long prompts are skipped.
     can_omit = "omit" in inspect.signature(env.observe).parameters
 
@@ -154,26 +155,29 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
             request = CoachRequest(
                 episode_id, spec.name, turn, agent_input=prompt_text, agent_output=response_text, **action.coach_request
             )
-            verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
+            requests.append(request)
+            if coach_mode != "hindsight":
+                verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
         round_ += 1
     episode.timings["rollout_s"] = time.time() - t0
     # An episode stopped by a limit never reached its end: a failure, whatever the env's outcome says.
     episode.outcome = {**env.outcome(), "success": False} if episode.action_limit else env.outcome()
-    for action, verdict in zip(episode.actions, await asyncio.gather(*verdict_futures)):
-        action.verdict = verdict
+    verdicts, parts, episode.review = await judge_episode(coach, coach_mode, requests, episode.outcome, verdict_futures)
+    for action, verdict, part in zip(episode.actions, verdicts, parts):
+        action.verdict, action.verdict_parts = verdict, part
     episode.timings["coach_wait_s"] = time.time() - t0 - episode.timings["rollout_s"]
     return episode
 
 
 async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,
-                  coach_bias: str = None, progress=None) -> list:
+                  coach_bias: str = None, coach_mode: str = "per_action", progress=None) -> list:
     """All episodes of one step, concurrently; results in task order. `coach_bias`: the coach's running
-    bias figures, shown in every coach request of the step (--mappa.coach.show_bias). progress(1) is called as
+    bias figures, shown in every coach request of the step (--mappa.coach.show_bias); `coach_mode`: --mappa.coach.mode. progress(1) is called as
     each episode ends (a progress bar's update)."""
 
     async def episode(i, task):
         workspace = os.path.join(workspace_root, f"step{step}", f"ep{i}")
-        ep = await run_episode(topology, task, policies, coach, workspace, step, coach_bias)
+        ep = await run_episode(topology, task, policies, coach, workspace, step, coach_bias, coach_mode)
         if progress:
             progress(1)
         return ep

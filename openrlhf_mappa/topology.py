@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import yaml
 
-from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, PROMPT_FIELDS, SCORE_KEY_RE
+from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, PROMPT_FIELDS, REVIEW_FIELDS, SCORE_KEY_RE
 from openrlhf_mappa.envs.base import MultiAgentEnv, load_env_class
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class Topology:
     # The most actions one episode may take (None: the sum of the agents' max_actions); an episode that would
     # take more is stopped and counted as a failure (see rollout.run_episode).
     max_episode_actions: Optional[int] = None
+    review_template: Optional[str] = None  # hindsight prompt (fields: coach.REVIEW_FIELDS); None: the default
 
     def env_class(self) -> type:
         return load_env_class(self.env)
@@ -115,7 +116,7 @@ class Topology:
 
 
 TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "coach_templates", "env_kwargs", "score_key", "reward_scale",
-                 "max_episode_actions")
+                 "max_episode_actions", "review_template")
 AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec))
 
 
@@ -147,6 +148,11 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     score_key = raw.get("score_key", DEFAULT_SCORE_KEY)
     if not isinstance(score_key, str) or not SCORE_KEY_RE.fullmatch(score_key):
         fail(f"'score_key' must be a word of letters, digits and '_' starting with a letter, got {score_key!r}")
+    review_template = raw.get("review_template")
+    if review_template is not None:
+        if not isinstance(review_template, str) or not review_template.strip():
+            fail("'review_template' must be a non-empty string (or left out for the default hindsight prompt)")
+        _check_template(review_template, REVIEW_FIELDS, "review_template", fail)
     env_kwargs = raw.get("env_kwargs") or {}
     if not isinstance(env_kwargs, dict):
         fail("'env_kwargs' must be a mapping of keyword arguments for the environment")
@@ -197,6 +203,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
         reward_scale=float(reward_scale),
         coach_stages=stages,
         max_episode_actions=max_episode_actions,
+        review_template=review_template,
     )
     # Bind the constructor's arguments now so a misspelled env_kwargs key fails here, not in the first rollout.
     try:

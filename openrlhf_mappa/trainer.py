@@ -498,7 +498,7 @@ class MappaTrainer:
         bias = self.bias_audit.prompt_text() if c.show_bias else None  # the steps before this one
         episodes = self.loop.run_until_complete(
             rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step, coach_bias=bias,
-                    progress=progress)
+                    coach_mode=c.mode if self.scored else "per_action", progress=progress)
         )
         t_rollout = time.time() - t0
         coach_metrics = coach_step_metrics(episodes, c.price_in, c.price_out)

@@ -2,16 +2,36 @@
 
 It scores by rule: the number of distinct characters in the agent's output (between `OUTPUT<<` and
 `>>OUTPUT` in the coach prompt) mod 11; for agents listed in `mute` it answers garbage (no score).
-`delay_s` makes every answer slow, like a real LLM coach. Used by the MAPPA end-to-end test and by
-benchmarks/coach_latency.py.
+A hindsight review (the default review template's `=== Action i of n: agent A, ...` blocks) is answered
+with a JSON review: each action scored by `review_score` of its block, the lowest-scored one held
+responsible; with "hindsight" in `mute` it answers prose instead. `delay_s` makes every answer slow, like a
+real LLM coach. Used by the MAPPA end-to-end tests and by benchmarks/coach_latency.py.
 """
 
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 COACH_TEMPLATE = "AGENT={agent}\nROLE={role}\nTASK={task}\nOUTPUT<<{agent_output}>>OUTPUT\nFEEDBACK={feedback}\nTRUTH={ground_truth}"
+ACTION_BLOCK = re.compile(r"^=== Action (\d+) of (\d+): agent ", re.MULTILINE)
+
+
+def review_score(block: str) -> int:
+    """The rule server's hindsight score of one action's block of the review prompt."""
+    return len(set(block)) % 11
+
+
+def review_reply(prompt: str, mute) -> str:
+    starts = list(ACTION_BLOCK.finditer(prompt))
+    if "hindsight" in mute:
+        return "On reflection, the second action was the weak link; I would give it 3 out of 10."
+    ends = [m.start() for m in starts[1:]] + [prompt.index("The outcome of the episode:")]
+    scores = [review_score(prompt[m.start() : end]) for m, end in zip(starts, ends)]
+    worst = scores.index(min(scores)) + 1
+    return json.dumps({"rationale": "rule server review", "responsible": worst,
+                       "actions": [{"id": i, "score": s} for i, s in enumerate(scores, 1)]})
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -20,8 +40,10 @@ class _Handler(BaseHTTPRequestHandler):
         prompt = body["messages"][0]["content"]  # the original prompt, also on a format re-prompt
         self.server.requests.append({"prompt": prompt, "authorization": self.headers.get("Authorization")})
         time.sleep(self.server.delay_s)
-        agent = prompt.split("AGENT=", 1)[1].split("\n", 1)[0]
-        if agent in self.server.mute:
+        agent = prompt.split("AGENT=", 1)[1].split("\n", 1)[0] if "AGENT=" in prompt else None
+        if ACTION_BLOCK.search(prompt):
+            content = review_reply(prompt, self.server.mute)
+        elif agent in self.server.mute:
             content = "I refuse to grade this."
         else:
             output = prompt.split("OUTPUT<<", 1)[1].split(">>OUTPUT", 1)[0]

@@ -4,6 +4,7 @@ cache, and the offline heuristic coach."""
 
 import asyncio
 import base64
+import dataclasses
 import json
 import os
 import socket
@@ -16,6 +17,7 @@ import pytest
 
 from openrlhf_mappa.coach import CoachRequest, build_coach, render_prompt
 from openrlhf_mappa.coach.cache import VerdictCache
+from openrlhf_mappa.episode import Verdict
 
 TEMPLATE = (
     "Task: {task}\nRole: {role}\nOutput: {agent_output}\nFeedback: {feedback}\nTruth: {ground_truth}\nPROCESS_SCORE:"
@@ -714,3 +716,174 @@ def test_mappa_coach_score_fails_when_most_verdicts_fail(saved_run, tmp_path):
     assert by_topology.returncode == 1 and "10 of 10 verdicts failed" in by_topology.stderr
     assert "last reply: 'Looks fine.\\nPROCESS_SCORE: " in by_topology.stderr
     assert overridden.returncode == 0, overridden.stderr
+
+
+# --- Hindsight: one review per finished episode (--mappa.coach.mode hindsight | both) ---
+
+def episode_requests():
+    """A 3-action episode: a solver's draft, a code run that failed, a verifier's (wrong) boxed answer."""
+    return [
+        make_request(agent="solver", role="You draft the reasoning.", agent_output="Multiply 3 by 6."),
+        make_request(agent="coder", role="You run Python.", agent_output="```python\nprint(x)\n```", runs_code=True,
+                     feedback="[exit code 1]\nstderr:\nNameError: name 'x' is not defined"),
+        make_request(agent="verifier", agent_output="\\boxed{19}", ground_truth="18"),
+    ]
+
+
+def judge(url, mode, replies, script=(), outcome=None, **kwargs):
+    """judge_episode over episode_requests() with a coach at `url` (server replies set by the caller)."""
+    from openrlhf_mappa.coach import judge_episode
+
+    async def run():
+        coach = make_coach(url, **kwargs)
+        try:
+            requests = episode_requests()
+            pending = [asyncio.ensure_future(coach.score(r)) for r in requests] if mode != "hindsight" else []
+            return await judge_episode(coach, mode, requests, outcome or {"success": False}, pending)
+        finally:
+            await coach.aclose()
+
+    return asyncio.run(run())
+
+
+REVIEW = {"content": json.dumps({"rationale": "the code broke it", "responsible": 2,
+                                 "actions": [{"id": 1, "score": 6}, {"id": 2, "score": 1}, {"id": 3, "score": 4}]})}
+
+
+def test_openai_review_is_one_request_per_episode_with_the_whole_trajectory(server):
+    server.reply = REVIEW
+    verdicts, parts, review = judge(server.url, "hindsight", REVIEW)
+    assert len(server.seen) == 1  # one request for three actions
+    assert (review.status, review.scores, review.responsible, review.rationale) == ("ok", [6.0, 1.0, 4.0], 1, "the code broke it")
+    assert (review.tokens_in, review.tokens_out, review.coach) == (11, 3, "openai:coach-model")
+    assert [v.score for v in verdicts] == [6.0, 1.0, 4.0] and parts == [{}, {}, {}]
+    assert {v.source for v in verdicts} == {"hindsight"} and {v.tokens_in for v in verdicts} == {0}  # cost: the review's
+    assert all("action 2 of 3 held responsible" in v.rationale for v in verdicts)
+    body = server.seen[0]["body"]
+    assert body["response_format"]["json_schema"]["name"] == "coach_review"
+    prompt = body["messages"][0]["content"]
+    # every agent's input, output and tool feedback, the ground truth, and the outcome
+    for text in ("=== Action 1 of 3: agent solver", "Multiply 3 by 6.", "=== Action 2 of 3: agent coder",
+                 "NameError: name 'x'", "\\boxed{19}", "Ground truth for this action: 18", "Solver says 18.",
+                 '{"success": false}', "each action id from 1 to 3"):
+        assert text in prompt, text
+
+
+@pytest.mark.parametrize("content", [
+    json.dumps({"rationale": "r", "responsible": 1, "actions": [{"id": 1, "score": 6}, {"id": 2, "score": 1}]}),
+    json.dumps({"rationale": "r", "responsible": 1, "actions": [{"id": 1, "score": 6}, {"id": 1, "score": 1}, {"id": 3, "score": 4}]}),
+    json.dumps({"rationale": "r", "responsible": 1, "actions": [{"id": 1, "score": 6}, {"id": 2, "score": 12}, {"id": 3, "score": 4}]}),
+    "Action 2 broke it: I give it 1/10, the others 6 and 4.",
+])
+def test_openai_review_that_does_not_match_the_actions_gives_no_score_to_any(server, content):
+    server.reply = {"content": content}
+    verdicts, _, review = judge(server.url, "hindsight", None, format_retries=1)
+    assert (review.status, review.scores, review.responsible, review.retries) == ("parse_error", None, None, 1)
+    assert len(server.seen) == 2  # the reply and one re-prompt
+    assert "no valid review of the 3 actions after 2 replies" in review.rationale
+    assert [(v.status, v.score) for v in verdicts] == [("parse_error", None)] * 3
+    reminder = server.seen[1]["body"]["messages"][0]["content"].removeprefix(server.seen[0]["body"]["messages"][0]["content"])
+    assert "for each action id from 1 to 3" in reminder
+
+
+def test_openai_review_reprompt_recovers(server):
+    server.reply, server.script = REVIEW, [{"content": "Looks like action 2."}]
+    _, _, review = judge(server.url, "hindsight", None)
+    assert (review.status, review.scores, review.retries, len(server.seen)) == ("ok", [6.0, 1.0, 4.0], 1, 2)
+
+
+def test_openai_review_api_failure_is_its_status_for_every_action(server):
+    server.reply = {"status": 500}
+    verdicts, _, review = judge(server.url, "hindsight", None, max_retries=1)
+    assert (review.status, review.scores) == ("api_error", None)
+    assert [(v.status, v.score) for v in verdicts] == [("api_error", None)] * 3
+
+
+def test_both_mode_combines_per_action_and_hindsight_scores(server):
+    # Per-action requests answer PROCESS_SCORE: 8 (or fail), the review as REVIEW: mean when both exist.
+    server.reply = {"content": "PROCESS_SCORE: 8"}
+    server.script = [{"content": "PROCESS_SCORE: 8"}] * 3 + [REVIEW]
+    verdicts, parts, review = judge(server.url, "both", None)
+    assert len(server.seen) == 4 and review.status == "ok"
+    assert [v.score for v in verdicts] == [7.0, 4.5, 6.0] and {v.source for v in verdicts} == {"both"}
+    assert [p["per_action"].score for p in parts] == [8.0] * 3 and [p["hindsight"].score for p in parts] == [6.0, 1.0, 4.0]
+    assert all(v.rationale.startswith("mean of per-action and hindsight") for v in verdicts)
+    # The review fails: the per-action scores stand alone, and say so.
+    server.seen.clear()
+    server.reply, server.script = {"content": "no idea"}, [{"content": "PROCESS_SCORE: 8"}] * 3
+    verdicts, parts, review = judge(server.url, "both", None, format_retries=0)
+    assert review.status == "parse_error" and [v.score for v in verdicts] == [8.0] * 3
+    assert all(v.rationale.startswith("per-action only (the hindsight review failed)") for v in verdicts)
+
+
+def test_combining_rule():
+    from openrlhf_mappa.coach import combine
+
+    ok8, ok3 = Verdict(8.0, "ok", "a", "c"), Verdict(3.0, "ok", "b", "c", source="hindsight")
+    failed, timeout = Verdict(None, "parse_error", "prose", "c"), Verdict(None, "timeout", "slow", "c", source="hindsight")
+    assert (combine(ok8, ok3).score, combine(ok8, ok3).status, combine(ok8, ok3).source) == (5.5, "ok", "both")
+    assert combine(ok8, timeout).score == 8.0 and combine(ok8, timeout).rationale.startswith("per-action only")
+    assert combine(failed, ok3).score == 3.0 and combine(failed, ok3).rationale.startswith("hindsight only")
+    neither = combine(failed, timeout)
+    assert (neither.score, neither.status) == (None, "parse_error") and "prose" in neither.rationale and "slow" in neither.rationale
+    cached = dataclasses.replace(ok8, cached=True)
+    assert combine(cached, dataclasses.replace(ok3, cached=True)).cached and not combine(cached, ok3).cached
+
+
+def test_review_cache_pays_once_and_never_stores_failures(server, tmp_path):
+    path = str(tmp_path / "cache.sqlite")
+    server.reply = {"status": 500}
+    judge(server.url, "hindsight", None, max_retries=0, cache_path=path)
+    server.reply = REVIEW
+    first = judge(server.url, "hindsight", None, cache_path=path)[2]
+    again = judge(server.url, "hindsight", None, cache_path=path)[2]  # a new coach on the same file: a resumed run
+    assert (first.cached, again.cached, again.scores, again.responsible, len(server.seen)) == (False, True, [6.0, 1.0, 4.0], 1, 2)
+    # another outcome is another review
+    judge(server.url, "hindsight", None, outcome={"success": True}, cache_path=path)
+    assert len(server.seen) == 3
+
+
+def test_heuristic_review_blames_the_first_action_that_broke_its_goal():
+    from openrlhf_mappa.coach import judge_episode
+
+    coach = build_coach("heuristic")
+
+    def review(requests, success):
+        return asyncio.run(judge_episode(coach, "hindsight", requests, {"success": success}, []))
+
+    requests = episode_requests()  # the coder's code failed, then the verifier answered wrong
+    verdicts, _, r = review(requests, False)
+    assert (r.status, r.responsible) == ("ok", 1) and "code failed" in r.rationale
+    per_action = [asyncio.run(coach.score(q)).score for q in requests]
+    assert [v.score for v in verdicts] == per_action  # the same rules score each action
+    requests[1] = make_request(agent="coder", agent_output="```python\nprint(18)\n```", runs_code=True, feedback="stdout:\n18")
+    assert review(requests, False)[2].responsible == 2  # now the verifier's wrong answer is the first break
+    requests[2] = make_request(agent="verifier", agent_output="\\boxed{18}", ground_truth="18")
+    assert review(requests, False)[2].rationale.endswith("no action broke its own goal; the last one gave the failed result")
+    solved = review(requests, True)[2]
+    assert solved.responsible == 2 and "succeeded" in solved.rationale
+    assert review([], False) == ([], [], None)  # no action, nothing to review
+
+
+def test_mappa_coach_score_mode_hindsight_reviews_each_episode_once(saved_run, tmp_path):
+    from coach_server import CoachServer
+
+    path, _, env = saved_run  # 5 episodes of 2 actions
+    out, template = tmp_path / "hindsight.jsonl", ("--template", str(tmp_path / "template.txt"))
+    with CoachServer() as server:
+        proc = mappa_coach_score(path, out, server.base_url, *template, "--mode", "hindsight", env=env)
+        prompts = [r["prompt"] for r in server.requests]
+    assert proc.returncode == 0, proc.stderr
+    assert len(prompts) == 5 and all("=== Action 2 of 2: agent verifier" in p for p in prompts)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 10 and {(r["after"]["status"], r["after"]["source"]) for r in rows} == {("ok", "hindsight")}
+    for episode_id in {r["episode_id"] for r in rows}:
+        assert sorted(r["responsible"] for r in rows if r["episode_id"] == episode_id) == [False, True]
+
+    with CoachServer(mute={"hindsight"}) as server:  # prose instead of a review: no action gets a score
+        proc = mappa_coach_score(path, out, server.base_url, *template, "--mode", "hindsight", env=env)
+        assert len(server.requests) == 5 * 3  # each review re-prompted twice
+    assert proc.returncode == 1 and "10 of 10 verdicts failed" in proc.stderr
+    assert "no valid review of the 2 actions after 3 replies" in proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["after"]["status"], r["after"]["score"], r["responsible"]) for r in rows} == {("parse_error", None, None)}

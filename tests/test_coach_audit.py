@@ -130,3 +130,33 @@ def test_failure_policies_are_explicit():
     assert assign_rewards(eps, "process")["left_out_by_status"] == {"timeout": 1}
     with pytest.raises(ValueError, match="skip, outcome, neutral|'skip', 'outcome', 'neutral'"):
         assign_rewards(eps, "process", on_failure="guess")
+
+
+def test_a_hindsight_review_is_one_request_for_its_whole_episode():
+    from openrlhf_mappa.coach import combine
+    from openrlhf_mappa.episode import Review
+
+    paid = Review([6.0, 2.0, 9.0], 1, "ok", "r", latency_s=4.0, tokens_in=900, tokens_out=60, retries=1)
+    failed = Review(None, None, "parse_error", "prose", latency_s=5.0, tokens_in=800, tokens_out=50)
+    hindsight = [Episode(f"e{i}", "t", review=r, actions=[act("a", v) for v in r.verdicts(3)])
+                 for i, r in enumerate((paid, failed))]
+    m = coach_step_metrics(hindsight, price_in=1.0)
+    assert (m["coach/requests"], m["coach/reviews_ok"], m["coach/reviews_parse_error"]) == (2, 1, 1)
+    assert (m["coach/verdicts_ok"], m["coach/verdicts_parse_error"], m["coach/failure_fraction"]) == (3, 3, 0.5)
+    assert (m["coach/tokens_in"], m["coach/tokens_out"], m["coach/retries"]) == (1700, 110, 1)  # counted once per review
+    assert (m["coach/latency_p50"], m["coach/latency_p99"]) == (4.0, 5.0)  # the reviews', not 0 s per action
+    assert "coach/both_one_source" not in m
+
+    # Mode both: the per-action verdicts are requests too; the combined ones are not.
+    asked = [ok(8.0, latency_s=1.0, tokens_in=100), ok(4.0, latency_s=1.0, tokens_in=100), ok(5.0, cached=True, tokens_in=100)]
+    for ep, review in zip(hindsight, (paid, failed)):
+        for a, per_action, derived in zip(ep.actions, asked, review.verdicts(3)):
+            a.verdict_parts = {"per_action": per_action, "hindsight": derived}
+            a.verdict = combine(per_action, derived)
+    m = coach_step_metrics(hindsight)
+    assert m["coach/requests"] == 2 * 3 + 2 and m["coach/cache_hit_rate"] == pytest.approx(2 / 8)
+    assert m["coach/tokens_in"] == 4 * 100 + 1700
+    assert (m["coach/verdicts_ok"], m["coach/failure_fraction"], m["coach/both_one_source"]) == (6, 0.0, 3)
+    assert [a.verdict.score for a in hindsight[0].actions] == [7.0, 3.0, 7.0]
+    # per action (the paper's mode): one request per action, as before
+    assert coach_step_metrics([Episode("e", "t", actions=[act("a", ok(5.0)) for _ in range(3)])])["coach/requests"] == 3

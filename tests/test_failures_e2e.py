@@ -1,6 +1,11 @@
 """A component dying mid-run, for real: a tiny two-agent MAPPA run on CPU (Ray, vLLM, DeepSpeed ZeRO-3) whose
 second agent's vLLM engine process is SIGKILLed after the first step. The run must end on its own within a
-bounded time, non-zero, with a message naming that agent and component, keeping the step it had logged."""
+bounded time, non-zero, with a message naming that agent and component, keeping the step it had logged.
+
+The run is coached in hindsight mode (--mappa.coach.mode hindsight) through the OpenAI-compatible backend,
+against a real HTTP server on 127.0.0.1 standing in for a paid coach API (tests/coach_server.py): the step it
+keeps must show one review request per episode and no per-action request, each action trained on the score
+the server gave it in its episode's review."""
 
 import json
 import os
@@ -10,6 +15,7 @@ import time
 
 import pytest
 
+from coach_server import CoachServer, review_reply
 from conftest import TINY_RUN_FLAGS, local_cluster_env, training, two_agent_mathchat, wait_for
 
 
@@ -23,12 +29,16 @@ def test_a_dead_engine_stops_the_run_naming_its_agent(tmp_path, tiny_model):
         "--mappa.run_dir", str(run_dir),
         "--data.prompt_dataset", tasks,
         *TINY_RUN_FLAGS,
+        "--mappa.coach.kind", "openai",
+        "--mappa.coach.mode", "hindsight",
+        "--mappa.coach.model", "rule-coach",
         "--ckpt.path", str(tmp_path / "ckpt"),
         "--ckpt.output_dir", str(tmp_path / "final"),
     ]  # fmt: skip
     metrics = run_dir / "metrics.jsonl"
     cmd = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv]
-    with training(cmd, tmp_path / "train", cwd=tmp_path, env=local_cluster_env(4)) as proc:
+    with CoachServer() as server, training(cmd + ["--mappa.coach.base_url", server.base_url], tmp_path / "train",
+                                           cwd=tmp_path, env=local_cluster_env(4)) as proc:
         wait_for(proc, lambda: metrics.exists() and metrics.read_text().endswith("\n"), 600, "first step")
         pid = json.loads((run_dir / "processes.json").read_text())["verifier/vLLM engine 0"]
         os.kill(pid, signal.SIGKILL)
@@ -40,4 +50,23 @@ def test_a_dead_engine_stops_the_run_naming_its_agent(tmp_path, tiny_model):
     assert "agent 'verifier': vLLM engine 0 died" in log, log[-4000:]
     assert "agent 'problem_solver'" not in log.split("[mappa] run stopped:")[-1].split("\n")[0]  # only the dead one
     assert stopped_after < 120
-    assert json.loads(metrics.read_text().splitlines()[0])["step"] == 1  # what it had is kept
+    step1 = json.loads(metrics.read_text().splitlines()[0])
+    assert step1["step"] == 1  # what it had is kept
+
+    # Hindsight: step 1's 4 episodes (2 tasks x 2 samples, 2 actions each) cost 4 coach requests, all reviews.
+    assert (step1["coach/requests"], step1["coach/reviews_ok"], step1["coach/verdicts_ok"]) == (4, 4, 8)
+    prompts = [r["prompt"] for r in server.requests]
+    assert prompts and all("=== Action 1 of 2: agent problem_solver" in p for p in prompts)  # no per-action request
+    episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
+    assert [ep["step"] for ep in episodes] == [1] * 4
+    for ep in episodes:
+        outputs = [f"Output:\n{a['response_text']}" for a in ep["actions"]]
+        prompt = next(p for p in prompts if all(o in p for o in outputs))  # this episode's review request
+        assert f'"success": {str(ep["outcome"]["success"]).lower()}' in prompt  # it saw the outcome
+        reply = json.loads(review_reply(prompt, ()))
+        review = ep["review"]
+        assert (review["status"], review["coach"], review["responsible"]) == ("ok", "openai:rule-coach", reply["responsible"] - 1)
+        assert review["scores"] == [e["score"] for e in reply["actions"]]
+        for a, score in zip(ep["actions"], review["scores"]):
+            assert (a["verdict"]["source"], a["verdict"]["score"]) == ("hindsight", score)
+            assert a["reward"] == pytest.approx(0.1 * score)  # MathChat's reward_scale, on the review's score

@@ -71,7 +71,7 @@ def test_agent_text_cannot_break_out_of_the_page(tmp_path):
     assert len(clipped) < 4100 and "[... 6000 characters cut ...]" in clipped
 
 
-def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3) -> list:
+def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3, coach_mode="per_action") -> list:
     """Three steps (or `steps`) of a real rollout (the MathChat environment, code run in the sandbox, the heuristic coach),
     scripted policies standing in for the engines, logged by the trainer's own step_metrics, coach metrics,
     bias audit, write_episodes and log. The newest episode has the hostile reply and a failed verdict."""
@@ -100,7 +100,7 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3) -> list:
                    "verifier": "\\boxed{4}" if step > 1 else "maybe 5"}  # fmt: skip
         policies = {n: ScriptedPolicy(r) for n, r in replies.items()}
         tasks = [{"id": str(i), "prompt": "2 + 2?", "answer": "4"} for i in range(4)]
-        episodes = asyncio.run(rollout(topology, tasks, policies, build_coach("heuristic"), str(tmp_path / "ws"), step))
+        episodes = asyncio.run(rollout(topology, tasks, policies, build_coach("heuristic"), str(tmp_path / "ws"), step, coach_mode=coach_mode))
         if step == 3:
             episodes[-1].actions[-1].verdict = Verdict(None, "parse_error", "the coach's reply had no score")
         counts = rewards.assign_rewards(episodes, "process")
@@ -212,3 +212,21 @@ def test_two_runs_overlay(tmp_path):
     items = [li.text() for li in dom.find_all("li", "episode")]
     assert len(items) == 12 + 8 and sum(i.startswith("outcome/run | ") for i in items) == 8
     assert [o.text() for o in dom.find_all("select")[0].find_all("option")] == ["all", "process/run", "outcome/run"]
+
+
+def test_report_shows_the_hindsight_review_and_both_verdicts(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    agents = run_dir_from_a_real_rollout(run_dir, tmp_path, coach_mode="both")
+    out = tmp_path / "page.html"
+    report.write_report(str(run_dir), out=str(out))
+    dom = assert_report_renders(str(out), agents, steps=3, episodes=12)
+    charts = {f.attrs["data-title"]: f for f in dom.find_all("figure", "chart")}
+    points = {(t, p.attrs["data-series"]): p.attrs["points"].split() for t, f in charts.items() for p in f.find_all("polyline", "series")}
+    assert len(points["coach requests per step", "requests"]) == len(points["hindsight reviews by status", "ok"]) == 3
+    # The newest episode solved its task: the heuristic coach holds its last action (the verifier's) responsible.
+    assert dom.find_all("div", "review")[0].text().startswith("hindsight review (heuristic): action 3 held responsible")
+    cards = {c.attrs["data-agent"]: c for c in dom.find_all("div", "action")}
+    assert cards["verifier"].find_all("h4")[0].text().endswith("held responsible for the outcome")
+    assert "held responsible" not in cards["solver"].find_all("h4")[0].text()
+    assert "(per_action " in cards["solver"].find_all("div", "score")[0].text() and ", hindsight " in cards["solver"].find_all("div", "score")[0].text()

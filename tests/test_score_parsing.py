@@ -1,9 +1,12 @@
 """parse_score on adversarial coach replies: a score comes from the JSON verdict's "score", the designated
-`<KEY>: <n>` line, or a reply that is only a number; every other number in prose is not a score."""
+`<KEY>: <n>` line, or a reply that is only a number; every other number in prose is not a score. And
+parse_review on hindsight replies: a review matches the episode's actions one to one, or there is none."""
+
+import json
 
 import pytest
 
-from openrlhf_mappa.coach import parse_score
+from openrlhf_mappa.coach import parse_review, parse_score
 
 KEY = "PROCESS_SCORE"
 
@@ -101,3 +104,59 @@ def test_score_comes_only_from_the_json_verdict_the_key_line_or_a_bare_number(re
 ])
 def test_the_score_line_key_is_the_one_given(reply, key, expected):
     assert parse_score(reply, key) == expected
+
+
+def review(entries, responsible=1, **extra):
+    return json.dumps({"rationale": "r", "responsible": responsible, "actions": entries, **extra})
+
+
+def entries(*scores):
+    return [{"id": i, "score": s} for i, s in enumerate(scores, 1)]
+
+
+# Hindsight reviews of a 3-action episode: (reply, expected (scores, responsible index) or None).
+REVIEWS = [
+    (review(entries(7, 2, 9), responsible=2), ([7.0, 2.0, 9.0], 1)),
+    (review(list(reversed(entries(7, 2, 9)))), ([7.0, 2.0, 9.0], 0)),  # entries in any order, matched by id
+    ("```json\n" + review(entries(0, 10, 5.5)) + "\n```", ([0.0, 10.0, 5.5], 0)),
+    (review([dict(e, why="fine") for e in entries(1, 2, 3)]), ([1.0, 2.0, 3.0], 0)),  # other keys are ignored
+    # a wrong count
+    (review(entries(7, 2)), None),
+    (review(entries(7, 2, 9, 4)), None),
+    (review([]), None),
+    # duplicate or missing ids
+    (review([{"id": 1, "score": 7}, {"id": 1, "score": 2}, {"id": 3, "score": 9}]), None),
+    (review([{"id": 1, "score": 7}, {"id": 2, "score": 2}, {"id": 4, "score": 9}]), None),
+    (review([{"id": 0, "score": 7}, {"id": 1, "score": 2}, {"id": 2, "score": 9}]), None),  # ids count from 1
+    (review([{"score": 7}, {"id": 2, "score": 2}, {"id": 3, "score": 9}]), None),
+    (review([{"id": "1", "score": 7}, {"id": 2, "score": 2}, {"id": 3, "score": 9}]), None),
+    (review([{"id": 1.0, "score": 7}, {"id": 2, "score": 2}, {"id": 3, "score": 9}]), None),
+    (review([{"id": True, "score": 7}, {"id": 2, "score": 2}, {"id": 3, "score": 9}]), None),
+    # scores out of range or not numbers
+    (review(entries(7, 11, 9)), None),
+    (review(entries(7, -0.5, 9)), None),
+    (review(entries(7, "8", 9)), None),
+    (review(entries(7, None, 9)), None),
+    (review(entries(7, True, 9)), None),
+    ('{"rationale": "r", "responsible": 1, "actions": [{"id": 1, "score": NaN}, {"id": 2, "score": 1}, {"id": 3, "score": 1}]}', None),
+    # the responsible action missing or not one of the ids
+    (review(entries(7, 2, 9), responsible=4), None),
+    (review(entries(7, 2, 9), responsible=0), None),
+    (review(entries(7, 2, 9), responsible=None), None),
+    (review(entries(7, 2, 9), responsible="2"), None),
+    (json.dumps({"actions": entries(7, 2, 9)}), None),
+    # prose, or JSON in prose, or the list alone
+    ("Action 1: 7/10. Action 2: 2/10, it broke the chain. Action 3: 9/10.", None),
+    ("Here is my review:\n" + review(entries(7, 2, 9)), None),
+    (review(entries(7, 2, 9)) + "\nHope this helps.", None),
+    (json.dumps(entries(7, 2, 9)), None),
+    ("PROCESS_SCORE: 7", None),
+    ("7", None),
+    ("", None),
+]
+
+
+@pytest.mark.parametrize("reply, expected", REVIEWS, ids=[repr(r)[1:61] for r, _ in REVIEWS])
+def test_a_hindsight_review_matches_the_actions_one_to_one_or_is_no_review(reply, expected):
+    parsed = parse_review(reply, 3)
+    assert (parsed[:2] if parsed else None) == expected

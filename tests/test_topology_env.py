@@ -95,6 +95,8 @@ def test_model_override_replaces_every_model(tmp_path):
         ({"env": "nocolon"}, "expected 'package.module:Class'"),
         ({"coach_template": ""}, "'coach_template' is missing or empty"),
         ({"coach_template": "{task} {score}"}, "coach_template: unknown field {score}"),
+        ({"review_template": "{trajectory} {agent_output}"}, "review_template: unknown field {agent_output}; allowed fields: task"),
+        ({"review_template": "  "}, "'review_template' must be a non-empty string"),
         ({"env_kwargs": {"code_timeout": 3}}, "env_kwargs do not fit mathchat"),
         ({"score_key": "PROCESS SCORE"}, "'score_key' must be a word of letters, digits and '_'"),
         ({"score_key": "SCORE:"}, "'score_key' must be a word"),
@@ -643,3 +645,9 @@ def test_relay_names_an_agent_without_a_goal(tmp_path):
     topology = load_topology(str(ROOT / "examples" / "configs" / "relay.yaml"))
     with pytest.raises(ValueError, match=r"no goal for agent\(s\) \['code'\]"):
         topology.env_class()(topology, {"prompt": "p", "answer": "-"}, str(tmp_path), goals={"quantity": "1", "item": "a"})
+
+
+def test_review_template_is_optional_and_checked(tmp_path):
+    assert load_topology(write_topology(tmp_path)).review_template is None  # the built-in hindsight prompt
+    template = "{task_type}: {task}\n{trajectory}\n{outcome}\nScore the {num_actions} actions as JSON: {{...}}"
+    assert load_topology(write_topology(tmp_path, review_template=template)).review_template == template

@@ -53,10 +53,15 @@ def main(argv=None):
     p.add_argument("--episodes", required=True, help="episodes.jsonl of a run")
     p.add_argument("--out", required=True, help="one line per action with both verdicts; summary in <out>.summary.json")
     p.add_argument("--kind", choices=["openai", "heuristic"], default="openai")
+    p.add_argument("--mode", choices=["per_action", "hindsight", "both"], default="per_action",
+                   help="per_action: one request per action; hindsight: one review per episode (its trajectory and "
+                        "outcome); both: the two combined as in training (--mappa.coach.mode)")
     p.add_argument("--model", help="coach model at the OpenAI-compatible server")
     p.add_argument("--base-url", help="e.g. http://localhost:8000/v1")
     p.add_argument("--template", help="a text file with the coach prompt template")
-    p.add_argument("--topology", help="take the coach prompt template and score key from this topology YAML")
+    p.add_argument("--topology", help="take the coach prompt templates and score key from this topology YAML")
+    p.add_argument("--review-template", help="a text file with the hindsight prompt template (default: the "
+                   "topology's review_template, else the built-in one)")
     p.add_argument("--score-key", help="a text reply states its score on the line `KEY: <n>` "
                    "(default: the topology's score_key, else PROCESS_SCORE)")
     p.add_argument("--api-key-env", default="OPENAI_API_KEY")
@@ -238,21 +243,25 @@ def rescore_main(parser, args):
 
             topology = load_topology(args.topology)
         template = topology.coach_template if topology else None
+        review_template = topology.review_template if topology else None
         if args.template:
             with open(args.template, encoding="utf-8") as f:
                 template = f.read()
+        if args.review_template:
+            with open(args.review_template, encoding="utf-8") as f:
+                review_template = f.read()
         options = {}
         if args.kind == "openai":
             score_key = args.score_key or (topology.score_key if topology else DEFAULT_SCORE_KEY)
             options = dict(api_key_env=args.api_key_env, timeout_s=args.timeout, max_concurrency=args.max_concurrency,
                            max_retries=args.max_retries, rpm=args.rpm, structured=args.structured,
-                           max_tokens=args.max_tokens, score_key=score_key)
+                           max_tokens=args.max_tokens, score_key=score_key, review_template=review_template)
         coach = build_coach(args.kind, template=template, model=args.model, base_url=args.base_url,
                             cache_path=args.cache, **options)
         actions = rescore.read_actions(args.episodes)
         if not actions:
             raise ValueError(f"{args.episodes}: no actions to re-score")
-        rows, summary = rescore.run(actions, args.out, coach)
+        rows, summary = rescore.run(actions, args.out, coach, args.mode)
     except ValueError as e:
         raise SystemExit(f"mappa coach score: {e}")
     before = next((a["verdict"]["coach"] for _, a in actions if a.get("verdict")), "?")

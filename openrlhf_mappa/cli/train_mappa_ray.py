@@ -41,6 +41,10 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.run_dir", default="./runs/mappa", help="metrics.jsonl, episodes.jsonl and code workspaces")
     g.add_argument("--mappa.coach.kind", choices=["heuristic", "openai"], default="heuristic",
                    help="heuristic: offline rule-based coach (demo/tests); openai: any OpenAI-compatible server")
+    g.add_argument("--mappa.coach.mode", choices=["per_action", "hindsight", "both"], default="per_action",
+                   help="per_action: one coach request per action, as the episode runs (the paper); hindsight: one "
+                        "request per finished episode, scoring every action and naming the one responsible for the "
+                        "outcome; both: the mean of the two scores (the one that exists when the other failed)")
     g.add_argument("--mappa.coach.model", default=None, help="coach model name at the OpenAI-compatible server")
     g.add_argument("--mappa.coach.base_url", default=None, help="e.g. https://api.openai.com/v1 or http://localhost:8000/v1")
     g.add_argument("--mappa.coach.api_key_env", default="OPENAI_API_KEY", help="environment variable holding the key")
@@ -335,6 +339,9 @@ def validate(args, topology):
         raise SystemExit("--mappa.norm_scope group compares the samples of each prompt: set --rollout.n_samples_per_prompt >= 2")
     if not 0 < args.mappa.startup_warn_s <= args.mappa.startup_timeout_s:
         raise SystemExit("--mappa.startup_warn_s must be > 0 and at most --mappa.startup_timeout_s")
+    if args.mappa.coach.mode != "per_action" and args.mappa.reward == "outcome" and not args.mappa.coach.score_outcome_runs:
+        raise SystemExit(f"--mappa.coach.mode {args.mappa.coach.mode}: an outcome run asks no coach; add "
+                         "--mappa.coach.score_outcome_runs to log the coach's verdicts anyway")
     if args.mappa.coach.score_outcome_runs and args.mappa.reward != "outcome":
         raise SystemExit("--mappa.coach.score_outcome_runs is for --mappa.reward outcome (process runs always ask the coach)")
 
@@ -435,8 +442,11 @@ def train(args):
             c.kind, template=topology.coach_template, model=c.model, base_url=c.base_url, cache_path=coach_cache_path(args),
             api_key_env=c.api_key_env, timeout_s=c.timeout, max_concurrency=c.max_concurrency, max_retries=c.max_retries,
             rpm=c.rpm, structured=c.structured, format_retries=c.format_retries, max_tokens=c.max_tokens,
-            score_key=topology.score_key,
+            score_key=topology.score_key, review_template=topology.review_template,
         )
+        if c.mode == "both":  # the combining rule, stated where the run's log begins (coach.combine)
+            print("[mappa] coach mode both: an action's score is the mean of its per-action and hindsight scores; the "
+                  "one that exists when the other failed (counted as coach/both_one_source); none when both failed")
         # An unreachable coach or a rejected key would otherwise surface only after the first rollout.
         if args.mappa.reward == "process" or c.score_outcome_runs:
             asyncio.run(coach.probe())

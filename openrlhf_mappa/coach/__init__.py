@@ -3,21 +3,48 @@
 `Coach` is the protocol every backend implements; `build_coach` picks a backend from the `--mappa.coach.*`
 flags. Backends: "heuristic" (offline, deterministic, no API key; the demo's default) and "openai" (any
 OpenAI-compatible chat-completions server: a hosted API or a local open-weight coach behind vLLM).
+
+`--mappa.coach.mode` says when the coach judges (judge_episode): "per_action" (the paper: one request per
+action, while the episode runs), "hindsight" (one request per episode once its outcome is known: the whole
+trajectory, a score for every action and the action held responsible; a `Review`), or "both" (the two
+combined by `combine`).
 """
 
+import asyncio
 import json
 import re
 import string
 from dataclasses import dataclass
 from typing import Optional
 
-from openrlhf_mappa.episode import Verdict
+from openrlhf_mappa.episode import Review, Verdict
 
 COACH_KINDS = ("heuristic", "openai")
+COACH_MODES = ("per_action", "hindsight", "both")
 PROMPT_FIELDS = (
     "task", "role", "agent", "turn", "round", "position", "task_type", "agent_input", "agent_output", "feedback",
     "ground_truth", "coach_bias",
 )
+REVIEW_FIELDS = ("task", "task_type", "trajectory", "outcome", "num_actions")
+# The hindsight prompt when the topology gives no `review_template`. The reply format is fixed (parse_review).
+DEFAULT_REVIEW_TEMPLATE = """You are a coach reviewing, in hindsight, a whole episode of a team of AI agents that solved a task together.
+Now that the outcome is known, trace it back through the trajectory: judge every action, and name the one action most
+responsible for the outcome (for a failure: the first action that went wrong and that later actions could not repair).
+
+Task type: {task_type}
+Task:
+{task}
+
+The trajectory, {num_actions} actions in order (each with what the agent was given, what it did, and the tool feedback):
+{trajectory}
+
+The outcome of the episode:
+{outcome}
+
+Score every action from 0 (harmful or useless) to 10 (exactly what the task needed at that point).
+Reply with one JSON object and nothing else:
+{{"rationale": "<a few sentences>", "responsible": <id of the action most responsible for the outcome>,
+ "actions": [{{"id": 1, "score": <0-10>}}, ... one entry for each action id from 1 to {num_actions}]}}"""
 
 
 @dataclass
@@ -53,6 +80,11 @@ class Coach:
     async def score(self, request: CoachRequest) -> Verdict:
         raise NotImplementedError
 
+    async def review(self, requests: list, outcome: dict) -> Review:
+        """Hindsight: one judgement of a finished episode, `requests` being its actions' CoachRequests in order.
+        Like `score`, never raises for a failed evaluation: a Review with a non-"ok" status and no scores."""
+        raise NotImplementedError(f"coach {self.name!r} has no hindsight review")
+
     async def probe(self) -> None:
         """Raise ValueError when the coach cannot be reached, before a run spends anything on rollouts.
         Backends without a server have nothing to check."""
@@ -65,7 +97,8 @@ def build_coach(kind: str, *, template: str = None, model: str = None, base_url:
                 cache_path: str = None, **options) -> Coach:
     """A coach backend from the `--mappa.coach.*` flags. `options` go to the OpenAI-compatible backend
     (api_key_env, timeout_s, max_concurrency, max_retries, rpm, structured, format_retries, max_tokens,
-    score_key: the line `<score_key>: <n>` a text reply states its score on, see parse_score).
+    score_key: the line `<score_key>: <n>` a text reply states its score on, see parse_score;
+    review_template: the hindsight prompt, default DEFAULT_REVIEW_TEMPLATE).
 
     An LLM coach is wrapped in a verdict cache (memory, plus SQLite at `cache_path`), so a rerun or a
     resumed run never pays twice for the same request. The heuristic coach costs nothing and is not cached.
@@ -172,3 +205,91 @@ def parse_score(text: str, key: str) -> Optional[float]:
         return None
     score = values.pop()
     return score if 0.0 <= score <= 10.0 else None
+
+
+def render_review_prompt(template: str, requests: list, outcome: dict) -> str:
+    """Fill a hindsight template (fields REVIEW_FIELDS) with a finished episode: its actions, numbered from 1
+    as the reply must name them, each with what its agent was given, its output and its tool feedback."""
+    parts = []
+    for i, r in enumerate(requests, 1):
+        output = r.agent_output + (f"\n[cut off at the limit of {r.truncated_at} tokens]" if r.truncated_at is not None else "")
+        part = (f"=== Action {i} of {len(requests)}: agent {r.agent}, its action {r.turn + 1} ===\nRole: {r.role}\n"
+                f"Given:\n{r.agent_input}\nOutput:\n{output}\nTool feedback:\n{r.feedback or '(none)'}")
+        if r.ground_truth is not None:
+            part += f"\nGround truth for this action: {r.ground_truth}"
+        parts.append(part)
+    first = requests[0] if requests else CoachRequest("", "", 0, "", "", "", "", "", "")
+    fields = {"task": first.task, "task_type": first.task_type, "trajectory": "\n\n".join(parts),
+              "outcome": json.dumps(outcome, ensure_ascii=False, sort_keys=True), "num_actions": len(requests)}
+    try:
+        return template.format(**fields)
+    except (KeyError, IndexError):
+        raise ValueError(f"hindsight review template: use only the named fields {', '.join(REVIEW_FIELDS)}; "
+                         "literal braces must be doubled: {{ }}") from None
+
+
+def _number(x, integer: bool) -> bool:
+    """A JSON number (an integer if asked), never a boolean (Python counts True as 1)."""
+    return isinstance(x, int if integer else (int, float)) and not isinstance(x, bool)
+
+
+def parse_review(text: str, n: int) -> Optional[tuple]:
+    """(scores in action order, index of the responsible action, rationale) from a hindsight reply, else None.
+
+    The reply must be one JSON object (bare or in one ``` fence), whose "actions" list matches the episode's
+    n actions one to one: each entry an object with an integer "id" in 1..n, each id once, and a number
+    "score" in [0, 10]; and whose "responsible" is one of those ids. Anything else (a wrong count, a duplicate
+    or missing id, a score out of range, prose) is no review at all: never a partial one, never a guess."""
+    text = (text or "").strip()
+    fenced = re.fullmatch(r"```[ \t]*(?:json)?\s*(.*?)\s*```", text, re.DOTALL | re.IGNORECASE)
+    try:
+        reply = json.loads(fenced.group(1) if fenced else text)
+    except json.JSONDecodeError:
+        return None
+    entries = reply.get("actions") if isinstance(reply, dict) else None
+    if not isinstance(entries, list) or len(entries) != n:
+        return None
+    scores = {}
+    for e in entries:
+        if not (isinstance(e, dict) and _number(e.get("id"), True) and _number(e.get("score"), False)):
+            return None
+        if not (1 <= e["id"] <= n and 0.0 <= e["score"] <= 10.0) or e["id"] in scores:
+            return None
+        scores[e["id"]] = float(e["score"])
+    responsible = reply.get("responsible")
+    if not (_number(responsible, True) and 1 <= responsible <= n):
+        return None
+    rationale = reply.get("rationale")
+    return [scores[i] for i in range(1, n + 1)], responsible - 1, rationale if isinstance(rationale, str) else ""
+
+
+def combine(per_action: Verdict, hindsight: Verdict) -> Verdict:
+    """--mappa.coach.mode both: the score is the mean of the per-action and the hindsight score when both
+    exist; the one that exists when the other failed (a failed review must not void per-action scores already
+    paid for, nor the reverse); no score when neither does. Never a score neither coach request gave."""
+    scores = [v.score for v in (per_action, hindsight) if v.status == "ok"]
+    if not scores:
+        return Verdict(None, per_action.status, f"both failed: per-action: {per_action.rationale[:300]}; "
+                       f"hindsight: {hindsight.rationale[:300]}", per_action.coach, source="both")
+    rule = "mean of per-action and hindsight" if len(scores) == 2 else (
+        "per-action only (the hindsight review failed)" if per_action.status == "ok" else "hindsight only (the per-action verdict failed)")
+    return Verdict(sum(scores) / len(scores), "ok", f"{rule}: per-action {per_action.score}, hindsight {hindsight.score}",
+                   per_action.coach, cached=per_action.cached and hindsight.cached, source="both")
+
+
+async def judge_episode(coach: Coach, mode: str, requests: list, outcome: dict, pending: list) -> tuple:
+    """(verdicts, parts, review) of a finished episode under `mode` (COACH_MODES): the verdict each action
+    trains on; per action {"per_action", "hindsight"} verdicts in mode "both" ({} otherwise); the Review, or
+    None in mode "per_action". `pending` holds the per-action verdicts' awaitables, submitted while the episode
+    ran (empty in mode "hindsight")."""
+    if mode not in COACH_MODES:
+        raise ValueError(f"unknown coach mode {mode!r}; expected one of {', '.join(COACH_MODES)}")
+    per_action = await asyncio.gather(*pending)
+    if mode == "per_action" or not requests:  # an episode with no action (all skipped) has nothing to review
+        return per_action, [{} for _ in per_action], None
+    review = await coach.review(requests, outcome)
+    hindsight = review.verdicts(len(requests))
+    if mode == "hindsight":
+        return hindsight, [{} for _ in hindsight], review
+    parts = [{"per_action": p, "hindsight": h} for p, h in zip(per_action, hindsight)]
+    return [combine(p, h) for p, h in zip(per_action, hindsight)], parts, review

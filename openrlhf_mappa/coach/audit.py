@@ -46,21 +46,44 @@ def check_failures(episodes: list, metrics: dict, max_fraction: float):
     )
 
 
+def coach_calls(episodes: list) -> list:
+    """What the coach was asked this step, one record per request (a Verdict or a Review): each per-action
+    verdict (in mode "both", the per-action part) and each episode's hindsight review. Verdicts derived from
+    a review or combined from two are not requests: their cost is their parts'."""
+    calls = []
+    for ep in episodes:
+        for a in ep.actions:
+            asked = a.verdict_parts.get("per_action") or (a.verdict if a.verdict and a.verdict.source == "per_action" else None)
+            calls += [asked] if asked is not None else []
+        calls += [ep.review] if ep.review is not None else []
+    return calls
+
+
 def coach_step_metrics(episodes: list, price_in: float = 0.0, price_out: float = 0.0) -> dict:
-    """Verdict counts per status, the failed fraction, and what the coach cost (prices in USD per 1M tokens).
-    Cached verdicts cost nothing: tokens, latency and cost count fresh verdicts only. A `skipped` verdict
+    """Verdict counts per status, the failed fraction, the coach's requests and what they cost (prices in USD
+    per 1M tokens). Verdicts and failures count the actions' verdicts (what trains); requests, cache hits,
+    tokens, latency and cost count the calls (coach_calls: a hindsight review is one request for a whole
+    episode). Cached calls cost nothing: tokens, latency and cost count fresh calls only. A `skipped` verdict
     (no coach was asked: evaluation, the outcome baseline) is counted, but is neither a failure nor a call."""
     all_verdicts = [a.verdict for ep in episodes for a in ep.actions if a.verdict is not None]
     m = {f"coach/verdicts_{s}": sum(v.status == s for v in all_verdicts) for s in VERDICT_STATUSES}
     verdicts = [v for v in all_verdicts if v.status != "skipped"]
     failed = sum(v.status in FAILED_STATUSES for v in verdicts)
     m["coach/failure_fraction"] = failed / len(verdicts) if verdicts else 0.0
-    fresh = [v for v in verdicts if not v.cached]
-    m["coach/cache_hit_rate"] = (len(verdicts) - len(fresh)) / len(verdicts) if verdicts else 0.0
-    m["coach/tokens_in"] = sum(v.tokens_in for v in fresh)
-    m["coach/tokens_out"] = sum(v.tokens_out for v in fresh)
-    m["coach/retries"] = sum(v.retries for v in fresh)
-    latencies = sorted(v.latency_s for v in fresh)
+    calls = [c for c in coach_calls(episodes) if c.status != "skipped"]
+    reviews = [ep.review for ep in episodes if ep.review is not None]
+    m["coach/requests"] = len(calls)
+    if reviews:  # modes hindsight and both
+        m.update({f"coach/reviews_{s}": sum(r.status == s for r in reviews) for s in VERDICT_STATUSES if s != "skipped"})
+    parts = [a.verdict_parts for ep in episodes for a in ep.actions if a.verdict_parts]
+    if parts:  # mode both: actions whose score came from one of the two verdicts only (coach.combine)
+        m["coach/both_one_source"] = sum(sum(v.status == "ok" for v in p.values()) == 1 for p in parts)
+    fresh = [c for c in calls if not c.cached]
+    m["coach/cache_hit_rate"] = (len(calls) - len(fresh)) / len(calls) if calls else 0.0
+    m["coach/tokens_in"] = sum(c.tokens_in for c in fresh)
+    m["coach/tokens_out"] = sum(c.tokens_out for c in fresh)
+    m["coach/retries"] = sum(c.retries for c in fresh)
+    latencies = sorted(c.latency_s for c in fresh)
     for q in (50, 90, 99):
         # Nearest-rank percentile: an observed latency, not an interpolation between two.
         m[f"coach/latency_p{q}"] = latencies[math.ceil(q / 100 * len(latencies)) - 1] if latencies else None

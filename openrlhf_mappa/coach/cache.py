@@ -1,7 +1,7 @@
 """The verdict cache: an LLM coach's verdicts by a hash of (coach model, prompt template, request content), in
 memory and in SQLite, so that reruns, resumed runs and re-scoring never pay twice for the same judgement.
 A hit comes back with `cached=True` and the tokens and latency of the original call (accounting counts only
-fresh verdicts as spent).
+fresh verdicts as spent). Hindsight reviews (episode.Review) are stored the same way, under keys of their own.
 
 The key hashes the coach's name and the prompt it is sent (the template filled with the request): everything
 the coach sees and nothing else, so the random episode id and fields the template leaves out never cause a
@@ -51,14 +51,15 @@ class VerdictCache:
     def key(coach_name: str, prompt: str) -> str:
         return hashlib.sha256(f"{coach_name}\0{prompt}".encode("utf-8", errors="surrogatepass")).hexdigest()
 
-    def get(self, key: str) -> Optional[Verdict]:
+    def get(self, key: str, kind: type = Verdict):
+        """The stored Verdict, or hindsight Review with kind=Review (its key names it: see OpenAICoach.review)."""
         if key not in self.memory and self.read_disk:
             row = self.db.execute("SELECT verdict FROM verdicts WHERE key = ?", (key,)).fetchone()
             if row:
-                self.memory[key] = Verdict(**json.loads(row[0]))
+                self.memory[key] = kind(**json.loads(row[0]))
         return self.memory.get(key)
 
-    def put(self, key: str, verdict: Verdict):
+    def put(self, key: str, verdict):
         self.memory[key] = verdict
         if self.writer is not None:
             # Serialized here, not on the writer thread: Python code there would hold the GIL for milliseconds

@@ -4,7 +4,7 @@ import re
 
 from openrlhf_mappa.coach import Coach, CoachRequest
 from openrlhf_mappa.envs.mathchat import extract_boxed, grade
-from openrlhf_mappa.episode import Verdict
+from openrlhf_mappa.episode import Review, Verdict
 
 # Python's own error shapes, plus the markers ToolFeedback.as_text() writes for a timeout or a non-zero exit.
 # "Error" alone is not enough: stdout like "mean squared error: 0.3" is a clean run.
@@ -50,12 +50,33 @@ class HeuristicCoach(Coach):
 
     async def score(self, request: CoachRequest) -> Verdict:
         # No latency is recorded (it stays 0.0): the verdict is a pure function of the request.
-        score, why = self._rule(request)
+        score, why, _ = self.judge(request)
+        return Verdict(score=score, status="ok", rationale=f"heuristic coach: {why}", coach=self.name)
+
+    async def review(self, requests: list, outcome: dict) -> Review:
+        """Hindsight: every action scored by the rules above (they see in each action what a review would),
+        and held responsible: on a failed episode the first action that broke its own agent's goal (a rule
+        marked as a failure: a code error, a missed pattern or answer, no code, an empty reply, its own files
+        missing), else the last action (it gave the failed result); on a solved episode the last action."""
+        judged = [self.judge(r) for r in requests]
+        broke = [i for i, (_, _, failed) in enumerate(judged) if failed]
+        last = len(requests) - 1
+        if outcome.get("success"):
+            responsible, why = last, "the episode succeeded; the last action delivered it"
+        elif broke:
+            responsible, why = broke[0], f"the first action that broke its own goal: {judged[broke[0]][1]}"
+        else:
+            responsible, why = last, "no action broke its own goal; the last one gave the failed result"
+        return Review([s for s, _, _ in judged], responsible, "ok", f"heuristic coach: {why}", self.name)
+
+    def judge(self, request: CoachRequest):
+        """(score, why, broke its goal) of one action."""
+        score, why, broke = self._rule(request)
         output = request.agent_output or ""
         if score < 10.0 and output:
             readable = sum(" " <= ch <= "~" or ch in "\n\t" for ch in output) / len(output)
             score, why = round(score + 0.9 * readable, 3), f"{why}; readability {readable:.2f}"
-        return Verdict(score=score, status="ok", rationale=f"heuristic coach: {why}", coach=self.name)
+        return score, why, broke
 
     def _rule(self, request: CoachRequest):
         output = request.agent_output or ""
@@ -65,54 +86,54 @@ class HeuristicCoach(Coach):
             return self._dsbench_rule(contract, feedback, request.ground_truth)
         if feedback.strip():
             if _TOOL_ERROR_RE.search(feedback):
-                return 2.0, "tool rule: the code failed (error, timeout or non-zero exit)"
+                return 2.0, "tool rule: the code failed (error, timeout or non-zero exit)", True
             if feedback.strip() == "[no output]":
-                return 5.0, "tool rule: the code ran without error but printed nothing"
-            return 7.0, "tool rule: the code ran without error"
+                return 5.0, "tool rule: the code ran without error but printed nothing", False
+            return 7.0, "tool rule: the code ran without error", False
         if request.ground_truth is not None:
             if request.ground_truth.startswith(PATTERN_PREFIX):
                 pattern = request.ground_truth[len(PATTERN_PREFIX) :]
                 if re.search(pattern, output):
-                    return 10.0, f"pattern rule: the output matches {pattern!r}"
-                return 0.0, f"pattern rule: the output does not match {pattern!r}"
+                    return 10.0, f"pattern rule: the output matches {pattern!r}", False
+                return 0.0, f"pattern rule: the output does not match {pattern!r}", True
             if request.ground_truth.startswith(REPLY_PREFIX):
                 pattern = request.ground_truth[len(REPLY_PREFIX) :]
                 ended = request.truncated_at is None
                 if ended and re.fullmatch(pattern, output):
-                    return 10.0, f"reply rule: the reply is {pattern!r} and ended on its own"
+                    return 10.0, f"reply rule: the reply is {pattern!r} and ended on its own", False
                 if not ended:
-                    return 0.0, f"reply rule: cut off at the token limit ({request.truncated_at} tokens)"
+                    return 0.0, f"reply rule: cut off at the token limit ({request.truncated_at} tokens)", True
                 found = bool(re.search(pattern, output))
-                return 5.0 + 2.0 * found, f"reply rule: ended on its own but is not {pattern!r}; contains it: {found}"
+                return 5.0 + 2.0 * found, f"reply rule: ended on its own but is not {pattern!r}; contains it: {found}", True
             boxed = extract_boxed(output)
             if boxed is None:
-                return 0.0, "answer rule: no \\boxed{} answer"
+                return 0.0, "answer rule: no \\boxed{} answer", True
             if grade(boxed, request.ground_truth):
-                return 10.0, f"answer rule: \\boxed{{{boxed}}} matches the ground truth"
-            return 2.0, f"answer rule: \\boxed{{{boxed}}} differs from the ground truth"
+                return 10.0, f"answer rule: \\boxed{{{boxed}}} matches the ground truth", False
+            return 2.0, f"answer rule: \\boxed{{{boxed}}} differs from the ground truth", True
         if request.runs_code and not _CODE_BLOCK_RE.search(output):
-            return 1.0, "code rule: a code agent wrote no ```python block"
+            return 1.0, "code rule: a code agent wrote no ```python block", True
         if not output.strip():
-            return 0.0, "reasonableness rule: empty output"
+            return 0.0, "reasonableness rule: empty output", True
         has_number = bool(_NUMBER_RE.search(output))
         work = min(2.0, 0.01 * len(output.split()))
-        return 3.0 + has_number + work, f"reasonableness rule: mentions a number: {has_number}, work credit {work:.2f}"
+        return 3.0 + has_number + work, f"reasonableness rule: mentions a number: {has_number}, work credit {work:.2f}", False
 
     def _dsbench_rule(self, contract, feedback: str, ground_truth: str):
         missing_inputs, missing_outputs = (g.strip() != "none" for g in contract.groups())
         failed = not feedback.strip() or bool(_TOOL_ERROR_RE.search(feedback))
         if missing_inputs and missing_outputs:
-            return 5.0, "contract rule: an earlier agent's file is missing; not this agent's fault"
+            return 5.0, "contract rule: an earlier agent's file is missing; not this agent's fault", False
         if missing_outputs:
             if failed:
-                return 1.0, "contract rule: its own files are missing after an error or without code"
-            return 3.0, "contract rule: ran cleanly but its own files are still missing"
+                return 1.0, "contract rule: its own files are missing after an error or without code", True
+            return 3.0, "contract rule: ran cleanly but its own files are still missing", True
         submission = _SUBMISSION_RE.search(ground_truth)
         if submission and submission.group(1) == "invalid":
-            return 3.0, "contract rule: submission.csv is invalid"
+            return 3.0, "contract rule: submission.csv is invalid", True
         if failed:
-            return 5.0, "contract rule: its files exist but this action's code failed"
+            return 5.0, "contract rule: its files exist but this action's code failed", False
         if submission:  # valid; the relative score is missing only when the task has best == baseline
             rel = float(submission.group(2) or 0.0)
-            return 7.0 + 2.0 * min(1.0, rel), f"contract rule: valid submission, relative score {rel:.3f}"
-        return 7.0, "contract rule: its files are saved"
+            return 7.0 + 2.0 * min(1.0, rel), f"contract rule: valid submission, relative score {rel:.3f}", False
+        return 7.0, "contract rule: its files are saved", False

@@ -10,6 +10,8 @@ One action's verdict:
   3. a reply without a valid 0-10 score (parse_score: the JSON "score", or the `<score_key>: <n>` line of a
      text reply, as from a server that ignores `response_format`) is re-prompted at most `format_retries` times;
   4. what still fails is a Verdict with status api_error / timeout / parse_error and NO score.
+A hindsight review of a whole episode (`review`) goes the same way, with its own schema, parser
+(parse_review: the episode's actions one to one, or nothing) and reminder; it fails as a whole.
 
 The wire protocol is one POST of JSON to `<base_url>/chat/completions` with a bearer key, spoken with
 aiohttp directly. The `openai` SDK's request path costs about 2 ms of CPU per call (request models, URL
@@ -31,9 +33,10 @@ import time
 import aiohttp
 import yarl
 
-from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, SCORE_KEY_RE, Coach, CoachRequest, parse_score, render_prompt
+from openrlhf_mappa.coach import (DEFAULT_REVIEW_TEMPLATE, DEFAULT_SCORE_KEY, SCORE_KEY_RE, Coach, CoachRequest, parse_review,
+                                  parse_score, render_prompt, render_review_prompt)
 from openrlhf_mappa.coach.cache import VerdictCache
-from openrlhf_mappa.episode import Verdict
+from openrlhf_mappa.episode import Review, Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +55,37 @@ VERDICT_SCHEMA = {
         },
     },
 }
+REVIEW_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "coach_review",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {
+                "rationale": {"type": "string"},
+                "responsible": {"type": "integer"},
+                "actions": {"type": "array", "items": {
+                    "type": "object", "properties": {"id": {"type": "integer"}, "score": {"type": "number"}},
+                    "required": ["id", "score"], "additionalProperties": False,
+                }},
+            },
+            "required": ["rationale", "responsible", "actions"],
+            "additionalProperties": False,
+        },
+    },
+}
 SCHEMA_WORDS = re.compile(r"response_format|schema|structured|guided|grammar", re.IGNORECASE)
 # A re-prompt is the original prompt plus this reminder, not a conversation with the unscorable reply in
 # it: a reply that ran to the token limit, sent back, would push a small coach past its context length.
 REPROMPT = (
     "\n\n(Reminder: an earlier reply to this request stated no valid score. End your reply with a line "
     "`{key}: <number from 0 to 10>`.)"
+)
+REVIEW_REPROMPT = (
+    "\n\n(Reminder: an earlier reply to this request was not a valid review. Reply with one JSON object only, "
+    'with "rationale", "responsible" (an action id) and "actions": exactly one entry {{"id": <id>, "score": '
+    "<number from 0 to 10>}} for each action id from 1 to {n}.)"
 )
 PROBE_TIMEOUT_S = 10.0  # a model listing answers at once; waiting longer only delays the error
 RETRIED_STATUSES = (408, 409, 429)  # and every 5xx
@@ -95,6 +123,7 @@ class OpenAICoach(Coach):
         max_tokens: int = 0,
         score_key: str = DEFAULT_SCORE_KEY,
         cache: VerdictCache = None,
+        review_template: str = None,
     ):
         if structured not in STRUCTURED_MODES:
             raise ValueError(f"structured output mode {structured!r}: expected one of {STRUCTURED_MODES}")
@@ -103,6 +132,8 @@ class OpenAICoach(Coach):
         # Render once with an empty request so a template naming an unknown field fails at startup,
         # not on the first action of the first training step.
         render_prompt(template, CoachRequest("", "", 0, "", "", "", "", "", ""))
+        self.review_template = review_template or DEFAULT_REVIEW_TEMPLATE
+        render_review_prompt(self.review_template, [], {})
         self.model, self.template, self.name = model, template, f"openai:{model}"
         self.max_retries, self.format_retries = max_retries, format_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
@@ -139,29 +170,51 @@ class OpenAICoach(Coach):
             hit = self.cache.get(key)
             if hit is not None:
                 return dataclasses.replace(hit, cached=True)
-            verdict = await self.ask(prompt)
+            score, text, status, tally = await self.ask(prompt, lambda t: parse_score(t, self.score_key), VERDICT_SCHEMA,
+                                                        self.reprompt, "valid score in [0, 10]")
+            verdict = Verdict(score=score, status=status, rationale=text, coach=self.name, **tally)
             if verdict.status == "ok":
                 self.cache.put(key, verdict)
             return verdict
 
-    async def ask(self, prompt: str) -> Verdict:
+    async def review(self, requests: list, outcome: dict) -> Review:
+        # One slot, as a verdict: a review is one request (with its retries and re-prompts).
+        async with self.semaphore:
+            prompt = render_review_prompt(self.review_template, requests, outcome)
+            key = self.cache.key(self.name + " hindsight", prompt)
+            hit = self.cache.get(key, Review)
+            if hit is not None:
+                return dataclasses.replace(hit, cached=True)
+            n = len(requests)
+            parsed, text, status, tally = await self.ask(prompt, lambda t: parse_review(t, n), REVIEW_SCHEMA,
+                                                         REVIEW_REPROMPT.format(n=n), f"valid review of the {n} actions")
+            scores, responsible, rationale = parsed or (None, None, text)
+            review = Review(scores, responsible, status, rationale, self.name, **tally)
+            if status == "ok":
+                self.cache.put(key, review)
+            return review
+
+    async def ask(self, prompt: str, parse, schema: dict, reprompt: str, wanted: str) -> tuple:
+        """(parsed, text, status, tally): `parse(reply)` of the first reply it accepts, that reply and "ok"; or
+        None, why it failed and the failure's status (api_error, timeout, parse_error after `format_retries`
+        re-prompts). tally: latency, tokens and retries, summed over every attempt."""
         messages = [{"role": "user", "content": prompt}]
         tally = dict(latency_s=0.0, tokens_in=0, tokens_out=0, retries=0)
         for attempt in range(self.format_retries + 1):
             try:
-                text = await self.complete(messages, tally)
+                text = await self.complete(messages, tally, schema)
             except CallFailed as e:
-                return Verdict(score=None, status=e.status, rationale=str(e)[:1000], coach=self.name, **tally)
-            score = parse_score(text, self.score_key)
-            if score is not None:
-                return Verdict(score=score, status="ok", rationale=text, coach=self.name, **tally)
+                return None, str(e)[:1000], e.status, tally
+            parsed = parse(text)
+            if parsed is not None:
+                return parsed, text, "ok", tally
             if attempt < self.format_retries:
                 tally["retries"] += 1
-                messages = [{"role": "user", "content": prompt + self.reprompt}]
-        why = f"no valid score in [0, 10] after {self.format_retries + 1} replies; last reply: {text[:500]!r}"
-        return Verdict(score=None, status="parse_error", rationale=why, coach=self.name, **tally)
+                messages = [{"role": "user", "content": prompt + reprompt}]
+        why = f"no {wanted} after {self.format_retries + 1} replies; last reply: {text[:500]!r}"
+        return None, why, "parse_error", tally
 
-    async def complete(self, messages: list, tally: dict) -> str:
+    async def complete(self, messages: list, tally: dict, schema: dict) -> str:
         """One reply's text; retries transient failures, raises CallFailed when the call cannot succeed."""
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=self.timeout)
@@ -173,7 +226,7 @@ class OpenAICoach(Coach):
             use_schema = self.use_schema  # read late: another call may have dropped it meanwhile
             body = {"model": self.model, "messages": messages, "temperature": 0}
             if use_schema:
-                body["response_format"] = VERDICT_SCHEMA
+                body["response_format"] = schema
             if self.max_tokens:
                 body["max_tokens"] = self.max_tokens
             start = time.perf_counter()

@@ -4,14 +4,15 @@
 action of every episode, asks the new coach about it with the exact context the first coach saw (stored
 with the action), and writes one line per action with both verdicts. The agreement summary (per agent:
 Pearson correlation and mean difference of the scores both coaches gave) is printed and written next to
-the output as <out>.summary.json.
+the output as <out>.summary.json. `--mode hindsight` asks one review per episode instead (its whole trajectory
+and outcome; coach.judge_episode), `--mode both` both, combined as in training.
 """
 
 import asyncio
 import json
 import statistics
 
-from openrlhf_mappa.coach import Coach, CoachRequest
+from openrlhf_mappa.coach import Coach, CoachRequest, judge_episode
 from openrlhf_mappa.coach.audit import pearson
 from openrlhf_mappa.episode import read_jsonl
 
@@ -28,22 +29,34 @@ def read_actions(path: str) -> list:
     return out
 
 
-async def rescore(actions: list, coach: Coach) -> list:
+async def rescore(actions: list, coach: Coach, mode: str = "per_action") -> tuple:
+    """(verdicts, reviews): each action's new verdict, asked as `mode` (COACH_MODES), and per action the
+    review of its episode (None in mode per_action). Actions of one episode are judged together, in order."""
     from tqdm import tqdm
 
-    async def one(episode, action):
-        request = CoachRequest(
-            episode["episode_id"], action["agent"], action["turn"],
-            agent_input=action["prompt_text"], agent_output=action["response_text"], **action["coach_request"],
-        )
-        return await coach.score(request)
+    by_episode = {}
+    for i, (episode, _) in enumerate(actions):
+        by_episode.setdefault(episode["episode_id"], []).append(i)
+    verdicts, reviews = [None] * len(actions), [None] * len(actions)
 
-    tasks = [asyncio.ensure_future(one(ep, a)) for ep, a in actions]
-    with tqdm(total=len(tasks), desc=f"re-scoring with {coach.name}") as bar:
+    async def one(indices):
+        episode = actions[indices[0]][0]
+        requests = [
+            CoachRequest(episode["episode_id"], a["agent"], a["turn"], agent_input=a["prompt_text"],
+                         agent_output=a["response_text"], **a["coach_request"])
+            for a in (actions[i][1] for i in indices)
+        ]  # fmt: skip
+        pending = [asyncio.ensure_future(coach.score(r)) for r in requests] if mode != "hindsight" else []
+        judged, _, review = await judge_episode(coach, mode, requests, episode.get("outcome", {}), pending)
+        for i, verdict in zip(indices, judged):
+            verdicts[i], reviews[i] = verdict, review
+
+    tasks = [asyncio.ensure_future(one(indices)) for indices in by_episode.values()]
+    with tqdm(total=len(tasks), desc=f"re-scoring episodes with {coach.name} ({mode})") as bar:
         for done in asyncio.as_completed(tasks):
             await done
             bar.update()
-    return [t.result() for t in tasks]
+    return verdicts, reviews
 
 
 def agreement(rows: list) -> dict:
@@ -68,26 +81,31 @@ def agreement(rows: list) -> dict:
     return summary
 
 
-def run(actions: list, out_path: str, coach: Coach) -> tuple:
+def run(actions: list, out_path: str, coach: Coach, mode: str = "per_action") -> tuple:
     """Re-score `actions` (from read_actions), write both verdicts per action and the summary; return both
-    (the rows as written, the summary)."""
+    (the rows as written, the summary). In modes hindsight and both a row also says whether the review held
+    that action responsible for its episode's outcome (None when the review failed)."""
     import dataclasses
 
     async def go():
         try:
-            return await rescore(actions, coach)
+            return await rescore(actions, coach, mode)
         finally:
             await coach.aclose()
 
-    verdicts = asyncio.run(go())
-    rows = [
-        {
+    verdicts, reviews = asyncio.run(go())
+    rows = []
+    position = {}  # episode id -> index of the next action in it
+    for (ep, a), v, review in zip(actions, verdicts, reviews):
+        k = position[ep["episode_id"]] = position.get(ep["episode_id"], -1) + 1
+        row = {
             "episode_id": ep["episode_id"], "agent": a["agent"], "turn": a["turn"], "task_type": ep.get("task_type", ""),
             "success": bool(ep.get("outcome", {}).get("success")), "before": a.get("verdict"),
             "after": dataclasses.asdict(v),
-        }
-        for (ep, a), v in zip(actions, verdicts)
-    ]
+        }  # fmt: skip
+        if mode != "per_action":
+            row["responsible"] = None if review is None or review.responsible is None else review.responsible == k
+        rows.append(row)
     with open(out_path, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
