@@ -11,11 +11,11 @@ import pytest
 from openrlhf_mappa.coach import render_prompt
 from openrlhf_mappa.envs.base import MultiAgentEnv
 from openrlhf_mappa.envs.mathchat import MathChatEnv, extract_boxed, grade
-from openrlhf_mappa.episode import Verdict
 from openrlhf_mappa.evaluation import summarize
 from openrlhf_mappa.rollout import AgentPolicy, run_episode
 from openrlhf_mappa.topology import load_topology
 from conftest import REPO
+from test_topology_env import RecordingCoach
 
 TASK = {"id": "t1", "prompt": "Tom has 3 boxes of 4 apples and eats 2. How many apples are left?", "answer": "10"}
 
@@ -45,15 +45,6 @@ class Script:
         await asyncio.sleep(0.01)  # an engine takes time; a generation started concurrently is in flight meanwhile
         self.in_flight.discard(name)
         return self.tokenizer(next(texts), add_special_tokens=False)["input_ids"], False
-
-
-class RecordingCoach:
-    def __init__(self):
-        self.requests = []
-
-    async def score(self, request):
-        self.requests.append(request)
-        return Verdict(None, "skipped")
 
 
 def play(topology, script, tmp_path, task=TASK):
