@@ -172,8 +172,8 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
 async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,
                   coach_bias: str = None, coach_mode: str = "per_action", progress=None) -> list:
     """All episodes of one step, concurrently; results in task order. `coach_bias`: the coach's running
-    bias figures, shown in every coach request of the step (--mappa.coach.show_bias); `coach_mode`: --mappa.coach.mode. progress(1) is called as
-    each episode ends (a progress bar's update)."""
+    bias figures, shown in every coach request of the step (--mappa.coach.show_bias); `coach_mode`:
+    --mappa.coach.mode. progress(1) is called as each episode ends (a progress bar's update)."""
 
     async def episode(i, task):
         workspace = os.path.join(workspace_root, f"step{step}", f"ep{i}")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import ray
 import torch
+from tqdm import tqdm
 
 from openrlhf_mappa import placement, rewards
 from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, coach_step_metrics
@@ -467,8 +468,6 @@ class MappaTrainer:
             self.bias_audit.update(by_step[k])
 
     def fit(self, start_step: int = 0):
-        from tqdm import tqdm
-
         total = (len(self.tasks) // self.args.rollout.batch_size) * self.args.train.num_episodes
         every = self.args.eval.steps
         if start_step == 0:
@@ -575,8 +574,6 @@ class MappaTrainer:
         """After step `step`: when the rule of the next template in the topology's coach_templates holds on this
         step's metrics, that template scores from step + 1 on. Stages advance in order, one per step at most;
         a metric with no value this step (e.g. a code error rate when no code ran) switches nothing."""
-        from tqdm import tqdm
-
         stages = self.topology.coach_stages
         if self.stage + 1 >= len(stages):
             return
@@ -643,8 +640,6 @@ class MappaTrainer:
         """Every --eval.dataset, n samples per task at --eval.temperature, on the current weights: one line
         per dataset in eval.jsonl (read by `mappa report`), the per-problem results in eval/, and the
         loggers' eval/ namespace."""
-        from tqdm import tqdm
-
         e, names = self.args.eval, [ag.spec.name for ag in self.agents]
         for dataset, tasks in self.eval_sets.items():
             workspace = os.path.join(self.run_dir, "workspaces", f"eval-{dataset}")
