@@ -66,6 +66,40 @@ def trainee_specs(args, topology) -> list:
     return topology.agents[:1]
 
 
+def colocation_problems(args, topology) -> list:
+    """What --mappa.colocate cannot place, in words (empty: it can). Colocated, one GPU holds one actor rank,
+    one reference rank and one engine of an agent (of every agent, for a team), so the three need as many
+    GPUs each, and an engine one GPU (tensor-parallel engines across shared GPUs are not built)."""
+    if args.mappa.colocate == "none":
+        return []
+    out, sizes = [], {}
+    for spec in trainee_specs(args, topology):
+        a = agent_args(args, spec)
+        gpus = a.actor.num_nodes * a.actor.num_gpus_per_node
+        sizes[spec.name] = gpus
+        if a.algo.kl.init_coef > 0 and a.ref.num_nodes * a.ref.num_gpus_per_node != gpus:
+            out.append(f"agent {spec.name!r}: {a.ref.num_nodes * a.ref.num_gpus_per_node} reference GPUs, but its actor has "
+                       f"{gpus}; colocated they share GPUs one rank each (--ref.num_gpus_per_node)")
+        if a.vllm.tensor_parallel_size != 1:
+            out.append(f"--vllm.tensor_parallel_size {a.vllm.tensor_parallel_size}: colocated engines take one GPU each")
+        elif a.vllm.num_engines != gpus:
+            out.append(f"agent {spec.name!r}: {a.vllm.num_engines} vLLM engines on its actor's {gpus} GPUs; colocated, "
+                       f"one engine per GPU (--vllm.num_engines {gpus})")
+    if args.mappa.colocate == "team" and len(set(sizes.values())) > 1:
+        out.append("--mappa.colocate team puts every agent on one GPU set, but the agents' actors have different GPU "
+                   f"counts ({', '.join(f'{n}: {g}' for n, g in sizes.items())}); give them one num_gpus_per_node")
+    return out
+
+
+def gpu_share(args, topology) -> float:
+    """The fraction of a GPU that each colocated actor rank, reference rank and engine asks Ray for: one over
+    the models one GPU holds (OpenRLHF hard-codes 0.2, which fits one policy's three, not a team's). Rounded
+    down to Ray's 1e-4 resolution, so the shares of one GPU never sum above 1."""
+    per_agent = 2 + (args.algo.kl.init_coef > 0)  # actor, engine, and the reference when β > 0
+    models = per_agent * (len(trainee_specs(args, topology)) if args.mappa.colocate == "team" else 1)
+    return int(1e4 / models) / 1e4
+
+
 @dataclass(frozen=True)
 class ModelSize:
     """What the memory model needs of a decoder-only transformer, from its config.json."""

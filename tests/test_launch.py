@@ -401,8 +401,7 @@ def test_every_upstream_flag_is_honoured_or_refused():
     (["--data.input_key", "question"], "prompt/answer rows"),
     (["--data.label_key", "solution"], "prompt/answer rows"),
     (["--actor.model_name_or_path", "Qwen/Qwen3-4B"], "comes from the topology (or --mappa.model)"),
-    (["--train.colocate_all"], "GPUs of their own"),
-    (["--vllm.enable_sleep"], "GPUs of their own"),  # upstream itself turns it off without colocate_all
+    (["--train.colocate_actor_ref"], "colocates an agent's actor, reference and engines together"),
     (["--algo.advantage.estimator", "gae"], "only reinforce"),
     (["--algo.kl.use_loss"], "KL in the reward"),
 ])  # fmt: skip
@@ -494,3 +493,15 @@ def test_launch_with_the_cluster_given_refuses_a_plan_that_cannot_fit(workdir):
 def test_print_refusal_times():
     # Runs last in this file (pytest keeps file order): the measured refusal times, for the record.
     print("\nrefusal times (s): " + ", ".join(f"{case}: {t:.2f}" for case, t in TIMES.items()))
+
+
+def test_colocation_flags_map_onto_each_other():
+    """--train.colocate_all is OpenRLHF's colocation applied to each agent; any --mappa.colocate keeps
+    colocate_all on, so that upstream's checks leave --vllm.enable_sleep on."""
+    base = ["--mappa.topology", "t.yaml", "--vllm.enable_sleep", "--ds.enable_sleep"]
+    a = parse_args([*base, "--train.colocate_all"])
+    assert (a.mappa.colocate, a.train.colocate_all, a.vllm.enable_sleep, a.ds.enable_sleep) == ("agent", True, True, True)
+    a = parse_args([*base, "--mappa.colocate", "team"])
+    assert (a.mappa.colocate, a.train.colocate_all, a.vllm.enable_sleep) == ("team", True, True)
+    a = parse_args(base)  # upstream's rule: no colocation, no vLLM sleep
+    assert (a.mappa.colocate, a.train.colocate_all, a.vllm.enable_sleep, a.ds.enable_sleep) == ("none", False, False, True)

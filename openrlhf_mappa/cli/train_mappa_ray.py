@@ -79,6 +79,11 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.coach.score_outcome_runs", action="store_true",
                    help="with --mappa.reward outcome: still ask the coach about every action, for comparison "
                         "(logged, never trained on; default: no coach calls)")
+    g.add_argument("--mappa.colocate", choices=["none", "agent", "team"], default="none",
+                   help="OpenRLHF's hybrid engine for a team. none: each agent's actor, reference and engines on GPUs "
+                        "of their own; agent: they share that agent's GPUs (--train.colocate_all, per agent: the "
+                        "authors' setup); team: every agent shares one GPU set. Add --vllm.enable_sleep "
+                        "--ds.enable_sleep so that engines sleep while actors train and actors offload while engines generate")
     g.add_argument("--mappa.gpus", type=int, default=None,
                    help="GPUs in the cluster, for `mappa plan` and the check before Ray starts (at launch: Ray's count)")
     g.add_argument("--mappa.gpu_memory_gib", type=float, default=None,
@@ -114,7 +119,7 @@ def refusals():
 HONOURED = """
     actor.num_nodes actor.num_gpus_per_node ref.num_nodes ref.num_gpus_per_node ref.offload
     vllm.num_engines vllm.tensor_parallel_size vllm.sync_backend vllm.enable_prefix_caching vllm.enforce_eager
-    vllm.gpu_memory_utilization
+    vllm.gpu_memory_utilization vllm.enable_sleep ds.enable_sleep train.colocate_all
     ds.zero_stage ds.param_dtype ds.zpg ds.adam_offload ds.attn_implementation ds.experts_implementation
     ds.use_liger_kernel ds.grad_accum_dtype ds.overlap_comm ds.deepcompile ds.packing_samples ds.use_universal_ckpt
     actor.gradient_checkpointing_enable actor.gradient_checkpointing_reentrant
@@ -135,8 +140,6 @@ HONOURED = """
 """.split()  # data.apply_chat_template: MAPPA always renders prompts with each model's chat template
 NO_CRITIC = "MAPPA has no critic: its advantages are REINFORCE++ return-to-go (rewards.py)"
 NO_REWARD_MODEL = "MAPPA has no reward model: the coach scores every action (--mappa.coach.*)"
-OWN_GPUS = ("each agent's actor, reference and engines run on GPUs of their own (see `mappa plan`); "
-            "colocation and sleep come with issue 14's hybrid engine")
 SYNCHRONOUS = "MAPPA's team loop is synchronous: rollout, coach, then each agent's update"
 OWN_TASKS = "MAPPA reads tasks itself, JSON lists or JSONL of prompt/answer rows (--data.prompt_dataset, --eval.dataset)"
 OWN_PROMPTS = "each agent's prompt comes from the topology, rendered with that agent's chat template"
@@ -165,9 +168,9 @@ REFUSED = {
     "critic.adam.lr": NO_CRITIC, "critic.adam.betas": NO_CRITIC, "critic.adam.eps": NO_CRITIC,
     "critic.adam.weight_decay": NO_CRITIC, "critic.lr_scheduler": NO_CRITIC, "critic.lr_warmup_ratio": NO_CRITIC,
     "critic.min_lr_ratio": NO_CRITIC, "critic.max_norm": NO_CRITIC,
-    "train.colocate_actor_ref": OWN_GPUS, "train.colocate_all": OWN_GPUS,
+    "train.colocate_actor_ref": "MAPPA colocates an agent's actor, reference and engines together (--mappa.colocate "
+                                "agent) or not at all; the actor and reference alone are not placed together",
     "train.colocate_critic_reward": NO_CRITIC + "; " + NO_REWARD_MODEL,
-    "vllm.enable_sleep": OWN_GPUS, "ds.enable_sleep": OWN_GPUS + " (the actor would start offloaded and nothing reloads it)",
     "vllm.sync_with_ray": "every agent's Ray collective sync group would be named 'openrlhf', so agents' weight "
                           "syncs would collide; use --vllm.sync_backend",
     "train.async_enable": SYNCHRONOUS, "train.async_queue_size": SYNCHRONOUS, "train.partial_rollout_enable": SYNCHRONOUS,
@@ -301,6 +304,11 @@ def parse_args(argv=None):
     raw = parser.parse_args(sys.argv[1:] if argv is None else argv)
     refuse_ignored_flags(parser, raw)
     args = hierarchize(raw)
+    # OpenRLHF's --train.colocate_all, applied to each agent, is --mappa.colocate agent; any colocation keeps
+    # colocate_all on for upstream's checks, which would otherwise turn --vllm.enable_sleep off.
+    if args.train.colocate_all and args.mappa.colocate == "none":
+        args.mappa.colocate = "agent"
+    args.train.colocate_all = args.mappa.colocate != "none"
     with refusals():  # upstream validates with assert
         validate_upstream(args)
     return args
