@@ -51,6 +51,8 @@ def agent_args(args, spec):
     a.rollout.max_new_tokens = spec.max_new_tokens or args.rollout.max_new_tokens
     a.ckpt.path = os.path.join(args.ckpt.path, spec.name)
     a.ckpt.output_dir = os.path.join(args.ckpt.output_dir, spec.name)
+    # The team logs once (MappaTrainer); each agent's OpenRLHF trainer would open a wandb run of its own.
+    a.logger.wandb.key, a.logger.tensorboard_dir = None, None
     return a
 
 

@@ -7,6 +7,8 @@ experiences train agent k's actor only -> agent k's weights go to agent k's engi
 """
 
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import glob
 import json
@@ -108,52 +110,96 @@ class Agent:
     engines: list
     actor: object  # RayActorGroup of PolicyModelActor
     ref: object  # RayActorGroup of ReferenceModelActor, or None when the KL coefficient is 0
-    maker: object  # RemoteExperienceMaker over this agent's actor/ref groups
+    trainer: object  # AgentTrainer: OpenRLHF's BasePPOTrainer over this agent's actor, reference and engines
+
+
+def colocated_engines(a, model: str, pg, share: float) -> list:
+    """Agent `a`'s engines on its colocated GPUs: engine i on bundle i of `pg`, beside actor and reference rank
+    i, each asking Ray for `share` of the GPU (placement.gpu_share). OpenRLHF's create_vllm_engines asks 0.2,
+    one policy's share: a team's nine models on one GPU would not fit it."""
+    from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return [
+        RolloutRayActor.options(
+            num_cpus=share, num_gpus=share,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i,
+                                                                 placement_group_capture_child_tasks=True),
+        ).remote(
+            model=model, enforce_eager=a.vllm.enforce_eager, tensor_parallel_size=1, seed=a.train.seed + i,
+            worker_extension_cls="openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap", distributed_executor_backend="uni",
+            max_model_len=a.data.max_len, enable_prefix_caching=a.vllm.enable_prefix_caching, dtype="bfloat16",
+            trust_remote_code=True, full_determinism=a.train.full_determinism_enable, num_gpus=share,
+            gpu_memory_utilization=a.vllm.gpu_memory_utilization, enable_sleep_mode=a.vllm.enable_sleep,
+        )
+        for i in range(a.vllm.num_engines)
+    ]  # fmt: skip
 
 
 def build_agents(args, topology, max_steps: int, startup) -> list:
-    """Every trainee's engines, actor and reference groups, initialised. `startup` (a StartupWatchdog)
-    is told which agent is being created and, per component, a ref that is ready once that one is up."""
-    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
-    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+    """Every trainee's engines, actor and reference groups, initialised, and its AgentTrainer. `startup` (a
+    StartupWatchdog) is told which agent is being created and, per component, a ref that is ready once that
+    one is up.
+
+    Colocated (--mappa.colocate), an agent's actor rank i, reference rank i and engine i share bundle i of one
+    placement group: the agent's own (agent), or the team's (team). Their engines are created, and put to sleep
+    with --vllm.enable_sleep, before any actor: vLLM sizes its KV cache from the GPU memory free when it starts."""
     from openrlhf.trainer.ray import create_vllm_engines
     from openrlhf.trainer.ray.launcher import RayActorGroup, ReferenceModelActor
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+    from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
     from openrlhf.utils import get_strategy
+    from ray.util.placement_group import placement_group
     from transformers import AutoTokenizer
+
+    from openrlhf_mappa.agent_trainer import AgentTrainer
 
     check_placement(args, topology)
     per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
+    colocate = args.mappa.colocate
+    share = placement.gpu_share(args, topology) if colocate != "none" else 1
+    pgs = {}
+    for spec, a in per_agent:
+        gpus = a.actor.num_nodes * a.actor.num_gpus_per_node
+        if colocate == "agent" or (colocate == "team" and not pgs):
+            pgs[spec.name] = placement_group([{"GPU": 1, "CPU": 1}] * gpus, strategy="PACK")
+        elif colocate == "team":
+            pgs[spec.name] = next(iter(pgs.values()))
+
+    engines = {}
+    for spec, a in per_agent:
+        startup.stage = f"agent {spec.name!r} (creating its engines)"
+        if colocate == "none":
+            engines[spec.name] = create_vllm_engines(
+                a.vllm.num_engines, a.vllm.tensor_parallel_size, spec.model, a.train.seed, a.train.full_determinism_enable,
+                a.vllm.enable_prefix_caching, a.vllm.enforce_eager, a.data.max_len, None, a.vllm.gpu_memory_utilization, False,
+            )  # fmt: skip
+        else:
+            engines[spec.name] = colocated_engines(a, spec.model, pgs[spec.name], share)
+        startup.components += [(f"agent {spec.name!r}: vLLM engine {i}", e.__ray_ready__.remote())
+                               for i, e in enumerate(engines[spec.name])]
+    if colocate != "none" and args.vllm.enable_sleep:
+        startup.stage = "the colocated vLLM engines (starting, then put to sleep before the actors start)"
+        batch_vllm_engine_call(sum(engines.values(), []), "sleep")
 
     agents, init_refs = [], []
     for spec, a in per_agent:
-        startup.stage = f"agent {spec.name!r} (creating its engines and actors)"
+        startup.stage = f"agent {spec.name!r} (creating its actors)"
         strategy = get_strategy(a)
-        engines = create_vllm_engines(
-            a.vllm.num_engines,
-            a.vllm.tensor_parallel_size,
-            spec.model,
-            a.train.seed,
-            a.train.full_determinism_enable,
-            a.vllm.enable_prefix_caching,
-            a.vllm.enforce_eager,
-            a.data.max_len,
-            None,
-            a.vllm.gpu_memory_utilization,
-            False,
-        )
-        actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node, PolicyModelActor)
+        pg = pgs.get(spec.name)
+        actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node, PolicyModelActor, pg=pg, num_gpus_per_actor=share)
         ref = None
         if a.algo.kl.init_coef > 0:
-            ref = RayActorGroup(a.ref.num_nodes, a.ref.num_gpus_per_node, ReferenceModelActor)
+            ref = RayActorGroup(a.ref.num_nodes, a.ref.num_gpus_per_node, ReferenceModelActor, pg=pg, num_gpus_per_actor=share)
             init_refs += ref.async_init_model_from_pretrained(strategy, spec.model)
-        init_refs += actor.async_init_model_from_pretrained(strategy, spec.model, max_steps, engines)
+        init_refs += actor.async_init_model_from_pretrained(strategy, spec.model, max_steps, engines[spec.name])
         tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=True)
-        maker = RemoteExperienceMaker(actor, None, None, ref, FixedKLController(0.0), strategy, tokenizer)
-        agents.append(Agent(spec, a, tokenizer, engines, actor, ref, maker))
+        trainer = AgentTrainer(strategy, actor, ref, engines[spec.name], tokenizer)
+        agents.append(Agent(spec, a, tokenizer, engines[spec.name], actor, ref, trainer))
         # A component answers this ping once it is up: an actor runs one caller's calls in order, so its
-        # answer comes after its init; an engine's, after its constructor.
-        startup.components += [(f"agent {name!r}: {what}", h.__ray_ready__.remote()) for name, what, h in components(agents[-1:])]
+        # answer comes after its init.
+        startup.components += [(f"agent {name!r}: {what}", h.__ray_ready__.remote())
+                               for name, what, h in components(agents[-1:]) if "vLLM" not in what]
     startup.stage = None
     ray.get(init_refs)
     # The shared-policy baseline: every other role plays and trains through the first agent's components.
@@ -442,10 +488,11 @@ class MappaTrainer:
         if not step:
             return
         for ag in self.trainees:
-            loaded = ray.get(ag.actor.async_run_method("get_checkpoint_states"))[0].get("global_step")
+            loaded = ag.trainer.init_checkpoint_states()["global_step"]
             if loaded != step:
                 raise RuntimeError(f"resume: agent {ag.spec.name!r} loaded the checkpoint of step {loaded}, expected {step}")
-        ray.get([ref for ag in self.trainees for ref in ag.actor.async_run_method("broadcast_to_vllm")])
+        for ag in self.trainees:
+            ag.trainer.broadcast_to_vllm()
         self.restore(step)
 
     def restore(self, step: int):
@@ -488,17 +535,31 @@ class MappaTrainer:
             logger.close()
         self.loop.run_until_complete(self.coach.aclose())
 
-    def train_step(self, step: int, tasks: list, progress=None) -> dict:
-        from openrlhf.trainer.ppo_utils.experience import Experience
+    @contextlib.contextmanager
+    def engines_awake(self):
+        """With --vllm.enable_sleep: every agent's engines awake while the team generates (an episode passes
+        through all agents), and asleep after, when colocated actors use their memory."""
+        from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 
+        engines = [e for ag in self.trainees for e in ag.engines]
+        if self.args.vllm.enable_sleep:
+            batch_vllm_engine_call(engines, "wake_up")
+        try:
+            yield
+        finally:
+            if self.args.vllm.enable_sleep:
+                batch_vllm_engine_call(engines, "sleep")
+
+    def train_step(self, step: int, tasks: list, progress=None) -> dict:
         t_start = t0 = time.time()
         c = self.mappa.coach
         workspace = os.path.join(self.run_dir, "workspaces")
         bias = self.bias_audit.prompt_text() if c.show_bias else None  # the steps before this one
-        episodes = self.loop.run_until_complete(
-            rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step, coach_bias=bias,
-                    coach_mode=c.mode if self.scored else "per_action", progress=progress)
-        )
+        with self.engines_awake():
+            episodes = self.loop.run_until_complete(
+                rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step, coach_bias=bias,
+                        coach_mode=c.mode if self.scored else "per_action", progress=progress)
+            )
         t_rollout = time.time() - t0
         coach_metrics = coach_step_metrics(episodes, c.price_in, c.price_out)
         coach_metrics.update(self.bias_audit.update(episodes))
@@ -519,7 +580,7 @@ class MappaTrainer:
         if self.mappa.norm_scope == "group":
             rewards.group_normalize(episodes)
 
-        # Per agent: trainable actions -> Experiences -> actor/ref forward (log-probs, KL).
+        # Per agent: trainable actions -> Experiences -> actor/ref forward (log-probs, KL), by OpenRLHF's maker.
         t0 = time.time()
         actions_of = {ag.spec.name: [] for ag in self.trainees}
         for ep in episodes:
@@ -531,10 +592,8 @@ class MappaTrainer:
             kept, dropped[ag.spec.name] = self.batch_rule(actions_of[ag.spec.name], step)
             if not kept:
                 continue
-            exps = [experience_of(a) for a in kept]
-            mb, pad = self.args.rollout.micro_batch_size, ag.tokenizer.pad_token_id
-            samples = [Experience.concat_experiences(exps[i : i + mb], pad) for i in range(0, len(exps), mb)]
-            batches[ag.spec.name] = ag.maker.make_experience(samples)
+            maker = ag.trainer.experience_maker
+            batches[ag.spec.name] = maker.make_experience(maker.split_rollout_samples([experience_of(a) for a in kept]))
             kept_actions[ag.spec.name] = kept
         rewards.compute_advantages(batches, self.args.algo.kl.init_coef, scope=self.mappa.norm_scope)
         t_experience = time.time() - t0
@@ -548,18 +607,20 @@ class MappaTrainer:
             for action, adv in zip(kept_actions[name], per_action):
                 action.advantage = adv
 
-        # Agent k's experiences train agent k's actor; then agent k's engines receive agent k's weights.
+        # Agent k's experiences train agent k's actor, whose weights then go to agent k's engines: OpenRLHF's
+        # train_step. Agents on GPUs of their own train at once; on the team's shared GPUs, one after another.
         t0 = time.time()
-        fit_refs = {}
-        for ag in self.trainees:
-            if ag.spec.name in batches:
-                ray.get(ag.actor.async_run_method_batch(method_name="append", experience=batches[ag.spec.name]))
-                fit_refs[ag.spec.name] = ag.actor.async_run_method(method_name="fit", kl_ctl=self.args.algo.kl.init_coef)
-        status = {name: ray.get(refs)[0] for name, refs in fit_refs.items()}
-        t_train = time.time() - t0
-        t0 = time.time()
-        ray.get([ref for ag in self.trainees if ag.spec.name in status for ref in ag.actor.async_run_method("broadcast_to_vllm")])
-        t_sync = time.time() - t0
+        trained = [ag for ag in self.trainees if ag.spec.name in batches]
+        train = lambda ag: ag.trainer.train_step(batches[ag.spec.name], step)[0]
+        if self.mappa.colocate == "team":
+            status = {ag.spec.name: train(ag) for ag in trained}
+        else:
+            with concurrent.futures.ThreadPoolExecutor(max(1, len(trained))) as pool:
+                status = dict(zip([ag.spec.name for ag in trained], pool.map(train, trained)))
+        # time/sync: the syncs' share of the phase (the slowest agent's, or all of them one after another).
+        syncs = [s["timing/broadcast"] for s in status.values()]
+        t_sync = (sum(syncs) if self.mappa.colocate == "team" else max(syncs, default=0.0))
+        t_train = time.time() - t0 - t_sync
 
         self.write_episodes(episodes)
         metrics = self.step_metrics(episodes, batches, status, dropped, counts)
@@ -644,7 +705,8 @@ class MappaTrainer:
         for dataset, tasks in self.eval_sets.items():
             workspace = os.path.join(self.run_dir, "workspaces", f"eval-{dataset}")
             total = len(tasks) * e.n_samples_per_prompt
-            with tqdm(total=total, desc=f"evaluation {dataset}", unit="episode", leave=False, file=console.err) as bar:
+            with self.engines_awake(), tqdm(total=total, desc=f"evaluation {dataset}", unit="episode", leave=False,
+                                            file=console.err) as bar:
                 episodes = self.loop.run_until_complete(
                     evaluate(self.topology, tasks, self.eval_policies, e.n_samples_per_prompt, workspace, step, bar.update)
                 )

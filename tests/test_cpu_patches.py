@@ -87,11 +87,14 @@ def test_cpu_mode_on_patches_ppo_actor_without_flash_attn():
             real_device_same=torch.device is real_device,
             real_cuda0_type=torch.device("cuda:0").type,
             real_raises=real_raises,
+            offload_is_noop=pa.offload_deepspeed_states(object()) is None,  # DeepSpeed's would assert FusedAdam
+            cpu_sleep_mode_available=__import__("vllm.platforms.cpu").platforms.cpu.CpuPlatform().is_sleep_mode_available(),
         )))
     """, MAPPA_CPU_MODE="1")
     f = facts_of(proc)
     assert f["flash_attn_installed"] is False  # the point: the import works without the package
-    assert f["patches"] == ["cpu_device"]
+    assert f["patches"] == ["cpu_device", "hybrid_engine"]
+    assert f["offload_is_noop"] is True and f["cpu_sleep_mode_available"] is True
     assert f["ring_attn_patches"] == ["flash_attn_stub", "cpu_device"]
     # Inside the patched module, CUDA device calls answer with the CPU.
     assert f["current_device"] == "cpu"

@@ -1,12 +1,17 @@
 """The debate pipeline trained for real on CPU: examples/scripts/train_mappa_debate_tiny_cpu.sh, run as shipped
-but for one step (its extra flags: 2 problems x 2 samples, no reference model), with three tiny agents, each
-with its own ZeRO-3 actor and vLLM engine, and the heuristic coach.
+but for one step (its extra flags: 2 problems x 2 samples) and colocated per agent, the authors' setup
+(--mappa.colocate agent with vLLM and DeepSpeed sleep): three tiny agents, each with its own ZeRO-3 actor,
+reference model and vLLM engine sharing one logical GPU of its own, and the heuristic coach.
 
 The script's python is a wrapper that runs the real CLI's `train` and saves, per agent, the experience tensors
 the advantage step leaves (rewards.compute_advantages observed, not replaced). Asserted from those and from
 episodes.jsonl: every episode is debater_a, debater_b (round 0), both again (round 1), then the judge (round 2);
 every row an agent trained on is one of its own actions, token for token, and every action with a reward
 trained exactly once, so each debater trained both of its rounds' actions of every episode.
+
+From the hybrid engine's call log (patches/hybrid_engine.py, see test_colocation_e2e): no agent's engine was
+awake while its own actor trained, no actor was loaded while any engine generated, and the agents, on GPUs of
+their own, trained at the same time. After the sync each agent's engine holds its actor's weights, which moved.
 """
 
 import json
@@ -17,17 +22,19 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, local_cluster_env, run_training
+from conftest import REPO, hybrid_engine_timeline, local_cluster_env, overlaps, run_training
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(REPO, "examples", "scripts", "train_mappa_debate_tiny_cpu.sh")
 AGENTS = ("debater_a", "debater_b", "judge")
 
 
-def train_recording(argv: list, tensors_path: str):
+def train_recording(argv: list, tensors_path: str, probe_path: str):
     """The script's `python -m openrlhf_mappa.cli.train_mappa_ray ARGS`, with every step's per-agent
-    experience tensors saved to tensors_path."""
+    experience tensors saved to tensors_path; then every agent's engine and actor probed (probe_agents)."""
     import ray
+
+    from test_mappa_e2e import probe_agents
 
     from openrlhf_mappa import rewards
     from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
@@ -42,20 +49,25 @@ def train_recording(argv: list, tensors_path: str):
         torch.save(steps, tensors_path)
 
     rewards.compute_advantages = recording
-    train(parse_args(argv[2:]))
+    agents = train(parse_args(argv[2:]))
+    with open(probe_path, "w") as f:
+        json.dump(probe_agents(agents), f)
     ray.shutdown()
 
 
 @pytest.mark.e2e
 def test_debate_pipeline_trains_every_round_of_every_agent_on_its_own(tmp_path, tiny_model):
-    out, tensors_path = tmp_path / "out", str(tmp_path / "tensors.pt")
+    out, tensors_path, probe_path = tmp_path / "out", str(tmp_path / "tensors.pt"), str(tmp_path / "probe.json")
     shutil.copytree(tiny_model, out / "tiny-model")  # the script builds it when missing; this one is built already
     python = tmp_path / "python"
     python.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {TESTS!r})\n"
-                      f"from test_debate_e2e import train_recording\ntrain_recording(sys.argv[1:], {tensors_path!r})\n")
+                      f"from test_debate_e2e import train_recording\ntrain_recording(sys.argv[1:], {tensors_path!r}, {probe_path!r})\n")
     python.chmod(0o755)
-    one_step = ["--data.max_samples", "2", "--rollout.batch_size", "2", "--algo.kl.init_coef", "0"]
-    env = local_cluster_env(6, PY=str(python), OUT=str(out), PYTHONPATH=REPO)  # 3 x (actor + engine)
+    one_step = ["--data.max_samples", "2", "--rollout.batch_size", "2",
+                "--mappa.colocate", "agent", "--vllm.enable_sleep", "--ds.enable_sleep"]
+    call_log = tmp_path / "calls.jsonl"
+    # 3 agents x 1 GPU, each holding the agent's actor, reference and engine
+    env = local_cluster_env(3, PY=str(python), OUT=str(out), PYTHONPATH=REPO, MAPPA_CALL_LOG=str(call_log))
     proc = run_training(["bash", SCRIPT, *one_step], tmp_path / "train", timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
 
@@ -92,3 +104,21 @@ def test_debate_pipeline_trains_every_round_of_every_agent_on_its_own(tmp_path, 
     assert [metrics[f"agent/{n}/trained_actions"] for n in AGENTS] == [8, 8, 4]
     assert all(metrics[f"agent/{n}/updated"] == 1 for n in AGENTS)
     assert metrics["outcome/action_limit_episodes"] == 0
+
+    timeline = hybrid_engine_timeline(str(call_log), str(out / "run" / "processes.json"))
+    assert set(timeline) == set(AGENTS)
+    for name, t in timeline.items():
+        assert len(t["train"]) == 1 and len(t["loaded"]) == 1 and t["generate"], name
+        assert overlaps(t["awake"], t["train"]) == [], name  # its engine slept while its actor trained
+    assert overlaps([s for t in timeline.values() for s in t["loaded"]], [s for t in timeline.values() for s in t["generate"]]) == []
+    trains = [timeline[n]["train"][0] for n in AGENTS]
+    assert overlaps(trains[:1], trains[1:]), trains  # on GPUs of their own, the agents trained at once
+
+    from test_openrlhf_cpu_e2e import hf_probe_logprobs
+
+    probe = json.load(open(probe_path))
+    init = torch.tensor(hf_probe_logprobs(str(out / "tiny-model"), probe["probe"]))
+    for name in AGENTS:
+        engine, actor = torch.tensor(probe["engine"][name]), torch.tensor(probe["actor"][name])
+        assert (engine - actor).abs().max() < 0.02, name  # the sync reached this agent's engine
+        assert (actor - init).abs().mean() > 1e-3, name  # and the weights moved (lr 1e-4, one step)

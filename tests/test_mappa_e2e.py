@@ -48,15 +48,21 @@ def coach_server():
 
 
 def probe_agents(agents) -> dict:
-    """For every agent, its engine's and its actor's log-probs of one fixed sequence (PROBE_TEXT)."""
+    """For every agent, its engines' and its actor's log-probs of one fixed sequence (PROBE_TEXT): "engine" is
+    engine 0's, "engines" every engine's. Engines asleep after a colocated run (--vllm.enable_sleep) are woken
+    first; vLLM ignores the call for an engine that is awake."""
     import ray
+    from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
     from vllm import SamplingParams
 
+    batch_vllm_engine_call([e for ag in agents for e in ag.engines], "wake_up")
     ids = agents[0].tokenizer(PROBE_TEXT)["input_ids"]
-    out = {"probe": ids, "engine": {}, "actor": {}}
+    out = {"probe": ids, "engine": {}, "engines": {}, "actor": {}}
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     for ag in agents:
-        gen = ray.get(ag.engines[0].generate.remote(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)))
-        out["engine"][ag.spec.name] = [d[t].logprob for t, d in zip(ids[1:], gen.prompt_logprobs[1:])]
+        gens = ray.get([e.generate.remote(ids, params) for e in ag.engines])
+        out["engines"][ag.spec.name] = [[d[t].logprob for t, d in zip(ids[1:], g.prompt_logprobs[1:])] for g in gens]
+        out["engine"][ag.spec.name] = out["engines"][ag.spec.name][0]
         seq, ranks = torch.tensor([ids]), len(ag.actor._actor_handlers)  # one copy per data-parallel rank
         refs = ag.actor.async_run_method_batch(
             method_name="forward", sequences=[seq] * ranks,

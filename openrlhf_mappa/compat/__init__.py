@@ -91,11 +91,13 @@ WATCHED = {
     "openrlhf.utils.deepspeed.deepspeed": ("cpu_device",),
     "openrlhf.utils.deepspeed.deepspeed_utils": ("cpu_device",),
     "openrlhf.trainer.ray.launcher": ("cpu_device",),
-    "openrlhf.trainer.ray.ppo_actor": ("cpu_device",),
+    "openrlhf.trainer.ray.ppo_actor": ("cpu_device", "hybrid_engine"),
+    "openrlhf.trainer.ray.vllm_engine": ("hybrid_engine",),
     "openrlhf.trainer.ray.ppo_critic": ("cpu_device",),
     "openrlhf.trainer.ppo_utils.replay_buffer": ("cpu_device",),
     "openrlhf.trainer.ray.vllm_worker_wrap": ("gloo_weight_sync",),
     "vllm.model_executor.layers.utils": ("vllm_cpu_weight_update",),
+    "vllm.platforms.cpu": ("hybrid_engine",),
 }
 
 
