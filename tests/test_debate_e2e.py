@@ -1,5 +1,5 @@
 """The debate pipeline trained for real on CPU: examples/scripts/train_mappa_debate_tiny_cpu.sh, run as shipped
-but for one step (its extra flags: 2 problems x 2 samples) and colocated per agent, the authors' setup
+but for one step (its extra flags: 2 problems x 2 samples, lr 1e-3) and colocated per agent, the authors' setup
 (--mappa.colocate agent with vLLM and DeepSpeed sleep): three tiny agents, each with its own ZeRO-3 actor,
 reference model and vLLM engine sharing one logical GPU of its own, and the heuristic coach.
 
@@ -63,7 +63,7 @@ def test_debate_pipeline_trains_every_round_of_every_agent_on_its_own(tmp_path, 
     python.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {TESTS!r})\n"
                       f"from test_debate_e2e import train_recording\ntrain_recording(sys.argv[1:], {tensors_path!r}, {probe_path!r})\n")
     python.chmod(0o755)
-    one_step = ["--data.max_samples", "2", "--rollout.batch_size", "2",
+    one_step = ["--data.max_samples", "2", "--rollout.batch_size", "2", "--actor.adam.lr", "1e-3",
                 "--mappa.colocate", "agent", "--vllm.enable_sleep", "--ds.enable_sleep"]
     call_log = tmp_path / "calls.jsonl"
     # 3 agents x 1 GPU, each holding the agent's actor, reference and engine
@@ -121,4 +121,5 @@ def test_debate_pipeline_trains_every_round_of_every_agent_on_its_own(tmp_path, 
     for name in AGENTS:
         engine, actor = torch.tensor(probe["engine"][name]), torch.tensor(probe["actor"][name])
         assert (engine - actor).abs().max() < 0.02, name  # the sync reached this agent's engine
-        assert (actor - init).abs().mean() > 1e-3, name  # and the weights moved (lr 1e-4, one step)
+        # and the weights moved: 0.02-0.03 nats at the script's lr 1e-4 (measured), about the bf16 noise; hence 1e-3
+        assert (actor - init).abs().mean() > 0.05, name
