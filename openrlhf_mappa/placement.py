@@ -419,19 +419,19 @@ def single_changes(args, topology, memory_known: bool) -> list:
     memory can be checked: it changes what every GPU holds."""
     kl = args.algo.kl.init_coef > 0
     modes = ("agent", "team", "none") if memory_known else ()
-    placements = [colocation(args, topology, mode) for mode in modes if mode != args.mappa.colocate]
+    placements = {mode: colocation(args, topology, mode) for mode in modes if mode != args.mappa.colocate}
     out = [[saving] for saving in memory_flags(args)]
     out += [[("vllm", "num_engines", n)] for n in range(args.vllm.num_engines - 1, 0, -1)]
     out += [[("ref", "num_gpus_per_node", n)] for n in range(args.ref.num_gpus_per_node - 1, 0, -1)] * kl
     out += [[("actor", "num_gpus_per_node", n)] for n in range(args.actor.num_gpus_per_node - 1, 0, -1)]
-    out += placements
+    out += placements.values()
     out += [[("actor", "num_gpus_per_node", n)] for n in range(args.actor.num_gpus_per_node + 1, 17)]
     out += [[("ref", "num_gpus_per_node", n)] for n in range(args.ref.num_gpus_per_node + 1, 9)] * kl
     out += [[("vllm", "tensor_parallel_size", n)] for n in (2, 4, 8) if n > args.vllm.tensor_parallel_size]
     out = [(change, []) for change in out]
     if len(memory_flags(args)) > 1:
         out.append(([], memory_flags(args)))
-    return out + [(p, memory_flags(with_changes(args, p))) for p in placements if p[0][2] != "none"]
+    return out + [(p, memory_flags(with_changes(args, p))) for mode, p in placements.items() if mode != "none"]
 
 
 def batch_fits(args, topology) -> bool:
@@ -535,8 +535,9 @@ def format_plan(plan: Plan, gpus: int = None) -> str:
     for i, slot in enumerate(plan.slots):
         mark = "  <- beyond the cluster's GPUs" if gpus is not None and i >= gpus else ""
         out.append(f"{i:>4}  {slot_label(slot):<50}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES) + mark)
-    if not plan.slots:  # GPU memory not known: the counts only
+    if not plan.slots:  # GPU memory not known: the counts only, and which of them share GPUs
         out = [f"{n:>4}  GPUs: {label}" for label, n in plan.counts.items()]
+        out += [f"placement: {PLACEMENTS[plan.colocate]}"] * (plan.colocate != "none")
     out.append(f"total: {plan.need} GPUs" + (f" of the cluster's {gpus}" if gpus is not None else ""))
     if plan.colocate != "none" and plan.slots:
         turns = "the largest agent's (they train and sync in turn)" if plan.colocate == "team" else "its agent's"

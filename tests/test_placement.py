@@ -265,6 +265,19 @@ def test_three_32b_agents_without_lora_on_one_node_are_refused():
     assert "Smallest change that fits: more GPUs. This team needs at least" in message
 
 
+def test_the_launch_counts_shared_gpus_once():
+    # The launch's check where no GPU memory is known (on CPU): a colocated GPU counts once. 3 agents x (2 actor
+    # + 2 reference GPUs + 2 engines) take 18 GPUs of their own, 6 colocated per agent, 2 as a team.
+    for colocate, need in (("none", 18), ("agent", 6), ("team", 2)):
+        args, topology = recipe(QWEN3_4B, "--mappa.colocate", colocate)
+        plan = placement.check(args, topology, need)
+        assert plan.need == need and not plan.slots
+        assert ("placement: every agent's actor, reference and vLLM engines share the team's GPUs" in
+                placement.format_plan(plan, need)) == (colocate == "team")
+        with pytest.raises(ValueError, match=f"need {need} GPUs but the cluster has {need - 1}"):
+            placement.check(args, topology, need - 1)
+
+
 def test_what_colocation_cannot_place_is_refused_with_the_reason():
     # Colocated, a GPU holds one actor rank, one reference rank and one engine: 1 reference GPU and 1 engine
     # for 2 actor GPUs cannot be placed. Refused at launch (count check only, no memory known) and by the plan.
