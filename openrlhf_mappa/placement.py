@@ -2,9 +2,24 @@
 agent's actor, reference and vLLM engines, and an estimate of each GPU's peak memory in each phase of a step.
 A plan that cannot fit is refused, naming the smallest change that would fit.
 
-Placement today: each agent's actor ranks, reference ranks and engines on GPUs of their own (`layout`).
-Colocated placements (per agent, whole team; issue 14) add a layout there, and the phases in which a
-sleeping component frees its GPU in `component_groups`; the sums, the checks and the search stay as they are.
+Placement (--mappa.colocate): none: each agent's actor ranks, reference ranks and engines on GPUs of their own.
+agent: agent k's actor rank i, reference rank i and engine i share its GPU i (the authors' setup). team: every
+agent's actor rank i, reference rank i and engine i share the team's GPU i. Colocated, one GPU holds one rank
+of each, so an agent's actor, reference and engines need as many GPUs each, and an engine one GPU.
+
+Phases of a step and what sleeps in them (OpenRLHF's hybrid engine, as the team loop runs it):
+  rollout: every engine awake (weights and KV cache); with --ds.enable_sleep every actor offloaded: its
+      gradients and fp32 Adam states (master weights, m, v) on CPU, its bf16 weights kept (OpenRLHF's
+      offload_deepspeed_states; a no-op with --ds.adam_offload, whose Adam states live on CPU anyway).
+  experience: with --vllm.enable_sleep every engine asleep (level 1: weights on CPU, KV cache dropped); the
+      actor (still offloaded) and reference forwards run one at a time on a shared GPU (OpenRLHF's colocated
+      experience maker waits for each, and the team makes one agent's experiences at a time).
+  train: the actor reloaded and trained. Team colocation trains the agents in turn (reload, train, offload,
+      sync), so a shared GPU's peak is everything held plus the largest single agent's train additions.
+  sync: the syncing agent's engines wake their weights alone (no KV cache) and its actor gathers each tensor;
+      colocated, the tensor is passed by CUDA IPC, a copy of it. In turn under team colocation, as train.
+Without --vllm.enable_sleep engines hold weights and KV cache in every phase; without --ds.enable_sleep
+actors hold all their states in every phase.
 
 Memory model, per GPU, in bytes. P parameters, D data-parallel ranks, b micro-batch, s = --data.max_len
 tokens (the longest action a rollout lets through), h hidden size, L layers, V vocabulary, I intermediate
@@ -18,16 +33,18 @@ size, k = key/value heads x head dim, TP an engine's tensor-parallel size:
   logits: b*s*V x 10 bytes when training (fp32 logits kept for backward, their fp32 gradient, its bf16
       copy), x 6 in a forward pass (bf16 output and its fp32 copy).
   ZeRO-3 gathers two layers' weights at a time (the current and the prefetched one): 2 x layer params x 2;
-      the weight sync gathers the largest tensor, the embedding, V*h*2.
+      the weight sync gathers the largest tensor, the embedding, V*h*2 (and its CUDA IPC copy, colocated).
   a vLLM engine takes --vllm.gpu_memory_utilization x the GPU: weights 2P/TP, an activation reserve (8192
       batched tokens through one layer, logits of 256 sequences), and the rest is KV cache of 2*L*k*2 bytes
       per token / TP. It must hold one --data.max_len sequence, or vLLM refuses to start.
-  CUDA context and communication buffers: 1 GiB per DeepSpeed process.
+  CUDA context and communication buffers: 1 GiB per process (DeepSpeed rank or engine; vLLM's share of
+      the GPU is measured after its own).
 It is an estimate at the worst case the flags allow (every action --data.max_len tokens long).
 """
 
 import copy
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -163,13 +180,10 @@ class Group:
     kind: str  # "actor", "reference", "vllm"
     gpus: int
     tp: int  # GPUs per process: an engine's tensor-parallel size, else 1
-    held: dict  # label -> GiB, on each GPU in every phase
+    held: dict  # label -> GiB, on each GPU in every phase (what stays while it sleeps)
     adds: dict = field(default_factory=dict)  # phase -> {label: GiB} on top of `held`
     notes: list = field(default_factory=list)
     problems: list = field(default_factory=list)  # what cannot work whatever the GPU count (KV cache too small)
-
-    def gib(self, phase: str) -> float:
-        return sum(self.held.values()) + sum(self.adds.get(phase, {}).values())
 
     def label(self, i: int) -> str:
         if self.kind == "vllm":
@@ -190,17 +204,27 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float) -> list:
     gathered = {"ZeRO-3 gathered layers": 2 * size.layer_params * 2 / GIB} if zero3 else {}
     P, D = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node
     shard = lambda nbytes, stage: nbytes / (D if a.ds.zero_stage >= stage else 1)
-    held = {"weights": shard(2 * P, 3) / GIB, "gradients": shard(2 * P, 2) / GIB,
-            **({} if a.ds.adam_offload else {"Adam states": shard(12 * P, 1) / GIB}), "CUDA context": CONTEXT_GIB}
+    states = {"gradients": shard(2 * P, 2) / GIB}
+    if not a.ds.adam_offload:
+        states["Adam states"] = shard(12 * P, 1) / GIB
+    offloads = a.ds.enable_sleep and not a.ds.adam_offload  # OpenRLHF's offload skips an actor whose Adam is on CPU
     b = a.train.micro_batch_size
     stored = b * s * h * 2 * L + b * s * token_layer if a.actor.gradient_checkpointing_enable else b * s * token_layer * L
-    actor = Group(name, "actor", D, 1, held, {
+    largest = V * h * 2 / GIB  # the embedding, the largest tensor the sync gathers
+    ipc = a.mappa.colocate != "none" and a.vllm.sync_backend == "nccl"  # OpenRLHF's colocated sync: CUDA IPC
+    actor = Group(name, "actor", D, 1, {"weights": shard(2 * P, 3) / GIB, **({} if offloads else states),
+                                        "CUDA context": CONTEXT_GIB}, {
         "experience": {**forward(a.rollout.micro_batch_size), **gathered},
-        "train": {"activations": stored / GIB, "logits": b * s * V * 10 / GIB, **gathered},
-        "sync": {"gathered embedding": V * h * 2 / GIB} if zero3 else {},
+        "train": {**(states if offloads else {}), "activations": stored / GIB, "logits": b * s * V * 10 / GIB,
+                  **gathered},
+        "sync": {**({"gathered embedding": largest} if zero3 else {}), **({"its CUDA IPC copy": largest} if ipc else {})},
     })
     if a.ds.adam_offload:
         actor.notes.append(f"Adam states on CPU: {shard(12 * P, 1) / GIB:.1f} GiB per rank")
+    if offloads:
+        actor.notes.append("--ds.enable_sleep: gradients and Adam states on CPU outside the train phase")
+    elif a.ds.enable_sleep:
+        actor.notes.append("--ds.enable_sleep offloads nothing with --ds.adam_offload (OpenRLHF skips it)")
     groups = [actor]
     if a.algo.kl.init_coef > 0:
         R = a.ref.num_nodes * a.ref.num_gpus_per_node
@@ -213,8 +237,13 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float) -> list:
     reserve = (VLLM_BATCHED_TOKENS * layer_act + VLLM_SEQS * V * 4) / tp / GIB
     kv_token = 2 * L * size.kv_dim * 2 / tp
     kv = budget - weights - reserve
-    engines = Group(name, "vllm", a.vllm.num_engines * tp, tp,
-                    {"weights": weights, "activation reserve": reserve, "KV cache": max(kv, 0.0)})
+    awake = {"weights": weights, "activation reserve": reserve, "KV cache": max(kv, 0.0)}
+    if a.vllm.enable_sleep:  # level 1: weights to CPU, KV cache dropped; the sync wakes the weights alone
+        engines = Group(name, "vllm", a.vllm.num_engines * tp, tp, {"CUDA context": CONTEXT_GIB},
+                        {"rollout": awake, "sync": {"weights": weights}})
+        engines.notes.append("--vllm.enable_sleep: asleep outside the rollout; the sync wakes its weights alone")
+    else:
+        engines = Group(name, "vllm", a.vllm.num_engines * tp, tp, {**awake, "CUDA context": CONTEXT_GIB})
     tokens = int(max(kv, 0) * GIB / kv_token)
     engines.notes.append(f"KV cache {max(kv, 0):.1f} GiB = {tokens} tokens = {tokens // s} sequences of {s} per engine")
     if tokens < s:
@@ -224,10 +253,37 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float) -> list:
     return groups + [engines]
 
 
-def layout(groups: list) -> list:
+PLACEMENTS = {
+    "none": "each agent's actor, reference and vLLM engines on GPUs of their own",
+    "agent": "each agent's actor, reference and vLLM engines share that agent's GPUs (--mappa.colocate agent)",
+    "team": "every agent's actor, reference and vLLM engines share the team's GPUs (--mappa.colocate team)",
+}
+
+
+def gpu_set(colocate: str, agent: str, own) -> object:
+    """Which components share GPUs: none, each its own (`own`); per agent, the agent's; for a team, all."""
+    return {"none": own, "agent": agent, "team": ""}[colocate]
+
+
+def layout(groups: list, colocate: str) -> list:
     """GPU slots in the order the agents are built, each a list of (group, index in the group) it holds.
-    Today every group's GPUs are its own; a colocated placement puts several groups on one slot here."""
-    return [[(g, i)] for g in groups for i in range(g.gpus)]
+    Colocated, rank i of the groups that share GPUs sits on slot i of their set, as the trainer puts them on
+    bundle i of one placement group (a set's GPU count is its largest group's, when the counts differ)."""
+    sets = {}
+    for g in groups:
+        sets.setdefault(gpu_set(colocate, g.agent, id(g)), []).append(g)
+    return [[(g, i) for g in gs if i < g.gpus] for gs in sets.values() for i in range(max(g.gpus for g in gs))]
+
+
+def slot_label(slot: list) -> str:
+    """What one GPU holds, in words: `problem_solver: actor, reference, vLLM engine #0` when it holds rank i of
+    every group of its set."""
+    agents = list(dict.fromkeys(g.agent for g, _ in slot))
+    kinds = list(dict.fromkeys(g.kind for g, _ in slot))
+    if len(slot) > 1 and len({i for _, i in slot}) == 1 and len(slot) == len(agents) * len(kinds):
+        who = agents[0] if len(agents) == 1 else f"{len(agents)} agents"
+        return f"{who}: {', '.join({'vllm': 'vLLM engine'}.get(k, k) for k in kinds)} #{slot[0][1]}"
+    return " + ".join(g.label(i) for g, i in slot)
 
 
 @dataclass
@@ -236,13 +292,25 @@ class Plan:
     slots: list  # per GPU: [(group, index)], empty when the GPU memory is not known
     sizes: dict  # agent -> (model, its ModelSize or why it is not known)
     gpu_gib: float
+    colocate: str = "none"
+    refused: list = field(default_factory=list)  # what the colocation cannot place (colocation_problems)
 
     @property
     def need(self) -> int:
-        return sum(self.counts.values())
+        sets = {}
+        for key, n in self.counts.items():
+            k = gpu_set(self.colocate, key.rpartition("/")[0], key)
+            sets[k] = max(sets.get(k, 0), n)
+        return sum(sets.values())
 
     def peak(self, slot: list, phase: str) -> float:
-        return sum(g.gib(phase) for g, _ in slot)
+        """What the GPU holds plus what the phase adds. Engines generate at once; the experience forwards run
+        one at a time on a GPU, and the agents train and sync in turn (the module docstring)."""
+        adds = {}
+        for g, _ in slot:
+            unit = {"rollout": None, "experience": id(g)}.get(phase, g.agent)
+            adds[unit] = adds.get(unit, 0.0) + sum(g.adds.get(phase, {}).values())
+        return sum(sum(g.held.values()) for g, _ in slot) + max(adds.values(), default=0.0)
 
     def overfull(self) -> dict:
         """(group ids on the GPU) -> message, once per group of alike GPUs that exceed their memory."""
@@ -251,20 +319,21 @@ class Plan:
             phase = max(PHASES, key=lambda p: self.peak(slot, p))
             key = tuple(id(g) for g, _ in slot)
             if self.peak(slot, phase) > self.gpu_gib and key not in out:
-                what = " + ".join(g.label(j) for g, j in slot)
-                out[key] = (f"GPU {i} ({what}) needs {self.peak(slot, phase):.1f} GiB in the {phase} phase, more than "
-                            f"its {self.gpu_gib:g} GiB")
+                out[key] = (f"GPU {i} ({slot_label(slot)}) needs {self.peak(slot, phase):.1f} GiB in the {phase} phase, "
+                            f"more than its {self.gpu_gib:g} GiB")
         return out
 
     def groups(self) -> list:
         return list({id(g): g for slot in self.slots for g, _ in slot}.values())
 
     def problems(self, gpus: int = None) -> list:
-        out = []
+        out = list(self.refused)
         if gpus is not None and self.need > gpus:
             detail = ", ".join(f"{k}: {n}" for k, n in self.counts.items())
-            out.append(f"not enough GPUs: the requested actor groups and vLLM engines need {self.need} GPUs but the "
-                       f"cluster has {gpus} ({detail})")
+            what = {"none": "the requested actor groups and vLLM engines",
+                    "agent": "the agents' actor groups and vLLM engines, each agent on GPUs of its own that they share",
+                    "team": "the team's actor groups and vLLM engines, on GPUs they all share"}[self.colocate]
+            out.append(f"not enough GPUs: {what} need {self.need} GPUs but the cluster has {gpus} ({detail})")
         return out + [p for g in self.groups() for p in g.problems] + list(self.overfull().values())
 
     def unfit_kinds(self) -> set:
@@ -292,48 +361,79 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
         known[spec.name] = (spec.model, size)
         if gpu_gib is not None and isinstance(size, ModelSize):
             groups += component_groups(a, spec.name, size, gpu_gib)
-    return Plan(counts, layout(groups), known, gpu_gib)
+    colocate = args.mappa.colocate
+    return Plan(counts, layout(groups, colocate), known, gpu_gib, colocate, colocation_problems(args, topology))
+
+
+# A change is a list of settings (section, key, value), as the flags that make them: `--ds.adam_offload` for
+# True, `--vllm.num_engines 1` otherwise.
+
+
+def flags(args, settings: list) -> str:
+    """The flags of the settings that differ from `args`."""
+    changed = [(s, k, v) for s, k, v in settings if getattr(getattr(args, s), k) != v]
+    return " ".join(f"--{s}.{k}" + ("" if v is True else f" {v}") for s, k, v in changed)
+
+
+def with_changes(args, settings: list):
+    a = copy.deepcopy(args)
+    for section, key, value in settings:
+        setattr(getattr(a, section), key, value)
+    return a
 
 
 def memory_flags(args) -> list:
-    """(flag text, change) of the memory savings OpenRLHF offers and MAPPA honours, not yet on: no extra GPU."""
+    """The memory savings OpenRLHF offers and MAPPA honours, not yet on, that cost no extra GPU: sleep first
+    on colocated GPUs (what colocation is for)."""
     out = []
+    if args.mappa.colocate != "none":
+        out += [(s, "enable_sleep", True) for s in ("vllm", "ds") if not getattr(args, s).enable_sleep]
     if not args.actor.gradient_checkpointing_enable:
-        out.append(("--actor.gradient_checkpointing_enable", setter("actor", "gradient_checkpointing_enable", True)))
+        out.append(("actor", "gradient_checkpointing_enable", True))
     if args.ds.zero_stage < 3:
-        out.append(("--ds.zero_stage 3", setter("ds", "zero_stage", 3)))
+        out.append(("ds", "zero_stage", 3))
     if args.train.micro_batch_size > 1:
-        out.append(("--train.micro_batch_size 1", setter("train", "micro_batch_size", 1)))
+        out.append(("train", "micro_batch_size", 1))
     if args.rollout.micro_batch_size > 1:
-        out.append(("--rollout.micro_batch_size 1", setter("rollout", "micro_batch_size", 1)))
+        out.append(("rollout", "micro_batch_size", 1))
     if args.algo.kl.init_coef > 0 and not args.ref.offload:
-        out.append(("--ref.offload", setter("ref", "offload", True)))
+        out.append(("ref", "offload", True))
     if not args.ds.adam_offload:
-        out.append(("--ds.adam_offload", setter("ds", "adam_offload", True)))
+        out.append(("ds", "adam_offload", True))
     return out
 
 
-def setter(section: str, key: str, value):
-    return lambda a: setattr(getattr(a, section), key, value)
-
-
-def single_changes(args) -> list:
-    """Changes of one flag, smallest first: memory savings that cost no GPU, then fewer GPUs for a component
-    (fewer engines first), then more GPUs for one (a bigger share of the cluster), then all savings at once."""
-    out = memory_flags(args)
-    for n in range(args.vllm.num_engines - 1, 0, -1):
-        out.append((f"--vllm.num_engines {n}", setter("vllm", "num_engines", n)))
-    if args.algo.kl.init_coef > 0:
-        out += [(f"--ref.num_gpus_per_node {n}", setter("ref", "num_gpus_per_node", n)) for n in range(args.ref.num_gpus_per_node - 1, 0, -1)]
-    out += [(f"--actor.num_gpus_per_node {n}", setter("actor", "num_gpus_per_node", n)) for n in range(args.actor.num_gpus_per_node - 1, 0, -1)]
-    out += [(f"--actor.num_gpus_per_node {n}", setter("actor", "num_gpus_per_node", n)) for n in range(args.actor.num_gpus_per_node + 1, 17)]
-    if args.algo.kl.init_coef > 0:
-        out += [(f"--ref.num_gpus_per_node {n}", setter("ref", "num_gpus_per_node", n)) for n in range(args.ref.num_gpus_per_node + 1, 9)]
-    out += [(f"--vllm.tensor_parallel_size {n}", setter("vllm", "tensor_parallel_size", n)) for n in (2, 4, 8) if n > args.vllm.tensor_parallel_size]
-    savings = memory_flags(args)
-    if len(savings) > 1:
-        out.append((" ".join(f for f, _ in savings), lambda a: [change(a) for _, change in savings]))
+def colocation(args, topology, mode: str) -> list:
+    """The settings of a placement: colocated, with sleep on; a team's engines, all awake in the rollout,
+    each take an equal part of the GPU share the flags give one engine."""
+    out = [("mappa", "colocate", mode)] + [(s, "enable_sleep", True) for s in ("vllm", "ds") if mode != "none"]
+    if mode == "team" and args.mappa.colocate != "team":
+        share = args.vllm.gpu_memory_utilization / len(trainee_specs(args, topology))
+        out.append(("vllm", "gpu_memory_utilization", math.floor(share * 100 + 1e-9) / 100))
     return out
+
+
+def single_changes(args, topology, memory_known: bool) -> list:
+    """Changes of one flag (or one placement), smallest first: memory savings that cost no GPU, then fewer
+    GPUs for a component (fewer engines first), then colocation, then more GPUs for one (a bigger share of
+    the cluster), then all savings at once, then colocation with the savings it needs. Each is (settings,
+    savings), the savings trimmed to those the plan needs. Another placement is proposed only where its
+    memory can be checked: it changes what every GPU holds."""
+    kl = args.algo.kl.init_coef > 0
+    modes = ("agent", "team", "none") if memory_known else ()
+    placements = {mode: colocation(args, topology, mode) for mode in modes if mode != args.mappa.colocate}
+    out = [[saving] for saving in memory_flags(args)]
+    out += [[("vllm", "num_engines", n)] for n in range(args.vllm.num_engines - 1, 0, -1)]
+    out += [[("ref", "num_gpus_per_node", n)] for n in range(args.ref.num_gpus_per_node - 1, 0, -1)] * kl
+    out += [[("actor", "num_gpus_per_node", n)] for n in range(args.actor.num_gpus_per_node - 1, 0, -1)]
+    out += placements.values()
+    out += [[("actor", "num_gpus_per_node", n)] for n in range(args.actor.num_gpus_per_node + 1, 17)]
+    out += [[("ref", "num_gpus_per_node", n)] for n in range(args.ref.num_gpus_per_node + 1, 9)] * kl
+    out += [[("vllm", "tensor_parallel_size", n)] for n in (2, 4, 8) if n > args.vllm.tensor_parallel_size]
+    out = [(change, []) for change in out]
+    if len(memory_flags(args)) > 1:
+        out.append(([], memory_flags(args)))
+    return out + [(p, memory_flags(with_changes(args, p))) for mode, p in placements.items() if mode != "none"]
 
 
 def batch_fits(args, topology) -> bool:
@@ -345,42 +445,53 @@ def batch_fits(args, topology) -> bool:
     return True
 
 
-def with_changes(args, changes: list):
-    a = copy.deepcopy(args)
-    for change in changes:
-        change(a)
-    return a
+def fits(args, topology, gpus, gpu_gib, sizes) -> bool:
+    return batch_fits(args, topology) and not make_plan(args, topology, gpu_gib, sizes).problems(gpus)
+
+
+def trim(args, topology, gpus, gpu_gib, sizes, settings: list, savings: list) -> list:
+    """The savings that the plan with these settings still needs: each dropped that it fits without."""
+    kept = list(savings)
+    for saving in savings:
+        rest = [s for s in kept if s != saving]
+        if fits(with_changes(args, settings + rest), topology, gpus, gpu_gib, sizes):
+            kept = rest
+    return kept
 
 
 def fewest_gpus(args, topology, gpu_gib: float, sizes: dict):
-    """(GPUs, flags) of the smallest layout that fits: one engine per agent, each agent's actor and reference
-    on the fewest GPUs that hold them and the smallest tensor-parallel size that holds the model, with the
-    flags as given or with the memory savings it needs, whichever takes fewer GPUs. None when no count up to
-    16 fits."""
+    """(GPUs, flags) of the smallest layout that fits, on GPUs of their own and colocated (per agent, as a
+    team), with the flags as given or with the memory savings it needs, whichever takes fewest GPUs (a tie
+    keeps the placement without sleep). On GPUs of their own: one engine per agent, each agent's actor and
+    reference on the fewest GPUs that hold them and the smallest tensor-parallel size that holds the model.
+    Colocated: the fewest GPUs per agent that hold one rank of each. None when no count up to 16 fits."""
+    kl = args.algo.kl.init_coef > 0
     found = []
     for savings in ([], memory_flags(args)):
-        changes, flags = [setter("vllm", "num_engines", 1)], ["--vllm.num_engines 1"] * (args.vllm.num_engines != 1)
-        for kind, section, key, options in (("actor", "actor", "num_gpus_per_node", range(1, 17)),
-                                            ("reference", "ref", "num_gpus_per_node", range(1, 17)),
-                                            ("vllm", "vllm", "tensor_parallel_size", (1, 2, 4, 8))):
-            if kind == "reference" and args.algo.kl.init_coef <= 0:
-                continue
-            for n in options:
-                a = with_changes(args, [c for _, c in savings] + changes + [setter(section, key, n)])
-                if (kind != "actor" or batch_fits(a, topology)) and kind not in make_plan(a, topology, gpu_gib, sizes).unfit_kinds():
-                    changes.append(setter(section, key, n))
-                    flags += [f"--{section}.{key} {n}"] * (n != getattr(getattr(args, section), key))
-                    break
+        for mode in ("none", "agent", "team"):
+            moves = colocation(args, topology, mode)
+            if mode == "none":  # each component's count in turn, smallest first; the rest as far as found
+                moves.append(("vllm", "num_engines", 1))
+                steps = [({"actor"}, [("actor", "num_gpus_per_node")], range(1, 17))]
+                steps += [({"reference"}, [("ref", "num_gpus_per_node")], range(1, 17))] * kl
+                steps += [({"vllm"}, [("vllm", "tensor_parallel_size")], (1, 2, 4, 8))]
+            else:  # one rank of each per GPU: the three counts together
+                moves.append(("vllm", "tensor_parallel_size", 1))
+                keys = [("actor", "num_gpus_per_node")] + [("ref", "num_gpus_per_node")] * kl + [("vllm", "num_engines")]
+                steps = [({"actor", "reference", "vllm"}, keys, range(1, 17))]
+            for kinds, keys, options in steps:
+                for n in options:
+                    step = [(s, k, n) for s, k in keys]
+                    a = with_changes(args, savings + moves + step)
+                    if batch_fits(a, topology) and not make_plan(a, topology, gpu_gib, sizes).unfit_kinds() & kinds:
+                        moves += step
+                        break
+                else:
+                    break  # no count fits this component: try again with the memory savings
             else:
-                break  # no count fits this component: try again with the memory savings
-        else:
-            kept = list(savings)
-            for saving in list(kept):  # drop the savings this layout does not need
-                rest = [c for s, c in kept if s != saving[0]]
-                if not make_plan(with_changes(args, rest + changes), topology, gpu_gib, sizes).problems():
-                    kept.remove(saving)
-            plan = make_plan(with_changes(args, [c for _, c in kept] + changes), topology, gpu_gib, sizes)
-            found.append((plan.need, [f for f, _ in kept] + flags))
+                if fits(with_changes(args, savings + moves), topology, None, gpu_gib, sizes):
+                    kept = trim(args, topology, None, gpu_gib, sizes, moves, savings)
+                    found.append((make_plan(with_changes(args, kept + moves), topology).need, flags(args, kept + moves)))
     return min(found, key=lambda f: f[0], default=None)
 
 
@@ -394,54 +505,66 @@ def check(args, topology, gpus: int, gpu_gib: float = None, sizes: dict = None) 
     cluster = f"{gpus if gpus is not None else 'the'}{f' x {gpu_gib:g} GiB' if gpu_gib else ''} GPUs"
     lines = [f"the plan does not fit {cluster}:"] + [f"  - {p}" for p in problems]
     fixes = []
-    for flag, change in single_changes(args):
-        a = with_changes(args, [change])
-        if batch_fits(a, topology) and not make_plan(a, topology, gpu_gib, sizes).problems(gpus):
-            fixes.append(flag)
+    for change, savings in single_changes(args, topology, memory_known=gpu_gib is not None):
+        if fits(with_changes(args, change + savings), topology, gpus, gpu_gib, sizes):
+            fix = flags(args, change + trim(args, topology, gpus, gpu_gib, sizes, change, savings))
+            fixes += [fix] * (fix not in fixes)
             if len(fixes) == 3:
                 break
     if fixes:
         lines.append(f"Smallest change that fits: {fixes[0]}" + (f" (others: {'; '.join(fixes[1:])})" if fixes[1:] else ""))
     elif gpu_gib is None:
         lines.append(f"Smallest change that fits: a cluster of {plan.need} GPUs, or fewer GPUs per agent "
-                     f"(--actor.num_gpus_per_node, --ref.num_gpus_per_node, --vllm.num_engines)")
+                     f"(--actor.num_gpus_per_node, --ref.num_gpus_per_node, --vllm.num_engines), or colocation "
+                     f"(--mappa.colocate agent --vllm.enable_sleep --ds.enable_sleep)")
     else:
         fewest = fewest_gpus(args, topology, gpu_gib, sizes)
         if fewest is None:
-            lines.append("No layout of today's placement fits: some model does not fit even 16 GPUs of this size "
-                         "with every memory saving on")
+            lines.append("No layout fits: some model does not fit even 16 GPUs of this size with every memory "
+                         "saving on, on GPUs of its own or colocated")
+        elif gpus is not None and fewest[0] <= gpus:
+            lines.append(f"Smallest change that fits: {fewest[1]} ({fewest[0]} GPUs)")
         else:
-            n, flags = fewest
-            lines.append(f"Smallest change that fits: more GPUs. Today's placement (each agent's actor, reference "
-                         f"and engines on GPUs of their own) needs at least {n} GPUs of {gpu_gib:g} GiB for this team: "
-                         f"{' '.join(flags)}" + (f"; as configured, {plan.need}" if plan.need != n else ""))
+            n, found = fewest
+            lines.append(f"Smallest change that fits: more GPUs. This team needs at least {n} GPUs of {gpu_gib:g} GiB: "
+                         f"{found}" + (f"; as configured, {plan.need}" if plan.need != n else ""))
     raise ValueError("\n".join(lines))
 
 
 def format_plan(plan: Plan, gpus: int = None) -> str:
     """The table (GPU, what it holds, GiB per phase) and, per agent, what the numbers are made of."""
-    out = [f"{'GPU':>4}  {'holds':<44}" + "".join(f"{p:>11}" for p in PHASES) + "   (GiB, peak per phase)"]
+    out = [f"{'GPU':>4}  {'holds':<50}" + "".join(f"{p:>11}" for p in PHASES) + "   (GiB, peak per phase)"]
     for i, slot in enumerate(plan.slots):
-        what = " + ".join(g.label(j) for g, j in slot)
         mark = "  <- beyond the cluster's GPUs" if gpus is not None and i >= gpus else ""
-        out.append(f"{i:>4}  {what:<44}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES) + mark)
-    if not plan.slots:  # GPU memory not known: the counts only
+        out.append(f"{i:>4}  {slot_label(slot):<50}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES) + mark)
+    if not plan.slots:  # GPU memory not known: the counts only, and which of them share GPUs
         out = [f"{n:>4}  GPUs: {label}" for label, n in plan.counts.items()]
+        out += [f"placement: {PLACEMENTS[plan.colocate]}"] * (plan.colocate != "none")
     out.append(f"total: {plan.need} GPUs" + (f" of the cluster's {gpus}" if gpus is not None else ""))
-    for g in plan.groups():
-        if g.kind == "actor":
-            model, size = plan.sizes[g.agent]
-            out.append(f"\n{g.agent}: {model}, {size.params / 1e9:.2f}B parameters ({size.layers} layers, hidden "
-                       f"{size.hidden}, vocabulary {size.vocab})")
-        parts = " + ".join(f"{k} {v:.1f}" for k, v in g.held.items())
-        out.append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {parts} = {sum(g.held.values()):.1f} GiB held")
-        for phase, extra in g.adds.items():
-            if extra:
-                out.append(f"    {phase} adds " + " + ".join(f"{k} {v:.1f}" for k, v in extra.items()))
-        out += [f"    {note}" for note in g.notes]
+    if plan.colocate != "none" and plan.slots:
+        turns = "the largest agent's (they train and sync in turn)" if plan.colocate == "team" else "its agent's"
+        out.append(f"A shared GPU holds what its models keep plus what the phase adds: every engine's in the rollout,\n"
+                   f"the largest forward's in the experience phase, {turns} in train and sync")
+    seen = {}  # an agent's breakdown -> the first agent with it
     for name, (model, size) in plan.sizes.items():
         if isinstance(size, str):  # why the memory of this agent's components is not estimated
             out.append(f"\n{name}: {model}: {size}")
+        lines = []
+        for g in (g for g in plan.groups() if g.agent == name):
+            parts = " + ".join(f"{k} {v:.1f}" for k, v in g.held.items())
+            lines.append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {parts} = {sum(g.held.values()):.1f} GiB held")
+            lines += [f"    {phase} adds " + " + ".join(f"{k} {v:.1f}" for k, v in extra.items())
+                      for phase, extra in g.adds.items() if extra]
+            lines += [f"    {note}" for note in g.notes]
+        if not lines:
+            continue
+        if (model, *lines) in seen:
+            out.append(f"\n{name}: {model}, the same as {seen[model, *lines]}")
+            continue
+        seen[model, *lines] = name
+        out.append(f"\n{name}: {model}, {size.params / 1e9:.2f}B parameters ({size.layers} layers, hidden {size.hidden}, "
+                   f"vocabulary {size.vocab})")
+        out += lines
     return "\n".join(out)
 
 

@@ -136,16 +136,15 @@ def test_gpu_script_submits_absolute_paths_and_declares_its_gpus(tmp_path, scrip
     # The printed GPU need is what the submitted flags ask of the cluster, for the topology's agents.
     topology = load_topology(str(ROOT / args.mappa.topology))
     validate(args, topology)
-    need = sum(
-        (a.num_gpus_per_node or args.actor.num_gpus_per_node) + (a.num_gpus_per_node or args.ref.num_gpus_per_node)
-        + (a.vllm_num_engines or args.vllm.num_engines) * args.vllm.tensor_parallel_size
-        for a in topology.agents
-    )
-    assert need == 18 and args.algo.kl.init_coef > 0  # the reference models count
-    # And they fit in memory on 18 GPUs of 80 GiB (Qwen3-4B's sizes from its config, test_placement.py).
+    # Colocated per agent (--mappa.colocate agent): a GPU holds one actor rank, one reference rank and one engine.
+    assert args.mappa.colocate == "agent" and args.algo.kl.init_coef > 0  # the reference models count
+    need = sum(max((a.num_gpus_per_node or args.actor.num_gpus_per_node), (a.num_gpus_per_node or args.ref.num_gpus_per_node),
+                   (a.vllm_num_engines or args.vllm.num_engines) * args.vllm.tensor_parallel_size) for a in topology.agents)
+    assert need == 6
+    # And they fit in memory on one node of 8 GPUs of 80 GiB (Qwen3-4B's sizes from its config, test_placement.py).
     size = placement.model_size(json.loads((ROOT / "tests" / "fixtures" / "qwen3-4b" / "config.json").read_text()))
     assert {a.model for a in topology.agents} == {"Qwen/Qwen3-4B"}
-    placement.check(args, topology, 18, 80.0, sizes={a.name: size for a in topology.agents})
+    assert placement.check(args, topology, 8, 80.0, sizes={a.name: size for a in topology.agents}).need == need
     assert f"this recipe needs {need} GPUs in the Ray cluster" in proc.stdout
 
 

@@ -1,9 +1,11 @@
 """The GPU plan (placement.py, `mappa plan`): parameter counts from config.json against transformers' own
-models, the memory estimate against a hand computation, the paper's MathChat recipe on today's placement,
-and a team that cannot fit refused with the reason and the smallest change that would fit. Pure Python:
-no GPU and no Ray (the launch check on a real Ray cluster is in test_cpu_patches.py)."""
+models, the memory estimate per phase against hand computations (GPUs of their own, colocated per agent and
+as a team, with sleep), the GPU scripts' own flags (the paper's MathChat recipe on one 8 x 80 GB node), what
+colocation cannot place, and a team that cannot fit refused with the reason and the smallest change that would
+fit. Pure Python: no GPU and no Ray (the launch check on a real Ray cluster is in test_cpu_patches.py)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +21,9 @@ QWEN3_4B = ROOT / "tests" / "fixtures" / "qwen3-4b"  # config.json from Qwen3-4B
 QWEN3_32B = ROOT / "tests" / "fixtures" / "qwen3-32b"
 GIB = 2**30
 
-# examples/scripts/train_mappa_mathchat.sh's training flags (the paper's recipe: 3 agents, REINFORCE++, ZeRO-3,
-# bf16, 4K generation, prompts up to 24K, 2 samples per prompt, per agent 2 actor + 2 reference GPUs, 2 engines).
+# The paper's MathChat recipe as flags (3 agents, REINFORCE++, ZeRO-3, bf16, 4K generation, prompts up to 24K,
+# 2 samples per prompt), on GPUs of their own: per agent 2 actor + 2 reference GPUs, 2 engines. The GPU script's
+# own flags (colocated, Adam on CPU) are read from the script itself below (script_flags).
 RECIPE = ["--mappa.topology", str(ROOT / "examples" / "configs" / "mathchat.yaml"), "--data.prompt_dataset", "x.json",
           "--actor.num_gpus_per_node", "2", "--ref.num_gpus_per_node", "2", "--vllm.num_engines", "2",
           "--vllm.tensor_parallel_size", "1", "--vllm.gpu_memory_utilization", "0.6", "--ds.zero_stage", "3",
@@ -39,6 +42,29 @@ def refusal(args, topology, gpus, gib=80.0) -> str:
     with pytest.raises(ValueError) as e:
         placement.check(args, topology, gpus, gib)
     return str(e.value)
+
+
+def script_flags(tmp_path, script, **env) -> tuple:
+    """(flags, printed) of a GPU script run for real, with `ray` on PATH recording its submission: the one
+    stand-in, for the GPU cluster that cannot exist here (as in test_launch.py)."""
+    stub = tmp_path / "bin" / "ray"
+    stub.parent.mkdir(exist_ok=True)
+    stub.write_text(f"#!/bin/sh\n{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" "
+                    f"> {tmp_path / 'submitted.json'}\n")
+    stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{stub.parent}{os.pathsep}{os.environ['PATH']}", MAPPA_COACH_BASE_URL="http://coach/v1",
+               MAPPA_COACH_MODEL="coach", **env)
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "scripts" / script)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    submitted = json.loads((tmp_path / "submitted.json").read_text())
+    return submitted[submitted.index("openrlhf_mappa.cli.train_mappa_ray") + 1:], proc.stdout
+
+
+def planned(argv):
+    """Parsed flags and topology of a script's flags, with Qwen3-4B's config.json for its agents' models."""
+    args = parse_args(argv + ["--mappa.model", str(QWEN3_4B)])
+    return args, load_topology(str(ROOT / args.mappa.topology), model_override=args.mappa.model)
 
 
 @pytest.mark.parametrize("config", [
@@ -68,38 +94,136 @@ def test_published_sizes_and_unknown_architectures():
         placement.model_size({"model_type": "qwen3_moe"})
 
 
+# Qwen3-4B by hand: hidden H, layers L, vocabulary V, intermediate I, 32 query heads and 8 key/value heads of 128.
+H, L, V, I, Q, K = 2560, 36, 151936, 9728, 32 * 128, 8 * 128
+LAYER = H * Q + 2 * H * K + Q * H + 2 * 128 + 3 * H * I + 2 * H  # q k v o, q/k norms, gate up down, 2 norms
+P = L * LAYER + V * H + H  # embedding tied to the output head, final norm
+S = 28672  # --data.max_len
+TOKEN_LAYER = 2 * (6 * H + 2 * K + 4 * I)  # bytes of one layer's activations per token
+GATHERED = 2 * LAYER * 2 / GIB  # ZeRO-3: this layer and the prefetched one, bf16
+FORWARD = S * TOKEN_LAYER / GIB + S * V * 6 / GIB + GATHERED  # a micro-batch of 1 without gradients
+TRAIN = (S * H * 2 * L + S * TOKEN_LAYER) / GIB + S * V * 10 / GIB + GATHERED  # checkpointed activations, logits
+EMBEDDING = V * H * 2 / GIB  # the largest tensor the sync gathers
+
+
 def test_estimates_agree_with_a_hand_computation():
     args, topology = recipe(QWEN3_4B, "--rollout.micro_batch_size", "1")
     plan = placement.check(args, topology, gpus=18, gpu_gib=80.0)
 
-    # Qwen3-4B: hidden h, layers L, vocabulary V, intermediate I, 32 query heads and 8 key/value heads of 128.
-    h, L, V, I, q, k = 2560, 36, 151936, 9728, 32 * 128, 8 * 128
-    layer = h * q + 2 * h * k + q * h + 2 * 128 + 3 * h * I + 2 * h  # q k v o, q/k norms, gate up down, 2 norms
-    P = L * layer + V * h + h  # embedding tied to the output head, final norm
-    assert (layer, P) == (100_930_816, 4_022_468_096)
-    s, D = 28672, 2  # --data.max_len; actor ranks under ZeRO-3
-    token_layer = 2 * (6 * h + 2 * k + 4 * I)  # bytes of one layer's activations per token
+    assert (LAYER, P) == (100_930_816, 4_022_468_096)
+    D = 2  # actor ranks under ZeRO-3
     held = (2 * P + 2 * P + 12 * P) / D / GIB + 1  # weights, gradients, Adam; 1 GiB CUDA context
-    gathered = 2 * layer * 2 / GIB  # ZeRO-3: this layer and the prefetched one, bf16
-    actor_train = held + (s * h * 2 * L + s * token_layer) / GIB + s * V * 10 / GIB + gathered
-    actor_experience = held + s * token_layer / GIB + s * V * 6 / GIB + gathered
-    reference_experience = 2 * P / D / GIB + 1 + s * token_layer / GIB + s * V * 6 / GIB + gathered
-    engine = 0.6 * 80  # --vllm.gpu_memory_utilization x the GPU
-    kv_gib = engine - 2 * P / GIB - (8192 * token_layer + 256 * V * 4) / GIB
-    kv_tokens = int(kv_gib * GIB / (2 * L * k * 2))
+    actor_train = held + TRAIN
+    actor_experience = held + FORWARD
+    reference_experience = 2 * P / D / GIB + 1 + FORWARD
+    engine = 0.6 * 80  # --vllm.gpu_memory_utilization x the GPU, measured by vLLM after its CUDA context
+    kv_gib = engine - 2 * P / GIB - (8192 * TOKEN_LAYER + 256 * V * 4) / GIB
+    kv_tokens = int(kv_gib * GIB / (2 * L * K * 2))
     assert round(actor_train, 2) == 79.85 and round(kv_gib, 2) == 39.5  # 80 GiB GPUs: it fits, narrowly
 
     slot = {g.label(0): [(g, 0)] for g in plan.groups() if g.agent == "verifier"}
     assert plan.peak(slot["verifier actor rank 0/2"], "train") == pytest.approx(actor_train, rel=1e-9)
     assert plan.peak(slot["verifier actor rank 0/2"], "experience") == pytest.approx(actor_experience, rel=1e-9)
+    assert plan.peak(slot["verifier actor rank 0/2"], "sync") == pytest.approx(held + EMBEDDING, rel=1e-9)
     assert plan.peak(slot["verifier reference rank 0/2"], "experience") == pytest.approx(reference_experience, rel=1e-9)
-    assert plan.peak(slot["verifier vLLM engine 0"], "rollout") == pytest.approx(engine, rel=1e-9)
-    assert f"KV cache {kv_gib:.1f} GiB = {kv_tokens} tokens = {kv_tokens // s} sequences of {s}" in placement.format_plan(plan)
+    for phase in placement.PHASES:  # no --vllm.enable_sleep (nothing is colocated): awake in every phase
+        assert plan.peak(slot["verifier vLLM engine 0"], phase) == pytest.approx(engine + 1, rel=1e-9)
+    assert f"KV cache {kv_gib:.1f} GiB = {kv_tokens} tokens = {kv_tokens // S} sequences of {S}" in placement.format_plan(plan)
 
 
-def test_the_paper_recipe_on_todays_placement():
-    # As the script has it: 18 GPUs, and even there a forward micro-batch of 4 x 28672 tokens does not fit
-    # the actor (its logits alone: 4 x 28672 x 151936 x 6 bytes = 97 GiB).
+def test_colocated_per_agent_estimates_agree_with_a_hand_computation():
+    # Each agent's actor rank i, reference rank i and engine i on its GPU i, with sleep; Adam on the GPU, so
+    # that --ds.enable_sleep has states to move.
+    args, topology = recipe(QWEN3_4B, "--rollout.micro_batch_size", "1", "--mappa.colocate", "agent",
+                            "--vllm.enable_sleep", "--ds.enable_sleep")
+    plan = placement.make_plan(args, topology, 80.0)
+    assert plan.need == 6 and len(plan.slots) == 6
+    slot = plan.slots[4]  # problem_solver has GPUs 0 and 1, code_executor 2 and 3
+    assert placement.slot_label(slot) == "verifier: actor, reference, vLLM engine #0"
+
+    D, weights = 2, 2 * P / 2 / GIB  # ZeRO-3 over the agent's 2 GPUs
+    # Kept in every phase: the actor's bf16 weights (its gradients and Adam states on CPU while it sleeps), the
+    # reference's weights, the sleeping engine's nothing; 1 GiB CUDA context each.
+    held = (weights + 1) + (weights + 1) + 1
+    assert plan.peak(slot, "rollout") == pytest.approx(held + 0.6 * 80, rel=1e-9)  # the engine awake
+    assert plan.peak(slot, "experience") == pytest.approx(held + FORWARD, rel=1e-9)  # actor, then reference
+    train = held + (2 * P + 12 * P) / D / GIB + TRAIN  # gradients and Adam states reloaded
+    assert plan.peak(slot, "train") == pytest.approx(train, rel=1e-9)
+    # The embedding gathered and passed by CUDA IPC (a copy), the engine's weights awake without KV cache.
+    assert plan.peak(slot, "sync") == pytest.approx(held + 2 * EMBEDDING + 2 * P / GIB, rel=1e-9)
+    assert round(train, 1) == 85.6
+
+    message = refusal(args, topology, gpus=8)
+    assert "GPU 0 (problem_solver: actor, reference, vLLM engine #0) needs 85.6 GiB in the train phase" in message
+    assert "Smallest change that fits: --ds.adam_offload" in message
+
+
+def test_team_colocation_estimates_agree_with_a_hand_computation():
+    # One set of 8 GPUs for the team: GPU i holds every agent's actor rank i, reference rank i and engine i.
+    # The engines share the GPU in the rollout (0.2 each); the agents train and sync in turn.
+    args, topology = recipe(QWEN3_4B, "--rollout.micro_batch_size", "1", "--mappa.colocate", "team", "--vllm.enable_sleep",
+                            "--ds.enable_sleep", "--ds.adam_offload", "--vllm.gpu_memory_utilization", "0.2",
+                            "--actor.num_gpus_per_node", "8", "--ref.num_gpus_per_node", "8", "--vllm.num_engines", "8")
+    plan = placement.check(args, topology, gpus=8, gpu_gib=80.0)
+    assert plan.need == 8 and all(placement.slot_label(slot) == f"3 agents: actor, reference, vLLM engine #{i}"
+                                  for i, slot in enumerate(plan.slots))
+    D, weights = 8, 2 * P / 8 / GIB
+    # Per agent: the actor's weights and gradients (with Adam on CPU, --ds.enable_sleep moves nothing: OpenRLHF
+    # skips it), the reference's weights, the sleeping engine; 1 GiB CUDA context each.
+    held = 3 * ((weights + weights + 1) + (weights + 1) + 1)
+    slot = plan.slots[0]
+    assert plan.peak(slot, "rollout") == pytest.approx(held + 3 * 0.2 * 80, rel=1e-9)  # every engine awake at once
+    assert plan.peak(slot, "experience") == pytest.approx(held + FORWARD, rel=1e-9)  # one forward at a time
+    assert plan.peak(slot, "train") == pytest.approx(held + TRAIN, rel=1e-9)  # one agent at a time
+    assert plan.peak(slot, "sync") == pytest.approx(held + 2 * EMBEDDING + 2 * P / GIB, rel=1e-9)
+    assert "the largest agent's (they train and sync in turn) in train and sync" in placement.format_plan(plan)
+
+    # The largest agent sets the train peak: a 32B verifier's training, on top of what all three keep.
+    big = placement.model_size(json.loads((QWEN3_32B / "config.json").read_text()))
+    sizes = {"problem_solver": placement.model_size(json.loads((QWEN3_4B / "config.json").read_text()))}
+    sizes = {**sizes, "code_executor": sizes["problem_solver"], "verifier": big}
+    mixed = placement.make_plan(args, topology, 80.0, sizes)
+    groups = {(g.agent, g.kind): g for g in mixed.groups()}
+    kept = sum(sum(g.held.values()) for g in groups.values())
+    verifier_train = sum(groups["verifier", "actor"].adds["train"].values())
+    assert mixed.peak(mixed.slots[0], "train") == pytest.approx(kept + verifier_train, rel=1e-9)
+
+
+def test_the_paper_recipe_fits_one_node_of_8_x_80_gib(tmp_path):
+    # examples/scripts/train_mappa_mathchat.sh as the authors ran it: each agent's actor, reference and 2 engines
+    # on its 2 GPUs, with sleep and Adam on CPU: 6 of the node's 8 GPUs.
+    argv, printed = script_flags(tmp_path, "train_mappa_mathchat.sh")
+    args, topology = planned(argv)
+    assert (args.mappa.colocate, args.vllm.enable_sleep, args.ds.enable_sleep, args.ds.adam_offload) == ("agent", True, True, True)
+    assert (args.actor.num_gpus_per_node, args.ref.num_gpus_per_node, args.vllm.num_engines) == (2, 2, 2)
+    plan = placement.check(args, topology, gpus=8, gpu_gib=80.0)
+    assert plan.need == 6 and "this recipe needs 6 GPUs in the Ray cluster" in printed
+    assert [placement.slot_label(slot) for slot in plan.slots[:2]] == [
+        "problem_solver: actor, reference, vLLM engine #0", "problem_solver: actor, reference, vLLM engine #1"]
+    assert max(plan.peak(slot, p) for slot in plan.slots for p in placement.PHASES) == pytest.approx(69.3, abs=0.05)
+
+    # COLOCATE=team GPUS_PER_AGENT=8: the team on all 8 GPUs, each engine a third of the share.
+    argv, printed = script_flags(tmp_path, "train_mappa_mathchat.sh", COLOCATE="team", GPUS_PER_AGENT="8")
+    args, topology = planned(argv)
+    assert (args.mappa.colocate, args.vllm.gpu_memory_utilization) == ("team", 0.2)
+    assert placement.check(args, topology, gpus=8, gpu_gib=80.0).need == 8 and "needs 8 GPUs" in printed
+
+    # COLOCATE=none: 18 GPUs, refused on one node; colocation is the change named.
+    argv, printed = script_flags(tmp_path, "train_mappa_mathchat.sh", COLOCATE="none")
+    args, topology = planned(argv)
+    assert "this recipe needs 18 GPUs" in printed
+    assert "Smallest change that fits: --mappa.colocate agent --vllm.enable_sleep --ds.enable_sleep\n" in \
+        refusal(args, topology, gpus=8) + "\n"
+
+    # DSBench's script (16K generation, 32K tokens) is placed alike, and fits too.
+    argv, printed = script_flags(tmp_path, "train_mappa_dsbench.sh")
+    args, topology = planned(argv)
+    assert placement.check(args, topology, gpus=8, gpu_gib=80.0).need == 6 and "needs 6 GPUs" in printed
+
+
+def test_the_paper_recipe_on_gpus_of_their_own():
+    # 18 GPUs, and even there a forward micro-batch of 4 x 28672 tokens does not fit the actor (its logits
+    # alone: 4 x 28672 x 151936 x 6 bytes = 97 GiB).
     args, topology = recipe()
     message = refusal(args, topology, gpus=18)
     assert "GPU 0 (problem_solver actor rank 0/2) needs 140.7 GiB in the experience phase, more than its 80 GiB" in message
@@ -108,13 +232,16 @@ def test_the_paper_recipe_on_todays_placement():
     plan = placement.check(args, topology, gpus=18, gpu_gib=80.0)
     assert plan.need == 18 and max(plan.peak(s, p) for s in plan.slots for p in placement.PHASES) < 80
 
-    # One node of 8 x 80 GiB: today's placement needs a GPU per actor, reference and engine of each agent,
-    # 9 at the least, so it is refused, with that count and the flags that reach it.
+    # One node of 8 x 80 GiB: GPUs of their own need 18; colocation per agent fits 6, with Adam on CPU and
+    # forward micro-batches of 1 (the savings it needs, no more).
     args, topology = recipe()
     message = refusal(args, topology, gpus=8)
     assert "need 18 GPUs but the cluster has 8" in message
-    assert ("needs at least 9 GPUs of 80 GiB for this team: --rollout.micro_batch_size 1 --ds.adam_offload "
-            "--vllm.num_engines 1 --actor.num_gpus_per_node 1 --ref.num_gpus_per_node 1; as configured, 18") in message
+    assert message.endswith("Smallest change that fits: --mappa.colocate agent --vllm.enable_sleep --ds.enable_sleep "
+                            "--rollout.micro_batch_size 1 --ds.adam_offload")
+    # The fewest GPUs that hold it: 3, one per agent, colocated (GPUs of their own: 9, one per component).
+    n, flags = placement.fewest_gpus(args, topology, 80.0, None)
+    assert n == 3 and "--mappa.colocate agent" in flags and "--actor.num_gpus_per_node 1" in flags
 
 
 def test_three_32b_agents_without_lora_on_one_node_are_refused():
@@ -128,6 +255,59 @@ def test_three_32b_agents_without_lora_on_one_node_are_refused():
     assert "GPU 0 (problem_solver actor rank 0/2) needs" in message and "more than its 80 GiB" in message
     fewest = int(message.split("needs at least ")[1].split()[0])
     assert fewest > 8 and "--ds.adam_offload" in message
+    # Colocation does not make it fit: an engine holds the whole 32B model (61 GiB) on one GPU, beside the
+    # actor's and reference's shards, and no colocated layout up to 16 GPUs per agent holds that.
+    assert "--mappa.colocate" not in message.splitlines()[-1]
+    args, topology = recipe(QWEN3_32B, "--rollout.micro_batch_size", "1", "--data.max_len", "8192",
+                            "--rollout.max_new_tokens", "2048", "--vllm.gpu_memory_utilization", "0.9",
+                            "--mappa.colocate", "agent", "--vllm.enable_sleep", "--ds.enable_sleep", "--ds.adam_offload")
+    message = refusal(args, topology, gpus=8)
+    assert "GPU 0 (problem_solver: actor, reference, vLLM engine #0) needs" in message
+    assert "Smallest change that fits: more GPUs. This team needs at least" in message
+
+
+def test_the_launch_counts_shared_gpus_once():
+    # The launch's check where no GPU memory is known (on CPU): a colocated GPU counts once. 3 agents x (2 actor
+    # + 2 reference GPUs + 2 engines) take 18 GPUs of their own, 6 colocated per agent, 2 as a team.
+    for colocate, need in (("none", 18), ("agent", 6), ("team", 2)):
+        args, topology = recipe(QWEN3_4B, "--mappa.colocate", colocate)
+        plan = placement.check(args, topology, need)
+        assert plan.need == need and not plan.slots
+        assert ("placement: every agent's actor, reference and vLLM engines share the team's GPUs" in
+                placement.format_plan(plan, need)) == (colocate == "team")
+        with pytest.raises(ValueError, match=f"need {need} GPUs but the cluster has {need - 1}"):
+            placement.check(args, topology, need - 1)
+
+
+def test_what_colocation_cannot_place_is_refused_with_the_reason():
+    # Colocated, a GPU holds one actor rank, one reference rank and one engine: 1 reference GPU and 1 engine
+    # for 2 actor GPUs cannot be placed. Refused at launch (count check only, no memory known) and by the plan.
+    args, topology = recipe(QWEN3_4B, "--rollout.micro_batch_size", "1", "--mappa.colocate", "agent",
+                            "--ref.num_gpus_per_node", "1", "--vllm.num_engines", "1")
+    problems = placement.colocation_problems(args, topology)
+    assert problems[:2] == [
+        "agent 'problem_solver': 1 reference GPUs, but its actor has 2; colocated they share GPUs one rank each "
+        "(--ref.num_gpus_per_node)",
+        "agent 'problem_solver': 1 vLLM engines on its actor's 2 GPUs; colocated, one engine per GPU (--vllm.num_engines 2)"]
+    assert len(problems) == 6  # the same for each of the 3 agents
+    with pytest.raises(ValueError) as e:
+        placement.check(args, topology, 8)
+    assert all(f"  - {p}" in str(e.value) for p in problems)
+    assert all(f"  - {p}" in refusal(args, topology, gpus=8) for p in problems)
+
+    args, topology = recipe(QWEN3_4B, "--mappa.colocate", "agent", "--vllm.tensor_parallel_size", "2")
+    assert "--vllm.tensor_parallel_size 2: colocated engines take one GPU each" in placement.colocation_problems(args, topology)
+
+    # A team shares one GPU set: the agents need one GPU count.
+    args, topology = recipe(QWEN3_4B, "--rollout.micro_batch_size", "1", "--mappa.colocate", "team")
+    topology.agents[2].num_gpus_per_node, topology.agents[2].vllm_num_engines = 1, 1
+    assert placement.colocation_problems(args, topology) == [
+        "--mappa.colocate team puts every agent on one GPU set, but the agents' actors have different GPU counts "
+        "(problem_solver: 2, code_executor: 2, verifier: 1); give them one num_gpus_per_node"]
+
+    # What each colocated model asks Ray for: one over the models a GPU holds (actor, reference, engine).
+    assert placement.gpu_share(recipe(QWEN3_4B, "--mappa.colocate", "agent")[0], topology) == 0.3333
+    assert placement.gpu_share(recipe(QWEN3_4B, "--mappa.colocate", "team")[0], topology) == 0.1111
 
 
 def test_a_change_that_fits_is_named_when_one_exists():
@@ -152,6 +332,14 @@ def test_mappa_plan_command():
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert refused.returncode == 1 and "REFUSED: the plan does not fit 8 x 80 GiB GPUs" in refused.stdout
     assert "<- beyond the cluster's GPUs" in refused.stdout
+    # Colocated per agent (the GPU script's placement): a GPU's line names the three models it holds.
+    colocated = subprocess.run(mappa + RECIPE + ["--mappa.model", str(QWEN3_4B), "--rollout.micro_batch_size", "1",
+                                                 "--ds.adam_offload", "--mappa.colocate", "agent", "--vllm.enable_sleep",
+                                                 "--ds.enable_sleep", "--mappa.gpus", "8", "--mappa.gpu_memory_gib", "80"],
+                               capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert colocated.returncode == 0, colocated.stderr[-2000:]
+    assert "placement: each agent's actor, reference and vLLM engines share that agent's GPUs" in colocated.stdout
+    assert "   5  verifier: actor, reference, vLLM engine #1" in colocated.stdout and "fits: 6 of 8 GPUs" in colocated.stdout
     # No GPU here to measure: the cluster must be given.
     bare = subprocess.run(mappa + RECIPE + ["--mappa.model", str(QWEN3_4B)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)

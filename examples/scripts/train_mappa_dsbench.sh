@@ -2,11 +2,12 @@
 # DSBench with MAPPA at the paper's recipe: three agents (Data Engineer -> Modeler -> Analyst), each its own
 # Qwen3-4B with up to 4 actions of code + execution in a shared per-episode workspace; REINFORCE++ with
 # per-action coach scores, KL 0.01 in the reward, lr 1e-6, rollout batch 16, 16K generation, 30 episodes,
-# ZeRO-3, bf16. Per agent: 2 actor GPUs, 2 reference GPUs, 2 vLLM engines: 18 GPUs for three agents
-# (printed below; ACTOR_GPUS, REF_GPUS, ENGINES change it, as do per-agent overrides in the topology YAML).
-# Memory: Adam states on CPU (--ds.adam_offload, as the authors ran it) and forward micro-batches of 2, so that
-# an action of --data.max_len tokens fits an 80 GiB GPU; `mappa plan` with these flags (plus --mappa.gpus N
-# --mappa.gpu_memory_gib G) prints where everything goes and its memory, and the launch checks the same.
+# ZeRO-3, bf16. Placed as train_mappa_mathchat.sh (which says how): each agent's actor, reference and 2 vLLM
+# engines share that agent's 2 GPUs, sleeping in turn; Adam states on CPU and forward micro-batches of 2, so
+# that an action of --data.max_len tokens fits an 80 GiB GPU: 6 GPUs of one 8-GPU node. GPUS_PER_AGENT,
+# COLOCATE (agent, team, none) and ACTOR_GPUS, REF_GPUS, ENGINES (with COLOCATE=none) change it. `mappa plan`
+# with these flags (plus --mappa.gpus N --mappa.gpu_memory_gib G) prints where everything goes and its memory
+# per phase, and the launch checks the same.
 #
 # Tasks: the paper trains on DSBench's 64 modeling tasks. Download DSBench's data yourself, then
 #   mappa dsbench import --data-root DIR --metadata dsbench_modeling_train.json --out data/dsbench
@@ -22,9 +23,16 @@ set -euo pipefail
 # Absolute paths: `ray job submit` runs the job in a temporary copy of working_dir, where relative outputs
 # would be lost with the copy (and --ckpt.load_enable would find nothing to resume from).
 OUT=${MAPPA_OUT:-$PWD/runs/dsbench}
-ACTOR_GPUS=${ACTOR_GPUS:-2} REF_GPUS=${REF_GPUS:-2} ENGINES=${ENGINES:-2} AGENTS=3
-echo "[mappa] this recipe needs $((AGENTS * (ACTOR_GPUS + REF_GPUS + ENGINES))) GPUs in the Ray cluster:" \
-     "$AGENTS agents x ($ACTOR_GPUS actor + $REF_GPUS reference + $ENGINES vLLM engines); outputs in $OUT"
+COLOCATE=${COLOCATE:-agent} GPUS=${GPUS_PER_AGENT:-2} AGENTS=3
+ACTOR_GPUS=${ACTOR_GPUS:-$GPUS} REF_GPUS=${REF_GPUS:-$GPUS} ENGINES=${ENGINES:-$GPUS}
+case $COLOCATE in  # as in train_mappa_mathchat.sh
+  none) NEED=$((AGENTS * (ACTOR_GPUS + REF_GPUS + ENGINES))) SLEEP="" UTIL=0.6 ;;
+  agent) NEED=$((AGENTS * GPUS)) SLEEP="--vllm.enable_sleep --ds.enable_sleep" UTIL=0.6 ;;
+  team) NEED=$GPUS SLEEP="--vllm.enable_sleep --ds.enable_sleep" UTIL=0.2 ;;
+  *) echo "COLOCATE must be none, agent or team" >&2; exit 2 ;;
+esac
+echo "[mappa] this recipe needs $NEED GPUs in the Ray cluster: $AGENTS agents, --mappa.colocate $COLOCATE" \
+     "($ACTOR_GPUS actor + $REF_GPUS reference GPUs + $ENGINES vLLM engines per agent); outputs in $OUT"
 set -x
 
 ray job submit --address="http://127.0.0.1:8265" \
@@ -38,11 +46,12 @@ ray job submit --address="http://127.0.0.1:8265" \
    --mappa.coach.api_key_env OPENAI_API_KEY \
    --mappa.run_dir "$OUT/run" \
    --data.prompt_dataset "${MAPPA_TRAIN_DATA:-$PWD/data/dsbench/tasks.jsonl}" \
+   --mappa.colocate "$COLOCATE" $SLEEP \
    --actor.num_gpus_per_node "$ACTOR_GPUS" \
    --ref.num_gpus_per_node "$REF_GPUS" \
    --vllm.num_engines "$ENGINES" \
    --vllm.tensor_parallel_size 1 \
-   --vllm.gpu_memory_utilization 0.6 \
+   --vllm.gpu_memory_utilization "$UTIL" \
    --ds.zero_stage 3 \
    --ds.param_dtype bf16 \
    --ds.adam_offload \

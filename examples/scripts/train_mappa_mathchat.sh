@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # MathChat with MAPPA at the paper's recipe: three agents (Problem Solver -> Code Executor -> Verifier),
 # each its own Qwen3-4B, REINFORCE++ with per-action coach scores, KL 0.01 in the reward, lr 1e-6,
-# 2 samples per prompt, ZeRO-3, bf16. Per agent: 2 actor GPUs, 2 reference GPUs, 2 vLLM engines: 18 GPUs for
-# three agents (printed below; ACTOR_GPUS, REF_GPUS, ENGINES change it, as do per-agent overrides in the
-# topology YAML). The coach's GPUs, if you serve it yourself, must stay out of Ray (see README, GPU usage).
-# Memory: Adam states on CPU (--ds.adam_offload, as the authors ran it) and forward micro-batches of 2, so that
-# an action of --data.max_len tokens fits an 80 GiB GPU; `mappa plan` with these flags (plus --mappa.gpus N
-# --mappa.gpu_memory_gib G) prints where everything goes and its memory, and the launch checks the same.
+# 2 samples per prompt, ZeRO-3, bf16, 4K generation. Placed as the authors ran it: each agent's actor,
+# reference and 2 vLLM engines share that agent's 2 GPUs (--mappa.colocate agent); the engines sleep while
+# the actor trains and the actor's training states go to CPU while the engines generate (--vllm.enable_sleep
+# --ds.enable_sleep), Adam states on CPU (--ds.adam_offload). 6 GPUs for three agents: one 8 x 80 GB node, two
+# GPUs left for a coach you serve yourself (they must stay out of Ray; see README, GPU usage).
+# GPUS_PER_AGENT changes the count; COLOCATE=team puts all agents on one set of GPUS_PER_AGENT GPUs (8 fit
+# one node), COLOCATE=none gives each actor, reference and engine GPUs of their own (ACTOR_GPUS, REF_GPUS,
+# ENGINES: 18 GPUs as the defaults).
+# `mappa plan` with these flags (plus --mappa.gpus N --mappa.gpu_memory_gib G) prints where everything goes
+# and its memory per phase, and the launch checks the same.
 #
 # The coach is any OpenAI-compatible endpoint:
 #   export MAPPA_COACH_BASE_URL=https://api.openai.com/v1 MAPPA_COACH_MODEL=gpt-4o-mini OPENAI_API_KEY=...
@@ -18,9 +22,18 @@ set -euo pipefail
 # Absolute paths: `ray job submit` runs the job in a temporary copy of working_dir, where relative outputs
 # would be lost with the copy (and --ckpt.load_enable would find nothing to resume from).
 OUT=${MAPPA_OUT:-$PWD/runs/mathchat}
-ACTOR_GPUS=${ACTOR_GPUS:-2} REF_GPUS=${REF_GPUS:-2} ENGINES=${ENGINES:-2} AGENTS=3
-echo "[mappa] this recipe needs $((AGENTS * (ACTOR_GPUS + REF_GPUS + ENGINES))) GPUs in the Ray cluster:" \
-     "$AGENTS agents x ($ACTOR_GPUS actor + $REF_GPUS reference + $ENGINES vLLM engines); outputs in $OUT"
+COLOCATE=${COLOCATE:-agent} GPUS=${GPUS_PER_AGENT:-2} AGENTS=3
+ACTOR_GPUS=${ACTOR_GPUS:-$GPUS} REF_GPUS=${REF_GPUS:-$GPUS} ENGINES=${ENGINES:-$GPUS}
+# Colocated, a GPU holds one actor rank, one reference rank and one engine of an agent (of each, for a team).
+# A team's engines are all awake in the rollout: each takes a third of the GPU share one engine has alone.
+case $COLOCATE in
+  none) NEED=$((AGENTS * (ACTOR_GPUS + REF_GPUS + ENGINES))) SLEEP="" UTIL=0.6 ;;
+  agent) NEED=$((AGENTS * GPUS)) SLEEP="--vllm.enable_sleep --ds.enable_sleep" UTIL=0.6 ;;
+  team) NEED=$GPUS SLEEP="--vllm.enable_sleep --ds.enable_sleep" UTIL=0.2 ;;
+  *) echo "COLOCATE must be none, agent or team" >&2; exit 2 ;;
+esac
+echo "[mappa] this recipe needs $NEED GPUs in the Ray cluster: $AGENTS agents, --mappa.colocate $COLOCATE" \
+     "($ACTOR_GPUS actor + $REF_GPUS reference GPUs + $ENGINES vLLM engines per agent); outputs in $OUT"
 set -x
 
 ray job submit --address="http://127.0.0.1:8265" \
@@ -35,11 +48,12 @@ ray job submit --address="http://127.0.0.1:8265" \
    --mappa.run_dir "$OUT/run" \
    --data.prompt_dataset "${MAPPA_TRAIN_DATA:-$PWD/data/AIME_1983_2024.json}" \
    --data.max_samples 512 \
+   --mappa.colocate "$COLOCATE" $SLEEP \
    --actor.num_gpus_per_node "$ACTOR_GPUS" \
    --ref.num_gpus_per_node "$REF_GPUS" \
    --vllm.num_engines "$ENGINES" \
    --vllm.tensor_parallel_size 1 \
-   --vllm.gpu_memory_utilization 0.6 \
+   --vllm.gpu_memory_utilization "$UTIL" \
    --ds.zero_stage 3 \
    --ds.param_dtype bf16 \
    --ds.adam_offload \

@@ -149,8 +149,8 @@ def plan_main(argv) -> int:
     if gpus is None or gib is None:
         raise SystemExit("mappa plan: no GPU here to measure: give the cluster as --mappa.gpus N --mappa.gpu_memory_gib G")
     plan = placement.make_plan(args, topology, gib)
-    print(f"mappa plan: {len(topology.agents)} agents on {gpus} GPUs of {gib:g} GiB; placement: each agent's actor, "
-          f"reference and vLLM engines on GPUs of their own\n")
+    print(f"mappa plan: {len(topology.agents)} agents on {gpus} GPUs of {gib:g} GiB; placement: "
+          f"{placement.PLACEMENTS[args.mappa.colocate]}\n")
     print(placement.format_plan(plan, gpus))
     try:
         placement.check(args, topology, gpus, gib)
