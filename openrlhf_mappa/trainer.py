@@ -200,6 +200,10 @@ def build_agents(args, topology, max_steps: int, startup) -> list:
         # answer comes after its init.
         startup.components += [(f"agent {name!r}: {what}", h.__ray_ready__.remote())
                                for name, what, h in components(agents[-1:]) if "vLLM" not in what]
+        if colocate == "team":
+            # On the team's GPUs, one agent's actors load (ZeRO-3 gathers every weight once) and offload before
+            # the next agent's load: all at once, the team's weights would be on the GPUs together.
+            ray.get(init_refs)
     startup.stage = None
     ray.get(init_refs)
     # The shared-policy baseline: every other role plays and trains through the first agent's components.
