@@ -109,6 +109,6 @@ def test_start_up_without_a_free_gpu_is_named_then_stopped(tmp_path, tiny_model)
     assert "Stops after --mappa.startup_timeout_s 8" in warning, proc.stderr[-4000:]
     stop = proc.stderr.split("[mappa] stopping: ")[-1].splitlines()[0]
     assert stop.startswith("start-up not done after"), proc.stderr[-4000:]
-    assert "not up yet: agent 'problem_solver' (creating its engines and actors)" in stop
+    assert "not up yet: agent 'problem_solver' (creating its engines)" in stop
     assert re.search(r"a placement group Ray cannot place: \[\{[^]]*'GPU': 1\.0[^]]*\}\], 0 GPUs free", stop), stop
     assert stop.endswith("Stopped by --mappa.startup_timeout_s 8.")
