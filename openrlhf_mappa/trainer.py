@@ -158,13 +158,13 @@ def build_agents(args, topology, max_steps: int, startup) -> list:
     per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
     colocate = args.mappa.colocate
     share = placement.gpu_share(args, topology) if colocate != "none" else 1
-    pgs = {}
-    for spec, a in per_agent:
-        gpus = a.actor.num_nodes * a.actor.num_gpus_per_node
-        if colocate == "agent" or (colocate == "team" and not pgs):
-            pgs[spec.name] = placement_group([{"GPU": 1, "CPU": 1}] * gpus, strategy="PACK")
-        elif colocate == "team":
-            pgs[spec.name] = next(iter(pgs.values()))
+    gpu_set = lambda a: placement_group([{"GPU": 1, "CPU": 1}] * (a.actor.num_nodes * a.actor.num_gpus_per_node), strategy="PACK")
+    pgs = {}  # agent -> the placement group its actor, reference and engines share (colocated only)
+    if colocate == "agent":
+        pgs = {spec.name: gpu_set(a) for spec, a in per_agent}
+    elif colocate == "team":  # every agent has the same GPU count (placement.colocation_problems)
+        team = gpu_set(per_agent[0][1])
+        pgs = {spec.name: team for spec, _ in per_agent}
 
     engines = {}
     for spec, a in per_agent:
