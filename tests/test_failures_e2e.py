@@ -9,6 +9,7 @@ the server gave it in its episode's review."""
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -61,7 +62,9 @@ def test_a_dead_engine_stops_the_run_naming_its_agent(tmp_path, tiny_model):
     assert [ep["step"] for ep in episodes] == [1] * 4
     for ep in episodes:
         outputs = [f"Output:\n{a['response_text']}" for a in ep["actions"]]
-        prompt = next(p for p in prompts if all(o in p for o in outputs))  # this episode's review request
+        # This episode's review request: its outputs in its order (another episode may hold the same two swapped).
+        in_order = re.compile(".*".join(map(re.escape, outputs)), re.DOTALL)
+        prompt = next(p for p in prompts if in_order.search(p))
         assert f'"success": {str(ep["outcome"]["success"]).lower()}' in prompt  # it saw the outcome
         reply = json.loads(review_reply(prompt, ()))
         review = ep["review"]
