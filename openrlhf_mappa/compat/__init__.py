@@ -98,6 +98,7 @@ WATCHED = {
     "openrlhf.trainer.ray.vllm_worker_wrap": ("gloo_weight_sync",),
     "vllm.model_executor.layers.utils": ("vllm_cpu_weight_update",),
     "vllm.platforms.cpu": ("hybrid_engine",),
+    "deepspeed.runtime.zero.partition_parameters": ("zero3_gloo_allgather",),
 }
 
 
