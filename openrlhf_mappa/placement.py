@@ -96,7 +96,7 @@ def colocation_problems(args, topology) -> list:
         a = agent_args(args, spec)
         gpus = a.actor.num_nodes * a.actor.num_gpus_per_node
         sizes[spec.name] = gpus
-        if a.algo.kl.init_coef > 0 and a.ref.num_nodes * a.ref.num_gpus_per_node != gpus:
+        if a.algo.kl.init_coef > 0 and spec.lora is None and a.ref.num_nodes * a.ref.num_gpus_per_node != gpus:
             out.append(f"agent {spec.name!r}: {a.ref.num_nodes * a.ref.num_gpus_per_node} reference GPUs, but its actor has "
                        f"{gpus}; colocated they share GPUs one rank each (--ref.num_gpus_per_node)")
         if a.vllm.tensor_parallel_size != 1:
@@ -104,6 +104,10 @@ def colocation_problems(args, topology) -> list:
         elif a.vllm.num_engines != gpus:
             out.append(f"agent {spec.name!r}: {a.vllm.num_engines} vLLM engines on its actor's {gpus} GPUs; colocated, "
                        f"one engine per GPU (--vllm.num_engines {gpus})")
+    pools = lora_pools(args, topology)
+    if pools and args.mappa.colocate == "agent":
+        out.append(f"LoRA engine pools ({', '.join(pools)}) serve several agents, so they cannot sit on one agent's GPUs: "
+                   f"use --mappa.colocate team or none")
     if args.mappa.colocate == "team" and len(set(sizes.values())) > 1:
         out.append("--mappa.colocate team puts every agent on one GPU set, but the agents' actors have different GPU "
                    f"counts ({', '.join(f'{n}: {g}' for n, g in sizes.items())}); give them one num_gpus_per_node")
@@ -114,8 +118,10 @@ def gpu_share(args, topology) -> float:
     """The fraction of a GPU that each colocated actor rank, reference rank and engine asks Ray for: one over
     the models one GPU holds (OpenRLHF hard-codes 0.2, which fits one policy's three, not a team's). Rounded
     down to Ray's 1e-4 resolution, so the shares of one GPU never sum above 1."""
-    per_agent = 2 + (args.algo.kl.init_coef > 0)  # actor, engine, and the reference when β > 0
-    models = per_agent * (len(trainee_specs(args, topology)) if args.mappa.colocate == "team" else 1)
+    specs = trainee_specs(args, topology)[: None if args.mappa.colocate == "team" else 1]
+    full = [spec for spec in specs if spec.lora is None]  # a LoRA agent: no reference, and its pool's engines
+    engines = len(full) + len({spec.pool for spec in specs if spec.lora is not None})
+    models = len(specs) + len(full) * (args.algo.kl.init_coef > 0) + engines
     return int(1e4 / models) / 1e4
 
 
@@ -131,6 +137,19 @@ class ModelSize:
     heads: int
     kv_dim: int  # key/value heads x head dim
     intermediate: int
+    q_dim: int  # query heads x head dim
+
+    def linear_shapes(self) -> dict:
+        """(in, out) features of each linear layer of one decoder layer, by module name (what LoRA targets)."""
+        h, q, k, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, k), "v_proj": (h, k), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_params(self, rank: int, targets) -> int:
+        """An adapter's parameters: A (rank x in) and B (out x rank) per targeted layer, in every decoder layer."""
+        shapes = self.linear_shapes()
+        names = shapes if "all-linear" in targets else [t for t in targets if t in shapes]
+        return self.layers * sum(rank * sum(shapes[n]) for n in names)
 
 
 def model_size(config: dict) -> ModelSize:
@@ -154,7 +173,7 @@ def model_size(config: dict) -> ModelSize:
     mlp = 3 * h * I + (2 * I + h if config.get("mlp_bias") else 0)  # gate, up, down
     layer = attention + mlp + 2 * h  # two RMSNorms
     params = L * layer + V * h * (1 if config.get("tie_word_embeddings", False) else 2) + h
-    return ModelSize(params, layer, h, L, V, heads, k, I)
+    return ModelSize(params, layer, h, L, V, heads, k, I, q)
 
 
 def read_config(model: str) -> dict:
@@ -191,8 +210,11 @@ class Group:
         return f"{self.agent} {self.kind} rank {i}/{self.gpus}"
 
 
-def component_groups(a, name: str, size: ModelSize, gpu_gib: float) -> list:
-    """The groups of one agent (its per-agent args `a`), memory per GPU by the model in the docstring."""
+def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -> list:
+    """The groups of one agent (its per-agent args `a`), memory per GPU by the model in the docstring. A LoRA
+    agent (`lora`, topology.Lora) trains its adapter's A parameters only: gradients and Adam states of A, not
+    of P; it has no reference group (its reference is the base, the adapter off, on its actor) and no
+    engines of its own (its pool's, pool_engines)."""
     s, h, L, V = a.data.max_len, size.hidden, size.layers, size.vocab
     layer_act = 2 * (6 * h + 2 * size.kv_dim + 4 * size.intermediate)  # bytes per token, one layer
     token_layer = layer_act + (size.heads * s * 4 if a.ds.attn_implementation == "eager" else 0)  # + scores
@@ -203,44 +225,64 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float) -> list:
     zero3 = a.ds.zero_stage == 3
     gathered = {"ZeRO-3 gathered layers": 2 * size.layer_params * 2 / GIB} if zero3 else {}
     P, D = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node
+    trained = size.lora_params(lora.rank, lora.target_modules) if lora else P
     shard = lambda nbytes, stage: nbytes / (D if a.ds.zero_stage >= stage else 1)
-    states = {"gradients": shard(2 * P, 2) / GIB}
+    states = {"gradients": shard(2 * trained, 2) / GIB}
     if not a.ds.adam_offload:
-        states["Adam states"] = shard(12 * P, 1) / GIB
+        states["Adam states"] = shard(12 * trained, 1) / GIB
     offloads = a.ds.enable_sleep and not a.ds.adam_offload  # OpenRLHF's offload skips an actor whose Adam is on CPU
     b = a.train.micro_batch_size
     stored = b * s * h * 2 * L + b * s * token_layer if a.actor.gradient_checkpointing_enable else b * s * token_layer * L
     largest = V * h * 2 / GIB  # the embedding, the largest tensor the sync gathers
     ipc = a.mappa.colocate != "none" and a.vllm.sync_backend == "nccl"  # OpenRLHF's colocated sync: CUDA IPC
-    actor = Group(name, "actor", D, 1, {"weights": shard(2 * P, 3) / GIB, **({} if offloads else states),
-                                        "CUDA context": CONTEXT_GIB}, {
+    weights = {"weights": shard(2 * P, 3) / GIB, **({"adapter": shard(2 * trained, 3) / GIB} if lora else {})}
+    actor = Group(name, "actor", D, 1, {**weights, **({} if offloads else states), "CUDA context": CONTEXT_GIB}, {
         "experience": {**forward(a.rollout.micro_batch_size), **gathered},
         "train": {**(states if offloads else {}), "activations": stored / GIB, "logits": b * s * V * 10 / GIB,
                   **gathered},
-        "sync": {**({"gathered embedding": largest} if zero3 else {}), **({"its CUDA IPC copy": largest} if ipc else {})},
+        "sync": {} if lora else {**({"gathered embedding": largest} if zero3 else {}),
+                                 **({"its CUDA IPC copy": largest} if ipc else {})},
     })
+    if lora:
+        actor.notes.append(f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {trained / 1e6:.1f}M trained "
+                           f"parameters ({100 * trained / P:.2f}% of the model); a sync sends {2 * trained / 2**20:.0f} "
+                           f"MiB, not {2 * P / 2**20:.0f} MiB")
+        if a.algo.kl.init_coef > 0:
+            actor.notes.append("reference log-probs: this actor with the adapter off (no reference group)")
     if a.ds.adam_offload:
-        actor.notes.append(f"Adam states on CPU: {shard(12 * P, 1) / GIB:.1f} GiB per rank")
+        actor.notes.append(f"Adam states on CPU: {shard(12 * trained, 1) / GIB:.1f} GiB per rank")
     if offloads:
         actor.notes.append("--ds.enable_sleep: gradients and Adam states on CPU outside the train phase")
     elif a.ds.enable_sleep:
         actor.notes.append("--ds.enable_sleep offloads nothing with --ds.adam_offload (OpenRLHF skips it)")
     groups = [actor]
-    if a.algo.kl.init_coef > 0:
+    if a.algo.kl.init_coef > 0 and not lora:
         R = a.ref.num_nodes * a.ref.num_gpus_per_node
         weights = 0.0 if a.ref.offload else 2 * P / (R if zero3 else 1) / GIB
         groups.append(Group(name, "reference", R, 1, {"weights": weights, "CUDA context": CONTEXT_GIB}, {
             "experience": {**forward(a.rollout.micro_batch_size), **(gathered if zero3 or a.ref.offload else {})}}))
+    return groups if lora else groups + [engine_group(a, name, size, gpu_gib)]
+
+
+def engine_group(a, name: str, size: ModelSize, gpu_gib: float, adapters: list = ()) -> Group:
+    """The vLLM engines of one agent, or of a LoRA pool (`name` the pool's, `adapters` its agents' Lora): the
+    base once, and for LoRA a slot per agent at the pool's max_lora_rank on every targeted layer."""
+    s, L, V = a.data.max_len, size.layers, size.vocab
+    layer_act = 2 * (6 * size.hidden + 2 * size.kv_dim + 4 * size.intermediate)
     tp = a.vllm.tensor_parallel_size
     budget = a.vllm.gpu_memory_utilization * gpu_gib
-    weights = 2 * P / tp / GIB
+    weights = 2 * size.params / tp / GIB
+    if adapters:  # vLLM allocates max_loras slots of max_lora_rank on each module any adapter targets
+        targets = sorted({t for lora in adapters for t in lora.target_modules})
+        weights += len(adapters) * 2 * size.lora_params(pool_max_rank(adapters), targets) / tp / GIB
     reserve = (VLLM_BATCHED_TOKENS * layer_act + VLLM_SEQS * V * 4) / tp / GIB
     kv_token = 2 * L * size.kv_dim * 2 / tp
     kv = budget - weights - reserve
-    awake = {"weights": weights, "activation reserve": reserve, "KV cache": max(kv, 0.0)}
+    label = "weights" + (f" + {len(adapters)} LoRA slots" if adapters else "")
+    awake = {label: weights, "activation reserve": reserve, "KV cache": max(kv, 0.0)}
     if a.vllm.enable_sleep:  # level 1: weights to CPU, KV cache dropped; the sync wakes the weights alone
         engines = Group(name, "vllm", a.vllm.num_engines * tp, tp, {"CUDA context": CONTEXT_GIB},
-                        {"rollout": awake, "sync": {"weights": weights}})
+                        {"rollout": awake, "sync": {label: weights}})
         engines.notes.append("--vllm.enable_sleep: asleep outside the rollout; the sync wakes its weights alone")
     else:
         engines = Group(name, "vllm", a.vllm.num_engines * tp, tp, {**awake, "CUDA context": CONTEXT_GIB})
@@ -250,7 +292,24 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float) -> list:
         engines.problems.append(f"{name}'s vLLM engines: {a.vllm.gpu_memory_utilization:g} x {gpu_gib:g} GiB leaves "
                                 f"{max(kv, 0):.1f} GiB of KV cache, {tokens} tokens, fewer than one --data.max_len "
                                 f"sequence ({s}); vLLM would refuse to start")
-    return groups + [engines]
+    return engines
+
+
+def pool_max_rank(adapters: list) -> int:
+    """The max_lora_rank of a pool's engines: the smallest vLLM accepts that holds its largest adapter."""
+    from openrlhf_mappa.topology import VLLM_LORA_RANKS
+
+    return min(r for r in VLLM_LORA_RANKS if r >= max(lora.rank for lora in adapters))
+
+
+def lora_pools(args, topology) -> dict:
+    """LoRA engine pools of the trainees: pool label (its name, or its base model's last path part) -> its
+    agents' specs, in the order the agents are listed."""
+    pools = {}
+    for spec in trainee_specs(args, topology):
+        if spec.lora is not None:
+            pools.setdefault(f"pool {spec.lora.pool or os.path.basename(spec.model.rstrip('/'))}", []).append(spec)
+    return pools
 
 
 PLACEMENTS = {
@@ -349,9 +408,10 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
     for spec in trainee_specs(args, topology):
         a = agent_args(args, spec)
         counts[f"{spec.name}/actor"] = a.actor.num_nodes * a.actor.num_gpus_per_node
-        if a.algo.kl.init_coef > 0:
+        if a.algo.kl.init_coef > 0 and spec.lora is None:
             counts[f"{spec.name}/reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
-        counts[f"{spec.name}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
+        if spec.lora is None:
+            counts[f"{spec.name}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
         size = (sizes or {}).get(spec.name)
         if size is None and gpu_gib is not None:  # the memory check needs the sizes; the count check does not
             try:
@@ -360,7 +420,20 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
                 size = f"memory not estimated: {e}"
         known[spec.name] = (spec.model, size)
         if gpu_gib is not None and isinstance(size, ModelSize):
-            groups += component_groups(a, spec.name, size, gpu_gib)
+            groups += component_groups(a, spec.name, size, gpu_gib, spec.lora)
+    for pool, specs in lora_pools(args, topology).items():  # one engine group per pool, after its agents' actors
+        a = agent_args(args, specs[0])
+        counts[f"{pool}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
+        size = known[specs[0].name][1]
+        if gpu_gib is not None and isinstance(size, ModelSize):
+            groups.append(engine_group(a, pool, size, gpu_gib, [spec.lora for spec in specs]))
+            groups[-1].notes.append(f"serves {', '.join(spec.name for spec in specs)}: the base model once, each agent's "
+                                    f"adapter by request (max_loras {len(specs)}, max_lora_rank {pool_max_rank([x.lora for x in specs])})")
+            # The choice: an actor group per agent (each holds the base; agents on GPUs of their own train at once),
+            # not one per base model switching adapters (the base once, but the pool's agents train in turn).
+            base = 2 * size.params / (a.actor.num_nodes * a.actor.num_gpus_per_node) / GIB
+            groups[-1].notes.append(f"actors: one group per agent, {len(specs)} x {base:.1f} GiB of base weights per actor "
+                                    f"rank; one group per base model would hold {base:.1f} GiB but train them in turn")
     colocate = args.mappa.colocate
     return Plan(counts, layout(groups, colocate), known, gpu_gib, colocate, colocation_problems(args, topology))
 
@@ -413,13 +486,18 @@ def colocation(args, topology, mode: str) -> list:
     return out
 
 
+def has_reference(args, topology) -> bool:
+    """Some trainee has a reference group: β > 0 and not every agent LoRA (whose reference is its own base)."""
+    return args.algo.kl.init_coef > 0 and any(spec.lora is None for spec in trainee_specs(args, topology))
+
+
 def single_changes(args, topology, memory_known: bool) -> list:
     """Changes of one flag (or one placement), smallest first: memory savings that cost no GPU, then fewer
     GPUs for a component (fewer engines first), then colocation, then more GPUs for one (a bigger share of
     the cluster), then all savings at once, then colocation with the savings it needs. Each is (settings,
     savings), the savings trimmed to those the plan needs. Another placement is proposed only where its
     memory can be checked: it changes what every GPU holds."""
-    kl = args.algo.kl.init_coef > 0
+    kl = has_reference(args, topology)
     modes = ("agent", "team", "none") if memory_known else ()
     placements = {mode: colocation(args, topology, mode) for mode in modes if mode != args.mappa.colocate}
     out = [[saving] for saving in memory_flags(args)]
@@ -465,7 +543,7 @@ def fewest_gpus(args, topology, gpu_gib: float, sizes: dict):
     keeps the placement without sleep). On GPUs of their own: one engine per agent, each agent's actor and
     reference on the fewest GPUs that hold them and the smallest tensor-parallel size that holds the model.
     Colocated: the fewest GPUs per agent that hold one rank of each. None when no count up to 16 fits."""
-    kl = args.algo.kl.init_coef > 0
+    kl = has_reference(args, topology)
     found = []
     for savings in ([], memory_flags(args)):
         for mode in ("none", "agent", "team"):
@@ -545,17 +623,21 @@ def format_plan(plan: Plan, gpus: int = None) -> str:
         turns = "the largest agent's (they train and sync in turn)" if plan.colocate == "team" else "its agent's"
         out.append(f"A shared GPU holds what its models keep plus what the phase adds: every engine's in the rollout,\n"
                    f"the largest forward's in the experience phase, {turns} in train and sync")
-    seen = {}  # an agent's breakdown -> the first agent with it
-    for name, (model, size) in plan.sizes.items():
-        if isinstance(size, str):  # why the memory of this agent's components is not estimated
-            out.append(f"\n{name}: {model}: {size}")
+    def breakdown(owner: str) -> list:
         lines = []
-        for g in (g for g in plan.groups() if g.agent == name):
+        for g in (g for g in plan.groups() if g.agent == owner):
             parts = " + ".join(f"{k} {v:.1f}" for k, v in g.held.items())
             lines.append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {parts} = {sum(g.held.values()):.1f} GiB held")
             lines += [f"    {phase} adds " + " + ".join(f"{k} {v:.1f}" for k, v in extra.items())
                       for phase, extra in g.adds.items() if extra]
             lines += [f"    {note}" for note in g.notes]
+        return lines
+
+    seen = {}  # an agent's breakdown -> the first agent with it
+    for name, (model, size) in plan.sizes.items():
+        if isinstance(size, str):  # why the memory of this agent's components is not estimated
+            out.append(f"\n{name}: {model}: {size}")
+        lines = breakdown(name)
         if not lines:
             continue
         if (model, *lines) in seen:
@@ -565,6 +647,8 @@ def format_plan(plan: Plan, gpus: int = None) -> str:
         out.append(f"\n{name}: {model}, {size.params / 1e9:.2f}B parameters ({size.layers} layers, hidden {size.hidden}, "
                    f"vocabulary {size.vocab})")
         out += lines
+    for pool in dict.fromkeys(g.agent for g in plan.groups() if g.agent not in plan.sizes):  # LoRA engine pools
+        out += [f"\n{pool}:"] + breakdown(pool)
     return "\n".join(out)
 
 

@@ -74,6 +74,24 @@ class CoachStage:
         return f"{self.metric} {self.op} {self.threshold:g}"
 
 
+# The ranks vLLM's engines accept as max_lora_rank; a pool's engines take the smallest >= its largest rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+LORA_KEYS = ("rank", "alpha", "target_modules", "dropout", "pool")
+
+
+@dataclass(frozen=True)
+class Lora:
+    """An agent's LoRA adapter (topology key `lora`): it trains only these weights on a frozen base model, its
+    reference is that base with the adapter off, and it generates on its pool's engines, which serve the base
+    once and every pool agent's adapter by request."""
+
+    rank: int
+    alpha: float  # peft's scaling is alpha / rank
+    target_modules: tuple = ("all-linear",)  # module names (q_proj, ...) or peft's "all-linear"
+    dropout: float = 0.0
+    pool: Optional[str] = None  # engine pool; None: one pool per base model, shared by its LoRA agents
+
+
 @dataclass
 class AgentSpec:
     name: str
@@ -88,6 +106,12 @@ class AgentSpec:
     vllm_num_engines: Optional[int] = None
     max_new_tokens: Optional[int] = None
     view: View = field(default_factory=View)
+    lora: Optional[Lora] = None
+
+    @property
+    def pool(self) -> Optional[str]:
+        """The engine pool of a LoRA agent (its base model unless named), None for a full-weights agent."""
+        return None if self.lora is None else self.lora.pool or self.model
 
 
 @dataclass
@@ -182,6 +206,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
         fail(f"agent name(s) {duplicated} used more than once; every agent needs its own name")
+    _check_pools(agents, fail)
     for i, (agent, row) in enumerate(zip(agents, agent_rows)):
         agent.view = _parse_view(row.get("view", "all"), names, i, chain, fail)
     stages = _parse_stages(raw["coach_templates"], names, fail) if "coach_templates" in raw else []
@@ -243,7 +268,55 @@ def _parse_agent(row, index: int, model_override: Optional[str], fail) -> AgentS
         value = row.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             fail(f"{label}: '{key}' must be a positive integer or left out, got {value!r}")
+    if row.get("lora") is not None:
+        row["lora"] = _parse_lora(row["lora"], label, fail)
     return AgentSpec(**row)
+
+
+def _parse_lora(raw, label: str, fail) -> Lora:
+    label += ": lora"
+    if not isinstance(raw, dict):
+        fail(f"{label} must be a mapping with keys {', '.join(LORA_KEYS)} (rank is required)")
+    unknown = sorted(set(raw) - set(LORA_KEYS))
+    if unknown:
+        fail(f"{label}: unknown key(s) {unknown}; allowed: {', '.join(LORA_KEYS)}")
+    rank = raw.get("rank")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        fail(f"{label}: 'rank' must be an integer >= 1, got {rank!r}")
+    if rank > VLLM_LORA_RANKS[-1]:
+        fail(f"{label}: rank {rank} is larger than vLLM's engines serve (max_lora_rank at most {VLLM_LORA_RANKS[-1]})")
+    alpha = raw.get("alpha", 2 * rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf"):
+        fail(f"{label}: 'alpha' must be a positive number (the update is scaled by alpha / rank), got {alpha!r}")
+    targets = raw.get("target_modules", "all-linear")
+    targets = [targets] if isinstance(targets, str) else targets
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t.strip() for t in targets):
+        fail(f"{label}: 'target_modules' must be all-linear or a list of module names such as [q_proj, v_proj], "
+             f"got {raw.get('target_modules')!r}")
+    if "all-linear" in targets and len(targets) > 1:
+        fail(f"{label}: 'target_modules' is either all-linear or a list of module names, not both")
+    dropout = raw.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        fail(f"{label}: 'dropout' must be a number in [0, 1), got {dropout!r}")
+    pool = raw.get("pool")
+    if pool is not None and (not isinstance(pool, str) or not AGENT_NAME_RE.fullmatch(pool)):
+        fail(f"{label}: 'pool' must be a word of letters, digits, '_' and '-', got {pool!r}")
+    return Lora(rank, float(alpha), tuple(targets), float(dropout), pool)
+
+
+def _check_pools(agents: list, fail) -> None:
+    """The agents of one LoRA engine pool share what an engine has only one of: its base model and engine count."""
+    pools = {}
+    for a in agents:
+        if a.lora is not None:
+            pools.setdefault(a.pool, []).append(a)
+    for pool, members in pools.items():
+        for key, what in (("model", "base model"), ("vllm_num_engines", "vllm_num_engines")):
+            values = {getattr(a, key) for a in members}
+            if len(values) > 1:
+                listed = ", ".join(f"{a.name} ({getattr(a, key)})" for a in members)
+                fail(f"LoRA engine pool {pool!r}: its agents differ in {what}: {listed}. One pool's engines serve one "
+                     f"base model with every member's adapter; give them the same {what}, or different lora.pool names")
 
 
 def _parse_view(raw, names: list, index: int, chain: bool, fail) -> View:
@@ -376,3 +449,28 @@ def check_model(model: str, label: str) -> None:
     if is_offline_mode() and not isinstance(try_to_load_from_cache(model, "config.json"), str):
         raise ValueError(f"{label}: model {model!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
                          f"downloads are off (HF_HUB_OFFLINE): download it first, or unset HF_HUB_OFFLINE")
+
+
+def check_lora(spec: AgentSpec, label: str) -> None:
+    """Refuse, before any cluster starts, LoRA target modules the model does not have: peft would fail inside
+    a Ray actor minutes later. The dense families' linear layers are known from config.json; another model is
+    built on the meta device (no weights read) to list them."""
+    if spec.lora is None or spec.lora.target_modules == ("all-linear",):
+        return
+    from openrlhf_mappa import placement
+
+    config = placement.read_config(spec.model)
+    if config.get("model_type") in placement.DENSE_TYPES:
+        linear = sorted(placement.model_size(config).linear_shapes()) + ["lm_head"]
+    else:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.model, trust_remote_code=True),
+                                                     trust_remote_code=True)
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    missing = [t for t in spec.lora.target_modules if t not in linear]
+    if missing:
+        raise ValueError(f"{label}: lora target_modules {missing} are not linear layers of {spec.model} "
+                         f"({config.get('model_type')}); its linear layers: {', '.join(linear)} (or all-linear)")

@@ -344,3 +344,95 @@ def test_mappa_plan_command():
     bare = subprocess.run(mappa + RECIPE + ["--mappa.model", str(QWEN3_4B)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert bare.returncode == 1 and "give the cluster as --mappa.gpus N --mappa.gpu_memory_gib G" in bare.stderr
+
+
+# ---------------------------------------------------------------- LoRA agents (topology key `lora`)
+
+
+def lora_recipe(tmp_path, model, *extra, rank=16):
+    """The recipe's team with a LoRA adapter per agent (rank 16 on every linear layer): one engine pool."""
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "examples" / "configs" / "mathchat.yaml").read_text())
+    for agent in raw["agents"]:
+        agent["lora"] = {"rank": rank}
+    path = tmp_path / "mathchat_lora.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    argv = RECIPE[:1] + [str(path)] + RECIPE[2:]
+    args = parse_args(argv + ["--mappa.model", str(model), *extra])
+    return args, load_topology(str(path), model_override=args.mappa.model)
+
+
+@pytest.mark.parametrize("config", [
+    json.loads((QWEN3_4B / "config.json").read_text()),
+    {"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2, "vocab_size": 320,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True},  # the tiny test model's shape
+])  # fmt: skip
+def test_lora_parameter_count_matches_peft(config):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    size = placement.model_size(config)
+    for targets in (["all-linear"], ["q_proj", "v_proj"]):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+        peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets[0] if targets == ["all-linear"] else targets))
+        trained = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+        assert size.lora_params(8, targets) == trained
+
+
+A = L * 16 * ((H + Q) + 2 * (H + K) + (Q + H) + 3 * (H + I))  # rank 16 on q k v o gate up down, by hand
+
+
+def test_lora_plan_agrees_with_a_hand_computation(tmp_path):
+    args, topology = lora_recipe(tmp_path, QWEN3_4B, "--rollout.micro_batch_size", "1")
+    plan = placement.check(args, topology, gpus=8, gpu_gib=80.0)
+    assert A == 33_030_144
+    # Each agent: its actor (2 ranks), no reference (the base with the adapter off); one pool of 2 engines for all.
+    assert plan.counts == {"problem_solver/actor": 2, "code_executor/actor": 2, "verifier/actor": 2, "pool qwen3-4b/vllm": 2}
+    D = 2
+    held = (2 * P + 2 * A + 2 * A + 12 * A) / D / GIB + 1  # frozen base and adapter; gradients and Adam of A only
+    slot = {g.label(0): [(g, 0)] for g in plan.groups()}
+    assert plan.peak(slot["verifier actor rank 0/2"], "train") == pytest.approx(held + TRAIN, rel=1e-9)
+    assert plan.peak(slot["verifier actor rank 0/2"], "sync") == pytest.approx(held, rel=1e-9)  # no gathered embedding
+    slots = 3 * 2 * A / GIB  # max_loras 3 slots at max_lora_rank 16 on the targeted layers, bf16
+    kv_gib = 0.6 * 80 - 2 * P / GIB - slots - (8192 * TOKEN_LAYER + 256 * V * 4) / GIB
+    assert plan.peak(slot["pool qwen3-4b vLLM engine 0"], "rollout") == pytest.approx(0.6 * 80 + 1, rel=1e-9)
+    text = placement.format_plan(plan)
+    assert f"weights + 3 LoRA slots {(2 * P / GIB + slots):.1f}" in text and f"KV cache {kv_gib:.1f} GiB" in text
+    assert (f"LoRA rank 16 on all-linear: 33.0M trained parameters (0.82% of the model); a sync sends "
+            f"{2 * A / 2**20:.0f} MiB, not {2 * P / 2**20:.0f} MiB") in text
+    assert "reference log-probs: this actor with the adapter off (no reference group)" in text
+    assert "serves problem_solver, code_executor, verifier: the base model once, each agent's adapter by request " \
+           "(max_loras 3, max_lora_rank 16)" in text
+
+    # Team colocation: per GPU, 3 actor ranks and 1 pool engine, each asking Ray for a quarter of it.
+    args, topology = lora_recipe(tmp_path, QWEN3_4B, "--mappa.colocate", "team")
+    assert placement.gpu_share(args, topology) == 0.25
+    # Per agent, a pool serving three agents has no agent's GPUs to sit on.
+    args, topology = lora_recipe(tmp_path, QWEN3_4B, "--mappa.colocate", "agent")
+    assert "LoRA engine pools (pool qwen3-4b) serve several agents, so they cannot sit on one agent's GPUs: use " \
+           "--mappa.colocate team or none" in refusal(args, topology, gpus=8)
+
+
+def test_readme_lora_figures_are_the_plans(tmp_path):
+    # The README's figures, as `mappa plan` computes them from the GPU script's flags with a LoRA topology.
+    readme = (ROOT / "README.md").read_text()
+    figures = {}
+    for env in ({"COLOCATE": "team", "GPUS_PER_AGENT": "8"}, {"COLOCATE": "none"}):
+        argv, _ = script_flags(tmp_path, "train_mappa_mathchat.sh", **env)
+        for name in ("qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"):
+            lora_argv = argv[: argv.index("--mappa.topology")] + argv[argv.index("--mappa.topology") + 2 :]
+            args, topology = lora_recipe(tmp_path, ROOT / "tests" / "fixtures" / name, *lora_argv)
+            plan = placement.make_plan(args, topology, 80.0)
+            figures[env["COLOCATE"], name] = (not plan.problems(8),
+                                              placement.fewest_gpus(args, topology, 80.0, {k: s for k, (_, s) in plan.sizes.items()}))
+    fits, (gpus, flags) = figures["team", "qwen3-4b"]
+    assert fits and gpus == 1
+    assert f"3 × Qwen3-4B with LoRA: **{gpus} GPU** of 80 GB (`COLOCATE=team` and `{flags}`)" in " ".join(readme.split())
+    largest = [n for n in ("qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b") if figures["none", n][0] or figures["team", n][0]]
+    assert largest[-1] == "qwen3-14b" and figures["none", "qwen3-14b"][0]
+    assert "the largest Qwen3 whose 3-agent team fits one 8 × 80 GB node is **Qwen3-14B**" in " ".join(readme.split())
+    assert f"3 × Qwen3-32B needs {figures['none', 'qwen3-32b'][1][0]}." in readme
+    assert f"send {2 * A / 2**20:.0f} MiB per Qwen3-4B agent,\nnot {2 * P / 2**20:.0f} MiB" in readme

@@ -111,6 +111,20 @@ def test_model_override_replaces_every_model(tmp_path):
         ({"agents": [GOOD_AGENT, dict(CHECKER, view={"agent": "all"})]}, "view: unknown key(s) ['agent']; allowed: agents"),
         ({"agents": [GOOD_AGENT, dict(CHECKER, view={"actions": "first"})]}, "'actions' must be all or last"),
         ({"agents": [GOOD_AGENT, dict(CHECKER, view={"tool_output": "no"})]}, "'tool_output' must be true or false"),
+        # LoRA adapters: a rank vLLM's engines cannot serve, and a pool whose agents need two engines
+        ({"agents": [dict(GOOD_AGENT, lora={"rank": 1024})]},
+         "agent 'solver': lora: rank 1024 is larger than vLLM's engines serve (max_lora_rank at most 512)"),
+        ({"agents": [dict(GOOD_AGENT, lora={"alpha": 16})]}, "agent 'solver': lora: 'rank' must be an integer >= 1, got None"),
+        ({"agents": [dict(GOOD_AGENT, lora=8)]}, "lora must be a mapping with keys rank, alpha, target_modules, dropout, pool"),
+        ({"agents": [dict(GOOD_AGENT, lora={"rank": 8, "r": 8})]}, "lora: unknown key(s) ['r']; allowed: rank, alpha"),
+        ({"agents": [dict(GOOD_AGENT, lora={"rank": 8, "dropout": 1.5})]}, "lora: 'dropout' must be a number in [0, 1), got 1.5"),
+        ({"agents": [dict(GOOD_AGENT, lora={"rank": 8, "target_modules": ["all-linear", "q_proj"]})]},
+         "'target_modules' is either all-linear or a list of module names, not both"),
+        ({"agents": [dict(GOOD_AGENT, lora={"rank": 8, "pool": "p"}), dict(CHECKER, model="other", lora={"rank": 8, "pool": "p"})]},
+         "LoRA engine pool 'p': its agents differ in base model: solver (m), checker (other). One pool's engines serve one "
+         "base model with every member's adapter; give them the same base model, or different lora.pool names"),
+        ({"agents": [dict(GOOD_AGENT, lora={"rank": 8}), dict(CHECKER, vllm_num_engines=2, lora={"rank": 8})]},
+         "LoRA engine pool 'm': its agents differ in vllm_num_engines: solver (None), checker (2)"),
     ],
 )
 def test_bad_topology_messages(tmp_path, overrides, message):
@@ -119,6 +133,26 @@ def test_bad_topology_messages(tmp_path, overrides, message):
         load_topology(path)
     assert str(err.value).startswith(path + ": ")
     assert message in str(err.value)
+
+
+def test_lora_agents_share_a_pool_per_base_model_and_targets_are_checked(tmp_path):
+    from openrlhf_mappa.topology import check_lora
+
+    qwen3 = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3-4b")  # config.json only: no weights read
+    agents = [dict(GOOD_AGENT, model=qwen3, lora={"rank": 8, "target_modules": ["q_proj", "v_proj"]}),
+              dict(CHECKER, model=qwen3, lora={"rank": 16}), dict(CHECKER, name="full", model=qwen3)]
+    topology = load_topology(write_topology(tmp_path, agents=agents))
+    solver, checker, full = topology.agents
+    assert (solver.lora.rank, solver.lora.alpha, solver.lora.target_modules, solver.lora.dropout) == (8, 16.0, ("q_proj", "v_proj"), 0.0)
+    assert checker.lora.target_modules == ("all-linear",) and checker.lora.alpha == 32.0  # defaults: all-linear, 2 x rank
+    assert solver.pool == checker.pool == qwen3 and full.pool is None and full.lora is None
+    for spec in topology.agents:
+        check_lora(spec, f"agent {spec.name!r}")  # targets that exist pass
+    bad = load_topology(write_topology(tmp_path, agents=[dict(GOOD_AGENT, model=qwen3, lora={"rank": 8, "target_modules": ["q_proj", "qkv_proj"]})]))
+    with pytest.raises(ValueError) as err:
+        check_lora(bad.agents[0], "agent 'solver'")
+    assert str(err.value) == (f"agent 'solver': lora target_modules ['qkv_proj'] are not linear layers of {qwen3} (qwen3); its "
+                              f"linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj, lm_head (or all-linear)")
 
 
 def test_missing_coach_template(tmp_path):

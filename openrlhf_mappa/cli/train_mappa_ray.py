@@ -414,13 +414,19 @@ def train(args):
     from openrlhf_mappa.coach import build_coach
     from openrlhf_mappa.envs.base import load_tasks
     from openrlhf_mappa.evaluation import load_eval_sets
-    from openrlhf_mappa.topology import check_model, load_topology
+    from openrlhf_mappa.topology import check_lora, check_model, load_topology
 
     with refusals():  # every input, before the heavy imports and before Ray
         topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
         validate(args, topology)
         for spec in topology.agents:
-            check_model(spec.model, "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}")
+            label = "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}"
+            check_model(spec.model, label)
+            check_lora(spec, label)
+        lora = [spec.name for spec in topology.agents if spec.lora is not None]
+        if lora:  # `mappa plan` sizes such a team already (placement.py); the trainer does not train adapters yet
+            raise SystemExit(f"{args.mappa.topology}: agents {', '.join(lora)} declare lora, and training LoRA adapters "
+                             f"is not built yet: `mappa plan` sizes such a team, a run trains full weights (remove lora)")
         if args.mappa.gpus or args.mappa.gpu_memory_gib:  # the cluster as given: the plan, before Ray starts
             placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib)
         all_tasks = load_tasks(args.data.prompt_dataset)
