@@ -32,7 +32,8 @@ setup(
     # already requires some: a dependency used directly is declared directly. vLLM comes with OpenRLHF's extra.
     install_requires=[
         "openrlhf[vllm]==0.11.2", "torch", "transformers", "tokenizers", "huggingface-hub", "ray[default]", "einops",
-        "tqdm", "aiohttp", "yarl", "pyyaml", "numpy", "pandas", "scikit-learn", "math-verify",
+        "tqdm", "aiohttp", "yarl", "pyyaml", "numpy", "pandas", "scikit-learn", "math-verify", "deepspeed", "peft",
+        "safetensors",
     ],
     entry_points={"console_scripts": ["mappa=openrlhf_mappa.cli.mappa:main"]},
     cmdclass={"build_py": BuildPyWithPth},

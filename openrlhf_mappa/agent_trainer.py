@@ -1,13 +1,25 @@
 """One agent's OpenRLHF trainer. MappaTrainer (trainer.py) runs the team's loop, rollout -> coach -> advantages,
 and hands each agent's experiences to that agent's AgentTrainer, whose train_step is OpenRLHF's own.
 
+LoRA agents (topology `lora`) share their base model's engines (PoolEngine) and train only their adapter
+(LoraActor, OpenRLHF's actor with its --ds.lora settings); their reference is their own actor with the adapter
+off, and a sync sends the adapter alone, in PEFT format.
+
 A module of its own because importing OpenRLHF's trainer loads DeepSpeed and vLLM (seconds): the launcher's
 checks before Ray, `mappa report` and the unit tests import trainer.py without paying for it.
 """
 
+import json
+import os
+import tempfile
+from copy import deepcopy
+
+import ray
+import torch
 from openrlhf.trainer.ppo_trainer import BasePPOTrainer
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
-from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+from openrlhf.trainer.ray.vllm_engine import RolloutRayActor, batch_vllm_engine_call
 
 
 class MappaExperienceMaker(RemoteExperienceMaker):
@@ -24,16 +36,105 @@ class AgentTrainer(BasePPOTrainer):
     """OpenRLHF's trainer over one agent's actor, reference and engines. train_step runs as upstream's: the
     experiences go to this agent's actor ranks; ppo_train fits them (with --ds.enable_sleep, reloading the
     actor's states before and offloading them after); broadcast_to_vllm sends the weights to this agent's
-    engines only (with --vllm.enable_sleep, waking their weights first); the KL controller updates."""
+    engines only (with --vllm.enable_sleep, waking their weights first); the KL controller updates.
 
-    def __init__(self, strategy, actor, ref, engines, tokenizer):
+    `adapter`: a LoRA agent's name, the adapter its pool's engines serve under it."""
+
+    def __init__(self, strategy, actor, ref, engines, tokenizer, adapter=None):
         super().__init__(strategy, actor, None, None, ref, engines, tokenizer)
         self.experience_maker = MappaExperienceMaker(actor, None, None, ref, self.kl_ctl, strategy, tokenizer)
+        self.adapter, self.synced = adapter, {}  # synced: the last sync's bytes, and a full-model sync's
 
     def broadcast_to_vllm(self):
-        super().broadcast_to_vllm()
+        if self.adapter is None:
+            super().broadcast_to_vllm()
+        else:  # OpenRLHF's sync sends every weight under peft's names, which vLLM rejects (OpenRLHF #1349)
+            if self.args.vllm.enable_sleep:
+                batch_vllm_engine_call(self.vllm_engines, "wake_up", tags=["weights"])
+            files, base_params = next(r for r in ray.get(self.actor_model_group.async_run_method("adapter_files")) if r)
+            ray.get([e.load_adapter.remote(self.adapter, files) for e in self.vllm_engines])
+            self.synced = {"sync_mib": sum(map(len, files.values())) / 2**20, "full_sync_mib": 2 * base_params / 2**20}
         if self.args.mappa.colocate == "team" and self.args.vllm.enable_sleep:
             # On the team's GPUs the next agent trains now, so these engines go back to sleep. vLLM sleeps only
             # a fully awake engine: the sync woke the weights, the KV cache wakes before the sleep.
             batch_vllm_engine_call(self.vllm_engines, "wake_up", tags=["kv_cache"])
             batch_vllm_engine_call(self.vllm_engines, "sleep")
+
+
+class AdapterOff:
+    """A LoRA agent's reference group, as OpenRLHF's experience maker calls it: its own actor ranks, whose
+    forward runs with the adapter disabled (the base model), so no reference model is loaded."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def async_run_method_batch(self, method_name, **kwargs):
+        return self.actor.async_run_method_batch({"forward": "forward_base"}.get(method_name, method_name), **kwargs)
+
+    def async_run_method(self, method_name, *args, **kwargs):
+        return self.actor.async_run_method(method_name, *args, **kwargs)
+
+
+@ray.remote(num_gpus=1)
+class LoraActor(PolicyModelActor.__ray_actor_class__):
+    """A LoRA agent's actor rank: OpenRLHF's, its model wrapped by peft (--ds.lora.* in the agent's args)."""
+
+    def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        # No weight-sync group with the engines: only the adapter travels, through Ray (adapter_files).
+        super().init_model_from_pretrained(strategy, pretrain, max_steps, None)
+
+    def forward_base(self, **kwargs):
+        with self.actor.model.module.disable_adapter():
+            return self.forward(**kwargs)
+
+    def adapter_files(self):
+        """On rank 0: the adapter as `save_pretrained` writes it (the names vLLM's loader takes), and the base
+        model's parameter count; None on the other ranks, which join the ZeRO-3 gather."""
+        import deepspeed
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save
+
+        model = self.actor.model.module
+        lora = [p for n, p in model.named_parameters() if "lora_" in n]
+        with deepspeed.zero.GatheredParameters(lora, enabled=self.strategy.args.ds.zero_stage == 3):
+            if torch.distributed.get_rank() != 0:
+                return None
+            tensors = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        config = {k: sorted(v) if isinstance(v, set) else v for k, v in model.peft_config["default"].to_dict().items()}
+        base = sum(getattr(p, "ds_numel", p.numel()) for n, p in model.named_parameters() if "lora_" not in n)
+        return {"adapter_model.safetensors": save(tensors), "adapter_config.json": json.dumps(config).encode()}, base
+
+
+@ray.remote
+class PoolEngine(RolloutRayActor.__ray_actor_class__):
+    """An engine of a LoRA pool (vLLM with enable_lora): the base model once, each agent's adapter by name.
+    Every request carries an adapter: on vLLM 0.29's CPU path a request without one, batched with LoRA
+    requests, was computed with the last adapter slot's weights."""
+
+    async def load_adapter(self, name: str, files: dict):
+        """Replace adapter `name` (or add it): its files in this engine's own directory, loaded in place.
+        Between steps, never during an action; the prefix cache, keyed by adapter name, is reset."""
+        from vllm.lora.request import LoRARequest
+
+        if not hasattr(self, "adapters"):
+            self.adapters, self.adapter_dir = {}, tempfile.mkdtemp(prefix="mappa-lora-")
+        path = os.path.join(self.adapter_dir, name)
+        os.makedirs(path, exist_ok=True)
+        for file, data in files.items():
+            with open(os.path.join(path, file), "wb") as f:
+                f.write(data)
+        lora_id = self.adapters[name].lora_int_id if name in self.adapters else len(self.adapters) + 1
+        self.adapters[name] = LoRARequest(name, lora_id, path)
+        await self.llm.add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
+        await self.llm.reset_prefix_cache()
+
+    async def generate_as(self, name: str, prompt_token_ids, sampling_params):
+        """upstream's generate, with adapter `name`."""
+        from vllm.inputs import TokensPrompt
+        from vllm.utils import random_uuid
+
+        final = None
+        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), deepcopy(sampling_params),
+                                              request_id=random_uuid(), lora_request=self.adapters[name]):
+            final = output
+        return final

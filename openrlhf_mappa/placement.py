@@ -68,6 +68,10 @@ def agent_args(args, spec):
     a.rollout.max_new_tokens = spec.max_new_tokens or args.rollout.max_new_tokens
     a.ckpt.path = os.path.join(args.ckpt.path, spec.name)
     a.ckpt.output_dir = os.path.join(args.ckpt.output_dir, spec.name)
+    if spec.lora is not None:  # OpenRLHF's actor wraps its model with peft from these
+        l = spec.lora
+        a.ds.lora.rank, a.ds.lora.alpha, a.ds.lora.dropout = l.rank, l.alpha, l.dropout
+        a.ds.lora.target_modules = l.target_modules[0] if l.target_modules == ("all-linear",) else list(l.target_modules)
     # The team logs once (MappaTrainer); each agent's OpenRLHF trainer would open a wandb run of its own.
     a.logger.wandb.key, a.logger.tensorboard_dir = None, None
     return a
@@ -274,7 +278,7 @@ def engine_group(a, name: str, size: ModelSize, gpu_gib: float, adapters: list =
     weights = 2 * size.params / tp / GIB
     if adapters:  # vLLM allocates max_loras slots of max_lora_rank on each module any adapter targets
         targets = sorted({t for lora in adapters for t in lora.target_modules})
-        weights += len(adapters) * 2 * size.lora_params(pool_max_rank(adapters), targets) / tp / GIB
+        weights += len(adapters) * 2 * size.lora_params(pool_max_rank([lora.rank for lora in adapters]), targets) / tp / GIB
     reserve = (VLLM_BATCHED_TOKENS * layer_act + VLLM_SEQS * V * 4) / tp / GIB
     kv_token = 2 * L * size.kv_dim * 2 / tp
     kv = budget - weights - reserve
@@ -295,11 +299,11 @@ def engine_group(a, name: str, size: ModelSize, gpu_gib: float, adapters: list =
     return engines
 
 
-def pool_max_rank(adapters: list) -> int:
+def pool_max_rank(ranks: list) -> int:
     """The max_lora_rank of a pool's engines: the smallest vLLM accepts that holds its largest adapter."""
     from openrlhf_mappa.topology import VLLM_LORA_RANKS
 
-    return min(r for r in VLLM_LORA_RANKS if r >= max(lora.rank for lora in adapters))
+    return min(r for r in VLLM_LORA_RANKS if r >= max(ranks))
 
 
 def lora_pools(args, topology) -> dict:
@@ -428,7 +432,7 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
         if gpu_gib is not None and isinstance(size, ModelSize):
             groups.append(engine_group(a, pool, size, gpu_gib, [spec.lora for spec in specs]))
             groups[-1].notes.append(f"serves {', '.join(spec.name for spec in specs)}: the base model once, each agent's "
-                                    f"adapter by request (max_loras {len(specs)}, max_lora_rank {pool_max_rank([x.lora for x in specs])})")
+                                    f"adapter by request (max_loras {len(specs)}, max_lora_rank {pool_max_rank([x.lora.rank for x in specs])})")
             # The choice: an actor group per agent (each holds the base; agents on GPUs of their own train at once),
             # not one per base model switching adapters (the base once, but the pool's agents train in turn).
             base = 2 * size.params / (a.actor.num_nodes * a.actor.num_gpus_per_node) / GIB

@@ -34,6 +34,7 @@ class AgentPolicy:
     max_new_tokens: int
     max_len: int  # prompt + response tokens, as the engines were built with
     sampling: dict = field(default_factory=dict)  # temperature, top_p
+    adapter: str = None  # a LoRA agent's name: its engines (its pool's) generate with its adapter
     _next: itertools.count = field(default_factory=itertools.count)
 
     def prompt_ids(self, messages: list) -> tuple:
@@ -62,7 +63,10 @@ class AgentPolicy:
 
         params = SamplingParams(max_tokens=self.max_new_tokens, **self.sampling)
         engine = self.engines[next(self._next) % len(self.engines)]
-        output = (await engine.generate.remote(prompt_ids, params)).outputs[0]
+        if self.adapter:
+            output = (await engine.generate_as.remote(self.adapter, prompt_ids, params)).outputs[0]
+        else:
+            output = (await engine.generate.remote(prompt_ids, params)).outputs[0]
         return list(output.token_ids), output.finish_reason == "length"
 
 

@@ -36,7 +36,7 @@ AGENT_METRICS = (
     "coach_score", "outcome_success", "truncated_left_out", "trained_actions", "dropped_for_batching", "updated",
     "kl", "policy_loss", "actor_lr", "actor_grad_norm", "ppo_clip_ratio", "num_actions", "action_length",
     "tool_use_rate", "tool_error_rate", "code_error_rate", "truncated_rate", "prompt_truncated",
-    "prompt_too_long_skipped", "answer_format_rate",
+    "prompt_too_long_skipped", "answer_format_rate", "sync_mib", "full_sync_mib",
 )  # fmt: skip
 
 

@@ -113,15 +113,16 @@ class Agent:
     trainer: object  # AgentTrainer: OpenRLHF's BasePPOTrainer over this agent's actor, reference and engines
 
 
-def colocated_engines(a, model: str, pg, share: float) -> list:
-    """Agent `a`'s engines on its colocated GPUs: engine i on bundle i of `pg`, beside actor and reference rank
-    i, each asking Ray for `share` of the GPU (placement.gpu_share). OpenRLHF's create_vllm_engines asks 0.2,
-    one policy's share: a team's nine models on one GPU would not fit it."""
+def engines_on(a, model: str, pg, share: float, cls=None, **lora) -> list:
+    """Engines on a placement group: engine i on bundle i of `pg`, each asking Ray for `share` of the GPU
+    (placement.gpu_share; OpenRLHF's create_vllm_engines asks 0.2, one policy's share, which a team's nine
+    models on one GPU would not fit). Colocated, beside actor and reference rank i; a LoRA pool's (`cls`
+    PoolEngine, `lora` vLLM's LoRA settings) on its own group when nothing is colocated."""
     from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     return [
-        RolloutRayActor.options(
+        (cls or RolloutRayActor).options(
             num_cpus=share, num_gpus=share,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i,
                                                                  placement_group_capture_child_tasks=True),
@@ -130,7 +131,7 @@ def colocated_engines(a, model: str, pg, share: float) -> list:
             worker_extension_cls="openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap", distributed_executor_backend="uni",
             max_model_len=a.data.max_len, enable_prefix_caching=a.vllm.enable_prefix_caching, dtype="bfloat16",
             trust_remote_code=True, full_determinism=a.train.full_determinism_enable, num_gpus=share,
-            gpu_memory_utilization=a.vllm.gpu_memory_utilization, enable_sleep_mode=a.vllm.enable_sleep,
+            gpu_memory_utilization=a.vllm.gpu_memory_utilization, enable_sleep_mode=a.vllm.enable_sleep, **lora,
         )
         for i in range(a.vllm.num_engines)
     ]  # fmt: skip
@@ -152,7 +153,7 @@ def build_agents(args, topology, max_steps: int, startup) -> list:
     from ray.util.placement_group import placement_group
     from transformers import AutoTokenizer
 
-    from openrlhf_mappa.agent_trainer import AgentTrainer
+    from openrlhf_mappa.agent_trainer import AdapterOff, AgentTrainer, LoraActor, PoolEngine
 
     check_placement(args, topology)
     per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
@@ -166,35 +167,48 @@ def build_agents(args, topology, max_steps: int, startup) -> list:
         team = gpu_set(per_agent[0][1])
         pgs = {spec.name: team for spec, _ in per_agent}
 
-    engines = {}
+    engines, pools = {}, placement.lora_pools(args, topology)
+    pool_of = {spec.name: label for label, specs in pools.items() for spec in specs}
     for spec, a in per_agent:
         startup.stage = f"agent {spec.name!r} (creating its engines)"
-        if colocate == "none":
+        label = pool_of.get(spec.name)
+        if label in engines:  # a LoRA pool's engines, created with its first agent
+            engines[spec.name] = engines[label]
+            continue
+        if label:
+            ranks = [m.lora.rank for m in pools[label]]
+            lora = dict(enable_lora=True, max_loras=len(ranks), max_lora_rank=placement.pool_max_rank(ranks))
+            pg = pgs.get(spec.name) or placement_group([{"GPU": 1, "CPU": 1}] * a.vllm.num_engines, strategy="PACK")
+            engines[label] = engines[spec.name] = engines_on(a, spec.model, pg, share, PoolEngine, **lora)
+        elif colocate == "none":
             engines[spec.name] = create_vllm_engines(
                 a.vllm.num_engines, a.vllm.tensor_parallel_size, spec.model, a.train.seed, a.train.full_determinism_enable,
                 a.vllm.enable_prefix_caching, a.vllm.enforce_eager, a.data.max_len, None, a.vllm.gpu_memory_utilization, False,
             )  # fmt: skip
         else:
-            engines[spec.name] = colocated_engines(a, spec.model, pgs[spec.name], share)
-        startup.components += [(f"agent {spec.name!r}: vLLM engine {i}", e.__ray_ready__.remote())
+            engines[spec.name] = engines_on(a, spec.model, pgs[spec.name], share)
+        startup.components += [(f"{label or f'agent {spec.name!r}'}: vLLM engine {i}", e.__ray_ready__.remote())
                                for i, e in enumerate(engines[spec.name])]
     if colocate != "none" and args.vllm.enable_sleep:
         startup.stage = "the colocated vLLM engines (starting, then put to sleep before the actors start)"
-        batch_vllm_engine_call(sum(engines.values(), []), "sleep")
+        batch_vllm_engine_call(distinct(sum(engines.values(), [])), "sleep")
 
     agents, init_refs = [], []
     for spec, a in per_agent:
         startup.stage = f"agent {spec.name!r} (creating its actors)"
         strategy = get_strategy(a)
         pg = pgs.get(spec.name)
-        actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node, PolicyModelActor, pg=pg, num_gpus_per_actor=share)
+        actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node, LoraActor if spec.lora else PolicyModelActor,
+                              pg=pg, num_gpus_per_actor=share)
         ref = None
-        if a.algo.kl.init_coef > 0:
+        if a.algo.kl.init_coef > 0 and spec.lora:
+            ref = AdapterOff(actor)  # the base: its own actor with the adapter off
+        elif a.algo.kl.init_coef > 0:
             ref = RayActorGroup(a.ref.num_nodes, a.ref.num_gpus_per_node, ReferenceModelActor, pg=pg, num_gpus_per_actor=share)
             init_refs += ref.async_init_model_from_pretrained(strategy, spec.model)
         init_refs += actor.async_init_model_from_pretrained(strategy, spec.model, max_steps, engines[spec.name])
         tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=True)
-        trainer = AgentTrainer(strategy, actor, ref, engines[spec.name], tokenizer)
+        trainer = AgentTrainer(strategy, actor, ref, engines[spec.name], tokenizer, spec.name if spec.lora else None)
         agents.append(Agent(spec, a, tokenizer, engines[spec.name], actor, ref, trainer))
         # A component answers this ping once it is up: an actor runs one caller's calls in order, so its
         # answer comes after its init.
@@ -206,6 +220,9 @@ def build_agents(args, topology, max_steps: int, startup) -> list:
             ray.get(init_refs)
     startup.stage = None
     ray.get(init_refs)
+    for ag in agents:  # each adapter into its pool's engines: as initialised, or as resumed from a checkpoint
+        if ag.trainer.adapter:
+            ag.trainer.broadcast_to_vllm()
     # The shared-policy baseline: every other role plays and trains through the first agent's components.
     for spec in topology.agents[len(agents) :]:
         agents.append(dataclasses.replace(agents[0], spec=spec, args=agent_args(args, spec)))
@@ -235,6 +252,11 @@ def experience_of(action):
     )
 
 
+def distinct(handles: list) -> list:
+    """The handles once each, in order: a LoRA pool's engines belong to each of its agents."""
+    return list({id(h): h for h in handles}.values())
+
+
 def owners(agents: list) -> list:
     """The agents that own their components (actor, reference, engines): all of them, or under a shared
     policy only the first, whose components the other roles reuse (see build_agents)."""
@@ -250,7 +272,7 @@ def components(agents: list) -> list:
     for ag in owners(agents):
         out += [(ag.spec.name, f"vLLM engine {i}", e) for i, e in enumerate(ag.engines)]
         out += [(ag.spec.name, f"actor rank {i}", h) for i, h in enumerate(ag.actor._actor_handlers)]
-        if ag.ref is not None:
+        if ag.ref is not None and not ag.trainer.adapter:  # a LoRA agent's reference is its actor
             out += [(ag.spec.name, f"reference rank {i}", h) for i, h in enumerate(ag.ref._actor_handlers)]
     return out
 
@@ -456,6 +478,7 @@ class MappaTrainer:
                     max_new_tokens=ag.args.rollout.max_new_tokens,
                     max_len=args.data.max_len,
                     sampling=dict(temperature=temperature, top_p=args.rollout.top_p),
+                    adapter=ag.trainer.adapter,
                 )
                 for ag in agents
             }
@@ -545,7 +568,7 @@ class MappaTrainer:
         through all agents), and asleep after, when colocated actors use their memory."""
         from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 
-        engines = [e for ag in self.trainees for e in ag.engines]
+        engines = distinct([e for ag in self.trainees for e in ag.engines])  # a LoRA pool's serve several agents
         if self.args.vllm.enable_sleep:
             batch_vllm_engine_call(engines, "wake_up")
         try:
@@ -696,6 +719,8 @@ class MappaTrainer:
             if name in batches:
                 kl = torch.cat([e.info["kl"] for e in batches[name]])
                 m[p + "kl"] = kl.mean().item()
+            if name in status:  # a LoRA agent's adapter sync against a full model's
+                m.update({p + k: v for k, v in ag.trainer.synced.items()})
             for key in ("policy_loss", "actor_lr", "actor_grad_norm", "ppo_clip_ratio"):
                 if name in status and key in status[name]:
                     m[p + key] = status[name][key]

@@ -102,7 +102,8 @@ def test_the_rule_metrics_are_the_per_agent_keys_a_step_logs():
     trainer = MappaTrainer.__new__(MappaTrainer)
     trainer.mappa = SimpleNamespace(coach=SimpleNamespace(on_failure="skip"))
     trainer.topology = SimpleNamespace(reward_scale=1.0)
-    trainer.agents, trainer.owner = [SimpleNamespace(spec=SimpleNamespace(name="coder"))], {"coder": "coder"}
+    lora = SimpleNamespace(synced={"sync_mib": 0.1, "full_sync_mib": 10.0})  # a LoRA agent logs its syncs too
+    trainer.agents, trainer.owner = [SimpleNamespace(spec=SimpleNamespace(name="coder"), trainer=lora)], {"coder": "coder"}
     ran = ToolFeedback(stdout="4", exit_code=0)
     action = Action("e", "coder", 0, [1], [2], formatted=True, feedback=ran, verdict=Verdict(6.0, "ok"), reward=6.0)
     episodes = [Episode("e", "t", outcome={"success": True}, actions=[action])]

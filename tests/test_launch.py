@@ -252,15 +252,15 @@ def test_dataset_with_a_byte_that_is_not_utf8(workdir, flag):
     assert_refused(proc, f"not UTF-8 ({flag})", "latin1.jsonl: line 2: byte 0xe9 is not UTF-8; save the file as UTF-8")
 
 
-def test_lora_targets_are_checked_and_lora_training_is_refused_before_ray(workdir):
+def test_lora_target_modules_and_tensor_parallel_pools_are_refused_before_ray(workdir):
     shutil.copy(ROOT / "tests" / "fixtures" / "qwen3-4b" / "config.json", workdir / "model" / "config.json")
     write_topology(workdir, lora={"rank": 8, "target_modules": ["q_proj", "qkv"]})
     proc = cli(workdir, GOOD, "lora target")
     assert_refused(proc, "lora target", "t.yaml: agent 'solver': lora target_modules ['qkv'] are not linear layers of model "
                                         "(qwen3); its linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj")
     write_topology(workdir, lora={"rank": 8})
-    proc = cli(workdir, GOOD, "lora training")
-    assert_refused(proc, "lora training", "t.yaml: agents solver declare lora, and training LoRA adapters is not built yet")
+    proc = cli(workdir, GOOD + ["--vllm.tensor_parallel_size", "2"], "lora tensor parallel")
+    assert_refused(proc, "lora tensor parallel", "agents solver declare lora: their pool's engines take one GPU each")
 
 
 def test_bad_flag_topology_and_upstream_check(workdir):

@@ -1,8 +1,9 @@
 """The `mappa` command: project tools (`mappa plan`, `mappa eval`, `mappa report`, `mappa tiny-model`,
-`mappa coach score`, `mappa sandbox run`, `mappa dsbench make-pack|import|score`)."""
+`mappa merge-lora`, `mappa coach score`, `mappa sandbox run`, `mappa dsbench make-pack|import|score`)."""
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -46,6 +47,10 @@ def main(argv=None):
     p.add_argument("--vocab-size", type=int, default=320)
     p.add_argument("--init-std", type=float, default=0.02,
                    help="initial weight std; smaller: next-token odds closer to uniform, alike for every seed")
+
+    p = sub.add_parser("merge-lora", help="a LoRA agent's export (its adapter) merged into its base: one HF model")
+    p.add_argument("adapter_dir", help="the agent's HF export, PEFT format (DIR/AGENT of --ckpt.output_dir)")
+    p.add_argument("out_dir")
 
     p = sub.add_parser("coach", help="coach tools")
     coach_sub = p.add_subparsers(dest="coach_command", required=True)
@@ -111,6 +116,16 @@ def main(argv=None):
 
         out = build_tiny_model(args.out_dir, args.seed, args.hidden_size, args.layers, args.vocab_size, args.init_std)
         print(f"tiny model written to {out}")
+    elif args.command == "merge-lora":
+        from peft import AutoPeftModelForCausalLM
+        from transformers import AutoTokenizer
+
+        if not os.path.isfile(os.path.join(args.adapter_dir, "adapter_config.json")):
+            raise SystemExit(f"mappa merge-lora: {args.adapter_dir} holds no adapter_config.json (not a LoRA agent's export)")
+        model = AutoPeftModelForCausalLM.from_pretrained(args.adapter_dir, dtype="auto").merge_and_unload()
+        model.save_pretrained(args.out_dir)
+        AutoTokenizer.from_pretrained(args.adapter_dir).save_pretrained(args.out_dir)
+        print(f"{args.adapter_dir} merged into {model.config._name_or_path}: {args.out_dir}")
     elif args.command == "sandbox":
         import dataclasses
 
@@ -165,7 +180,6 @@ def eval_main(parser, args):
     """Team evaluation on vLLM engines (one group per distinct model, so agents sharing a base model share
     engines), through the training rollout minus the coach; see evaluation.py."""
     import asyncio
-    import os
     import tempfile
 
     import ray
@@ -188,9 +202,15 @@ def eval_main(parser, args):
     for name, model in models.items():
         if args.checkpoint and not os.path.isdir(model):
             parser.error(f"--checkpoint: no model for agent {name!r} at {model} (expected one HF export per agent)")
+    # A LoRA agent's export is its adapter in PEFT format: its base model's engines serve it by the agent's name.
+    adapters = {}
+    for name, model in models.items():
+        if os.path.isfile(os.path.join(model, "adapter_config.json")):
+            adapters[name] = json.load(open(os.path.join(model, "adapter_config.json")))
+            adapters[name]["dir"], models[name] = model, adapters[name]["base_model_name_or_path"]
     try:
         for name, model in models.items():
-            check_model(model, f"agent {name!r}")
+            check_model(model, f"agent {name!r}" + (f" (the base of its adapter {adapters[name]['dir']})" if name in adapters else ""))
         datasets = load_eval_sets(args.data, args.limit)
     except (OSError, ValueError) as e:
         raise SystemExit(f"mappa eval: {e}")
@@ -198,17 +218,22 @@ def eval_main(parser, args):
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     engines, tokenizers = {}, {}
-    for model in dict.fromkeys(models.values()):
-        engines[model] = create_vllm_engines(
-            args.num_engines, args.tensor_parallel_size, model, args.seed, False, False, args.enforce_eager,
-            args.max_len, None, args.gpu_memory_utilization, False,
-        )  # fmt: skip
+    group = lambda name: (models[name], name in adapters)  # a base's adapters get engines of their own, with LoRA
+    for model, lora in dict.fromkeys(map(group, models)):
+        if lora:
+            served = {n: a for n, a in adapters.items() if group(n) == (model, True)}
+            engines[model, lora] = pool_engines(args, model, served)
+        else:
+            engines[model, lora] = create_vllm_engines(
+                args.num_engines, args.tensor_parallel_size, model, args.seed, False, False, args.enforce_eager,
+                args.max_len, None, args.gpu_memory_utilization, False,
+            )  # fmt: skip
         tokenizers[model] = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
     policies = {
         spec.name: AgentPolicy(
-            engines=engines[models[spec.name]], tokenizer=tokenizers[models[spec.name]],
+            engines=engines[group(spec.name)], tokenizer=tokenizers[models[spec.name]],
             max_new_tokens=spec.max_new_tokens or args.max_new_tokens, max_len=args.max_len,
-            sampling=dict(temperature=args.temperature, top_p=args.top_p),
+            sampling=dict(temperature=args.temperature, top_p=args.top_p), adapter=spec.name if spec.name in adapters else None,
         )  # fmt: skip
         for spec in topology.agents
     }
@@ -222,9 +247,40 @@ def eval_main(parser, args):
             results[dataset], summaries[dataset] = {"summary": summary, "problems": problems}, summary
     settings = {k: getattr(args, k) for k in ("n_samples", "temperature", "top_p", "max_new_tokens", "max_len", "seed")}
     with open(args.out, "w", encoding="utf-8") as f:
-        json.dump({"models": models, "settings": settings, "datasets": results}, f, indent=1)
+        json.dump({"models": models, "adapters": {n: a["dir"] for n, a in adapters.items()}, "settings": settings,
+                   "datasets": results}, f, indent=1)
     print(format_table(summaries))
     print(f"\nresults: {args.out}\nepisodes: {args.out}.episodes.jsonl")
+
+
+def pool_engines(args, model: str, adapters: dict) -> list:
+    """`mappa eval`'s engines for LoRA agents on one base: vLLM with LoRA, each agent's adapter (its export's
+    files, under its name) loaded, as the training run's pool serves them."""
+    import glob
+
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from openrlhf_mappa.agent_trainer import PoolEngine
+    from openrlhf_mappa.placement import pool_max_rank
+
+    if args.tensor_parallel_size != 1:
+        raise SystemExit("mappa eval: LoRA adapters are served by engines of --tensor-parallel-size 1")
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * args.num_engines, strategy="PACK")
+    engines = [
+        PoolEngine.options(num_cpus=1, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote(
+            model=model, enforce_eager=args.enforce_eager, tensor_parallel_size=1, seed=args.seed + i,
+            max_model_len=args.max_len, dtype="bfloat16", trust_remote_code=True, num_gpus=1,
+            gpu_memory_utilization=args.gpu_memory_utilization, distributed_executor_backend="uni",
+            enable_lora=True, max_loras=len(adapters), max_lora_rank=pool_max_rank([a["r"] for a in adapters.values()]),
+        )
+        for i in range(args.num_engines)
+    ]  # fmt: skip
+    for name, adapter in adapters.items():
+        files = {os.path.basename(f): open(f, "rb").read() for f in glob.glob(os.path.join(adapter["dir"], "adapter_*"))}
+        ray.get([e.load_adapter.remote(name, files) for e in engines])
+    return engines
 
 
 def rescore_main(parser, args):

@@ -147,8 +147,8 @@ NO_DUPLICATE = ("MAPPA builds each agent's actor and reference groups without Op
                 "ranks of one ring-attention / tensor-parallel group would get different data")
 DYNAMIC_BATCH = ("MAPPA trains whole --train.batch_size batches per agent (trainer.batch_rule) and splits "
                  "experiences by --rollout.micro_batch_size; token-budget batching is not wired in")
-LORA = ("OpenRLHF 0.11.2's weight sync sends the PEFT-wrapped parameter names (base_model.model..., lora_A), "
-        "which vLLM's weight loader rejects (OpenRLHF issue #1349)")
+LORA = ("LoRA is set per agent, in the topology (agents[].lora), and its adapters are synced by MAPPA: OpenRLHF "
+        "0.11.2's run-wide LoRA syncs every weight under peft's names, which vLLM's loader rejects (OpenRLHF #1349)")
 IS_CORRECTION = "MAPPA's experiences carry no rollout log-probs, which the correction compares against"
 KL_IN_REWARD = "MAPPA puts KL in the reward (r_t = score - beta * KL); KL as a loss is not supported"
 TEXT_ONLY = "MAPPA's agents are text-only"
@@ -190,7 +190,7 @@ REFUSED = {
     "train.max_tokens_per_gpu": DYNAMIC_BATCH,
     "ds.ring_attn_size": NO_DUPLICATE, "ds.ring_attn_head_stride": NO_DUPLICATE, "ds.tensor_parallel_size": NO_DUPLICATE,
     "ds.lora.rank": LORA, "ds.lora.alpha": LORA, "ds.lora.target_modules": LORA, "ds.lora.dropout": LORA,
-    "ds.load_in_4bit": LORA + " (4-bit base weights are for LoRA training)",
+    "ds.load_in_4bit": "4-bit (QLoRA) base weights are not built for LoRA agents",
     "actor.model_name_or_path": "each agent's model comes from the topology (or --mappa.model)",
     "train.agent_func_path": "the topology's environment drives each episode (--mappa.topology)",
     "data.prompt_probs": OWN_TASKS, "data.prompt_split": OWN_TASKS, "eval.split": OWN_TASKS,
@@ -350,6 +350,10 @@ def validate(args, topology):
     if args.mappa.coach.mode != "per_action" and args.mappa.reward == "outcome" and not args.mappa.coach.score_outcome_runs:
         raise SystemExit(f"--mappa.coach.mode {args.mappa.coach.mode}: an outcome run asks no coach; add "
                          "--mappa.coach.score_outcome_runs to log the coach's verdicts anyway")
+    lora = [spec.name for spec in topology.agents if spec.lora is not None]
+    if lora and args.vllm.tensor_parallel_size > 1:
+        raise SystemExit(f"agents {', '.join(lora)} declare lora: their pool's engines take one GPU each "
+                         f"(--vllm.tensor_parallel_size 1; tensor-parallel LoRA engines are not built)")
     if args.mappa.coach.score_outcome_runs and args.mappa.reward != "outcome":
         raise SystemExit("--mappa.coach.score_outcome_runs is for --mappa.reward outcome (process runs always ask the coach)")
 
@@ -423,10 +427,6 @@ def train(args):
             label = "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}"
             check_model(spec.model, label)
             check_lora(spec, label)
-        lora = [spec.name for spec in topology.agents if spec.lora is not None]
-        if lora:  # `mappa plan` sizes such a team already (placement.py); the trainer does not train adapters yet
-            raise SystemExit(f"{args.mappa.topology}: agents {', '.join(lora)} declare lora, and training LoRA adapters "
-                             f"is not built yet: `mappa plan` sizes such a team, a run trains full weights (remove lora)")
         if args.mappa.gpus or args.mappa.gpu_memory_gib:  # the cluster as given: the plan, before Ray starts
             placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib)
         all_tasks = load_tasks(args.data.prompt_dataset)
