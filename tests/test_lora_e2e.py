@@ -1,15 +1,15 @@
 """Per-agent LoRA adapters on one shared base, for real on CPU: the relay's three agents (heuristic coach), each
 with its own adapter (topology `lora`) on ONE tiny base model, served by ONE vLLM engine pool (vLLM's LoRA on
-its CPU path), β > 0 with the base (the adapter off) as every agent's reference, 2 steps, ZeRO-3; then the
-same command with --ckpt.load_enable resumes from the last team checkpoint.
+its CPU path), β > 0 with the base (the adapter off) as every agent's reference, 2 steps, ZeRO-3. The run is
+SIGKILLed once its first team checkpoint exists, and the same command resumes it.
 
-Asserted: no reference group exists; each agent's adapter changed and differs from the others' (the HF exports,
-PEFT format); the base did not change (each actor with its adapter off still gives the base's log-probs); the
-pool's engine, asked with agent k's adapter, gives agent k's actor's log-probs of a fixed sequence, not agent j's;
-each step logged the bytes its adapter sync sent against a full model's. After the resume, before any step,
-every actor and the pool's engine with every adapter give the log-probs the first run ended with. Between the
-two runs: `mappa merge-lora` of an agent's export is a model with that agent's log-probs, and `mappa eval` over
-the exports serves every adapter on one base's engine.
+Asserted after the resume, before any step: every actor is its checkpoint's adapter (`mappa merge-lora` of the
+checkpoint's HF export gives its log-probs) and the pool's engine, asked with that agent's adapter, agrees. At the
+end: no reference model exists; each agent's adapter changed and differs from the others' (the HF exports, PEFT
+format); the base did not change (each actor with its adapter off gives the base's log-probs); the pool's engine
+with agent k's adapter gives agent k's actor's log-probs of a fixed sequence, not agent j's; each step logged the
+bytes its adapter sync sent against a full model's. Then `mappa eval` over the exports serves every adapter on
+one engine of the base.
 """
 
 import json
@@ -21,24 +21,32 @@ import pytest
 import torch
 import yaml
 
-from conftest import MAPPA, REPO, TINY_RUN_FLAGS, local_cluster_env, run_training
+from conftest import MAPPA, REPO, TINY_RUN_FLAGS, local_cluster_env, run_training, training, wait_for
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 AGENTS = ("quantity", "item", "code")
 
 
-def run_and_probe(argv: list, out_path: str):
-    """In a child process: train, then probe every agent (test_mappa_e2e.probe_agents, with its base)."""
+def resume_and_probe(argv: list, start_path: str, end_path: str):
+    """In a child process: resume with `argv`, probing every agent (test_mappa_e2e.probe_agents) before the first
+    resumed step and after the last one."""
     import ray
 
     from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
+    from openrlhf_mappa.trainer import MappaTrainer
     from test_mappa_e2e import probe_agents
 
+    fit = MappaTrainer.fit
+
+    def probe_then_fit(self, start_step=0):
+        with open(start_path, "w") as f:
+            json.dump(dict(probe_agents(self.agents), start=start_step), f)
+        return fit(self, start_step)
+
+    MappaTrainer.fit = probe_then_fit
     agents = train(parse_args(argv))
-    out = probe_agents(agents)
-    out["references"] = [type(ag.ref).__name__ for ag in agents]
-    with open(out_path, "w") as f:
-        json.dump(out, f)
+    with open(end_path, "w") as f:
+        json.dump(dict(probe_agents(agents), references=[type(ag.ref).__name__ for ag in agents]), f)
     ray.shutdown()
 
 
@@ -53,7 +61,7 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
         agent["model"] = tiny_model
         agent["lora"] = {"rank": 8, "alpha": 16}
     (tmp_path / "topology.yaml").write_text(yaml.safe_dump(topology))
-    run_dir, probe_path, final = tmp_path / "run", str(tmp_path / "probe.json"), tmp_path / "final"
+    run_dir, ckpt, final = tmp_path / "run", tmp_path / "ckpt", tmp_path / "final"
     argv = [
         "--mappa.topology", str(tmp_path / "topology.yaml"),
         "--data.prompt_dataset", os.path.join(REPO, "examples", "data", "relay_train.jsonl"),
@@ -62,15 +70,36 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
         *TINY_RUN_FLAGS,
         "--algo.kl.init_coef", "0.01", "--algo.kl.estimator", "k1",  # after TINY_RUN_FLAGS' 0
         "--actor.adam.lr", "5e-2", "--actor.lr_warmup_ratio", "0",
-        "--ckpt.path", str(tmp_path / "ckpt"), "--ckpt.output_dir", str(final), "--ckpt.save_steps", "1",
+        "--ckpt.save_steps", "1", "--ckpt.save_hf", "--ckpt.load_enable",  # the same command starts and resumes
+        "--ckpt.path", str(ckpt), "--ckpt.output_dir", str(final),
     ]  # fmt: skip
-    child = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_lora_e2e import run_and_probe; "
-             f"run_and_probe({argv!r}, {probe_path!r})")  # fmt: skip
     # 3 actors and 1 engine pool, each on GPUs of its own: 4 logical GPUs (a full-weights team would need 6).
-    proc = run_training([sys.executable, "-c", child], tmp_path / "train", timeout=1500, cwd=tmp_path,
-                        env=local_cluster_env(4))
+    env = local_cluster_env(4)
+    marker = ckpt / "mappa_checkpoint.json"
+    with training([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], tmp_path / "train1", cwd=tmp_path,
+                  env=env) as run1:  # its whole process group SIGKILLed at the end of the block
+        wait_for(run1, marker.exists, 900, "first team checkpoint")
+    saved = json.loads(marker.read_text())["step"]
+    assert saved in (1, 2)
+    assert "GPUs: pool tiny/vllm" in open(tmp_path / "train1.out").read()
+
+    start_path, end_path = str(tmp_path / "start.json"), str(tmp_path / "end.json")
+    child = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_lora_e2e import resume_and_probe; "
+             f"resume_and_probe({argv!r}, {start_path!r}, {end_path!r})")  # fmt: skip
+    proc = run_training([sys.executable, "-c", child], tmp_path / "train2", timeout=1500, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    assert "placement plan for 4 GPUs" in proc.stdout and "GPUs: pool tiny/vllm" in proc.stdout
+    assert f"resuming after step {saved}" in proc.stdout
+
+    # Resumed: each adapter back in its actor (DeepSpeed's checkpoint) and in the pool's engine.
+    start = json.load(open(start_path))
+    assert start["start"] == saved
+    for n in AGENTS:
+        merged = tmp_path / f"merged-{n}"
+        subprocess.run([MAPPA, "merge-lora", str(ckpt / n / f"global_step{saved}_hf"), str(merged)], check=True,
+                       capture_output=True)
+        checkpointed = torch.as_tensor(hf_probe_logprobs(str(merged), start["probe"]))
+        assert (torch.tensor(start["actor"][n]) - checkpointed).abs().max() < 0.05, n
+        assert (torch.tensor(start["engine"][n]) - torch.tensor(start["actor"][n])).abs().max() < 0.05, n
 
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2]
@@ -79,29 +108,25 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
             assert m[f"agent/{n}/updated"] == 1 and m[f"agent/{n}/kl"] is not None
             assert 0 < m[f"agent/{n}/sync_mib"] < m[f"agent/{n}/full_sync_mib"] / 2, m  # the adapter alone travels
 
-    result = json.load(open(probe_path))
-    assert result["references"] == ["AdapterOff"] * 3  # no reference model: the base with the adapter off
-    base = torch.as_tensor(hf_probe_logprobs(tiny_model, result["probe"]))
-    actor = {n: torch.tensor(v) for n, v in result["actor"].items()}
+    end = json.load(open(end_path))
+    assert end["references"] == ["AdapterOff"] * 3  # no reference model: the base with the adapter off
+    base = torch.as_tensor(hf_probe_logprobs(tiny_model, end["probe"]))
+    actor = {n: torch.tensor(v) for n, v in end["actor"].items()}
     adapters = {}  # the HF exports, in PEFT format (peft writes .safetensors or .bin)
     for n in AGENTS:
-        saved = final / n / "adapter_model.safetensors"
-        adapters[n] = load_file(str(saved)) if saved.exists() else torch.load(final / n / "adapter_model.bin")
+        exported = final / n / "adapter_model.safetensors"
+        adapters[n] = load_file(str(exported)) if exported.exists() else torch.load(final / n / "adapter_model.bin")
     for n in AGENTS:
-        assert (torch.tensor(result["base"][n]) - base).abs().max() < 0.02, n  # the base did not change
+        assert (torch.tensor(end["base"][n]) - base).abs().max() < 0.02, n  # the base did not change
         assert (actor[n] - base).abs().mean() > 0.05, n  # the adapter moved the policy
         lora_b = [v for k, v in adapters[n].items() if "lora_B" in k]
         assert lora_b and all(v.abs().sum() > 0 for v in lora_b), n  # trained from peft's zero init
-        engine = torch.tensor(result["engine"][n])
+        engine = torch.tensor(end["engine"][n])
         assert (engine - actor[n]).abs().max() < 0.05, n  # the pool with agent n's adapter is agent n's policy
         for o in AGENTS:
             if o != n:
                 assert (engine - actor[o]).abs().mean() > 0.05, (n, o)
                 assert any(not torch.equal(adapters[n][k], adapters[o][k]) for k in adapters[n]), (n, o)
-
-    merged = tmp_path / "merged-quantity"
-    subprocess.run([MAPPA, "merge-lora", str(final / "quantity"), str(merged)], check=True, capture_output=True)
-    assert (torch.as_tensor(hf_probe_logprobs(str(merged), result["probe"])) - actor["quantity"]).abs().max() < 0.05
 
     out = tmp_path / "eval.json"
     proc = run_training(
@@ -115,15 +140,3 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
     assert evaluated["models"] == {n: tiny_model for n in AGENTS}  # one base, on one engine, for the three
     assert evaluated["adapters"] == {n: str(final / n) for n in AGENTS}
     assert evaluated["datasets"]["relay_train"]["summary"]["n_problems"] == 2
-
-    # The same command, resuming: the adapters come back into the actors (DeepSpeed's checkpoint) and the engines.
-    child = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_resume_e2e import resume_and_probe; "
-             f"resume_and_probe({argv + ['--ckpt.load_enable']!r}, {probe_path!r})")  # fmt: skip
-    proc = run_training([sys.executable, "-c", child], tmp_path / "resume", timeout=1500, cwd=tmp_path,
-                        env=local_cluster_env(4))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    resumed = json.load(open(probe_path))
-    assert resumed["start"] == 2
-    for n in AGENTS:
-        assert (torch.tensor(resumed["actor"][n]) - actor[n]).abs().max() < 0.01, n
-        assert (torch.tensor(resumed["engine"][n]) - actor[n]).abs().max() < 0.05, n
