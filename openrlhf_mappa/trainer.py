@@ -1,5 +1,6 @@
 """MAPPA trainer: each agent is its own policy with its own ZeRO-3 actor group, reference group and vLLM
-engines (OpenRLHF's classes); one fit loop drives them all.
+engines (OpenRLHF's classes); one fit loop drives them all. A LoRA agent (topology `lora`) has no reference
+group and shares its base model's engine pool, which serves its adapter (agent_trainer.py).
 
 One step:  rollout (all episodes at once) -> coach verdicts -> per-action rewards -> per agent: OpenRLHF
 Experiences (actor/ref log-probs, KL) -> token rewards, return-to-go, whitening (rewards.py) -> agent k's
