@@ -27,29 +27,6 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 AGENTS = ("quantity", "item", "code")
 
 
-def resume_and_probe(argv: list, start_path: str, end_path: str):
-    """In a child process: resume with `argv`, probing every agent (test_mappa_e2e.probe_agents) before the first
-    resumed step and after the last one."""
-    import ray
-
-    from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
-    from openrlhf_mappa.trainer import MappaTrainer
-    from test_mappa_e2e import probe_agents
-
-    fit = MappaTrainer.fit
-
-    def probe_then_fit(self, start_step=0):
-        with open(start_path, "w") as f:
-            json.dump(dict(probe_agents(self.agents), start=start_step), f)
-        return fit(self, start_step)
-
-    MappaTrainer.fit = probe_then_fit
-    agents = train(parse_args(argv))
-    with open(end_path, "w") as f:
-        json.dump(dict(probe_agents(agents), references=[type(ag.ref).__name__ for ag in agents]), f)
-    ray.shutdown()
-
-
 @pytest.mark.e2e
 def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_model):
     from safetensors.torch import load_file
@@ -84,7 +61,7 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
     assert "GPUs: pool tiny/vllm" in open(tmp_path / "train1.out").read()
 
     start_path, end_path = str(tmp_path / "start.json"), str(tmp_path / "end.json")
-    child = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_lora_e2e import resume_and_probe; "
+    child = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_resume_e2e import resume_and_probe; "
              f"resume_and_probe({argv!r}, {start_path!r}, {end_path!r})")  # fmt: skip
     proc = run_training([sys.executable, "-c", child], tmp_path / "train2", timeout=1500, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]

@@ -24,9 +24,10 @@ AGENTS = ("problem_solver", "verifier")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def resume_and_probe(argv: list, out_path: str):
+def resume_and_probe(argv: list, out_path: str, end_path: str = None):
     """In a child process: resume training with `argv`; before the first resumed step, probe every agent's
-    actor and engine (test_mappa_e2e.probe_agents)."""
+    actor and engine (test_mappa_e2e.probe_agents); with `end_path`, after the last step too, with the kind of
+    each agent's reference."""
     import ray
 
     from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
@@ -41,7 +42,10 @@ def resume_and_probe(argv: list, out_path: str):
         return fit(self, start_step)
 
     MappaTrainer.fit = probe_then_fit
-    train(parse_args(argv))
+    agents = train(parse_args(argv))
+    if end_path:
+        with open(end_path, "w") as f:
+            json.dump(dict(probe_agents(agents), references=[type(ag.ref).__name__ for ag in agents]), f)
     ray.shutdown()
 
 
