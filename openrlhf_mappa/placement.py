@@ -51,6 +51,9 @@ from dataclasses import dataclass, field
 GIB = 2**30
 PHASES = ("rollout", "experience", "train", "sync")
 CONTEXT_GIB = 1.0
+GRAPHS_GIB = 0.5  # vLLM's captured graphs, allocated outside --vllm.gpu_memory_utilization's share
+HOST_PROCESS_GIB = 2.0  # host memory of one actor or engine process: Python, torch, CUDA and NCCL libraries
+DEFAULT_GPUS_PER_NODE = 8
 VLLM_BATCHED_TOKENS, VLLM_SEQS = 8192, 256
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -205,6 +208,7 @@ class Group:
     tp: int  # GPUs per process: an engine's tensor-parallel size, else 1
     held: dict  # label -> GiB, on each GPU in every phase (what stays while it sleeps)
     adds: dict = field(default_factory=dict)  # phase -> {label: GiB} on top of `held`
+    host: dict = field(default_factory=dict)  # label -> GiB of host memory (its node's), per GPU of the group
     notes: list = field(default_factory=list)
     problems: list = field(default_factory=list)  # what cannot work whatever the GPU count (KV cache too small)
 
@@ -231,10 +235,15 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     P, D = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node
     trained = size.lora_params(lora.rank, lora.target_modules) if lora else P
     shard = lambda nbytes, stage: nbytes / (D if a.ds.zero_stage >= stage else 1)
-    states = {"gradients": shard(2 * trained, 2) / GIB}
-    if not a.ds.adam_offload:
-        states["Adam states"] = shard(12 * trained, 1) / GIB
+    if a.ds.adam_offload:  # ZeRO's offloaded optimizer keeps fp32 gradients beside Adam, in pinned host memory
+        states = {"gradient buckets": h * h * 4 / GIB}
+        host = {"Adam states": shard(12 * trained, 1) / GIB, "fp32 gradients": shard(4 * trained, 1) / GIB}
+    else:
+        states = {"gradients": shard(2 * trained, 2) / GIB, "Adam states": shard(12 * trained, 1) / GIB}
+        host = {}
     offloads = a.ds.enable_sleep and not a.ds.adam_offload  # OpenRLHF's offload skips an actor whose Adam is on CPU
+    if offloads:  # asleep, its states wait in pinned host memory
+        host = dict(states)
     b = a.train.micro_batch_size
     stored = b * s * h * 2 * L + b * s * token_layer if a.actor.gradient_checkpointing_enable else b * s * token_layer * L
     largest = V * h * 2 / GIB  # the embedding, the largest tensor the sync gathers
@@ -246,7 +255,7 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
                   **gathered},
         "sync": {} if lora else {**({"gathered embedding": largest} if zero3 else {}),
                                  **({"its CUDA IPC copy": largest} if ipc else {})},
-    })
+    }, host={**host, "process": HOST_PROCESS_GIB})
     if lora:
         actor.notes.append(f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {trained / 1e6:.1f}M trained "
                            f"parameters ({100 * trained / P:.2f}% of the model); a sync sends {2 * trained / 2**20:.0f} "
@@ -254,7 +263,7 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
         if a.algo.kl.init_coef > 0:
             actor.notes.append("reference log-probs: this actor with the adapter off (no reference group)")
     if a.ds.adam_offload:
-        actor.notes.append(f"Adam states on CPU: {shard(12 * trained, 1) / GIB:.1f} GiB per rank")
+        actor.notes.append(f"Adam states and fp32 gradients in host memory: {sum(host.values()):.1f} GiB per rank")
     if offloads:
         actor.notes.append("--ds.enable_sleep: gradients and Adam states on CPU outside the train phase")
     elif a.ds.enable_sleep:
@@ -264,7 +273,8 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
         R = a.ref.num_nodes * a.ref.num_gpus_per_node
         weights = 0.0 if a.ref.offload else 2 * P / (R if zero3 else 1) / GIB
         groups.append(Group(name, "reference", R, 1, {"weights": weights, "CUDA context": CONTEXT_GIB}, {
-            "experience": {**forward(a.rollout.micro_batch_size), **(gathered if zero3 or a.ref.offload else {})}}))
+            "experience": {**forward(a.rollout.micro_batch_size), **(gathered if zero3 or a.ref.offload else {})}},
+            host={**({"weights": 2 * P / (R if zero3 else 1) / GIB} if a.ref.offload else {}), "process": HOST_PROCESS_GIB}))
     return groups if lora else groups + [engine_group(a, name, size, gpu_gib)]
 
 
@@ -284,12 +294,15 @@ def engine_group(a, name: str, size: ModelSize, gpu_gib: float, adapters: list =
     kv = budget - weights - reserve
     label = "weights" + (f" + {len(adapters)} LoRA slots" if adapters else "")
     awake = {label: weights, "activation reserve": reserve, "KV cache": max(kv, 0.0)}
+    # Outside vLLM's share of the GPU: the CUDA context, and its captured CUDA graphs unless --vllm.enforce_eager.
+    outside = {"CUDA context": CONTEXT_GIB, **({} if a.vllm.enforce_eager else {"CUDA graphs": GRAPHS_GIB})}
     if a.vllm.enable_sleep:  # level 1: weights to CPU, KV cache dropped; the sync wakes the weights alone
-        engines = Group(name, "vllm", a.vllm.num_engines * tp, tp, {"CUDA context": CONTEXT_GIB},
-                        {"rollout": awake, "sync": {label: weights}})
-        engines.notes.append("--vllm.enable_sleep: asleep outside the rollout; the sync wakes its weights alone")
+        engines = Group(name, "vllm", a.vllm.num_engines * tp, tp, outside, {"rollout": awake, "sync": {label: weights}},
+                        host={label: weights, "process": HOST_PROCESS_GIB})
+        engines.notes.append("--vllm.enable_sleep: asleep outside the rollout (its weights in host memory); the sync "
+                             "wakes its weights alone")
     else:
-        engines = Group(name, "vllm", a.vllm.num_engines * tp, tp, {**awake, "CUDA context": CONTEXT_GIB})
+        engines = Group(name, "vllm", a.vllm.num_engines * tp, tp, {**awake, **outside}, host={"process": HOST_PROCESS_GIB})
     tokens = int(max(kv, 0) * GIB / kv_token)
     engines.notes.append(f"KV cache {max(kv, 0):.1f} GiB = {tokens} tokens = {tokens // s} sequences of {s} per engine")
     if tokens < s:
@@ -357,6 +370,27 @@ class Plan:
     gpu_gib: float
     colocate: str = "none"
     refused: list = field(default_factory=list)  # what the colocation cannot place (colocation_problems)
+    host_gib: float = None  # host memory of one node; None: not checked
+    gpus_per_node: int = None  # GPU i is on node i // gpus_per_node (as Ray packs the placement groups)
+
+    def nodes(self) -> list:
+        """Per node: (its GPUs' indices, {label: GiB of host memory its processes need})."""
+        per = self.gpus_per_node or DEFAULT_GPUS_PER_NODE
+        out = []
+        for first in range(0, len(self.slots), per):
+            need = {}
+            for slot in self.slots[first : first + per]:
+                for g, _ in slot:
+                    for label, gib in g.host.items():
+                        key = f"{g.kind} {label}"
+                        need[key] = need.get(key, 0.0) + gib
+            out.append((range(first, min(first + per, len(self.slots))), need))
+        return out
+
+    def host_problems(self) -> list:
+        return [f"node {k} (GPUs {gpus[0]}-{gpus[-1]}) needs {sum(need.values()):.0f} GiB of host memory, more than "
+                f"its {self.host_gib:g} GiB: " + ", ".join(f"{label} {gib:.0f}" for label, gib in need.items())
+                for k, (gpus, need) in enumerate(self.nodes()) if self.host_gib and sum(need.values()) > self.host_gib]
 
     @property
     def need(self) -> int:
@@ -397,7 +431,8 @@ class Plan:
                     "agent": "the agents' actor groups and vLLM engines, each agent on GPUs of its own that they share",
                     "team": "the team's actor groups and vLLM engines, on GPUs they all share"}[self.colocate]
             out.append(f"not enough GPUs: {what} need {self.need} GPUs but the cluster has {gpus} ({detail})")
-        return out + [p for g in self.groups() for p in g.problems] + list(self.overfull().values())
+        return (out + [p for g in self.groups() for p in g.problems] + list(self.overfull().values())
+                + self.host_problems())
 
     def unfit_kinds(self) -> set:
         """The kinds of component (actor, reference, vllm) that do not fit their GPUs."""
@@ -439,7 +474,8 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
             groups[-1].notes.append(f"actors: one group per agent, {len(specs)} x {base:.1f} GiB of base weights per actor "
                                     f"rank; one group per base model would hold {base:.1f} GiB but train them in turn")
     colocate = args.mappa.colocate
-    return Plan(counts, layout(groups, colocate), known, gpu_gib, colocate, colocation_problems(args, topology))
+    return Plan(counts, layout(groups, colocate), known, gpu_gib, colocate, colocation_problems(args, topology),
+                args.mappa.host_memory_gib, args.mappa.gpus_per_node)
 
 
 # A change is a list of settings (section, key, value), as the flags that make them: `--ds.adam_offload` for
@@ -449,7 +485,8 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
 def flags(args, settings: list) -> str:
     """The flags of the settings that differ from `args`."""
     changed = [(s, k, v) for s, k, v in settings if getattr(getattr(args, s), k) != v]
-    return " ".join(f"--{s}.{k}" + ("" if v is True else f" {v}") for s, k, v in changed)
+    return " ".join(f"without --{s}.{k}" if v is False else f"--{s}.{k}" + ("" if v is True else f" {v}")
+                    for s, k, v in changed)
 
 
 def with_changes(args, settings: list):
@@ -505,6 +542,9 @@ def single_changes(args, topology, memory_known: bool) -> list:
     modes = ("agent", "team", "none") if memory_known else ()
     placements = {mode: colocation(args, topology, mode) for mode in modes if mode != args.mappa.colocate}
     out = [[saving] for saving in memory_flags(args)]
+    # host memory back for GPU memory: Adam and the reference's weights on the GPUs, engines awake
+    out += [[(s, k, False)] for s, k in (("ds", "adam_offload"), ("ref", "offload"), ("vllm", "enable_sleep"))
+            if getattr(getattr(args, s), k)]
     out += [[("vllm", "num_engines", n)] for n in range(args.vllm.num_engines - 1, 0, -1)]
     out += [[("ref", "num_gpus_per_node", n)] for n in range(args.ref.num_gpus_per_node - 1, 0, -1)] * kl
     out += [[("actor", "num_gpus_per_node", n)] for n in range(args.actor.num_gpus_per_node - 1, 0, -1)]
@@ -595,10 +635,16 @@ def check(args, topology, gpus: int, gpu_gib: float = None, sizes: dict = None) 
                 break
     if fixes:
         lines.append(f"Smallest change that fits: {fixes[0]}" + (f" (others: {'; '.join(fixes[1:])})" if fixes[1:] else ""))
-    elif gpu_gib is None:
+    elif plan.host_problems():
+        most = max(sum(need.values()) for _, need in plan.nodes())
+        lines.append(f"Smallest change that fits: nodes with at least {math.ceil(most)} GiB of host memory, or fewer "
+                     f"GPUs per node (--mappa.gpus_per_node, with more nodes)")
+    elif gpu_gib is None:  # colocation: the placements that share more GPUs than the one asked for
+        modes = {"none": ["agent", "team"], "agent": ["team"], "team": []}[args.mappa.colocate]
+        shared = f", or colocation ({' or '.join(f'--mappa.colocate {m}' for m in modes)} --vllm.enable_sleep " \
+                 f"--ds.enable_sleep)" if modes else ""
         lines.append(f"Smallest change that fits: a cluster of {plan.need} GPUs, or fewer GPUs per agent "
-                     f"(--actor.num_gpus_per_node, --ref.num_gpus_per_node, --vllm.num_engines), or colocation "
-                     f"(--mappa.colocate agent --vllm.enable_sleep --ds.enable_sleep)")
+                     f"(--actor.num_gpus_per_node, --ref.num_gpus_per_node, --vllm.num_engines){shared}")
     else:
         fewest = fewest_gpus(args, topology, gpu_gib, sizes)
         if fewest is None:
@@ -627,6 +673,10 @@ def format_plan(plan: Plan, gpus: int = None) -> str:
         turns = "the largest agent's (they train and sync in turn)" if plan.colocate == "team" else "its agent's"
         out.append(f"A shared GPU holds what its models keep plus what the phase adds: every engine's in the rollout,\n"
                    f"the largest forward's in the experience phase, {turns} in train and sync")
+    for k, (gpus, need) in enumerate(plan.nodes()):  # host memory: offloaded states, sleeping engines' weights
+        of = f" of its {plan.host_gib:g}" if plan.host_gib else " (not checked: --mappa.host_memory_gib)"
+        out.append(f"host memory, node {k} (GPUs {gpus[0]}-{gpus[-1]}): {sum(need.values()):.1f} GiB{of}: "
+                   + ", ".join(f"{label} {gib:.1f}" for label, gib in need.items()))
     def breakdown(owner: str) -> list:
         lines = []
         for g in (g for g in plan.groups() if g.agent == owner):
@@ -634,6 +684,8 @@ def format_plan(plan: Plan, gpus: int = None) -> str:
             lines.append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {parts} = {sum(g.held.values()):.1f} GiB held")
             lines += [f"    {phase} adds " + " + ".join(f"{k} {v:.1f}" for k, v in extra.items())
                       for phase, extra in g.adds.items() if extra]
+            lines.append("    host memory, each: " + " + ".join(f"{k} {v:.1f}" for k, v in g.host.items())
+                         + f" = {sum(g.host.values()):.1f} GiB")
             lines += [f"    {note}" for note in g.notes]
         return lines
 
@@ -654,6 +706,21 @@ def format_plan(plan: Plan, gpus: int = None) -> str:
     for pool in dict.fromkeys(g.agent for g in plan.groups() if g.agent not in plan.sizes):  # LoRA engine pools
         out += [f"\n{pool}:"] + breakdown(pool)
     return "\n".join(out)
+
+
+def host_memory_gib(available: bool = False) -> float:
+    """This machine's memory (`available`: what is free of it now), or its container's limit (cgroup v2
+    memory.max) where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES" if available else "SC_PHYS_PAGES")
+    if available:
+        return total / GIB
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    return total / GIB
 
 
 def detect_gpus():

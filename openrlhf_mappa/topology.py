@@ -444,11 +444,32 @@ def check_model(model: str, label: str) -> None:
         where = "" if os.path.isabs(model) else f" (relative to {os.getcwd()})"
         raise ValueError(f"{label}: model {model!r} is not a directory{where}; give a local model directory or a "
                          f"Hugging Face id (org/name)")
-    from huggingface_hub import constants, is_offline_mode, try_to_load_from_cache
+    from huggingface_hub import constants, errors, get_session, hf_hub_download, is_offline_mode, try_to_load_from_cache
 
-    if is_offline_mode() and not isinstance(try_to_load_from_cache(model, "config.json"), str):
-        raise ValueError(f"{label}: model {model!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                         f"downloads are off (HF_HUB_OFFLINE): download it first, or unset HF_HUB_OFFLINE")
+    if is_offline_mode():
+        if not isinstance(try_to_load_from_cache(model, "config.json"), str):
+            raise ValueError(f"{label}: model {model!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                             f"downloads are off (HF_HUB_OFFLINE): download it first, or unset HF_HUB_OFFLINE")
+        return
+    # Resolved on the hub now, its config.json into the cache (the plan reads it): a typo, a gated model or a hub
+    # out of reach is named here, not inside every Ray actor after the cluster started.
+    where = f"not a local directory{'' if os.path.isabs(model) else f' (relative to {os.getcwd()})'}"
+    try:
+        # One plain request first: hf_hub_download retries a hub out of reach for about 25 s before it says so.
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        hf_hub_download(model, "config.json")
+    except errors.GatedRepoError:
+        raise ValueError(f"{label}: model {model!r} is gated on the Hugging Face hub: accept its terms there and export "
+                         f"HF_TOKEN (on the head node, before `ray start`)") from None
+    except errors.RepositoryNotFoundError:
+        raise ValueError(f"{label}: model {model!r} is {where}, nor a model on the Hugging Face hub ({constants.ENDPOINT}): "
+                         f"check the path or name (a private model needs HF_TOKEN)") from None
+    except errors.RemoteEntryNotFoundError:
+        raise ValueError(f"{label}: the hub repository {model!r} has no config.json: not a transformers model") from None
+    except (errors.LocalEntryNotFoundError, errors.HTTPError, OSError) as e:
+        raise ValueError(f"{label}: model {model!r} is {where}, and the Hugging Face hub ({constants.ENDPOINT}) could not "
+                         f"be reached to fetch its config.json ({type(e).__name__}): check the path, the network or "
+                         f"HF_ENDPOINT; or download the model first and set HF_HUB_OFFLINE=1") from None
 
 
 def check_lora(spec: AgentSpec, label: str) -> None:

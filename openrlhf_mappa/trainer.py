@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -88,17 +89,32 @@ def run_summary(run_dir: str) -> list:
 
 def check_placement(args, topology) -> None:
     """Before any actor exists: the plan (placement.py) against the Ray cluster's GPUs, logical or real, and
-    their memory where known (--mappa.gpu_memory_gib, else this process's GPU). Printed when it fits; refused,
+    their memory where known (the lower of --mappa.gpu_memory_gib and what this process's GPU reports) and the
+    host memory of a node (--mappa.host_memory_gib, else this one's). Printed when it fits; refused,
     with the smallest change that would fit, when not. Ray itself would wait forever, silently, for GPUs
     that never come."""
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    gib = args.mappa.gpu_memory_gib or placement.detect_gpus()[1]
+    # The card's memory as the CUDA driver reports it where this process sees a GPU (an "80 GB" card: 79.6 GiB),
+    # the flag's where it is lower or none is seen; host memory and node sizes as this node and Ray see them.
+    given, seen = args.mappa.gpu_memory_gib, placement.detect_gpus()[1]
+    gib = args.mappa.gpu_memory_gib = min(g for g in (given, seen) if g) if given or seen else None
+    args.mappa.host_memory_gib = args.mappa.host_memory_gib or placement.host_memory_gib()
+    args.mappa.gpus_per_node = args.mappa.gpus_per_node or int(max(
+        [n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]] + [1]))
     try:
         plan = placement.check(args, topology, gpus, gib)
     except ValueError as e:
         raise SystemExit(f"[mappa] {e}\n(On CPU, MAPPA_CPU_NUM_GPUS sets a local cluster's logical GPUs.)") from None
     memory = "" if gib else " (GPU memory not known here: give --mappa.gpu_memory_gib to check it too)"
-    print(f"[mappa] placement plan for {gpus} GPUs{memory}:\n{placement.format_plan(plan, gpus)}", file=console.out, flush=True)
+    print(f"[mappa] placement plan for {gpus} GPUs{memory}:\n{placement.format_plan(plan, gpus)}\n"
+          f"actor and reference processes: {actor_threads(args)} OpenMP threads each (--mappa.actor_threads)",
+          file=console.out, flush=True)
+
+
+def actor_threads(args) -> int:
+    """OpenMP threads per actor and reference process: --mappa.actor_threads, else this node's cores over its GPUs
+    (at most one of a GPU's actor ranks trains at a time). Nodes are taken to be alike."""
+    return args.mappa.actor_threads or max(1, (os.cpu_count() or 1) // (args.mappa.gpus_per_node or 1))
 
 
 @dataclass
@@ -145,7 +161,8 @@ def build_agents(args, topology, max_steps: int, startup) -> list:
 
     Colocated (--mappa.colocate), an agent's actor rank i, reference rank i and engine i share bundle i of one
     placement group: the agent's own (agent), or the team's (team). Their engines are created, and put to sleep
-    with --vllm.enable_sleep, before any actor: vLLM sizes its KV cache from the GPU memory free when it starts."""
+    with --vllm.enable_sleep, before any actor: vLLM sizes its KV cache from the GPU memory free when it starts
+    (on the team's GPUs, one agent's engines after another's, for the same reason)."""
     from openrlhf.trainer.ray import create_vllm_engines
     from openrlhf.trainer.ray.launcher import RayActorGroup, ReferenceModelActor
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
@@ -157,6 +174,10 @@ def build_agents(args, topology, max_steps: int, startup) -> list:
     from openrlhf_mappa.agent_trainer import AdapterOff, AgentTrainer, LoraActor, PoolEngine
 
     check_placement(args, topology)
+    # Ray gives an actor of less than one CPU (every colocated one) OMP_NUM_THREADS=1, which leaves torch's CPU ops
+    # and DeepSpeed's CPU Adam (--ds.adam_offload: the optimizer step of billions of parameters) on one core.
+    threads = {"env_vars": {"OMP_NUM_THREADS": str(actor_threads(args))}}
+    threaded = lambda cls: types.SimpleNamespace(options=lambda **kw: cls.options(runtime_env=threads, **kw))
     per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
     colocate = args.mappa.colocate
     share = placement.gpu_share(args, topology) if colocate != "none" else 1
@@ -190,7 +211,15 @@ def build_agents(args, topology, max_steps: int, startup) -> list:
             engines[spec.name] = engines_on(a, spec.model, pgs[spec.name], share)
         startup.components += [(f"{label or f'agent {spec.name!r}'}: vLLM engine {i}", e.__ray_ready__.remote())
                                for i, e in enumerate(engines[spec.name])]
-    if colocate != "none" and args.vllm.enable_sleep:
+        if colocate == "team":
+            # vLLM sizes its KV cache from the drop in the whole GPU's free memory while it profiles, so engines
+            # starting at once on one GPU would count each other's loads as their own (a KV budget wrong or below
+            # zero): each agent's engines start, and sleep, before the next agent's do.
+            startup.stage = f"agent {spec.name!r} (its engines starting on the team's GPUs, one agent at a time)"
+            ray.get([e.__ray_ready__.remote() for e in engines[spec.name]])
+            if args.vllm.enable_sleep:
+                batch_vllm_engine_call(engines[spec.name], "sleep")
+    if colocate == "agent" and args.vllm.enable_sleep:
         startup.stage = "the colocated vLLM engines (starting, then put to sleep before the actors start)"
         batch_vllm_engine_call(distinct(sum(engines.values(), [])), "sleep")
 
@@ -199,13 +228,14 @@ def build_agents(args, topology, max_steps: int, startup) -> list:
         startup.stage = f"agent {spec.name!r} (creating its actors)"
         strategy = get_strategy(a)
         pg = pgs.get(spec.name)
-        actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node, LoraActor if spec.lora else PolicyModelActor,
-                              pg=pg, num_gpus_per_actor=share)
+        actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node, threaded(LoraActor if spec.lora else PolicyModelActor),
+                              pg=pg, num_gpus_per_actor=share)  # RayActorGroup calls .options() on its actor type
         ref = None
         if a.algo.kl.init_coef > 0 and spec.lora:
             ref = AdapterOff(actor)  # the base: its own actor with the adapter off
         elif a.algo.kl.init_coef > 0:
-            ref = RayActorGroup(a.ref.num_nodes, a.ref.num_gpus_per_node, ReferenceModelActor, pg=pg, num_gpus_per_actor=share)
+            ref = RayActorGroup(a.ref.num_nodes, a.ref.num_gpus_per_node, threaded(ReferenceModelActor), pg=pg,
+                                num_gpus_per_actor=share)
             init_refs += ref.async_init_model_from_pretrained(strategy, spec.model)
         init_refs += actor.async_init_model_from_pretrained(strategy, spec.model, max_steps, engines[spec.name])
         tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=True)
@@ -426,6 +456,21 @@ def prepare_resume(args, topology) -> int:
     return step
 
 
+def rotate_exports(agent_ckpt_dir: str, keep: int) -> list:
+    """Delete all but the `keep` newest HF exports (global_step<N>_hf) of one agent; returns those deleted.
+    OpenRLHF's --ckpt.max_num rotates DeepSpeed's checkpoints only, and with --ckpt.save_hf each save adds
+    a full model (8 GB for a 4B agent in bf16): the same number of exports is kept as of checkpoints."""
+    exports = {}  # step -> path
+    for path in glob.glob(os.path.join(agent_ckpt_dir, "global_step*_hf")):
+        step = os.path.basename(path)[len("global_step") : -len("_hf")]
+        if step.isdigit():
+            exports[int(step)] = path
+    old = [exports[step] for step in sorted(exports)[: max(0, len(exports) - keep)]]
+    for path in old:
+        shutil.rmtree(path)
+    return old
+
+
 def truncate_logs(run_dir: str, step: int) -> None:
     """Keep only the lines of steps <= `step` in metrics.jsonl and episodes.jsonl. A resumed run redoes the
     steps after its checkpoint, which would otherwise appear twice; a line cut off by a kill is dropped."""
@@ -615,14 +660,7 @@ class MappaTrainer:
             for action in ep.actions:
                 if action.reward is not None:
                     actions_of[self.owner[action.agent]].append(action)
-        batches, kept_actions, dropped = {}, {}, {}
-        for ag in self.trainees:
-            kept, dropped[ag.spec.name] = self.batch_rule(actions_of[ag.spec.name], step)
-            if not kept:
-                continue
-            maker = ag.trainer.experience_maker
-            batches[ag.spec.name] = maker.make_experience(maker.split_rollout_samples([experience_of(a) for a in kept]))
-            kept_actions[ag.spec.name] = kept
+        batches, kept_actions, dropped = self.make_experiences(actions_of, step)
         rewards.compute_advantages(batches, self.args.algo.kl.init_coef, scope=self.mappa.norm_scope)
         t_experience = time.time() - t0
 
@@ -636,15 +674,10 @@ class MappaTrainer:
                 action.advantage = adv
 
         # Agent k's experiences train agent k's actor, whose weights then go to agent k's engines: OpenRLHF's
-        # train_step. Agents on GPUs of their own train at once; on the team's shared GPUs, one after another.
+        # train_step.
         t0 = time.time()
         trained = [ag for ag in self.trainees if ag.spec.name in batches]
-        train = lambda ag: ag.trainer.train_step(batches[ag.spec.name], step)[0]
-        if self.mappa.colocate == "team":
-            status = {ag.spec.name: train(ag) for ag in trained}
-        else:
-            with concurrent.futures.ThreadPoolExecutor(max(1, len(trained))) as pool:
-                status = dict(zip([ag.spec.name for ag in trained], pool.map(train, trained)))
+        status = self.per_agent(lambda ag: ag.trainer.train_step(batches[ag.spec.name], step)[0], trained)
         # time/sync: the syncs' share of the phase (the slowest agent's, or all of them one after another).
         syncs = [s["timing/broadcast"] for s in status.values()]
         t_sync = (sum(syncs) if self.mappa.colocate == "team" else max(syncs, default=0.0))
@@ -658,6 +691,30 @@ class MappaTrainer:
         if self.topology.coach_stages:
             metrics["coach/template_stage"] = self.stage  # 0-based, in coach_templates' order
         return metrics
+
+    def per_agent(self, fn, agents: list) -> dict:
+        """{agent: fn(agent)}: at once for agents on GPUs of their own (--mappa.colocate none or agent), one after
+        another on the team's shared GPUs, where each agent's phase needs the memory the others' would take."""
+        if self.mappa.colocate == "team":
+            return {ag.spec.name: fn(ag) for ag in agents}
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(agents))) as pool:
+            return dict(zip([ag.spec.name for ag in agents], pool.map(fn, agents)))
+
+    def make_experiences(self, actions_of: dict, step: int):
+        """Each trainee's kept actions (batch_rule) as OpenRLHF Experiences with its actor's and reference's
+        log-probs and KL: (batches, kept actions, dropped counts), by agent; an agent with no batch is absent."""
+        kept_actions, dropped = {}, {}
+        for ag in self.trainees:
+            kept, dropped[ag.spec.name] = self.batch_rule(actions_of[ag.spec.name], step)
+            if kept:
+                kept_actions[ag.spec.name] = kept
+
+        def forward(ag):
+            maker = ag.trainer.experience_maker
+            return maker.make_experience(maker.split_rollout_samples([experience_of(a) for a in kept_actions[ag.spec.name]]))
+
+        batches = self.per_agent(forward, [ag for ag in self.trainees if ag.spec.name in kept_actions])
+        return batches, kept_actions, dropped
 
     def advance_criteria(self, step: int, metrics: dict):
         """After step `step`: when the rule of the next template in the topology's coach_templates holds on this
@@ -771,6 +828,8 @@ class MappaTrainer:
             )
         ray.get(refs)
         self.write_marker(step)
+        for ag in self.trainees:  # only now: the marker names a step whose exports are all there
+            rotate_exports(ag.args.ckpt.path, self.args.ckpt.max_num)
 
     def write_marker(self, step: int):
         """Only once every agent saved is step `step` a checkpoint of the whole team (see prepare_resume); the

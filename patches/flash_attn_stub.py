@@ -1,9 +1,13 @@
 """Patch `flash_attn_stub`: let openrlhf import without the flash-attn package.
 
-Why: `openrlhf/models/ring_attn_utils.py` (reached from `import openrlhf.models`) imports
-`flash_attn.bert_padding` and `flash_attn.utils.distributed` at module level, and flash-attn cannot
-even be built without CUDA. The four helpers it needs are plain torch. Upstream candidate: import them
-lazily inside the ring-attention functions (only `--ds.packing_samples` / ring attention use them).
+Why: `openrlhf/models/ring_attn_utils.py` (reached from `import openrlhf.models`, so from the Ray launcher
+every driver imports) imports `flash_attn.bert_padding` and `flash_attn.utils.distributed` at module level.
+flash-attn cannot be built without CUDA, and on GPUs it is a source build against each node's torch; yet
+only `--ds.packing_samples` and ring attention use it, and SDPA attention needs none of it. The four helpers
+it imports are plain torch. Upstream candidate: import them lazily inside the ring-attention functions.
+
+Applied in every mode (compat.EVERY_MODE), on GPUs too, and only where flash-attn is not installed; the
+launcher refuses flash attention, packing and ring attention there, naming the install.
 
 How: while ring_attn_utils executes, stand-in `flash_attn` modules holding our own torch versions of
 those helpers sit in `sys.modules`; they are removed right after, so nothing else in the process
@@ -17,10 +21,6 @@ import types
 
 import torch
 import torch.nn.functional as F
-
-from openrlhf_mappa.compat import refuse_outside_cpu_mode
-
-refuse_outside_cpu_mode(__name__)
 
 FITS = ("0.11.2",)
 _STUB_NAMES = ("flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed")

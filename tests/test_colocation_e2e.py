@@ -6,7 +6,8 @@ agents' actor ranks and engines, each asking Ray for a third of it.
 On CPU sleep frees nothing, so the order of the calls is what is tested: patches/hybrid_engine.py logs every
 engine's sleep / wake_up / generate and every actor's reload / offload / training from the process that ran it
 (MAPPA_CALL_LOG). Asserted from that log: no agent's engine was awake (weights or KV cache) while any actor
-trained; no actor's states were loaded while any engine generated; the agents trained one after another. And,
+trained; no actor's states were loaded while any engine generated; the agents trained one after another; each
+agent's engines started and slept before the next agent's started (vLLM's memory profiling). And,
 as in test_mappa_e2e: every agent's weights moved, and after the sync both engines of each agent hold its own
 actor's weights and not another agent's (log-probs of a fixed sequence; the engines woken up to answer).
 """
@@ -85,6 +86,13 @@ def test_team_colocated_on_two_gpus_sleeps_engines_while_actors_train(tmp_path):
     for a in AGENTS:  # one agent at a time on the team's GPUs
         for b in AGENTS:
             assert a == b or overlaps(timeline[a]["loaded"], timeline[b]["loaded"]) == [], (a, b)
+    # vLLM sizes its KV cache from the GPU's free memory while it starts: each agent's two engines started, and both
+    # slept, before the next agent's began (engines starting at once would count each other's memory as their own).
+    started = sorted(AGENTS, key=lambda n: min(timeline[n]["init"]))
+    for a, b in zip(started, started[1:]):
+        assert len(timeline[a]["init"]) == 2, (a, timeline[a]["init"])
+        asleep = max(t1 for _, t1 in sorted(timeline[a]["sleep"])[:2])  # its engines' first sleeps: at start-up
+        assert asleep <= min(t0 for t0, _ in timeline[b]["init"]), (a, b)
 
     result = json.load(open(probe_path))
     from test_openrlhf_cpu_e2e import hf_probe_logprobs

@@ -48,37 +48,11 @@ def coach_server():
 
 
 def probe_agents(agents) -> dict:
-    """For every agent, its engines' and its actor's log-probs of one fixed sequence (PROBE_TEXT): "engine" is
-    engine 0's, "engines" every engine's. Engines asleep after a colocated run (--vllm.enable_sleep) are woken
-    first; vLLM ignores the call for an engine that is awake."""
-    import ray
-    from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
-    from vllm import SamplingParams
+    """Every agent's engines' and actor's log-probs of PROBE_TEXT (openrlhf_mappa.doctor.probe, which `mappa doctor`
+    checks the weight syncs with)."""
+    from openrlhf_mappa.doctor import probe
 
-    batch_vllm_engine_call(list({id(e): e for ag in agents for e in ag.engines}.values()), "wake_up")
-    ids = agents[0].tokenizer(PROBE_TEXT)["input_ids"]
-    out = {"probe": ids, "engine": {}, "engines": {}, "actor": {}}
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    for ag in agents:
-        adapter = ag.trainer.adapter  # a LoRA agent: its pool's engines, with its adapter
-        gens = ray.get([e.generate_as.remote(adapter, ids, params) if adapter else e.generate.remote(ids, params)
-                        for e in ag.engines])
-        out["engines"][ag.spec.name] = [[d[t].logprob for t, d in zip(ids[1:], g.prompt_logprobs[1:])] for g in gens]
-        out["engine"][ag.spec.name] = out["engines"][ag.spec.name][0]
-        seq, ranks = torch.tensor([ids]), len(ag.actor._actor_handlers)  # one copy per data-parallel rank
-        refs = ag.actor.async_run_method_batch(
-            method_name="forward", sequences=[seq] * ranks,
-            action_mask=[torch.ones(1, len(ids) - 1, dtype=torch.bool)] * ranks, attention_mask=[torch.ones_like(seq)] * ranks,
-        )
-        per_rank = [r[0].float().tolist() for r in ray.get(refs)]
-        out["actor"][ag.spec.name], out.setdefault("actor_ranks", {})[ag.spec.name] = per_rank[0], per_rank
-        if adapter:  # and the base it trains on, with the adapter off: its reference
-            refs = ag.ref.async_run_method_batch(
-                method_name="forward", sequences=[seq] * ranks,
-                action_mask=[torch.ones(1, len(ids) - 1, dtype=torch.bool)] * ranks, attention_mask=[torch.ones_like(seq)] * ranks,
-            )
-            out.setdefault("base", {})[ag.spec.name] = ray.get(refs)[0][0].float().tolist()
-    return out
+    return probe(agents, PROBE_TEXT)
 
 
 def run_and_probe(argv: list, out_path: str, tensors_path: str = None):

@@ -31,6 +31,14 @@ AIME = os.path.join(os.environ.get("MAPPA_BENCH_DIR", os.path.join(os.path.dirna
                     "AIME_1983_2024.json")
 
 
+def model_dir(tmp_path) -> str:
+    """A directory the launcher's model check accepts (it reads file names only), for a run refused later on."""
+    (tmp_path / "model").mkdir(exist_ok=True)
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / "model" / name).write_text("{}")
+    return str(tmp_path / "model")
+
+
 def trainer_with(batch_size, seed=0):
     t = MappaTrainer.__new__(MappaTrainer)  # the rule reads only args
     t.args = SimpleNamespace(train=SimpleNamespace(batch_size=batch_size, seed=seed))
@@ -128,7 +136,7 @@ def test_cli_rejects_bad_input_before_ray_starts(tmp_path):
     cases = [
         (["--mappa.topology", str(tmp_path / "t.yaml"), "--data.prompt_dataset", str(tmp_path / "tasks.jsonl")],
          "model '/no/such/model' is not a directory"),
-        (["--mappa.topology", os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "configs", "mathchat.yaml"),
+        (["--mappa.topology", MATHCHAT_YAML, "--mappa.model", model_dir(tmp_path),
           "--data.prompt_dataset", str(tmp_path / "tasks.jsonl")], "tasks.jsonl: line 2: empty 'prompt'"),
     ]
     for flags, message in cases:
@@ -165,7 +173,8 @@ def test_cli_records_the_training_subset_and_refuses_another_on_resume(tmp_path)
     with open(tmp_path / "tasks.jsonl", "w") as f:
         f.writelines(json.dumps({"id": f"t{i}", "prompt": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(10))
     base = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--vllm.num_engines", "1", "--mappa.topology",
-            MATHCHAT_YAML, "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"), "--data.max_samples", "4",
+            MATHCHAT_YAML, "--mappa.model", model_dir(tmp_path),
+            "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"), "--data.max_samples", "4",
             "--mappa.run_dir", str(tmp_path / "run"), "--ckpt.path", str(tmp_path / "ckpt")]  # fmt: skip
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)

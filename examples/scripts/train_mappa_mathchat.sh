@@ -34,11 +34,15 @@ case $COLOCATE in
 esac
 echo "[mappa] this recipe needs $NEED GPUs in the Ray cluster: $AGENTS agents, --mappa.colocate $COLOCATE" \
      "($ACTOR_GPUS actor + $REF_GPUS reference GPUs + $ENGINES vLLM engines per agent); outputs in $OUT"
+# MAPPA_DOCTOR=<a small model, e.g. Qwen/Qwen3-0.6B>: check the cluster first (`mappa doctor`: these flags with that
+# model for every agent; one step of each component, weight syncs, sleep, threads, host memory; a few minutes).
+ENTRY=(openrlhf_mappa.cli.train_mappa_ray)
+[ -z "${MAPPA_DOCTOR:-}" ] || ENTRY=(openrlhf_mappa.cli.mappa doctor --mappa.model "$MAPPA_DOCTOR")
 set -x
 
 ray job submit --address="http://127.0.0.1:8265" \
    --runtime-env-json='{"working_dir": "."}' \
-   -- python3 -m openrlhf_mappa.cli.train_mappa_ray \
+   -- python3 -m "${ENTRY[@]}" \
    --mappa.topology examples/configs/mathchat.yaml \
    --mappa.reward process \
    --mappa.coach.kind openai \

@@ -1,4 +1,4 @@
-"""The `mappa` command: project tools (`mappa plan`, `mappa eval`, `mappa report`, `mappa tiny-model`,
+"""The `mappa` command: project tools (`mappa plan`, `mappa doctor`, `mappa eval`, `mappa report`, `mappa tiny-model`,
 `mappa merge-lora`, `mappa coach score`, `mappa sandbox run`, `mappa dsbench make-pack|import|score`)."""
 
 import argparse
@@ -11,12 +11,18 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:  # its flags are train_mappa_ray's, which argparse cannot pass through a subparser
         sys.exit(plan_main(argv[1:]))
+    if argv[:1] == ["doctor"]:
+        sys.exit(doctor_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="mappa", description="openrlhf_mappa tools")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("plan", help="which GPU holds which agent's actor, reference and engines, and the memory each "
                    "needs per phase; takes train_mappa_ray's flags, the cluster as --mappa.gpus N "
                    "--mappa.gpu_memory_gib G (default: this machine's GPUs); exit 1 when it does not fit")
+
+    sub.add_parser("doctor", help="the cluster self-check before a long job: takes the training command's flags, with "
+                   "--mappa.model a small model; starts the team as planned, runs one step of each component and checks "
+                   "weight syncs, sleep, threads and host memory; a table of checks, exit 1 on a failure")
 
     p = sub.add_parser("eval", help="evaluate a team on task files: pass@1 accuracy or DSBench scores, and behaviour")
     p.add_argument("--topology", required=True, help="topology YAML (agents, env)")
@@ -161,6 +167,9 @@ def plan_main(argv) -> int:
     if gpus is None or gib is None:
         found = placement.detect_gpus()
         gpus, gib = gpus if gpus is not None else found[0], gib if gib is not None else found[1]
+        if found[0]:  # planning on a node of the cluster: its host memory and GPU count, unless given
+            args.mappa.host_memory_gib = args.mappa.host_memory_gib or placement.host_memory_gib()
+            args.mappa.gpus_per_node = args.mappa.gpus_per_node or found[0]
     if gpus is None or gib is None:
         raise SystemExit("mappa plan: no GPU here to measure: give the cluster as --mappa.gpus N --mappa.gpu_memory_gib G")
     plan = placement.make_plan(args, topology, gib)
@@ -174,6 +183,30 @@ def plan_main(argv) -> int:
         return 1
     print(f"\nfits: {plan.need} of {gpus} GPUs")
     return 0
+
+
+def doctor_main(argv) -> int:
+    """`mappa doctor`: the launch's checks, then the cluster's own (doctor.py); Ray's output into <run_dir>/doctor.log."""
+    import contextlib
+
+    from openrlhf_mappa.cli.train_mappa_ray import check_team, check_this_machine, output_to, parse_args, refusals
+
+    args = parse_args(argv)
+    with refusals():
+        topology = check_team(args)
+        check_this_machine(args)
+    os.makedirs(args.mappa.run_dir, exist_ok=True)
+    log = os.path.join(args.mappa.run_dir, "doctor.log")
+    if not args.mappa.verbose:
+        print(f"[mappa] doctor: Ray's, vLLM's and DeepSpeed's output goes to {os.path.abspath(log)}", flush=True)
+    with contextlib.nullcontext() if args.mappa.verbose else output_to(log):
+        import ray
+
+        from openrlhf_mappa.doctor import doctor
+
+        failed = doctor(args, topology)
+        ray.shutdown()  # Ray prints its workers' last lines as it shuts down: into the log too
+    return failed
 
 
 def eval_main(parser, args):

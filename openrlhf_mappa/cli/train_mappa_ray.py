@@ -88,6 +88,15 @@ def add_mappa_args(parser):
                    help="GPUs in the cluster, for `mappa plan` and the check before Ray starts (at launch: Ray's count)")
     g.add_argument("--mappa.gpu_memory_gib", type=float, default=None,
                    help="memory of one GPU in GiB, for the plan's memory check (default: detected where the driver sees a GPU)")
+    g.add_argument("--mappa.host_memory_gib", type=float, default=None,
+                   help="host memory of one node in GiB, for the plan's check of offloaded states and sleeping engines "
+                        "(default: detected where the launcher runs, or its container's limit)")
+    g.add_argument("--mappa.gpus_per_node", type=int, default=None,
+                   help="GPUs per node, for the host-memory check (default: at launch, the Ray cluster's largest node; "
+                        "in `mappa plan`, this machine's GPUs, else 8)")
+    g.add_argument("--mappa.actor_threads", type=int, default=0,
+                   help="OpenMP threads of each actor and reference process (DeepSpeed's CPU Adam with --ds.adam_offload); "
+                        "0: the launcher node's cores / its GPUs (Ray would give a fractional-CPU actor one thread)")
     g.add_argument("--mappa.startup_warn_s", type=float, default=300.0,
                    help="while engines and actors start: name those not up yet, and what they wait for, every this many seconds")
     g.add_argument("--mappa.startup_timeout_s", type=float, default=1800.0,
@@ -345,6 +354,10 @@ def validate(args, topology):
         raise SystemExit(f"--mappa.coach.max_failure_fraction must be in [0, 1], got {args.mappa.coach.max_failure_fraction}")
     if args.mappa.norm_scope == "group" and args.rollout.n_samples_per_prompt < 2:
         raise SystemExit("--mappa.norm_scope group compares the samples of each prompt: set --rollout.n_samples_per_prompt >= 2")
+    for flag, value, least in (("host_memory_gib", args.mappa.host_memory_gib, 1), ("gpus_per_node", args.mappa.gpus_per_node, 1),
+                               ("actor_threads", args.mappa.actor_threads, 0)):
+        if value is not None and value < least:
+            raise SystemExit(f"--mappa.{flag} {value:g}: must be at least {least}")
     if not 0 < args.mappa.startup_warn_s <= args.mappa.startup_timeout_s:
         raise SystemExit("--mappa.startup_warn_s must be > 0 and at most --mappa.startup_timeout_s")
     if args.mappa.coach.mode != "per_action" and args.mappa.reward == "outcome" and not args.mappa.coach.score_outcome_runs:
@@ -356,6 +369,28 @@ def validate(args, topology):
                          f"(--vllm.tensor_parallel_size 1; tensor-parallel LoRA engines are not built)")
     if args.mappa.coach.score_outcome_runs and args.mappa.reward != "outcome":
         raise SystemExit("--mappa.coach.score_outcome_runs is for --mappa.reward outcome (process runs always ask the coach)")
+
+
+def check_this_machine(args) -> None:
+    """What the flags need of the machines the run starts on, not of the plan (`mappa plan` may run elsewhere)."""
+    # Without flash-attn (optional: README, GPU usage) OpenRLHF still imports (patches/flash_attn_stub.py), but its
+    # kernels are what flash attention and sample packing run on: refused here, not in every actor minutes later.
+    kernel = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(args.ds.attn_implementation)
+    if args.ds.packing_samples:
+        kernel = kernel or "flash_attn"
+    if kernel and importlib.util.find_spec(kernel) is None:
+        what = "--ds.packing_samples" if args.ds.packing_samples else f"--ds.attn_implementation {args.ds.attn_implementation}"
+        raise SystemExit(f"{what} needs flash-attn's kernels, and the module {kernel} is not installed here: install "
+                         f"flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, built for this torch and CUDA) "
+                         f"or pass --ds.attn_implementation sdpa (more memory at long contexts)")
+    from openrlhf_mappa.compat import cpu_mode
+
+    if args.mappa.colocate != "none" and args.vllm.sync_backend == "gloo" and not cpu_mode():
+        # OpenRLHF passes a colocated actor's weights by CUDA IPC only with nccl; with gloo it builds a PyNccl group
+        # between an actor rank and the engine on the same GPU, which NCCL refuses (ppo_actor.py, distributed_util.py).
+        raise SystemExit(f"--vllm.sync_backend gloo with --mappa.colocate {args.mappa.colocate} cannot sync weights on GPUs: "
+                         f"drop --vllm.sync_backend gloo (nccl, the default, passes them by CUDA IPC); gloo is for "
+                         f"CPU-only machines")
 
 
 def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:
@@ -412,23 +447,31 @@ def coach_cache_path(args):
     return None if cache == "none" else cache
 
 
+def check_team(args):
+    """The topology, the flags against it, every agent's model (a hub id resolved on the hub) and LoRA settings, and
+    the plan where the cluster is given: the team's part of the checks before Ray (train, `mappa doctor`)."""
+    from openrlhf_mappa import placement
+    from openrlhf_mappa.topology import check_lora, check_model, load_topology
+
+    topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
+    validate(args, topology)
+    for spec in topology.agents:
+        label = "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}"
+        check_model(spec.model, label)
+        check_lora(spec, label)
+    if args.mappa.gpus or args.mappa.gpu_memory_gib:  # the cluster as given: the plan, before Ray starts
+        placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib)
+    return topology
+
+
 def train(args):
     """Build every agent on the Ray cluster, train, export; returns the agents (their handles stay up)."""
-    from openrlhf_mappa import placement
     from openrlhf_mappa.coach import build_coach
     from openrlhf_mappa.envs.base import load_tasks
     from openrlhf_mappa.evaluation import load_eval_sets
-    from openrlhf_mappa.topology import check_lora, check_model, load_topology
 
     with refusals():  # every input, before the heavy imports and before Ray
-        topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
-        validate(args, topology)
-        for spec in topology.agents:
-            label = "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}"
-            check_model(spec.model, label)
-            check_lora(spec, label)
-        if args.mappa.gpus or args.mappa.gpu_memory_gib:  # the cluster as given: the plan, before Ray starts
-            placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib)
+        topology = check_team(args)
         all_tasks = load_tasks(args.data.prompt_dataset)
         tasks = choose_train_tasks(all_tasks, args.data.max_samples, args.train.seed)
         # The chosen ids go into the run directory; a resumed run must train on the same tasks, or the steps after
@@ -461,6 +504,7 @@ def train(args):
         if c.mode == "both":  # the combining rule, stated where the run's log begins (coach.combine)
             print("[mappa] coach mode both: an action's score is the mean of its per-action and hindsight scores; the "
                   "one that exists when the other failed (counted as coach/both_one_source); none when both failed")
+        check_this_machine(args)
         # An unreachable coach or a rejected key would otherwise surface only after the first rollout.
         if args.mappa.reward == "process" or c.score_outcome_runs:
             asyncio.run(coach.probe())

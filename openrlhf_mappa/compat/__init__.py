@@ -2,10 +2,11 @@
 
 `install()` puts an import hook on `sys.meta_path`. When a module that a patch targets is imported
 (an openrlhf, vllm or ray module), the hook lets the module load, then applies the patches for it —
-only for a CPU-only torch build (`MAPPA_CPU_MODE=1`/`0` forces the decision). With a CUDA or ROCm build
-the hook never touches anything, even in a process that sees no GPU (a `ray job submit` driver on a GPU
-cluster): Ray ships classes from the driver to the GPU workers, so patching there would reach them (and
-the patch modules refuse to load outside CPU mode, see `refuse_outside_cpu_mode`). A `.pth` file
+only for a CPU-only torch build (`MAPPA_CPU_MODE=1`/`0` forces the decision), but for the two of
+EVERY_MODE. With a CUDA or ROCm build the hook applies nothing else, even in a process that sees no GPU
+(a `ray job submit` driver on a GPU cluster): Ray ships classes from the driver to the GPU workers, so
+patching there would reach them (and the patch modules refuse to load outside CPU mode, see
+`refuse_outside_cpu_mode`). A `.pth` file
 (installed with the package, see setup.py) calls `install()` at interpreter start, so the driver, every
 Ray worker and every vLLM engine process are covered alike.
 """
@@ -14,6 +15,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import importlib.util
 import os
 import sys
 
@@ -31,10 +33,20 @@ def cpu_mode() -> bool:
         if forced in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             _cpu_mode = forced in ("1", "true", "yes", "on")
         else:
-            import torch
-
-            _cpu_mode = torch.version.cuda is None and torch.version.hip is None
+            _cpu_mode = torch_build() == (None, None)
     return _cpu_mode
+
+
+def torch_build() -> tuple:
+    """(CUDA version, ROCm version) torch was built with, None for each it was not, read from torch/version.py
+    without importing torch (seconds): the launcher decides on CPU-only checks before any heavy import."""
+    spec = importlib.util.find_spec("torch")  # locates the package, imports nothing
+    if spec is None:
+        return None, None
+    scope = {}
+    with open(os.path.join(spec.submodule_search_locations[0], "version.py"), encoding="utf-8") as f:
+        exec(f.read(), scope)
+    return scope.get("cuda"), scope.get("hip")
 
 
 def refuse_outside_cpu_mode(patch_module: str) -> None:
@@ -45,9 +57,8 @@ def refuse_outside_cpu_mode(patch_module: str) -> None:
     run on the wrong device: fail here, loudly, instead of at the first forward pass."""
     if cpu_mode():
         return
-    import torch
-
-    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}" if torch.version.hip else "CPU only"
+    cuda, hip = torch_build()
+    build = f"CUDA {cuda}" if cuda else f"ROCm {hip}" if hip else "CPU only"
     raise RuntimeError(
         f"openrlhf_mappa: {patch_module} (a CPU-mode patch) was loaded in a process that is not in CPU mode "
         f"(torch built with {build}, MAPPA_CPU_MODE={os.environ.get('MAPPA_CPU_MODE', '(unset)')}). Classes "
@@ -102,9 +113,10 @@ WATCHED = {
 }
 
 
-# `ray` is imported by every Ray-internal process; deciding CPU mode there would import torch into all of
-# them, so this patch decides lazily (at ray.init) and is loaded whatever the mode.
-LAZY = ("ray_logical_gpus",)
+# Loaded whatever the mode, each deciding for itself when to act: ray_logical_gpus at ray.init (a CPU-only local
+# cluster); flash_attn_stub when flash-attn is not installed, on GPUs too, since OpenRLHF's launcher imports it at
+# module level though only packing and ring attention use it (the launcher refuses those without flash-attn).
+EVERY_MODE = ("ray_logical_gpus", "flash_attn_stub")
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -137,7 +149,7 @@ class _PatchFinder(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None:
             return None
         # Decide before importing a patch module: outside CPU mode they refuse to load.
-        names = [name for name in WATCHED[fullname] if name in LAZY or cpu_mode()]
+        names = [name for name in WATCHED[fullname] if name in EVERY_MODE or cpu_mode()]
         patches = [importlib.import_module(f"openrlhf_mappa.patches.{name}") for name in names]
         spec.loader = _PatchingLoader(spec.loader, patches)
         return spec

@@ -1,0 +1,205 @@
+"""`mappa doctor`: the cluster self-check before a long job. It takes the training command's flags, with a small model
+for every agent (--mappa.model), builds the launch's own placement, engines and actors (trainer.build_agents), runs
+one step's worth of each (generate, experience, train, sync) and checks on the cluster itself what the CPU tests
+cannot: each agent's weights reach its own engines and no other agent's, sleep frees GPU memory, a LoRA adapter's
+reload shows in generation, thread counts, host memory. It prints a table and exits 1 on any failure.
+
+To make each agent's weights visibly its own, every agent trains one step on a text of its own at lr 1e-2 (a
+constant schedule, no warm-up): in bf16, the recipe's 1e-6 would move nothing an engine's log-probs could show.
+"""
+
+import os
+import time
+
+import ray
+import torch
+
+from openrlhf_mappa import placement, rewards
+from openrlhf_mappa.episode import Action
+
+SAME, APART = 0.02, 0.05  # nats: an engine against its actor (bf16 vs the actor: ~0.003 measured); agents apart
+PROBE = "Probe: 7 + 5 = 12, the answer is 12."
+
+
+def probe(agents, text: str = PROBE) -> dict:
+    """Per agent, the log-probs of one fixed text under its engines ("engines"; "engine": engine 0's) and its actor
+    ("actor"; "actor_ranks": each data-parallel rank's), and for a LoRA agent under its base ("base": the adapter
+    off). Engines asleep (--vllm.enable_sleep) are woken first; vLLM ignores the call for an awake engine."""
+    from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+    from vllm import SamplingParams
+
+    batch_vllm_engine_call(list({id(e): e for ag in agents for e in ag.engines}.values()), "wake_up")
+    ids = agents[0].tokenizer(text)["input_ids"]
+    out = {"probe": ids, "engine": {}, "engines": {}, "actor": {}, "actor_ranks": {}}
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    seq = torch.tensor([ids])
+    for ag in agents:
+        adapter = ag.trainer.adapter  # a LoRA agent: its pool's engines, with its adapter
+        gens = ray.get([e.generate_as.remote(adapter, ids, params) if adapter else e.generate.remote(ids, params)
+                        for e in ag.engines])
+        out["engines"][ag.spec.name] = [[d[t].logprob for t, d in zip(ids[1:], g.prompt_logprobs[1:])] for g in gens]
+        out["engine"][ag.spec.name] = out["engines"][ag.spec.name][0]
+        ranks = len(ag.actor._actor_handlers)  # one copy per data-parallel rank
+        forward = dict(method_name="forward", sequences=[seq] * ranks, attention_mask=[torch.ones_like(seq)] * ranks,
+                       action_mask=[torch.ones(1, len(ids) - 1, dtype=torch.bool)] * ranks)
+        per_rank = [r[0].float().tolist() for r in ray.get(ag.actor.async_run_method_batch(**forward))]
+        out["actor"][ag.spec.name], out["actor_ranks"][ag.spec.name] = per_rank[0], per_rank
+        if adapter:  # and the base it trains on, with the adapter off: its reference
+            out.setdefault("base", {})[ag.spec.name] = ray.get(ag.ref.async_run_method_batch(**forward))[0][0].float().tolist()
+    return out
+
+
+def sync_verdicts(before: dict, after: dict) -> dict:
+    """Per agent, (ok, detail) from two probes, before and after the step: every engine of the agent holds its actor's
+    weights after the sync, the actor moved (the step trained), and no engine holds another agent's actor's weights."""
+    gap = lambda a, b: (torch.tensor(a) - torch.tensor(b)).abs()
+    out = {}
+    for name, actor in after["actor"].items():
+        arrived = max(gap(e, actor).max().item() for e in after["engines"][name])
+        moved = gap(actor, before["actor"][name]).mean().item()
+        others = {o: min(gap(e, other).mean().item() for e in after["engines"][name])
+                  for o, other in after["actor"].items() if o != name}
+        crossed = [o for o, d in others.items() if d < APART]
+        ok = arrived < SAME and moved > APART and not crossed
+        out[name] = (ok, f"engines vs its actor {arrived:.4f} nats (max), actor moved {moved:.3f} (mean)"
+                         + (f", other agents' actors {min(others.values()):.3f} away (mean)" if others else "")
+                         + (f"; holds the weights of {', '.join(crossed)}" if crossed else ""))
+    return out
+
+
+def device_free_gib():
+    """Free memory of this process's accelerator, as its driver reports it (None without one)."""
+    if not torch.accelerator.is_available():
+        return None
+    return torch.get_device_module(torch.accelerator.current_accelerator()).mem_get_info()[0] / placement.GIB
+
+
+def train_one_step(ag, args, step: int = 1):
+    """One real step of an agent (OpenRLHF's experience maker, whitening, train_step and sync) on train.batch_size
+    copies of two replies to a text of its own, one rewarded, one not."""
+    from openrlhf_mappa.trainer import experience_of
+
+    tok = ag.tokenizer
+    prompt = tok(f"Who are you? {ag.spec.name} or nobody?")["input_ids"]
+    actions = []
+    for i in range(args.train.batch_size):  # its own name rewarded: each agent's update is its own
+        a = Action(f"doctor-{i}", ag.spec.name, 0, prompt, tok([f" {ag.spec.name}.", " nobody."][i % 2])["input_ids"])
+        a.reward = float(i % 2 == 0)
+        actions.append(a)
+    maker = ag.trainer.experience_maker
+    batch = {ag.spec.name: maker.make_experience(maker.split_rollout_samples([experience_of(a) for a in actions]))}
+    rewards.compute_advantages(batch, args.algo.kl.init_coef, scope="agent")
+    return ag.trainer.train_step(batch[ag.spec.name], step)[0]
+
+
+def run_checks(args, topology, agents) -> list:
+    """(check, agent, ok or None for skipped, detail) for every check."""
+    from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+    from vllm import SamplingParams
+
+    from openrlhf_mappa.trainer import actor_threads, components, distinct, owners
+
+    rows, trainees = [], owners(agents)
+    nodes = placement.make_plan(args, topology, args.mappa.gpu_memory_gib).nodes()
+    for k, (gpus, need) in enumerate(nodes):
+        planned, total = sum(need.values()), args.mappa.host_memory_gib
+        rows.append(("host memory", f"node {k}", planned <= total,
+                     f"planned {planned:.1f} of {total:.1f} GiB (GPUs {gpus[0]}-{gpus[-1]}); in use now on this node: "
+                     f"{total - placement.host_memory_gib(available=True):.1f}"))
+    if not nodes:
+        rows.append(("host memory", "-", None, "skipped: no memory plan without the GPUs' memory (CPU mode)"))
+    threads = actor_threads(args)
+    for name, what, h in components(agents):
+        if "vLLM" in what:
+            continue
+        seen = ray.get(h.__ray_call__.remote(lambda self: (os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads())))
+        rows.append(("threads", name, seen == (str(threads), threads),
+                     f"{what}: OMP_NUM_THREADS={seen[0]}, torch {seen[1]} threads (planned {threads})"))
+
+    before = probe(agents)
+    sampling = SamplingParams(max_tokens=8, temperature=1.0)
+    for ag in trainees:
+        ids, engine = ag.tokenizer("Hello")["input_ids"], ag.engines[0]
+        out = ray.get(engine.generate_as.remote(ag.trainer.adapter, ids, sampling) if ag.trainer.adapter else
+                      engine.generate.remote(ids, sampling))
+        n = len(out.outputs[0].token_ids)
+        rows.append(("generate", ag.spec.name, n > 0, f"{n} tokens sampled from engine 0"))
+    if args.vllm.enable_sleep:  # the rollout ends with the engines asleep, as the team loop leaves them
+        batch_vllm_engine_call(distinct([e for ag in trainees for e in ag.engines]), "sleep")
+    for ag in trainees:  # in turn: on shared GPUs they would be, and the timings read per agent
+        t0 = time.time()
+        status = train_one_step(ag, args)
+        rows.append(("train step", ag.spec.name, True, f"{time.time() - t0:.1f} s in all: train "
+                     f"{status['timing/ppo_train']:.1f} s, sync {status['timing/broadcast']:.1f} s"))
+    after = probe(agents)
+    for name, (ok, detail) in sync_verdicts(before, after).items():
+        rows.append(("weights synced", name, ok, detail))
+    for ag in trainees:
+        if ag.trainer.adapter:  # the adapter after its reload, against the base it is on: generation changed
+            gap = (torch.tensor(after["engine"][ag.spec.name]) - torch.tensor(after["base"][ag.spec.name])).abs().mean()
+            rows.append(("LoRA reload", ag.spec.name, gap.item() > APART, f"engine with the adapter vs the base: "
+                         f"{gap.item():.3f} nats (mean)"))
+    rows += sleep_checks(args, trainees)
+    return rows
+
+
+def sleep_checks(args, trainees) -> list:
+    """On GPUs: the accelerator's free memory, as its driver reports it, before and after each engine sleeps and
+    each actor offloads; each must free at least half of what the plan says it holds. Skipped without one."""
+    from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+
+    if not (args.vllm.enable_sleep or args.ds.enable_sleep):
+        return []
+    free = lambda h: ray.get(h.__ray_call__.remote(lambda self: device_free_gib()))
+    rows = []
+    for ag in trainees:
+        engine, actor = ag.engines[0], ag.actor._actor_handlers[0]
+        if free(actor) is None:
+            rows.append(("sleep frees memory", ag.spec.name, None, "skipped: no GPU here (on CPU sleep frees nothing)"))
+            continue
+        if args.vllm.enable_sleep:
+            batch_vllm_engine_call([engine], "wake_up")
+            awake = free(engine)
+            batch_vllm_engine_call([engine], "sleep")
+            freed, expect = free(engine) - awake, 0.5 * args.vllm.gpu_memory_utilization * args.mappa.gpu_memory_gib
+            rows.append(("sleep frees memory", ag.spec.name, freed >= expect,
+                         f"engine 0: {freed:.1f} GiB freed (at least {expect:.1f} expected)"))
+        if args.ds.enable_sleep and not args.ds.adam_offload:
+            size = placement.model_size(placement.read_config(ag.spec.model))
+            states = 14 * size.params / (args.actor.num_nodes * ag.args.actor.num_gpus_per_node) / placement.GIB
+            ray.get(actor.reload_states.remote())
+            loaded = free(actor)
+            ray.get(actor.offload_states.remote())
+            freed = free(actor) - loaded
+            rows.append(("offload frees memory", ag.spec.name, freed >= 0.5 * states,
+                         f"actor rank 0: {freed:.1f} GiB freed (gradients and Adam states: {states:.1f})"))
+    return rows
+
+
+def format_rows(rows: list) -> str:
+    mark = {True: "ok", False: "FAIL", None: "skipped"}
+    lines = [f"{'check':<22}{'agent':<18}{'result':<9}detail"]
+    lines += [f"{check:<22}{agent:<18}{mark[ok]:<9}{detail}" for check, agent, ok, detail in rows]
+    failed = sum(ok is False for *_, ok, _ in rows)
+    return "\n".join(lines + [f"\n[mappa] doctor: {len(rows)} checks, {failed} failed"])
+
+
+def doctor(args, topology) -> int:
+    """Start the team as the launch would, run the checks, print the table; 1 on any failure."""
+    from openrlhf_mappa.trainer import StartupWatchdog, build_agents, console, owners
+
+    # One step at a visible learning rate (the module docstring); nothing is saved.
+    args.actor.adam.lr, args.actor.lr_warmup_ratio, args.actor.lr_scheduler = 1e-2, 0.0, "constant"
+    args.ckpt.load_enable, args.ckpt.save_steps = False, -1
+    if not ray.is_initialized():
+        ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s, [a.model for a in topology.agents])
+    startup.start()
+    try:
+        agents = build_agents(args, topology, 1, startup)
+    finally:
+        startup.done.set()
+    rows = [("placement", "-", True, f"{len(owners(agents))} agents' engines and actors started, as planned")]
+    rows += run_checks(args, topology, agents)
+    print(format_rows(rows), file=console.out, flush=True)
+    return 1 if any(ok is False for *_, ok, _ in rows) else 0

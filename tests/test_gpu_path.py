@@ -1,0 +1,184 @@
+"""What the GPU path needs that a CPU run would not show, tested where it is decided: hub models resolved before Ray
+(against a hub on 127.0.0.1, a stand-in for huggingface.co, which cannot be reached here), flash-attn and the sync
+backend refused where they cannot work, the experience forwards of agents on GPUs of their own at once, HF exports
+rotated like checkpoints, the plan's refusal naming a placement other than the one asked for, and `mappa doctor`'s
+verdict on a weight sync. (Team engines starting one agent at a time: test_colocation_e2e.py; host memory in the
+plan: test_placement.py; actor threads and the doctor on a cluster: test_user_install.py.)"""
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import REPO
+from openrlhf_mappa import placement
+from openrlhf_mappa.cli.train_mappa_ray import check_this_machine, parse_args
+from openrlhf_mappa.doctor import sync_verdicts
+from openrlhf_mappa.topology import load_topology
+from openrlhf_mappa.trainer import MappaTrainer, rotate_exports
+
+MATHCHAT = os.path.join(REPO, "examples", "configs", "mathchat.yaml")
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class Hub(http.server.ThreadingHTTPServer):
+    """Answers as the Hugging Face hub does for `repo`'s config.json, and as it does for a repository it has not."""
+
+    def __init__(self, repo: str):
+        config = json.dumps({"model_type": "qwen2"}).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def answer(self, body: bool):
+                if self.path == "/":  # the launcher's reachability request
+                    self.send_response(200), self.send_header("Content-Length", "0"), self.end_headers()
+                elif self.path == f"/{repo}/resolve/main/config.json":
+                    self.send_response(200)
+                    for k, v in (("X-Repo-Commit", COMMIT), ("ETag", '"abc"'), ("Content-Length", str(len(config)))):
+                        self.send_header(k, v)
+                    self.end_headers()
+                    if body:
+                        self.wfile.write(config)
+                else:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "RepoNotFound"), self.send_header("Content-Length", "0")
+                    self.end_headers()
+
+            do_HEAD = lambda self: self.answer(False)
+            do_GET = lambda self: self.answer(True)
+            log_message = lambda self, *a: None
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def launch(tmp_path, model: str, **env):
+    """The real CLI on a model, refused before Ray either on the model or, once it passes, on a missing task file."""
+    full = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "HF_HUB_OFFLINE", "MAPPA_TRACEBACK")}
+    full.update(HF_HOME=str(tmp_path / "hf"), **env)
+    argv = ["--mappa.topology", MATHCHAT, "--mappa.model", model, "--data.prompt_dataset", "missing.jsonl",
+            "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--rollout.batch_size", "2",
+            "--rollout.micro_batch_size", "1", "--train.batch_size", "2", "--train.micro_batch_size", "1"]
+    return subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], cwd=tmp_path, env=full,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_hub_models_are_resolved_before_ray(tmp_path):
+    with Hub("org/tiny") as hub:
+        proc = launch(tmp_path, "org/tiny", HF_ENDPOINT=hub.url)  # found: its config.json is now in the cache
+        assert proc.returncode == 1 and "missing.jsonl" in proc.stderr, proc.stderr[-2000:]
+        cached = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / COMMIT / "config.json"
+        assert json.loads(cached.read_text()) == {"model_type": "qwen2"}
+        proc = launch(tmp_path, "no-such-dir/tiny-model", HF_ENDPOINT=hub.url)  # a mistyped path that looks like an id
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        assert (f"model 'no-such-dir/tiny-model' is not a local directory (relative to {tmp_path}), nor a model on the "
+                f"Hugging Face hub ({hub.url})") in proc.stderr, proc.stderr[-2000:]
+    proc = launch(tmp_path, "no-such-dir/tiny-model", HF_ENDPOINT=hub.url)  # the hub is gone: out of reach
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "Ray" not in proc.stdout + proc.stderr
+    assert f"and the Hugging Face hub ({hub.url}) could not be reached to fetch its config.json" in proc.stderr
+
+
+def test_flash_attention_without_flash_attn_and_gloo_colocated_on_gpus_are_refused(tmp_path):
+    base = ["--mappa.topology", MATHCHAT, "--data.prompt_dataset", "x.jsonl", "--vllm.num_engines", "1"]
+    with pytest.raises(SystemExit, match=r"--ds.attn_implementation flash_attention_2 needs flash-attn's kernels, and "
+                                         r"the module flash_attn is not installed here: install flash-attn .* or pass "
+                                         r"--ds.attn_implementation sdpa"):
+        check_this_machine(parse_args(base))  # OpenRLHF's default attention, on this machine without flash-attn
+    with pytest.raises(SystemExit, match="--ds.packing_samples needs flash-attn's kernels"):
+        check_this_machine(parse_args(base + ["--ds.attn_implementation", "sdpa", "--ds.packing_samples"]))
+    colocated = base + ["--ds.attn_implementation", "sdpa", "--mappa.colocate", "agent", "--vllm.sync_backend", "gloo"]
+    check_this_machine(parse_args(colocated))  # CPU mode: gloo is how a colocated team syncs here
+    # What a CUDA build of torch decides (MAPPA_CPU_MODE=0 forces it on this machine): refused, naming the fix.
+    code = (f"from openrlhf_mappa.cli.train_mappa_ray import check_this_machine, parse_args; "
+            f"check_this_machine(parse_args({colocated!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, MAPPA_CPU_MODE="0"), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        "--vllm.sync_backend gloo with --mappa.colocate agent cannot sync weights on GPUs: drop --vllm.sync_backend "
+        "gloo (nccl, the default, passes them by CUDA IPC); gloo is for CPU-only machines"), proc.stderr[-2000:]
+
+
+def test_refused_plan_names_a_placement_other_than_the_one_asked_for():
+    # --train.colocate_all is --mappa.colocate agent: the change to name is the team's GPUs, not "agent" again.
+    args = parse_args(["--mappa.topology", MATHCHAT, "--train.colocate_all", "--actor.num_gpus_per_node", "2",
+                       "--ref.num_gpus_per_node", "2", "--vllm.num_engines", "2", "--mappa.gpus", "4"])
+    topology = load_topology(MATHCHAT)
+    with pytest.raises(ValueError) as e:
+        placement.check(args, topology, gpus=4)
+    last = str(e.value).splitlines()[-1]
+    assert "need 6 GPUs but the cluster has 4" in str(e.value)
+    assert "(--mappa.colocate team --vllm.enable_sleep --ds.enable_sleep)" in last and "colocate agent" not in last
+    args.mappa.colocate = "team"  # already the most shared: no colocation left to name
+    with pytest.raises(ValueError) as e:
+        placement.check(args, topology, gpus=1)
+    assert "colocat" not in str(e.value).splitlines()[-1]
+
+
+def test_hf_exports_rotate_like_checkpoints(tmp_path):
+    for step in (1, 2, 10, 11):
+        (tmp_path / f"global_step{step}_hf").mkdir()
+    (tmp_path / "_actor").mkdir()
+    (tmp_path / "global_stepx_hf").mkdir()  # not an export of ours: left alone
+    deleted = rotate_exports(str(tmp_path), keep=2)
+    assert sorted(map(os.path.basename, deleted)) == ["global_step1_hf", "global_step2_hf"]  # by step, not by name
+    assert sorted(os.listdir(tmp_path)) == ["_actor", "global_step10_hf", "global_step11_hf", "global_stepx_hf"]
+    assert rotate_exports(str(tmp_path), keep=2) == []
+
+
+def test_experience_forwards_of_agents_on_their_own_gpus_run_at_once():
+    # Each agent's experience maker waits, inside its forward, until every agent's forward is in flight: agents made
+    # one after another never get there (the barrier breaks), agents made at once all do. On the team's shared GPUs
+    # they must be made in turn: never two in flight.
+    names = ("a", "b", "c")
+
+    def trainer(colocate, forward):
+        t = MappaTrainer.__new__(MappaTrainer)
+        t.args = SimpleNamespace(train=SimpleNamespace(batch_size=1, seed=0))
+        t.mappa = SimpleNamespace(colocate=colocate)
+        maker = lambda name: SimpleNamespace(split_rollout_samples=lambda exps: exps,
+                                             make_experience=lambda exps: forward(name, exps))
+        t.trainees = [SimpleNamespace(spec=SimpleNamespace(name=n), trainer=SimpleNamespace(experience_maker=maker(n)))
+                      for n in names]
+        return t
+
+    from openrlhf_mappa.episode import Action
+
+    actions = {n: [Action("ep", n, 0, [1, 2], [3])] for n in names}
+    for a in sum(actions.values(), []):
+        a.reward = 1.0
+    for colocate in ("none", "agent"):
+        barrier = threading.Barrier(len(names), timeout=30)
+        batches, kept, dropped = trainer(colocate, lambda n, exps: (barrier.wait(), exps)[1]).make_experiences(actions, 1)
+        assert set(batches) == set(names) and all(len(batches[n]) == 1 for n in names), colocate
+        assert dropped == dict.fromkeys(names, 0) and kept == actions
+    in_flight, most = [], []
+
+    def alone(name, exps):
+        in_flight.append(name)
+        most.append(len(in_flight))
+        threading.Event().wait(0.05)
+        in_flight.remove(name)
+        return exps
+
+    trainer("team", alone).make_experiences(actions, 1)
+    assert most == [1, 1, 1]
+
+
+def test_doctor_tells_a_sync_that_arrived_from_one_that_did_not_or_crossed():
+    before = {"actor": {"a": [0.0] * 4, "b": [0.0] * 4}}
+    a, b = [-1.0, -2.0, -0.5, -3.0], [-2.0, -1.0, -1.5, -0.2]  # two agents' actors after their steps
+    fine = {"actor": {"a": a, "b": b}, "engines": {"a": [a, [x + 0.003 for x in a]], "b": [b, b]}}
+    assert {n: ok for n, (ok, _) in sync_verdicts(before, fine).items()} == {"a": True, "b": True}
+    stale = dict(fine, engines={"a": [a, a], "b": [b, [0.0] * 4]})  # b's engine 1 kept the initial weights
+    verdicts = sync_verdicts(before, stale)
+    assert verdicts["a"][0] and not verdicts["b"][0] and "engines vs its actor 2.0000 nats" in verdicts["b"][1]
+    crossed = dict(fine, engines={"a": [a, a], "b": [b, a]})  # b's engine 1 got a's weights
+    verdicts = sync_verdicts(before, crossed)
+    assert not verdicts["b"][0] and verdicts["b"][1].endswith("holds the weights of a")
+    unmoved = {"actor": {"a": a, "b": b}, "engines": {"a": [a], "b": [b]}}
+    assert not sync_verdicts({"actor": {"a": a, "b": [0.0] * 4}}, unmoved)["a"][0]  # a's step trained nothing
