@@ -103,9 +103,10 @@ def run_checks(args, topology, agents) -> list:
     nodes = placement.make_plan(args, topology, args.mappa.gpu_memory_gib).nodes()
     for k, (gpus, need) in enumerate(nodes):
         planned, total = sum(need.values()), args.mappa.host_memory_gib
+        here = placement.host_memory_gib()
         rows.append(("host memory", f"node {k}", planned <= total,
-                     f"planned {planned:.1f} of {total:.1f} GiB (GPUs {gpus[0]}-{gpus[-1]}); in use now on this node: "
-                     f"{total - placement.host_memory_gib(available=True):.1f}"))
+                     f"planned {planned:.1f} of {total:.1f} GiB (GPUs {gpus[0]}-{gpus[-1]}); this node now uses "
+                     f"{here - placement.host_memory_gib(available=True):.1f} of {here:.1f}"))
     if not nodes:
         rows.append(("host memory", "-", None, "skipped: no memory plan without the GPUs' memory (CPU mode)"))
     threads = actor_threads(args)

@@ -70,6 +70,7 @@ def agent_args(args, spec):
     a.vllm.num_engines = spec.vllm_num_engines or args.vllm.num_engines
     a.rollout.max_new_tokens = spec.max_new_tokens or args.rollout.max_new_tokens
     a.ckpt.path = os.path.join(args.ckpt.path, spec.name)
+    a.ckpt.max_num = args.ckpt.max_num + 1  # the team's checkpoint stays while the next is saved (rotate_checkpoints)
     a.ckpt.output_dir = os.path.join(args.ckpt.output_dir, spec.name)
     if spec.lora is not None:  # OpenRLHF's actor wraps its model with peft from these
         l = spec.lora
@@ -709,11 +710,12 @@ def format_plan(plan: Plan, gpus: int = None) -> str:
 
 
 def host_memory_gib(available: bool = False) -> float:
-    """This machine's memory (`available`: what is free of it now), or its container's limit (cgroup v2
-    memory.max) where that is lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES" if available else "SC_PHYS_PAGES")
+    """This machine's memory (`available`: what is available of it now, MemAvailable), or its container's limit
+    (cgroup v2 memory.max) where that is lower."""
     if available:
-        return total / GIB
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024 / GIB
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/sys/fs/cgroup/memory.max") as f:
             limit = f.read().strip()

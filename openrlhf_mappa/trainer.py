@@ -456,19 +456,24 @@ def prepare_resume(args, topology) -> int:
     return step
 
 
-def rotate_exports(agent_ckpt_dir: str, keep: int) -> list:
-    """Delete all but the `keep` newest HF exports (global_step<N>_hf) of one agent; returns those deleted.
-    OpenRLHF's --ckpt.max_num rotates DeepSpeed's checkpoints only, and with --ckpt.save_hf each save adds
-    a full model (8 GB for a 4B agent in bf16): the same number of exports is kept as of checkpoints."""
-    exports = {}  # step -> path
-    for path in glob.glob(os.path.join(agent_ckpt_dir, "global_step*_hf")):
-        step = os.path.basename(path)[len("global_step") : -len("_hf")]
-        if step.isdigit():
-            exports[int(step)] = path
-    old = [exports[step] for step in sorted(exports)[: max(0, len(exports) - keep)]]
-    for path in old:
+def rotate_checkpoints(agent_ckpt_dir: str, keep: int) -> list:
+    """Delete all but the `keep` newest DeepSpeed checkpoints (_actor/global_step<N>) and HF exports
+    (global_step<N>_hf) of one agent, once a team checkpoint is written; returns the paths deleted.
+    DeepSpeed's own rotation runs before each save and is given one more (agent_args): with --ckpt.max_num 1 it
+    would delete the team's checkpoint while the next is half saved, and a kill then leaves nothing to resume.
+    It never rotates HF exports (a full model per save: 8 GB for a 4B agent in bf16)."""
+    deleted = []
+    for pattern, suffix in ((os.path.join(agent_ckpt_dir, "_actor", "global_step*"), ""),
+                            (os.path.join(agent_ckpt_dir, "global_step*_hf"), "_hf")):
+        saved = {}  # step -> path
+        for path in glob.glob(pattern):
+            step = os.path.basename(path)[len("global_step") : len(os.path.basename(path)) - len(suffix)]
+            if step.isdigit() and os.path.isdir(path):
+                saved[int(step)] = path
+        deleted += [saved[step] for step in sorted(saved)[: max(0, len(saved) - keep)]]
+    for path in deleted:
         shutil.rmtree(path)
-    return old
+    return deleted
 
 
 def truncate_logs(run_dir: str, step: int) -> None:
@@ -828,8 +833,8 @@ class MappaTrainer:
             )
         ray.get(refs)
         self.write_marker(step)
-        for ag in self.trainees:  # only now: the marker names a step whose exports are all there
-            rotate_exports(ag.args.ckpt.path, self.args.ckpt.max_num)
+        for ag in self.trainees:  # only now: the marker names a step all agents saved
+            rotate_checkpoints(ag.args.ckpt.path, self.args.ckpt.max_num)
 
     def write_marker(self, step: int):
         """Only once every agent saved is step `step` a checkpoint of the whole team (see prepare_resume); the

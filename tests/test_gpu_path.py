@@ -1,8 +1,8 @@
 """What the GPU path needs that a CPU run would not show, tested where it is decided: hub models resolved before Ray
 (against a hub on 127.0.0.1, a stand-in for huggingface.co, which cannot be reached here), flash-attn and the sync
-backend refused where they cannot work, the experience forwards of agents on GPUs of their own at once, HF exports
-rotated like checkpoints, the plan's refusal naming a placement other than the one asked for, and `mappa doctor`'s
-verdict on a weight sync. (Team engines starting one agent at a time: test_colocation_e2e.py; host memory in the
+backend refused where they cannot work, the experience forwards of agents on GPUs of their own at once, checkpoints
+and HF exports rotated once a team checkpoint exists, the plan's refusal naming a placement other than the one
+asked for, and `mappa doctor`'s verdict on a weight sync. (Team engines starting one agent at a time: test_colocation_e2e.py; host memory in the
 plan: test_placement.py; actor threads and the doctor on a cluster: test_user_install.py.)"""
 
 import http.server
@@ -17,10 +17,11 @@ import pytest
 
 from conftest import REPO
 from openrlhf_mappa import placement
+from openrlhf_mappa.placement import agent_args
 from openrlhf_mappa.cli.train_mappa_ray import check_this_machine, parse_args
 from openrlhf_mappa.doctor import sync_verdicts
 from openrlhf_mappa.topology import load_topology
-from openrlhf_mappa.trainer import MappaTrainer, rotate_exports
+from openrlhf_mappa.trainer import MappaTrainer, rotate_checkpoints
 
 MATHCHAT = os.path.join(REPO, "examples", "configs", "mathchat.yaml")
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -119,15 +120,21 @@ def test_refused_plan_names_a_placement_other_than_the_one_asked_for():
     assert "colocat" not in str(e.value).splitlines()[-1]
 
 
-def test_hf_exports_rotate_like_checkpoints(tmp_path):
+def test_checkpoints_and_hf_exports_rotate_once_the_team_checkpoint_exists(tmp_path):
     for step in (1, 2, 10, 11):
         (tmp_path / f"global_step{step}_hf").mkdir()
-    (tmp_path / "_actor").mkdir()
+        (tmp_path / "_actor" / f"global_step{step}").mkdir(parents=True)
+    (tmp_path / "_actor" / "latest").write_text("global_step11")
     (tmp_path / "global_stepx_hf").mkdir()  # not an export of ours: left alone
-    deleted = rotate_exports(str(tmp_path), keep=2)
-    assert sorted(map(os.path.basename, deleted)) == ["global_step1_hf", "global_step2_hf"]  # by step, not by name
+    deleted = rotate_checkpoints(str(tmp_path), keep=2)
+    assert sorted(os.path.relpath(p, tmp_path) for p in deleted) == [  # by step, not by name
+        "_actor/global_step1", "_actor/global_step2", "global_step1_hf", "global_step2_hf"]
     assert sorted(os.listdir(tmp_path)) == ["_actor", "global_step10_hf", "global_step11_hf", "global_stepx_hf"]
-    assert rotate_exports(str(tmp_path), keep=2) == []
+    assert sorted(os.listdir(tmp_path / "_actor")) == ["global_step10", "global_step11", "latest"]
+    assert rotate_checkpoints(str(tmp_path), keep=2) == []
+    # DeepSpeed's own rotation, before each save, keeps one more: the team checkpoint while the next is half saved.
+    args = parse_args(["--mappa.topology", MATHCHAT, "--ckpt.max_num", "1"])
+    assert agent_args(args, load_topology(MATHCHAT).agents[0]).ckpt.max_num == 2
 
 
 def test_experience_forwards_of_agents_on_their_own_gpus_run_at_once():
