@@ -144,8 +144,9 @@ DSBENCH_PROMPTS = {
         "submission.csv is scored": r"submission\.csv is what gets scored",
     },
 }
-# Two facts of the authors' DSBench prompts that ours lack, and one ours add (see the README row "agents' prompts").
-DSBENCH_PROMPT_GAPS = {"the workspace's files listed", "a warning naming missing critical files (analyst)"}
+# Facts of the authors' DSBench prompts that ours lack, and one ours add (see the README row "agents' prompts").
+DSBENCH_PROMPT_GAPS = {"the workspace's files listed", "a warning naming missing critical files (analyst)",
+                       "an example program"}
 DSBENCH_PROMPT_EXTRA = {"states the turn rule": r"a reply without a code block ends your turn \(at most \d+ replies\)"}
 
 
