@@ -197,7 +197,7 @@ def doctor(args, topology) -> int:
     startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s, [a.model for a in topology.agents])
     startup.start()
     try:
-        agents = build_agents(args, topology, 1, startup)
+        agents = build_agents(args, topology, {spec.name: 1 for spec in topology.agents}, startup)
     finally:
         startup.done.set()
     rows = [("placement", "-", True, f"{len(owners(agents))} agents' engines and actors started, as planned")]

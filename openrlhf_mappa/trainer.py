@@ -154,7 +154,7 @@ def engines_on(a, model: str, pg, share: float, cls=None, **lora) -> list:
     ]  # fmt: skip
 
 
-def build_agents(args, topology, max_steps: int, startup) -> list:
+def build_agents(args, topology, max_steps: dict, startup) -> list:
     """Every trainee's engines, actor and reference groups, initialised, and its AgentTrainer. `startup` (a
     StartupWatchdog) is told which agent is being created and, per component, a ref that is ready once that
     one is up.
@@ -237,7 +237,8 @@ def build_agents(args, topology, max_steps: int, startup) -> list:
             ref = RayActorGroup(a.ref.num_nodes, a.ref.num_gpus_per_node, threaded(ReferenceModelActor), pg=pg,
                                 num_gpus_per_actor=share)
             init_refs += ref.async_init_model_from_pretrained(strategy, spec.model)
-        init_refs += actor.async_init_model_from_pretrained(strategy, spec.model, max_steps, engines[spec.name])
+        steps = max_steps[spec.name]  # its learning-rate schedule's length (train_mappa_ray.schedule_steps)
+        init_refs += actor.async_init_model_from_pretrained(strategy, spec.model, steps, engines[spec.name])
         tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=True)
         trainer = AgentTrainer(strategy, actor, ref, engines[spec.name], tokenizer, spec.name if spec.lora else None)
         agents.append(Agent(spec, a, tokenizer, engines[spec.name], actor, ref, trainer))

@@ -92,9 +92,27 @@ TINY_RUN_FLAGS = [
 ]  # fmt: skip
 
 
+def submit_script(script, tmp_path, **env) -> tuple:
+    """Run a GPU launch script for real under bash, with one stand-in: `ray` on PATH records the submission instead
+    of sending it to a GPU cluster, which cannot exist here. Returns (the arguments `ray` got, the finished
+    process); `env` adds environment variables (the coach's URL and model have defaults)."""
+    stub = tmp_path / "bin" / "ray"
+    stub.parent.mkdir(exist_ok=True)
+    stub.write_text(f"#!/bin/sh\n{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" "
+                    f"> {tmp_path / 'submitted.json'}\n")
+    stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{stub.parent}{os.pathsep}{os.environ['PATH']}", **{
+        "MAPPA_COACH_BASE_URL": "http://coach:8001/v1", "MAPPA_COACH_MODEL": "Qwen/Qwen3-32B", **env})
+    proc = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads((tmp_path / "submitted.json").read_text()), proc
+
+
 def two_agent_mathchat(tmp_path, num_tasks: int):
-    """MathChat's Problem Solver and Verifier (one action each) and `num_tasks` sums; returns their paths."""
-    topology = yaml.safe_load(open(os.path.join(REPO, "examples", "configs", "mathchat.yaml")))
+    """MathChat's Problem Solver and Verifier (one action each) and `num_tasks` sums; returns their paths. The
+    prompts of mathchat_own_rubric.yaml: the authors' (mathchat.yaml) alone take ~530 of the tiny runs' 512
+    tokens for the Verifier (the tiny model's tokens are bytes)."""
+    topology = yaml.safe_load(open(os.path.join(REPO, "examples", "configs", "mathchat_own_rubric.yaml")))
     # view all: the Verifier's own view names the Code Executor, who is left out here
     kept = [a for a in topology["agents"] if a["name"] in ("problem_solver", "verifier")]
     topology["agents"] = [dict(a, max_actions=1, view="all") for a in kept]

@@ -128,8 +128,8 @@ def make_request(**overrides):
 
 def make_coach(url, **kwargs):
     # Short backoff so retry tests take fractions of a second; the schedule itself is tested separately.
-    kwargs = dict(dict(timeout_s=5.0, backoff_s=0.01, max_backoff_s=0.05), **kwargs)
-    return build_coach("openai", model="coach-model", base_url=url, template=TEMPLATE, **kwargs)
+    kwargs = dict(dict(timeout_s=5.0, backoff_s=0.01, max_backoff_s=0.05, template=TEMPLATE), **kwargs)
+    return build_coach("openai", model="coach-model", base_url=url, **kwargs)
 
 
 def score_all(url, requests, **kwargs):
@@ -486,6 +486,27 @@ def test_render_prompt_fields_and_unknown_field():
     assert render_prompt("{feedback}|{ground_truth}|{turn}", request) == "(none)|18|0"
     with pytest.raises(ValueError, match=r"\{answer\}.*agent_output"):
         render_prompt("Answer: {answer}", request)
+
+
+@pytest.mark.parametrize("topology_file", ["mathchat.yaml", "dsbench.yaml", "mathchat_own_rubric.yaml",
+                                           "dsbench_own_rubric.yaml"])
+def test_shipped_rubrics_invent_no_score(server, topology_file):
+    """The shipped coach prompts (the authors' criteria; the earlier rubrics) through the client: a coach that
+    answers prose full of numbers and the authors' outcome key alone gets no score; the authors' two-key reply
+    trains on PROCESS_SCORE only (their outcome weight 0)."""
+    from openrlhf_mappa.topology import load_topology
+
+    topology = load_topology(os.path.join(os.path.dirname(__file__), "..", "examples", "configs", topology_file))
+    hostile = ("Files: 3 of 4 saved. Accuracy 0.85, so the cap is 9; I'd say 7/10 for the code and 3/10 for the "
+               "plan.\nANSWER_CORRECT: 1")
+    v = openai_score(server, {"content": hostile}, request=make_request(ground_truth="18"), format_retries=1,
+                     template=topology.coach_template, score_key=topology.score_key)
+    assert (v.status, v.score, len(server.seen)) == ("parse_error", None, 2)
+    prompt = server.seen[0]["body"]["messages"][0]["content"]
+    assert "The answer is \\boxed{18}." in prompt and "18" in prompt and "PROCESS_SCORE" in prompt
+    v = openai_score(server, {"content": "The synthesis is right.\nPROCESS_SCORE: 6\nANSWER_CORRECT: 1"},
+                     template=topology.coach_template, score_key=topology.score_key)
+    assert (v.status, v.score) == ("ok", 6.0)
 
 
 def test_build_coach_errors():

@@ -23,6 +23,7 @@ from openrlhf_mappa.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 DSBENCH_YAML = ROOT / "examples" / "configs" / "dsbench.yaml"
+OWN_RUBRIC_YAML = ROOT / "examples" / "configs" / "dsbench_own_rubric.yaml"
 BENCH = Path(os.environ.get("MAPPA_BENCH_DIR", ROOT.parent / "shared" / "data" / "mappa-bench"))
 
 
@@ -121,17 +122,26 @@ print("written")
     }
 
 
+def closing(replies: dict) -> dict:
+    """Each agent's code reply, then a closing reply without code: under the authors' turn rule (dsbench.yaml)
+    a reply without code is what ends an agent's turns."""
+    return {name: [code, f"Done: my files are saved ({name})."] for name, code in replies.items()}
+
+
 def play(env, replies: dict, coach=None, agents=None) -> dict:
-    """Drive the env as rollout.run_episode does (observe, step, coach request right after the step)."""
+    """Drive the env as rollout.run_episode does (observe, step, coach request right after the step). An agent's
+    replies: one for every turn, or a list (turn i takes item i, the last one repeated)."""
     scores = {}
     for agent in agents or env.topology.agents:
         for turn in range(agent.max_actions):
             env.observe(agent, turn)
-            result = env.step(agent, turn, replies[agent.name])
+            reply = replies[agent.name]
+            reply = reply[min(turn, len(reply) - 1)] if isinstance(reply, list) else reply
+            result = env.step(agent, turn, reply)
             if coach is not None:
                 request = CoachRequest(
                     episode_id="e", agent=agent.name, turn=turn, role=agent.role, task=env.task_text,
-                    task_type=env.task_type, agent_input="", agent_output=replies[agent.name],
+                    task_type=env.task_type, agent_input="", agent_output=reply,
                     feedback=result.feedback.as_text(), ground_truth=env.coach_ground_truth(agent),
                     is_final_agent=agent is env.topology.agents[-1], runs_code=agent.runs_code,
                 )  # fmt: skip
@@ -142,19 +152,25 @@ def play(env, replies: dict, coach=None, agents=None) -> dict:
 
 
 @pytest.mark.parametrize("task_id", ["sk-diabetes", "sk-breast-cancer"])
-def test_scripted_team_passes_all_three_stages(pack, tmp_path, task_id):
+@pytest.mark.parametrize("end_turn_on_files", [False, True])
+def test_scripted_team_passes_all_three_stages(pack, tmp_path, task_id, end_turn_on_files):
     task = pack[task_id]
-    env = load_topology(str(DSBENCH_YAML)).make_env(task, str(tmp_path / "ws"))
+    topology = load_topology(str(DSBENCH_YAML))
+    topology.env_kwargs = dict(topology.env_kwargs, end_turn_on_files=end_turn_on_files)
+    env = topology.make_env(task, str(tmp_path / "ws"))
     assert sorted(os.listdir(tmp_path / "ws")) == ["sample_submission.csv", "test.csv", "train.csv"]
     meta = json.load(open(os.path.join(task["answer"], "task.json")))
-    scores = play(env, scripted_replies(task["type"], meta["metric"]), HeuristicCoach())
+    scores = play(env, closing(scripted_replies(task["type"], meta["metric"])), HeuristicCoach())
     out = env.outcome()
     assert out["success"] and out["status"] == "ok", out
     assert out["relative_score"] > 0 and out["missing_files"] == {}
     assert out["task_type"] == task["type"] == env.task_type
     assert out["metric_name"] == meta["metric"] and out["baseline"] == meta["baseline"]
-    # one action each: every agent was done as soon as its files existed
-    assert [h.agent for h in env.history] == ["data_engineer", "modeler", "analyst"]
+    # the authors' rule (dsbench.yaml): each agent's closing reply without code ended its turns; with
+    # end_turn_on_files every agent was done as soon as its files existed
+    per_agent = 1 if end_turn_on_files else 2
+    agents = ("data_engineer", "modeler", "analyst")
+    assert [h.agent for h in env.history] == [a for a in agents for _ in range(per_agent)]
     assert "test_answer.csv" not in str(sorted(os.listdir(tmp_path / "ws")))  # hidden answers stay hidden
     assert min(scores.values()) >= 7.0, scores
 
@@ -167,33 +183,71 @@ def test_missing_upstream_artifact_is_blamed_upstream(pack, tmp_path):
     good = scripted_replies("regression", "rmse")
     bad = dict(good, data_engineer=good["data_engineer"].replace('test.drop(columns=["id"]).to_pickle("X_test.pkl")', ""))
     coach = HeuristicCoach()
-    ok_scores = play(topology.make_env(task, str(tmp_path / "ok")), good, coach, agents=topology.agents[:1])
-    topology.agents[0].max_actions = 2  # fewer futile retries: keeps the test fast
+    ok_scores = play(topology.make_env(task, str(tmp_path / "ok")), closing(good), coach, agents=topology.agents[:1])
     bad_env = topology.make_env(task, str(tmp_path / "bad"))
-    bad_scores = play(bad_env, bad, coach)
-    assert "FileNotFoundError" in bad_env.history[-1].feedback and "X_test.pkl" in bad_env.history[-1].feedback
+    bad_scores = play(bad_env, closing(bad), coach)
+    crash = next(h.feedback for h in bad_env.history if h.agent == "analyst")  # its code, before its closing reply
+    assert "FileNotFoundError" in crash and "X_test.pkl" in crash
     assert bad_scores["data_engineer"] < ok_scores["data_engineer"] - 3
     assert bad_scores["data_engineer"] < bad_scores["analyst"]
     assert bad_scores["analyst"] >= 5.0 and bad_scores["modeler"] >= 7.0  # it needs only X_train/y_train
     out = bad_env.outcome()
     assert not out["success"] and out["status"] == "missing_file"
     assert out["missing_files"] == {"data_engineer": ["X_test.pkl"], "analyst": ["submission.csv"]}
-    # the Data Engineer used all its actions trying; the Modeler stopped once model.pkl existed
-    assert [h.agent for h in bad_env.history][:3] == ["data_engineer", "data_engineer", "modeler"]
+    # each agent's code, then its closing reply without code (the authors' turn rule)
+    assert [h.agent for h in bad_env.history] == ["data_engineer"] * 2 + ["modeler"] * 2 + ["analyst"] * 2
+
+
+def test_a_turn_ends_on_a_reply_without_code_not_when_the_files_exist(pack, tmp_path):
+    """dsbench.yaml's turn rule is the authors' (their step ends a turn on a reply without a tool call): an agent
+    whose code saved its files keeps its turn until it replies without code or has taken max_actions.
+    end_turn_on_files (dsbench_own_rubric.yaml) ends it as soon as the files exist."""
+    good = scripted_replies("regression", "rmse")
+    engineer = load_topology(str(DSBENCH_YAML)).agents[0]
+    authors = load_topology(str(DSBENCH_YAML)).make_env(pack["sk-diabetes"], str(tmp_path / "a"))
+    assert authors.step(engineer, 0, good["data_engineer"]).done is False  # files saved, the turn goes on
+    assert not authors.missing(authors.contract["data_engineer"])
+    assert authors.step(engineer, 1, "```python\nprint('checked')\n```").done is False
+    assert authors.step(engineer, 2, "All three files are saved.").done is True
+    own = load_topology(str(OWN_RUBRIC_YAML)).make_env(pack["sk-diabetes"], str(tmp_path / "b"))
+    assert own.end_turn_on_files and own.step(engineer, 0, good["data_engineer"]).done is True
+
+
+def engineer_after_a_failed_try(topology_path, pack, tmp_path):
+    """An episode whose Data Engineer's first code failed: it sees that action and its error as chat turns."""
+    topology = load_topology(str(topology_path))
+    env = topology.make_env(pack["sk-diabetes"], str(tmp_path / "ws"))
+    failing = "```python\nimport pandas as pd\npd.read_csv('nope.csv')\n```"
+    assert not env.step(topology.agents[0], 0, failing).done
+    second_look = env.observe(topology.agents[0], 1)
+    assert [m["role"] for m in second_look] == ["user", "assistant", "user"] and second_look[1]["content"] == failing
+    assert "FileNotFoundError" in second_look[2]["content"]  # its own code's output
+    return env, topology.agents, scripted_replies("regression", "rmse")
 
 
 def test_each_agent_sees_the_final_reply_of_the_agents_before_it(pack, tmp_path):
     """dsbench.yaml's views (the authors'): an agent sees the task, its own earlier actions as chat turns,
-    and each earlier agent's final reply, reasoning removed, with what its code printed."""
-    topology = load_topology(str(DSBENCH_YAML))
-    engineer, modeler, analyst = topology.agents
-    env = topology.make_env(pack["sk-diabetes"], str(tmp_path / "ws"))
-    good = scripted_replies("regression", "rmse")
-    failing = "```python\nimport pandas as pd\npd.read_csv('nope.csv')\n```"
-    assert not env.step(engineer, 0, failing).done
-    second_look = env.observe(engineer, 1)
-    assert [m["role"] for m in second_look] == ["user", "assistant", "user"] and second_look[1]["content"] == failing
-    assert "FileNotFoundError" in second_look[2]["content"]  # its own code's output
+    and each earlier agent's final reply, its closing reply without code, reasoning removed."""
+    env, (engineer, modeler, analyst), good = engineer_after_a_failed_try(DSBENCH_YAML, pack, tmp_path)
+    assert not env.step(engineer, 1, good["data_engineer"]).done
+    last = "<think>I should drop the id column.</think>Saved X_train.pkl, y_train.pkl, X_test.pkl."
+    assert env.step(engineer, 2, last).done
+
+    (modeler_input,) = [m["content"] for m in env.observe(modeler, 0)]
+    assert "### data_engineer (action 3)\nSaved X_train.pkl, y_train.pkl, X_test.pkl." in modeler_input
+    assert "Output of the code" not in modeler_input and "Load, split features" not in modeler_input  # earlier tries
+    assert "drop the id column" not in modeler_input and "nope.csv" not in modeler_input  # reasoning, earlier tries
+    assert not env.step(modeler, 0, good["modeler"]).done and env.step(modeler, 1, "model.pkl is saved.").done
+    (analyst_input,) = [m["content"] for m in env.observe(analyst, 0)]
+    assert "### data_engineer (action 3)" in analyst_input
+    assert "### modeler (action 2)\nmodel.pkl is saved." in analyst_input
+    assert "nope.csv" not in analyst_input
+
+
+def test_own_rubric_hand_offs_show_the_code_output(pack, tmp_path):
+    """dsbench_own_rubric.yaml (this project's earlier default): an agent's turns end once its files exist, so
+    the next agent sees that final code reply with what it printed."""
+    env, (engineer, modeler, analyst), good = engineer_after_a_failed_try(OWN_RUBRIC_YAML, pack, tmp_path)
     assert env.step(engineer, 1, "<think>I should drop the id column.</think>" + good["data_engineer"]).done
 
     (modeler_input,) = [m["content"] for m in env.observe(modeler, 0)]
@@ -216,6 +270,24 @@ def test_coach_ground_truth_never_carries_the_answers(pack, tmp_path):
     assert "Submission check: valid; accuracy = 1" in text and "relative score 1.000" in text
     assert task["answer"] not in text and "Missing outputs (this agent's own files): none" in text
     assert "Missing inputs (files earlier agents had to save): X_train.pkl, y_train.pkl, X_test.pkl, model.pkl" in text
+    assert "Submission figures: accuracy = 1\n" in text + "\n"  # what the authors' caps read, beside the metric
+
+
+def test_regression_figures_are_what_the_authors_caps_read(pack, tmp_path):
+    """The Analyst's coach sees RMSE, MAE and RMSE as a share of the true target's range and IQR (the authors'
+    ground_truth_utils.py), computed here by hand: every prediction 10 too high gives RMSE = MAE = 10."""
+    task = pack["sk-diabetes"]
+    topology = load_topology(str(DSBENCH_YAML))
+    env = topology.make_env(task, str(tmp_path / "ws"))
+    truth = pd.read_csv(os.path.join(task["answer"], "answers", "test_answer.csv"))
+    truth.assign(target=truth["target"] + 10).to_csv(tmp_path / "ws" / "submission.csv", index=False)
+    figures = env.submission_check()["figures"]
+    y = truth["target"].to_numpy(dtype=float)
+    q75, q25 = np.percentile(y, [75, 25])
+    assert figures == pytest.approx({"rmse": 10.0, "mae": 10.0, "rmse_pct_of_range": 1000 / (y.max() - y.min()),
+                                     "rmse_pct_of_iqr": 1000 / (q75 - q25)})
+    text = env.coach_ground_truth(topology.agents[-1])
+    assert f"rmse_pct_of_range = {1000 / (y.max() - y.min()):.4g}" in text and task["answer"] not in text
 
 
 # ---------------------------------------------------------------- bad inputs

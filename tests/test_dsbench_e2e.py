@@ -49,7 +49,7 @@ def test_dsbench_mappa_run_completes_with_verdicts(tmp_path, tiny_model):
         "--rollout.n_samples_per_prompt", "2",
         "--rollout.micro_batch_size", "1",
         "--rollout.max_new_tokens", "16",
-        "--data.max_len", "2048",  # the prompts alone are ~1,500 (byte) tokens; history is shortened to fit
+        "--data.max_len", "3072",  # the prompts alone are ~2,500 (byte) tokens; history is shortened to fit
         "--train.batch_size", "2",
         "--train.micro_batch_size", "1",
         "--train.num_episodes", "1",

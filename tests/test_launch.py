@@ -21,6 +21,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
+from conftest import submit_script
 from openrlhf_mappa.cli.train_mappa_ray import UPSTREAM_FLAGS, parse_args, upstream_cli, validate
 from openrlhf_mappa import placement
 from openrlhf_mappa.topology import check_model, load_topology
@@ -118,19 +119,8 @@ def test_mappa_code_has_no_cuda_branch():
 
 @pytest.mark.parametrize("script", ["train_mappa_mathchat.sh", "train_mappa_dsbench.sh"])
 def test_gpu_script_submits_absolute_paths_and_declares_its_gpus(tmp_path, script):
-    # The one stand-in: `ray` on PATH records the submission instead of sending it to a GPU cluster,
-    # which cannot exist here. The script itself runs for real.
-    stub = tmp_path / "bin" / "ray"
-    stub.parent.mkdir()
-    stub.write_text(f"#!/bin/sh\n{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" "
-                    f"> {tmp_path / 'submitted.json'}\n")
-    stub.chmod(0o755)
-    env = dict(os.environ, PATH=f"{stub.parent}{os.pathsep}{os.environ['PATH']}",
-               MAPPA_COACH_BASE_URL="http://coach:8001/v1", MAPPA_COACH_MODEL="Qwen/Qwen3-32B")
-    proc = subprocess.run(["bash", str(ROOT / "examples" / "scripts" / script)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    submitted = json.loads((tmp_path / "submitted.json").read_text())
+    # The script runs for real; `ray` on PATH records the submission (conftest.submit_script).
+    submitted, proc = submit_script(ROOT / "examples" / "scripts" / script, tmp_path)
     assert submitted[:2] == ["job", "submit"] and json.loads(submitted[3].split("=", 1)[1]) == {"working_dir": "."}
     argv = submitted[submitted.index("openrlhf_mappa.cli.train_mappa_ray") + 1:]
 

@@ -436,7 +436,7 @@ def test_readme_lora_figures_are_the_plans(tmp_path):
             figures[env["COLOCATE"], name] = (not plan.problems(8),
                                               placement.fewest_gpus(args, topology, 80.0, {k: s for k, (_, s) in plan.sizes.items()}))
     fits, (gpus, flags) = figures["team", "qwen3-4b"]
-    assert fits and gpus == 1 and "3 × Qwen3-4B with LoRA fit **1 GPU** of 80 GB, against 6 without" in readme
+    assert fits and gpus == 1
     assert f"3 × Qwen3-4B with LoRA: **{gpus} GPU** of 80 GB (`COLOCATE=team` and `{flags}`)" in " ".join(readme.split())
     largest = [n for n in ("qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b") if figures["none", n][0] or figures["team", n][0]]
     assert largest[-1] == "qwen3-14b" and figures["none", "qwen3-14b"][0]

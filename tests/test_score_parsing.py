@@ -67,6 +67,13 @@ CORPUS = [
     ("PROCESS_SCORE: 4\nOn reflection the code is fine.\nPROCESS_SCORE: 7", None),
     ("PROCESS_SCORE: 7\nTo sum up, the action was sound.\nPROCESS_SCORE: 7.0", 7.0),
     ("PROCESS_SCORE: -1\nPROCESS_SCORE: 7", None),
+    # the authors' two keys (mathchat.yaml asks the Verifier's coach for both): only PROCESS_SCORE is a score
+    ("Sound synthesis.\nPROCESS_SCORE: 7\nANSWER_CORRECT: 1", 7.0),
+    ("ANSWER_CORRECT: 1\nPROCESS_SCORE: 3", 3.0),
+    ("PROCESS_SCORE: 8\nANSWER_CORRECT: 0 (the reference is 204, the Verifier wrote 240)", 8.0),
+    ("The Verifier's \\boxed{204} matches the reference 204.\nANSWER_CORRECT: 1", None),  # the outcome key is no score
+    ("PROCESS_SCORE: <integer from 0 to 10>\nANSWER_CORRECT: 1", None),  # the template's line echoed, no score
+    ("PROCESS_SCORE: [0 to 10]\nANSWER_CORRECT: 1", None),
     # a reply that is only a number
     ("7", 7.0),
     ("7/10", 7.0),

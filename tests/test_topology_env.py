@@ -46,8 +46,8 @@ def test_mathchat_yaml_loads():
     assert [a.runs_code for a in topo.agents] == [False, True, False]
     assert all(a.model == "Qwen/Qwen3-4B" for a in topo.agents)
     assert topo.env_class() is MathChatEnv
-    for field in ("task", "role", "agent", "turn", "task_type", "agent_input", "agent_output", "feedback",
-                  "ground_truth"):  # fmt: skip
+    # What the authors' coach is shown of each action (mathchat_with_coach.yaml), and nothing less.
+    for field in ("task", "role", "agent_input", "agent_output", "feedback", "ground_truth"):
         assert "{" + field + "}" in topo.coach_template
     assert topo.score_key == "PROCESS_SCORE"
     for agent in topo.agents:  # templates fill without KeyError/IndexError
@@ -58,7 +58,9 @@ def test_mathchat_yaml_loads():
 def test_example_coach_templates_end_with_the_score_line(name):
     topo = load_topology(str(ROOT / "examples" / "configs" / f"{name}.yaml"))
     assert topo.score_key == "PROCESS_SCORE"
-    assert topo.coach_template.endswith("\nPROCESS_SCORE: <integer from 0 to 10>")
+    # MathChat's is followed by the authors' second key, ANSWER_CORRECT (asked, never a score: coach.parse_score).
+    last = topo.coach_template.removesuffix("\nANSWER_CORRECT: <1 or 0, only when a reference answer is given>")
+    assert last.endswith("\nPROCESS_SCORE: <integer from 0 to 10>") and (last != topo.coach_template) == (name == "mathchat")
 
 
 def test_score_key_is_read_and_a_template_without_it_is_warned_about(tmp_path, caplog):

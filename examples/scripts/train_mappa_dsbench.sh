@@ -7,7 +7,8 @@
 # that an action of --data.max_len tokens fits an 80 GiB GPU: 6 GPUs of one 8-GPU node. GPUS_PER_AGENT,
 # COLOCATE (agent, team, none) and ACTOR_GPUS, REF_GPUS, ENGINES (with COLOCATE=none) change it. `mappa plan`
 # with these flags (plus --mappa.gpus N --mappa.gpu_memory_gib G) prints where everything goes and its memory
-# per phase, and the launch checks the same.
+# per phase, and the launch checks the same. The policy loss weighs every sequence the same, as the authors'
+# (--actor.loss_agg_mode seq-mean-token-mean; see train_mappa_mathchat.sh).
 #
 # Tasks: the paper trains on DSBench's 64 modeling tasks. Download DSBench's data yourself, then
 #   mappa dsbench import --data-root DIR --metadata dsbench_modeling_train.json --out data/dsbench
@@ -16,8 +17,8 @@
 #   mappa dsbench make-pack data/dsbench-offline   and   MAPPA_TRAIN_DATA=$PWD/data/dsbench-offline/tasks.jsonl
 # The coach is any OpenAI-compatible endpoint (see train_mappa_mathchat.sh):
 #   export MAPPA_COACH_BASE_URL=... MAPPA_COACH_MODEL=... OPENAI_API_KEY=...
-# Unknown in the paper and chosen here: 2 samples per task (as in its MathChat recipe), train batch 16,
-# prompts up to 16K tokens (data.max_len = 16K prompt + 16K generation).
+# As the authors' scripts/run_train_dsbench.sh: 2 samples per task, train batch 16. Chosen here: prompts up to
+# 16K tokens (data.max_len = 16K prompt + 16K generation; theirs allows 24K prompts).
 set -euo pipefail
 
 # Absolute paths: `ray job submit` runs the job in a temporary copy of working_dir, where relative outputs
@@ -63,6 +64,7 @@ ray job submit --address="http://127.0.0.1:8265" \
    --algo.kl.init_coef 0.01 \
    --algo.kl.estimator k1 \
    --actor.adam.lr 1e-6 \
+   --actor.loss_agg_mode seq-mean-token-mean \
    --rollout.batch_size 16 \
    --rollout.n_samples_per_prompt 2 \
    --rollout.micro_batch_size 2 \

@@ -6,6 +6,9 @@
 # the actor trains and the actor's training states go to CPU while the engines generate (--vllm.enable_sleep
 # --ds.enable_sleep), Adam states on CPU (--ds.adam_offload). 6 GPUs for three agents: one 8 x 80 GB node, two
 # GPUs left for a coach you serve yourself (they must stay out of Ray; see README, GPU usage).
+# Every sequence weighs the same in the policy loss (--actor.loss_agg_mode seq-mean-token-mean), as in the
+# authors' runs (a token mean per micro-batch of 1 sequence, averaged over micro-batches); OpenRLHF's default
+# token-mean over the step would let one 4K-token action outweigh a short reply many times over.
 # GPUS_PER_AGENT changes the count; COLOCATE=team puts all agents on one set of GPUS_PER_AGENT GPUs (8 fit
 # one node), COLOCATE=none gives each actor, reference and engine GPUs of their own (ACTOR_GPUS, REF_GPUS,
 # ENGINES: 18 GPUs as the defaults).
@@ -65,6 +68,7 @@ ray job submit --address="http://127.0.0.1:8265" \
    --algo.kl.init_coef 0.01 \
    --algo.kl.estimator k1 \
    --actor.adam.lr 1e-6 \
+   --actor.loss_agg_mode seq-mean-token-mean \
    --rollout.batch_size 32 \
    --rollout.n_samples_per_prompt 2 \
    --rollout.micro_batch_size 2 \

@@ -38,6 +38,11 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.train_truncated", action="store_true",
                    help="also train actions cut off at the token limit (default: left out, as the authors' "
                         "mask_truncated_completions; counted in agent/<name>/truncated_left_out)")
+    g.add_argument("--mappa.lr_horizon", choices=["authors", "max_actions"], default="authors",
+                   help="each agent's learning-rate schedule length. authors: episodes x tasks x samples per prompt "
+                        "/ train batch x epochs, the same for every agent (their base_controller.py); max_actions: "
+                        "the most optimizer steps that agent can take (its max_actions per episode), so its "
+                        "schedule ends at its last step")
     g.add_argument("--mappa.run_dir", default="./runs/mappa", help="metrics.jsonl, episodes.jsonl and code workspaces")
     g.add_argument("--mappa.coach.kind", choices=["heuristic", "openai"], default="heuristic",
                    help="heuristic: offline rule-based coach (demo/tests); openai: any OpenAI-compatible server")
@@ -535,6 +540,25 @@ def train(args):
     return agents
 
 
+def schedule_steps(args, topology, num_tasks: int) -> dict:
+    """Each agent's learning-rate schedule length (agent name -> optimizer steps), by --mappa.lr_horizon.
+
+    authors: num_episodes x (num_tasks x n_samples_per_prompt // train batch x max_epochs) for every agent, as
+    the authors' base_controller.py (its warm-up and cosine end follow from it). An agent taking more
+    optimizer steps than that runs past the schedule's end, where transformers' cosine rises again.
+    max_actions: the most optimizer steps the agent can take, its max_actions actions per episode (under
+    --mappa.shared_policy the one policy trains every role's), as OpenRLHF's trainer counts them."""
+    episodes, epochs, batch, samples = (args.train.num_episodes, args.train.max_epochs, args.train.batch_size,
+                                        args.rollout.n_samples_per_prompt)
+    if args.mappa.lr_horizon == "authors":
+        return {spec.name: max(1, episodes * (num_tasks * samples // batch * epochs)) for spec in topology.agents}
+    rollout_steps = (num_tasks // args.rollout.batch_size) * episodes
+    shared = sum(spec.max_actions for spec in topology.agents)
+    actions = lambda spec: shared if args.mappa.shared_policy else spec.max_actions  # per episode, at most
+    return {spec.name: rollout_steps * max(1, args.rollout.batch_size * samples * actions(spec) // batch) * epochs
+            for spec in topology.agents}
+
+
 def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> list:
     """Start Ray and every agent's engines and actors, then train from step `start`."""
     import ray
@@ -543,13 +567,7 @@ def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> l
 
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    steps = (len(tasks) // args.rollout.batch_size) * args.train.num_episodes
-    per_episode = [a.max_actions for a in topology.agents]  # the actions one actor trains on per episode, at most
-    actions_per_step = args.rollout.batch_size * args.rollout.n_samples_per_prompt * (
-        sum(per_episode) if args.mappa.shared_policy else max(per_episode))
-    # The learning-rate schedule's length: optimizer steps over the run (each agent's actor, --train.max_epochs
-    # passes over each step's batch), as OpenRLHF's trainer counts them.
-    max_steps = steps * max(1, actions_per_step // args.train.batch_size) * args.train.max_epochs
+    max_steps = schedule_steps(args, topology, len(tasks))
     if start:
         print(f"[mappa] resuming after step {start} (checkpoints in {os.path.abspath(args.ckpt.path)})", file=console.out, flush=True)
     startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s, [a.model for a in topology.agents])

@@ -27,8 +27,9 @@ class HeuristicCoach(Coach):
     0. DSBench (the ground truth is DSBenchEnv's workspace check): its own files missing while a file an
        earlier agent had to save is missing too -> not this agent's fault: 5; its own files missing
        -> 1 after an error or without code, 3 after a clean run (still exploring); an invalid submission
-       -> 3; files present after an error -> 5; else 7, + 2 x the relative score (capped at 1) of a
-       valid submission. So a missing artifact costs the agent that had to make it, not its successors.
+       -> 3; files present after an error -> 5; else (a clean run, or a closing reply without code) 7,
+       + 2 x the relative score (capped at 1) of a valid submission. So a missing artifact costs the agent
+       that had to make it, not its successors.
     1. tool feedback present (code ran): an error (Traceback, `XxxError:`, timeout, non-zero exit) -> 2;
        ran cleanly and printed something -> 7; ran cleanly with no output -> 5.
     2. ground truth given: "Required pattern: <regex>" (a pipeline states a checkable goal for this agent's
@@ -121,7 +122,8 @@ class HeuristicCoach(Coach):
 
     def _dsbench_rule(self, contract, feedback: str, ground_truth: str):
         missing_inputs, missing_outputs = (g.strip() != "none" for g in contract.groups())
-        failed = not feedback.strip() or bool(_TOOL_ERROR_RE.search(feedback))
+        errored = bool(_TOOL_ERROR_RE.search(feedback))
+        failed = not feedback.strip() or errored
         if missing_inputs and missing_outputs:
             return 5.0, "contract rule: an earlier agent's file is missing; not this agent's fault", False
         if missing_outputs:
@@ -131,7 +133,7 @@ class HeuristicCoach(Coach):
         submission = _SUBMISSION_RE.search(ground_truth)
         if submission and submission.group(1) == "invalid":
             return 3.0, "contract rule: submission.csv is invalid", True
-        if failed:
+        if errored:  # a reply without code once the files exist closes the agent's turns: no failure
             return 5.0, "contract rule: its files exist but this action's code failed", False
         if submission:  # valid; the relative score is missing only when the task has best == baseline
             rel = float(submission.group(2) or 0.0)

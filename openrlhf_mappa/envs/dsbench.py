@@ -2,8 +2,10 @@
 
 The file contract (env_kwargs `contract`, agent name -> files it must save in the workspace):
 data_engineer saves X_train.pkl, y_train.pkl, X_test.pkl; modeler saves model.pkl; analyst writes
-submission.csv. An agent's "inputs" are the files of the agents before it. An agent is done once its own
-files exist after one of its code runs (or after a reply without code, or after max_actions).
+submission.csv. An agent's "inputs" are the files of the agents before it. An agent's turns end on a reply
+without code, or after max_actions: the authors' rule (their step ends a turn on a reply without a tool
+call), so a finished agent writes a closing reply. env_kwargs `end_turn_on_files: true` also ends them once
+its own files exist after one of its code runs (fewer actions and coach calls; this project's earlier rule).
 
 A task row (tasks.jsonl, written by `mappa dsbench import` / `make-pack`) is
 `{"id": task_id, "prompt": Kaggle description, "answer": absolute path of the task directory,
@@ -16,8 +18,9 @@ A task row (tasks.jsonl, written by `mappa dsbench import` / `make-pack`) is
 
 The coach never sees the answers: `coach_ground_truth` gives every agent's coach the contract state after
 the action (its missing outputs, its missing inputs, the workspace's files) and, for the Analyst, the
-validation and score of submission.csv. A broken task directory or a bad submission becomes a status in
-the outcome, never an exception out of the environment.
+validation and score of submission.csv, with the figures the authors' criteria grade by (`coach_figures`).
+A broken task directory or a bad submission becomes a status in the outcome, never an exception out of the
+environment.
 """
 
 import json
@@ -175,8 +178,22 @@ def score_submission(task_dir: str, submission: str) -> dict:
         metric = metric_value(meta["metric"], truth, values, meta.get("pos_label"))
     except ValueError as e:  # e.g. f1 with labels that do not fit the task's pos_label
         return invalid("metric_error", f"{meta['metric']} could not be computed: {e}")
-    return dict(out, valid=True, metric=metric,
+    return dict(out, valid=True, metric=metric, figures=coach_figures(meta, truth, values),
                 relative_score=relative_score(metric, meta["baseline"], meta["best"]))  # fmt: skip
+
+
+def coach_figures(meta: dict, truth: pd.DataFrame, pred: pd.DataFrame) -> dict:
+    """What the authors' coach is shown of a valid submission besides the task metric, and grades by: accuracy
+    for labels (a classification task not scored on probabilities), and for regression RMSE, MAE and RMSE as a
+    percentage of the true target's range and interquartile range (their ground_truth_utils.py). Aggregates only:
+    no answer reaches the coach."""
+    if meta["data_type"] != "regression":
+        return {} if METRICS[meta["metric"]][2] else {"accuracy": metric_value("accuracy", truth, pred)}
+    y, p = truth.to_numpy(dtype=float).ravel(), pred.to_numpy(dtype=float).ravel()
+    figures = {"rmse": rmse(y, p), "mae": mae(y, p)}
+    spread = {"range": np.ptp(y), "iqr": np.subtract(*np.percentile(y, [75, 25]))}
+    figures.update({f"rmse_pct_of_{k}": 100 * figures["rmse"] / v for k, v in spread.items() if v > 0})
+    return figures
 
 
 # ---------------------------------------------------------------- the environment
@@ -185,9 +202,11 @@ def score_submission(task_dir: str, submission: str) -> dict:
 class DSBenchEnv(MultiAgentEnv):
     task_type = ""  # set per task: "regression" or "classification"
 
-    def __init__(self, topology, task: dict, workspace: str, code_timeout_s: float = 120.0, contract: dict = None):
+    def __init__(self, topology, task: dict, workspace: str, code_timeout_s: float = 120.0, contract: dict = None,
+                 end_turn_on_files: bool = False):
         super().__init__(topology, task, workspace, code_timeout_s)
         self.contract = DEFAULT_CONTRACT if contract is None else contract
+        self.end_turn_on_files = end_turn_on_files
         names = [a.name for a in topology.agents]
         unknown = sorted(set(self.contract) - set(names))
         if unknown:
@@ -207,7 +226,7 @@ class DSBenchEnv(MultiAgentEnv):
     def step(self, agent, turn: int, response: str):
         result = super().step(agent, turn, response)
         own = self.contract.get(agent.name)
-        if result.feedback.ran and own and not self.missing(own):
+        if self.end_turn_on_files and result.feedback.ran and own and not self.missing(own):
             result.done = True  # its files exist: the next agent starts
         return result
 
@@ -251,6 +270,8 @@ class DSBenchEnv(MultiAgentEnv):
                 rel = "n/a" if c["relative_score"] is None else f"{c['relative_score']:.3f}"
                 lines.append(f"Submission check: valid; {c['metric_name']} = {c['metric']:.6g} (baseline "
                              f"{c['baseline']:.6g}, best {c['best']:.6g}); relative score {rel}")  # fmt: skip
+                if c["figures"]:
+                    lines.append("Submission figures: " + ", ".join(f"{k} = {v:.4g}" for k, v in c["figures"].items()))
             else:
                 lines.append(f"Submission check: invalid ({c['status']}): {c['error']}")
         return "\n".join(lines)
