@@ -122,7 +122,7 @@ def test_ray_job_submit_from_a_user_install_checks_the_cluster_trains_and_resume
         "--mappa.coach.kind", "heuristic",
         "--mappa.run_dir", str(out / "run"),
         "--data.prompt_dataset", os.path.join(REPO, "examples", "data", "relay_train.jsonl"),
-        "--data.max_samples", "4", "--train.num_episodes", "5",  # 10 steps of 2 tasks x 2 samples
+        "--data.max_samples", "4", "--train.num_episodes", "10",  # 20 steps of 2 tasks x 2 samples
         "--mappa.colocate", "agent", "--vllm.enable_sleep", "--ds.enable_sleep",  # the GPU script's placement
         "--mappa.actor_threads", "2",
         "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--vllm.sync_backend", "gloo",
@@ -150,10 +150,12 @@ def test_ray_job_submit_from_a_user_install_checks_the_cluster_trains_and_resume
         # Training, stopped as a preempted job would be (`ray job stop`) once the first team checkpoint exists ...
         marker = out / "ckpt" / "mappa_checkpoint.json"
         with training(form + ["openrlhf_mappa.cli.train_mappa_ray", *flags], tmp_path / "job1", cwd=REPO, env=env) as job1:
+            submitted = lambda: re.search(r"Job '(raysubmit_\w+)' submitted", open(f"{job1.log}.out").read())
+            wait_for(job1, submitted, 300, "the job's submission")
             wait_for(job1, marker.exists, 900, "the first team checkpoint")
-            job_id = re.search(r"Job '(raysubmit_\w+)' submitted", open(f"{job1.log}.out").read() + open(f"{job1.log}.err").read())[1]
-            subprocess.run(["ray", "job", "stop", "--address", address, job_id], env=env, check=True, capture_output=True,
-                           timeout=120)
+            # Ray's REST call, as `ray job stop` makes it (the CLI alone takes seconds to start, and steps are short).
+            request = urllib.request.Request(f"{address}/api/jobs/{submitted()[1]}/stop", method="POST")
+            assert json.load(urllib.request.urlopen(request, timeout=60))["stopped"]
             job1.wait(timeout=120)
         saved = json.loads(marker.read_text())["step"]
         # ... and the same submission again: it resumes after the checkpoint and finishes.
@@ -161,16 +163,16 @@ def test_ray_job_submit_from_a_user_install_checks_the_cluster_trains_and_resume
                             env=env)
     log = job2.stdout + job2.stderr
     assert job2.returncode == 0 and "succeeded" in log, log[-4000:]
-    assert 1 <= saved < 10 and f"resuming after step {saved}" in log  # stopped mid-run: the resume has steps to do
+    assert 1 <= saved < 20 and f"resuming after step {saved}" in log  # stopped mid-run: the resume has steps to do
 
     metrics = [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
-    assert [m["step"] for m in metrics] == list(range(1, 11))
+    assert [m["step"] for m in metrics] == list(range(1, 21))
     assert all(m[f"agent/{a}/updated"] == 1 for m in metrics for a in AGENTS)
-    assert json.loads(marker.read_text())["step"] == 10
+    assert json.loads(marker.read_text())["step"] == 20
     for agent in AGENTS:  # --ckpt.max_num 1: one DeepSpeed checkpoint and one HF export left per agent
         kept = sorted(os.listdir(out / "ckpt" / agent))
-        assert kept == ["_actor", "global_step10_hf"], (agent, kept)
-        assert sorted(os.listdir(out / "ckpt" / agent / "_actor")) == ["global_step10", "latest", "zero_to_fp32.py"]
+        assert kept == ["_actor", "global_step20_hf"], (agent, kept)
+        assert sorted(os.listdir(out / "ckpt" / agent / "_actor")) == ["global_step20", "latest", "zero_to_fp32.py"]
         assert os.path.isfile(out / "hf" / agent / "config.json")
     assert not os.path.exists(os.path.join(REPO, "runs"))  # nothing written into the checkout
 

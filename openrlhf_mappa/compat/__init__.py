@@ -38,8 +38,12 @@ def cpu_mode() -> bool:
 
 
 def torch_build() -> tuple:
-    """(CUDA version, ROCm version) torch was built with, None for each it was not, read from torch/version.py
-    without importing torch (seconds): the launcher decides on CPU-only checks before any heavy import."""
+    """(CUDA version, ROCm version) torch was built with, None for each it was not: torch.version's where torch is
+    loaded, else read from torch/version.py without importing torch (seconds), so that the launcher's checks of
+    the machine run before any heavy import."""
+    if "torch" in sys.modules:
+        version = sys.modules["torch"].version
+        return version.cuda, version.hip
     spec = importlib.util.find_spec("torch")  # locates the package, imports nothing
     if spec is None:
         return None, None
