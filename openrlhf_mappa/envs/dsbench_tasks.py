@@ -88,6 +88,12 @@ def import_tasks(data_root: str, metadata_path: str, out_dir: str) -> tuple:
         rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
     except json.JSONDecodeError as e:
         raise ValueError(f"{metadata_path}: broken JSON: {e}") from None
+    for i, row in enumerate(rows if isinstance(rows, list) else [rows], 1):
+        if not isinstance(row, dict) or not isinstance(row.get("metadata") or {}, dict):
+            raise ValueError(f"{metadata_path}: entry {i} is not a task's record (a JSON object with a 'metadata' "
+                             f"object)")
+    if not os.path.isdir(data_root):
+        raise ValueError(f"--data-root {data_root}: not a directory (the one holding data_resplit/ and answers/)")
     os.makedirs(out_dir, exist_ok=True)
     tasks, skipped = [], []
     for row in rows:
