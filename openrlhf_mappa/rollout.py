@@ -83,8 +83,9 @@ def env_call(env_name: str, what: str, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except Exception as e:
         frames = traceback.extract_tb(e.__traceback__)
-        stdlib = sysconfig.get_paths()["stdlib"]
-        where = next((f for f in reversed(frames) if not f.filename.startswith(stdlib)), frames[-1])
+        paths = sysconfig.get_paths()
+        ours = lambda f: f.filename.startswith(paths["purelib"]) or not f.filename.startswith(paths["stdlib"])
+        where = next((f for f in reversed(frames) if ours(f)), frames[-1])
         where = f"{where.filename}, line {where.lineno}"
         raise EnvFailed(f"{env_name}.{what} raised {type(e).__name__}: {e} ({where})") from e
 

@@ -457,6 +457,15 @@ class FlakyEnv(MathChatEnv):
         return super().step(agent, turn, response)
 
 
+class CutOffPolicy(ScriptedPolicy):
+    """A reply whose generation hit the token limit."""
+
+    max_new_tokens = 8
+
+    async def generate(self, prompt_ids):
+        return [4] * self.max_new_tokens, True
+
+
 def scripted_trainer(tmp_path, tasks, monkeypatch, *flags, policy=None):
     """A real MappaTrainer (the real args, topology, rollout, coach, rewards, batch rule, metrics and logs) whose
     agents have no Ray components: scripted policies generate, and a --train.batch_size larger than a step's
@@ -485,8 +494,6 @@ def scripted_trainer(tmp_path, tasks, monkeypatch, *flags, policy=None):
 
 def test_an_environment_raising_in_one_episode_neither_stops_nor_corrupts_the_run(tmp_path, monkeypatch, capsys):
     # Catches the old rollout, where the exception went up through asyncio.gather and ended the whole run.
-    from openrlhf_mappa.trainer import RunStopped
-
     tasks = [{"id": i, "prompt": "What is 1 + 1?", "answer": "2", "type": ""} for i in ("t1", "bad", "t3", "t4")]
     trainer = scripted_trainer(tmp_path, tasks, monkeypatch)
     first = trainer.train_step(1, tasks)
@@ -510,7 +517,7 @@ def test_an_environment_raising_in_one_episode_neither_stops_nor_corrupts_the_ru
 
     # Too many such episodes in a step stop the run, as coach failures do, with the step's records kept.
     bad = [dict(t, id=f"bad{i}") if i else t for i, t in enumerate(tasks)]
-    with pytest.raises(RunStopped, match=r"step 3: 3 of 4 episodes ended with an exception in the environment .* more "
+    with pytest.raises(RuntimeError, match=r"step 3: 3 of 4 episodes ended with an exception in the environment .* more "
                                          r"than --mappa.env.max_failure_fraction 0.5 of them"):
         trainer.train_step(3, bad)
     assert [ep["step"] for _, ep in read_jsonl(str(tmp_path / "run" / "episodes.jsonl"))].count(3) == 4
@@ -520,13 +527,9 @@ def test_an_environment_raising_in_one_episode_neither_stops_nor_corrupts_the_ru
 
 def test_a_step_that_trains_nothing_says_why_and_a_run_that_never_trains_stops(tmp_path, monkeypatch, capsys):
     # Catches the old trainer, which logged 0 trained actions for every agent and went on without a word.
-    from test_trainer_units import CutOffPolicy
-
-    from openrlhf_mappa.trainer import RunStopped
-
     tasks = [{"id": f"t{i}", "prompt": "What is 1 + 1?", "answer": "2", "type": ""} for i in range(4)]
     trainer = scripted_trainer(tmp_path, tasks, monkeypatch, "--train.batch_size", "4", policy=CutOffPolicy)
-    with pytest.raises(RunStopped) as stopped:
+    with pytest.raises(RuntimeError, match="no agent trained") as stopped:  # trainer.RunStopped
         trainer.fit()
     out = capsys.readouterr().out
     said = ("agent 'checker' trained on nothing: 4 of its 4 actions cut off at --rollout.max_new_tokens (8 tokens) and "
