@@ -53,8 +53,9 @@ MARKER = "ckpt/mappa_checkpoint.json"
 STEP2 = {MARKER: '{"step": 2}', "ckpt/solver/_actor/latest": "global_step2"}
 
 
-# The launcher's flags of every case: a good launch (test_launch.GOOD, which sets --rollout.max_new_tokens).
-LIMITLESS = [a for i, a in enumerate(GOOD) if "--rollout.max_new_tokens" not in GOOD[max(0, i - 1) : i + 1]]
+# Each launcher case adds its flags to a good launch (test_launch.GOOD); LIMITLESS lacks --rollout.max_new_tokens.
+_LIMIT = GOOD.index("--rollout.max_new_tokens")
+LIMITLESS = GOOD[:_LIMIT] + GOOD[_LIMIT + 2 :]
 
 
 def case(name, argv, expect, files=None, code=1, tool="train", base=GOOD):
