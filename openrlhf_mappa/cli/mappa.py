@@ -389,11 +389,12 @@ def rescore_main(parser, args):
 
 def dsbench(args) -> int:
     """Exit status: 0 done (a valid submission), 1 an invalid submission or nothing imported, 2 bad input."""
-    from openrlhf_mappa.envs import dsbench_tasks
-    from openrlhf_mappa.envs.dsbench import score_submission
+    from openrlhf_mappa.envs import dsbench_tasks  # pandas and scikit-learn load only where needed
 
     try:
         if args.dsbench_command == "score":
+            from openrlhf_mappa.envs.dsbench import score_submission
+
             result = score_submission(args.task_dir, args.submission)
             print(json.dumps(result))
             return 0 if result["valid"] else 1
