@@ -41,6 +41,9 @@ def run(out: str, model: str, delay: float, steps: int) -> list:
             "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--rollout.micro_batch_size", "2",
             "--rollout.max_new_tokens", "32", "--data.max_len", "2048",
             "--train.batch_size", "4", "--train.micro_batch_size", "2", "--train.num_episodes", "1",
+            # A random tiny model seldom ends within 32 tokens: left out, its cut-off actions would train nothing
+            # (the run stops after --mappa.max_untrained_steps), and the step time would not include training.
+            "--mappa.train_truncated",
             "--ckpt.path", os.path.join(out, "ckpt"), "--ckpt.output_dir", os.path.join(out, "final"),
         ])
         try:

@@ -168,6 +168,9 @@ class Episode:
     # "" when it ended by itself. A stopped episode is a failure, whatever its env's outcome said.
     action_limit: str = ""
     review: Optional[Review] = None  # the hindsight review (--mappa.coach.mode hindsight or both)
+    # What the environment raised, and where, when it ended the episode (see rollout.run_episode); "" otherwise.
+    # Such an episode is a failure and none of its actions trains.
+    env_error: str = ""
 
     @property
     def success(self) -> bool:
@@ -191,6 +194,18 @@ class Episode:
         return cls(**{**record, "actions": actions})
 
 
+def read_record(path: str, what: str) -> dict:
+    """One JSON object from `path` (a checkpoint marker, an adapter's config), or a ValueError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: {what} is cut off or not JSON ({e}); restore it, or move it away") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: {what} must be a JSON object, got {type(record).__name__}")
+    return record
+
+
 def read_jsonl(path: str) -> list:
     """(line number, record) of each non-empty line of a run's JSONL file. A cut-off last line (a run killed
     mid-write) is skipped with a warning; a broken line anywhere else is an error naming its line."""
@@ -202,10 +217,14 @@ def read_jsonl(path: str) -> list:
         if not line.strip():
             continue
         try:
-            out.append((lineno, json.loads(line)))
+            record = json.loads(line)
         except json.JSONDecodeError as e:
             if lineno == last:
                 print(f"warning: {path}: line {lineno} is cut off (an interrupted run?); skipped", file=sys.stderr)
                 continue
             raise ValueError(f"{path}: line {lineno}: broken JSON: {e.msg}") from e
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: line {lineno}: a JSON {type(record).__name__}, not one record (a JSON object) "
+                             f"per line")
+        out.append((lineno, record))
     return out

@@ -99,6 +99,8 @@ def summarize(episodes: list, agent_names: list, tasks: list) -> tuple:
         summary["answered_rate"] = _mean([float(bool(o.get("answered"))) for o in outcomes])
     if any(ep.action_limit for ep in episodes):  # stopped by a limit (rollout.run_episode): failures, counted
         summary["action_limit_episodes"] = sum(bool(ep.action_limit) for ep in episodes)
+    if any(ep.env_error for ep in episodes):  # ended by an exception in the environment: failures, counted
+        summary["env_failed_episodes"] = sum(bool(ep.env_error) for ep in episodes)
     if any("relative_score" in o for o in outcomes):
         summary["relative_score"] = _mean([o.get("relative_score") or 0.0 for o in outcomes])
         for metric in sorted({o["metric_name"] for o in outcomes if o.get("metric_name")}):

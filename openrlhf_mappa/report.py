@@ -72,8 +72,15 @@ def episode_view(ep: dict) -> dict:
 
 
 def records(path: str):
-    """The records of a JSONL file, or None when it does not exist."""
-    return [r for _, r in read_jsonl(path)] if os.path.exists(path) else None
+    """The records of a JSONL file of a run, or None when it does not exist; each names its step."""
+    if not os.path.exists(path):
+        return None
+    rows = read_jsonl(path)
+    for lineno, r in rows:
+        if isinstance(r.get("step"), bool) or not isinstance(r.get("step"), int):
+            raise ValueError(f"{path}: line {lineno}: no integer 'step' (every line of a run's "
+                             f"{os.path.basename(path)} has one)")
+    return [r for _, r in rows]
 
 
 def load_run(run_dir: str) -> dict:

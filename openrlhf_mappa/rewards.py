@@ -57,7 +57,8 @@ def assign_rewards(
     policy: "skip" (default) leaves it out of training (reward None); "outcome" pays it the episode's
     outcome, as the outcome baseline would; "neutral" pays it s · `neutral_score`, the authors' silent 5.0
     made explicit. The verdict itself keeps its failed status and no score. In both modes an action cut
-    off at the token limit is left out (its score judges text that never ended) unless `train_truncated`.
+    off at the token limit is left out (its score judges text that never ended) unless `train_truncated`, and
+    so is every action of an episode whose environment raised (Episode.env_error).
     Returns how many actions train, and why the others do not or on what they fell back.
     """
     if mode not in REWARD_MODES:
@@ -70,6 +71,9 @@ def assign_rewards(
         outcome_R = scale * OUTCOME_SCALE * float(episode.success)
         for action in episode.actions:
             verdict = action.verdict
+            if episode.env_error:  # its environment raised (counted per episode): no outcome, feedback untrusted
+                action.reward = None
+                continue
             if action.truncated and not train_truncated:
                 action.reward = None
                 truncated_by_agent[action.agent] = truncated_by_agent.get(action.agent, 0) + 1

@@ -17,7 +17,9 @@ import functools
 import inspect
 import itertools
 import os
+import sysconfig
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 
@@ -70,103 +72,138 @@ class AgentPolicy:
         return list(output.token_ids), output.finish_reason == "length"
 
 
+class EnvFailed(Exception):
+    """An exception raised by the episode's environment: it ends that episode (a counted failure), not the run."""
+
+
+def env_call(env_name: str, what: str, fn, *args, **kwargs):
+    """fn(*args) on the environment's behalf; what it raises comes back as EnvFailed, naming the env's method and
+    the line in the env's own code (the deepest frame outside Python's standard library)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        frames = traceback.extract_tb(e.__traceback__)
+        paths = sysconfig.get_paths()
+        ours = lambda f: f.filename.startswith(paths["purelib"]) or not f.filename.startswith(paths["stdlib"])
+        where = next((f for f in reversed(frames) if ours(f)), frames[-1])
+        where = f"{where.filename}, line {where.lineno}"
+        raise EnvFailed(f"{env_name}.{what} raised {type(e).__name__}: {e} ({where})") from e
+
+
 async def run_episode(topology, task: dict, policies: dict, coach: Coach, workspace: str, step: int,
                       coach_bias: str = None, coach_mode: str = "per_action") -> Episode:
+    """One episode. An exception raised by its environment (building it, or in any of its methods) ends this
+    episode only: `Episode.env_error` says what and where, its outcome is a failure, its actions (kept in the
+    record with the verdicts already asked for) train nothing, and the trainer stops the run when too many of a
+    step's episodes fail so (--mappa.env.max_failure_fraction). Generation and coach errors are not contained."""
     episode_id = f"s{step}-{task.get('id', '')}-{uuid.uuid4().hex[:8]}"
     os.makedirs(workspace, exist_ok=True)
-    env = topology.make_env(task, workspace)
-    episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=env.task_type, step=step)
+    episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=task.get("type", ""), step=step)
     requests, verdict_futures = [], []
-    # An env whose own observe() takes no `omit` cannot leave history out: its over-long prompts are skipped.
-    can_omit = "omit" in inspect.signature(env.observe).parameters
-
-    def fit(spec, turn):
-        """(text, ids, too_long, omitted): the agent's prompt, its oldest history left out as far as needed."""
-        policy = policies[spec.name]
-        prompt_text, prompt_ids, too_long = policy.prompt_ids(env.observe(spec, turn))
-        if too_long and can_omit:
-            observe = functools.partial(env.observe, spec, turn)  # observe(k): k oldest entries left out
-            return policy.shorten(observe, len(env.history))
-        return prompt_text, prompt_ids, too_long, 0
-
-    limit = topology.max_episode_actions or sum(a.max_actions for a in topology.agents)
-    turns, last, round_ = {a.name: 0 for a in topology.agents}, {}, 0
+    name = topology.env
     t0 = time.time()
-    while agents := env.next_agents(turns, last):
-        ids = [id(a) for a in agents] if isinstance(agents, (list, tuple)) else None
-        if ids is None or not set(ids) <= {id(a) for a in topology.agents} or len(set(ids)) < len(ids):
-            shown = [getattr(a, "name", a) for a in agents] if ids is not None else agents
-            raise ValueError(f"{type(env).__name__}.next_agents returned {shown!r}: expected a list of this "
-                             f"topology's AgentSpecs (env.topology.agents), each at most once per round")
-        over = [f"agent {a.name!r} asked to act beyond its max_actions {a.max_actions}"
-                for a in agents if turns[a.name] >= a.max_actions]  # fmt: skip
-        if sum(turns.values()) + len(agents) > limit:
-            over.append(f"more than max_episode_actions {limit} actions")
-        if over:  # a workflow that would go on forever (or past its budget) ends here, as a counted failure
-            episode.action_limit = "; ".join(over)
-            break
-        # Every agent of the round sees the history as it stands before the round, so their generations are
-        # independent and run concurrently; their steps then run in the order next_agents gave.
-        prompts = [fit(spec, turns[spec.name]) for spec in agents]
-        generated = iter(await asyncio.gather(
-            *(policies[spec.name].generate(p[1]) for spec, p in zip(agents, prompts) if not p[2])
-        ))  # fmt: skip
-        last = {}
-        for spec, (prompt_text, prompt_ids, too_long, omitted) in zip(agents, prompts):
-            policy, turn = policies[spec.name], turns[spec.name]
-            turns[spec.name] += 1
-            if too_long:
-                # Even its system message, prompt and task alone do not fit: no action (nothing generated, nothing
-                # trained, no coach); next_agents hears None for it (the chain then moves to the next agent).
-                budget = policy.max_len - policy.max_new_tokens
-                skipped = {"agent": spec.name, "turn": turn, "prompt_tokens": len(prompt_ids), "budget": budget}
-                episode.skipped_actions.append(skipped)
-                last[spec.name] = None
-                continue
-            response_ids, truncated = next(generated)
-            response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
-            result = last[spec.name] = await asyncio.to_thread(env.step, spec, turn, response_text)
-            action = Action(
-                episode_id=episode_id,
-                agent=spec.name,
-                turn=turn,
-                round=round_,
-                position=len(episode.actions),
-                prompt_ids=prompt_ids,
-                response_ids=response_ids,
-                prompt_text=prompt_text,
-                response_text=response_text,
-                truncated=truncated,
-                formatted=env.answer_formatted(spec, response_text),
-                prompt_truncated=omitted > 0,
-                feedback=result.feedback,
-            )
-            episode.actions.append(action)
-            action.coach_request = dict(
-                role=spec.role,
-                task=env.task_text,
-                task_type=env.task_type,
-                feedback=result.feedback.as_text(),
-                ground_truth=env.coach_ground_truth(spec),
-                is_final_agent=spec is topology.agents[-1],
-                runs_code=spec.runs_code,
-                truncated_at=policy.max_new_tokens if truncated else None,
-                round=action.round,
-                position=action.position,
-                # Kept with the action only when shown, so that re-scoring sends the prompt this coach saw.
-                **({"coach_bias": coach_bias} if coach_bias is not None else {}),
-            )
-            request = CoachRequest(
-                episode_id, spec.name, turn, agent_input=prompt_text, agent_output=response_text, **action.coach_request
-            )
-            requests.append(request)
-            if coach_mode != "hindsight":
-                verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
-        round_ += 1
-    episode.timings["rollout_s"] = time.time() - t0
-    # An episode stopped by a limit never reached its end: a failure, whatever the env's outcome says.
-    episode.outcome = {**env.outcome(), "success": False} if episode.action_limit else env.outcome()
-    verdicts, parts, episode.review = await judge_episode(coach, coach_mode, requests, episode.outcome, verdict_futures)
+    try:
+        env = env_call(name, "__init__", topology.make_env, task, workspace)
+        name = type(env).__name__
+        call = functools.partial(env_call, name)
+        episode.task_type = call("task_type", getattr, env, "task_type")
+        # An env whose own observe() takes no `omit` cannot leave history out: its over-long prompts are skipped.
+        can_omit = "omit" in inspect.signature(env.observe).parameters
+
+        def fit(spec, turn):
+            """(text, ids, too_long, omitted): the agent's prompt, its oldest history left out as far as needed."""
+            policy = policies[spec.name]
+            prompt_text, prompt_ids, too_long = policy.prompt_ids(call("observe", env.observe, spec, turn))
+            if too_long and can_omit:
+                # observe(k): k oldest entries left out
+                return policy.shorten(lambda k: call("observe", env.observe, spec, turn, omit=k), len(env.history))
+            return prompt_text, prompt_ids, too_long, 0
+
+        limit = topology.max_episode_actions or sum(a.max_actions for a in topology.agents)
+        turns, last, round_ = {a.name: 0 for a in topology.agents}, {}, 0
+        while agents := call("next_agents", env.next_agents, turns, last):
+            ids = [id(a) for a in agents] if isinstance(agents, (list, tuple)) else None
+            if ids is None or not set(ids) <= {id(a) for a in topology.agents} or len(set(ids)) < len(ids):
+                shown = [getattr(a, "name", a) for a in agents] if ids is not None else agents
+                raise ValueError(f"{name}.next_agents returned {shown!r}: expected a list of this "
+                                 f"topology's AgentSpecs (env.topology.agents), each at most once per round")
+            over = [f"agent {a.name!r} asked to act beyond its max_actions {a.max_actions}"
+                    for a in agents if turns[a.name] >= a.max_actions]  # fmt: skip
+            if sum(turns.values()) + len(agents) > limit:
+                over.append(f"more than max_episode_actions {limit} actions")
+            if over:  # a workflow that would go on forever (or past its budget) ends here, as a counted failure
+                episode.action_limit = "; ".join(over)
+                break
+            # Every agent of the round sees the history as it stands before the round, so their generations are
+            # independent and run concurrently; their steps then run in the order next_agents gave.
+            prompts = [fit(spec, turns[spec.name]) for spec in agents]
+            generated = iter(await asyncio.gather(
+                *(policies[spec.name].generate(p[1]) for spec, p in zip(agents, prompts) if not p[2])
+            ))  # fmt: skip
+            last = {}
+            for spec, (prompt_text, prompt_ids, too_long, omitted) in zip(agents, prompts):
+                policy, turn = policies[spec.name], turns[spec.name]
+                turns[spec.name] += 1
+                if too_long:
+                    # Even its system message, prompt and task alone do not fit: no action (nothing generated, nothing
+                    # trained, no coach); next_agents hears None for it (the chain then moves to the next agent).
+                    budget = policy.max_len - policy.max_new_tokens
+                    skipped = {"agent": spec.name, "turn": turn, "prompt_tokens": len(prompt_ids), "budget": budget}
+                    episode.skipped_actions.append(skipped)
+                    last[spec.name] = None
+                    continue
+                response_ids, truncated = next(generated)
+                response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
+                result = last[spec.name] = await asyncio.to_thread(call, "step", env.step, spec, turn, response_text)
+                action = Action(
+                    episode_id=episode_id,
+                    agent=spec.name,
+                    turn=turn,
+                    round=round_,
+                    position=len(episode.actions),
+                    prompt_ids=prompt_ids,
+                    response_ids=response_ids,
+                    prompt_text=prompt_text,
+                    response_text=response_text,
+                    truncated=truncated,
+                    formatted=call("answer_formatted", env.answer_formatted, spec, response_text),
+                    prompt_truncated=omitted > 0,
+                    feedback=result.feedback,
+                )
+                action.coach_request = dict(
+                    role=spec.role,
+                    task=call("task_text", getattr, env, "task_text"),
+                    task_type=episode.task_type,
+                    feedback=result.feedback.as_text(),
+                    ground_truth=call("coach_ground_truth", env.coach_ground_truth, spec),
+                    is_final_agent=spec is topology.agents[-1],
+                    runs_code=spec.runs_code,
+                    truncated_at=policy.max_new_tokens if truncated else None,
+                    round=action.round,
+                    position=action.position,
+                    # Kept with the action only when shown, so that re-scoring sends the prompt this coach saw.
+                    **({"coach_bias": coach_bias} if coach_bias is not None else {}),
+                )
+                episode.actions.append(action)
+                request = CoachRequest(episode_id, spec.name, turn, agent_input=prompt_text, agent_output=response_text,
+                                       **action.coach_request)
+                requests.append(request)
+                if coach_mode != "hindsight":
+                    verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
+            round_ += 1
+        episode.timings["rollout_s"] = time.time() - t0
+        outcome = call("outcome", env.outcome)
+        # An episode stopped by a limit never reached its end: a failure, whatever the env's outcome says.
+        episode.outcome = {**outcome, "success": False} if episode.action_limit else outcome
+    except EnvFailed as e:
+        episode.env_error, episode.outcome = str(e), {"success": False}
+        episode.timings["rollout_s"] = time.time() - t0
+        # The verdicts already asked for are awaited (and paid for): kept in the record, never trained on.
+        verdicts = await asyncio.gather(*verdict_futures)
+        parts, episode.review = [{} for _ in verdicts], None
+    else:
+        judged = await judge_episode(coach, coach_mode, requests, episode.outcome, verdict_futures)
+        verdicts, parts, episode.review = judged
     for action, verdict, part in zip(episode.actions, verdicts, parts):
         action.verdict, action.verdict_parts = verdict, part
     episode.timings["coach_wait_s"] = time.time() - t0 - episode.timings["rollout_s"]

@@ -8,8 +8,6 @@ byte is a token, so any text round-trips) plus ChatML-style special tokens and a
 import json
 import os
 
-import torch
-
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -45,13 +43,18 @@ def build_tiny_model(out_dir: str, seed: int = 0, hidden_size: int = 128, num_la
     init_std is the weights' initial standard deviation (transformers' `initializer_range`). The smaller it is,
     the closer the untrained model's next-token odds are to uniform, whatever the seed: at 0.02 one seed's model
     ends 0.5% of its 8-token replies, another's 6%."""
+    # Checked before torch and transformers load (seconds), so that `mappa tiny-model` refuses at once.
+    if hidden_size < 32 or hidden_size % 32:
+        raise ValueError(f"--hidden-size {hidden_size}: must be a multiple of 32 (head_dim 32)")
+    if num_layers < 1 or not init_std > 0:
+        raise ValueError(f"--layers {num_layers} must be >= 1 and --init-std {init_std} > 0")
+    if vocab_size < 256 + len(SPECIAL_TOKENS):  # every byte, and the special tokens
+        raise ValueError(f"--vocab-size {vocab_size}: must be at least {256 + len(SPECIAL_TOKENS)} (the tokenizer's "
+                         f"256 bytes and {len(SPECIAL_TOKENS)} special tokens)")
+    import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    if hidden_size % 32:
-        raise ValueError(f"hidden_size must be a multiple of 32 (head_dim 32), got {hidden_size}")
     tokenizer = build_tokenizer()
-    if vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size must be at least {len(tokenizer)} (the tokenizer's size), got {vocab_size}")
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

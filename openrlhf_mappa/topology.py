@@ -138,19 +138,58 @@ class Topology:
         """One environment instance for one episode (task is one row of load_tasks)."""
         return self.env_class()(self, task, workspace, **self.env_kwargs)
 
+    def check_env(self, tasks: list, label: str) -> None:
+        """Build the environment once per task type, from the first task of that type, in a scratch workspace:
+        env_kwargs the environment itself rejects (a value of the wrong type, a goal that is no regex) are refused
+        before a run starts, with its own message, instead of raising inside the first rollout."""
+        import tempfile
+
+        first = {}
+        for task in tasks:
+            first.setdefault(task.get("type", ""), task)
+        for task in first.values():
+            with tempfile.TemporaryDirectory(prefix="mappa-env-check-") as workspace:
+                try:
+                    self.make_env(task, workspace)
+                except Exception as e:  # any exception: the environment's own message says what to fix
+                    kwargs = ", ".join(self.env_kwargs) or "none"
+                    raise ValueError(f"{label}: env {self.env!r} (env_kwargs: {kwargs}) cannot start task "
+                                     f"{task['id']!r}, the first of type {task.get('type')!r}: {type(e).__name__}: "
+                                     f"{e}") from e
+
 
 TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "coach_templates", "env_kwargs", "score_key", "reward_scale",
                  "max_episode_actions", "review_template")
 AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec))
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last value silently, so a
+    second `max_actions:` under an agent would quietly replace the first. Merge keys (<<) may still override."""
+
+    def construct_mapping(self, node, deep=False):
+        first = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key, (str, int, float, bool, type(None))):
+                continue
+            line = key_node.start_mark.line + 1
+            if key in first:
+                raise ValueError(f"line {line}: duplicate key {key!r} (first on line {first[key]}): a mapping takes "
+                                 f"each key once; keep one of them")
+            first[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     """Read and validate a topology YAML. `model_override` replaces every agent's model (tests, demos)."""
     with open(path, encoding="utf-8") as f:
         try:
-            raw = yaml.safe_load(f)
+            raw = yaml.load(f, Loader=UniqueKeyLoader)
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not valid YAML: {e}") from e
+        except ValueError as e:  # UniqueKeyLoader's
+            raise ValueError(f"{path}: {e}") from None
 
     def fail(msg):
         raise ValueError(f"{path}: {msg}")

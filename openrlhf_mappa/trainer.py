@@ -32,6 +32,7 @@ from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, 
 from openrlhf_mappa.episode import Episode, read_jsonl
 from openrlhf_mappa.evaluation import NoCoach, behaviour_metrics, evaluate, format_table, summarize
 from openrlhf_mappa.placement import agent_args, trainee_specs
+from openrlhf_mappa.resume import CHECKPOINT_MARKER
 from openrlhf_mappa.rollout import AgentPolicy, rollout
 
 # The user's terminal, where the run's own output goes: step lines, progress bars, evaluation tables and the
@@ -85,6 +86,11 @@ def run_summary(run_dir: str) -> list:
         lines.append(f"[mappa] evaluation {dataset}: accuracy {mean([a], 'accuracy')} (step {a['step']}) -> "
                      f"{mean([b], 'accuracy')} (step {b['step']})")
     return lines
+
+
+class RunStopped(RuntimeError):
+    """The run cannot usefully go on: too many of a step's episodes failed in the environment, or no agent trained
+    for --mappa.max_untrained_steps steps in a row. The message says why and what to change."""
 
 
 def check_placement(args, topology) -> None:
@@ -409,54 +415,6 @@ class StartupWatchdog(Watchdog):
         return None
 
 
-CHECKPOINT_MARKER = "mappa_checkpoint.json"  # in --ckpt.path: the last step that every agent saved
-
-
-def prepare_resume(args, topology) -> int:
-    """Before any actor starts: point every agent's checkpoint at the last step ALL agents saved, and
-    return it (0: start fresh).
-
-    Agents save one after another, so a run killed mid-save can leave agent A at step N+1 and agent B at
-    step N. The run-level marker, written once all agents saved, names N; A's DeepSpeed `latest` is set back
-    to N. A save that never completed for all agents (no marker) is set aside, not half-resumed from.
-    Refused: no marker while the run directory already logged steps (the run would silently start over)."""
-    if not args.ckpt.load_enable:
-        return 0
-    marker = os.path.join(args.ckpt.path, CHECKPOINT_MARKER)
-    step = json.load(open(marker))["step"] if os.path.exists(marker) else 0
-    logged = os.path.join(args.mappa.run_dir, "metrics.jsonl")
-    if not step and os.path.exists(logged) and any(line.endswith("\n") for line in open(logged, encoding="utf-8")):
-        # Each whole line of metrics.jsonl is a finished step (from 1). Without a team checkpoint where
-        # --ckpt.path says, the run would restart at step 0 and overwrite its logs: typically a relative
-        # --ckpt.path that `ray job submit` resolved inside its temporary copy of working_dir.
-        raise SystemExit(f"[mappa] --ckpt.load_enable: {os.path.abspath(logged)} already has logged steps, but "
-                         f"{os.path.abspath(args.ckpt.path)} holds no checkpoint ({CHECKPOINT_MARKER}), so the run would "
-                         f"start over at step 0. Point --ckpt.path at the run's checkpoints (an absolute path), or start "
-                         f"fresh: a new --mappa.run_dir, or drop --ckpt.load_enable to overwrite this one's logs.")
-    saved = json.load(open(marker)).get("coach_template") if step else None
-    stages = [s.name for s in topology.coach_stages] if saved else []
-    if saved and saved["name"] not in stages:
-        raise SystemExit(f"resume: {marker} says step {step} was scored with coach template {saved['name']!r}, which "
-                         f"is not in the coach_templates of {args.mappa.topology} ({', '.join(stages) or 'none'}); "
-                         f"resume with the topology of the first run")
-    tag = f"global_step{step}"
-    for spec in trainee_specs(args, topology):
-        actor_dir = os.path.join(args.ckpt.path, spec.name, "_actor")
-        latest = os.path.join(actor_dir, "latest")
-        if not os.path.exists(latest):
-            if step:
-                raise SystemExit(f"resume: {marker} says step {step}, but agent {spec.name!r} has no checkpoint in {actor_dir}")
-            continue
-        if not step:
-            os.replace(latest, latest + ".incomplete")
-        elif open(latest).read().strip() != tag:
-            if not os.path.isdir(os.path.join(actor_dir, tag)):
-                raise SystemExit(f"resume: agent {spec.name!r} has no {tag} in {actor_dir} (removed by --ckpt.max_num?)")
-            with open(latest, "w") as f:
-                f.write(tag)
-    return step
-
-
 def rotate_checkpoints(agent_ckpt_dir: str, keep: int) -> list:
     """Delete all but the `keep` newest DeepSpeed checkpoints (_actor/global_step<N>) and HF exports
     (global_step<N>_hf) of one agent, once a team checkpoint is written; returns the paths deleted.
@@ -521,6 +479,8 @@ class MappaTrainer:
         self.coach_cost_usd = 0.0
         # The coach template in use (an index into topology.coach_stages) and the first step it scored.
         self.stage, self.stage_since, self.stage_waits_noted = 0, 1, set()
+        # Steps in a row in which no agent trained, and the message that stops the run (--mappa.max_untrained_steps).
+        self.untrained_steps, self.stalled = 0, None
         os.makedirs(run_dir, exist_ok=True)
         self.policies, self.eval_policies = (
             {
@@ -579,7 +539,7 @@ class MappaTrainer:
         cost so far, the coach template in use, the bias audit's window."""
         marker = json.load(open(os.path.join(self.args.ckpt.path, CHECKPOINT_MARKER)))
         self.coach_cost_usd = marker.get("coach_cost_usd", 0.0)
-        if marker.get("coach_template"):  # its name was checked against the topology by prepare_resume
+        if marker.get("coach_template"):  # its name was checked against the topology by resume.check_resume
             name, since = marker["coach_template"]["name"], marker["coach_template"]["since_step"]
             self.set_stage([s.name for s in self.topology.coach_stages].index(name), since)
             print(f"[mappa] coach criteria: resuming with coach template {name!r} (in use since step {since})",
@@ -604,6 +564,8 @@ class MappaTrainer:
                 metrics = self.train_step(step, tasks, progress=bar.update)
             self.log(step, metrics)
             tqdm.write(step_line(step, total, metrics, [ag.spec.name for ag in self.agents]), file=console.err)
+            if self.stalled:
+                raise RunStopped(self.stalled)
             self.advance_criteria(step, metrics)  # before the checkpoint, which records the template in use
             if (every > 0 and step % every == 0) or step == total:
                 self.evaluate(step)
@@ -645,6 +607,17 @@ class MappaTrainer:
         self.coach_cost_usd += coach_metrics.get("coach/cost_usd", 0.0)
         if c.price_in or c.price_out:
             coach_metrics["coach/cost_usd_total"] = self.coach_cost_usd
+        failed = [ep for ep in episodes if ep.env_error]
+        if failed:  # contained by the rollout: each is a failed episode that trains nothing (rollout.run_episode)
+            limit = self.mappa.env.max_failure_fraction
+            said = (f"{len(failed)} of {len(episodes)} episodes ended with an exception in the environment (they "
+                    f"train nothing). First: {failed[0].env_error}")
+            tqdm.write(f"[mappa] step {step}: {said}", file=console.err)
+            if len(failed) / len(episodes) > limit:
+                self.write_episodes(episodes)
+                self.log(step, {**coach_metrics, "outcome/env_failed_episodes": len(failed)})
+                raise RunStopped(f"step {step}: {said}. That is more than --mappa.env.max_failure_fraction {limit:g} "
+                                 f"of them; the step's episodes are in {self.run_dir}/episodes.jsonl.")
         if self.scored:  # verdicts paid for but mostly failed: stop, even when only logged
             try:
                 check_failures(episodes, coach_metrics, c.max_failure_fraction)
@@ -667,6 +640,16 @@ class MappaTrainer:
                 if action.reward is not None:
                     actions_of[self.owner[action.agent]].append(action)
         batches, kept_actions, dropped = self.make_experiences(actions_of, step)
+        untrained = {ag.spec.name: self.untrained_reason(ag, episodes, dropped[ag.spec.name])
+                     for ag in self.trainees if ag.spec.name not in batches}
+        for name, why in untrained.items():
+            tqdm.write(f"[mappa] step {step}: agent {name!r} trained on nothing: {why}", file=console.err)
+        self.untrained_steps = self.untrained_steps + 1 if len(untrained) == len(self.trainees) else 0
+        most = self.mappa.max_untrained_steps
+        if most and self.untrained_steps >= most:
+            self.stalled = (f"no agent trained in {self.untrained_steps} steps in a row (--mappa.max_untrained_steps "
+                            f"{most}); at step {step}, "
+                            + "; ".join(f"agent {n!r}: {why}" for n, why in untrained.items()))
         rewards.compute_advantages(batches, self.args.algo.kl.init_coef, scope=self.mappa.norm_scope)
         t_experience = time.time() - t0
 
@@ -744,6 +727,37 @@ class MappaTrainer:
         self.stage, self.stage_since = index, since
         self.coach.template = self.topology.coach_stages[index].template
 
+    def untrained_reason(self, ag, episodes: list, dropped: int) -> str:
+        """Why agent `ag` trained on no action in this step (its actions, or under a shared policy every role's),
+        each reason with its count and the flag that changes it."""
+        name, a = ag.spec.name, ag.args
+        mine = [(ep, x) for ep in episodes for x in ep.actions if self.owner[x.agent] == name]
+        skipped = sum(self.owner[s["agent"]] == name for ep in episodes for s in ep.skipped_actions)
+        cut = {id(x) for ep, x in mine if not ep.env_error and x.truncated and not self.mappa.train_truncated}
+        unscored = {}
+        for ep, x in mine:
+            if x.reward is None and not ep.env_error and id(x) not in cut:
+                status = x.verdict.status if x.verdict else "missing"
+                unscored[status] = unscored.get(status, 0) + 1
+        env_failed = sum(bool(ep.env_error) for ep, _ in mine)
+        of = f"of its {len(mine)} actions"
+        limit = "its max_new_tokens in the topology" if ag.spec.max_new_tokens else "--rollout.max_new_tokens"
+        why = [f"{len(cut)} {of} cut off at {limit} ({a.rollout.max_new_tokens} tokens) and left out: raise it, or "
+               f"train them with --mappa.train_truncated"] if cut else []
+        if unscored:
+            statuses = ", ".join(f"{k} {n}" for k, n in unscored.items())
+            why.append(f"{sum(unscored.values())} {of} without a coach score ({statuses}): --mappa.coach.on_failure "
+                       f"outcome or neutral trains them")
+        if env_failed:
+            why.append(f"{env_failed} {of} in episodes whose environment raised (env_error in episodes.jsonl)")
+        if dropped:
+            why.append(f"{dropped} {of} left over by the batch rule, less than one --train.batch_size "
+                       f"({a.train.batch_size}) batch: lower --train.batch_size, or raise --rollout.batch_size")
+        if skipped:
+            why.append(f"{skipped} actions not taken: the prompt did not fit --data.max_len ({a.data.max_len}) minus "
+                       f"{limit} even without its history: raise --data.max_len")
+        return "; ".join(why) or "the environment gave it no turn"
+
     def batch_rule(self, actions: list, step: int):
         """Keep a whole number of global train batches (train.batch_size) per agent and step.
 
@@ -762,6 +776,8 @@ class MappaTrainer:
             "outcome/success_rate": sum(ep.success for ep in episodes) / len(episodes),
             # episodes stopped by an agent's max_actions or max_episode_actions (failures; see rollout.py)
             "outcome/action_limit_episodes": sum(bool(ep.action_limit) for ep in episodes),
+            # episodes ended by an exception in the environment (failures that train nothing; see rollout.py)
+            "outcome/env_failed_episodes": sum(bool(ep.env_error) for ep in episodes),
             "coach/left_out": counts["left_out"],
             "reward_scale": self.topology.reward_scale,
             **({f"coach/fallback_{c.on_failure}": counts["fallback"]} if c.on_failure != "skip" else {}),
@@ -838,7 +854,7 @@ class MappaTrainer:
             rotate_checkpoints(ag.args.ckpt.path, self.args.ckpt.max_num)
 
     def write_marker(self, step: int):
-        """Only once every agent saved is step `step` a checkpoint of the whole team (see prepare_resume); the
+        """Only once every agent saved is step `step` a checkpoint of the whole team (see resume.check_resume); the
         marker says so, with the driver's state that restore() reads back. Written atomically."""
         marker = os.path.join(self.args.ckpt.path, CHECKPOINT_MARKER)
         state = {"step": step, "coach_cost_usd": self.coach_cost_usd}

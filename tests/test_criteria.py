@@ -25,7 +25,8 @@ from openrlhf_mappa.episode import Action, Episode, ToolFeedback, Verdict
 from openrlhf_mappa.rollout import rollout
 from openrlhf_mappa.topology import AGENT_METRICS, load_topology
 from openrlhf_mappa import trainer as trainer_module
-from openrlhf_mappa.trainer import CHECKPOINT_MARKER, MappaTrainer, prepare_resume, truncate_logs
+from openrlhf_mappa.resume import CHECKPOINT_MARKER, check_resume
+from openrlhf_mappa.trainer import MappaTrainer, truncate_logs
 
 AGENTS = [
     {"name": "solver", "model": "m", "role": "solves", "prompt": "Solve: {task}\n{history}"},
@@ -135,6 +136,7 @@ def agents_saved(ckpt, step: int):
     """Each agent's DeepSpeed checkpoint directory as its actor leaves it (the part of a save that needs Ray)."""
     for agent in ("solver", "coder"):
         (ckpt / agent / "_actor" / f"global_step{step}").mkdir(parents=True)
+        (ckpt / agent / "_actor" / f"global_step{step}" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x")
         (ckpt / agent / "_actor" / "latest").write_text(f"global_step{step}")
 
 
@@ -179,7 +181,7 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
         first.loop.run_until_complete(coach.aclose())
 
         # The same command again: the CLI builds the coach with the first template; the trainer restores.
-        assert prepare_resume(first.args, topology) == 2
+        assert check_resume(first.args, topology, []) == (2, [])
         assert json.load(open(tmp_path / "ckpt" / CHECKPOINT_MARKER))["coach_template"] == {"name": "quality", "since_step": 3}
         coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
         second = trainer_for(topology, coach, tmp_path)
@@ -229,10 +231,10 @@ def test_a_resume_with_a_template_the_topology_no_longer_has_is_refused(tmp_path
     agents_saved(tmp_path / "ckpt", 9)
     trainer.write_marker(9)
     renamed = load_topology(write_topology(tmp_path, coach_templates=STAGES[:2]))
-    with pytest.raises(SystemExit, match="scored with coach template 'polish', which is not in the coach_templates of "
+    with pytest.raises(ValueError, match="scored with coach template 'polish', which is not in the coach_templates of "
                                          r"topo.yaml \(reliability, quality\)"):
-        prepare_resume(trainer.args, renamed)
-    assert prepare_resume(trainer.args, topology) == 9
+        check_resume(trainer.args, renamed, [])
+    assert check_resume(trainer.args, topology, []) == (9, [])
 
 
 # ---------------------------------------------------------------- the coach's running bias in its prompt

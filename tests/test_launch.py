@@ -29,8 +29,7 @@ from openrlhf_mappa.topology import check_model, load_topology
 ROOT = Path(__file__).resolve().parents[1]
 MATHCHAT_YAML = ROOT / "examples" / "configs" / "mathchat.yaml"
 HEAVY = {"torch", "ray", "deepspeed", "vllm", "transformers"}
-REFUSAL_LIMIT_S = 20  # measured 0.1-0.7 s (the resume check, after the imports: 2-5 s); loose against load
-TIMES = {}  # case -> seconds, printed at the end (pytest -s) for the record
+TIMES = {}  # case -> seconds, printed at the end (pytest -s) for the record; never asserted (no timed tests)
 
 
 def declared_requirements():
@@ -168,7 +167,8 @@ def write_topology(tmp_path, **agent):
 GOOD = ["--mappa.topology", "t.yaml", "--data.prompt_dataset", "tasks.jsonl", "--vllm.num_engines", "1",
         "--actor.num_gpus_per_node", "1", "--rollout.batch_size", "2", "--rollout.micro_batch_size", "1",
         "--ds.attn_implementation", "sdpa",  # no flash-attn on CPU (the launcher refuses flash attention without it)
-        "--train.batch_size", "2", "--train.micro_batch_size", "1", "--mappa.run_dir", "run", "--ckpt.path", "ckpt"]
+        "--rollout.max_new_tokens", "64", "--train.batch_size", "2", "--train.micro_batch_size", "1",
+        "--mappa.run_dir", "run", "--ckpt.path", "ckpt"]
 
 
 def cli(cwd, argv, case, **env):
@@ -190,7 +190,6 @@ def assert_refused(proc, case, message):
     assert "Traceback" not in proc.message
     assert "Started a local Ray instance" not in proc.stdout + proc.message
     assert not {m.split(".")[0] for m in proc.imported} & HEAVY  # refused before torch, Ray, vLLM even load
-    assert TIMES[case] < REFUSAL_LIMIT_S
 
 
 def test_relative_model_path_that_does_not_exist(workdir):
@@ -296,25 +295,23 @@ def test_traceback_only_on_request(workdir):
 
 def test_resume_that_would_silently_start_over_is_refused(workdir):
     # The run logged steps, but --ckpt.path (relative, as `ray job submit` would resolve it in a fresh
-    # copy of working_dir) holds no checkpoint. Refused after the heavy imports, before ray.init.
+    # copy of working_dir) holds no checkpoint. Refused before the heavy imports (resume.check_resume).
     write_topology(workdir)
     (workdir / "run").mkdir()
     (workdir / "run" / "metrics.jsonl").write_text('{"step": 1, "x": 0}\n{"step": 2, "x": 1}\n')
     proc = cli(workdir, GOOD + ["--ckpt.load_enable"], "resume without checkpoint")
-    assert proc.returncode != 0 and "Traceback" not in proc.message
-    assert (f"[mappa] --ckpt.load_enable: {workdir / 'run' / 'metrics.jsonl'} already has logged steps, but "
-            f"{workdir / 'ckpt'} holds no checkpoint (mappa_checkpoint.json), so the run would start over at step 0. "
-            f"Point --ckpt.path at the run's checkpoints (an absolute path), or start fresh: a new --mappa.run_dir, "
-            f"or drop --ckpt.load_enable to overwrite this one's logs.") in proc.message, proc.message[-3000:]
-    assert "ray" in proc.imported and "Started a local Ray instance" not in proc.stdout + proc.message
-    assert TIMES["resume without checkpoint"] < REFUSAL_LIMIT_S
+    assert_refused(proc, "resume without checkpoint", (
+        f"[mappa] --ckpt.load_enable: {workdir / 'run' / 'metrics.jsonl'} already has logged steps, but "
+        f"{workdir / 'ckpt'} holds no checkpoint (mappa_checkpoint.json), so the run would start over at step 0. "
+        f"Point --ckpt.path at the run's checkpoints (an absolute path), or start fresh: a new --mappa.run_dir, "
+        f"or drop --ckpt.load_enable to overwrite this one's logs."))
     # A run cut before its first whole step has nothing to lose: no refusal there.
     (workdir / "run" / "metrics.jsonl").write_text('{"step": 1, "x":')
-    from openrlhf_mappa.trainer import prepare_resume
+    from openrlhf_mappa.resume import check_resume
 
     args = parse_args([*GOOD, "--ckpt.load_enable"])
     args.mappa.run_dir, args.ckpt.path = str(workdir / "run"), str(workdir / "ckpt")
-    assert prepare_resume(args, load_topology(str(workdir / "t.yaml"))) == 0
+    assert check_resume(args, load_topology(str(workdir / "t.yaml")), []) == (0, [])
 
 
 def test_check_model_accepts_model_directories(workdir):  # hub ids: test_gpu_path.py, against a hub on 127.0.0.1

@@ -24,7 +24,8 @@ from openrlhf_mappa.envs.base import load_tasks
 from openrlhf_mappa.episode import Action, Episode, Verdict
 from openrlhf_mappa.rollout import rollout
 from openrlhf_mappa.topology import load_topology
-from openrlhf_mappa.trainer import MappaTrainer, experience_of, prepare_resume, truncate_logs
+from openrlhf_mappa.resume import apply, check_resume
+from openrlhf_mappa.trainer import MappaTrainer, experience_of, truncate_logs
 
 MATHCHAT_YAML = os.path.join(REPO, "examples", "configs", "mathchat.yaml")
 AIME = os.path.join(os.environ.get("MAPPA_BENCH_DIR", os.path.join(os.path.dirname(REPO), "shared", "data", "mappa-bench")),
@@ -90,11 +91,19 @@ def test_truncate_logs_keeps_steps_up_to_the_checkpoint(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
+def prepare_resume(args, topology) -> int:
+    """What the launcher does: check the resume state, then make the changes it found."""
+    step, fixes = check_resume(args, topology, [])
+    apply(fixes)
+    return step
+
+
 def fake_checkpoints(root, latest_by_agent, marker_step=None):
     for agent, tags in latest_by_agent.items():
         actor = root / agent / "_actor"
         for tag in tags:
             (actor / tag).mkdir(parents=True)
+            (actor / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"states")
         if tags:
             (actor / "latest").write_text(tags[-1])
     if marker_step is not None:
@@ -120,7 +129,7 @@ def test_prepare_resume_sets_aside_a_first_save_that_never_completed(tmp_path):
     assert not (tmp_path / "a" / "solver" / "_actor" / "latest").exists()
     assert (tmp_path / "a" / "solver" / "_actor" / "latest.incomplete").exists()
     args, topology = fake_checkpoints(tmp_path / "b", {"solver": ["global_step3"], "verifier": ["global_step1"]}, 3)
-    with pytest.raises(SystemExit, match="agent 'verifier' has no global_step3"):
+    with pytest.raises(ValueError, match="agent 'verifier' has no global_step3"):
         prepare_resume(args, topology)
 
 
@@ -130,7 +139,8 @@ def test_cli_rejects_bad_input_before_ray_starts(tmp_path):
         "name: t\nenv: mathchat\ncoach_template: 'x {agent_output}'\nagents:\n"
         "  - {name: a, model: /no/such/model, role: r, prompt: '{task}'}\n"
     )
-    base = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--vllm.num_engines", "1"]
+    base = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--vllm.num_engines", "1",
+            "--rollout.max_new_tokens", "64"]
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     cases = [
@@ -167,30 +177,41 @@ def test_aime_subset_spans_every_year():
     assert (len(years), min(years), max(years)) == (512, 1983, 2024) and years == sorted(years)
 
 
-def test_cli_records_the_training_subset_and_refuses_another_on_resume(tmp_path):
+def test_cli_records_the_training_subset_and_refuses_another_on_resume(tmp_path, monkeypatch):
     # Catches the old CLI, which took the first --data.max_samples rows and wrote no record of them, so a
-    # resumed run with another seed would silently continue on other tasks. Both runs stop before Ray.
+    # resumed run with another seed would silently continue on other tasks. Refused launches write nothing.
+    from openrlhf_mappa.cli import train_mappa_ray
+
     with open(tmp_path / "tasks.jsonl", "w") as f:
         f.writelines(json.dumps({"id": f"t{i}", "prompt": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(10))
-    base = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--vllm.num_engines", "1", "--mappa.topology",
-            MATHCHAT_YAML, "--mappa.model", model_dir(tmp_path),
-            "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"), "--data.max_samples", "4",
-            "--mappa.run_dir", str(tmp_path / "run"), "--ckpt.path", str(tmp_path / "ckpt")]  # fmt: skip
+    flags = ["--vllm.num_engines", "1", "--mappa.topology", MATHCHAT_YAML, "--mappa.model", model_dir(tmp_path),
+             "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"), "--data.max_samples", "4",
+             "--rollout.max_new_tokens", "64", "--actor.num_gpus_per_node", "1", "--train.batch_size", "2",
+             "--train.micro_batch_size", "1", "--mappa.run_dir", str(tmp_path / "run"),
+             "--ckpt.path", str(tmp_path / "ckpt")]
+    base = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *flags]  # fmt: skip
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
 
     proc = subprocess.run(base, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "fewer than --rollout.batch_size" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+    # A launch that passes every check writes the record before Ray starts (launch, which starts Ray, stands in here).
+    monkeypatch.setattr(train_mappa_ray, "launch", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("no Ray here")))
+    with pytest.raises(KeyboardInterrupt, match="no Ray here"):
+        train_mappa_ray.train(train_mappa_ray.parse_args([*flags, "--rollout.batch_size", "2", "--mappa.verbose"]))
     record = json.loads((tmp_path / "run" / "train_tasks.json").read_text())
     assert record == {"source": str(tmp_path / "tasks.jsonl"), "seed": 42, "total": 10, "max_samples": 4,
                       "ids": ["t0", "t1", "t5", "t8"]}  # fmt: skip
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "mappa_checkpoint.json").write_text(json.dumps({"step": 1}))
-    proc = subprocess.run(base + ["--ckpt.load_enable", "--train.seed", "0"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(base + ["--rollout.batch_size", "2", "--ckpt.load_enable", "--train.seed", "0"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode != 0 and "lists other training tasks" in proc.stderr, proc.stderr[-2000:]
     assert "Ray" not in proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "run" / "train_tasks.json").read_text()) == record  # the refused resume kept it
 
 
 # ── rollout: truncated actions, the outcome baseline's coach ──

@@ -1,10 +1,15 @@
 """The `mappa` command: project tools (`mappa plan`, `mappa doctor`, `mappa eval`, `mappa report`, `mappa tiny-model`,
 `mappa merge-lora`, `mappa coach score`, `mappa sandbox run`, `mappa dsbench make-pack|import|score`)."""
 
-import argparse
 import json
 import os
 import sys
+
+from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, Parser, ranged,
+                                                refusals)
+
+# Every tool checks its input before its heavy imports (torch, transformers, vLLM, Ray) and refuses bad input as
+# the launcher does: its message alone, no traceback (MAPPA_TRACEBACK=1 shows one), exit 1 (argparse's: 2).
 
 
 def main(argv=None):
@@ -13,7 +18,7 @@ def main(argv=None):
         sys.exit(plan_main(argv[1:]))
     if argv[:1] == ["doctor"]:
         sys.exit(doctor_main(argv[1:]))
-    parser = argparse.ArgumentParser(prog="mappa", description="openrlhf_mappa tools")
+    parser = Parser(prog="mappa", description="openrlhf_mappa tools")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("plan", help="which GPU holds which agent's actor, reference and engines, and the memory each "
@@ -24,34 +29,35 @@ def main(argv=None):
                    "--mappa.model a small model; starts the team as planned, runs one step of each component and checks "
                    "weight syncs, sleep, threads and host memory; a table of checks, exit 1 on a failure")
 
-    p = sub.add_parser("eval", help="evaluate a team on task files: pass@1 accuracy or DSBench scores, and behaviour")
+    p = eval_parser = sub.add_parser("eval", help="evaluate a team on task files: pass@1 accuracy or DSBench scores, "
+                                     "and behaviour")
     p.add_argument("--topology", required=True, help="topology YAML (agents, env)")
     p.add_argument("--data", required=True, nargs="+", help="task files (JSON list or JSONL), e.g. amc_eval_32.json")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", help="one model (HF id or path) for every agent, e.g. the untrained base model")
     g.add_argument("--checkpoint", help="a run's HF exports (--ckpt.output_dir): the model of agent A is DIR/A")
     p.add_argument("--agent-model", action="append", default=[], metavar="AGENT=MODEL", help="one agent's model")
-    p.add_argument("--n-samples", type=int, default=4, help="samples per problem; accuracy is their mean (pass@1)")
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="per action, unless the topology sets it")
-    p.add_argument("--max-len", type=int, default=8192, help="prompt + response tokens")
-    p.add_argument("--limit", type=int, default=0, help="only the first N tasks of each file (0: all)")
+    p.add_argument("--n-samples", type=COUNT, default=4, help="samples per problem; accuracy is their mean (pass@1)")
+    p.add_argument("--temperature", type=NONNEGATIVE, default=0.6)
+    p.add_argument("--top-p", type=ranged(float, 0, 1, above=True), default=1.0)
+    p.add_argument("--max-new-tokens", type=COUNT, default=1024, help="per action, unless the topology sets it")
+    p.add_argument("--max-len", type=COUNT, default=8192, help="prompt + response tokens")
+    p.add_argument("--limit", type=NONNEGATIVE_INT, default=0, help="only the first N tasks of each file (0: all)")
     p.add_argument("--out", default="eval_results.json", help="results; the episodes go to <out>.episodes.jsonl")
     p.add_argument("--workspace", default=None, help="code workspaces (default: a temporary directory)")
-    p.add_argument("--num-engines", type=int, default=1, help="vLLM engines per distinct model")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-engines", type=COUNT, default=1, help="vLLM engines per distinct model")
+    p.add_argument("--tensor-parallel-size", type=COUNT, default=1)
+    p.add_argument("--gpu-memory-utilization", type=ranged(float, 0, 1, above=True), default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=42)
 
     p = sub.add_parser("tiny-model", help="build a tiny causal LM + byte-level tokenizer offline (for tests/demos)")
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hidden-size", type=int, default=128, help="a multiple of 32 (head_dim is 32)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=320)
-    p.add_argument("--init-std", type=float, default=0.02,
+    p.add_argument("--hidden-size", type=COUNT, default=128, help="a multiple of 32 (head_dim is 32)")
+    p.add_argument("--layers", type=COUNT, default=2)
+    p.add_argument("--vocab-size", type=COUNT, default=320)
+    p.add_argument("--init-std", type=POSITIVE, default=0.02,
                    help="initial weight std; smaller: next-token odds closer to uniform, alike for every seed")
 
     p = sub.add_parser("merge-lora", help="a LoRA agent's export (its adapter) merged into its base: one HF model")
@@ -60,7 +66,8 @@ def main(argv=None):
 
     p = sub.add_parser("coach", help="coach tools")
     coach_sub = p.add_subparsers(dest="coach_command", required=True)
-    p = coach_sub.add_parser("score", help="re-score saved episodes with another coach or template; print the agreement")
+    p = score_parser = coach_sub.add_parser(
+        "score", help="re-score saved episodes with another coach or template; print the agreement")
     p.add_argument("--episodes", required=True, help="episodes.jsonl of a run")
     p.add_argument("--out", required=True, help="one line per action with both verdicts; summary in <out>.summary.json")
     p.add_argument("--kind", choices=["openai", "heuristic"], default="openai")
@@ -77,13 +84,14 @@ def main(argv=None):
                    "(default: the topology's score_key, else PROCESS_SCORE)")
     p.add_argument("--api-key-env", default="OPENAI_API_KEY")
     p.add_argument("--cache", default=None, help="SQLite verdict cache to read and extend (default: none)")
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--max-concurrency", type=int, default=32)
-    p.add_argument("--max-retries", type=int, default=4)
-    p.add_argument("--rpm", type=float, default=0.0)
+    p.add_argument("--timeout", type=POSITIVE, default=60.0)
+    p.add_argument("--max-concurrency", type=COUNT, default=32)
+    p.add_argument("--max-retries", type=NONNEGATIVE_INT, default=4)
+    p.add_argument("--rpm", type=NONNEGATIVE, default=0.0)
     p.add_argument("--structured", choices=["auto", "json_schema", "off"], default="auto")
-    p.add_argument("--max-tokens", type=int, default=0, help="coach reply token limit (0: the server's default)")
-    p.add_argument("--max-failure-fraction", type=float, default=0.5,
+    p.add_argument("--max-tokens", type=NONNEGATIVE_INT, default=0,
+                   help="coach reply token limit (0: the server's default)")
+    p.add_argument("--max-failure-fraction", type=FRACTION, default=0.5,
                    help="exit 1 when more than this fraction of the new verdicts failed (the output is still written)")
 
     p = sub.add_parser("sandbox", help="run a Python file in the code sandbox agents use")
@@ -91,8 +99,8 @@ def main(argv=None):
     p = sandbox_sub.add_parser("run", help="run FILE confined and print the result as JSON")
     p.add_argument("file")
     p.add_argument("--workspace", default=".", help="the directory the code runs in (default: the current one)")
-    p.add_argument("--timeout", type=float, default=10.0, help="wall-clock seconds")
-    p.add_argument("--memory-mb", type=int, default=4096)
+    p.add_argument("--timeout", type=POSITIVE, default=10.0, help="wall-clock seconds")
+    p.add_argument("--memory-mb", type=COUNT, default=4096)
 
     p = sub.add_parser("dsbench", help="DSBench tasks: build the offline pack, import real data, score a submission")
     ds = p.add_subparsers(dest="dsbench_command", required=True)
@@ -114,31 +122,32 @@ def main(argv=None):
 
     args = parser.parse_args(argv)
     if args.command == "eval":
-        eval_main(parser, args)
+        eval_main(eval_parser, args)
     elif args.command == "coach":
-        rescore_main(parser, args)
+        rescore_main(score_parser, args)
     elif args.command == "tiny-model":
         from openrlhf_mappa.tiny_model import build_tiny_model
 
-        out = build_tiny_model(args.out_dir, args.seed, args.hidden_size, args.layers, args.vocab_size, args.init_std)
+        with refusals("mappa tiny-model:"):  # build_tiny_model checks its arguments before it imports torch
+            not_a_directory(args.out_dir)
+            out = build_tiny_model(args.out_dir, args.seed, args.hidden_size, args.layers, args.vocab_size,
+                                   args.init_std)
         print(f"tiny model written to {out}")
     elif args.command == "merge-lora":
-        from peft import AutoPeftModelForCausalLM
-        from transformers import AutoTokenizer
-
-        if not os.path.isfile(os.path.join(args.adapter_dir, "adapter_config.json")):
-            raise SystemExit(f"mappa merge-lora: {args.adapter_dir} holds no adapter_config.json (not a LoRA agent's export)")
-        model = AutoPeftModelForCausalLM.from_pretrained(args.adapter_dir, dtype="auto").merge_and_unload()
-        model.save_pretrained(args.out_dir)
-        AutoTokenizer.from_pretrained(args.adapter_dir).save_pretrained(args.out_dir)
-        print(f"{args.adapter_dir} merged into {model.config._name_or_path}: {args.out_dir}")
+        merge_lora_main(args)
     elif args.command == "sandbox":
         import dataclasses
 
         from openrlhf_mappa.sandbox import run_python
 
-        with open(args.file, encoding="utf-8") as f:
-            code = f.read()
+        with refusals("mappa sandbox run:"):
+            with open(args.file, "rb") as f:
+                code = f.read()
+            try:
+                code = code.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{args.file}: not UTF-8 text ({e})") from None
+            not_a_directory(args.workspace)
         result = run_python(code, args.workspace, timeout_s=args.timeout, memory_mb=args.memory_mb)
         print(json.dumps(dataclasses.asdict(result), indent=2))
 
@@ -147,20 +156,58 @@ def main(argv=None):
     elif args.command == "report":
         from openrlhf_mappa.report import write_report
 
-        try:
+        with refusals("mappa report:"):
+            if args.out:
+                out_file(args.out, "--out")
             print(write_report(*args.run_dirs, out=args.out))
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"mappa report: {e}")
+
+
+def not_a_directory(path: str) -> None:
+    """Refuse an output or working directory that is an existing file."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path}: exists and is not a directory")
+
+
+def out_file(path: str, flag: str) -> None:
+    """Refuse an output file that could not be written, before the work whose results it would hold."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: there is no directory {parent} to write it in")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a directory")
+
+
+def merge_lora_main(args):
+    """`mappa merge-lora`: the adapter, its config and its base model checked before peft and torch load."""
+    from openrlhf_mappa.episode import read_record
+    from openrlhf_mappa.topology import check_model
+
+    with refusals("mappa merge-lora:"):
+        config = os.path.join(args.adapter_dir, "adapter_config.json")
+        if not os.path.isfile(config):
+            raise ValueError(f"{args.adapter_dir} holds no adapter_config.json (not a LoRA agent's export)")
+        base = read_record(config, "the adapter's config").get("base_model_name_or_path")
+        if not isinstance(base, str) or not base:
+            raise ValueError(f"{config}: no base_model_name_or_path (the model the adapter was trained on)")
+        check_model(base, f"{config}: its base model")
+        not_a_directory(args.out_dir)
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    model = AutoPeftModelForCausalLM.from_pretrained(args.adapter_dir, dtype="auto").merge_and_unload()
+    model.save_pretrained(args.out_dir)
+    AutoTokenizer.from_pretrained(args.adapter_dir).save_pretrained(args.out_dir)
+    print(f"{args.adapter_dir} merged into {model.config._name_or_path}: {args.out_dir}")
 
 
 def plan_main(argv) -> int:
     """`mappa plan`: the launch's own plan and check (placement.py), without a cluster."""
     from openrlhf_mappa import placement
-    from openrlhf_mappa.cli.train_mappa_ray import parse_args, refusals, validate
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args, validate
     from openrlhf_mappa.topology import load_topology
 
-    args = parse_args(argv)
-    with refusals():
+    args = parse_args(argv, prog="mappa plan")
+    with refusals("mappa plan:"):
         topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
         validate(args, topology)
     gpus, gib = args.mappa.gpus, args.mappa.gpu_memory_gib
@@ -212,6 +259,45 @@ def doctor_main(argv) -> int:
 def eval_main(parser, args):
     """Team evaluation on vLLM engines (one group per distinct model, so agents sharing a base model share
     engines), through the training rollout minus the coach; see evaluation.py."""
+    from openrlhf_mappa.episode import read_record
+    from openrlhf_mappa.evaluation import evaluate, format_table, load_eval_sets, summarize
+    from openrlhf_mappa.topology import check_model, load_topology
+
+    with refusals("mappa eval:"):  # every input, before vLLM and Ray load
+        topology = load_topology(args.topology, model_override=args.model)
+        models = {spec.name: spec.model for spec in topology.agents}
+        if args.checkpoint:
+            models = {name: os.path.join(args.checkpoint, name) for name in models}
+        for item in args.agent_model:
+            name, _, model = item.partition("=")
+            if name not in models or not model:
+                parser.error(f"--agent-model {item!r}: expected AGENT=MODEL with AGENT one of {', '.join(models)}")
+            models[name] = model
+        for name, model in models.items():
+            if args.checkpoint and not os.path.isdir(model):
+                parser.error(f"--checkpoint: no model for agent {name!r} at {model} (expected one HF export per agent)")
+        for spec in topology.agents:
+            if (spec.max_new_tokens or args.max_new_tokens) >= args.max_len:
+                where = (f"agent {spec.name!r}'s max_new_tokens in the topology" if spec.max_new_tokens
+                         else "--max-new-tokens")
+                parser.error(f"{where} ({spec.max_new_tokens or args.max_new_tokens}) must be below --max-len "
+                             f"({args.max_len}), which holds the prompt and the reply together")
+        # A LoRA agent's export is its adapter in PEFT format: its base model's engines serve it by the agent's name.
+        adapters = {}
+        for name, model in models.items():
+            if os.path.isfile(os.path.join(model, "adapter_config.json")):
+                adapters[name] = read_record(os.path.join(model, "adapter_config.json"), "the adapter's config")
+                adapters[name]["dir"], models[name] = model, adapters[name].get("base_model_name_or_path") or ""
+        for name, model in models.items():
+            check_model(model, f"agent {name!r}" + (f" (the base of its adapter {adapters[name]['dir']})" if name in adapters else ""))
+        if adapters and args.tensor_parallel_size != 1:
+            parser.error("LoRA adapters are served by engines of --tensor-parallel-size 1")
+        datasets = load_eval_sets(args.data, args.limit)
+        topology.check_env([t for tasks in datasets.values() for t in tasks], args.topology)
+        out_file(args.out, "--out")
+        if args.workspace:
+            not_a_directory(args.workspace)
+
     import asyncio
     import tempfile
 
@@ -219,34 +305,7 @@ def eval_main(parser, args):
     from openrlhf.trainer.ray import create_vllm_engines
     from transformers import AutoTokenizer
 
-    from openrlhf_mappa.evaluation import evaluate, format_table, load_eval_sets, summarize
     from openrlhf_mappa.rollout import AgentPolicy
-    from openrlhf_mappa.topology import check_model, load_topology
-
-    topology = load_topology(args.topology, model_override=args.model)
-    models = {spec.name: spec.model for spec in topology.agents}
-    if args.checkpoint:
-        models = {name: os.path.join(args.checkpoint, name) for name in models}
-    for item in args.agent_model:
-        name, _, model = item.partition("=")
-        if name not in models or not model:
-            parser.error(f"--agent-model {item!r}: expected AGENT=MODEL with AGENT one of {', '.join(models)}")
-        models[name] = model
-    for name, model in models.items():
-        if args.checkpoint and not os.path.isdir(model):
-            parser.error(f"--checkpoint: no model for agent {name!r} at {model} (expected one HF export per agent)")
-    # A LoRA agent's export is its adapter in PEFT format: its base model's engines serve it by the agent's name.
-    adapters = {}
-    for name, model in models.items():
-        if os.path.isfile(os.path.join(model, "adapter_config.json")):
-            adapters[name] = json.load(open(os.path.join(model, "adapter_config.json")))
-            adapters[name]["dir"], models[name] = model, adapters[name]["base_model_name_or_path"]
-    try:
-        for name, model in models.items():
-            check_model(model, f"agent {name!r}" + (f" (the base of its adapter {adapters[name]['dir']})" if name in adapters else ""))
-        datasets = load_eval_sets(args.data, args.limit)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"mappa eval: {e}")
 
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
@@ -298,8 +357,6 @@ def pool_engines(args, model: str, adapters: dict) -> list:
     from openrlhf_mappa.agent_trainer import PoolEngine
     from openrlhf_mappa.placement import pool_max_rank
 
-    if args.tensor_parallel_size != 1:
-        raise SystemExit("mappa eval: LoRA adapters are served by engines of --tensor-parallel-size 1")
     pg = placement_group([{"GPU": 1, "CPU": 1}] * args.num_engines, strategy="PACK")
     engines = [
         PoolEngine.options(num_cpus=1, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote(
@@ -321,11 +378,9 @@ def rescore_main(parser, args):
     from openrlhf_mappa.coach import rescore
     from openrlhf_mappa.coach.audit import FAILED_STATUSES
 
-    if not 0.0 <= args.max_failure_fraction <= 1.0:
-        parser.error(f"--max-failure-fraction must be in [0, 1], got {args.max_failure_fraction}")
     if not (args.template or args.topology) and args.kind == "openai":
         parser.error("coach score: give the coach prompt with --template FILE or --topology YAML")
-    try:
+    with refusals("mappa coach score:"):
         topology = None
         if args.topology:
             from openrlhf_mappa.topology import load_topology
@@ -350,9 +405,8 @@ def rescore_main(parser, args):
         actions = rescore.read_actions(args.episodes)
         if not actions:
             raise ValueError(f"{args.episodes}: no actions to re-score")
+        out_file(args.out, "--out")
         rows, summary = rescore.run(actions, args.out, coach, args.mode)
-    except ValueError as e:
-        raise SystemExit(f"mappa coach score: {e}")
     before = next((a["verdict"]["coach"] for _, a in actions if a.get("verdict")), "?")
     rescore.print_summary(summary, before, coach.name)
     print(f"\nboth verdicts per action: {args.out}\nsummary: {args.out}.summary.json")
@@ -368,11 +422,12 @@ def rescore_main(parser, args):
 
 def dsbench(args) -> int:
     """Exit status: 0 done (a valid submission), 1 an invalid submission or nothing imported, 2 bad input."""
-    from openrlhf_mappa.envs import dsbench_tasks
-    from openrlhf_mappa.envs.dsbench import score_submission
+    from openrlhf_mappa.envs import dsbench_tasks  # pandas and scikit-learn load only where needed
 
     try:
         if args.dsbench_command == "score":
+            from openrlhf_mappa.envs.dsbench import score_submission
+
             result = score_submission(args.task_dir, args.submission)
             print(json.dumps(result))
             return 0 if result["valid"] else 1

@@ -5,22 +5,75 @@ OpenRLHF's own flags and validation live inline under `if __name__ == "__main__"
 `train(args)` call, with MAPPA's flags added to the same parser. So every OpenRLHF flag means here what
 it means there.
 
-Every input is checked before the heavy imports (torch, DeepSpeed, vLLM) and before Ray starts, so a bad
-flag, topology, model or dataset is refused in about a second with its message alone (exit 1; argparse's
-own errors exit 2). MAPPA_TRACEBACK=1 adds the traceback.
+Every input is checked before the heavy imports (torch, DeepSpeed, vLLM), before Ray starts and before anything
+is written, so a bad flag, topology, model, dataset or resume state is refused in about a second with its message
+alone (exit 1; argparse's own errors exit 2, printed first) and the run directory is left as it was.
+MAPPA_TRACEBACK=1 adds the traceback.
 """
 
+import argparse
 import ast
 import asyncio
 import builtins
 import contextlib
+import difflib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import sys
+import types
 
 OPENRLHF_FITS = ("0.11.2",)
+
+
+def ranged(kind=int, low=None, high=None, *, above: bool = False, hint: str = ""):
+    """An argparse type: a `kind` number in [low, high] (above: > low); None leaves that end open, and NaN or an
+    infinity is never in range. A value out of range is refused as it is parsed, naming the flag, the value and
+    the range: a 0 or a negative count otherwise fails an hour into a run, or quietly means something else
+    (aiohttp takes a timeout <= 0 as none at all)."""
+    noun = "an integer" if kind is int else "a number"
+    if low is not None and high is not None:
+        span = f"in {'(' if above else '['}{low:g}, {high:g}]"
+    else:
+        span = f"{'>' if above else '>='} {low:g}" if low is not None else f"<= {high:g}"
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        low_ok = low is None or (value > low if above else value >= low)
+        if not (math.isfinite(value) and low_ok and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {noun} {span}{hint}")
+        return value
+
+    parse.__name__ = f"{noun} {span}"
+    return parse
+
+
+COUNT, NONNEGATIVE_INT = ranged(int, 1), ranged(int, 0)
+POSITIVE, NONNEGATIVE = ranged(float, 0, above=True), ranged(float, 0)
+FRACTION, SCORE = ranged(float, 0, 1), ranged(float, 0, 10)
+# The largest GPUs hold 288 GB; a value in the thousands is MiB given as GiB (nvidia-smi prints MiB).
+GPU_GIB = ranged(float, 0, 1024, above=True, hint=" (GiB; nvidia-smi shows MiB: divide by 1024)")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse prints its whole usage before an error: 189 lines for the launcher, so the first line a user saw
+    was `usage: ...`, not what went wrong. Here the error comes first and alone, an unknown flag with the nearest
+    known ones, then where the flags are listed."""
+
+    help_command = None  # how to list the flags (default: `<prog> --help`)
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            known = [o for a in self._actions for o in a.option_strings]
+            for word in message.split(":", 1)[1].split():
+                near = difflib.get_close_matches(word.split("=")[0], known, 1) if word.startswith("-") else []
+                message += f"\n  {word}: did you mean {near[0]}?" if near else ""
+        self.exit(2, f"{self.prog}: error: {message}\n(the flags: {self.help_command or self.prog + ' --help'})\n")
 
 
 def add_mappa_args(parser):
@@ -43,6 +96,12 @@ def add_mappa_args(parser):
                         "/ train batch x epochs, the same for every agent (their base_controller.py); max_actions: "
                         "the most optimizer steps that agent can take (its max_actions per episode), so its "
                         "schedule ends at its last step")
+    g.add_argument("--mappa.max_untrained_steps", type=NONNEGATIVE_INT, default=3,
+                   help="stop the run after this many steps in a row in which no agent trained on any action (each "
+                        "such step names the reason on the console; 0: never stop)")
+    g.add_argument("--mappa.env.max_failure_fraction", type=FRACTION, default=0.5,
+                   help="stop the run when more than this fraction of a step's episodes raised an exception in the "
+                        "environment (such an episode is a counted failure and trains nothing)")
     g.add_argument("--mappa.run_dir", default="./runs/mappa", help="metrics.jsonl, episodes.jsonl and code workspaces")
     g.add_argument("--mappa.coach.kind", choices=["heuristic", "openai"], default="heuristic",
                    help="heuristic: offline rule-based coach (demo/tests); openai: any OpenAI-compatible server")
@@ -53,34 +112,38 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.coach.model", default=None, help="coach model name at the OpenAI-compatible server")
     g.add_argument("--mappa.coach.base_url", default=None, help="e.g. https://api.openai.com/v1 or http://localhost:8000/v1")
     g.add_argument("--mappa.coach.api_key_env", default="OPENAI_API_KEY", help="environment variable holding the key")
-    g.add_argument("--mappa.coach.timeout", type=float, default=60.0, help="seconds per coach request")
-    g.add_argument("--mappa.coach.max_concurrency", type=int, default=32, help="coach verdicts in progress: requests in flight or waiting to retry")
-    g.add_argument("--mappa.coach.max_retries", type=int, default=4,
+    g.add_argument("--mappa.coach.timeout", type=POSITIVE, default=60.0, help="seconds per coach request")
+    g.add_argument("--mappa.coach.max_concurrency", type=COUNT, default=32,
+                   help="coach verdicts in progress: requests in flight or waiting to retry")
+    g.add_argument("--mappa.coach.max_retries", type=NONNEGATIVE_INT, default=4,
                    help="retries of a request after 429 (honouring Retry-After), 5xx, timeouts or dropped connections")
-    g.add_argument("--mappa.coach.rpm", type=float, default=0.0, help="requests-per-minute limit (0: none)")
+    g.add_argument("--mappa.coach.rpm", type=NONNEGATIVE, default=0.0, help="requests-per-minute limit (0: none)")
     g.add_argument("--mappa.coach.structured", choices=["auto", "json_schema", "off"], default="auto",
                    help="ask for a JSON-schema verdict {rationale, score}; auto: fall back to text if the server refuses")
-    g.add_argument("--mappa.coach.max_tokens", type=int, default=0, help="coach reply token limit (0: the server's default)")
-    g.add_argument("--mappa.coach.format_retries", type=int, default=2, help="re-prompts after a reply with no valid score")
+    g.add_argument("--mappa.coach.max_tokens", type=NONNEGATIVE_INT, default=0,
+                   help="coach reply token limit (0: the server's default)")
+    g.add_argument("--mappa.coach.format_retries", type=NONNEGATIVE_INT, default=2,
+                   help="re-prompts after a reply with no valid score")
     g.add_argument("--mappa.coach.cache", default=None,
                    help="SQLite verdict cache (default: <run_dir>/coach_cache.sqlite; 'none': memory only)")
     g.add_argument("--mappa.coach.on_failure", choices=["skip", "outcome", "neutral"], default="skip",
                    help="actions without a valid score: skip (left out), outcome (episode outcome), neutral (neutral_score)")
-    g.add_argument("--mappa.coach.neutral_score", type=float, default=5.0,
+    g.add_argument("--mappa.coach.neutral_score", type=SCORE, default=5.0,
                    help="score (0-10, times the topology's reward_scale) paid for on_failure=neutral")
-    g.add_argument("--mappa.coach.max_failure_fraction", type=float, default=0.5,
+    g.add_argument("--mappa.coach.max_failure_fraction", type=FRACTION, default=0.5,
                    help="stop the run when more than this fraction of a step's verdicts failed")
-    g.add_argument("--mappa.coach.bias_threshold", type=float, default=1.0,
+    g.add_argument("--mappa.coach.bias_threshold", type=NONNEGATIVE, default=1.0,
                    help="warn when an agent's mean coach score differs between task types by more than this")
-    g.add_argument("--mappa.coach.bias_window", type=int, default=5, help="steps pooled by the coach-bias audit")
+    g.add_argument("--mappa.coach.bias_window", type=COUNT, default=5, help="steps pooled by the coach-bias audit")
     g.add_argument("--mappa.coach.standardize_task_type", action="store_true",
                    help="standardize coach scores per agent x task type (bias mitigation)")
     g.add_argument("--mappa.coach.show_bias", action="store_true",
                    help="show an LLM coach its own running bias in every prompt: its mean score per agent and task type "
                         "and how its scores agree with outcomes, over the last --mappa.coach.bias_window steps "
                         "(where the template names {coach_bias}, else above the prompt)")
-    g.add_argument("--mappa.coach.price_in", type=float, default=0.0, help="USD per 1M prompt tokens (cost metrics)")
-    g.add_argument("--mappa.coach.price_out", type=float, default=0.0, help="USD per 1M completion tokens")
+    g.add_argument("--mappa.coach.price_in", type=NONNEGATIVE, default=0.0,
+                   help="USD per 1M prompt tokens (cost metrics)")
+    g.add_argument("--mappa.coach.price_out", type=NONNEGATIVE, default=0.0, help="USD per 1M completion tokens")
     g.add_argument("--mappa.coach.score_outcome_runs", action="store_true",
                    help="with --mappa.reward outcome: still ask the coach about every action, for comparison "
                         "(logged, never trained on; default: no coach calls)")
@@ -89,22 +152,22 @@ def add_mappa_args(parser):
                         "of their own; agent: they share that agent's GPUs (--train.colocate_all, per agent: the "
                         "authors' setup); team: every agent shares one GPU set. Add --vllm.enable_sleep "
                         "--ds.enable_sleep so that engines sleep while actors train and actors offload while engines generate")
-    g.add_argument("--mappa.gpus", type=int, default=None,
+    g.add_argument("--mappa.gpus", type=COUNT, default=None,
                    help="GPUs in the cluster, for `mappa plan` and the check before Ray starts (at launch: Ray's count)")
-    g.add_argument("--mappa.gpu_memory_gib", type=float, default=None,
+    g.add_argument("--mappa.gpu_memory_gib", type=GPU_GIB, default=None,
                    help="memory of one GPU in GiB, for the plan's memory check (default: detected where the driver sees a GPU)")
-    g.add_argument("--mappa.host_memory_gib", type=float, default=None,
+    g.add_argument("--mappa.host_memory_gib", type=POSITIVE, default=None,
                    help="host memory of one node in GiB, for the plan's check of offloaded states and sleeping engines "
                         "(default: detected where the launcher runs, or its container's limit)")
-    g.add_argument("--mappa.gpus_per_node", type=int, default=None,
+    g.add_argument("--mappa.gpus_per_node", type=COUNT, default=None,
                    help="GPUs per node, for the host-memory check (default: at launch, the Ray cluster's largest node; "
                         "in `mappa plan`, this machine's GPUs, else 8)")
-    g.add_argument("--mappa.actor_threads", type=int, default=0,
+    g.add_argument("--mappa.actor_threads", type=NONNEGATIVE_INT, default=0,
                    help="OpenMP threads of each actor and reference process (DeepSpeed's CPU Adam with --ds.adam_offload); "
                         "0: the launcher node's cores / its GPUs (Ray would give a fractional-CPU actor one thread)")
-    g.add_argument("--mappa.startup_warn_s", type=float, default=300.0,
+    g.add_argument("--mappa.startup_warn_s", type=POSITIVE, default=300.0,
                    help="while engines and actors start: name those not up yet, and what they wait for, every this many seconds")
-    g.add_argument("--mappa.startup_timeout_s", type=float, default=1800.0,
+    g.add_argument("--mappa.startup_timeout_s", type=POSITIVE, default=1800.0,
                    help="stop a start-up not done after this many seconds, with that message")
     g.add_argument("--mappa.verbose", action="store_true",
                    help="show Ray's, vLLM's and DeepSpeed's output on the console (default: in <run_dir>/train.log; "
@@ -114,15 +177,16 @@ def add_mappa_args(parser):
 
 
 @contextlib.contextmanager
-def refusals():
-    """Bad input found before Ray starts ends the run with its message alone: the loaders' ValueError and
-    OSError and upstream's assertions say what to fix, and a traceback in front of them only hides that."""
+def refusals(prefix: str = "[mappa]"):
+    """Bad input found before Ray starts (or before a `mappa` tool's heavy imports) ends the run with its message
+    alone: the loaders' ValueError and OSError and upstream's assertions say what to fix, and a traceback in
+    front of them only hides that. MAPPA_TRACEBACK=1 shows it."""
     try:
         yield
     except (ValueError, OSError, AssertionError) as e:
         if os.environ.get("MAPPA_TRACEBACK", "0") not in ("", "0"):
             raise
-        raise SystemExit(f"[mappa] {e or type(e).__name__}") from None
+        raise SystemExit(f"{prefix} {e or type(e).__name__}") from None
 
 
 # ---------------------------------------------------------------- OpenRLHF's flags, honoured or refused
@@ -219,6 +283,21 @@ REFUSED = {
               "or local directories",
 }  # fmt: skip
 UPSTREAM_FLAGS = {**dict.fromkeys(HONOURED, "honoured"), **{k: f"refused: {why}" for k, why in REFUSED.items()}}
+# The range of each honoured OpenRLHF number, given to its parser (parse_args), which takes any int or float: a 0
+# there divides by zero in upstream's own checks (--rollout.micro_batch_size), or the run trains nothing.
+UPSTREAM_RANGES = {
+    **dict.fromkeys(("actor.num_nodes", "actor.num_gpus_per_node", "ref.num_nodes", "ref.num_gpus_per_node",
+                     "vllm.num_engines", "vllm.tensor_parallel_size", "ds.zpg", "train.num_episodes",
+                     "train.max_epochs", "train.batch_size", "train.micro_batch_size", "rollout.batch_size",
+                     "rollout.micro_batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
+                     "data.max_len", "data.max_samples", "eval.n_samples_per_prompt", "ckpt.max_num"), COUNT),
+    "ds.zero_stage": ranged(int, 0, 3), "vllm.gpu_memory_utilization": ranged(float, 0, 1, above=True),
+    "rollout.temperature": NONNEGATIVE, "eval.temperature": NONNEGATIVE,
+    "rollout.top_p": ranged(float, 0, 1, above=True),
+    "algo.kl.init_coef": NONNEGATIVE, "actor.adam.lr": NONNEGATIVE, "actor.adam.eps": POSITIVE,
+    "actor.adam.weight_decay": NONNEGATIVE, "actor.eps_clip": POSITIVE, "actor.max_norm": NONNEGATIVE,
+    "actor.lr_warmup_ratio": FRACTION, "actor.min_lr_ratio": FRACTION, "train.ema_beta": FRACTION,
+}  # fmt: skip
 
 
 def refuse_ignored_flags(parser, raw) -> None:
@@ -309,12 +388,21 @@ def upstream_cli():
     return get_parser, validate_upstream, hierarchize
 
 
-def parse_args(argv=None):
-    """OpenRLHF's flags and checks (upstream_cli) with MAPPA's flags added; the flag table checked on the
-    parsed values before upstream's checks change any of them."""
+def parse_args(argv=None, prog: str = "train_mappa_ray"):
+    """OpenRLHF's flags and checks (upstream_cli) with MAPPA's flags added, every number range-checked as it is
+    parsed (UPSTREAM_RANGES); the flag table checked on the parsed values before upstream's checks change any
+    of them. `prog`: the command named in an argparse error."""
     get_parser, validate_upstream, hierarchize = upstream_cli()
     parser = get_parser()
     add_mappa_args(parser)
+    parser.prog, parser.error = prog, types.MethodType(Parser.error, parser)
+    parser.help_command = "python -m openrlhf_mappa.cli.train_mappa_ray --help" if prog == "train_mappa_ray" else None
+    ranged_flags = {a.option_strings[0].lstrip("-"): a for a in parser._actions if a.option_strings}
+    missing = sorted(set(UPSTREAM_RANGES) - set(ranged_flags))
+    if missing:
+        raise RuntimeError(f"UPSTREAM_RANGES names flags upstream's parser does not have: {missing}")
+    for name, check in UPSTREAM_RANGES.items():
+        ranged_flags[name].type = check
     raw = parser.parse_args(sys.argv[1:] if argv is None else argv)
     refuse_ignored_flags(parser, raw)
     args = hierarchize(raw)
@@ -355,16 +443,33 @@ def validate(args, topology):
                 raise SystemExit(f"agent {spec.name!r}: --train.batch_size ({args.train.batch_size}) must be a multiple of "
                                  f"--{flag} ({micro}) x its {ranks} data-parallel actor ranks ({where}) = {micro * ranks}, "
                                  f"so that every rank gets whole micro-batches")
-    if not 0.0 <= args.mappa.coach.max_failure_fraction <= 1.0:
-        raise SystemExit(f"--mappa.coach.max_failure_fraction must be in [0, 1], got {args.mappa.coach.max_failure_fraction}")
+    # A prompt gets --data.max_len minus its agent's token limit: with no room left, every action is skipped.
+    for spec in topology.agents:
+        limit = spec.max_new_tokens or args.rollout.max_new_tokens
+        if limit is None:
+            raise SystemExit(f"--rollout.max_new_tokens is required (agent {spec.name!r} sets no max_new_tokens in the "
+                             f"topology): the token limit of one action; its prompt gets --data.max_len minus it")
+        if limit >= args.data.max_len:
+            where = (f"agent {spec.name!r}: its max_new_tokens in the topology" if spec.max_new_tokens
+                     else "--rollout.max_new_tokens")
+            raise SystemExit(f"{where} ({limit}) must be below --data.max_len ({args.data.max_len}), which holds the "
+                             f"prompt and the reply together: no prompt would fit, and every action would be skipped")
+    # The batch rule (trainer.batch_rule) trains whole --train.batch_size batches: an agent that cannot take that many
+    # actions in a step would never train. Under --mappa.shared_policy the first agent trains on every role's actions.
+    per_episode = lambda n: min(n, topology.max_episode_actions or n)
+    for spec in topology.agents[:1] if args.mappa.shared_policy else topology.agents:
+        most = args.rollout.batch_size * args.rollout.n_samples_per_prompt * per_episode(
+            sum(a.max_actions for a in topology.agents) if args.mappa.shared_policy else spec.max_actions)
+        if most < args.train.batch_size:
+            raise SystemExit(f"agent {spec.name!r} takes at most {most} actions a step (--rollout.batch_size x "
+                             f"--rollout.n_samples_per_prompt x its actions per episode), fewer than "
+                             f"--train.batch_size ({args.train.batch_size}): it would never train (a step trains "
+                             f"whole batches)")
     if args.mappa.norm_scope == "group" and args.rollout.n_samples_per_prompt < 2:
         raise SystemExit("--mappa.norm_scope group compares the samples of each prompt: set --rollout.n_samples_per_prompt >= 2")
-    for flag, value, least in (("host_memory_gib", args.mappa.host_memory_gib, 1), ("gpus_per_node", args.mappa.gpus_per_node, 1),
-                               ("actor_threads", args.mappa.actor_threads, 0)):
-        if value is not None and value < least:
-            raise SystemExit(f"--mappa.{flag} {value:g}: must be at least {least}")
-    if not 0 < args.mappa.startup_warn_s <= args.mappa.startup_timeout_s:
-        raise SystemExit("--mappa.startup_warn_s must be > 0 and at most --mappa.startup_timeout_s")
+    if args.mappa.startup_warn_s > args.mappa.startup_timeout_s:
+        raise SystemExit(f"--mappa.startup_warn_s ({args.mappa.startup_warn_s:g}) must be at most "
+                         f"--mappa.startup_timeout_s ({args.mappa.startup_timeout_s:g})")
     if args.mappa.coach.mode != "per_action" and args.mappa.reward == "outcome" and not args.mappa.coach.score_outcome_runs:
         raise SystemExit(f"--mappa.coach.mode {args.mappa.coach.mode}: an outcome run asks no coach; add "
                          "--mappa.coach.score_outcome_runs to log the coach's verdicts anyway")
@@ -471,56 +576,64 @@ def check_team(args):
 
 def train(args):
     """Build every agent on the Ray cluster, train, export; returns the agents (their handles stay up)."""
+    from openrlhf_mappa import resume
     from openrlhf_mappa.coach import build_coach
+    from openrlhf_mappa.coach.cache import check_cache_file
     from openrlhf_mappa.envs.base import load_tasks
     from openrlhf_mappa.evaluation import load_eval_sets
 
-    with refusals():  # every input, before the heavy imports and before Ray
+    # Every check, before the heavy imports, before Ray and before anything is written: a refused launch leaves
+    # the run directory and the checkpoints exactly as they were.
+    c = args.mappa.coach
+    with refusals():
         topology = check_team(args)
         all_tasks = load_tasks(args.data.prompt_dataset)
         tasks = choose_train_tasks(all_tasks, args.data.max_samples, args.train.seed)
-        # The chosen ids go into the run directory; a resumed run must train on the same tasks, or the steps after
-        # its checkpoint would quietly continue on another data set.
-        chosen = {"source": os.path.abspath(args.data.prompt_dataset), "seed": args.train.seed, "total": len(all_tasks),
-                  "max_samples": args.data.max_samples, "ids": [t["id"] for t in tasks]}
-        chosen_path = os.path.join(args.mappa.run_dir, "train_tasks.json")
-        resuming = False
-        if args.ckpt.load_enable:  # the trainer module loads torch and Ray: only a resume pays for it here
-            from openrlhf_mappa.trainer import CHECKPOINT_MARKER
-
-            resuming = os.path.exists(os.path.join(args.ckpt.path, CHECKPOINT_MARKER))
-        if resuming and os.path.exists(chosen_path) and json.load(open(chosen_path))["ids"] != chosen["ids"]:
-            raise SystemExit(f"resume: {chosen_path} lists other training tasks than --data.prompt_dataset, --train.seed "
-                             "and --data.max_samples pick now; resume with the settings of the first run")
-        os.makedirs(args.mappa.run_dir, exist_ok=True)
-        with open(chosen_path, "w", encoding="utf-8") as f:
-            json.dump(chosen, f, indent=1)
-        # --eval.dataset: comma-separated task files, each evaluated before training, every --eval.steps and at the end.
-        eval_sets = load_eval_sets([p for p in (args.eval.dataset or "").split(",") if p])
         if len(tasks) < args.rollout.batch_size:
             raise SystemExit(f"{args.data.prompt_dataset}: {len(tasks)} tasks, fewer than --rollout.batch_size {args.rollout.batch_size}")
-        c = args.mappa.coach
-        coach = build_coach(
-            c.kind, template=topology.coach_template, model=c.model, base_url=c.base_url, cache_path=coach_cache_path(args),
-            api_key_env=c.api_key_env, timeout_s=c.timeout, max_concurrency=c.max_concurrency, max_retries=c.max_retries,
-            rpm=c.rpm, structured=c.structured, format_retries=c.format_retries, max_tokens=c.max_tokens,
+        # --eval.dataset: comma-separated task files, each evaluated before training, every --eval.steps and at the end.
+        eval_sets = load_eval_sets([p for p in (args.eval.dataset or "").split(",") if p])
+        topology.check_env(tasks + [t for ts in eval_sets.values() for t in ts], args.mappa.topology)
+        for flag, path in (("--mappa.run_dir", args.mappa.run_dir), ("--ckpt.path", args.ckpt.path)):
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise ValueError(f"{flag} {path}: exists and is not a directory")
+        # The chosen ids go into the run directory; a resumed run must train on the same tasks, or the steps after
+        # its checkpoint would quietly continue on another data set (resume.check_resume).
+        chosen = {"source": os.path.abspath(args.data.prompt_dataset), "seed": args.train.seed, "total": len(all_tasks),
+                  "max_samples": args.data.max_samples, "ids": [t["id"] for t in tasks]}
+        start, resume_fixes = resume.check_resume(args, topology, chosen["ids"])
+        cache_path = coach_cache_path(args)
+        if cache_path:
+            check_cache_file(cache_path)
+        coach_options = dict(
+            template=topology.coach_template, model=c.model, base_url=c.base_url, api_key_env=c.api_key_env,
+            timeout_s=c.timeout, max_concurrency=c.max_concurrency, max_retries=c.max_retries, rpm=c.rpm,
+            structured=c.structured, format_retries=c.format_retries, max_tokens=c.max_tokens,
             score_key=topology.score_key, review_template=topology.review_template,
-        )
-        if c.mode == "both":  # the combining rule, stated where the run's log begins (coach.combine)
-            print("[mappa] coach mode both: an action's score is the mean of its per-action and hindsight scores; the "
-                  "one that exists when the other failed (counted as coach/both_one_source); none when both failed")
+        )  # fmt: skip
         check_this_machine(args)
-        # An unreachable coach or a rejected key would otherwise surface only after the first rollout.
+        # An unreachable coach or a rejected key would otherwise surface only after the first rollout. Asked by a
+        # coach of its own: the run's coach opens its verdict cache, which writes.
+        probe = build_coach(c.kind, cache_path=None, **coach_options)
         if args.mappa.reward == "process" or c.score_outcome_runs:
-            asyncio.run(coach.probe())
+            asyncio.run(probe.probe())
+
+    # Every check passed: from here on, the launch writes.
+    os.makedirs(args.mappa.run_dir, exist_ok=True)
+    with open(os.path.join(args.mappa.run_dir, "train_tasks.json"), "w", encoding="utf-8") as f:
+        json.dump(chosen, f, indent=1)
+    resume.apply(resume_fixes)
+    coach = build_coach(c.kind, cache_path=cache_path, **coach_options)
+    if c.mode == "both":  # the combining rule, stated where the run's log begins (coach.combine)
+        print("[mappa] coach mode both: an action's score is the mean of its per-action and hindsight scores; the "
+              "one that exists when the other failed (counted as coach/both_one_source); none when both failed")
 
     if not args.mappa.verbose:
         # Ray holds its workers' repeated lines back and prints them when it shuts down, after the terminal is
         # restored (see output_to); a log file needs no deduplication. Read when Ray is first imported: here.
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    from openrlhf_mappa.trainer import prepare_resume, run_summary
+    from openrlhf_mappa.trainer import run_summary
 
-    start = prepare_resume(args, topology)  # before Ray: it refuses a resume that would silently start over
     log = os.path.join(args.mappa.run_dir, "train.log")
     if not args.mappa.verbose:
         print(f"[mappa] Ray's, vLLM's and DeepSpeed's output goes to {os.path.abspath(log)} (--mappa.verbose: here)", flush=True)
@@ -563,7 +676,9 @@ def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> l
     """Start Ray and every agent's engines and actors, then train from step `start`."""
     import ray
 
-    from openrlhf_mappa.trainer import MappaTrainer, StartupWatchdog, Watchdog, build_agents, components, find_dead, console
+    from openrlhf_mappa.coach.audit import CoachFailure
+    from openrlhf_mappa.trainer import (MappaTrainer, RunStopped, StartupWatchdog, Watchdog, build_agents, components,
+                                        console, find_dead)
 
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
@@ -595,6 +710,8 @@ def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> l
             raise
         raise SystemExit(f"[mappa] run stopped: {'; '.join(dead)} died ({type(e).__name__}). Completed steps are "
                          f"in {args.mappa.run_dir}; resume from the last checkpoint with --ckpt.load_enable.") from None
+    except (CoachFailure, RunStopped) as e:  # the run's own verdict on itself: its message says what to change
+        raise SystemExit(f"[mappa] run stopped: {e}") from None
     finally:
         watchdog.done.set()
     return agents

@@ -28,6 +28,21 @@ from openrlhf_mappa.episode import Verdict
 logger = logging.getLogger(__name__)
 
 FLUSH_S = 0.5
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+
+
+def check_cache_file(path: str) -> None:
+    """Refuse a cache path that is not an SQLite database (a directory, a JSON file given by mistake) without
+    writing anything: the launcher checks it before it writes into the run directory. An empty file is a new
+    database to SQLite."""
+    if os.path.isdir(path):
+        raise ValueError(f"coach cache {path}: is a directory; the verdict cache is one SQLite file (or 'none')")
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+        if head and head != SQLITE_HEADER:
+            raise ValueError(f"coach cache {path}: not an SQLite database (the coach's verdict cache); give another "
+                             f"path, or 'none' for a cache in memory only")
 
 
 class VerdictCache:
@@ -37,10 +52,15 @@ class VerdictCache:
         self.db = self.writer = None
         self.read_disk = False
         if path:
+            check_cache_file(path)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-            self.db.execute("PRAGMA journal_mode=WAL")  # the writer thread's commits never block these reads
-            self.db.execute("CREATE TABLE IF NOT EXISTS verdicts (key TEXT PRIMARY KEY, verdict TEXT NOT NULL)")
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")  # the writer thread's commits never block these reads
+                self.db.execute("CREATE TABLE IF NOT EXISTS verdicts (key TEXT PRIMARY KEY, verdict TEXT NOT NULL)")
+            except sqlite3.DatabaseError as e:  # an SQLite header on a damaged file
+                self.db.close()
+                raise ValueError(f"coach cache {path}: {e}; give another path, or 'none'") from None
             # Only verdicts the file held when opened can be missing from memory (all later ones pass through
             # it), so a fresh cache never pays for a disk lookup on a miss.
             self.read_disk = self.db.execute("SELECT EXISTS (SELECT 1 FROM verdicts)").fetchone()[0] == 1

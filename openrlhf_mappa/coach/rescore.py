@@ -23,8 +23,12 @@ def read_actions(path: str) -> list:
     out = []
     for lineno, episode in read_jsonl(path):
         for action in episode.get("actions", []):
-            if not action.get("coach_request"):
+            if not isinstance(action, dict) or not action.get("coach_request"):
                 raise ValueError(f"{path}: line {lineno}: action without 'coach_request' (written by an older version?)")
+            missing = [k for k in ("agent", "turn", "prompt_text", "response_text") if k not in action]
+            if "episode_id" not in episode or missing:
+                raise ValueError(f"{path}: line {lineno}: not an episode of a run's episodes.jsonl (no "
+                                 f"{', '.join(missing or ['episode_id'])})")
             out.append((episode, action))
     return out
 

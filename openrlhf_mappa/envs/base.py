@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
@@ -98,6 +100,21 @@ class MultiAgentEnv:
         code_max_processes: int = 256,
         sandbox_url: Optional[str] = None,
     ):
+        # The sandbox's limits come from the topology's env_kwargs: refused here (and so before a run starts,
+        # Topology.check_env) rather than inside the first code run.
+        limits = {"code_timeout_s": (code_timeout_s, (int, float)), "code_cpu_time_s": (code_cpu_time_s, (int, float)),
+                  "code_memory_mb": (code_memory_mb, int), "code_max_file_mb": (code_max_file_mb, int),
+                  "code_max_processes": (code_max_processes, int)}
+        for key, (value, kind) in limits.items():
+            if value is None and key == "code_cpu_time_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, kind) or not 0 < value < math.inf:
+                what = "a positive integer" if kind is int else "a positive number of seconds"
+                raise ValueError(f"env_kwargs {key} must be {what}, got {value!r}")
+        if sandbox_url is not None and not (isinstance(sandbox_url, str)
+                                            and sandbox_url.startswith(("http://", "https://"))):
+            raise ValueError(f"env_kwargs sandbox_url must be the http(s) URL of a SandboxFusion service, "
+                             f"got {sandbox_url!r}")
         self.topology = topology
         self.task = task
         self.workspace = workspace
@@ -211,6 +228,13 @@ def load_env_class(spec: str) -> type:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(f"env {spec!r}: cannot import module {module_name!r}: {e}") from e
+    except SyntaxError as e:
+        raise ValueError(f"env {spec!r}: module {module_name!r} has a syntax error: {e.filename}, line {e.lineno}: "
+                         f"{e.msg}") from e
+    except Exception as e:  # the module raised while it was imported
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        raise ValueError(f"env {spec!r}: importing module {module_name!r} raised {type(e).__name__}: {e} "
+                         f"({where.filename}, line {where.lineno})") from e
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
         raise ValueError(f"env {spec!r}: module {module_name!r} has no class {attr!r}")
@@ -245,7 +269,21 @@ def load_tasks(path: str) -> list[dict]:
                 ) from e
     if not located:
         raise ValueError(f"{path}: no tasks in the file")
-    return [_check_task(row, default_id, f"{path}: {where}") for where, default_id, row in located]
+    # One id, one problem: grouping (--mappa.norm_scope group) and evaluation pool the samples of an id, so two
+    # rows with the same id are refused. A row without an id takes its line (row) number, or "line<n>" ("row<n>")
+    # where another row gives that number as its own id.
+    given = {str(row["id"]) for _, _, row in located if isinstance(row, dict) and row.get("id") is not None}
+    tasks, first = [], {}  # id -> where it was first given
+    for where, default_id, row in located:
+        if default_id in given:
+            default_id = where.split()[0] + default_id
+        task = _check_task(row, default_id, f"{path}: {where}")
+        if task["id"] in first:
+            raise ValueError(f"{path}: {first[task['id']]} and {where} have the same id {task['id']!r}; give every "
+                             f"task its own id")
+        first[task["id"]] = where
+        tasks.append(task)
+    return tasks
 
 
 def _check_task(row, default_id: str, where: str) -> dict:
@@ -266,9 +304,13 @@ def _check_task(row, default_id: str, where: str) -> dict:
         raise ValueError(f"{where}: 'answer' must be a string or a number, got {type(answer).__name__}")
     if isinstance(answer, str) and not answer.strip():
         raise ValueError(f"{where}: empty 'answer'")
+    if isinstance(answer, float) and not math.isfinite(answer):  # JSON's NaN and Infinity would become "nan", "inf"
+        raise ValueError(f"{where}: 'answer' is {answer}, not a finite number; write the reference answer")
     if isinstance(answer, float) and answer.is_integer():
         answer = int(answer)  # answers stored as 18.0 mean 18
     task_id = row.get("id")
+    if task_id is not None and (isinstance(task_id, bool) or not isinstance(task_id, (str, int, float))):
+        raise ValueError(f"{where}: 'id' must be a string or a number, got {type(task_id).__name__}")
     task = dict(row, answer=str(answer), id=str(default_id if task_id is None else task_id))
     task.setdefault("type", "")
     return task

@@ -23,17 +23,15 @@ DATA_ROOT from their "data_resplit/" or "answers/" part onwards. Choices where D
 - best: metadata "best" if present, else the metric's perfect value (1 for accuracy/F1/ROC-AUC/R², 0 for
   errors). The offline pack sets it to a reference model's score instead, like DSBench's best entry.
 
-Task directories link to the data (symlinks), they do not copy it.
+Task directories link to the data (symlinks), they do not copy it. pandas and scikit-learn (seconds to import)
+load only once the input has been read and checked, so that `mappa dsbench import` refuses bad input at once.
 """
+
+from __future__ import annotations
 
 import json
 import os
 import re
-
-import numpy as np
-import pandas as pd
-
-from openrlhf_mappa.envs.dsbench import ANSWER_FILE, METRICS, PUBLIC_FILES, metric_value
 
 # First match wins, so the more specific names come first; None marks a metric named but not implemented.
 METRIC_PATTERNS = [
@@ -64,6 +62,10 @@ def infer_metric(prompt: str):
 
 def constant_baseline(metric: str, train: pd.DataFrame, truth: pd.DataFrame, pos_label=None) -> float:
     """The metric of a prediction made without features: one constant per target column, from train.csv."""
+    import pandas as pd
+
+    from openrlhf_mappa.envs.dsbench import METRICS, metric_value
+
     pred = pd.DataFrame(index=truth.index)
     for col in truth.columns:
         if METRICS[metric][2]:  # numbers (ROC-AUC included: a constant probability scores 0.5)
@@ -88,6 +90,12 @@ def import_tasks(data_root: str, metadata_path: str, out_dir: str) -> tuple:
         rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
     except json.JSONDecodeError as e:
         raise ValueError(f"{metadata_path}: broken JSON: {e}") from None
+    for i, row in enumerate(rows if isinstance(rows, list) else [rows], 1):
+        if not isinstance(row, dict) or not isinstance(row.get("metadata") or {}, dict):
+            raise ValueError(f"{metadata_path}: entry {i} is not a task's record (a JSON object with a 'metadata' "
+                             f"object)")
+    if not os.path.isdir(data_root):
+        raise ValueError(f"--data-root {data_root}: not a directory (the one holding data_resplit/ and answers/)")
     os.makedirs(out_dir, exist_ok=True)
     tasks, skipped = [], []
     for row in rows:
@@ -104,6 +112,10 @@ def import_tasks(data_root: str, metadata_path: str, out_dir: str) -> tuple:
 
 
 def _import_one(data_root: str, row: dict, meta: dict, out_dir: str) -> dict:
+    import pandas as pd
+
+    from openrlhf_mappa.envs.dsbench import ANSWER_FILE, METRICS
+
     for key in ("task_id", "data_type", "train_file", "test_file", "answer_dir"):
         if not meta.get(key):
             raise ValueError(f"metadata has no {key!r}")
@@ -182,9 +194,13 @@ def make_pack(out_dir: str, seed: int = 0) -> tuple:
     70/30 split (stratified for classification), hidden answers, baseline = a constant predictor (as for
     imported tasks), best = a random forest's score (a strong, honest reference; a perfect value would
     make every real model look poor). Returns import_tasks' (task rows, skip reasons)."""
+    import numpy as np
+    import pandas as pd
     from sklearn import datasets
     from sklearn.ensemble import RandomForestClassifier, RandomForestRegressor
     from sklearn.model_selection import train_test_split
+
+    from openrlhf_mappa.envs.dsbench import metric_value
 
     raw = os.path.join(out_dir, "raw")
     metadata = []

@@ -39,6 +39,12 @@ class RelayEnv(MultiAgentEnv):
         missing = [agent.name for agent in topology.agents if agent.name not in goals]
         if missing:
             raise ValueError(f"relay env: env_kwargs.goals has no goal for agent(s) {missing}")
+        for name, goal in goals.items():
+            try:
+                re.compile(goal)
+            except (re.error, TypeError) as e:
+                raise ValueError(f"relay env: env_kwargs.goals[{name!r}] is not a regular expression: {goal!r} "
+                                 f"({e})") from None
         self.goals = goals
 
     def coach_ground_truth(self, agent) -> str:

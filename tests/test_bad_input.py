@@ -1,0 +1,562 @@
+"""Bad input, round three (issue 27), through the real command lines, the way a new user meets them.
+
+A battery of bad inputs to `train_mappa_ray` and to every `mappa` tool: each is refused before anything starts
+(no Ray, and not even torch, vLLM or transformers imported), with a message that names what to fix, no
+traceback, exit 1 (argparse's errors: 2, printed first, without the usage). Then: a refused relaunch into an
+existing run changes none of its files, and an environment that raises inside one episode ends that episode
+only, through the real rollout and training step (scripted policies stand in for vLLM: no model generates).
+Refusal times are recorded for the record (printed by the last test; never asserted)."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from test_coach import ScriptedPolicy
+from test_launch import GOOD, HEAVY, workdir  # noqa: F401 (a fixture)
+
+from openrlhf_mappa.envs.mathchat import MathChatEnv
+from openrlhf_mappa.episode import Verdict, read_jsonl
+from openrlhf_mappa.rewards import assign_rewards
+from openrlhf_mappa.rollout import rollout
+
+TIMES = {}  # case -> seconds of the refused command, printed by test_print_refusal_times
+
+TOPOLOGY = ("name: t\nenv: {env}\ncoach_template: 'Judge {{agent_output}}. End with PROCESS_SCORE: <0-10>'\n{top}"
+            "agents:\n  - name: solver\n    model: model\n    role: solves it\n    prompt: '{{task}}'\n{agent}")
+
+
+def topology(env="mathchat", top="", agent=""):
+    return TOPOLOGY.format(env=env, top=top, agent=agent)
+
+
+def jsonl(*rows):
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+LEVEL_ENV = '''from openrlhf_mappa.envs.mathchat import MathChatEnv
+
+
+class LevelEnv(MathChatEnv):
+    def __init__(self, topology, task, workspace, level=1, **kwargs):
+        super().__init__(topology, task, workspace, **kwargs)
+        if level not in (1, 2, 3):
+            raise ValueError(f"level must be 1, 2 or 3, got {level!r}")
+'''
+OPENAI = ["--mappa.coach.kind", "openai", "--mappa.coach.model", "m", "--mappa.coach.base_url", "http://127.0.0.1:9/v1"]
+MARKER = "ckpt/mappa_checkpoint.json"
+STEP2 = {MARKER: '{"step": 2}', "ckpt/solver/_actor/latest": "global_step2"}
+
+
+# Each launcher case adds its flags to a good launch (test_launch.GOOD); LIMITLESS lacks --rollout.max_new_tokens.
+_LIMIT = GOOD.index("--rollout.max_new_tokens")
+LIMITLESS = GOOD[:_LIMIT] + GOOD[_LIMIT + 2 :]
+
+
+def case(name, argv, expect, files=None, code=1, tool="train", base=GOOD):
+    argv = [*base, *argv] if tool == "train" else argv
+    return pytest.param(SimpleNamespace(argv=argv, expect=expect, files=files or {}, code=code, tool=tool), id=name)
+
+
+# ---------------------------------------------------------------- the launcher
+LAUNCHER = [
+    # MAPPA's numbers, refused as they are parsed
+    case("coach.max_concurrency 0", ["--mappa.coach.max_concurrency", "0"],
+         "argument --mappa.coach.max_concurrency: 0 is out of range: expected an integer >= 1", code=2),
+    case("coach.max_concurrency -3", ["--mappa.coach.max_concurrency", "-3"],
+         "argument --mappa.coach.max_concurrency: -3 is out of range: expected an integer >= 1", code=2),
+    case("coach.max_concurrency many", ["--mappa.coach.max_concurrency", "many"],
+         "argument --mappa.coach.max_concurrency: 'many' is not an integer", code=2),
+    case("coach.format_retries -2", ["--mappa.coach.format_retries", "-2"],
+         "argument --mappa.coach.format_retries: -2 is out of range: expected an integer >= 0", code=2),
+    case("coach.timeout 0", ["--mappa.coach.timeout", "0"],
+         "argument --mappa.coach.timeout: 0 is out of range: expected a number > 0", code=2),
+    case("coach.timeout -5", ["--mappa.coach.timeout", "-5"],
+         "argument --mappa.coach.timeout: -5 is out of range: expected a number > 0", code=2),
+    case("coach.timeout nan", ["--mappa.coach.timeout", "nan"],
+         "argument --mappa.coach.timeout: nan is out of range: expected a number > 0", code=2),
+    case("coach.neutral_score 50", ["--mappa.coach.neutral_score", "50"],
+         "argument --mappa.coach.neutral_score: 50 is out of range: expected a number in [0, 10]", code=2),
+    case("coach.max_retries -1", ["--mappa.coach.max_retries", "-1"],
+         "argument --mappa.coach.max_retries: -1 is out of range: expected an integer >= 0", code=2),
+    case("coach.rpm -10", ["--mappa.coach.rpm", "-10"], "argument --mappa.coach.rpm: -10 is out of range", code=2),
+    case("coach.max_tokens -1", ["--mappa.coach.max_tokens", "-1"],
+         "argument --mappa.coach.max_tokens: -1 is out of range: expected an integer >= 0", code=2),
+    case("coach.bias_window 0", ["--mappa.coach.bias_window", "0"],
+         "argument --mappa.coach.bias_window: 0 is out of range: expected an integer >= 1", code=2),
+    case("coach.bias_threshold -1", ["--mappa.coach.bias_threshold", "-1"],
+         "argument --mappa.coach.bias_threshold: -1 is out of range: expected a number >= 0", code=2),
+    case("coach.price_in -0.5", ["--mappa.coach.price_in", "-0.5"],
+         "argument --mappa.coach.price_in: -0.5 is out of range: expected a number >= 0", code=2),
+    case("gpus -2", ["--mappa.gpus", "-2"],
+         "argument --mappa.gpus: -2 is out of range: expected an integer >= 1", code=2),
+    case("gpu_memory_gib in MiB", ["--mappa.gpus", "8", "--mappa.gpu_memory_gib", "81559"],
+         "argument --mappa.gpu_memory_gib: 81559 is out of range: expected a number in (0, 1024] (GiB; nvidia-smi "
+         "shows MiB: divide by 1024)", code=2),
+    case("gpu_memory_gib -80", ["--mappa.gpu_memory_gib", "-80"],
+         "argument --mappa.gpu_memory_gib: -80 is out of range", code=2),
+    # OpenRLHF's numbers that MAPPA honours
+    case("train.num_episodes 0", ["--train.num_episodes", "0"],
+         "argument --train.num_episodes: 0 is out of range: expected an integer >= 1", code=2),
+    case("rollout.micro_batch_size 0", ["--rollout.micro_batch_size", "0"],
+         "argument --rollout.micro_batch_size: 0 is out of range: expected an integer >= 1", code=2),
+    case("train.micro_batch_size 0", ["--train.micro_batch_size", "0"],
+         "argument --train.micro_batch_size: 0 is out of range", code=2),
+    case("train.batch_size -4", ["--train.batch_size", "-4"],
+         "argument --train.batch_size: -4 is out of range", code=2),
+    case("rollout.batch_size 0", ["--rollout.batch_size", "0"],
+         "argument --rollout.batch_size: 0 is out of range", code=2),
+    case("n_samples_per_prompt 0", ["--rollout.n_samples_per_prompt", "0"],
+         "argument --rollout.n_samples_per_prompt: 0 is out of range", code=2),
+    case("rollout.max_new_tokens 0", ["--rollout.max_new_tokens", "0"],
+         "argument --rollout.max_new_tokens: 0 is out of range", code=2),
+    case("data.max_len 0", ["--data.max_len", "0"], "argument --data.max_len: 0 is out of range", code=2),
+    case("data.max_samples 0", ["--data.max_samples", "0"], "argument --data.max_samples: 0 is out of range", code=2),
+    case("vllm.num_engines -1", ["--vllm.num_engines", "-1"],
+         "argument --vllm.num_engines: -1 is out of range", code=2),
+    case("vllm.gpu_memory_utilization 1.5", ["--vllm.gpu_memory_utilization", "1.5"],
+         "argument --vllm.gpu_memory_utilization: 1.5 is out of range: expected a number in (0, 1]", code=2),
+    case("vllm.tensor_parallel_size 0", ["--vllm.tensor_parallel_size", "0"],
+         "argument --vllm.tensor_parallel_size: 0 is out of range", code=2),
+    case("actor.num_gpus_per_node 0", ["--actor.num_gpus_per_node", "0"],
+         "argument --actor.num_gpus_per_node: 0 is out of range", code=2),
+    case("rollout.temperature -1", ["--rollout.temperature", "-1"],
+         "argument --rollout.temperature: -1 is out of range: expected a number >= 0", code=2),
+    case("rollout.top_p 0", ["--rollout.top_p", "0"],
+         "argument --rollout.top_p: 0 is out of range: expected a number in (0, 1]", code=2),
+    case("algo.kl.init_coef -0.1", ["--algo.kl.init_coef", "-0.1"],
+         "argument --algo.kl.init_coef: -0.1 is out of range", code=2),
+    case("actor.adam.lr -0.1", ["--actor.adam.lr", "-0.1"], "argument --actor.adam.lr: -0.1 is out of range", code=2),
+    case("ds.zero_stage 4", ["--ds.zero_stage", "4"],
+         "argument --ds.zero_stage: 4 is out of range: expected an integer in [0, 3]",
+         code=2),
+    case("train.max_epochs 0", ["--train.max_epochs", "0"], "argument --train.max_epochs: 0 is out of range", code=2),
+    case("eval.n_samples_per_prompt 0", ["--eval.n_samples_per_prompt", "0"],
+         "argument --eval.n_samples_per_prompt: 0 is out of range", code=2),
+    # argparse's own errors: the error first, no usage, a pointer to --help
+    case("unknown flag", ["--train.batch_sise", "4"],
+         "unrecognized arguments: --train.batch_sise 4\n  --train.batch_sise: "
+         "did you mean --train.batch_size?\n(the flags: python -m openrlhf_mappa.cli.train_mappa_ray --help)", code=2),
+    case("bad choice", ["--mappa.reward", "proces"], "argument --mappa.reward: invalid choice: 'proces'", code=2),
+    # settings with which a run cannot train
+    case("max_len below max_new_tokens", ["--data.max_len", "256", "--rollout.max_new_tokens", "1024"],
+         "--rollout.max_new_tokens (1024) must be below --data.max_len (256), which holds the prompt and the reply "
+         "together"),
+    case("agent max_new_tokens above max_len", ["--data.max_len", "2048"],
+         "agent 'solver': its max_new_tokens in the topology (4096) must be below --data.max_len (2048)",
+         files={"t.yaml": topology(agent="    max_new_tokens: 4096\n")}),
+    case("no max_new_tokens", [], "--rollout.max_new_tokens is required (agent 'solver' sets no max_new_tokens in the "
+         "topology)", base=LIMITLESS),
+    case("an agent never trains", ["--train.batch_size", "4"],
+         "agent 'solver' takes at most 2 actions a step (--rollout.batch_size x --rollout.n_samples_per_prompt x its "
+         "actions per episode), fewer than --train.batch_size (4): it would never train"),
+    # topology and task files
+    case("duplicate agent key", [], "t.yaml: line 10: duplicate key 'max_actions' (first on line 9)",
+         files={"t.yaml": topology(agent="    max_actions: 1\n    max_actions: 2\n")}),
+    case("duplicate top-level key", [], "t.yaml: line 4: duplicate key 'coach_template' (first on line 3)",
+         files={"t.yaml": topology(top="coach_template: 'again {agent_output} PROCESS_SCORE:'\n")}),
+    case("duplicate task ids (JSONL)", ["--data.prompt_dataset", "dup.jsonl"],
+         "dup.jsonl: line 1 and line 3 have the same id 'a'; give every task its own id",
+         files={"dup.jsonl": jsonl({"id": "a", "prompt": "1+1?", "answer": 2}, {"id": "b", "prompt": "2+2?",
+                                   "answer": 4}, {"id": "a", "prompt": "3+3?", "answer": 6})}),
+    case("duplicate task ids (JSON list)", ["--data.prompt_dataset", "dup.json"],
+         "dup.json: row 0 (counting from 0) and row 2 (counting from 0) have the same id '7'",
+         files={"dup.json": json.dumps([{"id": 7, "prompt": "a?", "answer": 1}, {"prompt": "b?", "answer": 2},
+                                        {"id": "7", "prompt": "c?", "answer": 3}])}),
+    case("answer NaN", ["--data.prompt_dataset", "nan.jsonl"],
+         "nan.jsonl: line 2: 'answer' is nan, not a finite number",
+         files={"nan.jsonl": jsonl({"prompt": "1+1?", "answer": 2}, '{"prompt": "0/0?", "answer": NaN}')}),
+    case("answer Infinity", ["--data.prompt_dataset", "inf.jsonl"],
+         "inf.jsonl: line 1: 'answer' is inf, not a finite number",
+         files={"inf.jsonl": jsonl('{"prompt": "1/0?", "answer": Infinity}', {"prompt": "1+1?", "answer": 2})}),
+    case("task id a list", ["--data.prompt_dataset", "ids.jsonl"],
+         "ids.jsonl: line 2: 'id' must be a string or a number, got list",
+         files={"ids.jsonl": jsonl({"prompt": "1+1?", "answer": 2}, {"id": [1], "prompt": "2+2?", "answer": 4})}),
+    case("duplicate ids in an eval file", ["--eval.dataset", "evaldup.jsonl"],
+         "evaldup.jsonl: line 1 and line 2 have the same id 'q'",
+         files={"evaldup.jsonl": jsonl({"id": "q", "prompt": "1+1?", "answer": 2},
+                                       {"id": "q", "prompt": "2+2?", "answer": 4})}),
+    case("env_kwargs timeout of the wrong type", [],
+         "env 'mathchat' (env_kwargs: code_timeout_s) cannot start task '1', the first of type '': ValueError: "
+         "env_kwargs code_timeout_s must be a positive number of seconds, got 'ten'",
+         files={"t.yaml": topology(top="env_kwargs: {code_timeout_s: ten}\n")}),
+    case("env_kwargs memory negative", [], "env_kwargs code_memory_mb must be a positive integer, got -1",
+         files={"t.yaml": topology(top="env_kwargs: {code_memory_mb: -1}\n")}),
+    case("env_kwargs sandbox_url not a URL", [],
+         "env_kwargs sandbox_url must be the http(s) URL of a SandboxFusion service, "
+         "got 'localhost:8080'", files={"t.yaml": topology(top="env_kwargs: {sandbox_url: 'localhost:8080'}\n")}),
+    case("relay goal missing", [], "ValueError: relay env: env_kwargs.goals has no goal for agent(s) ['solver']",
+         files={"t.yaml": topology(env="relay", top="env_kwargs: {goals: {other: x}}\n")}),
+    case("relay goal not a regex", [], "relay env: env_kwargs.goals['solver'] is not a regular expression: '[a-z'",
+         files={"t.yaml": topology(env="relay", top="env_kwargs: {goals: {solver: '[a-z'}}\n")}),
+    case("env rejects its own kwarg", [],
+         "env 'levelenv:LevelEnv' (env_kwargs: level) cannot start task '1', the first of "
+         "type '': ValueError: level must be 1, 2 or 3, got 7",
+         files={"levelenv.py": LEVEL_ENV, "t.yaml": topology(env="levelenv:LevelEnv", top="env_kwargs: {level: 7}\n")}),
+    case("env module with a syntax error", [], "env 'brokenenv:Env': module 'brokenenv' has a syntax error: ",
+         files={"brokenenv.py": "class Env(:\n    pass\n", "t.yaml": topology(env="brokenenv:Env")}),
+    case("env module raising at import", [], "env 'raisingenv:Env': importing module 'raisingenv' raised RuntimeError: "
+         "set MY_ENV_HOME first", files={"raisingenv.py": "raise RuntimeError('set MY_ENV_HOME first')\n",
+                                         "t.yaml": topology(env="raisingenv:Env")}),
+    # the coach's cache
+    case("coach cache not SQLite", [*OPENAI, "--mappa.coach.cache", "notes.txt"],
+         "coach cache notes.txt: not an SQLite database", files={"notes.txt": "my notes\n"}),
+    case("coach cache a directory", ["--mappa.coach.cache", "cachedir"], "coach cache cachedir: is a directory",
+         files={"cachedir/x": ""}),
+    # damaged resume state
+    case("cut-off marker", ["--ckpt.load_enable"], f"{MARKER}: the team checkpoint marker is cut off or not JSON",
+         files={MARKER: '{"step": 2, "coa'}),
+    case("marker step not a number", ["--ckpt.load_enable"],
+         f"{MARKER}: 'step' must be the integer step every agent saved (>= 1), got 'two'",
+         files={MARKER: '{"step": "two"}'}),
+    case("cut-off task list", ["--ckpt.load_enable"],
+         "run/train_tasks.json: the record of the run's training tasks is cut off or not JSON",
+         files={MARKER: '{"step": 1}', "run/train_tasks.json": '{"source": "tasks.jsonl", "ids": ["1", "2'}),
+    case("empty step directory", ["--ckpt.load_enable"], "resume: the checkpoint of agent 'solver' at step 2 "
+         "(ckpt/solver/_actor/global_step2) is incomplete: no *model_states.pt (it holds nothing)",
+         files={**STEP2, "ckpt/solver/_actor/global_step2/": None}),
+    case("step directory missing", ["--ckpt.load_enable"],
+         "resume: agent 'solver' has no global_step2 in ckpt/solver/_actor",
+         files=STEP2),
+    case("empty states file", ["--ckpt.load_enable"],
+         "is incomplete: empty files ['zero_pp_rank_0_mp_rank_00_model_states.pt']",
+         files={**STEP2, "ckpt/solver/_actor/global_step2/zero_pp_rank_0_mp_rank_00_model_states.pt": ""}),
+    case("run_dir is a file", ["--mappa.run_dir", "notes.txt"],
+         "--mappa.run_dir notes.txt: exists and is not a directory",
+         files={"notes.txt": "x"}),
+]  # fmt: skip
+
+# ---------------------------------------------------------------- the `mappa` tools
+def tool(name, argv, expect, **kwargs):
+    return case(name, argv, expect, tool="mappa", **kwargs)
+
+
+EVAL = ["eval", "--topology", "t.yaml", "--data", "tasks.jsonl", "--model", "model"]
+SCORE = ["coach", "score", "--episodes", "episodes.jsonl", "--out", "rescored.jsonl", "--kind", "heuristic"]
+EPISODES = {"episodes.jsonl": jsonl({"episode_id": "e", "actions": []})}
+ADAPTER = {"adapter/adapter_config.json": json.dumps({"base_model_name_or_path": "/no/such/base", "r": 8})}
+TOOLS = [
+    tool("eval --n-samples 0", [*EVAL, "--n-samples", "0"],
+         "mappa eval: error: argument --n-samples: 0 is out of range: expected an integer >= 1", code=2),
+    tool("eval --temperature -1", [*EVAL, "--temperature", "-1"], "argument --temperature: -1 is out of range", code=2),
+    tool("eval bad topology", EVAL, "mappa eval: t.yaml: unknown key(s) ['coach_templat']",
+         files={"t.yaml": topology().replace("coach_template:", "coach_templat:")}),
+    tool("eval missing data", [*EVAL[:4], "missing.jsonl", *EVAL[5:]],
+         "mappa eval: [Errno 2] No such file or directory: 'missing.jsonl'"),
+    tool("eval max-len below max-new-tokens", [*EVAL, "--max-len", "100"],
+         "mappa eval: error: --max-new-tokens (1024) must be below --max-len (100)", code=2),
+    tool("eval duplicate ids", [*EVAL[:4], "dup.jsonl", *EVAL[5:]], "dup.jsonl: line 1 and line 2 have the same id 'a'",
+         files={"dup.jsonl": jsonl({"id": "a", "prompt": "1?", "answer": 1},
+                                   {"id": "a", "prompt": "2?", "answer": 2})}),
+    tool("eval --out in no directory", [*EVAL, "--out", "nodir/results.json"],
+         "mappa eval: --out nodir/results.json: there is no directory"),
+    tool("eval --checkpoint without the agent", [*EVAL[:5], "--checkpoint", "exports"],
+         "mappa eval: error: --checkpoint: no model for agent 'solver' at exports/solver", files={"exports/": None},
+         code=2),
+    tool("coach score missing episodes", [*SCORE[:3], "missing.jsonl", *SCORE[4:]],
+         "mappa coach score: [Errno 2] No such file or directory: 'missing.jsonl'"),
+    tool("coach score JSON list", [*SCORE[:3], "list.jsonl", *SCORE[4:]],
+         "mappa coach score: list.jsonl: line 1: a JSON list, not one record (a JSON object) per line",
+         files={"list.jsonl": json.dumps([{"episode_id": "e", "actions": []}]) + "\n"}),
+    tool("coach score --max-concurrency 0", [*SCORE, "--max-concurrency", "0"],
+         "argument --max-concurrency: 0 is out of range", code=2),
+    tool("coach score --timeout 0", [*SCORE, "--timeout", "0"], "argument --timeout: 0 is out of range", code=2),
+    tool("coach score missing template", [*SCORE, "--template", "missing.txt"],
+         "mappa coach score: [Errno 2] No such file or directory: 'missing.txt'", files=EPISODES),
+    tool("coach score cache not SQLite", [*SCORE[:-1], "openai", "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
+                                         "--template", "tpl.txt", "--cache", "notes.txt"],
+         "mappa coach score: coach cache notes.txt: not an SQLite database",
+         files={**EPISODES, "tpl.txt": "{agent_output} PROCESS_SCORE:", "notes.txt": "notes"}),
+    tool("report metrics without step", ["report", "r"],
+         "mappa report: r/metrics.jsonl: line 1: no integer 'step' (every line of a run's metrics.jsonl has one)",
+         files={"r/metrics.jsonl": jsonl({"outcome/success_rate": 0.5})}),
+    tool("report --out in no directory", ["report", "r", "--out", "nodir/r.html"],
+         "mappa report: --out nodir/r.html: there is no directory", files={"r/metrics.jsonl": jsonl({"step": 1})}),
+    tool("merge-lora base model missing", ["merge-lora", "adapter", "merged"],
+         "mappa merge-lora: adapter/adapter_config.json: its base model: model '/no/such/base' is not a directory",
+         files=ADAPTER),
+    tool("merge-lora not an adapter", ["merge-lora", "model", "merged"],
+         "mappa merge-lora: model holds no adapter_config.json (not a LoRA agent's export)"),
+    tool("merge-lora cut-off config", ["merge-lora", "adapter", "merged"],
+         "mappa merge-lora: adapter/adapter_config.json: the adapter's config is cut off or not JSON",
+         files={"adapter/adapter_config.json": '{"base_model_name_or_path": "mo'}),
+    tool("sandbox run missing file", ["sandbox", "run", "missing.py"],
+         "mappa sandbox run: [Errno 2] No such file or directory: 'missing.py'"),
+    tool("sandbox run --timeout 0", ["sandbox", "run", "x.py", "--timeout", "0"],
+         "argument --timeout: 0 is out of range",
+         code=2),
+    tool("sandbox run --memory-mb 0", ["sandbox", "run", "x.py", "--memory-mb", "0"],
+         "argument --memory-mb: 0 is out of range",
+         code=2),
+    tool("sandbox run not UTF-8", ["sandbox", "run", "latin1.py"], "mappa sandbox run: latin1.py: not UTF-8 text",
+         files={"latin1.py": b"print('caf\xe9')\n"}),
+    tool("tiny-model --hidden-size 100", ["tiny-model", "tiny", "--hidden-size", "100"],
+         "mappa tiny-model: --hidden-size 100: must be a multiple of 32 (head_dim 32)"),
+    tool("tiny-model --layers 0", ["tiny-model", "tiny", "--layers", "0"],
+         "argument --layers: 0 is out of range", code=2),
+    tool("tiny-model --vocab-size 10", ["tiny-model", "tiny", "--vocab-size", "10"],
+         "mappa tiny-model: --vocab-size 10: must be at least 259"),
+    tool("tiny-model --init-std 0", ["tiny-model", "tiny", "--init-std", "0"], "argument --init-std: 0 is out of range",
+         code=2),
+    tool("tiny-model out_dir is a file", ["tiny-model", "notes.txt"],
+         "mappa tiny-model: notes.txt: exists and is not a "
+         "directory", files={"notes.txt": "x"}),
+    tool("dsbench import metadata not records", ["dsbench", "import", "--data-root", ".", "--metadata", "meta.json",
+                                                 "--out", "pack"],
+         "mappa dsbench import: meta.json: entry 1 is not a task's record", files={"meta.json": "[1, 2]"}, code=2),
+    tool("dsbench import data root missing", ["dsbench", "import", "--data-root", "nowhere", "--metadata", "meta.json",
+                                              "--out", "pack"],
+         "mappa dsbench import: --data-root nowhere: not a directory", files={"meta.json": jsonl({"metadata": {}})},
+         code=2),
+    tool("plan gpu memory in MiB", ["plan", *GOOD, "--mappa.gpus", "8", "--mappa.gpu_memory_gib", "81559"],
+         "mappa plan: error: argument --mappa.gpu_memory_gib: 81559 is out of range", code=2),
+    tool("plan negative GPUs", ["plan", *GOOD, "--mappa.gpus", "-1", "--mappa.gpu_memory_gib", "80"],
+         "mappa plan: error: argument --mappa.gpus: -1 is out of range: expected an integer >= 1", code=2),
+    tool("plan zero GPUs", ["plan", *GOOD, "--mappa.gpus", "0", "--mappa.gpu_memory_gib", "80"],
+         "argument --mappa.gpus: 0 is out of range", code=2),
+]  # fmt: skip
+
+
+def run_cli(cwd, tool: str, argv: list, case_id: str):
+    """The real command in a fresh interpreter, `-X importtime` listing every module it imported."""
+    module = "openrlhf_mappa.cli.train_mappa_ray" if tool == "train" else "openrlhf_mappa.cli.mappa"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "MAPPA_TRACEBACK", "HF_HUB_OFFLINE", "MAPPA_CPU_NUM_GPUS")}  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", module, *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    TIMES[case_id] = time.monotonic() - start
+    proc.imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
+                     if line.startswith("import time:")}
+    proc.message = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
+    return proc
+
+
+def write_files(root, files: dict):
+    for name, content in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if content is None:  # a directory
+            path.mkdir(exist_ok=True)
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+
+
+@pytest.mark.parametrize("bad", LAUNCHER + TOOLS)
+def test_bad_input_is_refused_before_anything_starts(workdir, request, bad):  # noqa: F811 (the workdir fixture)
+    write_files(workdir, {"t.yaml": topology(), "tasks.jsonl": jsonl(*({"prompt": f"{i} + 1?", "answer": i + 1}
+                                                                       for i in range(4)))})  # fmt: skip
+    write_files(workdir, bad.files)
+    proc = run_cli(workdir, bad.tool, bad.argv, request.node.callspec.id)
+    assert proc.returncode == bad.code, proc.message[-3000:]
+    assert bad.expect in proc.message, proc.message[-3000:]  # names the flag, value and range, or the file and line
+    assert "Traceback" not in proc.message and "usage:" not in proc.message
+    if bad.code == 2:  # argparse's: the error is the first line
+        assert proc.message.splitlines()[0].startswith(("train_mappa_ray: error: ", "mappa")), proc.message[:500]
+    assert "Started a local Ray instance" not in proc.stdout + proc.message
+    assert not {m.split(".")[0] for m in proc.imported} & HEAVY  # before torch, Ray, vLLM or transformers load
+
+
+def test_the_battery_is_at_least_sixty_inputs():
+    assert len(LAUNCHER) + len(TOOLS) >= 60
+
+
+def test_traceback_on_request_from_a_tool(workdir):  # noqa: F811
+    (workdir / "t.yaml").write_text(topology())
+    env = dict(os.environ, MAPPA_TRACEBACK="1")
+    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.mappa", *EVAL[:4], "missing.jsonl", *EVAL[5:]],
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "FileNotFoundError" in proc.stderr
+
+
+def test_new_flags_are_range_checked(capsys):
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args
+
+    for flag, value in (("--mappa.max_untrained_steps", "-1"), ("--mappa.env.max_failure_fraction", "1.5")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--mappa.topology", "t.yaml", flag, value])
+        assert e.value.code == 2 and f"argument {flag}: {value} is out of range" in capsys.readouterr().err
+    args = parse_args(["--mappa.topology", "t.yaml"])
+    assert (args.mappa.max_untrained_steps, args.mappa.env.max_failure_fraction) == (3, 0.5)
+
+
+# ---------------------------------------------------------------- a refused relaunch changes nothing
+
+
+def snapshot(*roots) -> dict:
+    """Every file under the roots: its bytes and its modification time (a rewrite with the same bytes shows)."""
+    out = {}
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            out.update({os.path.join(dirpath, d): "dir" for d in dirnames})
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                with open(path, "rb") as f:
+                    out[path] = (f.read(), os.stat(path).st_mtime_ns)
+    return out
+
+
+def test_a_refused_relaunch_changes_no_file_of_an_existing_run(workdir):  # noqa: F811
+    # Catches the old launcher, which wrote train_tasks.json (16 ids -> 8 here) and opened the coach's cache
+    # before its later checks: relaunched with another --data.max_samples and a mistyped --eval.dataset, it was
+    # refused, but the run's own resume was refused afterwards.
+    from openrlhf_mappa.cli.train_mappa_ray import choose_train_tasks
+    from openrlhf_mappa.coach.cache import VerdictCache
+    from openrlhf_mappa.envs.base import load_tasks
+    from openrlhf_mappa.episode import Verdict
+
+    write_files(workdir, {"t.yaml": topology(), "tasks.jsonl": jsonl(*({"prompt": f"{i} + 1?", "answer": i + 1}
+                                                                       for i in range(16)))})  # fmt: skip
+    ids = [t["id"] for t in choose_train_tasks(load_tasks(str(workdir / "tasks.jsonl")), 10**8, 42)]
+    step_dir = "ckpt/solver/_actor/global_step2/"
+    write_files(workdir, {  # the run as its first launch left it, killed after step 2's team checkpoint
+        "run/train_tasks.json": json.dumps({"source": str(workdir / "tasks.jsonl"), "seed": 42, "total": 16,
+                                            "max_samples": 10**8, "ids": ids}, indent=1),
+        "run/metrics.jsonl": jsonl({"step": 1, "outcome/success_rate": 0.0}, {"step": 2, "outcome/success_rate": 0.5}),
+        "run/episodes.jsonl": jsonl({"episode_id": "s1-1-x", "step": 1, "actions": []}), "run/train.log": "log\n",
+        MARKER: json.dumps({"step": 2, "coach_cost_usd": 0.0}), "ckpt/solver/_actor/latest": "global_step2",
+        step_dir + "zero_pp_rank_0_mp_rank_00_model_states.pt": "states",
+        step_dir + "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt": "optim",
+    })  # fmt: skip
+    cache = VerdictCache(str(workdir / "run" / "coach_cache.sqlite"))  # the default cache, with one verdict
+    cache.put("k", Verdict(7.0, "ok"))
+    cache.close()
+    before = snapshot(workdir / "run", workdir / "ckpt")
+    relaunches = {
+        "another subset and a mistyped eval file": (["--data.max_samples", "8", "--eval.dataset", "typo.jsonl"],
+                                                    "No such file or directory: 'typo.jsonl'"),
+        "a resume with another seed": (["--ckpt.load_enable", "--train.seed", "7", "--data.max_samples", "8"],
+                                       "lists other training tasks"),
+        "an unreachable coach": (OPENAI, "coach server http://127.0.0.1:9/v1/models cannot be reached"),
+        "a coach number out of range": (["--mappa.coach.max_concurrency", "0"], "out of range"),
+        "env_kwargs the env rejects": (["--mappa.topology", "bad.yaml"], "must be a positive integer, got -1"),
+    }
+    (workdir / "bad.yaml").write_text(topology(top="env_kwargs: {code_max_processes: -1}\n"))
+    for name, (flags, message) in relaunches.items():
+        proc = run_cli(workdir, "train", [*GOOD, *flags], f"relaunch: {name}")
+        assert proc.returncode != 0 and message in proc.message, (name, proc.message[-2000:])
+        assert snapshot(workdir / "run", workdir / "ckpt") == before, f"{name}: the refused launch changed the run"
+
+
+# ---------------------------------------------------------------- an environment that raises in one episode
+
+
+class FlakyEnv(MathChatEnv):
+    """MathChat whose step raises on the second agent's action in the tasks whose id starts with 'bad', as a bug
+    in a user's environment would."""
+
+    def step(self, agent, turn, response):
+        if self.task["id"].startswith("bad") and agent.name == "solver":
+            return {}["the env's own bug"]
+        return super().step(agent, turn, response)
+
+
+class CutOffPolicy(ScriptedPolicy):
+    """A reply whose generation hit the token limit."""
+
+    max_new_tokens = 8
+
+    async def generate(self, prompt_ids):
+        return [4] * self.max_new_tokens, True
+
+
+def scripted_trainer(tmp_path, tasks, monkeypatch, *flags, policy=None):
+    """A real MappaTrainer (the real args, topology, rollout, coach, rewards, batch rule, metrics and logs) whose
+    agents have no Ray components: scripted policies generate, and a --train.batch_size larger than a step's
+    actions keeps every step before the part that needs Ray actors (no agent trains)."""
+    from openrlhf_mappa import trainer as trainer_module
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args
+    from openrlhf_mappa.coach.heuristic import HeuristicCoach
+    from openrlhf_mappa.placement import agent_args
+    from openrlhf_mappa.topology import load_topology
+
+    (tmp_path / "t.yaml").write_text(topology(env="test_bad_input:FlakyEnv").replace(
+        "agents:\n", "agents:\n  - {name: checker, model: model, role: checks it, prompt: '{task}'}\n"))
+    args = parse_args(["--mappa.topology", str(tmp_path / "t.yaml"), "--mappa.run_dir", str(tmp_path / "run"),
+                       "--rollout.batch_size", str(len(tasks)), "--rollout.max_new_tokens", "8",
+                       "--train.batch_size", "64", "--train.num_episodes", "5", "--actor.num_gpus_per_node", "1",
+                       *flags])  # fmt: skip
+    topology_ = load_topology(args.mappa.topology)
+    agents = [trainer_module.Agent(spec, agent_args(args, spec), tokenizer=None, engines=[], actor=object(), ref=None,
+                                   trainer=SimpleNamespace(adapter=None)) for spec in topology_.agents]
+    trainer = trainer_module.MappaTrainer(args, topology_, agents, HeuristicCoach(), tasks, args.mappa.run_dir)
+    policy = policy or ScriptedPolicy
+    trainer.policies = {"checker": policy("It is 2."), "solver": policy("So \\boxed{2}.")}
+    monkeypatch.setattr(trainer_module, "console", SimpleNamespace(out=sys.stdout, err=sys.stdout))  # captured
+    return trainer
+
+
+def test_an_environment_raising_in_one_episode_neither_stops_nor_corrupts_the_run(tmp_path, monkeypatch, capsys):
+    # Catches the old rollout, where the exception went up through asyncio.gather and ended the whole run.
+    tasks = [{"id": i, "prompt": "What is 1 + 1?", "answer": "2", "type": ""} for i in ("t1", "bad", "t3", "t4")]
+    trainer = scripted_trainer(tmp_path, tasks, monkeypatch)
+    first = trainer.train_step(1, tasks)
+    assert first["outcome/env_failed_episodes"] == 1 and first["outcome/success_rate"] == 0.75
+    out = capsys.readouterr().out
+    assert ("[mappa] step 1: 1 of 4 episodes ended with an exception in the environment (they train nothing). First: "
+            "FlakyEnv.step raised KeyError: \"the env's own bug\" (") in out and "test_bad_input.py, line" in out
+    second = trainer.train_step(2, tasks)  # the run goes on
+    episodes = [ep for _, ep in read_jsonl(str(tmp_path / "run" / "episodes.jsonl"))]
+    assert [(ep["step"], ep["task_id"], bool(ep["env_error"])) for ep in episodes] == [
+        (s, t["id"], t["id"] == "bad") for s in (1, 2) for t in tasks]  # every episode of both steps, whole, in order
+    for ep in episodes:
+        if ep["task_id"] == "bad":  # the checker acted, then the env raised on the solver's action
+            assert ep["outcome"] == {"success": False} and "FlakyEnv.step raised KeyError" in ep["env_error"]
+            (action,) = ep["actions"]  # the checker's: kept with its verdict, never trained on
+            assert action["agent"] == "checker" and action["verdict"]["status"] == "ok" and action["reward"] is None
+        else:  # the others as if nothing happened: both actions scored and rewarded, the task solved
+            assert ep["outcome"]["success"] and [a["agent"] for a in ep["actions"]] == ["checker", "solver"]
+            assert all(a["verdict"]["status"] == "ok" and a["reward"] is not None for a in ep["actions"])
+    assert second["outcome/env_failed_episodes"] == 1 and second["coach/verdicts_ok"] == 7
+
+    # Too many such episodes in a step stop the run, as coach failures do, with the step's records kept.
+    bad = [dict(t, id=f"bad{i}") if i else t for i, t in enumerate(tasks)]
+    with pytest.raises(RuntimeError, match=r"step 3: 3 of 4 episodes ended with an exception in the environment .* more "
+                                         r"than --mappa.env.max_failure_fraction 0.5 of them"):
+        trainer.train_step(3, bad)
+    assert [ep["step"] for _, ep in read_jsonl(str(tmp_path / "run" / "episodes.jsonl"))].count(3) == 4
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (last["step"], last["outcome/env_failed_episodes"]) == (3, 3)
+
+
+def test_a_step_that_trains_nothing_says_why_and_a_run_that_never_trains_stops(tmp_path, monkeypatch, capsys):
+    # Catches the old trainer, which logged 0 trained actions for every agent and went on without a word.
+    tasks = [{"id": f"t{i}", "prompt": "What is 1 + 1?", "answer": "2", "type": ""} for i in range(4)]
+    trainer = scripted_trainer(tmp_path, tasks, monkeypatch, "--train.batch_size", "4", policy=CutOffPolicy)
+    with pytest.raises(RuntimeError, match="no agent trained") as stopped:  # trainer.RunStopped
+        trainer.fit()
+    out = capsys.readouterr().out
+    said = ("agent 'checker' trained on nothing: 4 of its 4 actions cut off at --rollout.max_new_tokens (8 tokens) and "
+            "left out: raise it, or train them with --mappa.train_truncated")
+    assert [f"[mappa] step {s}: {said}" in out for s in (1, 2, 3, 4)] == [True, True, True, False]
+    assert str(stopped.value).startswith("no agent trained in 3 steps in a row (--mappa.max_untrained_steps 3); at "
+                                         "step 3, " + said.replace(" trained on nothing:", ":"))
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3  # each step logged, then the stop
+
+    # The other reasons, with the flags that change them: no coach score, left over for batching.
+    (ep,) = asyncio.run(rollout(trainer.topology, tasks[:1], {n: ScriptedPolicy("x") for n in ("checker", "solver")},
+                                trainer.rollout_coach, str(tmp_path / "ws"), 1))  # fmt: skip
+    ep.actions[0].verdict = Verdict(None, "parse_error")
+    assign_rewards([ep], "process")
+    checker, solver = trainer.agents
+    assert trainer.untrained_reason(checker, [ep], dropped=0) == (
+        "1 of its 1 actions without a coach score (parse_error 1): --mappa.coach.on_failure outcome or neutral trains "
+        "them")
+    assert trainer.untrained_reason(solver, [ep], dropped=1) == (
+        "1 of its 1 actions left over by the batch rule, less than one --train.batch_size (4) batch: lower "
+        "--train.batch_size, or raise --rollout.batch_size")
+
+
+def test_print_refusal_times():
+    # Runs last in this file: the measured refusal times, for the record (pytest -s); never asserted.
+    if TIMES:
+        slowest = max(TIMES, key=TIMES.get)
+        mean = sum(TIMES.values()) / len(TIMES)
+        print(f"\n{len(TIMES)} refusals, max {TIMES[slowest]:.2f} s ({slowest}), mean {mean:.2f} s")
