@@ -1,7 +1,8 @@
 """Start-up, for real (Ray, vLLM, DeepSpeed ZeRO-3 on CPU): a run killed while its actor initialises leaves no
 process behind, and the same command then reaches step 1 even past stale build locks in the environment's
 extension cache (its ops were built at install, so the locks are never consulted; the start-up watchdog names
-them). A start-up that cannot finish (another job holds every GPU) is named, then stopped, never silent."""
+them). That run is also the baselines' (one shared policy, group normalization, evaluation during training; see
+test_eval_e2e). A start-up that cannot finish (another job holds every GPU) is named, then stopped, never silent."""
 
 import contextlib
 import json
@@ -14,6 +15,7 @@ import time
 import pytest
 
 from conftest import TINY_RUN_FLAGS, local_cluster_env, run_training, training, two_agent_mathchat, wait_for
+from test_eval_e2e import assert_shared_policy_group_norm_run
 
 
 def processes_of(run_id: str) -> dict:
@@ -45,7 +47,11 @@ def shared_policy_argv(tmp_path, tiny_model, *flags) -> list:
 
 @pytest.mark.e2e
 def test_start_up_killed_then_restarted_past_stale_locks(tmp_path, tiny_model):
-    argv = shared_policy_argv(tmp_path, tiny_model, "--mappa.startup_warn_s", "10", "--mappa.startup_timeout_s", "300")
+    # Run 2 is also the baselines' run: one shared policy for both roles, GRPO-style group normalization, evaluation
+    # before and after training (checked in test_eval_e2e.assert_shared_policy_group_norm_run).
+    argv = shared_policy_argv(tmp_path, tiny_model, "--mappa.startup_warn_s", "10", "--mappa.startup_timeout_s", "300",
+                              "--mappa.norm_scope", "group", "--eval.dataset", str(tmp_path / "tasks.jsonl"),
+                              "--eval.n_samples_per_prompt", "2", "--actor.adam.lr", "1e-2", "--actor.lr_warmup_ratio", "0")
     cmd = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv]
     run_id = str(tmp_path)
     env = local_cluster_env(2, MAPPA_TEST_RUN=run_id)
@@ -89,6 +95,7 @@ def test_start_up_killed_then_restarted_past_stale_locks(tmp_path, tiny_model):
     warnings = [line for line in proc.stderr.splitlines() if "start-up not done after" in line]
     assert warnings, proc.stderr[-4000:]  # every 10 s of start-up, the watchdog says what is not up yet ...
     assert all(f"the build lock {lock}" in warnings[0] for lock in locks), warnings[0]  # ... and sees the locks
+    assert_shared_policy_group_norm_run(tmp_path / "run")
 
 
 @pytest.mark.e2e
