@@ -1,9 +1,9 @@
 """Coach criteria that change over training (topology `coach_templates`), and a coach that sees its running
 bias (--mappa.coach.show_bias): validation at load time, the switch rule, the switch surviving a resume from
 the files a run writes, the report's marker, and the bias figures in the prompt an OpenAI-compatible coach
-server receives. Real rollouts (MathChat environment, code run in the sandbox), a real HTTP coach server on
-127.0.0.1 and scripted policies standing in for the vLLM engines; no Ray (the e2e part is in
-test_resume_e2e.py)."""
+server receives. MappaTrainer.fit itself drives the steps: real rollouts (MathChat environment, code run in the
+sandbox), a real HTTP coach server on 127.0.0.1, scripted replies standing in for the vLLM engines and
+conftest.StandIn for the agents' Ray actors; no Ray (the e2e part is in test_resume_e2e.py)."""
 
 import json
 import os
@@ -18,14 +18,12 @@ from conftest import StandIn, render_report_dom, stand_in_team
 
 from openrlhf_mappa import report
 from openrlhf_mappa.coach import CoachRequest, build_coach, render_prompt
-from openrlhf_mappa.coach.audit import BiasAudit, coach_step_metrics
-from openrlhf_mappa.evaluation import behaviour_metrics
+from openrlhf_mappa.coach.audit import BiasAudit
 from openrlhf_mappa.episode import Action, Episode, ToolFeedback, Verdict
-from openrlhf_mappa.rollout import rollout
 from openrlhf_mappa.topology import AGENT_METRICS, load_topology
 from openrlhf_mappa import trainer as trainer_module
 from openrlhf_mappa.cli.train_mappa_ray import parse_args
-from openrlhf_mappa.trainer import CHECKPOINT_MARKER, MappaTrainer, prepare_resume, truncate_logs
+from openrlhf_mappa.trainer import CHECKPOINT_MARKER, MappaTrainer, prepare_resume
 
 AGENTS = [
     {"name": "solver", "model": "m", "role": "solves", "prompt": "Solve: {task}\n{history}"},
