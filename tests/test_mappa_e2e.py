@@ -239,6 +239,7 @@ def test_launch_fails_fast_when_the_cluster_has_too_few_gpus(tmp_path, tiny_mode
         [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--mappa.topology", str(tmp_path / "t.yaml"),
          "--data.prompt_dataset", str(tasks), "--rollout.batch_size", "1", "--train.batch_size", "1",
          "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--algo.kl.init_coef", "0",
+         "--ds.attn_implementation", "sdpa",  # no flash-attn here: refused before the GPU count otherwise
          "--mappa.run_dir", str(tmp_path / "run")],
         tmp_path / "train", timeout=180, cwd=tmp_path, env=env,
     )

@@ -100,7 +100,8 @@ def test_start_up_killed_then_restarted_past_stale_locks(tmp_path, tiny_model):
 
 @pytest.mark.e2e
 def test_start_up_without_a_free_gpu_is_named_then_stopped(tmp_path, tiny_model):
-    argv = shared_policy_argv(tmp_path, tiny_model, "--mappa.startup_warn_s", "2", "--mappa.startup_timeout_s", "8")
+    # 30 s: room on a loaded machine to reach the engines' stage before the stop (at 8 s it once had not).
+    argv = shared_policy_argv(tmp_path, tiny_model, "--mappa.startup_warn_s", "2", "--mappa.startup_timeout_s", "30")
     child = textwrap.dedent(f"""
         import ray
         from ray.util.placement_group import placement_group
@@ -113,9 +114,9 @@ def test_start_up_without_a_free_gpu_is_named_then_stopped(tmp_path, tiny_model)
     proc = run_training([sys.executable, "-c", child], tmp_path / "train", timeout=300, cwd=tmp_path, env=local_cluster_env(2))
     assert proc.returncode != 0, proc.stderr[-4000:]
     warning = next((line for line in proc.stderr.splitlines() if "start-up not done after" in line), "")
-    assert "Stops after --mappa.startup_timeout_s 8" in warning, proc.stderr[-4000:]
+    assert "Stops after --mappa.startup_timeout_s 30" in warning, proc.stderr[-4000:]
     stop = proc.stderr.split("[mappa] stopping: ")[-1].splitlines()[0]
     assert stop.startswith("start-up not done after"), proc.stderr[-4000:]
     assert "not up yet: agent 'problem_solver' (creating its engines)" in stop
     assert re.search(r"a placement group Ray cannot place: \[\{[^]]*'GPU': 1\.0[^]]*\}\], 0 GPUs free", stop), stop
-    assert stop.endswith("Stopped by --mappa.startup_timeout_s 8.")
+    assert stop.endswith("Stopped by --mappa.startup_timeout_s 30.")
