@@ -32,7 +32,9 @@ def main():
         open(os.path.join(model, name), "w").write("{}")
     good = ["--mappa.topology", os.path.join(ROOT, "examples", "configs", "mathchat.yaml"), "--mappa.model", model,
             "--data.prompt_dataset", "tasks.jsonl", "--mappa.run_dir", "run", "--ckpt.path", "ckpt",
-            "--rollout.batch_size", "1", "--train.batch_size", "1", "--ds.attn_implementation", "sdpa"]
+            "--rollout.batch_size", "1", "--rollout.micro_batch_size", "1", "--train.batch_size", "1",
+            "--train.micro_batch_size", "1", "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1",
+            "--rollout.max_new_tokens", "64", "--ds.attn_implementation", "sdpa"]
     cases = {
         "missing dataset": good + ["--data.prompt_dataset", "missing.jsonl"],
         "model that is no directory": good + ["--mappa.model", "models/none"],
@@ -40,7 +42,7 @@ def main():
         "resume that would start over (after the heavy imports)": good + ["--ckpt.load_enable"],
     }
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MAPPA_TRACEBACK")}
-    print(f"{'case':58} {'median s':>9} {'max s':>7}  exit")
+    print(f"{'case':58} {'median s':>9} {'max s':>7}  exit  refusal")
     for case, argv in cases.items():
         times, codes = [], set()
         for _ in range(repeat):
@@ -49,7 +51,8 @@ def main():
                                   capture_output=True, text=True, timeout=300)
             times.append(time.perf_counter() - t0)
             codes.add(proc.returncode)
-        print(f"{case:58} {statistics.median(times):9.2f} {max(times):7.2f}  {sorted(codes)}")
+        said = (proc.stderr.strip().splitlines() or [""])[-1][:70]
+        print(f"{case:58} {statistics.median(times):9.2f} {max(times):7.2f}  {sorted(codes)}  {said}")
 
 
 if __name__ == "__main__":
