@@ -13,15 +13,19 @@ How: CpuPlatform.is_sleep_mode_available answers True; openrlhf's offload/reload
 are no-ops; an actor's sync backend is gloo (the broadcast over patches/gloo_weight_sync.py, as without
 colocation). Since nothing on CPU would fail if these calls came in the wrong order, with MAPPA_CALL_LOG set each
 engine's start-up (`__init__`: vLLM's profiling) / sleep / wake_up / generate and each actor's offload / reload /
-training appends one JSON line to that
-file (start and end time, pid, which model), from the process that runs it: a test checks the order a GPU
-needs from it (tests/test_colocation_e2e.py).
+training appends a JSON line to that file as it begins and another as it ends (pid, a call id, which model; the
+end line its start and end time), from the process that runs it. Appended by every process to one file, the
+lines' order is the order things happened in, whatever each process's clock says: a test checks from it the
+order a GPU needs (tests/test_colocation_e2e.py) and which calls were in flight together.
 """
 
 import functools
+import itertools
 import json
 import os
 import time
+
+_calls = itertools.count()  # this process's call ids
 
 from openrlhf_mappa.compat import refuse_outside_cpu_mode
 
@@ -30,10 +34,10 @@ refuse_outside_cpu_mode(__name__)
 FITS = ("0.11.2",)
 
 
-def log_call(event: str, model: str, t0: float, **extra) -> None:
+def log_call(event: str, model: str, call: int, **extra) -> None:
     path = os.environ.get("MAPPA_CALL_LOG")
     if path:  # one short line per write, appended: lines from many processes never interleave
-        line = json.dumps({"event": event, "model": model, "pid": os.getpid(), "t0": t0, "t1": time.time(), **extra})
+        line = json.dumps({"event": event, "model": model, "pid": os.getpid(), "call": call, **extra})
         with open(path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
 
@@ -41,9 +45,11 @@ def log_call(event: str, model: str, t0: float, **extra) -> None:
 def logged_async(method, event: str):
     @functools.wraps(method)
     async def wrapper(self, *args, **kwargs):
-        t0 = time.time()
+        call, t0 = next(_calls), time.time()
+        model = kwargs.get("model") or self.kwargs["model"]  # __init__ is given it; it keeps it in self.kwargs
+        log_call(event, model, call, begin=True)
         out = await method(self, *args, **kwargs)
-        log_call(event, self.kwargs["model"], t0, tags=kwargs.get("tags"))
+        log_call(event, model, call, t0=t0, t1=time.time(), tags=kwargs.get("tags"))
         return out
 
     return wrapper
@@ -52,9 +58,10 @@ def logged_async(method, event: str):
 def logged(method, event: str, model_of):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        t0 = time.time()
+        call, t0 = next(_calls), time.time()
+        log_call(event, model_of(self), call, begin=True)
         out = method(self, *args, **kwargs)
-        log_call(event, model_of(self), t0)
+        log_call(event, model_of(self), call, t0=t0, t1=time.time())
         return out
 
     return wrapper

@@ -423,34 +423,85 @@ def test_placement_check_against_a_real_cluster(tmp_path):
 ZERO3_RANK = """
     import glob, json, os, sys
     import deepspeed, torch
+    import torch.distributed as tdist
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    rank, port, model_dir, loads = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+    rank, port, model_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+
+    # gloo runs async work on a thread pool: a gather nobody waits for may finish after the code that follows its
+    # launch. Made certain here: an async gather's data lands when it is waited for, or else at the next broadcast,
+    # after whatever ran in between (in the race seen: rank 0's copy of the checkpoint into the weight, broadcast
+    # by GatheredParameters' exit).
+    pending = []
+
+    class Landing:
+        def __init__(self, land):
+            self.land, self.done = land, False
+            pending.append(self)
+
+        def wait(self, *args, **kwargs):
+            if not self.done:
+                self.done = True
+                pending.remove(self)
+                self.land()
+            return True
+
+        def is_completed(self):
+            return self.done
+
+    def land_pending():
+        while pending:
+            pending[0].wait()
+
+    into, to_list, broadcast = tdist.all_gather_into_tensor, tdist.all_gather, tdist.broadcast  # DeepSpeed binds some at init
+
+    def gather_into(output_tensor, input_tensor, group=None, async_op=False):
+        if not async_op:
+            return into(output_tensor, input_tensor, group=group)
+        scratch = torch.empty_like(output_tensor)
+        into(scratch, input_tensor, group=group)
+        return Landing(lambda: output_tensor.copy_(scratch))
+
+    def gather_list(tensor_list, tensor, group=None, async_op=False):
+        if not async_op:
+            return to_list(tensor_list, tensor, group=group)
+        scratch = [torch.empty_like(t) for t in tensor_list]
+        to_list(scratch, tensor, group=group)
+        return Landing(lambda: [t.copy_(x) for t, x in zip(tensor_list, scratch)])
+
+    def broadcast_after(tensor, src, group=None, async_op=False):
+        land_pending()
+        return broadcast(tensor, src, group=group, async_op=async_op)
+
+    tdist.all_gather_into_tensor, tdist.all_gather, tdist.broadcast = gather_into, gather_list, broadcast_after
     deepspeed.init_distributed("gloo")
     from openrlhf.utils.deepspeed.deepspeed_utils import get_train_ds_config
+    import deepspeed.runtime.zero.partition_parameters as zero3
 
     config = get_train_ds_config(offload=False, adam_offload=False, stage=3, zpg=1)  # as OpenRLHF's actor builds it
     keep = HfDeepSpeedConfig({**config, "train_micro_batch_size_per_gpu": 1})  # ZeRO-3 loading while alive
     saved = {k: v for f in glob.glob(model_dir + "/*.safetensors") for k, v in load_file(f).items()}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     wrong = []
-    for i in range(loads):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-        for name, p in model.named_parameters():
-            with deepspeed.zero.GatheredParameters([p]):
-                if not torch.equal(p.data, saved[name].to(p.dtype)):
-                    wrong.append(f"load {i}: {name} (max |diff| {(p.data.float() - saved[name].float()).abs().max():.3g})")
-    print("FACTS " + json.dumps({"wrong": wrong, "params": len(saved)}))
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            if not torch.equal(p.data, saved[name].to(p.dtype)):
+                wrong.append(f"{name} (max |diff| {(p.data.float() - saved[name].float()).abs().max():.3g})")
+    patches = getattr(zero3, "__mappa_cpu_patches__", [])
+    print("FACTS " + json.dumps({"wrong": wrong, "params": len(saved), "patches": patches}))
 """
 
 
 def test_zero3_from_pretrained_on_gloo_loads_the_checkpoint(tiny_model):
     # Without patches/zero3_gloo_allgather.py, one load in two to four put uninitialised values (up to 1e38, or
-    # NaN) in a weight: DeepSpeed waited only on the last of a layer's gathers. 6 loads catch that most times.
+    # NaN) in a weight: DeepSpeed waited only on the last of a layer's gathers, and gloo may finish an earlier one
+    # after it. Here a gather's data lands only when waited for or at the next collective (ZERO3_RANK's Landing),
+    # so without the patch every load of a layer's weight and bias goes wrong: one load says it, each time.
     port = str(free_port())
-    cmd = lambda rank: [sys.executable, "-c", textwrap.dedent(ZERO3_RANK), str(rank), port, tiny_model, "6"]
+    cmd = lambda rank: [sys.executable, "-c", textwrap.dedent(ZERO3_RANK), str(rank), port, tiny_model]
     procs = [subprocess.Popen(cmd(r), env=child_env(MAPPA_CPU_MODE="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in (0, 1)]  # fmt: skip
     try:
@@ -460,4 +511,5 @@ def test_zero3_from_pretrained_on_gloo_loads_the_checkpoint(tiny_model):
             p.kill()
     for p, (out, err) in zip(procs, outs):
         facts = facts_of(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        assert facts["patches"] == ["zero3_gloo_allgather"]  # the patch was applied to DeepSpeed's ZeRO-3 module
         assert facts["params"] > 0 and facts["wrong"] == [], facts["wrong"]

@@ -1,9 +1,9 @@
 """Coach criteria that change over training (topology `coach_templates`), and a coach that sees its running
 bias (--mappa.coach.show_bias): validation at load time, the switch rule, the switch surviving a resume from
 the files a run writes, the report's marker, and the bias figures in the prompt an OpenAI-compatible coach
-server receives. Real rollouts (MathChat environment, code run in the sandbox), a real HTTP coach server on
-127.0.0.1 and scripted policies standing in for the vLLM engines; no Ray (the e2e part is in
-test_resume_e2e.py)."""
+server receives. MappaTrainer.fit itself drives the steps: real rollouts (MathChat environment, code run in the
+sandbox), a real HTTP coach server on 127.0.0.1, scripted replies standing in for the vLLM engines and
+conftest.StandIn for the agents' Ray actors; no Ray (the e2e part is in test_resume_e2e.py)."""
 
 import json
 import os
@@ -14,17 +14,15 @@ import pytest
 import torch
 
 from coach_server import COACH_TEMPLATE, CoachServer
-from conftest import render_report_dom
-from test_coach import ScriptedPolicy
+from conftest import StandIn, render_report_dom, stand_in_team
 
 from openrlhf_mappa import report
 from openrlhf_mappa.coach import CoachRequest, build_coach, render_prompt
-from openrlhf_mappa.coach.audit import BiasAudit, coach_step_metrics
-from openrlhf_mappa.evaluation import behaviour_metrics
+from openrlhf_mappa.coach.audit import BiasAudit
 from openrlhf_mappa.episode import Action, Episode, ToolFeedback, Verdict
-from openrlhf_mappa.rollout import rollout
 from openrlhf_mappa.topology import AGENT_METRICS, load_topology
 from openrlhf_mappa import trainer as trainer_module
+from openrlhf_mappa.cli.train_mappa_ray import parse_args
 from openrlhf_mappa.resume import CHECKPOINT_MARKER, check_resume
 from openrlhf_mappa.trainer import MappaTrainer, truncate_logs
 
@@ -118,18 +116,16 @@ def test_the_rule_metrics_are_the_per_agent_keys_a_step_logs():
 # ---------------------------------------------------------------- switching, and switching after a resume
 
 
-def trainer_for(topology, coach, tmp_path, show_bias=False) -> MappaTrainer:
-    """A MappaTrainer with no agents (nothing on Ray): the driver's part of a run."""
-    args = SimpleNamespace(
-        mappa=SimpleNamespace(reward="process", run_dir=str(tmp_path / "run"), shared_policy=False, topology="topo.yaml",
-                              coach=SimpleNamespace(score_outcome_runs=False, bias_threshold=1.0, bias_window=5,
-                                                    show_bias=show_bias)),
-        ckpt=SimpleNamespace(path=str(tmp_path / "ckpt"), load_enable=True),
-        rollout=SimpleNamespace(temperature=1.0, top_p=1.0), eval=SimpleNamespace(temperature=0.6),
-        data=SimpleNamespace(max_len=64), logger=SimpleNamespace(wandb=SimpleNamespace(key=None), tensorboard_dir=None),
-    )  # fmt: skip
+def trainer_for(topology, coach, tmp_path, tasks=(), show_bias=False, on_save=None) -> MappaTrainer:
+    """The driver of a run (MappaTrainer, OpenRLHF's flags as parsed), its agents' Ray side stood in for
+    (conftest.StandIn): 2 tasks a step, one sample each, a checkpoint every 2 steps."""
+    args = parse_args(["--mappa.topology", "topo.yaml", "--mappa.run_dir", str(tmp_path / "run"), "--ckpt.path",
+                       str(tmp_path / "ckpt"), "--ckpt.load_enable", "--ckpt.save_steps", "2", "--rollout.batch_size", "2",
+                       "--rollout.n_samples_per_prompt", "1", "--train.batch_size", "2", "--data.max_len", "64",
+                       "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--train.micro_batch_size", "1"]
+                      + ["--mappa.coach.show_bias"] * show_bias)  # fmt: skip
     os.makedirs(args.ckpt.path, exist_ok=True)
-    return MappaTrainer(args, topology, [], coach, [], args.mappa.run_dir)
+    return MappaTrainer(args, topology, stand_in_team(args, topology, on_save), coach, list(tasks), args.mappa.run_dir)
 
 
 def agents_saved(ckpt, step: int):
@@ -140,63 +136,76 @@ def agents_saved(ckpt, step: int):
         (ckpt / agent / "_actor" / "latest").write_text(f"global_step{step}")
 
 
-def play_step(trainer, step: int, code: str) -> dict:
-    """What fit() does around a training step, minus the Ray part: a real rollout (the coder's code runs in
-    the sandbox; the coach is asked over HTTP, with its running figures when shown), the coach metrics and
-    bias audit, the behaviour metrics, the logs, then the criteria rule."""
-    policies = {"solver": ScriptedPolicy("2 + 2 is 4."), "coder": ScriptedPolicy(f"```python\n{code}\n```")}
-    # A task text of its own per episode and step: no coach prompt repeats, so none is served from the cache.
-    tasks = [{"id": f"{step}-{i}", "prompt": f"What is {step} + {i}?", "answer": str(step + i)} for i in range(2)]
-    bias = trainer.bias_audit.prompt_text() if trainer.mappa.coach.show_bias else None
-    workspace = os.path.join(trainer.run_dir, "ws")
-    episodes = trainer.loop.run_until_complete(rollout(trainer.topology, tasks, policies, trainer.coach, workspace, step, coach_bias=bias))
-    metrics = {**coach_step_metrics(episodes), **trainer.bias_audit.update(episodes)}
-    metrics.update(behaviour_metrics(episodes, ["solver", "coder"]), **{"coach/template_stage": trainer.stage})
-    trainer.write_episodes(episodes)
-    trainer.log(step, metrics)
-    trainer.advance_criteria(step, metrics)
-    return metrics
+class Replies:
+    """Stands in for an agent's vLLM engine (no model): its replies in order, one per call."""
+
+    def __init__(self, *replies):
+        self.replies, self.calls, self.tokenizer = replies, 0, self
+
+    def prompt_ids(self, messages):
+        return messages[-1]["content"], [1, 2, 3], False
+
+    async def generate(self, prompt_ids):
+        self.calls += 1
+        return [self.calls - 1], False  # the reply's index, read back by decode
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.replies[ids[0]]
 
 
 def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsys, monkeypatch):
+    # fit() itself drives the steps (rollout, coach, the rule, the checkpoints in its order), all of the driver real but
+    # the agents' Ray side (StandIn, whose calls trainer.ray.get passes through) and engines (Replies): the coder's
+    # code fails in step 1 and runs from step 2 on; a checkpoint every 2 steps; an actor dies in step 4's training.
     monkeypatch.setattr(trainer_module, "console", SimpleNamespace(out=sys.stdout, err=sys.stderr))  # the captured terminal
+    monkeypatch.setattr(trainer_module.ray, "get", lambda refs, **kwargs: refs)
     topology = load_topology(write_topology(tmp_path))
+    tasks = [{"id": str(i), "prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)]  # 5 steps of 2
+    figures = {}  # the coach's running figures as each checkpoint saw them
     with CoachServer() as server:
         coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
-        first = trainer_for(topology, coach, tmp_path)
-        play_step(first, 1, "print(1 / 0)")  # the coder's code fails: error rate 1, no switch
-        assert first.stage == 0 and "coach template" not in capsys.readouterr().out
-        play_step(first, 2, "print(2 + 2)")  # runs: error rate 0 < 0.2 -> quality from step 3
+        first = trainer_for(topology, coach, tmp_path, tasks, on_save=lambda step: figures.setdefault(step, first.bias_audit.prompt_text()))
+        first.policies = {"solver": Replies(*["2 + 2 is 4."] * 8),
+                          "coder": Replies(*[f"```python\n{code}\n```" for code in ["print(1 / 0)"] * 2 + ["print(2 + 2)"] * 6])}
+        solver = first.agents[0].trainer
+
+        def dies_in_step_4(experiences, step):
+            if step == 4:
+                raise RuntimeError("solver's actor died")
+            return StandIn.train_step(solver, experiences, step)
+
+        solver.train_step = dies_in_step_4
+        with pytest.raises(RuntimeError, match="solver's actor died"):
+            first.fit()
         out = capsys.readouterr().out
         assert ("[mappa] coach criteria: after step 2, agent/coder/code_error_rate = 0 (agent/coder/code_error_rate < 0.2): "
                 "coach template 'reliability' -> 'quality', in use from step 3") in out  # fmt: skip
+        assert out.count("coach criteria: after step") == 1  # step 1's code failed: error rate 1, no switch
         assert (first.stage, first.stage_since, coach.template) == (1, 3, STAGES[1]["template"])
-        agents_saved(tmp_path / "ckpt", 2)
-        first.write_marker(2)  # the team checkpoint of step 2
-        figures = first.bias_audit.prompt_text()
-        assert "(the last 2 training steps, 8 scored actions)" in figures
-        play_step(first, 3, "print(2 + 2)")  # then the run is killed before step 3's checkpoint
+        # Step 2's checkpoint came after step 2's switch, and records the template in use from step 3.
+        assert json.load(open(tmp_path / "ckpt" / CHECKPOINT_MARKER)) == {
+            "step": 2, "coach_cost_usd": 0.0, "coach_template": {"name": "quality", "since_step": 3}}  # fmt: skip
+        assert list(figures) == [2] and "(the last 2 training steps, 8 scored actions)" in figures[2]
         prompts = [r["prompt"].split("\n", 1)[0] for r in server.requests]
-        assert prompts == ["RELIABILITY"] * 8 + ["QUALITY"] * 4  # 2 episodes x 2 actions per step
+        assert prompts == ["RELIABILITY"] * 8 + ["QUALITY"] * 8  # 2 episodes x 2 actions per step, steps 1-4
         first.loop.run_until_complete(coach.aclose())
 
         # The same command again: the CLI builds the coach with the first template; the trainer restores.
         assert check_resume(first.args, topology, []) == (2, [])
         assert json.load(open(tmp_path / "ckpt" / CHECKPOINT_MARKER))["coach_template"] == {"name": "quality", "since_step": 3}
         coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
-        second = trainer_for(topology, coach, tmp_path)
-        truncate_logs(second.run_dir, 2)
-        second.restore(2)
+        second = trainer_for(topology, coach, tmp_path, tasks)
+        second.policies = {"solver": Replies(*["2 + 2 is 4."] * 6), "coder": Replies(*["```python\nprint(2 + 2)\n```"] * 6)}
+        second.resume(2)
         assert "resuming with coach template 'quality' (in use since step 3)" in capsys.readouterr().out
         assert (second.stage, second.stage_since, coach.template) == (1, 3, STAGES[1]["template"])
-        assert second.bias_audit.prompt_text() == figures  # the audit's window, rebuilt from episodes.jsonl
+        assert second.bias_audit.prompt_text() == figures[2]  # the audit's window, rebuilt from episodes.jsonl
         del server.requests[:]
-        play_step(second, 3, "print(2 + 2)")
-        play_step(second, 4, "print(2 + 2)")  # step >= 4: polish from step 5
+        second.fit(2)  # steps 3-5; step >= 4 switches to polish from step 5
         assert "'quality' -> 'polish', in use from step 5" in capsys.readouterr().out
-        play_step(second, 5, "print(2 + 2)")
         assert [r["prompt"].split("\n", 1)[0] for r in server.requests] == ["QUALITY"] * 8 + ["POLISH"] * 4
-        second.loop.run_until_complete(coach.aclose())
+    assert [step for step, _ in solver.trained] == [1, 2, 3] and [s for s, _ in second.agents[0].trainer.trained] == [3, 4, 5]
+    assert json.load(open(tmp_path / "ckpt" / CHECKPOINT_MARKER))["coach_template"] == {"name": "polish", "since_step": 5}
 
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [(r["step"], r["coach/template_stage"]) for r in rows] == [(1, 0), (2, 0), (3, 1), (4, 1), (5, 2)]
@@ -270,15 +279,16 @@ def test_bias_figures_are_measured_or_absent_never_invented():
     assert "correlation undefined (one outcome only, or constant scores); no solved episode; mean 3.00 on failed" in one_outcome.prompt_text()
 
 
-def test_the_coach_prompt_shows_the_bias_figures_only_when_enabled(tmp_path):
+def test_the_coach_prompt_shows_the_bias_figures_only_when_enabled(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer_module.ray, "get", lambda refs, **kwargs: refs)  # conftest.StandIn's calls return values
     topology = load_topology(write_topology(tmp_path, coach_templates=None, coach_template=COACH_TEMPLATE))
+    tasks = [{"id": str(i), "prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(4)]  # 2 steps of 2
     with CoachServer() as server:
         for show_bias in (True, False):
             coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
-            trainer = trainer_for(topology, coach, tmp_path / str(show_bias), show_bias=show_bias)
-            play_step(trainer, 1, "print(2 + 2)")
-            play_step(trainer, 2, "print(2 + 2)")
-            trainer.loop.run_until_complete(coach.aclose())
+            trainer = trainer_for(topology, coach, tmp_path / str(show_bias), tasks, show_bias=show_bias)
+            trainer.policies = {"solver": Replies(*["2 + 2 is 4."] * 4), "coder": Replies(*["```python\nprint(2 + 2)\n```"] * 4)}
+            trainer.fit()
         step1, step2, off = server.requests[:4], server.requests[4:8], server.requests[8:]
     assert all(r["prompt"].startswith("Your recent scoring in this run: no figures yet") for r in step1)
     solver_score = len(set("2 + 2 is 4.")) % 11  # what the server's rule gives the solver's reply

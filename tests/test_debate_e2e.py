@@ -6,12 +6,14 @@ reference model and vLLM engine sharing one logical GPU of its own, and the heur
 The script's python is a wrapper that runs the real CLI's `train` and saves, per agent, the experience tensors
 the advantage step leaves (rewards.compute_advantages observed, not replaced). Asserted from those and from
 episodes.jsonl: every episode is debater_a, debater_b (round 0), both again (round 1), then the judge (round 2);
-every row an agent trained on is one of its own actions, token for token, and every action with a reward
-trained exactly once, so each debater trained both of its rounds' actions of every episode.
+every row an agent trained on is one of its own actions, token for token, trained on that action's reward, with
+the row's mean advantage recorded for that action, and every action with a reward trained exactly once, so each
+debater trained both of its rounds' actions of every episode.
 
-From the hybrid engine's call log (patches/hybrid_engine.py, see test_colocation_e2e): no agent's engine was
-awake while its own actor trained, no actor was loaded while any engine generated, and the agents, on GPUs of
-their own, trained at the same time. After the sync each agent's engine holds its actor's weights, which moved.
+From the hybrid engine's call log (patches/hybrid_engine.py, see test_colocation_e2e; in the log's order of
+events, not by any clock): no agent's engine was awake while its own actor trained, no actor was loaded while
+any engine generated, and the agents, on GPUs of their own, were in training at the same time. After the sync
+each agent's engine holds its actor's weights, which moved.
 """
 
 import json
@@ -22,7 +24,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, hybrid_engine_timeline, local_cluster_env, overlaps, run_training
+from conftest import (REPO, assert_rows_are_their_actions, hybrid_engine_timeline, local_cluster_env, overlaps,
+                      record_experiences, run_training)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(REPO, "examples", "scripts", "train_mappa_debate_tiny_cpu.sh")
@@ -36,19 +39,10 @@ def train_recording(argv: list, tensors_path: str, probe_path: str):
 
     from test_mappa_e2e import probe_agents
 
-    from openrlhf_mappa import rewards
     from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
 
     assert argv[:2] == ["-m", "openrlhf_mappa.cli.train_mappa_ray"], argv[:2]
-    steps, compute = [], rewards.compute_advantages
-
-    def recording(batches_by_agent, kl_coef, scope="agent"):
-        compute(batches_by_agent, kl_coef, scope)
-        steps.append({name: [{k: getattr(b, k).clone() for k in ("sequences", "action_mask", "advantages")} for b in batches]
-                      for name, batches in batches_by_agent.items()})  # fmt: skip
-        torch.save(steps, tensors_path)
-
-    rewards.compute_advantages = recording
+    record_experiences(tensors_path)
     agents = train(parse_args(argv[2:]))
     with open(probe_path, "w") as f:
         json.dump(probe_agents(agents), f)
@@ -81,24 +75,15 @@ def test_debate_pipeline_trains_every_round_of_every_agent_on_its_own(tmp_path, 
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(out / "tiny-model"))
-    (step,) = torch.load(tensors_path)
-    assert set(step) == set(AGENTS)
+    steps = torch.load(tensors_path)
+    assert len(steps) == 1 and set(steps[0]) == set(AGENTS)
+    # Each row an agent trained on is one of its own actions, on that action's reward, with that action's advantage
+    # recorded; and every action of this agent trained once: for a debater, both rounds of each of the 4 episodes.
+    rows = assert_rows_are_their_actions(steps, episodes, AutoTokenizer.from_pretrained(str(out / "tiny-model")))
     for name in AGENTS:
-        own = {(tuple(tokenizer(a["prompt_text"], add_special_tokens=False)["input_ids"]), a["response_text"]): (i, a["round"])
-               for i, ep in enumerate(episodes) for a in ep["actions"] if a["agent"] == name}  # fmt: skip
-        trained = []
-        for b in step[name]:
-            for seq, mask in zip(b["sequences"].tolist(), b["action_mask"].bool()):
-                response = [t for t, m in zip(seq[1:], mask.tolist()) if m]
-                start = mask.tolist().index(True) + 1  # the action mask is shifted by one, as OpenRLHF's
-                key = (tuple(seq[:start]), tokenizer.decode(response, skip_special_tokens=True))
-                assert key in own, f"{name} trained on a row that is not one of its own actions"
-                trained.append(own[key])
-        # every action of this agent trained exactly once: for a debater, both rounds of each of the 4 episodes
         rounds = (0, 1) if name != "judge" else (2,)
-        assert sorted(trained) == [(i, r) for i in range(4) for r in rounds], name
-        assert all(torch.isfinite(b["advantages"]).all() for b in step[name])
+        assert sorted((i, episodes[i]["actions"][j]["round"]) for i, j in rows[1, name]) == [(i, r) for i in range(4) for r in rounds]
+        assert all(torch.isfinite(b["advantages"]).all() for b in steps[0][name])
 
     (metrics,) = [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
     assert [metrics[f"agent/{n}/trained_actions"] for n in AGENTS] == [8, 8, 4]
@@ -112,7 +97,9 @@ def test_debate_pipeline_trains_every_round_of_every_agent_on_its_own(tmp_path, 
         assert overlaps(t["awake"], t["train"]) == [], name  # its engine slept while its actor trained
     assert overlaps([s for t in timeline.values() for s in t["loaded"]], [s for t in timeline.values() for s in t["generate"]]) == []
     trains = [timeline[n]["train"][0] for n in AGENTS]
-    assert overlaps(trains[:1], trains[1:]), trains  # on GPUs of their own, the agents trained at once
+    # On GPUs of their own, the agents trained at once: one agent's training began (its line in the log) before
+    # another's ended, and the other's began before the first's ended.
+    assert overlaps(trains[:1], trains[1:]), trains
 
     from test_openrlhf_cpu_e2e import hf_probe_logprobs
 

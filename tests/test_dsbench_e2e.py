@@ -1,7 +1,13 @@
 """A real DSBench MAPPA run on CPU: three tiny agents (Data Engineer, Modeler, Analyst), each with its own
 ZeRO-3 actor and vLLM engine (Ray, vLLM, DeepSpeed for real), on one task of the offline pack, coached by
 the offline heuristic coach. Tiny untrained agents cannot solve the task; the run must still complete, with
-a verdict for every action of all three agents and the DSBench outcome fields in every episode."""
+a verdict for every action of all three agents and the DSBench outcome fields in every episode.
+
+It trains on the default path (no --mappa.train_truncated): the agents' model is the tiny one made to end its
+replies on its own (ending_model), so its actions are not cut off at the token limit and train. Asserted from
+episodes.jsonl: every action that ended and was scored trains on its score (DSBench's scale 1), each agent on a
+whole number of batches of them, its advantages ordered as its rewards; the cut-off ones (if any) are left out
+and counted."""
 
 import glob
 import json
@@ -10,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from conftest import MAPPA, REPO, local_cluster_env, run_training
@@ -17,8 +24,34 @@ from conftest import MAPPA, REPO, local_cluster_env, run_training
 AGENTS = ["data_engineer", "modeler", "analyst"]
 
 
+def ending_model(src: str, out: str) -> str:
+    """`src` (a tiny model) made to end its replies on its own: a constant added to every input embedding dominates
+    the residual stream, so the last hidden state points about the same way for any input, and the output layer's
+    EOS row is set along it, at the logit that gives EOS about 0.6 of the probability at each token. A random
+    tiny model seldom ends a reply within 16 tokens; this one all but never runs to the limit (0.4^16)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), AutoTokenizer.from_pretrained(src)
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():
+        model.get_input_embeddings().weight += torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        ids = tokenizer("Data Engineer: load train.csv, then save X_train.pkl; " * 8, return_tensors="pt").input_ids
+        h_TD = model.model(ids).last_hidden_state[0]  # after the final norm
+        head = model.get_output_embeddings().weight
+        head[eos] = 0.0
+        others_T = torch.logsumexp(h_TD @ head.T, -1)  # the EOS logit at p = 0.6 is log(0.6 / 0.4) above these
+        direction = h_TD.mean(0)
+        head[eos] = direction * (others_T.mean() + torch.log(torch.tensor(1.5))) / direction.dot(direction)
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    shutil.copy(os.path.join(src, "generation_config.json"), out)  # vLLM stops at <|im_end|>
+    return out
+
+
 @pytest.mark.e2e
-def test_dsbench_mappa_run_completes_with_verdicts(tmp_path, tiny_model):
+def test_dsbench_mappa_run_trains_on_replies_that_ended(tmp_path, tiny_model):
     pack = tmp_path / "pack"
     subprocess.run([MAPPA, "dsbench", "make-pack", str(pack)], check=True, capture_output=True, timeout=300)
     task = next(json.loads(line) for line in open(pack / "tasks.jsonl") if '"sk-diabetes"' in line)
@@ -31,7 +64,7 @@ def test_dsbench_mappa_run_completes_with_verdicts(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
     argv = [
         "--mappa.topology", str(tmp_path / "dsbench.yaml"),
-        "--mappa.model", tiny_model,
+        "--mappa.model", ending_model(tiny_model, str(tmp_path / "ending-model")),
         "--mappa.coach.kind", "heuristic",
         "--mappa.run_dir", str(run_dir),
         "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"),
@@ -62,13 +95,28 @@ def test_dsbench_mappa_run_completes_with_verdicts(tmp_path, tiny_model):
                         timeout=1200, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
 
-    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert [m["step"] for m in metrics] == [1]
-    for name in AGENTS:
-        assert metrics[0][f"agent/{name}/coach_score"] is not None
-
+    (m,) = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
-    assert len(episodes) == 2
+    assert m["step"] == 1 and len(episodes) == 2 and "--mappa.train_truncated" not in argv
+    # The default path: an action that ended on its own trains on its score; one cut off at the token limit is left
+    # out and counted. Each agent trains on whole batches (--train.batch_size 2) of the rest.
+    ended = 0
+    for name in AGENTS:
+        own = [a for ep in episodes for a in ep["actions"] if a["agent"] == name]
+        trainable = [a for a in own if not a["truncated"]]
+        assert m[f"agent/{name}/coach_score"] == pytest.approx(sum(a["verdict"]["score"] for a in own) / len(own))
+        assert all(a["reward"] == a["verdict"]["score"] for a in trainable)  # DSBench's reward_scale 1
+        assert all(a["reward"] is None and a["advantage"] is None for a in own if a["truncated"])
+        assert m[f"agent/{name}/truncated_left_out"] == len(own) - len(trainable)
+        assert m[f"agent/{name}/trained_actions"] == len(trainable) // 2 * 2
+        assert m[f"agent/{name}/updated"] == int(len(trainable) >= 2)
+        trained = [a for a in trainable if a["advantage"] is not None]
+        assert len(trained) == m[f"agent/{name}/trained_actions"]
+        for a in trained:  # KL 0: each row's return is its reward, whitened over the agent's batch
+            for b in trained:
+                assert (a["reward"] > b["reward"]) == (a["advantage"] > b["advantage"] + 1e-6), name
+        ended += len(trained)
+    assert ended == 6, "the replies ran to the token limit: the default path trained nothing"
     for ep in episodes:
         assert ep["task_id"] == "sk-diabetes" and ep["task_type"] == "regression"
         agents = [a["agent"] for a in ep["actions"]]

@@ -1,6 +1,7 @@
 """A component dying mid-run, for real: a tiny two-agent MAPPA run on CPU (Ray, vLLM, DeepSpeed ZeRO-3) whose
-second agent's vLLM engine process is SIGKILLed after the first step. The run must end on its own within a
-bounded time, non-zero, with a message naming that agent and component, keeping the step it had logged.
+second agent's vLLM engine process is SIGKILLed after the first step. The run must end on its own, stopped on that
+death (not by a collective's timeout), non-zero, with a message naming that agent and component, keeping the step
+it had logged.
 
 The run is coached in hindsight mode (--mappa.coach.mode hindsight) through the OpenAI-compatible backend,
 against a real HTTP server on 127.0.0.1 standing in for a paid coach API (tests/coach_server.py): the step it
@@ -12,7 +13,6 @@ import os
 import re
 import signal
 import sys
-import time
 
 import pytest
 
@@ -43,14 +43,13 @@ def test_a_dead_engine_stops_the_run_naming_its_agent(tmp_path, tiny_model):
         wait_for(proc, lambda: metrics.exists() and metrics.read_text().endswith("\n"), 600, "first step")
         pid = json.loads((run_dir / "processes.json").read_text())["verifier/vLLM engine 0"]
         os.kill(pid, signal.SIGKILL)
-        killed_at = time.time()
-        wait_for(proc, lambda: proc.poll() is not None, 180, "stop after the engine's death")
-        stopped_after = time.time() - killed_at
+        # A bound on the wait, below the weight broadcast's 10-minute collective timeout that a hung run waits out.
+        wait_for(proc, lambda: proc.poll() is not None, 300, "stop after the engine's death")
     log = (tmp_path / "train.err").read_text()
     assert proc.returncode != 0
-    assert "agent 'verifier': vLLM engine 0 died" in log, log[-4000:]
+    # Stopped on the engine's death, named (by the watchdog or the failed call), not by a collective's timeout.
+    assert "[mappa] run stopped: agent 'verifier': vLLM engine 0 died" in log, log[-4000:]
     assert "agent 'problem_solver'" not in log.split("[mappa] run stopped:")[-1].split("\n")[0]  # only the dead one
-    assert stopped_after < 120
     step1 = json.loads(metrics.read_text().splitlines()[0])
     assert step1["step"] == 1  # what it had is kept
 

@@ -1,14 +1,16 @@
 """Per-agent LoRA adapters on one shared base, for real on CPU: the relay's three agents (heuristic coach), each
 with its own adapter (topology `lora`) on ONE tiny base model, served by ONE vLLM engine pool (vLLM's LoRA on
-its CPU path), β > 0 with the base (the adapter off) as every agent's reference, 2 steps, ZeRO-3. The run is
-SIGKILLed once its first team checkpoint exists, and the same command resumes it.
+its CPU path), β > 0 with the base (the adapter off) as every agent's reference, 2 steps, ZeRO-3, one agent on 2
+data-parallel ranks (rank 1 joins the gather of each adapter sync). The run is SIGKILLed once its first team
+checkpoint exists, and the same command resumes it.
 
 Asserted after the resume, before any step: every actor is its checkpoint's adapter (`mappa merge-lora` of the
 checkpoint's HF export gives its log-probs) and the pool's engine, asked with that agent's adapter, agrees. At the
 end: no reference model exists; each agent's adapter changed and differs from the others' (the HF exports, PEFT
 format); the base did not change (each actor with its adapter off gives the base's log-probs); the pool's engine
 with agent k's adapter gives agent k's actor's log-probs of a fixed sequence, not agent j's; each step logged the
-bytes its adapter sync sent against a full model's. Then `mappa eval` over the exports serves every adapter on
+bytes its adapter sync sent against a full model's; on the resumed steps' experience tensors, every row an agent
+trained on is one of its own actions, on that action's reward, with the row's mean advantage recorded for it. Then `mappa eval` over the exports serves every adapter on
 one engine of the base.
 """
 
@@ -21,7 +23,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import MAPPA, REPO, TINY_RUN_FLAGS, local_cluster_env, run_training, training, wait_for
+from conftest import (MAPPA, REPO, TINY_RUN_FLAGS, assert_rows_are_their_actions, local_cluster_env, run_training, training,
+                      wait_for)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 AGENTS = ("quantity", "item", "code")
@@ -30,6 +33,7 @@ AGENTS = ("quantity", "item", "code")
 @pytest.mark.e2e
 def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_model):
     from safetensors.torch import load_file
+    from transformers import AutoTokenizer
 
     from test_openrlhf_cpu_e2e import hf_probe_logprobs
 
@@ -37,6 +41,7 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
     for agent in topology["agents"]:
         agent["model"] = tiny_model
         agent["lora"] = {"rank": 8, "alpha": 16}
+    topology["agents"][0]["num_gpus_per_node"] = 2  # quantity: 2 ZeRO-3 ranks, whose rank 1 joins each adapter gather
     (tmp_path / "topology.yaml").write_text(yaml.safe_dump(topology))
     run_dir, ckpt, final = tmp_path / "run", tmp_path / "ckpt", tmp_path / "final"
     argv = [
@@ -50,8 +55,8 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
         "--ckpt.save_steps", "1", "--ckpt.save_hf", "--ckpt.load_enable",  # the same command starts and resumes
         "--ckpt.path", str(ckpt), "--ckpt.output_dir", str(final),
     ]  # fmt: skip
-    # 3 actors and 1 engine pool, each on GPUs of its own: 4 logical GPUs (a full-weights team would need 6).
-    env = local_cluster_env(4)
+    # 4 actor ranks and 1 engine pool, each on a GPU of its own: 5 logical GPUs (a full-weights team would need 7).
+    env = local_cluster_env(5)
     marker = ckpt / "mappa_checkpoint.json"
     with training([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], tmp_path / "train1", cwd=tmp_path,
                   env=env) as run1:  # its whole process group SIGKILLed at the end of the block
@@ -60,9 +65,9 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
     assert saved in (1, 2)
     assert "GPUs: pool tiny/vllm" in open(tmp_path / "train1.out").read()
 
-    start_path, end_path = str(tmp_path / "start.json"), str(tmp_path / "end.json")
+    start_path, end_path, tensors_path = (str(tmp_path / f) for f in ("start.json", "end.json", "tensors.pt"))
     child = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_resume_e2e import resume_and_probe; "
-             f"resume_and_probe({argv!r}, {start_path!r}, {end_path!r})")  # fmt: skip
+             f"resume_and_probe({argv!r}, {start_path!r}, {end_path!r}, {tensors_path!r})")  # fmt: skip
     proc = run_training([sys.executable, "-c", child], tmp_path / "train2", timeout=1500, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert f"resuming after step {saved}" in proc.stdout
@@ -82,8 +87,18 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         for n in AGENTS:
-            assert m[f"agent/{n}/updated"] == 1 and m[f"agent/{n}/kl"] is not None
+            assert m[f"agent/{n}/updated"] == 1 and m[f"agent/{n}/trained_actions"] == 4
             assert 0 < m[f"agent/{n}/sync_mib"] < m[f"agent/{n}/full_sync_mib"] / 2, m  # the adapter alone travels
+    # The resumed steps: each row an agent trained on is one of its own actions, on that action's reward, with the
+    # row's mean advantage recorded for it; all 4 of each agent's actions trained; KL, the base's (the adapter off).
+    episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
+    steps = torch.load(tensors_path) if os.path.exists(tensors_path) else []  # none when the kill came after step 2
+    assert len(steps) == 2 - saved and all(set(s) == set(AGENTS) for s in steps)
+    rows = assert_rows_are_their_actions(steps, episodes, AutoTokenizer.from_pretrained(tiny_model), first_step=saved + 1)
+    for (step, n), trained in rows.items():
+        assert len(trained) == 4, (step, n)
+        kl_B = torch.cat([(b["kl"].float() * b["action_mask"]).sum(1) / b["action_mask"].sum(1) for b in steps[step - saved - 1][n]])
+        assert metrics[step - 1][f"agent/{n}/kl"] == pytest.approx(kl_B.mean().item(), abs=1e-6), (step, n)
 
     end = json.load(open(end_path))
     assert end["references"] == ["AdapterOff"] * 3  # no reference model: the base with the adapter off

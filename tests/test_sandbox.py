@@ -53,19 +53,15 @@ def test_infinite_loop_hits_the_cpu_limit(ws):
 
 @root_only
 def test_sleeping_past_the_timeout(ws):
-    t0 = time.monotonic()
     fb = run("import time\nprint('sleeping')\ntime.sleep(60)", ws, timeout_s=3.0)
-    assert time.monotonic() - t0 < 10
     assert fb.timed_out and fb.limit == "timeout" and fb.stdout == "sleeping\n"
     assert fb.as_text().startswith("[timed out]")
 
 
 @root_only
 def test_fork_bomb_hits_the_process_limit(ws):
-    t0 = time.monotonic()
     fb = run("import os\nwhile True:\n    os.fork()", ws, max_processes=16, timeout_s=10.0)
     assert fb.limit == "processes" and not fb.timed_out and fb.exit_code == 1
-    assert time.monotonic() - t0 < 10
 
 
 @root_only
@@ -222,24 +218,30 @@ def test_created_and_changed_files(ws):
 
 @root_only
 def test_concurrent_runs_do_not_see_each_other(tmp_path):
+    # Each run says it is in flight (mine.txt, seen from outside) and then waits for "go", which the test writes once
+    # both are: run one after the other, the first would wait until its timeout. Then each lists the shared parent.
     code = """
         import os, time
         open("mine.txt", "w").write(str(os.getuid()))
-        time.sleep(1.5)
+        while not os.path.exists("go"):
+            time.sleep(0.05)
         print(os.getuid(), sorted(os.listdir("..")))
     """
-    results = {}
+    names, results = ("ep0", "ep1"), {}
 
     def go(name):
-        results[name] = run(code, tmp_path / name)
+        results[name] = run(code, tmp_path / name, timeout_s=30.0)
 
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=go, args=(name,)) for name in ("ep0", "ep1")]
+    threads = [threading.Thread(target=go, args=(name,)) for name in names]
     for t in threads:
         t.start()
+    while any(t.is_alive() for t in threads) and not all((tmp_path / n / "mine.txt").exists() for n in names):
+        time.sleep(0.05)
+    for name in names:
+        (tmp_path / name / "go").write_text("")
     for t in threads:
         t.join()
-    assert time.monotonic() - t0 < 2 * 1.5 + 1.5  # they overlapped
+    assert not any(results[name].timed_out for name in names), results  # both were in flight at once
     for name in ("ep0", "ep1"):
         uid, seen = results[name].stdout.split(" ", 1)
         assert seen.strip() == f"['{name}']", seen  # only its own workspace under the shared parent

@@ -1,7 +1,8 @@
 """Start-up, for real (Ray, vLLM, DeepSpeed ZeRO-3 on CPU): a run killed while its actor initialises leaves no
 process behind, and the same command then reaches step 1 even past stale build locks in the environment's
 extension cache (its ops were built at install, so the locks are never consulted; the start-up watchdog names
-them). A start-up that cannot finish (another job holds every GPU) is named, then stopped, never silent."""
+them). That run is also the baselines' (one shared policy, group normalization, evaluation during training; see
+test_eval_e2e). A start-up that cannot finish (another job holds every GPU) is named, then stopped, never silent."""
 
 import contextlib
 import json
@@ -14,6 +15,7 @@ import time
 import pytest
 
 from conftest import TINY_RUN_FLAGS, local_cluster_env, run_training, training, two_agent_mathchat, wait_for
+from test_eval_e2e import assert_shared_policy_group_norm_run
 
 
 def processes_of(run_id: str) -> dict:
@@ -45,7 +47,11 @@ def shared_policy_argv(tmp_path, tiny_model, *flags) -> list:
 
 @pytest.mark.e2e
 def test_start_up_killed_then_restarted_past_stale_locks(tmp_path, tiny_model):
-    argv = shared_policy_argv(tmp_path, tiny_model, "--mappa.startup_warn_s", "10", "--mappa.startup_timeout_s", "300")
+    # Run 2 is also the baselines' run: one shared policy for both roles, GRPO-style group normalization, evaluation
+    # before and after training (checked in test_eval_e2e.assert_shared_policy_group_norm_run).
+    argv = shared_policy_argv(tmp_path, tiny_model, "--mappa.startup_warn_s", "10", "--mappa.startup_timeout_s", "300",
+                              "--mappa.norm_scope", "group", "--eval.dataset", str(tmp_path / "tasks.jsonl"),
+                              "--eval.n_samples_per_prompt", "2", "--actor.adam.lr", "1e-2", "--actor.lr_warmup_ratio", "0")
     cmd = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv]
     run_id = str(tmp_path)
     env = local_cluster_env(2, MAPPA_TEST_RUN=run_id)
@@ -89,11 +95,13 @@ def test_start_up_killed_then_restarted_past_stale_locks(tmp_path, tiny_model):
     warnings = [line for line in proc.stderr.splitlines() if "start-up not done after" in line]
     assert warnings, proc.stderr[-4000:]  # every 10 s of start-up, the watchdog says what is not up yet ...
     assert all(f"the build lock {lock}" in warnings[0] for lock in locks), warnings[0]  # ... and sees the locks
+    assert_shared_policy_group_norm_run(tmp_path / "run")
 
 
 @pytest.mark.e2e
 def test_start_up_without_a_free_gpu_is_named_then_stopped(tmp_path, tiny_model):
-    argv = shared_policy_argv(tmp_path, tiny_model, "--mappa.startup_warn_s", "2", "--mappa.startup_timeout_s", "8")
+    # 30 s: room on a loaded machine to reach the engines' stage before the stop (at 8 s it once had not).
+    argv = shared_policy_argv(tmp_path, tiny_model, "--mappa.startup_warn_s", "2", "--mappa.startup_timeout_s", "30")
     child = textwrap.dedent(f"""
         import ray
         from ray.util.placement_group import placement_group
@@ -106,9 +114,9 @@ def test_start_up_without_a_free_gpu_is_named_then_stopped(tmp_path, tiny_model)
     proc = run_training([sys.executable, "-c", child], tmp_path / "train", timeout=300, cwd=tmp_path, env=local_cluster_env(2))
     assert proc.returncode != 0, proc.stderr[-4000:]
     warning = next((line for line in proc.stderr.splitlines() if "start-up not done after" in line), "")
-    assert "Stops after --mappa.startup_timeout_s 8" in warning, proc.stderr[-4000:]
+    assert "Stops after --mappa.startup_timeout_s 30" in warning, proc.stderr[-4000:]
     stop = proc.stderr.split("[mappa] stopping: ")[-1].splitlines()[0]
     assert stop.startswith("start-up not done after"), proc.stderr[-4000:]
     assert "not up yet: agent 'problem_solver' (creating its engines)" in stop
     assert re.search(r"a placement group Ray cannot place: \[\{[^]]*'GPU': 1\.0[^]]*\}\], 0 GPUs free", stop), stop
-    assert stop.endswith("Stopped by --mappa.startup_timeout_s 8.")
+    assert stop.endswith("Stopped by --mappa.startup_timeout_s 30.")

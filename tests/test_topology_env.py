@@ -295,9 +295,7 @@ def test_run_python_timeout_kills_process_group(tmp_path):
         while True:
             pass
     """)
-    t0 = time.monotonic()
     fb = run_python(code, str(tmp_path), timeout_s=3.0)  # room for the sandbox to start on a busy machine
-    assert time.monotonic() - t0 < 12
     assert fb.timed_out and fb.error and fb.stdout == "started\n"
     beats = (tmp_path / "beats").stat().st_size
     time.sleep(0.5)

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, stand_in_team
 from test_coach import ScriptedPolicy
 
-from openrlhf_mappa.cli.train_mappa_ray import choose_train_tasks
+from openrlhf_mappa.cli.train_mappa_ray import choose_train_tasks, parse_args
 from openrlhf_mappa.coach import Coach, render_prompt
 from openrlhf_mappa.coach.audit import check_failures, coach_step_metrics
 from openrlhf_mappa.envs.base import load_tasks
@@ -315,6 +315,53 @@ def test_step_metrics_count_truncated_actions_per_agent_and_log_the_scale():
     assert (m["agent/solver/truncated_left_out"], m["agent/verifier/truncated_left_out"]) == (1, 0)
     assert m["reward_scale"] == 0.1 and m["coach/left_out"] == 0
     assert episodes[0].actions[1].reward == pytest.approx(0.8)  # Action.reward: the scaled reward it trains on
+
+
+class ByTaskCoach(Coach):
+    """Scores an action by its task's length: a score that differs between the episodes, and so do the advantages."""
+
+    name = "by-task"
+
+    async def score(self, request):
+        return Verdict(score=float(len(request.task) % 11), status="ok", coach=self.name)
+
+
+def test_a_step_in_which_one_agent_has_no_batch_trains_the_others_alone(tmp_path):
+    # The default path (no --mappa.train_truncated): every reply of the problem solver is cut off at the token limit,
+    # so it has nothing to train: no batch, no train_step, metrics that say so. The others train on their own actions,
+    # each row on its action's reward, each action recording its row's mean advantage. All of the driver runs for
+    # real but the agents' Ray side (conftest.StandIn) and their engines (scripted replies).
+    topology, policies, _ = scripted_mathchat(truncated_solver=True)
+    tasks = [{"id": "1", "prompt": "What is 2 + 2?", "answer": "4"}, {"id": "2", "prompt": "What is 12 + 30?", "answer": "42"}]
+    args = parse_args(["--mappa.topology", MATHCHAT_YAML, "--mappa.run_dir", str(tmp_path / "run"), "--ckpt.path",
+                       str(tmp_path / "ckpt"), "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "1",
+                       "--train.batch_size", "2", "--data.max_len", "256", "--actor.num_gpus_per_node", "1",
+                       "--vllm.num_engines", "1", "--train.micro_batch_size", "1"])  # fmt: skip
+    agents = stand_in_team(args, topology)
+    trainer = MappaTrainer(args, topology, agents, ByTaskCoach(), tasks, args.mappa.run_dir)
+    trainer.policies = policies
+    m = trainer.train_step(1, tasks)
+
+    solver, executor, verifier = (ag.trainer for ag in agents)
+    assert solver.trained == []
+    assert (m["agent/problem_solver/updated"], m["agent/problem_solver/trained_actions"]) == (0, 0)
+    assert (m["agent/problem_solver/truncated_left_out"], m["agent/problem_solver/dropped_for_batching"]) == (2, 0)
+    assert not {"agent/problem_solver/kl", "agent/problem_solver/policy_loss"} & set(m)
+    episodes = [json.loads(line) for line in open(tmp_path / "run" / "episodes.jsonl")]
+    actions = [a for ep in episodes for a in ep["actions"]]
+    assert all(a["reward"] is None and a["advantage"] is None for a in actions if a["agent"] == "problem_solver")
+    for name, stand_in in (("code_executor", executor), ("verifier", verifier)):
+        assert (m[f"agent/{name}/updated"], m[f"agent/{name}/trained_actions"], m[f"agent/{name}/kl"]) == (1, 2, 0.0)
+        ((step, rows),) = stand_in.trained
+        own = [a for a in actions if a["agent"] == name]
+        assert step == 1 and len(rows) == 2 == len(own)
+        for e in rows:
+            (a,) = [a for a in own if a["prompt_text"] == e.prompts[0]]  # the row's own action
+            assert a["reward"] == pytest.approx(0.1 * (len(a["coach_request"]["task"]) % 11))  # MathChat's scale 0.1
+            assert e.rewards.item() == pytest.approx(a["reward"])
+            assert a["advantage"] == pytest.approx(((e.advantages * e.action_mask).sum() / e.action_mask.sum()).item())
+        # two rewards over rows of equal length, whitened: -1 and +1
+        assert sorted(a["advantage"] for a in own) == pytest.approx([-1.0, 1.0], abs=1e-3)
 
 
 # Steps 1, 2, 3 and 25 of a real `make demo` run (its metrics.jsonl; only the keys the console reads, and one
