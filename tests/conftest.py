@@ -193,7 +193,7 @@ def assert_rows_are_their_actions(steps: list, episodes: list, tokenizer, first_
 
 class StandIn:
     """One agent's Ray side as the driver (trainer.MappaTrainer) uses it, for its unit tests, where no Ray runs. As the
-    agent's actor group: a save writes the checkpoint directory DeepSpeed's leaves (and calls `on_save(step)`), a
+    agent's actor group: a save writes the checkpoint directory DeepSpeed's leaves (its states file only) (and calls `on_save(step)`), a
     resume reads its step back. As its trainer: the experience maker gives every row zero log-probs and KL (what the
     actor and reference forwards of an unchanged model give), and train_step keeps the experiences it was given. Its
     calls return plain values, not Ray refs: the test passes them through trainer.ray.get (monkeypatched)."""
@@ -205,6 +205,8 @@ class StandIn:
     def async_run_method(self, method_name, tag=None, **kwargs):
         assert method_name == "save_checkpoint", method_name
         os.makedirs(os.path.join(self.dir, tag))
+        with open(os.path.join(self.dir, tag, "mp_rank_00_model_states.pt"), "w") as f:  # what resume.check_resume reads
+            f.write("states")
         with open(os.path.join(self.dir, "latest"), "w") as f:
             f.write(tag)
         if self.on_save:

@@ -64,7 +64,8 @@ def launch(tmp_path, model: str, **env):
     full.update(HF_HOME=str(tmp_path / "hf"), **env)
     argv = ["--mappa.topology", MATHCHAT, "--mappa.model", model, "--data.prompt_dataset", "missing.jsonl",
             "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--rollout.batch_size", "2",
-            "--rollout.micro_batch_size", "1", "--train.batch_size", "2", "--train.micro_batch_size", "1"]
+            "--rollout.micro_batch_size", "1", "--train.batch_size", "2", "--train.micro_batch_size", "1",
+            "--rollout.max_new_tokens", "64"]
     return subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], cwd=tmp_path, env=full,
                           capture_output=True, text=True, timeout=120)
 

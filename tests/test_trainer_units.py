@@ -187,6 +187,7 @@ def test_cli_records_the_training_subset_and_refuses_another_on_resume(tmp_path,
     flags = ["--vllm.num_engines", "1", "--mappa.topology", MATHCHAT_YAML, "--mappa.model", model_dir(tmp_path),
              "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"), "--data.max_samples", "4",
              "--rollout.max_new_tokens", "64", "--actor.num_gpus_per_node", "1", "--train.batch_size", "2",
+             "--ds.attn_implementation", "sdpa",  # no flash-attn here (check_this_machine refuses flash attention)
              "--train.micro_batch_size", "1", "--mappa.run_dir", str(tmp_path / "run"),
              "--ckpt.path", str(tmp_path / "ckpt")]
     base = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *flags]  # fmt: skip
