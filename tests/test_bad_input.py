@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +24,6 @@ from openrlhf_mappa.episode import Verdict, read_jsonl
 from openrlhf_mappa.rewards import assign_rewards
 from openrlhf_mappa.rollout import rollout
 
-TIMES = {}  # case -> seconds of the refused command, printed by test_print_refusal_times
 
 TOPOLOGY = ("name: t\nenv: {env}\ncoach_template: 'Judge {{agent_output}}. End with PROCESS_SCORE: <0-10>'\n{top}"
             "agents:\n  - name: solver\n    model: model\n    role: solves it\n    prompt: '{{task}}'\n{agent}")
@@ -322,15 +320,13 @@ TOOLS = [
 ]  # fmt: skip
 
 
-def run_cli(cwd, tool: str, argv: list, case_id: str):
+def run_cli(cwd, tool: str, argv: list):
     """The real command in a fresh interpreter, `-X importtime` listing every module it imported."""
     module = "openrlhf_mappa.cli.train_mappa_ray" if tool == "train" else "openrlhf_mappa.cli.mappa"
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "MAPPA_TRACEBACK", "HF_HUB_OFFLINE", "MAPPA_CPU_NUM_GPUS")}  # fmt: skip
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", module, *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
-    TIMES[case_id] = time.monotonic() - start
     proc.imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
                      if line.startswith("import time:")}
     proc.message = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
@@ -350,11 +346,11 @@ def write_files(root, files: dict):
 
 
 @pytest.mark.parametrize("bad", LAUNCHER + TOOLS)
-def test_bad_input_is_refused_before_anything_starts(workdir, request, bad):  # noqa: F811 (the workdir fixture)
+def test_bad_input_is_refused_before_anything_starts(workdir, bad):  # noqa: F811 (the workdir fixture)
     write_files(workdir, {"t.yaml": topology(), "tasks.jsonl": jsonl(*({"prompt": f"{i} + 1?", "answer": i + 1}
                                                                        for i in range(4)))})  # fmt: skip
     write_files(workdir, bad.files)
-    proc = run_cli(workdir, bad.tool, bad.argv, request.node.callspec.id)
+    proc = run_cli(workdir, bad.tool, bad.argv)
     assert proc.returncode == bad.code, proc.message[-3000:]
     assert bad.expect in proc.message, proc.message[-3000:]  # names the flag, value and range, or the file and line
     assert "Traceback" not in proc.message and "usage:" not in proc.message
@@ -440,7 +436,7 @@ def test_a_refused_relaunch_changes_no_file_of_an_existing_run(workdir):  # noqa
     }
     (workdir / "bad.yaml").write_text(topology(top="env_kwargs: {code_max_processes: -1}\n"))
     for name, (flags, message) in relaunches.items():
-        proc = run_cli(workdir, "train", [*GOOD, *flags], f"relaunch: {name}")
+        proc = run_cli(workdir, "train", [*GOOD, *flags])
         assert proc.returncode != 0 and message in proc.message, (name, proc.message[-2000:])
         assert snapshot(workdir / "run", workdir / "ckpt") == before, f"{name}: the refused launch changed the run"
 
@@ -553,10 +549,3 @@ def test_a_step_that_trains_nothing_says_why_and_a_run_that_never_trains_stops(t
         "1 of its 1 actions left over by the batch rule, less than one --train.batch_size (4) batch: lower "
         "--train.batch_size, or raise --rollout.batch_size")
 
-
-def test_print_refusal_times():
-    # Runs last in this file: the measured refusal times, for the record (pytest -s); never asserted.
-    if TIMES:
-        slowest = max(TIMES, key=TIMES.get)
-        mean = sum(TIMES.values()) / len(TIMES)
-        print(f"\n{len(TIMES)} refusals, max {TIMES[slowest]:.2f} s ({slowest}), mean {mean:.2f} s")
