@@ -192,11 +192,13 @@ def assert_rows_are_their_actions(steps: list, episodes: list, tokenizer, first_
 
 
 class StandIn:
-    """One agent's Ray side as the driver (trainer.MappaTrainer) uses it, for its unit tests, where no Ray runs. As the
-    agent's actor group: a save writes the checkpoint directory DeepSpeed's leaves (its states file only) (and calls `on_save(step)`), a
-    resume reads its step back. As its trainer: the experience maker gives every row zero log-probs and KL (what the
-    actor and reference forwards of an unchanged model give), and train_step keeps the experiences it was given. Its
-    calls return plain values, not Ray refs: the test passes them through trainer.ray.get (monkeypatched)."""
+    """One agent's Ray side as the driver (trainer.MappaTrainer) uses it, for unit tests of the driver's own logic
+    (a step where an agent has no batch, the order inside fit), where a Ray launch would cost minutes per case; the
+    e2e tests check the same rows against real actors. As the agent's actor group: a save writes the checkpoint
+    directory DeepSpeed leaves, with a states file only (and calls `on_save(step)`); a resume reads its step back.
+    As its trainer: the experience maker gives every row zero log-probs and KL (what the actor and reference
+    forwards of an unchanged model give), and train_step keeps the experiences it was given. Its calls return
+    plain values, not Ray refs: the test passes them through trainer.ray.get (monkeypatched)."""
 
     def __init__(self, name: str, ckpt: str, on_save=None):
         self.name, self.dir, self.on_save = name, os.path.join(ckpt, name, "_actor"), on_save
