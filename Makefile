@@ -43,12 +43,15 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py Makefile
 	cp openrlhf_mappa_cpu.pth "$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 	touch $(STAMP)
 
+# The unit tests on both cores (pytest-xdist, one test file per worker), then the Ray + vLLM + DeepSpeed
+# end-to-end runs one at a time: each uses every core of the machine.
 test: install
-	$(VENV)/bin/python -m pytest tests -q --durations=8
+	$(VENV)/bin/python -m pytest tests -q -m "not e2e" -n 2 --dist loadfile --durations=5
+	$(VENV)/bin/python -m pytest tests -q -m e2e --durations=8
 
-# Everything but the Ray + vLLM + DeepSpeed end-to-end runs.
+# Everything but the end-to-end runs.
 test-fast: install
-	$(VENV)/bin/python -m pytest tests -q -m "not e2e"
+	$(VENV)/bin/python -m pytest tests -q -m "not e2e" -n 2 --dist loadfile
 
 demo: install
 	bash examples/scripts/train_mappa_tiny_cpu.sh
