@@ -37,8 +37,9 @@ def tiny_model(tmp_path_factory):
 
 def local_cluster_env(num_gpus: int, **extra) -> dict:
     """The environment of a training subprocess: a new local Ray cluster with `num_gpus` logical GPUs, never
-    a cluster that RAY_ADDRESS happens to name."""
-    env = dict(os.environ, MAPPA_CPU_NUM_GPUS=str(num_gpus), **extra)
+    a cluster that RAY_ADDRESS happens to name, and without Ray's dashboard, which no test of a local cluster
+    reads (its start costs ~15 s of CPU per run; test_user_install's cluster, started as a user does, has it)."""
+    env = dict(os.environ, MAPPA_CPU_NUM_GPUS=str(num_gpus), MAPPA_CPU_RAY_DASHBOARD="0", **extra)
     env.pop("RAY_ADDRESS", None)
     return env
 

@@ -186,6 +186,41 @@ def test_cpu_mode_on_ray_init_keeps_explicit_num_gpus():
     assert f["gpus"] == 1.0
 
 
+@pytest.mark.parametrize("address, knob, expected", [
+    (None, "0", {"include_dashboard": False}),  # a new local CPU cluster, the tests' setting: no dashboard
+    (None, None, {}),  # unset: Ray's own default (a dashboard)
+    (None, "1", {}),
+    ("127.0.0.1:6379", "0", None),  # connecting to a running cluster: untouched
+])
+def test_dashboard_knob_applies_to_a_new_local_cpu_cluster_only(monkeypatch, address, knob, expected):
+    # ray.init itself is stood in for by a recorder (what the wrapper passes is the point; no cluster starts).
+    import types
+
+    from openrlhf_mappa import compat
+    from openrlhf_mappa.patches import ray_logical_gpus
+
+    monkeypatch.setattr(compat, "_cpu_mode", True)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("MAPPA_CPU_NUM_GPUS", "2")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    if knob is None:
+        monkeypatch.delenv("MAPPA_CPU_RAY_DASHBOARD", raising=False)
+    else:
+        monkeypatch.setenv("MAPPA_CPU_RAY_DASHBOARD", knob)
+    calls = []
+    fake_ray = types.SimpleNamespace(init=lambda *args, **kwargs: calls.append(kwargs))
+    ray_logical_gpus.apply(fake_ray)
+    # As if no `ray start` cluster were running on this machine.
+    monkeypatch.setattr("ray._private.services.canonicalize_bootstrap_address", lambda a: a)
+    fake_ray.init(**({"address": address} if address else {}))
+    (kwargs,) = calls
+    dashboard = {k: v for k, v in kwargs.items() if k == "include_dashboard"}
+    if expected is None:
+        assert kwargs == {"address": address}
+    else:
+        assert dashboard == expected and kwargs["num_gpus"] == 2
+
+
 # The decision on a GPU cluster. The one thing mocked in these two tests: a CUDA build of torch (and whether
 # it sees a device), which cannot exist on this CPU-only machine. `torch.version.cuda` / `.hip` and
 # `torch.cuda.is_available` are set in the child before anything asks for the decision.

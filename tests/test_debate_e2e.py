@@ -1,7 +1,10 @@
 """The debate pipeline trained for real on CPU: examples/scripts/train_mappa_debate_tiny_cpu.sh, run as shipped
 but for one step (its extra flags: 2 problems x 2 samples, lr 1e-3) and colocated per agent, the authors' setup
 (--mappa.colocate agent with vLLM and DeepSpeed sleep): three tiny agents, each with its own ZeRO-3 actor,
-reference model and vLLM engine sharing one logical GPU of its own, and the heuristic coach.
+reference model and vLLM engine sharing one logical GPU of its own. The coach, instead of the script's heuristic
+one, reviews each episode in hindsight (--mappa.coach.mode hindsight) through the OpenAI-compatible backend,
+against a real HTTP server on 127.0.0.1 standing in for a paid coach API (tests/coach_server.py): one review
+request per episode and no per-action request, each action trained on the score its episode's review gave it.
 
 The script's python is a wrapper that runs the real CLI's `train` and saves, per agent, the experience tensors
 the advantage step leaves (rewards.compute_advantages observed, not replaced). Asserted from those and from
@@ -18,12 +21,14 @@ each agent's engine holds its actor's weights, which moved.
 
 import json
 import os
+import re
 import shutil
 import sys
 
 import pytest
 import torch
 
+from coach_server import CoachServer, review_reply
 from conftest import (REPO, assert_rows_are_their_actions, hybrid_engine_timeline, local_cluster_env, overlaps,
                       record_experiences, run_training)
 
@@ -62,7 +67,10 @@ def test_debate_pipeline_trains_every_round_of_every_agent_on_its_own(tmp_path, 
     call_log = tmp_path / "calls.jsonl"
     # 3 agents x 1 GPU, each holding the agent's actor, reference and engine
     env = local_cluster_env(3, PY=str(python), OUT=str(out), PYTHONPATH=REPO, MAPPA_CALL_LOG=str(call_log))
-    proc = run_training(["bash", SCRIPT, *one_step], tmp_path / "train", timeout=900, env=env)
+    with CoachServer() as server:
+        hindsight = ["--mappa.coach.kind", "openai", "--mappa.coach.mode", "hindsight", "--mappa.coach.model",
+                     "rule-coach", "--mappa.coach.base_url", server.base_url]  # after the script's: the later wins
+        proc = run_training(["bash", SCRIPT, *one_step, *hindsight], tmp_path / "train", timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
 
     episodes = [json.loads(line) for line in open(out / "run" / "episodes.jsonl")]
@@ -89,6 +97,24 @@ def test_debate_pipeline_trains_every_round_of_every_agent_on_its_own(tmp_path, 
     assert [metrics[f"agent/{n}/trained_actions"] for n in AGENTS] == [8, 8, 4]
     assert all(metrics[f"agent/{n}/updated"] == 1 for n in AGENTS)
     assert metrics["outcome/action_limit_episodes"] == 0
+
+    # Hindsight: the 4 episodes (5 actions each) cost 4 coach requests, all reviews, each action's reward its score.
+    assert (metrics["coach/requests"], metrics["coach/reviews_ok"], metrics["coach/verdicts_ok"]) == (4, 4, 20)
+    prompts = [r["prompt"] for r in server.requests]
+    assert len(prompts) == 4 and all("=== Action 1 of 5: agent debater_a" in p for p in prompts)  # no per-action one
+    for ep in episodes:
+        outputs = [f"Output:\n{a['response_text']}" for a in ep["actions"]]
+        # This episode's review request: its outputs in its order (another episode may hold the same ones swapped).
+        in_order = re.compile(".*".join(map(re.escape, outputs)), re.DOTALL)
+        prompt = next(p for p in prompts if in_order.search(p))
+        assert f'"success": {str(ep["outcome"]["success"]).lower()}' in prompt  # it saw the outcome
+        reply = json.loads(review_reply(prompt, ()))
+        review = ep["review"]
+        assert (review["status"], review["coach"], review["responsible"]) == ("ok", "openai:rule-coach", reply["responsible"] - 1)
+        assert review["scores"] == [e["score"] for e in reply["actions"]]
+        for a, score in zip(ep["actions"], review["scores"]):
+            assert (a["verdict"]["source"], a["verdict"]["score"]) == ("hindsight", score)
+            assert a["reward"] == pytest.approx(0.1 * score)  # debate.yaml's reward_scale, on the review's score
 
     timeline = hybrid_engine_timeline(str(call_log), str(out / "run" / "processes.json"))
     assert set(timeline) == set(AGENTS)

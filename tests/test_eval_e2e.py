@@ -1,9 +1,10 @@
-"""Evaluation for real on CPU: `mappa eval` with Ray + vLLM engines over per-agent checkpoints; and what a real
+"""Evaluation for real on CPU: `mappa eval` with Ray + vLLM engines over per-agent checkpoints, one a full model and
+one a LoRA adapter in PEFT format (served by an engine of its base with vLLM's LoRA); and what a real
 MAPPA run (Ray, vLLM, DeepSpeed ZeRO-3) with evaluation during training and two baselines (one shared policy for
 every role, GRPO-style group normalization) must leave, checked on test_startup_e2e's second run, which is one."""
 
 import json
-import subprocess
+import shutil
 
 import pytest
 
@@ -14,10 +15,17 @@ AGENTS = ("problem_solver", "verifier")
 
 
 @pytest.mark.e2e
-def test_mappa_eval_over_per_agent_checkpoints(tmp_path):
+def test_mappa_eval_over_per_agent_checkpoints(tmp_path, tiny_model):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
     topology, tasks = two_agent_mathchat(tmp_path, num_tasks=3)
-    for seed, name in enumerate(AGENTS):  # the layout of a run's HF exports: one model per agent
-        subprocess.run([MAPPA, "tiny-model", str(tmp_path / "final" / name), "--seed", str(seed)], check=True)
+    # The layout of a run's HF exports, one per agent: the Problem Solver's a full model, the Verifier's (a LoRA
+    # agent) its adapter on the tiny base, as peft saves it (test_lora_e2e checks a run's LoRA exports are so).
+    solver, adapter = tmp_path / "final" / AGENTS[0], tmp_path / "final" / AGENTS[1]
+    shutil.copytree(tiny_model, solver)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # B != 0
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), lora).save_pretrained(adapter)
     out = tmp_path / "eval.json"
     proc = run_training(
         [MAPPA, "eval", "--topology", topology, "--data", tasks, "--checkpoint", str(tmp_path / "final"),
@@ -27,7 +35,8 @@ def test_mappa_eval_over_per_agent_checkpoints(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.load(open(out))
-    assert result["models"] == {n: str(tmp_path / "final" / n) for n in AGENTS}
+    assert result["models"] == {AGENTS[0]: str(solver), AGENTS[1]: tiny_model}  # the adapter's base, from its config
+    assert result["adapters"] == {AGENTS[1]: str(adapter)}  # the Verifier served with its adapter
     data = result["datasets"]["tasks"]
     problems, summary = data["problems"], data["summary"]
     assert [p["id"] for p in problems] == ["0", "1", "2"] and all(len(p["samples"]) == 2 for p in problems)

@@ -1,9 +1,11 @@
 """Crash-safe resume of a team colocated with OpenRLHF's hybrid engine, for real on CPU: two tiny agents of different
 weights (MathChat's Problem Solver and Verifier) on ONE set of 2 logical GPUs (--mappa.colocate team, vLLM and
 DeepSpeed sleep, Ray, vLLM, DeepSpeed ZeRO-3), each with 2 actor ranks and 2 engines, one on each GPU, so each GPU
-holds both agents' actor ranks and engines. The run is killed with SIGKILL (its whole process group: driver, Ray,
-engines) right after its first team checkpoint, a cut-off line is left at the end of metrics.jsonl, and the same
-command resumes it.
+holds both agents' actor ranks and engines. Right after its first team checkpoint, the Verifier's first vLLM engine
+process is SIGKILLed (a GPU failing mid-run): the run must stop on that death, promptly (its watchdog, not a
+collective's 10-minute timeout), non-zero, naming that agent and engine alone and keeping the steps it logged. A
+cut-off line is left at the end of metrics.jsonl (a kill mid-write), and the same command resumes the run.
+(SIGKILL of a whole run, driver and Ray included, then its resume: test_lora_e2e.)
 
 Asserted: every agent's resumed actor equals its checkpoint (log-probs of a fixed sequence against the checkpoint's
 HF export), and both its engines, put to sleep at start-up, got those weights before the first resumed rollout; at
@@ -22,6 +24,7 @@ agent's started (vLLM sizes its KV cache from the GPU's free memory while it sta
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -84,15 +87,18 @@ def assert_hybrid_engine_order(timeline: dict, steps: int):
 
 
 @pytest.mark.e2e
-def test_sigkilled_team_on_shared_gpus_resumes_with_weights_logs_and_order_intact(tmp_path):
+def test_team_on_shared_gpus_stopped_by_a_dead_engine_resumes_with_weights_logs_and_order_intact(tmp_path):
     from test_openrlhf_cpu_e2e import hf_probe_logprobs
 
     topology, tasks = two_agent_mathchat(tmp_path, num_tasks=6)  # 3 steps of 2 tasks
     raw = yaml.safe_load(open(topology))
     models = {}
+    builds = []  # at once: each is seconds of importing torch
     for seed, agent in enumerate(raw["agents"]):  # different initial weights: whose weights an engine holds is visible
         agent["model"] = models[agent["name"]] = str(tmp_path / f"model-{agent['name']}")
-        subprocess.run([MAPPA, "tiny-model", agent["model"], "--seed", str(seed)], check=True, capture_output=True)
+        build = [MAPPA, "tiny-model", agent["model"], "--seed", str(seed)]
+        builds.append(subprocess.Popen(build, stdout=subprocess.DEVNULL))
+    assert [b.wait(timeout=300) for b in builds] == [0] * len(builds)
     raw["coach_templates"] = [{"name": "first", "template": raw.pop("coach_template")},
                               {"name": "later", "template": "Later criteria.\n{agent_output}", "when": "step >= 1"}]  # fmt: skip
     open(topology, "w").write(yaml.safe_dump(raw))
@@ -115,16 +121,25 @@ def test_sigkilled_team_on_shared_gpus_resumes_with_weights_logs_and_order_intac
     ]  # fmt: skip
     logs = [tmp_path / "calls1.jsonl", tmp_path / "calls2.jsonl"]  # each run's hybrid engine calls
 
-    # Run 1: its whole process group SIGKILLed (at the end of the `training` block) once the first team checkpoint exists.
+    # Run 1: once the first team checkpoint exists, one engine process of the Verifier is SIGKILLed.
     marker = ckpt / "mappa_checkpoint.json"
     with training([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], tmp_path / "train1", cwd=tmp_path,
                   env=local_cluster_env(2, MAPPA_CALL_LOG=str(logs[0]))) as run1:
         wait_for(run1, marker.exists, 900, "first team checkpoint")
+        os.kill(json.loads((run_dir / "processes.json").read_text())["verifier/vLLM engine 0"], signal.SIGKILL)
+        # A bound on the wait, below the weight broadcast's 10-minute collective timeout that a hung run waits out.
+        wait_for(run1, lambda: run1.poll() is not None, 300, "stop after the engine's death")
+    stopped = (tmp_path / "train1.err").read_text()
+    assert run1.returncode != 0
+    assert "[mappa] run stopped: agent 'verifier': vLLM engine 0 died" in stopped, stopped[-4000:]
+    assert "agent 'problem_solver'" not in stopped.split("[mappa] run stopped:")[-1].split("\n")[0]  # only the dead one
     saved = json.loads(marker.read_text())["step"]
     assert saved in (1, 2)  # the kill may land after step 2's save, never before step 1's
+    logged = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
+    assert logged in ([1], [1, 2]) and saved <= logged[-1]  # what it had is kept
     assert "placement plan for 2 GPUs" in open(tmp_path / "train1.out").read()
     with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write('{"step": 9, "agent/solver/kl": 0.1')  # a line cut off by the kill
+        f.write('{"step": 9, "agent/solver/kl": 0.1')  # a line cut off by a kill mid-write
 
     # Run 2: the same command resumes; probe every agent right before its first resumed step, and after its last.
     probe_path, end_path = str(tmp_path / "probe.json"), str(tmp_path / "end.json")
