@@ -313,10 +313,12 @@ def engine_group(a, name: str, size: ModelSize, gpu_gib: float, adapters: list =
     return engines
 
 
+# The ranks vLLM's engines accept as max_lora_rank (the topology refuses a larger adapter).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 def pool_max_rank(ranks: list) -> int:
     """The max_lora_rank of a pool's engines: the smallest vLLM accepts that holds its largest adapter."""
-    from openrlhf_mappa.topology import VLLM_LORA_RANKS
-
     return min(r for r in VLLM_LORA_RANKS if r >= max(ranks))
 
 

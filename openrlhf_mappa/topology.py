@@ -16,8 +16,9 @@ from typing import Optional, Union
 
 import yaml
 
-from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, PROMPT_FIELDS, REVIEW_FIELDS, SCORE_KEY_RE
-from openrlhf_mappa.envs.base import MultiAgentEnv, load_env_class
+from openrlhf_mappa import placement
+from openrlhf_mappa.coach.base import DEFAULT_SCORE_KEY, PROMPT_FIELDS, REVIEW_FIELDS, SCORE_KEY_RE
+from openrlhf_mappa.envs import load_env_class
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,6 @@ class CoachStage:
         return f"{self.metric} {self.op} {self.threshold:g}"
 
 
-# The ranks vLLM's engines accept as max_lora_rank; a pool's engines take the smallest >= its largest rank.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 LORA_KEYS = ("rank", "alpha", "target_modules", "dropout", "pool")
 
 
@@ -235,7 +234,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
         fail(str(e))
     # Only the default workflow (the chain) fixes who acts before whom; an env with its own next_agents may
     # let any agent see any other.
-    chain = getattr(env_cls, "next_agents", None) is MultiAgentEnv.next_agents
+    chain = getattr(getattr(env_cls, "next_agents", None), "chain", False)  # MultiAgentEnv's own (envs/base.py)
 
     agent_rows = raw.get("agents")
     if not isinstance(agent_rows, list) or not agent_rows:
@@ -322,8 +321,9 @@ def _parse_lora(raw, label: str, fail) -> Lora:
     rank = raw.get("rank")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         fail(f"{label}: 'rank' must be an integer >= 1, got {rank!r}")
-    if rank > VLLM_LORA_RANKS[-1]:
-        fail(f"{label}: rank {rank} is larger than vLLM's engines serve (max_lora_rank at most {VLLM_LORA_RANKS[-1]})")
+    if rank > placement.VLLM_LORA_RANKS[-1]:
+        fail(f"{label}: rank {rank} is larger than vLLM's engines serve (max_lora_rank at most "
+             f"{placement.VLLM_LORA_RANKS[-1]})")
     alpha = raw.get("alpha", 2 * rank)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf"):
         fail(f"{label}: 'alpha' must be a positive number (the update is scaled by alpha / rank), got {alpha!r}")
@@ -517,8 +517,6 @@ def check_lora(spec: AgentSpec, label: str) -> None:
     built on the meta device (no weights read) to list them."""
     if spec.lora is None or spec.lora.target_modules == ("all-linear",):
         return
-    from openrlhf_mappa import placement
-
     config = placement.read_config(spec.model)
     if config.get("model_type") in placement.DENSE_TYPES:
         linear = sorted(placement.model_size(config).linear_shapes()) + ["lm_head"]

@@ -81,6 +81,43 @@ def test_install_requires_declares_every_third_party_import():
     assert not undeclared, f"imported but not in setup.py's install_requires: {undeclared}"
 
 
+def test_the_package_has_no_import_cycle():
+    # Every import of openrlhf_mappa/ and patches/ (installed: openrlhf_mappa.patches), at module level, inside
+    # functions and under TYPE_CHECKING alike, as an edge between the package's modules; a cycle fails, named.
+    modules = {}
+    for root, prefix in (("openrlhf_mappa", "openrlhf_mappa"), ("patches", "openrlhf_mappa.patches")):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            parts = path.relative_to(ROOT / root).with_suffix("").parts
+            modules[".".join((prefix, *parts[:-1]) if parts[-1] == "__init__" else (prefix, *parts))] = path
+    imports = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}  # a submodule, or a name
+        for target in targets:
+            while target and target not in modules:  # `from a.b import c`: the module a.b.c, else a.b
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                imports.setdefault(name, set()).add(target)
+    done, path = set(), []
+
+    def visit(name):
+        if name in path:
+            pytest.fail("import cycle: " + " -> ".join(path[path.index(name):] + [name]))
+        if name not in done:
+            path.append(name)
+            for target in sorted(imports.get(name, ())):
+                visit(target)
+            done.add(path.pop())
+
+    assert {"openrlhf_mappa.rewards", "openrlhf_mappa.rollout"} <= imports["openrlhf_mappa.trainer"]  # (found them)
+    for name in sorted(modules):
+        visit(name)
+
+
 def test_requirements_files_agree_with_setup_py():
     declared = {normalized(r.name) for r in declared_requirements()}
     # GPU: openrlhf's own requirements and its vLLM extra's, as it pins them, but flash-attn (optional: openrlhf

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf_mappa.envs.base import HistoryEntry, MultiAgentEnv, StepResult, load_env_class, load_tasks
+from openrlhf_mappa.envs import load_env_class
+from openrlhf_mappa.envs.base import HistoryEntry, MultiAgentEnv, StepResult, load_tasks
 from openrlhf_mappa.envs.mathchat import MathChatEnv, answers_match, extract_boxed
 from openrlhf_mappa.episode import Verdict
 from openrlhf_mappa.evaluation import behaviour_metrics

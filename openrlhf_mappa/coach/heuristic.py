@@ -2,7 +2,7 @@
 
 import re
 
-from openrlhf_mappa.coach import Coach, CoachRequest
+from openrlhf_mappa.coach.base import Coach, CoachRequest
 from openrlhf_mappa.envs.mathchat import extract_boxed, grade
 from openrlhf_mappa.episode import Review, Verdict
 

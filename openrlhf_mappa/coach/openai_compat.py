@@ -33,8 +33,8 @@ import time
 import aiohttp
 import yarl
 
-from openrlhf_mappa.coach import (DEFAULT_REVIEW_TEMPLATE, DEFAULT_SCORE_KEY, SCORE_KEY_RE, Coach, CoachRequest, parse_review,
-                                  parse_score, render_prompt, render_review_prompt)
+from openrlhf_mappa.coach.base import (DEFAULT_REVIEW_TEMPLATE, DEFAULT_SCORE_KEY, SCORE_KEY_RE, Coach, CoachRequest,
+                                       parse_review, parse_score, render_prompt, render_review_prompt)
 from openrlhf_mappa.coach.cache import VerdictCache
 from openrlhf_mappa.episode import Review, Verdict
 

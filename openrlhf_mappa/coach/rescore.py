@@ -12,7 +12,7 @@ import asyncio
 import json
 import statistics
 
-from openrlhf_mappa.coach import Coach, CoachRequest, judge_episode
+from openrlhf_mappa.coach.base import Coach, CoachRequest, judge_episode
 from openrlhf_mappa.coach.audit import pearson
 from openrlhf_mappa.episode import read_jsonl
 

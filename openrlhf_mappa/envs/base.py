@@ -48,11 +48,9 @@ optionally "id" and "type"; any other fields are kept for the environment to use
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
-import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
@@ -61,14 +59,6 @@ from openrlhf_mappa.sandbox import extract_code, run_python
 
 if TYPE_CHECKING:
     from openrlhf_mappa.topology import AgentSpec, Topology
-
-BUILTIN_ENVS = {
-    "mathchat": "openrlhf_mappa.envs.mathchat:MathChatEnv",
-    "debate": "openrlhf_mappa.envs.debate:MathDebateEnv",
-    "dsbench": "openrlhf_mappa.envs.dsbench:DSBenchEnv",
-    "relay": "openrlhf_mappa.envs.relay:RelayEnv",
-}
-
 
 @dataclass
 class StepResult:
@@ -146,6 +136,10 @@ class MultiAgentEnv:
             return [agents[i]]
         return agents[i + 1 : i + 2]
 
+    # Marks the default: a topology whose env keeps it is a chain, where no agent's view may name a later agent
+    # (topology.py reads the mark, so that parsing a topology needs the env class, not this module).
+    next_agents.chain = True
+
     def observe(self, agent: AgentSpec, turn: int, omit: int = 0) -> list[dict]:
         view, shows_history = agent.view, "{history}" in agent.prompt
         others = [e for e in self.history if shows_history and e.agent != agent.name
@@ -214,31 +208,6 @@ class MultiAgentEnv:
                 part += f"\n\n#### Output of the code\n{entry.feedback}"
             parts.append(part)
         return "\n\n".join(parts)
-
-
-def load_env_class(spec: str) -> type:
-    """Resolve "package.module:Class" or a built-in short name (see BUILTIN_ENVS) to the class."""
-    target = BUILTIN_ENVS.get(spec, spec)
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr:
-        raise ValueError(
-            f"env {spec!r}: expected 'package.module:Class' or a built-in name ({', '.join(BUILTIN_ENVS)})"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"env {spec!r}: cannot import module {module_name!r}: {e}") from e
-    except SyntaxError as e:
-        raise ValueError(f"env {spec!r}: module {module_name!r} has a syntax error: {e.filename}, line {e.lineno}: "
-                         f"{e.msg}") from e
-    except Exception as e:  # the module raised while it was imported
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        raise ValueError(f"env {spec!r}: importing module {module_name!r} raised {type(e).__name__}: {e} "
-                         f"({where.filename}, line {where.lineno})") from e
-    cls = getattr(module, attr, None)
-    if not isinstance(cls, type):
-        raise ValueError(f"env {spec!r}: module {module_name!r} has no class {attr!r}")
-    return cls
 
 
 def load_tasks(path: str) -> list[dict]:
