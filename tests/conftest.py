@@ -1,6 +1,7 @@
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -134,6 +135,63 @@ def two_agent_mathchat(tmp_path, num_tasks: int):
         for i in range(num_tasks):
             f.write(json.dumps({"id": i, "prompt": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n")
     return str(tmp_path / "topology.yaml"), str(tmp_path / "tasks.jsonl")
+
+
+JSON_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool, "list": list, "object": dict}
+
+
+def documented_records() -> dict:
+    """{record: {key: (JSON types, optional)}}: the tables of docs/reference.md's "The episodes.jsonl record",
+    each after its `<!-- record: NAME -->` marker; a type "T or null" allows null."""
+    text = open(os.path.join(REPO, "docs", "reference.md"), encoding="utf-8").read()
+    section = text.split("\n## The episodes.jsonl record\n", 1)[1].split("\n## ", 1)[0]
+    tables, rows = {}, None
+    for line in section.splitlines():
+        marker = re.fullmatch(r"<!-- record: (\w+) -->", line)
+        if marker:
+            rows = tables.setdefault(marker.group(1), {})
+        elif line.startswith("| `") and rows is not None:
+            key, types = (cell.strip() for cell in line.split("|")[1:3])
+            rows[key.split("`")[1]] = (types.split(" or "), "*(optional)*" in key)
+    return tables
+
+
+def assert_documented_episodes(path: str) -> dict:
+    """Every record of an episodes.jsonl file has the keys docs/reference.md documents for it, no other, each of
+    its documented type; so do its actions, their feedback, coach requests, verdicts, and its review. Returns how
+    many of each record were checked."""
+    from openrlhf_mappa.episode import read_jsonl
+
+    docs, seen = documented_records(), {}
+
+    def check(record: dict, name: str, where: str):
+        keys = docs[name]
+        required = {k for k, (_, optional) in keys.items() if not optional}
+        missing, undocumented = sorted(required - set(record)), sorted(set(record) - set(keys))
+        assert not missing and not undocumented, f"{where}: {name}: missing {missing}, undocumented {undocumented}"
+        for key, value in record.items():
+            types, _ = keys[key]
+            allowed = tuple(JSON_TYPES[t] for t in types if t != "null")
+            if value is None:
+                ok = "null" in types
+            else:  # a JSON true is no int here
+                ok = isinstance(value, allowed) and (not isinstance(value, bool) or "bool" in types)
+            assert ok, f"{where}: {name}.{key} = {value!r}, documented as {' or '.join(types)}"
+        seen[name] = seen.get(name, 0) + 1
+
+    for lineno, episode in read_jsonl(path):
+        where = f"{path}: line {lineno}"
+        check(episode, "episode", where)
+        if episode["review"] is not None:
+            check(episode["review"], "review", where)
+        for action in episode["actions"]:
+            check(action, "action", where)
+            check(action["feedback"], "feedback", where)
+            check(action["coach_request"], "coach_request", where)
+            for verdict in [action["verdict"], *action["verdict_parts"].values()]:
+                if verdict is not None:
+                    check(verdict, "verdict", where)
+    return seen
 
 
 RECORDED = ("sequences", "attention_mask", "action_mask", "rewards", "kl", "action_log_probs", "returns", "advantages")

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import assert_documented_episodes
 from test_coach import ScriptedPolicy
 from test_launch import GOOD, HEAVY, workdir  # noqa: F401 (a fixture)
 
@@ -500,6 +501,7 @@ def test_an_environment_raising_in_one_episode_neither_stops_nor_corrupts_the_ru
             "FlakyEnv.step raised KeyError: \"the env's own bug\" (") in out and "test_bad_input.py, line" in out
     second = trainer.train_step(2, tasks)  # the run goes on
     episodes = [ep for _, ep in read_jsonl(str(tmp_path / "run" / "episodes.jsonl"))]
+    assert assert_documented_episodes(str(tmp_path / "run" / "episodes.jsonl"))["episode"] == 8  # the documented record
     assert [(ep["step"], ep["task_id"], bool(ep["env_error"])) for ep in episodes] == [
         (s, t["id"], t["id"] == "bad") for s in (1, 2) for t in tasks]  # every episode of both steps, whole, in order
     for ep in episodes:

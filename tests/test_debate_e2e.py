@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from coach_server import CoachServer, review_reply
-from conftest import (REPO, assert_rows_are_their_actions, hybrid_engine_timeline, local_cluster_env, overlaps,
-                      record_experiences, run_training)
+from conftest import (REPO, assert_documented_episodes, assert_rows_are_their_actions, hybrid_engine_timeline,
+                      local_cluster_env, overlaps, record_experiences, run_training)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(REPO, "examples", "scripts", "train_mappa_debate_tiny_cpu.sh")
@@ -74,6 +74,7 @@ def test_debate_pipeline_trains_every_round_of_every_agent_on_its_own(tmp_path, 
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
 
     episodes = [json.loads(line) for line in open(out / "run" / "episodes.jsonl")]
+    assert assert_documented_episodes(str(out / "run" / "episodes.jsonl"))["review"] == 4  # the documented record
     assert len(episodes) == 4  # 2 problems x 2 samples, one step
     for ep in episodes:
         assert [(a["agent"], a["turn"], a["round"], a["position"]) for a in ep["actions"]] == [

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import MAPPA, local_cluster_env, run_training, two_agent_mathchat
+from conftest import MAPPA, assert_documented_episodes, local_cluster_env, run_training, two_agent_mathchat
 from openrlhf_mappa.envs.mathchat import grade
 
 AGENTS = ("problem_solver", "verifier")
@@ -49,6 +49,7 @@ def test_mappa_eval_over_per_agent_checkpoints(tmp_path, tiny_model):
     assert summary["agent/problem_solver/num_actions"] == 6 and summary["agent/verifier/num_actions"] == 6
     assert "tasks: accuracy" in proc.stdout and "problem_solver" in proc.stdout
     episodes = [json.loads(line) for line in open(str(out) + ".episodes.jsonl")]
+    assert assert_documented_episodes(str(out) + ".episodes.jsonl")["episode"] == 6  # the documented record
     assert len(episodes) == 6 and all(a["verdict"]["status"] == "skipped" for ep in episodes for a in ep["actions"])
     formatted = [a["formatted"] for ep in episodes for a in ep["actions"] if a["agent"] == "verifier"]
     assert None not in formatted and summary["agent/verifier/answer_format_rate"] == sum(formatted) / 6  # the \boxed{} rate

@@ -25,8 +25,8 @@ import torch
 import yaml
 
 from coach_server import COACH_TEMPLATE, CoachServer
-from conftest import (MAPPA, TINY_RUN_FLAGS, assert_report_renders, assert_rows_are_their_actions, local_cluster_env,
-                      record_experiences, run_training)
+from conftest import (MAPPA, TINY_RUN_FLAGS, assert_documented_episodes, assert_report_renders,
+                      assert_rows_are_their_actions, local_cluster_env, record_experiences, run_training)
 from openrlhf_mappa.envs.mathchat import MathChatEnv
 
 AGENTS = ("solver", "mute")  # the coach never gives "mute" a score
@@ -147,6 +147,8 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
 
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
+    checked = assert_documented_episodes(str(run_dir / "episodes.jsonl"))  # the documented record
+    assert checked["episode"] == 8 and checked["verdict"] == checked["action"]
     steps = torch.load(tensors_path)  # the real experience tensors of every step: only the solver's
     assert [m["step"] for m in metrics] == [1, 2] and len(episodes) == 8
     assert len(steps) == 2 and all(set(s) == {"solver"} for s in steps)
