@@ -49,6 +49,18 @@ def requirement_names(path):
 # ---------------------------------------------------------------- what the package declares
 
 
+def imports_of(path) -> set:
+    """Every absolute import of a source file (module level, in functions, under TYPE_CHECKING): the module, and
+    for `from a.b import c` also `a.b.c` (a submodule, or a name in a.b)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
 def test_install_requires_declares_every_third_party_import():
     # Every import in the package's source (module level or inside functions), mapped to the distributions
     # installed here that provide it. Declared: install_requires, plus the requirements of the extras named
@@ -66,18 +78,11 @@ def test_install_requires_declares_every_third_party_import():
     undeclared = {}
     for root in ("openrlhf_mappa", "patches"):
         for path in sorted((ROOT / root).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.Import):
-                    modules = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                    modules = [node.module]
-                else:
-                    continue
-                for top in {m.split(".")[0] for m in modules} - set(sys.stdlib_module_names) - {"openrlhf_mappa"}:
-                    dists = {normalized(d) for d in providers.get(top, [])}
-                    assert dists, f"{path.relative_to(ROOT)} imports {top!r}, which no installed distribution provides"
-                    if not {cpu_builds.get(d, d) for d in dists} & declared:
-                        undeclared.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+            for top in {m.split(".")[0] for m in imports_of(path)} - set(sys.stdlib_module_names) - {"openrlhf_mappa"}:
+                dists = {normalized(d) for d in providers.get(top, [])}
+                assert dists, f"{path.relative_to(ROOT)} imports {top!r}, which no installed distribution provides"
+                if not {cpu_builds.get(d, d) for d in dists} & declared:
+                    undeclared.setdefault(top, set()).add(str(path.relative_to(ROOT)))
     assert not undeclared, f"imported but not in setup.py's install_requires: {undeclared}"
 
 
@@ -91,13 +96,7 @@ def test_the_package_has_no_import_cycle():
             modules[".".join((prefix, *parts[:-1]) if parts[-1] == "__init__" else (prefix, *parts))] = path
     imports = {}
     for name, path in modules.items():
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}  # a submodule, or a name
-        for target in targets:
+        for target in imports_of(path):
             while target and target not in modules:  # `from a.b import c`: the module a.b.c, else a.b
                 target = target.rpartition(".")[0]
             if target and target != name:
