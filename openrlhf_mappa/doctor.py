@@ -1,5 +1,5 @@
 """`mappa doctor`: the cluster self-check before a long job. It takes the training command's flags, with a small model
-for every agent (--mappa.model), builds the launch's own placement, engines and actors (trainer.build_agents), runs
+for every agent (--mappa.model), builds the launch's own placement, engines and actors (launch.build_agents), runs
 one step's worth of each (generate, experience, train, sync) and checks on the cluster itself what the CPU tests
 cannot: each agent's weights reach its own engines and no other agent's, sleep frees GPU memory, a LoRA adapter's
 reload shows in generation, thread counts, host memory. It prints a table and exits 1 on any failure.
@@ -97,7 +97,7 @@ def run_checks(args, topology, agents) -> list:
     from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
     from vllm import SamplingParams
 
-    from openrlhf_mappa.trainer import actor_threads, components, distinct, owners
+    from openrlhf_mappa.launch import actor_threads, components, distinct, owners
 
     rows, trainees = [], owners(agents)
     nodes = placement.make_plan(args, topology, args.mappa.gpu_memory_gib).nodes()
@@ -187,7 +187,9 @@ def format_rows(rows: list) -> str:
 
 def doctor(args, topology) -> int:
     """Start the team as the launch would, run the checks, print the table; 1 on any failure."""
-    from openrlhf_mappa.trainer import StartupWatchdog, build_agents, console, owners
+    from openrlhf_mappa.console import console
+    from openrlhf_mappa.health import StartupWatchdog
+    from openrlhf_mappa.launch import build_agents, owners
 
     # One step at a visible learning rate (the module docstring); nothing is saved.
     args.actor.adam.lr, args.actor.lr_warmup_ratio, args.actor.lr_scheduler = 1e-2, 0.0, "constant"

@@ -1,13 +1,18 @@
-"""Resuming a run: the team checkpoint marker and the state a resume reads, checked before torch or Ray load.
+"""Resuming a run: the team checkpoint marker and the state a resume reads, checked before torch or Ray load;
+the checkpoints' rotation, and what a resumed run reloads (logs cut back, weights to the engines, driver state).
 
 `check_resume` reads and checks everything a resume depends on (the marker, the run's record of its training
 tasks, each agent's DeepSpeed checkpoint) and writes nothing, so that the launcher refuses damaged state in a
 second, naming the file, and a refused launch leaves the run as it was; `apply` then makes its few changes.
 """
 
+import glob
+import json
 import os
+import shutil
 
-from openrlhf_mappa.episode import read_record
+from openrlhf_mappa.console import console
+from openrlhf_mappa.episode import Episode, read_jsonl, read_record
 from openrlhf_mappa.placement import trainee_specs
 
 CHECKPOINT_MARKER = "mappa_checkpoint.json"  # in --ckpt.path: the last step that every agent saved
@@ -91,3 +96,81 @@ def apply(fixes: list) -> None:
         else:
             with open(latest, "w") as f:
                 f.write(tag)
+
+
+def rotate_checkpoints(agent_ckpt_dir: str, keep: int) -> list:
+    """Delete all but the `keep` newest DeepSpeed checkpoints (_actor/global_step<N>) and HF exports
+    (global_step<N>_hf) of one agent, once a team checkpoint is written; returns the paths deleted.
+    DeepSpeed's own rotation runs before each save and is given one more (agent_args): with --ckpt.max_num 1 it
+    would delete the team's checkpoint while the next is half saved, and a kill then leaves nothing to resume.
+    It never rotates HF exports (a full model per save: 8 GB for a 4B agent in bf16)."""
+    deleted = []
+    for pattern, suffix in ((os.path.join(agent_ckpt_dir, "_actor", "global_step*"), ""),
+                            (os.path.join(agent_ckpt_dir, "global_step*_hf"), "_hf")):
+        saved = {}  # step -> path
+        for path in glob.glob(pattern):
+            step = os.path.basename(path)[len("global_step") : len(os.path.basename(path)) - len(suffix)]
+            if step.isdigit() and os.path.isdir(path):
+                saved[int(step)] = path
+        deleted += [saved[step] for step in sorted(saved)[: max(0, len(saved) - keep)]]
+    for path in deleted:
+        shutil.rmtree(path)
+    return deleted
+
+
+def truncate_logs(run_dir: str, step: int) -> None:
+    """Keep only the lines of steps <= `step` in metrics.jsonl and episodes.jsonl. A resumed run redoes the
+    steps after its checkpoint, which would otherwise appear twice; a line cut off by a kill is dropped."""
+    for name in ("metrics.jsonl", "episodes.jsonl", "eval.jsonl"):
+        path = os.path.join(run_dir, name)
+        if not os.path.exists(path):
+            continue
+        kept, dropped = [], 0
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    record = None
+                if isinstance(record, dict) and record.get("step", 0) <= step:
+                    kept.append(line.rstrip("\n") + "\n")
+                else:
+                    dropped += 1
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+        if dropped:
+            print(f"[mappa] {path}: kept {len(kept)} lines up to step {step}, dropped {dropped} (later steps or cut off)",
+                  file=console.out, flush=True)
+
+
+def write_marker(ckpt_path: str, state: dict) -> None:
+    """Only once every agent saved is a step a checkpoint of the whole team (see check_resume): the marker says so,
+    with the driver's `state` that driver_state() reads back. Written atomically."""
+    marker = os.path.join(ckpt_path, CHECKPOINT_MARKER)
+    with open(marker + ".tmp", "w") as f:
+        json.dump(state, f)
+    os.replace(marker + ".tmp", marker)
+
+
+def load_team(trainees: list, step: int) -> None:
+    """Every agent checked to have loaded the checkpoint of `step`, then each agent's engines given its actor's
+    loaded weights (they start from the base model)."""
+    for ag in trainees:
+        loaded = ag.trainer.init_checkpoint_states()["global_step"]
+        if loaded != step:
+            raise RuntimeError(f"resume: agent {ag.spec.name!r} loaded the checkpoint of step {loaded}, expected {step}")
+    for ag in trainees:
+        ag.trainer.broadcast_to_vllm()
+
+
+def driver_state(ckpt_path: str, run_dir: str, step: int, window: int) -> tuple:
+    """(coach cost so far, the coach template in use as {name, since_step} or None, {step: episodes}) as the team
+    checkpoint of `step` left them: the episodes of the bias audit's last `window` steps refill its window, whose
+    warnings and the figures a coach is shown (--mappa.coach.show_bias) would otherwise restart from nothing."""
+    marker = json.load(open(os.path.join(ckpt_path, CHECKPOINT_MARKER)))
+    path, by_step = os.path.join(run_dir, "episodes.jsonl"), {}
+    for _, ep in read_jsonl(path) if os.path.exists(path) else []:
+        if step - window < ep["step"] <= step:
+            by_step.setdefault(ep["step"], []).append(Episode.from_record(ep))
+    return marker.get("coach_cost_usd", 0.0), marker.get("coach_template"), by_step

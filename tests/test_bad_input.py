@@ -469,6 +469,8 @@ def scripted_trainer(tmp_path, tasks, monkeypatch, *flags, policy=None):
     agents have no Ray components: scripted policies generate, and a --train.batch_size larger than a step's
     actions keeps every step before the part that needs Ray actors (no agent trains)."""
     from openrlhf_mappa import trainer as trainer_module
+    from openrlhf_mappa.console import console as run_console
+    from openrlhf_mappa.launch import Agent
     from openrlhf_mappa.cli.train_mappa_ray import parse_args
     from openrlhf_mappa.coach.heuristic import HeuristicCoach
     from openrlhf_mappa.placement import agent_args
@@ -481,12 +483,13 @@ def scripted_trainer(tmp_path, tasks, monkeypatch, *flags, policy=None):
                        "--train.batch_size", "64", "--train.num_episodes", "5", "--actor.num_gpus_per_node", "1",
                        *flags])  # fmt: skip
     topology_ = load_topology(args.mappa.topology)
-    agents = [trainer_module.Agent(spec, agent_args(args, spec), tokenizer=None, engines=[], actor=object(), ref=None,
+    agents = [Agent(spec, agent_args(args, spec), tokenizer=None, engines=[], actor=object(), ref=None,
                                    trainer=SimpleNamespace(adapter=None)) for spec in topology_.agents]
     trainer = trainer_module.MappaTrainer(args, topology_, agents, HeuristicCoach(), tasks, args.mappa.run_dir)
     policy = policy or ScriptedPolicy
     trainer.policies = {"checker": policy("It is 2."), "solver": policy("So \\boxed{2}.")}
-    monkeypatch.setattr(trainer_module, "console", SimpleNamespace(out=sys.stdout, err=sys.stdout))  # captured
+    monkeypatch.setattr(run_console, "out", sys.stdout)  # captured
+    monkeypatch.setattr(run_console, "err", sys.stdout)
     return trainer
 
 
@@ -544,10 +547,13 @@ def test_a_step_that_trains_nothing_says_why_and_a_run_that_never_trains_stops(t
     ep.actions[0].verdict = Verdict(None, "parse_error")
     assign_rewards([ep], "process")
     checker, solver = trainer.agents
-    assert trainer.untrained_reason(checker, [ep], dropped=0) == (
+    from openrlhf_mappa.health import untrained_reasons
+
+    reasons = untrained_reasons([checker, solver], trainer.owner, [ep], {"checker": 0, "solver": 1}, False)
+    assert reasons["checker"] == (
         "1 of its 1 actions without a coach score (parse_error 1): --mappa.coach.on_failure outcome or neutral trains "
         "them")
-    assert trainer.untrained_reason(solver, [ep], dropped=1) == (
+    assert reasons["solver"] == (
         "1 of its 1 actions left over by the batch rule, less than one --train.batch_size (4) batch: lower "
         "--train.batch_size, or raise --rollout.batch_size")
 

@@ -428,7 +428,8 @@ def test_placement_check_against_a_real_cluster(tmp_path):
         import io, json, ray
         from openrlhf_mappa.cli.train_mappa_ray import parse_args
         from openrlhf_mappa.topology import load_topology
-        from openrlhf_mappa.trainer import check_placement, console
+        from openrlhf_mappa.console import console
+        from openrlhf_mappa.launch import check_placement
         ray.init(num_cpus=1, num_gpus=2, include_dashboard=False)
         facts = {{"gpus": ray.cluster_resources().get("GPU")}}
         args = parse_args({flags!r})

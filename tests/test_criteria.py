@@ -23,8 +23,9 @@ from openrlhf_mappa.episode import Action, Episode, ToolFeedback, Verdict
 from openrlhf_mappa.topology import AGENT_METRICS, load_topology
 from openrlhf_mappa import trainer as trainer_module
 from openrlhf_mappa.cli.train_mappa_ray import parse_args
-from openrlhf_mappa.resume import CHECKPOINT_MARKER, check_resume
-from openrlhf_mappa.trainer import MappaTrainer, truncate_logs
+from openrlhf_mappa.console import console as run_console
+from openrlhf_mappa.resume import CHECKPOINT_MARKER, check_resume, truncate_logs, write_marker
+from openrlhf_mappa.trainer import MappaTrainer
 
 AGENTS = [
     {"name": "solver", "model": "m", "role": "solves", "prompt": "Solve: {task}\n{history}"},
@@ -157,7 +158,8 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
     # fit() itself drives the steps (rollout, coach, the rule, the checkpoints in its order), all of the driver real but
     # the agents' Ray side (StandIn, whose calls trainer.ray.get passes through) and engines (Replies): the coder's
     # code fails in step 1 and runs from step 2 on; a checkpoint every 2 steps; an actor dies in step 4's training.
-    monkeypatch.setattr(trainer_module, "console", SimpleNamespace(out=sys.stdout, err=sys.stderr))  # the captured terminal
+    monkeypatch.setattr(run_console, "out", sys.stdout)  # the captured terminal
+    monkeypatch.setattr(run_console, "err", sys.stderr)
     monkeypatch.setattr(trainer_module.ray, "get", lambda refs, **kwargs: refs)
     topology = load_topology(write_topology(tmp_path))
     tasks = [{"id": str(i), "prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)]  # 5 steps of 2
@@ -222,7 +224,8 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
 
 
 def test_a_metric_without_a_value_switches_nothing_and_says_so(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(trainer_module, "console", SimpleNamespace(out=sys.stdout, err=sys.stderr))  # the captured terminal
+    monkeypatch.setattr(run_console, "out", sys.stdout)  # the captured terminal
+    monkeypatch.setattr(run_console, "err", sys.stderr)
     topology = load_topology(write_topology(tmp_path))
     trainer = trainer_for(topology, build_coach("heuristic"), tmp_path)
     for step in (1, 2):  # no code ran: the coder's code_error_rate is None
@@ -236,9 +239,8 @@ def test_a_metric_without_a_value_switches_nothing_and_says_so(tmp_path, capsys,
 def test_a_resume_with_a_template_the_topology_no_longer_has_is_refused(tmp_path):
     topology = load_topology(write_topology(tmp_path))
     trainer = trainer_for(topology, build_coach("heuristic"), tmp_path)
-    trainer.set_stage(2, 7)
     agents_saved(tmp_path / "ckpt", 9)
-    trainer.write_marker(9)
+    write_marker(str(tmp_path / "ckpt"), {"step": 9, "coach_template": {"name": "polish", "since_step": 7}})
     renamed = load_topology(write_topology(tmp_path, coach_templates=STAGES[:2]))
     with pytest.raises(ValueError, match="scored with coach template 'polish', which is not in the coach_templates of "
                                          r"topo.yaml \(reliability, quality\)"):

@@ -166,7 +166,7 @@ def test_group_scope_is_the_authors_group_norm_on_hand_computed_numbers():
 
 
 def test_shared_policy_needs_one_model(tmp_path):
-    from openrlhf_mappa.trainer import trainee_specs
+    from openrlhf_mappa.placement import trainee_specs
 
     topology = load_topology(MATHCHAT_YAML)
     args = SimpleNamespace(mappa=SimpleNamespace(shared_policy=True))

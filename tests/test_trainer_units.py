@@ -25,7 +25,8 @@ from openrlhf_mappa.episode import Action, Episode, Verdict
 from openrlhf_mappa.rollout import rollout
 from openrlhf_mappa.topology import load_topology
 from openrlhf_mappa.resume import apply, check_resume
-from openrlhf_mappa.trainer import MappaTrainer, experience_of, truncate_logs
+from openrlhf_mappa.resume import truncate_logs
+from openrlhf_mappa.trainer import MappaTrainer, experience_of
 
 MATHCHAT_YAML = os.path.join(REPO, "examples", "configs", "mathchat.yaml")
 AIME = os.path.join(os.environ.get("MAPPA_BENCH_DIR", os.path.join(os.path.dirname(REPO), "shared", "data", "mappa-bench")),
@@ -391,7 +392,7 @@ DEMO_EVAL = [{"step": 0, "dataset": "relay_eval", "accuracy": 0.0, "n_problems":
 
 
 def test_step_line_reads_like_openrlhfs_step_log():
-    from openrlhf_mappa.trainer import step_line
+    from openrlhf_mappa.console import step_line
 
     agents = ["quantity", "item", "code"]
     assert step_line(25, 30, DEMO_METRICS[3], agents) == (
@@ -404,7 +405,7 @@ def test_step_line_reads_like_openrlhfs_step_log():
 
 
 def test_run_summary_compares_the_first_and_last_steps_and_evaluations(tmp_path):
-    from openrlhf_mappa.trainer import run_summary
+    from openrlhf_mappa.console import run_summary
 
     assert run_summary(str(tmp_path)) == ["[mappa] no step finished"]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in DEMO_METRICS))
@@ -422,13 +423,13 @@ def test_output_to_sends_the_noise_to_the_log_and_keeps_errors_on_the_terminal(t
     # the log; the run's own lines stay on the terminal, and so does the error that ends the run.
     code = f"""
 import os, sys
-from openrlhf_mappa import trainer
+from openrlhf_mappa.console import console
 from openrlhf_mappa.cli.train_mappa_ray import output_to
 with output_to({str(tmp_path / 'train.log')!r}):
     os.write(2, b"INFO vllm engine noise\\n")
     print("(RolloutRayActor pid=1) forwarded worker line")
-    print("[mappa] step 1/1 | success 1.000", file=trainer.console.err)
-    print("[mappa] resuming after step 3", file=trainer.console.out)
+    print("[mappa] step 1/1 | success 1.000", file=console.err)
+    print("[mappa] resuming after step 3", file=console.out)
     raise RuntimeError("agent 'solver': actor rank 0 died")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -520,15 +520,15 @@ def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:
 def output_to(log_path: str):
     """Send this process's stdout and stderr to `log_path`, at the file-descriptor level, so Ray's, vLLM's and
     DeepSpeed's output goes there too (their log handlers hold the original streams, and Ray forwards its
-    workers' output through sys.stdout/sys.stderr); trainer.console keeps the terminal for the run's own
+    workers' output through sys.stdout/sys.stderr); console.console keeps the terminal for the run's own
     output. On the way out the terminal is restored first, so an error that ends the run is shown there."""
-    from openrlhf_mappa import trainer
+    from openrlhf_mappa.console import console
 
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    trainer.console.out, trainer.console.err = (open(os.dup(fd), "w", buffering=1, encoding=s.encoding, errors=s.errors)
-                                                for fd, s in zip(saved, (sys.stdout, sys.stderr)))
+    console.out, console.err = (open(os.dup(fd), "w", buffering=1, encoding=s.encoding, errors=s.errors)
+                                for fd, s in zip(saved, (sys.stdout, sys.stderr)))
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -537,14 +537,14 @@ def output_to(log_path: str):
         yield
     except BaseException:
         print(f"[mappa] the run stopped; Ray's, vLLM's and DeepSpeed's output is in {os.path.abspath(log_path)}",
-              file=trainer.console.err, flush=True)
+              file=console.err, flush=True)
         raise
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        trainer.console.out.close()
-        trainer.console.err.close()
-        trainer.console.out, trainer.console.err = sys.stdout, sys.stderr
+        console.out.close()
+        console.err.close()
+        console.out, console.err = sys.stdout, sys.stderr
         for fd, saved_fd in ((1, saved[0]), (2, saved[1])):
             os.dup2(saved_fd, fd)
             os.close(saved_fd)
@@ -632,7 +632,7 @@ def train(args):
         # Ray holds its workers' repeated lines back and prints them when it shuts down, after the terminal is
         # restored (see output_to); a log file needs no deduplication. Read when Ray is first imported: here.
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    from openrlhf_mappa.trainer import run_summary
+    from openrlhf_mappa.console import run_summary
 
     log = os.path.join(args.mappa.run_dir, "train.log")
     if not args.mappa.verbose:
@@ -677,8 +677,10 @@ def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> l
     import ray
 
     from openrlhf_mappa.coach.audit import CoachFailure
-    from openrlhf_mappa.trainer import (MappaTrainer, RunStopped, StartupWatchdog, Watchdog, build_agents, components,
-                                        console, find_dead)
+    from openrlhf_mappa.console import console
+    from openrlhf_mappa.health import RunStopped, StartupWatchdog, Watchdog, find_dead
+    from openrlhf_mappa.launch import build_agents, components
+    from openrlhf_mappa.trainer import MappaTrainer
 
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})

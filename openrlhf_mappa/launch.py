@@ -1,0 +1,213 @@
+"""Launching a team on the Ray cluster: the placement check against the cluster's GPUs, then every agent's
+placement group, vLLM engines, ZeRO-3 actor and reference groups and its AgentTrainer (build_agents), and the
+views of the result the loop and the health checks use (owners, components)."""
+
+import dataclasses
+import os
+import types
+from dataclasses import dataclass
+
+import ray
+
+from openrlhf_mappa import placement
+from openrlhf_mappa.console import console
+from openrlhf_mappa.placement import agent_args, trainee_specs
+
+
+def check_placement(args, topology) -> None:
+    """Before any actor exists: the plan (placement.py) against the Ray cluster's GPUs, logical or real, and
+    their memory where known (the lower of --mappa.gpu_memory_gib and what this process's GPU reports) and the
+    host memory of a node (--mappa.host_memory_gib, else this one's). Printed when it fits; refused,
+    with the smallest change that would fit, when not. Ray itself would wait forever, silently, for GPUs
+    that never come."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    # The card's memory as the CUDA driver reports it where this process sees a GPU (an "80 GB" card: 79.6 GiB),
+    # the flag's where it is lower or none is seen; host memory and node sizes as this node and Ray see them.
+    given, seen = args.mappa.gpu_memory_gib, placement.detect_gpus()[1]
+    gib = args.mappa.gpu_memory_gib = min(g for g in (given, seen) if g) if given or seen else None
+    args.mappa.host_memory_gib = args.mappa.host_memory_gib or placement.host_memory_gib()
+    args.mappa.gpus_per_node = args.mappa.gpus_per_node or int(max(
+        [n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]] + [1]))
+    try:
+        plan = placement.check(args, topology, gpus, gib)
+    except ValueError as e:
+        raise SystemExit(f"[mappa] {e}\n(On CPU, MAPPA_CPU_NUM_GPUS sets a local cluster's logical GPUs.)") from None
+    memory = "" if gib else " (GPU memory not known here: give --mappa.gpu_memory_gib to check it too)"
+    print(f"[mappa] placement plan for {gpus} GPUs{memory}:\n{placement.format_plan(plan, gpus)}\n"
+          f"actor and reference processes: {actor_threads(args)} OpenMP threads each (--mappa.actor_threads)",
+          file=console.out, flush=True)
+
+
+def actor_threads(args) -> int:
+    """OpenMP threads per actor and reference process: --mappa.actor_threads, else this node's cores over its GPUs
+    (at most one of a GPU's actor ranks trains at a time). Nodes are taken to be alike."""
+    return args.mappa.actor_threads or max(1, (os.cpu_count() or 1) // (args.mappa.gpus_per_node or 1))
+
+
+@dataclass
+class Agent:
+    """One agent's policy on the cluster."""
+
+    spec: object
+    args: object
+    tokenizer: object
+    engines: list
+    actor: object  # RayActorGroup of PolicyModelActor
+    ref: object  # RayActorGroup of ReferenceModelActor, or None when the KL coefficient is 0
+    trainer: object  # AgentTrainer: OpenRLHF's BasePPOTrainer over this agent's actor, reference and engines
+
+
+def engines_on(a, model: str, pg, share: float, cls=None, **lora) -> list:
+    """Engines on a placement group: engine i on bundle i of `pg`, each asking Ray for `share` of the GPU
+    (placement.gpu_share; OpenRLHF's create_vllm_engines asks 0.2, one policy's share, which a team's nine
+    models on one GPU would not fit). Colocated, beside actor and reference rank i; a LoRA pool's (`cls`
+    PoolEngine, `lora` vLLM's LoRA settings) on its own group when nothing is colocated."""
+    from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return [
+        (cls or RolloutRayActor).options(
+            num_cpus=share, num_gpus=share,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i,
+                                                                 placement_group_capture_child_tasks=True),
+        ).remote(
+            model=model, enforce_eager=a.vllm.enforce_eager, tensor_parallel_size=1, seed=a.train.seed + i,
+            worker_extension_cls="openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap", distributed_executor_backend="uni",
+            max_model_len=a.data.max_len, enable_prefix_caching=a.vllm.enable_prefix_caching, dtype="bfloat16",
+            trust_remote_code=True, full_determinism=a.train.full_determinism_enable, num_gpus=share,
+            gpu_memory_utilization=a.vllm.gpu_memory_utilization, enable_sleep_mode=a.vllm.enable_sleep, **lora,
+        )
+        for i in range(a.vllm.num_engines)
+    ]  # fmt: skip
+
+
+def build_agents(args, topology, max_steps: dict, startup) -> list:
+    """Every trainee's engines, actor and reference groups, initialised, and its AgentTrainer. `startup` (a
+    StartupWatchdog) is told which agent is being created and, per component, a ref that is ready once that
+    one is up.
+
+    Colocated (--mappa.colocate), an agent's actor rank i, reference rank i and engine i share bundle i of one
+    placement group: the agent's own (agent), or the team's (team). Their engines are created, and put to sleep
+    with --vllm.enable_sleep, before any actor: vLLM sizes its KV cache from the GPU memory free when it starts
+    (on the team's GPUs, one agent's engines after another's, for the same reason)."""
+    from openrlhf.trainer.ray import create_vllm_engines
+    from openrlhf.trainer.ray.launcher import RayActorGroup, ReferenceModelActor
+    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+    from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+    from openrlhf.utils import get_strategy
+    from ray.util.placement_group import placement_group
+    from transformers import AutoTokenizer
+
+    from openrlhf_mappa.agent_trainer import AdapterOff, AgentTrainer, LoraActor, PoolEngine
+
+    check_placement(args, topology)
+    # Ray gives an actor of less than one CPU (every colocated one) OMP_NUM_THREADS=1, which leaves torch's CPU ops
+    # and DeepSpeed's CPU Adam (--ds.adam_offload: the optimizer step of billions of parameters) on one core.
+    threads = {"env_vars": {"OMP_NUM_THREADS": str(actor_threads(args))}}
+    threaded = lambda cls: types.SimpleNamespace(options=lambda **kw: cls.options(runtime_env=threads, **kw))
+    per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
+    colocate = args.mappa.colocate
+    share = placement.gpu_share(args, topology) if colocate != "none" else 1
+    gpu_set = lambda a: placement_group([{"GPU": 1, "CPU": 1}] * (a.actor.num_nodes * a.actor.num_gpus_per_node), strategy="PACK")
+    pgs = {}  # agent -> the placement group its actor, reference and engines share (colocated only)
+    if colocate == "agent":
+        pgs = {spec.name: gpu_set(a) for spec, a in per_agent}
+    elif colocate == "team":  # every agent has the same GPU count (placement.colocation_problems)
+        team = gpu_set(per_agent[0][1])
+        pgs = {spec.name: team for spec, _ in per_agent}
+
+    engines, pools = {}, placement.lora_pools(args, topology)
+    pool_of = {spec.name: label for label, specs in pools.items() for spec in specs}
+    for spec, a in per_agent:
+        startup.stage = f"agent {spec.name!r} (creating its engines)"
+        label = pool_of.get(spec.name)
+        if label in engines:  # a LoRA pool's engines, created with its first agent
+            engines[spec.name] = engines[label]
+            continue
+        if label:
+            ranks = [m.lora.rank for m in pools[label]]
+            lora = dict(enable_lora=True, max_loras=len(ranks), max_lora_rank=placement.pool_max_rank(ranks))
+            pg = pgs.get(spec.name) or placement_group([{"GPU": 1, "CPU": 1}] * a.vllm.num_engines, strategy="PACK")
+            engines[label] = engines[spec.name] = engines_on(a, spec.model, pg, share, PoolEngine, **lora)
+        elif colocate == "none":
+            engines[spec.name] = create_vllm_engines(
+                a.vllm.num_engines, a.vllm.tensor_parallel_size, spec.model, a.train.seed, a.train.full_determinism_enable,
+                a.vllm.enable_prefix_caching, a.vllm.enforce_eager, a.data.max_len, None, a.vllm.gpu_memory_utilization, False,
+            )  # fmt: skip
+        else:
+            engines[spec.name] = engines_on(a, spec.model, pgs[spec.name], share)
+        startup.components += [(f"{label or f'agent {spec.name!r}'}: vLLM engine {i}", e.__ray_ready__.remote())
+                               for i, e in enumerate(engines[spec.name])]
+        if colocate == "team":
+            # vLLM sizes its KV cache from the drop in the whole GPU's free memory while it profiles, so engines
+            # starting at once on one GPU would count each other's loads as their own (a KV budget wrong or below
+            # zero): each agent's engines start, and sleep, before the next agent's do.
+            startup.stage = f"agent {spec.name!r} (its engines starting on the team's GPUs, one agent at a time)"
+            ray.get([e.__ray_ready__.remote() for e in engines[spec.name]])
+            if args.vllm.enable_sleep:
+                batch_vllm_engine_call(engines[spec.name], "sleep")
+    if colocate == "agent" and args.vllm.enable_sleep:
+        startup.stage = "the colocated vLLM engines (starting, then put to sleep before the actors start)"
+        batch_vllm_engine_call(distinct(sum(engines.values(), [])), "sleep")
+
+    agents, init_refs = [], []
+    for spec, a in per_agent:
+        startup.stage = f"agent {spec.name!r} (creating its actors)"
+        strategy = get_strategy(a)
+        pg = pgs.get(spec.name)
+        actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node, threaded(LoraActor if spec.lora else PolicyModelActor),
+                              pg=pg, num_gpus_per_actor=share)  # RayActorGroup calls .options() on its actor type
+        ref = None
+        if a.algo.kl.init_coef > 0 and spec.lora:
+            ref = AdapterOff(actor)  # the base: its own actor with the adapter off
+        elif a.algo.kl.init_coef > 0:
+            ref = RayActorGroup(a.ref.num_nodes, a.ref.num_gpus_per_node, threaded(ReferenceModelActor), pg=pg,
+                                num_gpus_per_actor=share)
+            init_refs += ref.async_init_model_from_pretrained(strategy, spec.model)
+        steps = max_steps[spec.name]  # its learning-rate schedule's length (train_mappa_ray.schedule_steps)
+        init_refs += actor.async_init_model_from_pretrained(strategy, spec.model, steps, engines[spec.name])
+        tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=True)
+        trainer = AgentTrainer(strategy, actor, ref, engines[spec.name], tokenizer, spec.name if spec.lora else None)
+        agents.append(Agent(spec, a, tokenizer, engines[spec.name], actor, ref, trainer))
+        # A component answers this ping once it is up: an actor runs one caller's calls in order, so its
+        # answer comes after its init.
+        startup.components += [(f"agent {name!r}: {what}", h.__ray_ready__.remote())
+                               for name, what, h in components(agents[-1:]) if "vLLM" not in what]
+        if colocate == "team":
+            # On the team's GPUs, one agent's actors load (ZeRO-3 gathers every weight once) and offload before
+            # the next agent's load: all at once, the team's weights would be on the GPUs together.
+            ray.get(init_refs)
+    startup.stage = None
+    ray.get(init_refs)
+    for ag in agents:  # each adapter into its pool's engines: as initialised, or as resumed from a checkpoint
+        if ag.trainer.adapter:
+            ag.trainer.broadcast_to_vllm()
+    # The shared-policy baseline: every other role plays and trains through the first agent's components.
+    for spec in topology.agents[len(agents) :]:
+        agents.append(dataclasses.replace(agents[0], spec=spec, args=agent_args(args, spec)))
+    return agents
+
+
+def distinct(handles: list) -> list:
+    """The handles once each, in order: a LoRA pool's engines belong to each of its agents."""
+    return list({id(h): h for h in handles}.values())
+
+
+def owners(agents: list) -> list:
+    """The agents that own their components (actor, reference, engines): all of them, or under a shared
+    policy only the first, whose components the other roles reuse (see build_agents)."""
+    first = {}
+    for ag in agents:
+        first.setdefault(id(ag.actor), ag)
+    return list(first.values())
+
+
+def components(agents: list) -> list:
+    """(agent, component, Ray actor handle) for every process of every agent (a shared policy's once)."""
+    out = []
+    for ag in owners(agents):
+        out += [(ag.spec.name, f"vLLM engine {i}", e) for i, e in enumerate(ag.engines)]
+        out += [(ag.spec.name, f"actor rank {i}", h) for i, h in enumerate(ag.actor._actor_handlers)]
+        if ag.ref is not None and not ag.trainer.adapter:  # a LoRA agent's reference is its actor
+            out += [(ag.spec.name, f"reference rank {i}", h) for i, h in enumerate(ag.ref._actor_handlers)]
+    return out
