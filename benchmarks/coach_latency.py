@@ -51,7 +51,7 @@ def run(out: str, model: str, delay: float, steps: int) -> list:
         finally:
             ray.shutdown()
     metrics = [json.loads(line) for line in open(os.path.join(out, "run", "metrics.jsonl"))]
-    return [m["time/step"] for m in metrics]
+    return [m["timing/step"] for m in metrics]
 
 
 def main():

@@ -194,7 +194,7 @@ def train(out: str, mode: str, seed: int, a) -> dict:
     result = {
         "mode": mode, "seed": seed, "chain": a.chain, "steps_run": len(success), "wall_s": round(wall, 1),
         "steps_to_threshold": steps_to_threshold(success, a.threshold, a.window),
-        "median_step_s": round(statistics.median(m["time/step"] for m in metrics), 2),
+        "median_step_s": round(statistics.median(m["timing/step"] for m in metrics), 2),
         "coach_requests_per_step": statistics.fmean(m["coach/requests"] for m in metrics),
         "config": {k: getattr(a, k) for k in ("steps", "threshold", "window", "lr", "tasks_per_step")},
         "success_rate": success,

@@ -14,7 +14,7 @@ Both sides: ZeRO-3, one actor GPU and one vLLM engine per policy, no reference m
 the same --train/--rollout batch sizes, --rollout.max_new_tokens and --data.max_len. Both log every step to
 tensorboard through OpenRLHF's own TensorboardLogger, and the phase times are read back from there: the
 phases each trainer times itself (OpenRLHF: timing/generation, make_experience, ppo_train, broadcast,
-step_total; MAPPA: time/rollout, experience, train, sync, step), and the wall clock between two steps' log
+step_total; MAPPA: timing/rollout, experience, train, sync, step), and the wall clock between two steps' log
 records, which also covers whatever a step does outside those timers. Steps up to --warmup are left out
 (start-up too); each figure is the median of the remaining steps.
 
@@ -50,12 +50,12 @@ def reward_func(queries, prompts, labels):
     return {{"rewards": rewards, "scores": rewards, "extra_logs": {{}}}}
 '''
 
-# Each side's own step timers, by phase. MAPPA's time/train + time/sync is its training phase's wall clock.
+# Each side's own step timers, by phase. MAPPA's timing/train + timing/sync is its training phase's wall clock.
 PHASES = ("generation", "experience", "train", "sync", "step")
 KEYS = {
     "openrlhf": dict(zip(PHASES, ("timing/generation", "timing/make_experience", "timing/ppo_train",
                                   "timing/broadcast", "timing/step_total"))),
-    "mappa": dict(zip(PHASES, ("time/rollout", "time/experience", "time/train", "time/sync", "time/step"))),
+    "mappa": dict(zip(PHASES, ("timing/rollout", "timing/experience", "timing/train", "timing/sync", "timing/step"))),
 }  # fmt: skip
 
 

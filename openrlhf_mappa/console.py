@@ -27,7 +27,7 @@ def step_line(step: int, total: int, metrics: dict, agents: list) -> str:
         return sum(values) / len(values) if values else None
 
     coach = ", ".join(f"{a} {num(metrics.get(f'agent/{a}/coach_score'), '.2f')}" for a in agents)
-    phases = ", ".join(f"{k} {num(metrics.get('time/' + k), '.1f')}s" for k in ("rollout", "experience", "train", "sync", "step"))
+    phases = ", ".join(f"{k} {num(metrics.get('timing/' + k), '.1f')}s" for k in ("rollout", "experience", "train", "sync", "step"))
     return (f"[mappa] step {step}/{total} | success {num(metrics.get('outcome/success_rate'), '.3f')} | coach {coach} | "
             f"kl {num(mean('kl'), '.3g')} | loss {num(mean('policy_loss'), '.3g')} | {phases}")
 
@@ -46,7 +46,7 @@ def run_summary(run_dir: str) -> list:
         return f"{sum(values) / len(values):.3f}" if values else "-"
 
     first, last = metrics[:3], metrics[-3:]
-    seconds = sum(r.get("time/step") or 0.0 for r in metrics)
+    seconds = sum(r.get("timing/step") or 0.0 for r in metrics)
     lines = [f"[mappa] {len(metrics)} steps ({seconds / 60:.1f} min of training steps); "
              f"success rate {mean(first, 'outcome/success_rate')} (first 3 steps) -> {mean(last, 'outcome/success_rate')} (last 3)"]
     agents = list(dict.fromkeys(k.split("/")[1] for r in metrics for k in r if k.startswith("agent/") and k.endswith("/coach_score")))

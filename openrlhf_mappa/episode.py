@@ -137,7 +137,6 @@ class Action:
     position: int = 0  # its index among the episode's actions, from 0
     prompt_text: str = ""
     response_text: str = ""
-    rollout_logprobs: Optional[list] = None
     truncated: bool = False  # generation hit the token limit
     formatted: Optional[bool] = None  # it gives a final answer in the env's format (None: not asked of this agent)
     prompt_truncated: bool = False  # its oldest history entries were left out to fit max_len - max_new_tokens
@@ -180,7 +179,7 @@ class Episode:
         """One episodes.jsonl line: everything but the token ids (the texts carry the same content)."""
         d = dataclasses.asdict(self)
         for a in d["actions"]:
-            a.pop("prompt_ids"), a.pop("response_ids"), a.pop("rollout_logprobs")
+            a.pop("prompt_ids"), a.pop("response_ids")
         return json.dumps(d, ensure_ascii=False)
 
     @classmethod

@@ -239,7 +239,7 @@ class MappaTrainer:
         t0 = time.time()
         trained = [ag for ag in self.trainees if ag.spec.name in batches]
         status = self.per_agent(lambda ag: ag.trainer.train_step(batches[ag.spec.name], step)[0], trained)
-        # time/sync: the syncs' share of the phase (the slowest agent's, or all of them one after another).
+        # timing/sync: the syncs' share of the phase (the slowest agent's, or all of them one after another).
         syncs = [s["timing/broadcast"] for s in status.values()]
         t_sync = (sum(syncs) if self.mappa.colocate == "team" else max(syncs, default=0.0))
         t_train = time.time() - t0 - t_sync
@@ -247,8 +247,8 @@ class MappaTrainer:
         self.write_episodes(episodes)
         metrics = self.step_metrics(episodes, batches, status, dropped, counts)
         metrics.update(coach_metrics)
-        metrics.update({"time/rollout": t_rollout, "time/experience": t_experience, "time/train": t_train,
-                        "time/sync": t_sync, "time/step": time.time() - t_start})
+        metrics.update({"timing/rollout": t_rollout, "timing/experience": t_experience, "timing/train": t_train,
+                        "timing/sync": t_sync, "timing/step": time.time() - t_start})
         if self.topology.coach_stages:
             metrics["coach/template_stage"] = self.stage  # 0-based, in coach_templates' order
         return metrics
@@ -337,14 +337,11 @@ class MappaTrainer:
             m[p + "trained_actions"] = sum(len(e.sequences) for e in batches.get(name, []))
             m[p + "dropped_for_batching"] = dropped[name]
             m[p + "updated"] = int(name in status)
-            if name in batches:
-                kl = torch.cat([e.info["kl"] for e in batches[name]])
-                m[p + "kl"] = kl.mean().item()
-            if name in status:  # a LoRA agent's adapter sync against a full model's
+            if name in status:  # upstream's train status (all but its text sample), and a LoRA agent's sync sizes
+                m.update({p + k: v for k, v in status[name].items() if isinstance(v, (int, float))})
                 m.update({p + k: v for k, v in ag.trainer.synced.items()})
-            for key in ("policy_loss", "actor_lr", "actor_grad_norm", "ppo_clip_ratio"):
-                if name in status and key in status[name]:
-                    m[p + key] = status[name][key]
+            if name in batches:
+                m[p + "kl"] = torch.cat([e.info["kl"] for e in batches[name]]).mean().item()
         return m
 
     def evaluate(self, step: int):

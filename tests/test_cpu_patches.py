@@ -421,6 +421,7 @@ def test_placement_check_against_a_real_cluster(tmp_path):
     # so the launch checks the count only (the memory model is tested in test_placement.py).
     topology = {"name": "two", "env": "mathchat", "coach_template": "{agent_output} PROCESS_SCORE",
                 "agents": [{"name": n, "model": "m", "role": n, "prompt": "{task}"} for n in ("a", "b")]}
+    topology["agents"][1]["max_new_tokens"] = 64  # a per-agent value that wins over the flag: printed
     (tmp_path / "t.yaml").write_text(json.dumps(topology))  # YAML is a superset of JSON
     flags = ["--mappa.topology", str(tmp_path / "t.yaml"), "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1",
              "--algo.kl.init_coef", "0", "--rollout.batch_size", "2", "--train.batch_size", "2"]
@@ -438,7 +439,7 @@ def test_placement_check_against_a_real_cluster(tmp_path):
         except SystemExit as e:
             facts["refused"] = str(e)
         args = parse_args({flags!r} + ["--mappa.shared_policy"])  # one policy for both roles: 2 GPUs, an exact fit
-        console.out = out = io.StringIO()  # the run's own output goes to the terminal's stream, trainer.console
+        console.out = out = io.StringIO()  # the run's own output goes to the terminal's stream, console.console
         check_placement(args, load_topology(args.mappa.topology))
         facts["printed"] = out.getvalue()
         ray.shutdown()
@@ -452,6 +453,8 @@ def test_placement_check_against_a_real_cluster(tmp_path):
     assert "Smallest change that fits: a cluster of 4 GPUs" in message and "MAPPA_CPU_NUM_GPUS" in message
     assert "placement plan for 2 GPUs (GPU memory not known here" in facts["printed"]
     assert "total: 2 GPUs of the cluster's 2" in facts["printed"]
+    assert "agent 'b': max_new_tokens 64 from the topology, not --rollout.max_new_tokens " in facts["printed"]
+    assert "agent 'a':" not in facts["printed"]
 
 
 # ── 5. ZeRO-3 gathers on gloo ──

@@ -24,7 +24,7 @@ from openrlhf_mappa.topology import AGENT_METRICS, load_topology
 from openrlhf_mappa import trainer as trainer_module
 from openrlhf_mappa.cli.train_mappa_ray import parse_args
 from openrlhf_mappa.console import console as run_console
-from openrlhf_mappa.resume import CHECKPOINT_MARKER, check_resume, truncate_logs, write_marker
+from openrlhf_mappa.resume import CHECKPOINT_MARKER, check_resume, write_marker
 from openrlhf_mappa.trainer import MappaTrainer
 
 AGENTS = [

@@ -44,7 +44,7 @@ def test_openrlhf_steady_state_leaves_out_warmup_and_times_steps_log_to_log(tmp_
 
 
 def test_mappa_steady_state_sums_every_agents_tokens(tmp_path):
-    step = {"time/rollout": 2.0, "time/experience": 0.5, "time/train": 1.5, "time/sync": 0.5, "time/step": 4.6,
+    step = {"timing/rollout": 2.0, "timing/experience": 0.5, "timing/train": 1.5, "timing/sync": 0.5, "timing/step": 4.6,
             "agent/a1/num_actions": 4.0, "agent/a1/action_length": 10.0,
             "agent/a2/num_actions": 4.0, "agent/a2/action_length": 20.0}  # fmt: skip
     write_run(tmp_path, [step] * 3, [50.0, 55.0, 59.0])
@@ -54,8 +54,8 @@ def test_mappa_steady_state_sums_every_agents_tokens(tmp_path):
 
 
 def test_refusals_name_what_is_missing(tmp_path):
-    write_run(tmp_path / "a", [{"time/rollout": 1.0}] * 3, [1.0, 2.0, 3.0])
-    with pytest.raises(SystemExit, match="logged no time/experience"):
+    write_run(tmp_path / "a", [{"timing/rollout": 1.0}] * 3, [1.0, 2.0, 3.0])
+    with pytest.raises(SystemExit, match="logged no timing/experience"):
         steady_state(read_steps(str(tmp_path / "a")), "mappa", warmup=1)
     write_run(tmp_path / "b", [openrlhf_step(1)] * 2, [1.0, 2.0])
     with pytest.raises(SystemExit, match="none is left after 2 of warm-up"):
