@@ -27,8 +27,10 @@ class MappaExperienceMaker(RemoteExperienceMaker):
     and reference forwards (log-probs, KL) as they are."""
 
     def make_experience_batch(self, experiences):
-        # MAPPA's rewards come per action from the coach, and its advantages span the team (--mappa.norm_scope
-        # global): the team makes every agent's experiences and sets the advantages before train_step.
+        # Not upstream's advantage hook (compute_advantages_and_returns): it sees one agent's rows, where
+        # --mappa.norm_scope global whitens the team's, and its group baseline needs n_samples_per_prompt rows per
+        # prompt, which an agent acting a varying number of times breaks. MappaTrainer hands train_step
+        # experiences that rewards.compute_advantages already finished; upstream's train_step calls this once, first.
         return experiences
 
 

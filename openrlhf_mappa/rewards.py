@@ -30,7 +30,9 @@ import torch
 from openrlhf_mappa.episode import Episode
 
 REWARD_MODES = ("process", "outcome")
-NORM_SCOPES = ("agent", "global", "group")
+# What each --mappa.norm_scope does, decided here only: (R normalized within its prompt group first,
+# advantages whitened over the whole team's batches instead of each agent's).
+NORM_SCOPES = {"agent": (False, False), "global": (False, True), "group": (True, False)}
 
 # The outcome baseline pays 10 for a solved episode, 0 otherwise (times reward_scale, as coach scores): the
 # top of the coach's 0-10 scale, as the authors' mathchat_workflow_outcome_only.py. With the same scale, the
@@ -49,9 +51,12 @@ def assign_rewards(
     neutral_score: float = 5.0,
     scale: float = 1.0,
     train_truncated: bool = False,
+    standardize_task_type: bool = False,
+    norm_scope: str = "agent",
 ) -> dict:
     """Set `action.reward` for every action: s · the coach's score ("process") or s · the episode outcome
-    ("outcome"), s = `scale` (the topology's reward_scale).
+    ("outcome"), s = `scale` (the topology's reward_scale); then, in "process" mode with `standardize_task_type`,
+    standardize_by_task_type, and for `norm_scope` "group", group_normalize.
 
     In "process" mode an action whose coach gave no valid score is handled by the named `on_failure`
     policy: "skip" (default) leaves it out of training (reward None); "outcome" pays it the episode's
@@ -65,6 +70,8 @@ def assign_rewards(
         raise ValueError(f"unknown reward mode {mode!r}; expected one of {REWARD_MODES}")
     if on_failure not in FAILURE_POLICIES:
         raise ValueError(f"unknown coach failure policy {on_failure!r}; expected one of {FAILURE_POLICIES}")
+    if norm_scope not in NORM_SCOPES:
+        raise ValueError(f"unknown normalization scope {norm_scope!r}; expected one of {tuple(NORM_SCOPES)}")
 
     trainable, left_out_by_status, fallback, truncated_by_agent = 0, {}, 0, {}
     for episode in episodes:
@@ -93,6 +100,11 @@ def assign_rewards(
                 continue
             trainable += 1
 
+    if standardize_task_type and mode == "process":
+        standardize_by_task_type(episodes)
+    per_prompt_R, _ = NORM_SCOPES[norm_scope]
+    if per_prompt_R:
+        group_normalize(episodes)
     return {
         "trainable": trainable,
         "left_out": sum(left_out_by_status.values()),
@@ -199,8 +211,9 @@ def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1
     return [torch.where(m.bool(), (x.float() - mean) * rstd, 0.0) for x, m in zip(values, masks)]
 
 
-def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope: str = "agent") -> None:
-    """Set `.returns` (G) and `.advantages` (whitened G) on every batch of every agent.
+def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope: str = "agent") -> dict:
+    """Set `.returns` (G) and `.advantages` (whitened G) on every batch of every agent; returns, per agent, each
+    row's mean advantage over its action tokens (the value an action's record shows).
 
     Each batch needs `.rewards` (B,), `.kl` (B, A) and `.action_mask` (B, A), e.g. OpenRLHF's
     Experience. scope "agent" normalizes each agent's batches together (the authors' code);
@@ -209,7 +222,7 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope:
     whitens the returns after that (upstream OpenRLHF's does not).
     """
     if scope not in NORM_SCOPES:
-        raise ValueError(f"unknown normalization scope {scope!r}; expected one of {NORM_SCOPES}")
+        raise ValueError(f"unknown normalization scope {scope!r}; expected one of {tuple(NORM_SCOPES)}")
 
     for batches in batches_by_agent.values():
         for b in batches:
@@ -219,8 +232,11 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope:
                 # With γ = 1, G at the first action token is the whole row's reward sum.
                 b.info["return"] = r_BA.sum(dim=1)
 
-    groups = [sum(batches_by_agent.values(), [])] if scope == "global" else list(batches_by_agent.values())
+    _, over_team = NORM_SCOPES[scope]
+    groups = [sum(batches_by_agent.values(), [])] if over_team else list(batches_by_agent.values())
     for batches in groups:
         advantages = whiten([b.returns for b in batches], [b.action_mask for b in batches])
         for b, adv_BA in zip(batches, advantages):
             b.advantages = adv_BA
+    mean_A = lambda b: ((b.advantages * b.action_mask).sum(1) / b.action_mask.sum(1).clamp(min=1)).tolist()
+    return {name: sum((mean_A(b) for b in batches), []) for name, batches in batches_by_agent.items()}

@@ -199,11 +199,8 @@ class MappaTrainer:
                 self.log(step, coach_metrics)
                 raise CoachFailure(f"step {step}: {e} The step's episodes are in {self.run_dir}/episodes.jsonl.") from None
         counts = rewards.assign_rewards(episodes, self.mappa.reward, c.on_failure, c.neutral_score,
-                                        self.topology.reward_scale, self.mappa.train_truncated)
-        if c.standardize_task_type and self.mappa.reward == "process":
-            rewards.standardize_by_task_type(episodes)
-        if self.mappa.norm_scope == "group":
-            rewards.group_normalize(episodes)
+                                        self.topology.reward_scale, self.mappa.train_truncated,
+                                        c.standardize_task_type, self.mappa.norm_scope)
 
         # Per agent: trainable actions -> Experiences -> actor/ref forward (log-probs, KL), by OpenRLHF's maker.
         t0 = time.time()
@@ -222,17 +219,13 @@ class MappaTrainer:
         if most and self.untrained_steps >= most:
             self.stalled = (f"no agent trained in {self.untrained_steps} steps in a row (--mappa.max_untrained_steps "
                             f"{most}); at step {step}, " + "; ".join(f"agent {n!r}: {why}" for n, why in untrained.items()))
-        rewards.compute_advantages(batches, self.args.algo.kl.init_coef, scope=self.mappa.norm_scope)
+        advantage_of = rewards.compute_advantages(batches, self.args.algo.kl.init_coef, scope=self.mappa.norm_scope)
         t_experience = time.time() - t0
-
-        # Record each trained action's mean advantage over its own tokens.
-        for name, exps in batches.items():
-            per_action = []
-            for e in exps:
-                per_action += ((e.advantages * e.action_mask).sum(1) / e.action_mask.sum(1).clamp(min=1)).tolist()
-                e.kl = None  # consumed by the advantages; OpenRLHF's actor does not read it
-            for action, adv in zip(kept_actions[name], per_action):
+        for name, exps in batches.items():  # each trained action's record shows its row's mean advantage
+            for action, adv in zip(kept_actions[name], advantage_of[name]):
                 action.advantage = adv
+            for e in exps:
+                e.kl = None  # consumed by the advantages; OpenRLHF's actor does not read it
 
         # Agent k's experiences train agent k's actor, whose weights then go to agent k's engines: OpenRLHF's
         # train_step.

@@ -208,10 +208,11 @@ def record_experiences(path: str):
     steps, compute = [], rewards.compute_advantages
 
     def recording(batches_by_agent, *args, **kwargs):
-        compute(batches_by_agent, *args, **kwargs)
+        advantage_of = compute(batches_by_agent, *args, **kwargs)
         steps.append({name: [{k: getattr(b, k).clone() for k in RECORDED} for b in batches]
                       for name, batches in batches_by_agent.items()})  # fmt: skip
         torch.save(steps, path)
+        return advantage_of
 
     rewards.compute_advantages = recording
 

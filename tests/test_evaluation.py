@@ -153,15 +153,16 @@ def test_group_scope_is_the_authors_group_norm_on_hand_computed_numbers():
     episodes = [Episode(f"{t}{i}", t, step=1, outcome={"success": False},
                         actions=[Action(f"{t}{i}", "solver", 0, [1], [2], verdict=Verdict(c, "ok"))])
                 for t, scores in (("a", (3.0, 7.0)), ("b", (5.0, 5.0))) for i, c in enumerate(scores)]  # fmt: skip
-    rewards.assign_rewards(episodes, "process", scale=0.1)
-    rewards.group_normalize(episodes)
+    rewards.assign_rewards(episodes, "process", scale=0.1, norm_scope="group")  # the scope's R step, in one call
     R_B = torch.tensor([e.actions[0].reward for e in episodes])
     torch.testing.assert_close(R_B, torch.tensor([-0.7071068, 0.7071068, 0.0, 0.0]), rtol=0, atol=1e-6)
 
     batch = SimpleNamespace(rewards=R_B, kl=torch.ones(4, 2), action_mask=torch.ones(4, 2, dtype=torch.bool))
-    rewards.compute_advantages({"solver": [batch]}, kl_coef=0.1, scope="group")
+    advantage_of = rewards.compute_advantages({"solver": [batch]}, kl_coef=0.1, scope="group")
     expected = [[-1.5066988, -1.3076914], [1.3076914, 1.5066988], [-0.0995037, 0.0995037], [-0.0995037, 0.0995037]]
     torch.testing.assert_close(batch.advantages, torch.tensor(expected), rtol=0, atol=1e-5)
+    # Each row's mean advantage over its tokens, as the action's record shows it.
+    assert advantage_of["solver"] == pytest.approx([-1.4071951, 1.4071951, 0.0, 0.0], abs=1e-5)
     torch.testing.assert_close(batch.returns[0], torch.tensor([-0.9071068, -0.8071068]), rtol=0, atol=1e-6)
 
 
