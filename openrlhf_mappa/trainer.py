@@ -155,7 +155,7 @@ class MappaTrainer:
         through all agents), and asleep after, when colocated actors use their memory."""
         from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 
-        engines = distinct([e for ag in self.trainees for e in ag.engines])  # a LoRA pool's serve several agents
+        engines = distinct([engine for ag in self.trainees for engine in ag.engines])  # a LoRA pool's serve several agents
         if self.args.vllm.enable_sleep:
             batch_vllm_engine_call(engines, "wake_up")
         try:
@@ -224,8 +224,8 @@ class MappaTrainer:
         for name, exps in batches.items():  # each trained action's record shows its row's mean advantage
             for action, adv in zip(kept_actions[name], advantage_of[name]):
                 action.advantage = adv
-            for e in exps:
-                e.kl = None  # consumed by the advantages; OpenRLHF's actor does not read it
+            for exp in exps:
+                exp.kl = None  # consumed by the advantages; OpenRLHF's actor does not read it
 
         # Agent k's experiences train agent k's actor, whose weights then go to agent k's engines: OpenRLHF's
         # train_step.
@@ -327,28 +327,28 @@ class MappaTrainer:
             m[p + "truncated_left_out"] = counts["truncated_left_out"].get(name, 0)
             if self.owner[name] != name:  # a shared policy's training metrics are under the first agent's name
                 continue
-            m[p + "trained_actions"] = sum(len(e.sequences) for e in batches.get(name, []))
+            m[p + "trained_actions"] = sum(len(exp.sequences) for exp in batches.get(name, []))
             m[p + "dropped_for_batching"] = dropped[name]
             m[p + "updated"] = int(name in status)
             if name in status:  # upstream's train status (all but its text sample), and a LoRA agent's sync sizes
                 m.update({p + k: v for k, v in status[name].items() if isinstance(v, (int, float))})
                 m.update({p + k: v for k, v in ag.trainer.synced.items()})
             if name in batches:
-                m[p + "kl"] = torch.cat([e.info["kl"] for e in batches[name]]).mean().item()
+                m[p + "kl"] = torch.cat([exp.info["kl"] for exp in batches[name]]).mean().item()
         return m
 
     def evaluate(self, step: int):
         """Every --eval.dataset, n samples per task at --eval.temperature, on the current weights: one line
         per dataset in eval.jsonl (read by `mappa report`), the per-problem results in eval/, and the
         loggers' eval/ namespace."""
-        e, names = self.args.eval, [ag.spec.name for ag in self.agents]
+        ev, names = self.args.eval, [ag.spec.name for ag in self.agents]
         for dataset, tasks in self.eval_sets.items():
             workspace = os.path.join(self.run_dir, "workspaces", f"eval-{dataset}")
-            total = len(tasks) * e.n_samples_per_prompt
+            total = len(tasks) * ev.n_samples_per_prompt
             with self.engines_awake(), tqdm(total=total, desc=f"evaluation {dataset}", unit="episode", leave=False,
                                             file=console.err) as bar:
                 episodes = self.loop.run_until_complete(
-                    evaluate(self.topology, tasks, self.eval_policies, e.n_samples_per_prompt, workspace, step, bar.update)
+                    evaluate(self.topology, tasks, self.eval_policies, ev.n_samples_per_prompt, workspace, step, bar.update)
                 )
             summary, problems = summarize(episodes, names, tasks)
             os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
