@@ -100,97 +100,15 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
     os.makedirs(workspace, exist_ok=True)
     episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=task.get("type", ""), step=step)
     requests, verdict_futures = [], []
-    name = topology.env
     t0 = time.time()
     try:
-        env = env_call(name, "__init__", topology.make_env, task, workspace)
-        name = type(env).__name__
-        call = functools.partial(env_call, name)
+        env = env_call(topology.env, "__init__", topology.make_env, task, workspace)
+        call = functools.partial(env_call, type(env).__name__)
         episode.task_type = call("task_type", getattr, env, "task_type")
-        # An env whose own observe() takes no `omit` cannot leave history out: its over-long prompts are skipped.
-        can_omit = "omit" in inspect.signature(env.observe).parameters
-
-        def fit(spec, turn):
-            """(text, ids, too_long, omitted): the agent's prompt, its oldest history left out as far as needed."""
-            policy = policies[spec.name]
-            prompt_text, prompt_ids, too_long = policy.prompt_ids(call("observe", env.observe, spec, turn))
-            if too_long and can_omit:
-                # observe(k): k oldest entries left out
-                return policy.shorten(lambda k: call("observe", env.observe, spec, turn, omit=k), len(env.history))
-            return prompt_text, prompt_ids, too_long, 0
-
-        limit = topology.max_episode_actions or sum(a.max_actions for a in topology.agents)
-        turns, last, round_ = {a.name: 0 for a in topology.agents}, {}, 0
-        while agents := call("next_agents", env.next_agents, turns, last):
-            ids = [id(a) for a in agents] if isinstance(agents, (list, tuple)) else None
-            if ids is None or not set(ids) <= {id(a) for a in topology.agents} or len(set(ids)) < len(ids):
-                shown = [getattr(a, "name", a) for a in agents] if ids is not None else agents
-                raise ValueError(f"{name}.next_agents returned {shown!r}: expected a list of this "
-                                 f"topology's AgentSpecs (env.topology.agents), each at most once per round")
-            over = [f"agent {a.name!r} asked to act beyond its max_actions {a.max_actions}"
-                    for a in agents if turns[a.name] >= a.max_actions]  # fmt: skip
-            if sum(turns.values()) + len(agents) > limit:
-                over.append(f"more than max_episode_actions {limit} actions")
-            if over:  # a workflow that would go on forever (or past its budget) ends here, as a counted failure
-                episode.action_limit = "; ".join(over)
-                break
-            # Every agent of the round sees the history as it stands before the round, so their generations are
-            # independent and run concurrently; their steps then run in the order next_agents gave.
-            prompts = [fit(spec, turns[spec.name]) for spec in agents]
-            generated = iter(await asyncio.gather(
-                *(policies[spec.name].generate(p[1]) for spec, p in zip(agents, prompts) if not p[2])
-            ))  # fmt: skip
-            last = {}
-            for spec, (prompt_text, prompt_ids, too_long, omitted) in zip(agents, prompts):
-                policy, turn = policies[spec.name], turns[spec.name]
-                turns[spec.name] += 1
-                if too_long:
-                    # Even its system message, prompt and task alone do not fit: no action (nothing generated, nothing
-                    # trained, no coach); next_agents hears None for it (the chain then moves to the next agent).
-                    budget = policy.max_len - policy.max_new_tokens
-                    skipped = {"agent": spec.name, "turn": turn, "prompt_tokens": len(prompt_ids), "budget": budget}
-                    episode.skipped_actions.append(skipped)
-                    last[spec.name] = None
-                    continue
-                response_ids, truncated = next(generated)
-                response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
-                result = last[spec.name] = await asyncio.to_thread(call, "step", env.step, spec, turn, response_text)
-                action = Action(
-                    episode_id=episode_id,
-                    agent=spec.name,
-                    turn=turn,
-                    round=round_,
-                    position=len(episode.actions),
-                    prompt_ids=prompt_ids,
-                    response_ids=response_ids,
-                    prompt_text=prompt_text,
-                    response_text=response_text,
-                    truncated=truncated,
-                    formatted=call("answer_formatted", env.answer_formatted, spec, response_text),
-                    prompt_truncated=omitted > 0,
-                    feedback=result.feedback,
-                )
-                action.coach_request = dict(
-                    role=spec.role,
-                    task=call("task_text", getattr, env, "task_text"),
-                    task_type=episode.task_type,
-                    feedback=result.feedback.as_text(),
-                    ground_truth=call("coach_ground_truth", env.coach_ground_truth, spec),
-                    is_final_agent=spec is topology.agents[-1],
-                    runs_code=spec.runs_code,
-                    truncated_at=policy.max_new_tokens if truncated else None,
-                    round=action.round,
-                    position=action.position,
-                    # Kept with the action only when shown, so that re-scoring sends the prompt this coach saw.
-                    **({"coach_bias": coach_bias} if coach_bias is not None else {}),
-                )
-                episode.actions.append(action)
-                request = CoachRequest(episode_id, spec.name, turn, agent_input=prompt_text, agent_output=response_text,
-                                       **action.coach_request)
-                requests.append(request)
-                if coach_mode != "hindsight":
-                    verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
-            round_ += 1
+        async for request in play(topology, env, call, policies, episode, coach_bias):
+            requests.append(request)
+            if coach_mode != "hindsight":
+                verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
         episode.timings["rollout_s"] = time.time() - t0
         outcome = call("outcome", env.outcome)
         # An episode stopped by a limit never reached its end: a failure, whatever the env's outcome says.
@@ -208,6 +126,97 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
         action.verdict, action.verdict_parts = verdict, part
     episode.timings["coach_wait_s"] = time.time() - t0 - episode.timings["rollout_s"]
     return episode
+
+
+async def play(topology, env, call, policies: dict, episode: Episode, coach_bias: str = None):
+    """The agents act, round by round as env.next_agents says, until it names no agent or a round would pass a
+    limit (`episode.action_limit`). Each action (or skipped action) is recorded in `episode`; each action's coach
+    request is yielded as soon as its tool feedback exists, so that the caller can submit it at once."""
+    # An env whose own observe() takes no `omit` cannot leave history out: its over-long prompts are skipped.
+    can_omit = "omit" in inspect.signature(env.observe).parameters
+    limit = topology.max_episode_actions or sum(a.max_actions for a in topology.agents)
+    turns, last, round_ = {a.name: 0 for a in topology.agents}, {}, 0
+    while agents := call("next_agents", env.next_agents, turns, last):
+        check_round(type(env).__name__, topology, agents)
+        over = [f"agent {a.name!r} asked to act beyond its max_actions {a.max_actions}"
+                for a in agents if turns[a.name] >= a.max_actions]
+        if sum(turns.values()) + len(agents) > limit:
+            over.append(f"more than max_episode_actions {limit} actions")
+        if over:  # a workflow that would go on forever (or past its budget) ends here, as a counted failure
+            episode.action_limit = "; ".join(over)
+            return
+        # Every agent of the round sees the history as it stands before the round, so their generations are
+        # independent and run concurrently; their steps then run in the order next_agents gave.
+        prompts = [fit_prompt(env, call, policies[spec.name], spec, turns[spec.name], can_omit) for spec in agents]
+        generations = (policies[spec.name].generate(p[1]) for spec, p in zip(agents, prompts) if not p[2])
+        generated = iter(await asyncio.gather(*generations))
+        last = {}
+        for spec, (prompt_text, prompt_ids, too_long, omitted) in zip(agents, prompts):
+            policy, turn = policies[spec.name], turns[spec.name]
+            turns[spec.name] += 1
+            if too_long:
+                # Even its system message, prompt and task alone do not fit: no action (nothing generated, nothing
+                # trained, no coach); next_agents hears None for it (the chain then moves to the next agent).
+                budget = policy.max_len - policy.max_new_tokens
+                skipped = {"agent": spec.name, "turn": turn, "prompt_tokens": len(prompt_ids), "budget": budget}
+                episode.skipped_actions.append(skipped)
+                last[spec.name] = None
+                continue
+            response_ids, truncated = next(generated)
+            response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
+            result = last[spec.name] = await asyncio.to_thread(call, "step", env.step, spec, turn, response_text)
+            action = Action(
+                episode_id=episode.episode_id,
+                agent=spec.name,
+                turn=turn,
+                round=round_,
+                position=len(episode.actions),
+                prompt_ids=prompt_ids,
+                response_ids=response_ids,
+                prompt_text=prompt_text,
+                response_text=response_text,
+                truncated=truncated,
+                formatted=call("answer_formatted", env.answer_formatted, spec, response_text),
+                prompt_truncated=omitted > 0,
+                feedback=result.feedback,
+            )
+            action.coach_request = dict(
+                role=spec.role,
+                task=call("task_text", getattr, env, "task_text"),
+                task_type=episode.task_type,
+                feedback=result.feedback.as_text(),
+                ground_truth=call("coach_ground_truth", env.coach_ground_truth, spec),
+                is_final_agent=spec is topology.agents[-1],
+                runs_code=spec.runs_code,
+                truncated_at=policy.max_new_tokens if truncated else None,
+                round=action.round,
+                position=action.position,
+                # Kept with the action only when shown, so that re-scoring sends the prompt this coach saw.
+                **({"coach_bias": coach_bias} if coach_bias is not None else {}),
+            )
+            episode.actions.append(action)
+            yield CoachRequest(episode.episode_id, spec.name, turn, agent_input=prompt_text,
+                               agent_output=response_text, **action.coach_request)
+        round_ += 1
+
+
+def check_round(env_name: str, topology, agents) -> None:
+    """A ValueError unless next_agents returned a list of this topology's AgentSpecs, each at most once."""
+    ids = [id(a) for a in agents] if isinstance(agents, (list, tuple)) else None
+    if ids is None or not set(ids) <= {id(a) for a in topology.agents} or len(set(ids)) < len(ids):
+        shown = [getattr(a, "name", a) for a in agents] if ids is not None else agents
+        raise ValueError(f"{env_name}.next_agents returned {shown!r}: expected a list of this "
+                         f"topology's AgentSpecs (env.topology.agents), each at most once per round")
+
+
+def fit_prompt(env, call, policy: AgentPolicy, spec, turn: int, can_omit: bool) -> tuple:
+    """(text, ids, too_long, omitted): the agent's prompt, its oldest history left out as far as needed (where the
+    env's observe() can leave it out: `can_omit`)."""
+    prompt_text, prompt_ids, too_long = policy.prompt_ids(call("observe", env.observe, spec, turn))
+    if too_long and can_omit:
+        # observe(k): k oldest entries left out
+        return policy.shorten(lambda k: call("observe", env.observe, spec, turn, omit=k), len(env.history))
+    return prompt_text, prompt_ids, too_long, 0
 
 
 async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,

@@ -104,39 +104,9 @@ def run_python(
     os.makedirs(workspace, exist_ok=True)
     workspace = os.path.realpath(workspace)  # the private view binds the real path
     before = _snapshot(workspace)
-    fd, script = tempfile.mkstemp(prefix="_mappa_code_", suffix=".py", dir=workspace)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(code)
-    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith("MAPPA_")}
-    env = {k: v for k, v in env.items() if not any(m in k.upper() for m in SECRET_MARKERS)} | SANDBOX_ENV
     cpu_limit = cpu_time_s or timeout_s
-    report_r, report_w = os.pipe()
-    with tempfile.TemporaryDirectory(prefix="mappa_sandbox_root_") as new_root:
-        config = dict(
-            python=sys.executable, script=script, workspace=workspace, new_root=new_root, report_fd=report_w,
-            cpu_time_s=cpu_limit, memory_mb=memory_mb, max_file_mb=max_file_mb,
-            max_processes=max_processes,
-        )  # fmt: skip
-        proc = subprocess.Popen(
-            [sys.executable, LAUNCHER, json.dumps(config)],
-            cwd="/",
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group, apart from ours: one killpg ends it all
-            pass_fds=(report_w,),
-        )
-        os.close(report_w)
-        stdout, stderr, timed_out = _collect(proc, timeout_s, max_output_chars)
-        _kill_group(proc.pid)  # background children of code that exited normally must not outlive the action
-        proc.wait()
-    report = {}
-    with os.fdopen(report_r, encoding="utf-8") as f:  # every writer is dead by now: this read cannot block
-        for line in f:
-            report.update(json.loads(line))
-    if os.path.lexists(script):  # the code may have deleted itself
-        os.remove(script)
+    limits = dict(cpu_time_s=cpu_limit, memory_mb=memory_mb, max_file_mb=max_file_mb, max_processes=max_processes)
+    stdout, stderr, timed_out, returncode, report = _launch(code, workspace, timeout_s, max_output_chars, limits)
     if "error" in report:
         raise RuntimeError(f"the sandbox could not start the code:\n{report['error']}")
     after = _snapshot(workspace)
@@ -146,7 +116,7 @@ def run_python(
     if missing:
         warnings.warn(f"sandbox without {', '.join(missing)}: {isolation.get('reason', '')}", RuntimeWarning)
     # The launcher reports the code's own exit; its absence means the whole group was killed first.
-    exit_code = report.get("exit_code", -signal.SIGKILL if timed_out else proc.returncode)
+    exit_code = report.get("exit_code", -signal.SIGKILL if timed_out else returncode)
     stderr_text = stderr.text()
     limit = None
     if timed_out:
@@ -168,6 +138,43 @@ def run_python(
         files_changed=sorted(p for p in after if p in before and after[p] != before[p]),
         isolation=isolation,
     )
+
+
+def _launch(code: str, workspace: str, timeout_s: float, max_output_chars: int, limits: dict):
+    """Run the code through the launcher (sandbox_launcher.py), which confines it and applies `limits`:
+    (stdout, stderr, timed_out, the launcher's exit status, the launcher's report). The report holds the
+    isolation applied and the code's exit code and CPU time, or the error that kept the code from starting."""
+    fd, script = tempfile.mkstemp(prefix="_mappa_code_", suffix=".py", dir=workspace)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(code)
+    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith("MAPPA_")}
+    env = {k: v for k, v in env.items() if not any(m in k.upper() for m in SECRET_MARKERS)} | SANDBOX_ENV
+    report_r, report_w = os.pipe()
+    with tempfile.TemporaryDirectory(prefix="mappa_sandbox_root_") as new_root:
+        config = dict(
+            python=sys.executable, script=script, workspace=workspace, new_root=new_root, report_fd=report_w, **limits
+        )
+        proc = subprocess.Popen(
+            [sys.executable, LAUNCHER, json.dumps(config)],
+            cwd="/",
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group, apart from ours: one killpg ends it all
+            pass_fds=(report_w,),
+        )
+        os.close(report_w)
+        stdout, stderr, timed_out = _collect(proc, timeout_s, max_output_chars)
+        _kill_group(proc.pid)  # background children of code that exited normally must not outlive the action
+        proc.wait()
+    report = {}
+    with os.fdopen(report_r, encoding="utf-8") as f:  # every writer is dead by now: this read cannot block
+        for line in f:
+            report.update(json.loads(line))
+    if os.path.lexists(script):  # the code may have deleted itself
+        os.remove(script)
+    return stdout, stderr, timed_out, proc.returncode, report
 
 
 class _Capped:

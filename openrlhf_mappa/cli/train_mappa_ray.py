@@ -77,7 +77,17 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_mappa_args(parser):
+    """MAPPA's flags, in one --help group: the team and its training, the coach (--mappa.coach.*), then the GPUs
+    and the start-up."""
     g = parser.add_argument_group("MAPPA")
+    add_training_args(g)
+    add_coach_args(g)
+    add_launch_args(g)
+    # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
+    parser.set_defaults(**{"algo.advantage.estimator": "reinforce"})
+
+
+def add_training_args(g):
     g.add_argument("--mappa.topology", required=True, help="topology YAML (agents, env, coach prompt)")
     g.add_argument("--mappa.model", default=None, help="use this model for every agent (overrides the YAML)")
     g.add_argument("--mappa.reward", choices=["process", "outcome"], default="process",
@@ -102,7 +112,11 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.env.max_failure_fraction", type=FRACTION, default=0.5,
                    help="stop the run when more than this fraction of a step's episodes raised an exception in the "
                         "environment (such an episode is a counted failure and trains nothing)")
-    g.add_argument("--mappa.run_dir", default="./runs/mappa", help="metrics.jsonl, episodes.jsonl and code workspaces")
+    g.add_argument("--mappa.run_dir", default="./runs/mappa",
+                   help="metrics.jsonl, episodes.jsonl and code workspaces")
+
+
+def add_coach_args(g):
     g.add_argument("--mappa.coach.kind", choices=["heuristic", "openai"], default="heuristic",
                    help="heuristic: offline rule-based coach (demo/tests); openai: any OpenAI-compatible server")
     g.add_argument("--mappa.coach.mode", choices=["per_action", "hindsight", "both"], default="per_action",
@@ -110,16 +124,19 @@ def add_mappa_args(parser):
                         "request per finished episode, scoring every action and naming the one responsible for the "
                         "outcome; both: the mean of the two scores (the one that exists when the other failed)")
     g.add_argument("--mappa.coach.model", default=None, help="coach model name at the OpenAI-compatible server")
-    g.add_argument("--mappa.coach.base_url", default=None, help="e.g. https://api.openai.com/v1 or http://localhost:8000/v1")
+    g.add_argument("--mappa.coach.base_url", default=None,
+                   help="e.g. https://api.openai.com/v1 or http://localhost:8000/v1")
     g.add_argument("--mappa.coach.api_key_env", default="OPENAI_API_KEY", help="environment variable holding the key")
     g.add_argument("--mappa.coach.timeout", type=POSITIVE, default=60.0, help="seconds per coach request")
     g.add_argument("--mappa.coach.max_concurrency", type=COUNT, default=32,
                    help="coach verdicts in progress: requests in flight or waiting to retry")
     g.add_argument("--mappa.coach.max_retries", type=NONNEGATIVE_INT, default=4,
-                   help="retries of a request after 429 (honouring Retry-After), 5xx, timeouts or dropped connections")
+                   help="retries of a request after 429 (honouring Retry-After), 5xx, timeouts or dropped "
+                        "connections")
     g.add_argument("--mappa.coach.rpm", type=NONNEGATIVE, default=0.0, help="requests-per-minute limit (0: none)")
     g.add_argument("--mappa.coach.structured", choices=["auto", "json_schema", "off"], default="auto",
-                   help="ask for a JSON-schema verdict {rationale, score}; auto: fall back to text if the server refuses")
+                   help="ask for a JSON-schema verdict {rationale, score}; auto: fall back to text if the server "
+                        "refuses")
     g.add_argument("--mappa.coach.max_tokens", type=NONNEGATIVE_INT, default=0,
                    help="coach reply token limit (0: the server's default)")
     g.add_argument("--mappa.coach.format_retries", type=NONNEGATIVE_INT, default=2,
@@ -127,7 +144,8 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.coach.cache", default=None,
                    help="SQLite verdict cache (default: <run_dir>/coach_cache.sqlite; 'none': memory only)")
     g.add_argument("--mappa.coach.on_failure", choices=["skip", "outcome", "neutral"], default="skip",
-                   help="actions without a valid score: skip (left out), outcome (episode outcome), neutral (neutral_score)")
+                   help="actions without a valid score: skip (left out), outcome (episode outcome), neutral "
+                        "(neutral_score)")
     g.add_argument("--mappa.coach.neutral_score", type=SCORE, default=5.0,
                    help="score (0-10, times the topology's reward_scale) paid for on_failure=neutral")
     g.add_argument("--mappa.coach.max_failure_fraction", type=FRACTION, default=0.5,
@@ -138,8 +156,8 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.coach.standardize_task_type", action="store_true",
                    help="standardize coach scores per agent x task type (bias mitigation)")
     g.add_argument("--mappa.coach.show_bias", action="store_true",
-                   help="show an LLM coach its own running bias in every prompt: its mean score per agent and task type "
-                        "and how its scores agree with outcomes, over the last --mappa.coach.bias_window steps "
+                   help="show an LLM coach its own running bias in every prompt: its mean score per agent and task "
+                        "type and how its scores agree with outcomes, over the last --mappa.coach.bias_window steps "
                         "(where the template names {coach_bias}, else above the prompt)")
     g.add_argument("--mappa.coach.price_in", type=NONNEGATIVE, default=0.0,
                    help="USD per 1M prompt tokens (cost metrics)")
@@ -147,33 +165,39 @@ def add_mappa_args(parser):
     g.add_argument("--mappa.coach.score_outcome_runs", action="store_true",
                    help="with --mappa.reward outcome: still ask the coach about every action, for comparison "
                         "(logged, never trained on; default: no coach calls)")
+
+
+def add_launch_args(g):
     g.add_argument("--mappa.colocate", choices=["none", "agent", "team"], default="none",
                    help="OpenRLHF's hybrid engine for a team. none: each agent's actor, reference and engines on GPUs "
                         "of their own; agent: they share that agent's GPUs (--train.colocate_all, per agent: the "
                         "authors' setup); team: every agent shares one GPU set. Add --vllm.enable_sleep "
-                        "--ds.enable_sleep so that engines sleep while actors train and actors offload while engines generate")
+                        "--ds.enable_sleep so that engines sleep while actors train and actors offload while engines "
+                        "generate")
     g.add_argument("--mappa.gpus", type=COUNT, default=None,
-                   help="GPUs in the cluster, for `mappa plan` and the check before Ray starts (at launch: Ray's count)")
+                   help="GPUs in the cluster, for `mappa plan` and the check before Ray starts (at launch: Ray's "
+                        "count)")
     g.add_argument("--mappa.gpu_memory_gib", type=GPU_GIB, default=None,
-                   help="memory of one GPU in GiB, for the plan's memory check (default: detected where the driver sees a GPU)")
+                   help="memory of one GPU in GiB, for the plan's memory check (default: detected where the driver "
+                        "sees a GPU)")
     g.add_argument("--mappa.host_memory_gib", type=POSITIVE, default=None,
-                   help="host memory of one node in GiB, for the plan's check of offloaded states and sleeping engines "
-                        "(default: detected where the launcher runs, or its container's limit)")
+                   help="host memory of one node in GiB, for the plan's check of offloaded states and sleeping "
+                        "engines (default: detected where the launcher runs, or its container's limit)")
     g.add_argument("--mappa.gpus_per_node", type=COUNT, default=None,
-                   help="GPUs per node, for the host-memory check (default: at launch, the Ray cluster's largest node; "
-                        "in `mappa plan`, this machine's GPUs, else 8)")
+                   help="GPUs per node, for the host-memory check (default: at launch, the Ray cluster's largest "
+                        "node; in `mappa plan`, this machine's GPUs, else 8)")
     g.add_argument("--mappa.actor_threads", type=NONNEGATIVE_INT, default=0,
-                   help="OpenMP threads of each actor and reference process (DeepSpeed's CPU Adam with --ds.adam_offload); "
-                        "0: the launcher node's cores / its GPUs (Ray would give a fractional-CPU actor one thread)")
+                   help="OpenMP threads of each actor and reference process (DeepSpeed's CPU Adam with "
+                        "--ds.adam_offload); 0: the launcher node's cores / its GPUs (Ray would give a "
+                        "fractional-CPU actor one thread)")
     g.add_argument("--mappa.startup_warn_s", type=POSITIVE, default=300.0,
-                   help="while engines and actors start: name those not up yet, and what they wait for, every this many seconds")
+                   help="while engines and actors start: name those not up yet, and what they wait for, every this "
+                        "many seconds")
     g.add_argument("--mappa.startup_timeout_s", type=POSITIVE, default=1800.0,
                    help="stop a start-up not done after this many seconds, with that message")
     g.add_argument("--mappa.verbose", action="store_true",
                    help="show Ray's, vLLM's and DeepSpeed's output on the console (default: in <run_dir>/train.log; "
                         "the console shows the step lines, progress bars, errors and the watchdogs' messages)")
-    # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
-    parser.set_defaults(**{"algo.advantage.estimator": "reinforce"})
 
 
 @contextlib.contextmanager
@@ -219,7 +243,8 @@ HONOURED = """
 NO_CRITIC = "MAPPA has no critic: its advantages are REINFORCE++ return-to-go (rewards.py)"
 NO_REWARD_MODEL = "MAPPA has no reward model: the coach scores every action (--mappa.coach.*)"
 SYNCHRONOUS = "MAPPA's team loop is synchronous: rollout, coach, then each agent's update"
-OWN_TASKS = "MAPPA reads tasks itself, JSON lists or JSONL of prompt/answer rows (--data.prompt_dataset, --eval.dataset)"
+OWN_TASKS = ("MAPPA reads tasks itself, JSON lists or JSONL of prompt/answer rows (--data.prompt_dataset, "
+             "--eval.dataset)")
 OWN_PROMPTS = "each agent's prompt comes from the topology, rendered with that agent's chat template"
 NO_DUPLICATE = ("MAPPA builds each agent's actor and reference groups without OpenRLHF's duplicate_actors, so "
                 "ranks of one ring-attention / tensor-parallel group would get different data")
@@ -251,7 +276,8 @@ REFUSED = {
     "train.colocate_critic_reward": NO_CRITIC + "; " + NO_REWARD_MODEL,
     "vllm.sync_with_ray": "every agent's Ray collective sync group would be named 'openrlhf', so agents' weight "
                           "syncs would collide; use --vllm.sync_backend",
-    "train.async_enable": SYNCHRONOUS, "train.async_queue_size": SYNCHRONOUS, "train.partial_rollout_enable": SYNCHRONOUS,
+    "train.async_enable": SYNCHRONOUS, "train.async_queue_size": SYNCHRONOUS,
+    "train.partial_rollout_enable": SYNCHRONOUS,
     "rollout.vllm_generate_batch_size": "MAPPA submits every episode of a step to the engines at once",
     "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
     "algo.advantage.gamma": "MAPPA's returns are undiscounted (gamma = 1, rewards.returns_to_go), as in the paper",
@@ -262,11 +288,13 @@ REFUSED = {
     "algo.kl.use_loss": KL_IN_REWARD, "algo.kl.unbiased_gradient": KL_IN_REWARD,
     "algo.kl.target": "MAPPA keeps the KL coefficient fixed at --algo.kl.init_coef (no adaptive KL controller)",
     "algo.kl.horizon": "applies only with --algo.kl.target (adaptive KL), which MAPPA refuses",
-    "algo.dynamic_filtering_enable": "MAPPA trains on every scored action; filtering prompt groups by reward is not wired in",
+    "algo.dynamic_filtering_enable": "MAPPA trains on every scored action; filtering prompt groups by reward is not "
+                                     "wired in",
     "algo.dynamic_filtering_range": "applies only with --algo.dynamic_filtering_enable, which MAPPA refuses",
     "train.dynamic_batch_enable": DYNAMIC_BATCH, "rollout.max_tokens_per_gpu": DYNAMIC_BATCH,
     "train.max_tokens_per_gpu": DYNAMIC_BATCH,
-    "ds.ring_attn_size": NO_DUPLICATE, "ds.ring_attn_head_stride": NO_DUPLICATE, "ds.tensor_parallel_size": NO_DUPLICATE,
+    "ds.ring_attn_size": NO_DUPLICATE, "ds.ring_attn_head_stride": NO_DUPLICATE,
+    "ds.tensor_parallel_size": NO_DUPLICATE,
     "ds.lora.rank": LORA, "ds.lora.alpha": LORA, "ds.lora.target_modules": LORA, "ds.lora.dropout": LORA,
     "ds.load_in_4bit": "4-bit (QLoRA) base weights are not built for LoRA agents",
     "actor.model_name_or_path": "each agent's model comes from the topology (or --mappa.model)",
@@ -341,7 +369,8 @@ def upstream_cli():
     path = importlib.util.find_spec("openrlhf.cli.train_ppo_ray").origin  # imports only the empty packages
     with open(path, encoding="utf-8") as f:
         module = ast.parse(f.read(), path)
-    hierarchize = load_file_module("_openrlhf_config", os.path.join(os.path.dirname(path), "..", "utils", "config.py")).hierarchize
+    config_path = os.path.join(os.path.dirname(path), "..", "utils", "config.py")
+    hierarchize = load_file_module("_openrlhf_config", config_path).hierarchize
     if any(isinstance(n, ast.FunctionDef) and n.name == "get_parser" for n in module.body):
         upstream = load_file_module("_openrlhf_train_ppo_ray", path)
 
@@ -363,11 +392,13 @@ def upstream_cli():
             (checks if UPSTREAM_PARSE in seen else build).append(stmt)
     namespace = {}
     for stmt in module.body:
-        if isinstance(stmt, (ast.Import, ast.ImportFrom)) and ast.unparse(stmt).split()[1].split(".")[0] in sys.stdlib_module_names:
+        is_import = isinstance(stmt, (ast.Import, ast.ImportFrom))
+        if is_import and ast.unparse(stmt).split()[1].split(".")[0] in sys.stdlib_module_names:
             exec(compile(ast.Module(body=[stmt], type_ignores=[]), path, "exec"), namespace)
     nodes = [n for stmt in build + checks for n in ast.walk(stmt)]
     bound = {n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)} | {"args"}
-    bound |= {(a.asname or a.name).split(".")[0] for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    imports = [n for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))]
+    bound |= {(a.asname or a.name).split(".")[0] for n in imports for a in n.names}
     unbound = {n.id for n in nodes if isinstance(n, ast.Name)} - bound - set(namespace) - set(dir(builtins))
     rewritten = (UPSTREAM_PARSE, UPSTREAM_HIERARCHIZE, UPSTREAM_HIERARCHIZED, UPSTREAM_EVAL_CHECK, UPSTREAM_TRAIN)
     missing = [s for s in rewritten if s not in seen]
@@ -440,9 +471,9 @@ def validate(args, topology):
             if args.train.batch_size % (micro * ranks):
                 where = ("num_gpus_per_node in the topology" if spec.num_gpus_per_node
                          else "--actor.num_nodes x --actor.num_gpus_per_node")
-                raise SystemExit(f"agent {spec.name!r}: --train.batch_size ({args.train.batch_size}) must be a multiple of "
-                                 f"--{flag} ({micro}) x its {ranks} data-parallel actor ranks ({where}) = {micro * ranks}, "
-                                 f"so that every rank gets whole micro-batches")
+                raise SystemExit(f"agent {spec.name!r}: --train.batch_size ({args.train.batch_size}) must be a "
+                                 f"multiple of --{flag} ({micro}) x its {ranks} data-parallel actor ranks ({where}) = "
+                                 f"{micro * ranks}, so that every rank gets whole micro-batches")
     # A prompt gets --data.max_len minus its agent's token limit: with no room left, every action is skipped.
     for spec in topology.agents:
         limit = spec.max_new_tokens or args.rollout.max_new_tokens
@@ -466,41 +497,45 @@ def validate(args, topology):
                              f"--train.batch_size ({args.train.batch_size}): it would never train (a step trains "
                              f"whole batches)")
     if args.mappa.norm_scope == "group" and args.rollout.n_samples_per_prompt < 2:
-        raise SystemExit("--mappa.norm_scope group compares the samples of each prompt: set --rollout.n_samples_per_prompt >= 2")
+        raise SystemExit("--mappa.norm_scope group compares the samples of each prompt: set "
+                         "--rollout.n_samples_per_prompt >= 2")
     if args.mappa.startup_warn_s > args.mappa.startup_timeout_s:
         raise SystemExit(f"--mappa.startup_warn_s ({args.mappa.startup_warn_s:g}) must be at most "
                          f"--mappa.startup_timeout_s ({args.mappa.startup_timeout_s:g})")
-    if args.mappa.coach.mode != "per_action" and args.mappa.reward == "outcome" and not args.mappa.coach.score_outcome_runs:
-        raise SystemExit(f"--mappa.coach.mode {args.mappa.coach.mode}: an outcome run asks no coach; add "
+    coach = args.mappa.coach
+    if coach.mode != "per_action" and args.mappa.reward == "outcome" and not coach.score_outcome_runs:
+        raise SystemExit(f"--mappa.coach.mode {coach.mode}: an outcome run asks no coach; add "
                          "--mappa.coach.score_outcome_runs to log the coach's verdicts anyway")
     lora = [spec.name for spec in topology.agents if spec.lora is not None]
     if lora and args.vllm.tensor_parallel_size > 1:
         raise SystemExit(f"agents {', '.join(lora)} declare lora: their pool's engines take one GPU each "
                          f"(--vllm.tensor_parallel_size 1; tensor-parallel LoRA engines are not built)")
-    if args.mappa.coach.score_outcome_runs and args.mappa.reward != "outcome":
-        raise SystemExit("--mappa.coach.score_outcome_runs is for --mappa.reward outcome (process runs always ask the coach)")
+    if coach.score_outcome_runs and args.mappa.reward != "outcome":
+        raise SystemExit("--mappa.coach.score_outcome_runs is for --mappa.reward outcome (process runs always ask the "
+                         "coach)")
 
 
 def check_this_machine(args) -> None:
     """What the flags need of the machines the run starts on, not of the plan (`mappa plan` may run elsewhere)."""
     # Without flash-attn (optional: README, GPU usage) OpenRLHF still imports (patches/flash_attn_stub.py), but its
     # kernels are what flash attention and sample packing run on: refused here, not in every actor minutes later.
-    kernel = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(args.ds.attn_implementation)
+    attention = args.ds.attn_implementation
+    kernel = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(attention)
     if args.ds.packing_samples:
         kernel = kernel or "flash_attn"
     if kernel and importlib.util.find_spec(kernel) is None:
-        what = "--ds.packing_samples" if args.ds.packing_samples else f"--ds.attn_implementation {args.ds.attn_implementation}"
+        what = "--ds.packing_samples" if args.ds.packing_samples else f"--ds.attn_implementation {attention}"
         raise SystemExit(f"{what} needs flash-attn's kernels, and the module {kernel} is not installed here: install "
-                         f"flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, built for this torch and CUDA) "
-                         f"or pass --ds.attn_implementation sdpa (more memory at long contexts)")
+                         f"flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, built for this torch and "
+                         f"CUDA) or pass --ds.attn_implementation sdpa (more memory at long contexts)")
     from openrlhf_mappa.compat import cpu_mode
 
     if args.mappa.colocate != "none" and args.vllm.sync_backend == "gloo" and not cpu_mode():
         # OpenRLHF passes a colocated actor's weights by CUDA IPC only with nccl; with gloo it builds a PyNccl group
         # between an actor rank and the engine on the same GPU, which NCCL refuses (ppo_actor.py, distributed_util.py).
-        raise SystemExit(f"--vllm.sync_backend gloo with --mappa.colocate {args.mappa.colocate} cannot sync weights on GPUs: "
-                         f"drop --vllm.sync_backend gloo (nccl, the default, passes them by CUDA IPC); gloo is for "
-                         f"CPU-only machines")
+        raise SystemExit(f"--vllm.sync_backend gloo with --mappa.colocate {args.mappa.colocate} cannot sync weights "
+                         f"on GPUs: drop --vllm.sync_backend gloo (nccl, the default, passes them by CUDA IPC); gloo "
+                         f"is for CPU-only machines")
 
 
 def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:
@@ -590,7 +625,8 @@ def train(args):
         all_tasks = load_tasks(args.data.prompt_dataset)
         tasks = choose_train_tasks(all_tasks, args.data.max_samples, args.train.seed)
         if len(tasks) < args.rollout.batch_size:
-            raise SystemExit(f"{args.data.prompt_dataset}: {len(tasks)} tasks, fewer than --rollout.batch_size {args.rollout.batch_size}")
+            raise SystemExit(f"{args.data.prompt_dataset}: {len(tasks)} tasks, fewer than --rollout.batch_size "
+                             f"{args.rollout.batch_size}")
         # --eval.dataset: comma-separated task files, each evaluated before training, every --eval.steps and at the end.
         eval_sets = load_eval_sets([p for p in (args.eval.dataset or "").split(",") if p])
         topology.check_env(tasks + [t for ts in eval_sets.values() for t in ts], args.mappa.topology)
@@ -605,12 +641,11 @@ def train(args):
         cache_path = coach_cache_path(args)
         if cache_path:
             check_cache_file(cache_path)
-        coach_options = dict(
-            template=topology.coach_template, model=c.model, base_url=c.base_url, api_key_env=c.api_key_env,
-            timeout_s=c.timeout, max_concurrency=c.max_concurrency, max_retries=c.max_retries, rpm=c.rpm,
-            structured=c.structured, format_retries=c.format_retries, max_tokens=c.max_tokens,
-            score_key=topology.score_key, review_template=topology.review_template,
-        )  # fmt: skip
+        coach_options = dict(template=topology.coach_template, model=c.model, base_url=c.base_url,
+                             api_key_env=c.api_key_env, timeout_s=c.timeout, max_concurrency=c.max_concurrency,
+                             max_retries=c.max_retries, rpm=c.rpm, structured=c.structured,
+                             format_retries=c.format_retries, max_tokens=c.max_tokens, score_key=topology.score_key,
+                             review_template=topology.review_template)
         check_this_machine(args)
         # An unreachable coach or a rejected key would otherwise surface only after the first rollout. Asked by a
         # coach of its own: the run's coach opens its verdict cache, which writes.
@@ -636,16 +671,19 @@ def train(args):
 
     log = os.path.join(args.mappa.run_dir, "train.log")
     if not args.mappa.verbose:
-        print(f"[mappa] Ray's, vLLM's and DeepSpeed's output goes to {os.path.abspath(log)} (--mappa.verbose: here)", flush=True)
+        print(f"[mappa] Ray's, vLLM's and DeepSpeed's output goes to {os.path.abspath(log)} (--mappa.verbose: here)",
+              flush=True)
     with contextlib.nullcontext() if args.mappa.verbose else output_to(log):
         agents = launch(args, topology, coach, tasks, eval_sets, start)
     for line in run_summary(args.mappa.run_dir):
         print(line)
-    print(f"[mappa] metrics:     {os.path.abspath(os.path.join(args.mappa.run_dir, 'metrics.jsonl'))}")
-    print(f"[mappa] episodes:    {os.path.abspath(os.path.join(args.mappa.run_dir, 'episodes.jsonl'))}")
+    run_dir = os.path.abspath(args.mappa.run_dir)
+    print(f"[mappa] metrics:     {os.path.join(run_dir, 'metrics.jsonl')}")
+    print(f"[mappa] episodes:    {os.path.join(run_dir, 'episodes.jsonl')}")
     if eval_sets:
-        print(f"[mappa] evaluation:  {os.path.abspath(os.path.join(args.mappa.run_dir, 'eval.jsonl'))} (per problem: eval/)")
-    print(f"[mappa] checkpoints: {os.path.abspath(args.ckpt.path)}/<agent>/ ; HF exports: {os.path.abspath(args.ckpt.output_dir)}/<agent>/")
+        print(f"[mappa] evaluation:  {os.path.join(run_dir, 'eval.jsonl')} (per problem: eval/)")
+    print(f"[mappa] checkpoints: {os.path.abspath(args.ckpt.path)}/<agent>/ ; "
+          f"HF exports: {os.path.abspath(args.ckpt.output_dir)}/<agent>/")
     if args.logger.tensorboard_dir:
         print(f"[mappa] tensorboard: {os.path.abspath(args.logger.tensorboard_dir)}")
     if not args.mappa.verbose:
@@ -686,8 +724,10 @@ def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> l
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     max_steps = schedule_steps(args, topology, len(tasks))
     if start:
-        print(f"[mappa] resuming after step {start} (checkpoints in {os.path.abspath(args.ckpt.path)})", file=console.out, flush=True)
-    startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s, [a.model for a in topology.agents])
+        print(f"[mappa] resuming after step {start} (checkpoints in {os.path.abspath(args.ckpt.path)})",
+              file=console.out, flush=True)
+    models = [a.model for a in topology.agents]
+    startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s, models)
     startup.start()
     try:
         agents = build_agents(args, topology, max_steps, startup)
