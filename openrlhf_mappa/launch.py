@@ -89,41 +89,16 @@ def engines_on(a, model: str, pg, share: float, cls=None, **lora) -> list:
     ]  # fmt: skip
 
 
-def build_agents(args, topology, max_steps: dict, startup) -> list:
-    """Every trainee's engines, actor and reference groups, initialised, and its AgentTrainer. `startup` (a
-    StartupWatchdog) is told which agent is being created and, per component, a ref that is ready once that
-    one is up.
-
-    Colocated (--mappa.colocate), an agent's actor rank i, reference rank i and engine i share bundle i of one
-    placement group: the agent's own (agent), or the team's (team). Their engines are created, and put to sleep
-    with --vllm.enable_sleep, before any actor: vLLM sizes its KV cache from the GPU memory free when it starts
-    (on the team's GPUs, one agent's engines after another's, for the same reason)."""
+def start_engines(args, topology, per_agent: list, pgs: dict, share: float, startup) -> dict:
+    """{agent: its vLLM engines} (a LoRA pool's once, shared by its agents), each on its agent's placement group
+    when colocated, started, and asleep with --vllm.enable_sleep before any actor starts (build_agents)."""
     from openrlhf.trainer.ray import create_vllm_engines
-    from openrlhf.trainer.ray.launcher import RayActorGroup, ReferenceModelActor
-    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
     from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
-    from openrlhf.utils import get_strategy
     from ray.util.placement_group import placement_group
-    from transformers import AutoTokenizer
 
-    from openrlhf_mappa.agent_trainer import AdapterOff, AgentTrainer, LoraActor, PoolEngine
+    from openrlhf_mappa.agent_trainer import PoolEngine
 
-    check_placement(args, topology)
-    # Ray gives an actor of less than one CPU (every colocated one) OMP_NUM_THREADS=1, which leaves torch's CPU ops
-    # and DeepSpeed's CPU Adam (--ds.adam_offload: the optimizer step of billions of parameters) on one core.
-    threads = {"env_vars": {"OMP_NUM_THREADS": str(actor_threads(args))}}
-    threaded = lambda cls: types.SimpleNamespace(options=lambda **kw: cls.options(runtime_env=threads, **kw))
-    per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
     colocate = args.mappa.colocate
-    share = placement.gpu_share(args, topology) if colocate != "none" else 1
-    gpu_set = lambda a: placement_group([{"GPU": 1, "CPU": 1}] * (a.actor.num_nodes * a.actor.num_gpus_per_node), strategy="PACK")
-    pgs = {}  # agent -> the placement group its actor, reference and engines share (colocated only)
-    if colocate == "agent":
-        pgs = {spec.name: gpu_set(a) for spec, a in per_agent}
-    elif colocate == "team":  # every agent has the same GPU count (placement.colocation_problems)
-        team = gpu_set(per_agent[0][1])
-        pgs = {spec.name: team for spec, _ in per_agent}
-
     engines, pools = {}, placement.lora_pools(args, topology)
     pool_of = {spec.name: label for label, specs in pools.items() for spec in specs}
     for spec, a in per_agent:
@@ -157,6 +132,43 @@ def build_agents(args, topology, max_steps: dict, startup) -> list:
     if colocate == "agent" and args.vllm.enable_sleep:
         startup.stage = "the colocated vLLM engines (starting, then put to sleep before the actors start)"
         batch_vllm_engine_call(distinct(sum(engines.values(), [])), "sleep")
+    return engines
+
+
+def build_agents(args, topology, max_steps: dict, startup) -> list:
+    """Every trainee's engines, actor and reference groups, initialised, and its AgentTrainer. `startup` (a
+    StartupWatchdog) is told which agent is being created and, per component, a ref that is ready once that
+    one is up.
+
+    Colocated (--mappa.colocate), an agent's actor rank i, reference rank i and engine i share bundle i of one
+    placement group: the agent's own (agent), or the team's (team). Their engines are created, and put to sleep
+    with --vllm.enable_sleep, before any actor: vLLM sizes its KV cache from the GPU memory free when it starts
+    (on the team's GPUs, one agent's engines after another's, for the same reason)."""
+    from openrlhf.trainer.ray.launcher import RayActorGroup, ReferenceModelActor
+    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+    from openrlhf.utils import get_strategy
+    from ray.util.placement_group import placement_group
+    from transformers import AutoTokenizer
+
+    from openrlhf_mappa.agent_trainer import AdapterOff, AgentTrainer, LoraActor
+
+    check_placement(args, topology)
+    # Ray gives an actor of less than one CPU (every colocated one) OMP_NUM_THREADS=1, which leaves torch's CPU ops
+    # and DeepSpeed's CPU Adam (--ds.adam_offload: the optimizer step of billions of parameters) on one core.
+    threads = {"env_vars": {"OMP_NUM_THREADS": str(actor_threads(args))}}
+    threaded = lambda cls: types.SimpleNamespace(options=lambda **kw: cls.options(runtime_env=threads, **kw))
+    per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
+    colocate = args.mappa.colocate
+    share = placement.gpu_share(args, topology) if colocate != "none" else 1
+    gpu_set = lambda a: placement_group([{"GPU": 1, "CPU": 1}] * (a.actor.num_nodes * a.actor.num_gpus_per_node), strategy="PACK")
+    pgs = {}  # agent -> the placement group its actor, reference and engines share (colocated only)
+    if colocate == "agent":
+        pgs = {spec.name: gpu_set(a) for spec, a in per_agent}
+    elif colocate == "team":  # every agent has the same GPU count (placement.colocation_problems)
+        team = gpu_set(per_agent[0][1])
+        pgs = {spec.name: team for spec, _ in per_agent}
+
+    engines = start_engines(args, topology, per_agent, pgs, share, startup)
 
     agents, init_refs = [], []
     for spec, a in per_agent:

@@ -180,24 +180,7 @@ class MappaTrainer:
         self.coach_cost_usd += coach_metrics.get("coach/cost_usd", 0.0)
         if c.price_in or c.price_out:
             coach_metrics["coach/cost_usd_total"] = self.coach_cost_usd
-        failed = [ep for ep in episodes if ep.env_error]
-        if failed:  # contained by the rollout: each is a failed episode that trains nothing (rollout.run_episode)
-            limit = self.mappa.env.max_failure_fraction
-            said = (f"{len(failed)} of {len(episodes)} episodes ended with an exception in the environment (they "
-                    f"train nothing). First: {failed[0].env_error}")
-            tqdm.write(f"[mappa] step {step}: {said}", file=console.err)
-            if len(failed) / len(episodes) > limit:
-                self.write_episodes(episodes)
-                self.log(step, {**coach_metrics, "outcome/env_failed_episodes": len(failed)})
-                raise RunStopped(f"step {step}: {said}. That is more than --mappa.env.max_failure_fraction {limit:g} "
-                                 f"of them; the step's episodes are in {self.run_dir}/episodes.jsonl.")
-        if self.scored:  # verdicts paid for but mostly failed: stop, even when only logged
-            try:
-                check_failures(episodes, coach_metrics, c.max_failure_fraction)
-            except CoachFailure as e:  # keep what the step produced, so the failures can be inspected
-                self.write_episodes(episodes)
-                self.log(step, coach_metrics)
-                raise CoachFailure(f"step {step}: {e} The step's episodes are in {self.run_dir}/episodes.jsonl.") from None
+        self.stop_on_failures(step, episodes, coach_metrics)
         counts = rewards.assign_rewards(episodes, self.mappa.reward, c.on_failure, c.neutral_score,
                                         self.topology.reward_scale, self.mappa.train_truncated,
                                         c.standardize_task_type, self.mappa.norm_scope)
@@ -245,6 +228,29 @@ class MappaTrainer:
         if self.topology.coach_stages:
             metrics["coach/template_stage"] = self.stage  # 0-based, in coach_templates' order
         return metrics
+
+    def stop_on_failures(self, step: int, episodes: list, coach_metrics: dict):
+        """Stop the run, keeping the step's episodes and metrics on disk, when more of its episodes failed in the
+        environment than --mappa.env.max_failure_fraction, or more of its verdicts than the coach's."""
+        c = self.mappa.coach
+        failed = [ep for ep in episodes if ep.env_error]
+        if failed:  # contained by the rollout: each is a failed episode that trains nothing (rollout.run_episode)
+            limit = self.mappa.env.max_failure_fraction
+            said = (f"{len(failed)} of {len(episodes)} episodes ended with an exception in the environment (they "
+                    f"train nothing). First: {failed[0].env_error}")
+            tqdm.write(f"[mappa] step {step}: {said}", file=console.err)
+            if len(failed) / len(episodes) > limit:
+                self.write_episodes(episodes)
+                self.log(step, {**coach_metrics, "outcome/env_failed_episodes": len(failed)})
+                raise RunStopped(f"step {step}: {said}. That is more than --mappa.env.max_failure_fraction {limit:g} "
+                                 f"of them; the step's episodes are in {self.run_dir}/episodes.jsonl.")
+        if self.scored:  # verdicts paid for but mostly failed: stop, even when only logged
+            try:
+                check_failures(episodes, coach_metrics, c.max_failure_fraction)
+            except CoachFailure as e:  # keep what the step produced, so the failures can be inspected
+                self.write_episodes(episodes)
+                self.log(step, coach_metrics)
+                raise CoachFailure(f"step {step}: {e} The step's episodes are in {self.run_dir}/episodes.jsonl.") from None
 
     def per_agent(self, fn, agents: list) -> dict:
         """{agent: fn(agent)}: at once for agents on GPUs of their own (--mappa.colocate none or agent), one after
