@@ -8,8 +8,9 @@ The paper's equations, for one action (one row) with action tokens t = 0..T-1:
     G_t = Σ_{t' >= t} r_t'                     undiscounted return-to-go (γ = 1, REINFORCE++)
     A_t = (G_t - mean(G)) / std(G)             mean/std over the action tokens of a whole batch
 
-The outcome baseline pays R = s · 10 · 1[success], the top of the coach's scale, so both modes share s; so do
-the coach-failure fallbacks (R = s · neutral_score, or the outcome R). s is applied first, where R is assigned:
+The outcome baseline pays R = s · o · 1[success], o = --mappa.outcome_score (10: the top of the coach's scale,
+as the authors), so with the same s the same β·KL costs the same share of R in both modes; so do the
+coach-failure fallbacks (R = s · neutral_score, or the outcome R). s is applied first, where R is assigned:
 standardize_by_task_type is scale-equivariant and group_normalize scale-invariant, so what s changes is only
 the weight of R against β·KL. An action cut off at the token limit gets no R at all (left out, as the authors'
 mask_truncated_completions) unless train_truncated is set.
@@ -34,11 +35,6 @@ REWARD_MODES = ("process", "outcome")
 # advantages whitened over the whole team's batches instead of each agent's).
 NORM_SCOPES = {"agent": (False, False), "global": (False, True), "group": (True, False)}
 
-# The outcome baseline pays 10 for a solved episode, 0 otherwise (times reward_scale, as coach scores): the
-# top of the coach's 0-10 scale, as the authors' mathchat_workflow_outcome_only.py. With the same scale, the
-# same β·KL costs the same share of the reward in both modes, so a process-vs-outcome comparison varies only
-# the reward signal, not the strength of the KL penalty.
-OUTCOME_SCALE = 10.0
 
 
 FAILURE_POLICIES = ("skip", "outcome", "neutral")
@@ -53,9 +49,10 @@ def assign_rewards(
     train_truncated: bool = False,
     standardize_task_type: bool = False,
     norm_scope: str = "agent",
+    outcome_score: float = 10.0,
 ) -> dict:
     """Set `action.reward` for every action: s · the coach's score ("process") or s · the episode outcome
-    ("outcome"), s = `scale` (the topology's reward_scale); then, in "process" mode with `standardize_task_type`,
+    ("outcome": `outcome_score` if solved, else 0), s = `scale` (the topology's reward_scale); then, in "process" mode with `standardize_task_type`,
     standardize_by_task_type, and for `norm_scope` "group", group_normalize.
 
     In "process" mode an action whose coach gave no valid score is handled by the named `on_failure`
@@ -75,7 +72,7 @@ def assign_rewards(
 
     trainable, left_out_by_status, fallback, truncated_by_agent = 0, {}, 0, {}
     for episode in episodes:
-        outcome_R = scale * OUTCOME_SCALE * float(episode.success)
+        outcome_R = scale * outcome_score * float(episode.success)
         for action in episode.actions:
             verdict = action.verdict
             if episode.env_error:  # its environment raised (counted per episode): no outcome, feedback untrusted

@@ -183,7 +183,7 @@ class MappaTrainer:
         self.stop_on_failures(step, episodes, coach_metrics)
         counts = rewards.assign_rewards(episodes, self.mappa.reward, c.on_failure, c.neutral_score,
                                         self.topology.reward_scale, self.mappa.train_truncated,
-                                        c.standardize_task_type, self.mappa.norm_scope)
+                                        c.standardize_task_type, self.mappa.norm_scope, self.mappa.outcome_score)
 
         # Per agent: trainable actions -> Experiences -> actor/ref forward (log-probs, KL), by OpenRLHF's maker.
         t0 = time.time()

@@ -7,7 +7,6 @@ import torch
 
 from openrlhf_mappa.episode import Action, Episode, Verdict
 from openrlhf_mappa.rewards import (
-    OUTCOME_SCALE,
     assign_rewards,
     compute_advantages,
     returns_to_go,
@@ -64,8 +63,8 @@ def test_process_mode_leaves_out_actions_without_a_valid_score():
 
 
 def test_outcome_mode_pays_every_action_the_episode_outcome():
-    # Success -> 10 for all its actions, failure -> 0; coach verdicts (or their absence) are ignored.
-    assert OUTCOME_SCALE == 10.0
+    # Success -> 10 (the default --mappa.outcome_score) for all its actions, failure -> 0; coach verdicts (or their
+    # absence) are ignored.
     won = Episode("e1", "t1", outcome={"success": True},
                   actions=[action("a", 0, None), action("a", 1, Verdict(None, "api_error"))])
     lost = Episode("e2", "t2", outcome={"success": False}, actions=[action("a", 0, ok(9))])
@@ -73,6 +72,11 @@ def test_outcome_mode_pays_every_action_the_episode_outcome():
     assert [a.reward for a in won.actions] == [10.0, 10.0]
     assert [a.reward for a in lost.actions] == [0.0]
     assert counts == {"trainable": 3, "left_out": 0, "left_out_by_status": {}, "fallback": 0, "truncated_left_out": {}}
+    # Another outcome score, times the reward scale; the coach-failure fallback pays the same outcome R.
+    assign_rewards([won, lost], "outcome", scale=0.1, outcome_score=4.0)
+    assert [a.reward for a in won.actions + lost.actions] == pytest.approx([0.4, 0.4, 0.0])
+    assign_rewards([won], "process", on_failure="outcome", outcome_score=4.0)
+    assert [a.reward for a in won.actions] == [4.0, 4.0]
 
 
 def test_truncated_actions_are_left_out_and_counted_per_agent():

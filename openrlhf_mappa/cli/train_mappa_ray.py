@@ -92,7 +92,12 @@ def add_training_args(g):
     g.add_argument("--mappa.model", default=None, help="use this model for every agent (overrides the YAML)")
     g.add_argument("--mappa.reward", choices=["process", "outcome"], default="process",
                    help="process: each action's coach score (MAPPA); outcome: the episode's outcome for every action "
-                        "(baseline: 10 if solved, else 0, times the topology's reward_scale; no coach calls)")
+                        "(baseline: --mappa.outcome_score if solved, else 0, times the topology's reward_scale; no "
+                        "coach calls)")
+    g.add_argument("--mappa.outcome_score", type=SCORE, default=10.0,
+                   help="what a solved episode pays each action, on the coach's 0-10 scale (times reward_scale), in "
+                        "the outcome baseline and for --mappa.coach.on_failure outcome (default: the top of the "
+                        "scale, as the authors)")
     g.add_argument("--mappa.norm_scope", choices=["agent", "global", "group"], default="agent",
                    help="whiten advantages over each agent's batch (the authors' choice) or over all agents; "
                         "group: GRPO-style, normalize rewards over the samples of each prompt (baseline)")
