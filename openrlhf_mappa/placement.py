@@ -662,6 +662,24 @@ def check(args, topology, gpus: int, gpu_gib: float = None, sizes: dict = None) 
     raise ValueError("\n".join(lines))
 
 
+def least_gpu_memory(args, topology, most: float = 1024.0) -> tuple:
+    """(GiB, unknown) for `mappa plan` where the GPUs' memory is not known: the least memory per GPU, to 0.1 GiB,
+    that the memory check accepts (None: not even `most`), and the agents whose model size is unknown, which it
+    leaves out as the check does. Found by bisection, since a vLLM engine takes its share of whatever the GPU
+    has: a GPU's peak grows with its size, but slower, so a plan that fits one size fits every larger one."""
+    plan = make_plan(args, topology, most)
+    sizes = {name: size for name, (_, size) in plan.sizes.items()}  # config.json read once
+    unknown = [f"{name} ({model}): {size}" for name, (model, size) in plan.sizes.items() if isinstance(size, str)]
+    fits = lambda gib: not make_plan(args, topology, gib, sizes).unfit_kinds()
+    if not fits(most):
+        return None, unknown
+    low, high = 0, round(most * 10)  # in tenths of a GiB; no GPU holds anything in 0 GiB
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid / 10) else (mid, high)
+    return high / 10, unknown
+
+
 def format_plan(plan: Plan, gpus: int = None) -> str:
     """The table (GPU, what it holds, GiB per phase) and, per agent, what the numbers are made of."""
     out = [f"{'GPU':>4}  {'holds':<50}" + "".join(f"{p:>11}" for p in PHASES) + "   (GiB, peak per phase)"]

@@ -5,6 +5,7 @@ that names the file and what to fix, not an hour later inside a Ray worker.
 """
 
 import dataclasses
+import difflib
 import inspect
 import logging
 import operator
@@ -118,7 +119,9 @@ class Topology:
     name: str
     env: str  # "package.module:Class", or a built-in short name such as "mathchat"
     agents: list  # list[AgentSpec]; in the order they act, unless the env's next_agents decides otherwise
-    coach_template: str  # str.format template; fields: PROMPT_FIELDS (with coach_templates: the first's)
+    # str.format template; fields: PROMPT_FIELDS (with coach_templates: the first's). None: not given, which
+    # only a run whose coach is never sent it may leave out (check_coach_template).
+    coach_template: Optional[str]
     env_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of the env's constructor
     score_key: str = DEFAULT_SCORE_KEY  # a text reply of the coach states its score on a line `<score_key>: <n>`
     reward_scale: float = 1.0  # every reward is multiplied by it (coach score and outcome alike; see rewards.py)
@@ -129,6 +132,15 @@ class Topology:
     # take more is stopped and counted as a failure (see rollout.run_episode).
     max_episode_actions: Optional[int] = None
     review_template: Optional[str] = None  # hindsight prompt (fields: coach.REVIEW_FIELDS); None: the default
+
+    def check_coach_template(self, path: str, kind: str, mode: str, scored: bool = True) -> None:
+        """Refuse a topology without coach_template where a coach is sent it: an LLM coach (kind openai) asked
+        about each action (mode per_action or both) in a run that asks the coach at all (`scored`: not an outcome
+        baseline). A hindsight review sends review_template alone, and the heuristic coach reads no prompt."""
+        if self.coach_template is None and kind == "openai" and mode != "hindsight" and scored:
+            raise ValueError(f"{path}: {MISSING_COACH_TEMPLATE}: coach mode {mode} sends it to the coach with every "
+                             f"action (mode hindsight needs none: it sends one review prompt per episode, "
+                             f"review_template)")
 
     def env_class(self) -> type:
         return load_env_class(self.env)
@@ -157,6 +169,7 @@ class Topology:
                                      f"{e}") from e
 
 
+MISSING_COACH_TEMPLATE = "'coach_template' is missing or empty; it must be a non-empty string (or give coach_templates)"
 TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "coach_templates", "env_kwargs", "score_key", "reward_scale",
                  "max_episode_actions", "review_template")
 AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec))
@@ -198,14 +211,42 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     unknown = sorted(set(raw) - set(TOPOLOGY_KEYS))
     if unknown:
         fail(f"unknown key(s) {unknown}; allowed top-level keys: {', '.join(TOPOLOGY_KEYS)}")
+    team = _parse_team_keys(raw, fail)
+    try:
+        env_cls = load_env_class(raw["env"])
+    except ValueError as e:
+        fail(str(e))
+    agents = _parse_agents(raw.get("agents"), env_cls, model_override, fail)
+    stages = _parse_stages(raw["coach_templates"], [a.name for a in agents], fail) if "coach_templates" in raw else []
+    templates = [(f"coach_templates[{s.name!r}]", s.template) for s in stages]
+    if team["coach_template"]:
+        templates.append(("coach_template", team["coach_template"]))
+    for label, template in templates:
+        if team["score_key"].lower() not in template.lower():
+            # Not an error (a server with JSON-schema output never needs the line), but a text coach that is not
+            # told the key states its score some other way, and every such verdict costs a re-prompt or fails.
+            logger.warning("%s: %s never names the score key %s; ask for a last line `%s: <0-10>` "
+                           "or set score_key to the key it asks for", path, label, team["score_key"], team["score_key"])
+    if stages:
+        team["coach_template"] = stages[0].template
+    topology = Topology(name=str(raw.get("name") or os.path.splitext(os.path.basename(path))[0]), agents=agents,
+                        coach_stages=stages, **team)
+    _check_env_kwargs(env_cls, topology, fail)
+    return topology
+
+
+def _parse_team_keys(raw: dict, fail) -> dict:
+    """The top-level keys other than name, agents and coach_templates, checked: Topology's fields by name."""
     if not isinstance(raw.get("env"), str) or not raw["env"].strip():
         fail("'env' is missing or empty; it must be a non-empty string")
     if "coach_templates" in raw and "coach_template" in raw:
         fail("give either 'coach_template' (one coach prompt) or 'coach_templates' (prompts that take over in "
              "turn, each after a switch rule), not both")
-    if "coach_template" in raw or "coach_templates" not in raw:
-        if not isinstance(raw.get("coach_template"), str) or not raw["coach_template"].strip():
-            fail("'coach_template' is missing or empty; it must be a non-empty string (or give coach_templates)")
+    # Left out, it is refused where a coach would be sent it (Topology.check_coach_template): the file is read
+    # before, and apart from, the flags that say whether any coach reads it.
+    if "coach_template" in raw:
+        if not isinstance(raw["coach_template"], str) or not raw["coach_template"].strip():
+            fail(MISSING_COACH_TEMPLATE)
         _check_template(raw["coach_template"], PROMPT_FIELDS, "coach_template", fail)
     score_key = raw.get("score_key", DEFAULT_SCORE_KEY)
     if not isinstance(score_key, str) or not SCORE_KEY_RE.fullmatch(score_key):
@@ -222,58 +263,67 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     is_number = isinstance(reward_scale, (int, float)) and not isinstance(reward_scale, bool)
     if not (is_number and 0 < reward_scale < float("inf")):
         fail(f"'reward_scale' must be a positive number (1.0: coach scores as given), got {reward_scale!r}")
-
     max_episode_actions = raw.get("max_episode_actions")
     if max_episode_actions is not None and (isinstance(max_episode_actions, bool) or not isinstance(max_episode_actions, int)
                                             or max_episode_actions < 1):  # fmt: skip
         fail(f"'max_episode_actions' must be an integer >= 1 or left out (the sum of the agents' max_actions), "
              f"got {max_episode_actions!r}")
-    try:
-        env_cls = load_env_class(raw["env"])
-    except ValueError as e:
-        fail(str(e))
-    # Only the default workflow (the chain) fixes who acts before whom; an env with its own next_agents may
-    # let any agent see any other.
-    chain = getattr(getattr(env_cls, "next_agents", None), "chain", False)  # MultiAgentEnv's own (envs/base.py)
+    return dict(env=raw["env"], coach_template=raw.get("coach_template"), env_kwargs=env_kwargs, score_key=score_key,
+                reward_scale=float(reward_scale), max_episode_actions=max_episode_actions,
+                review_template=review_template)
 
-    agent_rows = raw.get("agents")
-    if not isinstance(agent_rows, list) or not agent_rows:
+
+def _parse_agents(rows, env_cls: type, model_override: Optional[str], fail) -> list:
+    """The agents in their order, each checked alone, then what they must agree on: distinct names, LoRA pools,
+    and views naming only agents that exist (and, in a chain, act before them)."""
+    if not isinstance(rows, list) or not rows:
         fail("'agents' must be a non-empty list; each agent needs at least name, model, role and prompt")
-    agents = [_parse_agent(row, i, model_override, fail) for i, row in enumerate(agent_rows)]
+    agents = [_parse_agent(row, i, model_override, fail) for i, row in enumerate(rows)]
     names = [a.name for a in agents]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
         fail(f"agent name(s) {duplicated} used more than once; every agent needs its own name")
     _check_pools(agents, fail)
-    for i, (agent, row) in enumerate(zip(agents, agent_rows)):
+    # Only the default workflow (the chain) fixes who acts before whom; an env with its own next_agents may
+    # let any agent see any other.
+    chain = getattr(getattr(env_cls, "next_agents", None), "chain", False)  # MultiAgentEnv's own (envs/base.py)
+    for i, (agent, row) in enumerate(zip(agents, rows)):
         agent.view = _parse_view(row.get("view", "all"), names, i, chain, fail)
-    stages = _parse_stages(raw["coach_templates"], names, fail) if "coach_templates" in raw else []
-    templates = [(f"coach_templates[{s.name!r}]", s.template) for s in stages] or [("coach_template", raw["coach_template"])]
-    for label, template in templates:
-        if score_key.lower() not in template.lower():
-            # Not an error (a server with JSON-schema output never needs the line), but a text coach that is not
-            # told the key states its score some other way, and every such verdict costs a re-prompt or fails.
-            logger.warning("%s: %s never names the score key %s; ask for a last line `%s: <0-10>` "
-                           "or set score_key to the key it asks for", path, label, score_key, score_key)
+    return agents
 
-    topology = Topology(
-        name=str(raw.get("name") or os.path.splitext(os.path.basename(path))[0]),
-        env=raw["env"],
-        agents=agents,
-        coach_template=stages[0].template if stages else raw["coach_template"],
-        env_kwargs=env_kwargs,
-        score_key=score_key,
-        reward_scale=float(reward_scale),
-        coach_stages=stages,
-        max_episode_actions=max_episode_actions,
-        review_template=review_template,
-    )
-    # Bind the constructor's arguments now so a misspelled env_kwargs key fails here, not in the first rollout.
-    try:
-        inspect.signature(env_cls).bind(topology, {}, "", **env_kwargs)
+
+def _check_env_kwargs(env_cls: type, topology: Topology, fail) -> None:
+    """A misspelt env_kwargs key fails here, not in the first rollout. A constructor's **kwargs usually go on to
+    its base class (super().__init__(..., **kwargs)), so the keys it takes are its own named ones and those of
+    the next __init__ in the MRO, until one without **kwargs. A chain whose last **kwargs nothing after it takes
+    (the class reads them itself) takes any key: not checked here; the env's own check (check_env) remains."""
+    accepted, readers = [], []
+    for cls in env_cls.__mro__[:-1]:  # not object
+        if "__init__" not in vars(cls):
+            continue
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # not self
+        # make_env passes topology, task and workspace by position: the first three positional parameters
+        passed = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:3]
+        accepted += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p not in passed]
+        readers.append(cls.__name__)
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    else:  # the last **kwargs go to no further __init__: its class reads them itself
+        accepted = None
+
+    def named(key: str) -> str:
+        close = difflib.get_close_matches(key, accepted, n=1)
+        return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+
+    unknown = [key for key in topology.env_kwargs if key not in accepted] if accepted is not None else []
+    if unknown:
+        through = f" (the __init__ of {readers[0]} and, through **kwargs, of {', '.join(readers[1:])})" if readers[1:] else ""
+        fail(f"env_kwargs do not fit {topology.env}: unknown key(s) {', '.join(map(named, unknown))}; "
+             f"{env_cls.__name__} takes {', '.join(accepted) or 'none'}{through}")
+    try:  # a required argument left out (relay's goals), a key given twice
+        inspect.signature(env_cls).bind(topology, {}, "", **topology.env_kwargs)
     except TypeError as e:
-        fail(f"env_kwargs do not fit {raw['env']}: {e}")
-    return topology
+        fail(f"env_kwargs do not fit {topology.env}: {e}")
 
 
 def _parse_agent(row, index: int, model_override: Optional[str], fail) -> AgentSpec:

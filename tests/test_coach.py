@@ -531,8 +531,8 @@ def test_shipped_rubrics_invent_no_score(server, topology_file):
 def test_build_coach_errors():
     with pytest.raises(ValueError, match="--mappa.coach.model"):
         build_coach("openai", base_url="http://x/v1", template=TEMPLATE)
-    with pytest.raises(ValueError, match="--mappa.coach.base_url.*--mappa.coach.template"):
-        build_coach("openai", model="m")
+    with pytest.raises(ValueError, match="coach kind 'openai' needs --mappa.coach.base_url$"):
+        build_coach("openai", model="m")  # no template: a coach that only reviews episodes may have none
     with pytest.raises(ValueError, match="heuristic, openai"):
         build_coach("gpt4")
     with pytest.raises(ValueError, match="unknown field"):  # a bad template fails when the coach is built
@@ -758,6 +758,29 @@ def test_mappa_coach_score_fails_when_most_verdicts_fail(saved_run, tmp_path):
     assert overridden.returncode == 0, overridden.stderr
 
 
+def test_mappa_coach_score_asks_for_coach_template_only_where_it_sends_it(saved_run, tmp_path):
+    # A topology without coach_template: a hindsight re-score sends one review per episode and needs none; a
+    # per-action re-score would send it with every action, and is refused before any request, naming the file.
+    from coach_server import ACTION_BLOCK, CoachServer
+
+    path, _, env = saved_run
+    topology = tmp_path / "no_template.yaml"
+    topology.write_text("name: t\nenv: mathchat\nagents:\n  - {name: solver, model: unused, role: r, prompt: '{task}'}\n")
+    out = tmp_path / "rescored.jsonl"
+    with CoachServer() as server:
+        hindsight = mappa_coach_score(path, out, server.base_url, "--topology", str(topology), "--mode", "hindsight",
+                                      env=env)
+        per_action = mappa_coach_score(path, tmp_path / "per_action.jsonl", server.base_url, "--topology",
+                                       str(topology), env=env)
+        reviews = [r for r in server.requests if ACTION_BLOCK.search(r["prompt"])]
+    assert hindsight.returncode == 0, hindsight.stderr
+    assert len(reviews) == len(server.requests) == 5  # one review per saved episode, nothing else sent
+    assert {json.loads(line)["after"]["source"] for line in out.read_text().splitlines()} == {"hindsight"}
+    assert per_action.returncode == 1 and not (tmp_path / "per_action.jsonl").exists()
+    assert (f"mappa coach score: {topology}: 'coach_template' is missing or empty; it must be a non-empty string (or "
+            f"give coach_templates): coach mode per_action sends it to the coach with every action") in per_action.stderr
+
+
 # --- Hindsight: one review per finished episode (--mappa.coach.mode hindsight | both) ---
 
 def episode_requests():
@@ -807,6 +830,12 @@ def test_openai_review_is_one_request_per_episode_with_the_whole_trajectory(serv
                  "NameError: name 'x'", "\\boxed{19}", "Ground truth for this action: 18", "Solver says 18.",
                  '{"success": false}', "each action id from 1 to 3"):
         assert text in prompt, text
+
+
+def test_a_hindsight_coach_needs_no_per_action_template(server):
+    server.reply = REVIEW
+    verdicts, _, review = judge(server.url, "hindsight", REVIEW, template=None)  # the topology gave no coach_template
+    assert (review.status, [v.score for v in verdicts], len(server.seen)) == ("ok", [6.0, 1.0, 4.0], 1)
 
 
 @pytest.mark.parametrize("content", [

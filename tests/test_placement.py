@@ -206,6 +206,9 @@ def test_the_paper_recipe_fits_one_node_of_8_x_80_gib(tmp_path):
     # The experience phase's peak (the gpu-path review's hand computation: about 66 GiB): with Adam on CPU, ZeRO keeps
     # the gradients there too, the GPU a reduce bucket.
     assert max(plan.peak(slot, p) for slot in plan.slots for p in placement.PHASES) == pytest.approx(66.1, abs=0.05)
+    # `mappa plan` with no GPU memory known says the least that fits: that peak, as docs/reference.md prints it.
+    least = placement.least_gpu_memory(args, topology)
+    assert least == (66.1, []) and f"It needs GPUs of at least {least[0]:g} GiB" in (ROOT / "docs" / "reference.md").read_text()
 
     # COLOCATE=team GPUS_PER_AGENT=8: the team on all 8 GPUs, each engine a third of the share.
     argv, printed = script_flags(tmp_path, "train_mappa_mathchat.sh", COLOCATE="team", GPUS_PER_AGENT="8")
@@ -346,10 +349,30 @@ def test_mappa_plan_command():
     assert colocated.returncode == 0, colocated.stderr[-2000:]
     assert "placement: each agent's actor, reference and vLLM engines share that agent's GPUs" in colocated.stdout
     assert "   5  verifier: actor, reference, vLLM engine #1" in colocated.stdout and "fits: 6 of 8 GPUs" in colocated.stdout
-    # No GPU here to measure: the cluster must be given.
-    bare = subprocess.run(mappa + RECIPE + ["--mappa.model", str(QWEN3_4B)], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
-    assert bare.returncode == 1 and "give the cluster as --mappa.gpus N --mappa.gpu_memory_gib G" in bare.stderr
+
+
+def test_mappa_plan_without_a_gpu_checks_the_counts_and_says_the_memory_it_needs():
+    # `mappa plan --mappa.gpus N` on a machine without a GPU (CUDA_VISIBLE_DEVICES empty, whatever this one has),
+    # through the installed entry point: the plan by GPU counts, checked as the launcher checks --mappa.gpus alone,
+    # and the least GPU memory it fits, with how to give the memory.
+    mappa = [str(Path(sys.executable).parent / "mappa"), "plan", *RECIPE, "--mappa.model", str(QWEN3_4B),
+             "--rollout.micro_batch_size", "1", "--mappa.gpus", "18"]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(mappa, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    args, topology = recipe(QWEN3_4B, "--rollout.micro_batch_size", "1")
+    least, unknown = placement.least_gpu_memory(args, topology)
+    assert unknown == [] and 60 < least <= 80  # the recipe fits 80 GiB GPUs (test_mappa_plan_command)
+    assert proc.stdout.startswith("mappa plan: 3 agents on 18 GPUs (memory not known); placement: ")
+    assert "   2  GPUs: verifier/vllm" in proc.stdout and "total: 18 GPUs of the cluster's 18" in proc.stdout
+    assert ("fits: 18 of 18 GPUs by count; GPU memory not checked: there is no GPU on this machine and no "
+            f"--mappa.gpu_memory_gib\nIt needs GPUs of at least {least:g} GiB\nGive --mappa.gpu_memory_gib G") in proc.stdout
+    # The figure is the memory check's own: the least tenth of a GiB it accepts.
+    placement.check(args, topology, 18, least)
+    assert f"more than its {least - 0.1:g} GiB" in refusal(args, topology, 18, least - 0.1)
+    # Too few GPUs is refused by count alone, as at launch.
+    few = subprocess.run(mappa[:-1] + ["8"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert few.returncode == 1 and "REFUSED: the plan does not fit 8 GPUs:\n  - not enough GPUs" in few.stdout
 
 
 # ---------------------------------------------------------------- LoRA agents (topology key `lora`)

@@ -158,12 +158,83 @@ def test_lora_agents_share_a_pool_per_base_model_and_targets_are_checked(tmp_pat
                               f"linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj, lm_head (or all-linear)")
 
 
-def test_missing_coach_template(tmp_path):
+def test_coach_template_is_required_only_where_a_coach_is_sent_it(tmp_path):
     path = tmp_path / "t.yaml"
     path.write_text(yaml_text := "env: mathchat\nagents:\n  - {name: a, model: m, role: r, prompt: '{task}'}\n")
     assert "coach_template" not in yaml_text
-    with pytest.raises(ValueError, match="'coach_template' is missing"):
-        load_topology(str(path))
+    topology = load_topology(str(path))  # read apart from the flags: nothing says yet whether a coach reads it
+    assert topology.coach_template is None
+    # Never sent: a hindsight review (review_template only), the heuristic coach, an outcome run not scored.
+    for kind, mode, scored in (("openai", "hindsight", True), ("heuristic", "per_action", True),
+                               ("openai", "per_action", False)):
+        topology.check_coach_template(str(path), kind, mode, scored)
+    # Sent with every action: refused, naming the file and the mode that sends it.
+    for mode in ("per_action", "both"):
+        with pytest.raises(ValueError) as err:
+            topology.check_coach_template(str(path), "openai", mode)
+        assert str(err.value).startswith(f"{path}: 'coach_template' is missing or empty; it must be a non-empty "
+                                         f"string (or give coach_templates): coach mode {mode} sends it")
+    given = load_topology(write_topology(tmp_path))
+    given.check_coach_template("topo.yaml", "openai", "per_action")  # given: accepted in every mode
+    assert given.coach_template == "{task} {agent_output} PROCESS_SCORE:"
+
+
+KWARGS_ENVS = """
+from openrlhf_mappa.envs.mathchat import MathChatEnv
+
+
+class LevelEnv(MathChatEnv):  # its **kwargs go on to MultiAgentEnv (MathChatEnv has no __init__ of its own)
+    def __init__(self, topology, task, workspace, level=1, **kwargs):
+        super().__init__(topology, task, workspace, **kwargs)
+        self.level = level
+
+
+class Logged:  # a mixin that passes everything on
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+
+class LoggedLevelEnv(Logged, LevelEnv):
+    pass
+
+
+class OwnOptionsEnv:  # the end of its chain: it reads its **options itself
+    def __init__(self, topology, task, workspace, **options):
+        self.options = options
+"""
+SANDBOX_KEYS = "code_timeout_s, code_memory_mb, code_cpu_time_s, code_max_file_mb, code_max_processes, sandbox_url"
+
+
+def test_env_kwargs_through_kwargs_are_checked_against_the_constructors_they_reach(tmp_path, monkeypatch):
+    (tmp_path / "kwargs_envs.py").write_text(KWARGS_ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def refusal(env, **env_kwargs):
+        path = write_topology(tmp_path, env=env, env_kwargs=env_kwargs)
+        with pytest.raises(ValueError) as err:
+            load_topology(path)
+        return str(err.value).removeprefix(f"{path}: ")
+
+    assert refusal("kwargs_envs:LevelEnv", levle=2) == (
+        "env_kwargs do not fit kwargs_envs:LevelEnv: unknown key(s) 'levle' (did you mean 'level'?); LevelEnv takes "
+        f"level, {SANDBOX_KEYS} (the __init__ of LevelEnv and, through **kwargs, of MultiAgentEnv)")
+    assert refusal("kwargs_envs:LoggedLevelEnv", level=2, code_timout_s=5, colour="red") == (
+        "env_kwargs do not fit kwargs_envs:LoggedLevelEnv: unknown key(s) 'code_timout_s' (did you mean "
+        f"'code_timeout_s'?), 'colour'; LoggedLevelEnv takes level, {SANDBOX_KEYS} (the __init__ of Logged and, "
+        "through **kwargs, of LevelEnv, MultiAgentEnv)")
+    # The built-in relay env takes **kwargs too: a misspelt sandbox limit no longer passes.
+    assert "unknown key(s) 'code_timout_s' (did you mean 'code_timeout_s'?); RelayEnv takes goals, " in refusal(
+        "relay", goals={"solver": "x"}, code_timout_s=5)
+    assert refusal("relay", code_timeout_s=5) == "env_kwargs do not fit relay: missing a required argument: 'goals'"
+
+    # Keys some constructor of the chain names pass, and reach it.
+    topology = load_topology(write_topology(tmp_path, env="kwargs_envs:LoggedLevelEnv",
+                                            env_kwargs={"level": 2, "code_timeout_s": 5}))
+    env = topology.make_env({"prompt": "1 + 1?", "answer": "2"}, str(tmp_path))
+    assert (env.level, env.code_timeout_s) == (2, 5)
+    # A chain ending in **kwargs that no further constructor takes: its class reads them, any key is its own.
+    topology = load_topology(write_topology(tmp_path, env="kwargs_envs:OwnOptionsEnv", env_kwargs={"colour": "red"}))
+    assert topology.make_env({"prompt": "p", "answer": "a"}, str(tmp_path)).options == {"colour": "red"}
 
 
 def test_reward_scale_is_a_positive_number_set_per_pipeline(tmp_path):

@@ -18,38 +18,51 @@ def main(argv=None):
         sys.exit(plan_main(argv[1:]))
     if argv[:1] == ["doctor"]:
         sys.exit(doctor_main(argv[1:]))
+    parser, eval_parser, score_parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "eval":
+        eval_main(eval_parser, args)
+    elif args.command == "coach":
+        rescore_main(score_parser, args)
+    elif args.command == "tiny-model":
+        from openrlhf_mappa.tiny_model import build_tiny_model
+
+        with refusals("mappa tiny-model:"):  # build_tiny_model checks its arguments before it imports torch
+            not_a_directory(args.out_dir)
+            out = build_tiny_model(args.out_dir, args.seed, args.hidden_size, args.layers, args.vocab_size,
+                                   args.init_std)
+        print(f"tiny model written to {out}")
+    elif args.command == "merge-lora":
+        merge_lora_main(args)
+    elif args.command == "sandbox":
+        sandbox_main(args)
+    elif args.command == "dsbench":
+        sys.exit(dsbench(args))
+    elif args.command == "report":
+        from openrlhf_mappa.report import write_report
+
+        with refusals("mappa report:"):
+            if args.out:
+                out_file(args.out, "--out")
+            print(write_report(*args.run_dirs, out=args.out))
+
+
+def build_parser():
+    """The tools' arguments: (the parser, eval's and coach score's, whose errors eval_main and rescore_main report)."""
     parser = Parser(prog="mappa", description="openrlhf_mappa tools")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("plan", help="which GPU holds which agent's actor, reference and engines, and the memory each "
                    "needs per phase; takes train_mappa_ray's flags, the cluster as --mappa.gpus N "
-                   "--mappa.gpu_memory_gib G (default: this machine's GPUs); exit 1 when it does not fit")
+                   "--mappa.gpu_memory_gib G (default: this machine's GPUs; with no GPU here and no "
+                   "--mappa.gpu_memory_gib: the GPU counts, and the least GPU memory the plan needs); exit 1 when "
+                   "it does not fit")
 
     sub.add_parser("doctor", help="the cluster self-check before a long job: takes the training command's flags, with "
                    "--mappa.model a small model; starts the team as planned, runs one step of each component and checks "
                    "weight syncs, sleep, threads and host memory; a table of checks, exit 1 on a failure")
 
-    p = eval_parser = sub.add_parser("eval", help="evaluate a team on task files: pass@1 accuracy or DSBench scores, "
-                                     "and behaviour")
-    p.add_argument("--topology", required=True, help="topology YAML (agents, env)")
-    p.add_argument("--data", required=True, nargs="+", help="task files (JSON list or JSONL), e.g. amc_eval_32.json")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", help="one model (HF id or path) for every agent, e.g. the untrained base model")
-    g.add_argument("--checkpoint", help="a run's HF exports (--ckpt.output_dir): the model of agent A is DIR/A")
-    p.add_argument("--agent-model", action="append", default=[], metavar="AGENT=MODEL", help="one agent's model")
-    p.add_argument("--n-samples", type=COUNT, default=4, help="samples per problem; accuracy is their mean (pass@1)")
-    p.add_argument("--temperature", type=NONNEGATIVE, default=0.6)
-    p.add_argument("--top-p", type=ranged(float, 0, 1, above=True), default=1.0)
-    p.add_argument("--max-new-tokens", type=COUNT, default=1024, help="per action, unless the topology sets it")
-    p.add_argument("--max-len", type=COUNT, default=8192, help="prompt + response tokens")
-    p.add_argument("--limit", type=NONNEGATIVE_INT, default=0, help="only the first N tasks of each file (0: all)")
-    p.add_argument("--out", default="eval_results.json", help="results; the episodes go to <out>.episodes.jsonl")
-    p.add_argument("--workspace", default=None, help="code workspaces (default: a temporary directory)")
-    p.add_argument("--num-engines", type=COUNT, default=1, help="vLLM engines per distinct model")
-    p.add_argument("--tensor-parallel-size", type=COUNT, default=1)
-    p.add_argument("--gpu-memory-utilization", type=ranged(float, 0, 1, above=True), default=0.9)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--seed", type=int, default=42)
+    eval_parser = add_eval_parser(sub)
 
     p = sub.add_parser("tiny-model", help="build a tiny causal LM + byte-level tokenizer offline (for tests/demos)")
     p.add_argument("out_dir")
@@ -64,35 +77,7 @@ def main(argv=None):
     p.add_argument("adapter_dir", help="the agent's HF export, PEFT format (DIR/AGENT of --ckpt.output_dir)")
     p.add_argument("out_dir")
 
-    p = sub.add_parser("coach", help="coach tools")
-    coach_sub = p.add_subparsers(dest="coach_command", required=True)
-    p = score_parser = coach_sub.add_parser(
-        "score", help="re-score saved episodes with another coach or template; print the agreement")
-    p.add_argument("--episodes", required=True, help="episodes.jsonl of a run")
-    p.add_argument("--out", required=True, help="one line per action with both verdicts; summary in <out>.summary.json")
-    p.add_argument("--kind", choices=["openai", "heuristic"], default="openai")
-    p.add_argument("--mode", choices=["per_action", "hindsight", "both"], default="per_action",
-                   help="per_action: one request per action; hindsight: one review per episode (its trajectory and "
-                        "outcome); both: the two combined as in training (--mappa.coach.mode)")
-    p.add_argument("--model", help="coach model at the OpenAI-compatible server")
-    p.add_argument("--base-url", help="e.g. http://localhost:8000/v1")
-    p.add_argument("--template", help="a text file with the coach prompt template")
-    p.add_argument("--topology", help="take the coach prompt templates and score key from this topology YAML")
-    p.add_argument("--review-template", help="a text file with the hindsight prompt template (default: the "
-                   "topology's review_template, else the built-in one)")
-    p.add_argument("--score-key", help="a text reply states its score on the line `KEY: <n>` "
-                   "(default: the topology's score_key, else PROCESS_SCORE)")
-    p.add_argument("--api-key-env", default="OPENAI_API_KEY")
-    p.add_argument("--cache", default=None, help="SQLite verdict cache to read and extend (default: none)")
-    p.add_argument("--timeout", type=POSITIVE, default=60.0)
-    p.add_argument("--max-concurrency", type=COUNT, default=32)
-    p.add_argument("--max-retries", type=NONNEGATIVE_INT, default=4)
-    p.add_argument("--rpm", type=NONNEGATIVE, default=0.0)
-    p.add_argument("--structured", choices=["auto", "json_schema", "off"], default="auto")
-    p.add_argument("--max-tokens", type=NONNEGATIVE_INT, default=0,
-                   help="coach reply token limit (0: the server's default)")
-    p.add_argument("--max-failure-fraction", type=FRACTION, default=0.5,
-                   help="exit 1 when more than this fraction of the new verdicts failed (the output is still written)")
+    score_parser = add_coach_parser(sub)
 
     p = sub.add_parser("sandbox", help="run a Python file in the code sandbox agents use")
     sandbox_sub = p.add_subparsers(dest="sandbox_command", required=True)
@@ -119,47 +104,83 @@ def main(argv=None):
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                    help="a run's --mappa.run_dir (metrics.jsonl, episodes.jsonl, eval.jsonl); several: overlaid")
     p.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html; several runs: the first's compare.html)")
+    return parser, eval_parser, score_parser
 
-    args = parser.parse_args(argv)
-    if args.command == "eval":
-        eval_main(eval_parser, args)
-    elif args.command == "coach":
-        rescore_main(score_parser, args)
-    elif args.command == "tiny-model":
-        from openrlhf_mappa.tiny_model import build_tiny_model
 
-        with refusals("mappa tiny-model:"):  # build_tiny_model checks its arguments before it imports torch
-            not_a_directory(args.out_dir)
-            out = build_tiny_model(args.out_dir, args.seed, args.hidden_size, args.layers, args.vocab_size,
-                                   args.init_std)
-        print(f"tiny model written to {out}")
-    elif args.command == "merge-lora":
-        merge_lora_main(args)
-    elif args.command == "sandbox":
-        import dataclasses
+def add_eval_parser(sub):
+    """`mappa eval`; its parser is returned for the errors eval_main reports."""
+    p = sub.add_parser("eval", help="evaluate a team on task files: pass@1 accuracy or DSBench scores, and behaviour")
+    p.add_argument("--topology", required=True, help="topology YAML (agents, env)")
+    p.add_argument("--data", required=True, nargs="+", help="task files (JSON list or JSONL), e.g. amc_eval_32.json")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", help="one model (HF id or path) for every agent, e.g. the untrained base model")
+    g.add_argument("--checkpoint", help="a run's HF exports (--ckpt.output_dir): the model of agent A is DIR/A")
+    p.add_argument("--agent-model", action="append", default=[], metavar="AGENT=MODEL", help="one agent's model")
+    p.add_argument("--n-samples", type=COUNT, default=4, help="samples per problem; accuracy is their mean (pass@1)")
+    p.add_argument("--temperature", type=NONNEGATIVE, default=0.6)
+    p.add_argument("--top-p", type=ranged(float, 0, 1, above=True), default=1.0)
+    p.add_argument("--max-new-tokens", type=COUNT, default=1024, help="per action, unless the topology sets it")
+    p.add_argument("--max-len", type=COUNT, default=8192, help="prompt + response tokens")
+    p.add_argument("--limit", type=NONNEGATIVE_INT, default=0, help="only the first N tasks of each file (0: all)")
+    p.add_argument("--out", default="eval_results.json", help="results; the episodes go to <out>.episodes.jsonl")
+    p.add_argument("--workspace", default=None, help="code workspaces (default: a temporary directory)")
+    p.add_argument("--num-engines", type=COUNT, default=1, help="vLLM engines per distinct model")
+    p.add_argument("--tensor-parallel-size", type=COUNT, default=1)
+    p.add_argument("--gpu-memory-utilization", type=ranged(float, 0, 1, above=True), default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=42)
+    return p
 
-        from openrlhf_mappa.sandbox import run_python
 
-        with refusals("mappa sandbox run:"):
-            with open(args.file, "rb") as f:
-                code = f.read()
-            try:
-                code = code.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{args.file}: not UTF-8 text ({e})") from None
-            not_a_directory(args.workspace)
-        result = run_python(code, args.workspace, timeout_s=args.timeout, memory_mb=args.memory_mb)
-        print(json.dumps(dataclasses.asdict(result), indent=2))
+def add_coach_parser(sub):
+    """`mappa coach score`; its parser is returned for the errors rescore_main reports."""
+    p = sub.add_parser("coach", help="coach tools")
+    coach_sub = p.add_subparsers(dest="coach_command", required=True)
+    p = coach_sub.add_parser("score", help="re-score saved episodes with another coach or template; print the agreement")
+    p.add_argument("--episodes", required=True, help="episodes.jsonl of a run")
+    p.add_argument("--out", required=True, help="one line per action with both verdicts; summary in <out>.summary.json")
+    p.add_argument("--kind", choices=["openai", "heuristic"], default="openai")
+    p.add_argument("--mode", choices=["per_action", "hindsight", "both"], default="per_action",
+                   help="per_action: one request per action; hindsight: one review per episode (its trajectory and "
+                        "outcome); both: the two combined as in training (--mappa.coach.mode)")
+    p.add_argument("--model", help="coach model at the OpenAI-compatible server")
+    p.add_argument("--base-url", help="e.g. http://localhost:8000/v1")
+    p.add_argument("--template", help="a text file with the coach prompt template (not needed with --mode hindsight)")
+    p.add_argument("--topology", help="take the coach prompt templates and score key from this topology YAML")
+    p.add_argument("--review-template", help="a text file with the hindsight prompt template (default: the "
+                   "topology's review_template, else the built-in one)")
+    p.add_argument("--score-key", help="a text reply states its score on the line `KEY: <n>` "
+                   "(default: the topology's score_key, else PROCESS_SCORE)")
+    p.add_argument("--api-key-env", default="OPENAI_API_KEY")
+    p.add_argument("--cache", default=None, help="SQLite verdict cache to read and extend (default: none)")
+    p.add_argument("--timeout", type=POSITIVE, default=60.0)
+    p.add_argument("--max-concurrency", type=COUNT, default=32)
+    p.add_argument("--max-retries", type=NONNEGATIVE_INT, default=4)
+    p.add_argument("--rpm", type=NONNEGATIVE, default=0.0)
+    p.add_argument("--structured", choices=["auto", "json_schema", "off"], default="auto")
+    p.add_argument("--max-tokens", type=NONNEGATIVE_INT, default=0,
+                   help="coach reply token limit (0: the server's default)")
+    p.add_argument("--max-failure-fraction", type=FRACTION, default=0.5,
+                   help="exit 1 when more than this fraction of the new verdicts failed (the output is still written)")
+    return p
 
-    elif args.command == "dsbench":
-        sys.exit(dsbench(args))
-    elif args.command == "report":
-        from openrlhf_mappa.report import write_report
 
-        with refusals("mappa report:"):
-            if args.out:
-                out_file(args.out, "--out")
-            print(write_report(*args.run_dirs, out=args.out))
+def sandbox_main(args):
+    """`mappa sandbox run`: FILE (UTF-8 text) in the agents' sandbox, the result as JSON."""
+    import dataclasses
+
+    from openrlhf_mappa.sandbox import run_python
+
+    with refusals("mappa sandbox run:"):
+        with open(args.file, "rb") as f:
+            code = f.read()
+        try:
+            code = code.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{args.file}: not UTF-8 text ({e})") from None
+        not_a_directory(args.workspace)
+    result = run_python(code, args.workspace, timeout_s=args.timeout, memory_mb=args.memory_mb)
+    print(json.dumps(dataclasses.asdict(result), indent=2))
 
 
 def not_a_directory(path: str) -> None:
@@ -201,7 +222,9 @@ def merge_lora_main(args):
 
 
 def plan_main(argv) -> int:
-    """`mappa plan`: the launch's own plan and check (placement.py), without a cluster."""
+    """`mappa plan`: the launch's own plan and check (placement.py), without a cluster. The GPU memory is this
+    machine's GPUs' unless given; with neither, only the GPU counts are checked, as the launcher checks them
+    before Ray with --mappa.gpus alone, and the least GPU memory the plan needs is said, not assumed."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.cli.train_mappa_ray import parse_args, validate
     from openrlhf_mappa.topology import load_topology
@@ -217,10 +240,10 @@ def plan_main(argv) -> int:
         if found[0]:  # planning on a node of the cluster: its host memory and GPU count, unless given
             args.mappa.host_memory_gib = args.mappa.host_memory_gib or placement.host_memory_gib()
             args.mappa.gpus_per_node = args.mappa.gpus_per_node or found[0]
-    if gpus is None or gib is None:
-        raise SystemExit("mappa plan: no GPU here to measure: give the cluster as --mappa.gpus N --mappa.gpu_memory_gib G")
     plan = placement.make_plan(args, topology, gib)
-    print(f"mappa plan: {len(topology.agents)} agents on {gpus} GPUs of {gib:g} GiB; placement: "
+    memory = f" of {gib:g} GiB" if gib else ""
+    cluster = f"{gpus} GPUs{memory}" if gpus else f"as many GPUs{memory} as it needs"
+    print(f"mappa plan: {len(topology.agents)} agents on {cluster}{'' if gib else ' (memory not known)'}; placement: "
           f"{placement.PLACEMENTS[args.mappa.colocate]}\n")
     print(placement.format_plan(plan, gpus))
     try:
@@ -228,7 +251,22 @@ def plan_main(argv) -> int:
     except ValueError as e:
         print(f"\nREFUSED: {e}")
         return 1
-    print(f"\nfits: {plan.need} of {gpus} GPUs")
+    verdict = f"\nfits: {plan.need}" + (f" of {gpus}" if gpus else "") + " GPUs"
+    if gib is not None:
+        print(verdict)
+        return 0
+    least, unknown = placement.least_gpu_memory(args, topology)
+    if least is None:
+        print("\nREFUSED: no GPU of up to 1024 GiB holds this plan (give --mappa.gpu_memory_gib G to see what does "
+              "not fit and the smallest change that would)")
+        return 1
+    print(f"{verdict} by count; GPU memory not checked: there is no GPU on this machine and no --mappa.gpu_memory_gib")
+    if len(unknown) < len(plan.sizes):
+        print(f"It needs GPUs of at least {least:g} GiB")
+    for agent in unknown:
+        print(f"Not counted: {agent}")
+    print("Give --mappa.gpu_memory_gib G (one GPU's memory in GiB, as `nvidia-smi --query-gpu=memory.total "
+          "--format=csv` reports it; an 80 GB card: 79.6) for each GPU's memory per phase and the memory check")
     return 0
 
 
@@ -256,11 +294,11 @@ def doctor_main(argv) -> int:
     return failed
 
 
-def eval_main(parser, args):
-    """Team evaluation on vLLM engines (one group per distinct model, so agents sharing a base model share
-    engines), through the training rollout minus the coach; see evaluation.py."""
+def eval_inputs(parser, args):
+    """`mappa eval`'s every input, checked before vLLM and Ray load: (topology, agent -> model, agent -> its
+    adapter's config for a LoRA agent's export, dataset -> tasks)."""
     from openrlhf_mappa.episode import read_record
-    from openrlhf_mappa.evaluation import evaluate, format_table, load_eval_sets, summarize
+    from openrlhf_mappa.evaluation import load_eval_sets
     from openrlhf_mappa.topology import check_model, load_topology
 
     with refusals("mappa eval:"):  # every input, before vLLM and Ray load
@@ -297,6 +335,13 @@ def eval_main(parser, args):
         out_file(args.out, "--out")
         if args.workspace:
             not_a_directory(args.workspace)
+    return topology, models, adapters, datasets
+
+
+def eval_main(parser, args):
+    """Team evaluation on vLLM engines (one group per distinct model, so agents sharing a base model share
+    engines), through the training rollout minus the coach; see evaluation.py."""
+    topology, models, adapters, datasets = eval_inputs(parser, args)
 
     import asyncio
     import tempfile
@@ -305,6 +350,7 @@ def eval_main(parser, args):
     from openrlhf.trainer.ray import create_vllm_engines
     from transformers import AutoTokenizer
 
+    from openrlhf_mappa.evaluation import evaluate, format_table, summarize
     from openrlhf_mappa.rollout import AgentPolicy
 
     if not ray.is_initialized():
@@ -378,14 +424,16 @@ def rescore_main(parser, args):
     from openrlhf_mappa.coach import rescore
     from openrlhf_mappa.coach.audit import FAILED_STATUSES
 
-    if not (args.template or args.topology) and args.kind == "openai":
-        parser.error("coach score: give the coach prompt with --template FILE or --topology YAML")
+    if not (args.template or args.topology) and args.kind == "openai" and args.mode != "hindsight":
+        parser.error(f"coach score --mode {args.mode}: give the coach prompt with --template FILE or --topology YAML")
     with refusals("mappa coach score:"):
         topology = None
         if args.topology:
             from openrlhf_mappa.topology import load_topology
 
             topology = load_topology(args.topology)
+            if not args.template:
+                topology.check_coach_template(args.topology, args.kind, args.mode)
         template = topology.coach_template if topology else None
         review_template = topology.review_template if topology else None
         if args.template:

@@ -25,6 +25,9 @@ def build_coach(kind: str, *, template: str = None, model: str = None, base_url:
     score_key: the line `<score_key>: <n>` a text reply states its score on, see parse_score;
     review_template: the hindsight prompt, default DEFAULT_REVIEW_TEMPLATE).
 
+    `template` is the per-action prompt: None for an LLM coach that only reviews whole episodes (mode
+    hindsight); where one is needed, the launch requires it (Topology.check_coach_template).
+
     An LLM coach is wrapped in a verdict cache (memory, plus SQLite at `cache_path`), so a rerun or a
     resumed run never pays twice for the same request. The heuristic coach costs nothing and is not cached.
     """
@@ -34,7 +37,7 @@ def build_coach(kind: str, *, template: str = None, model: str = None, base_url:
 
         return HeuristicCoach()
     if kind == "openai":
-        flags = {"model": model, "base_url": base_url, "template": template}
+        flags = {"model": model, "base_url": base_url}
         missing = [flag for flag, value in flags.items() if not value]
         if missing:
             names = ", ".join(f"--mappa.coach.{flag}" for flag in missing)

@@ -130,8 +130,9 @@ class OpenAICoach(Coach):
         if not SCORE_KEY_RE.fullmatch(score_key or ""):
             raise ValueError(f"score key {score_key!r}: use letters, digits and '_', starting with a letter")
         # Render once with an empty request so a template naming an unknown field fails at startup,
-        # not on the first action of the first training step.
-        render_prompt(template, CoachRequest("", "", 0, "", "", "", "", "", ""))
+        # not on the first action of the first training step. None: a coach that only reviews episodes.
+        if template is not None:
+            render_prompt(template, CoachRequest("", "", 0, "", "", "", "", "", ""))
         self.review_template = review_template or DEFAULT_REVIEW_TEMPLATE
         render_review_prompt(self.review_template, [], {})
         self.model, self.template, self.name = model, template, f"openai:{model}"
