@@ -535,3 +535,22 @@ def test_colocation_flags_map_onto_each_other():
     assert (a.mappa.colocate, a.train.colocate_all, a.vllm.enable_sleep) == ("team", True, True)
     a = parse_args(base)  # upstream's rule: no colocation, no vLLM sleep
     assert (a.mappa.colocate, a.train.colocate_all, a.vllm.enable_sleep, a.ds.enable_sleep) == ("none", False, False, True)
+
+
+OPENAI = ["--mappa.coach.kind", "openai", "--mappa.coach.model", "m", "--mappa.coach.base_url", "http://127.0.0.1:9/v1"]
+
+
+def test_launch_asks_for_coach_template_only_where_a_coach_is_sent_it(workdir):
+    raw = yaml.safe_load(MATHCHAT_YAML.read_text())
+    raw["agents"] = [dict(raw["agents"][0], name="solver", model="model")]
+    del raw["coach_template"]
+    (workdir / "t.yaml").write_text(yaml.safe_dump(raw))
+    per_action = cli(workdir, GOOD + OPENAI, "per-action coach, no coach_template")
+    assert_refused(per_action, "per-action coach, no coach_template",
+                   "[mappa] t.yaml: 'coach_template' is missing or empty; it must be a non-empty string (or give "
+                   "coach_templates): coach mode per_action sends it to the coach with every action")
+    # Hindsight sends none: the launch gets past the topology to the coach server, which is not there.
+    hindsight = cli(workdir, GOOD + OPENAI + ["--mappa.coach.mode", "hindsight"], "hindsight coach, no coach_template")
+    assert hindsight.returncode != 0 and "coach_template" not in hindsight.message
+    assert "127.0.0.1:9" in hindsight.message, hindsight.message[-2000:]
+    # (The outcome baseline, which asks no coach, would go on to start Ray here: tests/test_topology_env.py checks it.)

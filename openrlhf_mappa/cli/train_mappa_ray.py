@@ -518,6 +518,8 @@ def validate(args, topology):
     if coach.score_outcome_runs and args.mappa.reward != "outcome":
         raise SystemExit("--mappa.coach.score_outcome_runs is for --mappa.reward outcome (process runs always ask the "
                          "coach)")
+    scored = args.mappa.reward == "process" or coach.score_outcome_runs  # as MappaTrainer.scored
+    topology.check_coach_template(args.mappa.topology, coach.kind, coach.mode, scored)
 
 
 def check_this_machine(args) -> None:
