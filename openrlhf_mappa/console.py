@@ -1,5 +1,4 @@
-"""The user's terminal: where the run's own output goes (step lines, progress bars, evaluation tables, the
-watchdogs' messages), and the two summaries printed there: one line per step and a few at the end of a run."""
+"""The user's terminal and the run's summaries printed there: one line per step, a few at the end of a run."""
 
 import os
 import sys
@@ -8,10 +7,9 @@ import types
 from openrlhf_mappa.episode import read_jsonl
 
 
-# The user's terminal, where the run's own output goes: step lines, progress bars, evaluation tables and the
-# watchdogs' messages to `err` (with tqdm.write, so they land above the bars). Without --mappa.verbose,
-# train_mappa_ray sends the process's stdout and stderr (Ray's, vLLM's and DeepSpeed's output, and what Ray
-# forwards from its workers) to a log file and points these at copies of the terminal's.
+# Where the run's own output goes (step lines, progress bars, tables; messages to `err` with tqdm.write, above the
+# bars). Without --mappa.verbose, train_mappa_ray.output_to sends the process's stdout and stderr (Ray's, vLLM's
+# and DeepSpeed's) to a log file and points these at copies of the terminal's.
 console = types.SimpleNamespace(out=sys.stdout, err=sys.stderr)
 
 
@@ -27,9 +25,10 @@ def step_line(step: int, total: int, metrics: dict, agents: list) -> str:
         return sum(values) / len(values) if values else None
 
     coach = ", ".join(f"{a} {num(metrics.get(f'agent/{a}/coach_score'), '.2f')}" for a in agents)
-    phases = ", ".join(f"{k} {num(metrics.get('timing/' + k), '.1f')}s" for k in ("rollout", "experience", "train", "sync", "step"))
-    return (f"[mappa] step {step}/{total} | success {num(metrics.get('outcome/success_rate'), '.3f')} | coach {coach} | "
-            f"kl {num(mean('kl'), '.3g')} | loss {num(mean('policy_loss'), '.3g')} | {phases}")
+    phases = ", ".join(f"{k} {num(metrics.get('timing/' + k), '.1f')}s"
+                       for k in ("rollout", "experience", "train", "sync", "step"))
+    return (f"[mappa] step {step}/{total} | success {num(metrics.get('outcome/success_rate'), '.3f')} | "
+            f"coach {coach} | kl {num(mean('kl'), '.3g')} | loss {num(mean('policy_loss'), '.3g')} | {phases}")
 
 
 def run_summary(run_dir: str) -> list:
@@ -48,10 +47,13 @@ def run_summary(run_dir: str) -> list:
     first, last = metrics[:3], metrics[-3:]
     seconds = sum(r.get("timing/step") or 0.0 for r in metrics)
     lines = [f"[mappa] {len(metrics)} steps ({seconds / 60:.1f} min of training steps); "
-             f"success rate {mean(first, 'outcome/success_rate')} (first 3 steps) -> {mean(last, 'outcome/success_rate')} (last 3)"]
-    agents = list(dict.fromkeys(k.split("/")[1] for r in metrics for k in r if k.startswith("agent/") and k.endswith("/coach_score")))
+             f"success rate {mean(first, 'outcome/success_rate')} (first 3 steps) -> "
+             f"{mean(last, 'outcome/success_rate')} (last 3)"]
+    agents = list(dict.fromkeys(k.split("/")[1] for r in metrics for k in r
+                                if k.startswith("agent/") and k.endswith("/coach_score")))
     if agents:
-        scores = ", ".join(f"{a} {mean(first, f'agent/{a}/coach_score')} -> {mean(last, f'agent/{a}/coach_score')}" for a in agents)
+        scores = ", ".join(f"{a} {mean(first, f'agent/{a}/coach_score')} -> {mean(last, f'agent/{a}/coach_score')}"
+                           for a in agents)
         lines.append(f"[mappa] coach score (first 3 -> last 3 steps): {scores}")
     for dataset in dict.fromkeys(r.get("dataset") for r in evals):
         rows = [r for r in evals if r.get("dataset") == dataset]

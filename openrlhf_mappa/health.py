@@ -55,8 +55,7 @@ class Watchdog(threading.Thread):
             self.reason = self.check()
             if self.reason:
                 print(f"[mappa] stopping: {self.reason}", file=console.err, flush=True)
-                # Repeated: one SIGINT can be lost (landing in a finalizer or callback, it is only printed as
-                # "Exception ignored in ..."); a start-up on a loaded machine once blocked on after it.
+                # Repeated: a SIGINT that lands in a finalizer or callback is only printed ("Exception ignored").
                 deadline = time.time() + self.grace_s
                 while time.time() < deadline:
                     os.kill(os.getpid(), signal.SIGINT)
@@ -91,8 +90,7 @@ def startup_waits(models: list) -> list:
 class StartupWatchdog(Watchdog):
     """A start-up never waits in silence. Every `warn_s` while engines and actors start, it names on the
     console the components not up yet and what they may be waiting for (startup_waits); after `timeout_s`
-    it stops the run with that message, as Watchdog does. A run killed while DeepSpeed built an
-    op once left a lock that made every later start-up wait, silently, for as long as nobody looked."""
+    it stops the run with that message, as Watchdog does."""
 
     def __init__(self, warn_s: float, timeout_s: float, models: list):
         super().__init__(agents=None, interval_s=min(5.0, warn_s))
@@ -113,7 +111,8 @@ class StartupWatchdog(Watchdog):
                   f"waiting for: {'; '.join(seen) or 'nothing seen from here (still loading?)'}")
         if stop:
             return f"{report}. Stopped by --mappa.startup_timeout_s {self.timeout_s:g}."
-        print(f"[mappa] {report}. Stops after --mappa.startup_timeout_s {self.timeout_s:g}.", file=console.err, flush=True)
+        print(f"[mappa] {report}. Stops after --mappa.startup_timeout_s {self.timeout_s:g}.", file=console.err,
+              flush=True)
         self.next_warn += self.warn_s
         return None
 

@@ -113,10 +113,11 @@ def start_engines(args, topology, per_agent: list, pgs: dict, share: float, star
             pg = pgs.get(spec.name) or placement_group([{"GPU": 1, "CPU": 1}] * a.vllm.num_engines, strategy="PACK")
             engines[label] = engines[spec.name] = engines_on(a, spec.model, pg, share, PoolEngine, **lora)
         elif colocate == "none":
+            v = a.vllm
             engines[spec.name] = create_vllm_engines(
-                a.vllm.num_engines, a.vllm.tensor_parallel_size, spec.model, a.train.seed, a.train.full_determinism_enable,
-                a.vllm.enable_prefix_caching, a.vllm.enforce_eager, a.data.max_len, None, a.vllm.gpu_memory_utilization, False,
-            )  # fmt: skip
+                v.num_engines, v.tensor_parallel_size, spec.model, a.train.seed, a.train.full_determinism_enable,
+                v.enable_prefix_caching, v.enforce_eager, a.data.max_len, None, v.gpu_memory_utilization, False,
+            )
         else:
             engines[spec.name] = engines_on(a, spec.model, pgs[spec.name], share)
         startup.components += [(f"{label or f'agent {spec.name!r}'}: vLLM engine {i}", e.__ray_ready__.remote())
@@ -160,7 +161,8 @@ def build_agents(args, topology, max_steps: dict, startup) -> list:
     per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
     colocate = args.mappa.colocate
     share = placement.gpu_share(args, topology) if colocate != "none" else 1
-    gpu_set = lambda a: placement_group([{"GPU": 1, "CPU": 1}] * (a.actor.num_nodes * a.actor.num_gpus_per_node), strategy="PACK")
+    gpu_set = lambda a: placement_group([{"GPU": 1, "CPU": 1}] * (a.actor.num_nodes * a.actor.num_gpus_per_node),
+                                        strategy="PACK")
     pgs = {}  # agent -> the placement group its actor, reference and engines share (colocated only)
     if colocate == "agent":
         pgs = {spec.name: gpu_set(a) for spec, a in per_agent}
@@ -175,8 +177,9 @@ def build_agents(args, topology, max_steps: dict, startup) -> list:
         startup.stage = f"agent {spec.name!r} (creating its actors)"
         strategy = get_strategy(a)
         pg = pgs.get(spec.name)
-        actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node, threaded(LoraActor if spec.lora else PolicyModelActor),
-                              pg=pg, num_gpus_per_actor=share)  # RayActorGroup calls .options() on its actor type
+        # RayActorGroup calls .options() on its actor type
+        actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node,
+                              threaded(LoraActor if spec.lora else PolicyModelActor), pg=pg, num_gpus_per_actor=share)
         ref = None
         if a.algo.kl.init_coef > 0 and spec.lora:
             ref = AdapterOff(actor)  # the base: its own actor with the adapter off

@@ -140,7 +140,8 @@ def truncate_logs(run_dir: str, step: int) -> None:
             f.writelines(kept)
         os.replace(path + ".tmp", path)
         if dropped:
-            print(f"[mappa] {path}: kept {len(kept)} lines up to step {step}, dropped {dropped} (later steps or cut off)",
+            print(f"[mappa] {path}: kept {len(kept)} lines up to step {step}, dropped {dropped} (later steps or cut "
+                  f"off)",
                   file=console.out, flush=True)
 
 
@@ -159,7 +160,8 @@ def load_team(trainees: list, step: int) -> None:
     for ag in trainees:
         loaded = ag.trainer.init_checkpoint_states()["global_step"]
         if loaded != step:
-            raise RuntimeError(f"resume: agent {ag.spec.name!r} loaded the checkpoint of step {loaded}, expected {step}")
+            raise RuntimeError(f"resume: agent {ag.spec.name!r} loaded the checkpoint of step {loaded}, expected "
+                               f"{step}")
     for ag in trainees:
         ag.trainer.broadcast_to_vllm()
 

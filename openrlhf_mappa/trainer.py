@@ -72,32 +72,19 @@ class MappaTrainer:
         # Steps in a row in which no agent trained, and the message that stops the run (--mappa.max_untrained_steps).
         self.untrained_steps, self.stalled = 0, None
         os.makedirs(run_dir, exist_ok=True)
-        self.policies, self.eval_policies = (
-            {
-                ag.spec.name: AgentPolicy(
-                    engines=ag.engines,
-                    tokenizer=ag.tokenizer,
-                    max_new_tokens=ag.args.rollout.max_new_tokens,
-                    max_len=args.data.max_len,
-                    sampling=dict(temperature=temperature, top_p=args.rollout.top_p),
-                    adapter=ag.trainer.adapter,
-                )
-                for ag in agents
-            }
-            for temperature in (args.rollout.temperature, args.eval.temperature)
-        )
+        self.policies, self.eval_policies = ({ag.spec.name: AgentPolicy(
+            ag.engines, ag.tokenizer, ag.args.rollout.max_new_tokens, args.data.max_len,
+            dict(temperature=temperature, top_p=args.rollout.top_p), ag.trainer.adapter) for ag in agents}
+            for temperature in (args.rollout.temperature, args.eval.temperature))
         # One event loop for the whole run: the coach's HTTP client and its semaphore belong to the loop
         # they were first used on, so a fresh asyncio.run() per step would break them at step 2.
         self.loop = asyncio.new_event_loop()
         self.loggers = []
-        if args.logger.wandb.key:
-            from openrlhf.utils.logging_utils import WandbLogger
+        if args.logger.wandb.key or args.logger.tensorboard_dir:
+            from openrlhf.utils.logging_utils import TensorboardLogger, WandbLogger
 
-            self.loggers.append(WandbLogger(args))
-        if args.logger.tensorboard_dir:
-            from openrlhf.utils.logging_utils import TensorboardLogger
-
-            self.loggers.append(TensorboardLogger(args))
+            self.loggers = [cls(args) for cls, on in ((WandbLogger, args.logger.wandb.key),
+                                                       (TensorboardLogger, args.logger.tensorboard_dir)) if on]
 
     def batches(self, start_step: int):
         """(step, tasks) for every step of every pass over the data; each task repeated n_samples times."""
@@ -133,7 +120,8 @@ class MappaTrainer:
             self.evaluate(0)  # the untrained models: the baseline every later evaluation compares with
         steps = tqdm(self.batches(start_step), total=total, initial=start_step, desc="MAPPA steps", file=console.err)
         for step, tasks in steps:
-            with tqdm(total=len(tasks), desc=f"step {step} rollout", unit="episode", leave=False, file=console.err) as bar:
+            bar = tqdm(total=len(tasks), desc=f"step {step} rollout", unit="episode", leave=False, file=console.err)
+            with bar:
                 metrics = self.train_step(step, tasks, progress=bar.update)
             self.log(step, metrics)
             tqdm.write(step_line(step, total, metrics, [ag.spec.name for ag in self.agents]), file=console.err)
@@ -155,7 +143,7 @@ class MappaTrainer:
         through all agents), and asleep after, when colocated actors use their memory."""
         from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 
-        engines = distinct([engine for ag in self.trainees for engine in ag.engines])  # a LoRA pool's serve several agents
+        engines = distinct([eng for ag in self.trainees for eng in ag.engines])  # a LoRA pool's serve several agents
         if self.args.vllm.enable_sleep:
             batch_vllm_engine_call(engines, "wake_up")
         try:
@@ -201,7 +189,8 @@ class MappaTrainer:
         most = self.mappa.max_untrained_steps
         if most and self.untrained_steps >= most:
             self.stalled = (f"no agent trained in {self.untrained_steps} steps in a row (--mappa.max_untrained_steps "
-                            f"{most}); at step {step}, " + "; ".join(f"agent {n!r}: {why}" for n, why in untrained.items()))
+                            f"{most}); at step {step}, "
+                            + "; ".join(f"agent {n!r}: {why}" for n, why in untrained.items()))
         advantage_of = rewards.compute_advantages(batches, self.args.algo.kl.init_coef, scope=self.mappa.norm_scope)
         t_experience = time.time() - t0
         for name, exps in batches.items():  # each trained action's record shows its row's mean advantage
@@ -250,7 +239,8 @@ class MappaTrainer:
             except CoachFailure as e:  # keep what the step produced, so the failures can be inspected
                 self.write_episodes(episodes)
                 self.log(step, coach_metrics)
-                raise CoachFailure(f"step {step}: {e} The step's episodes are in {self.run_dir}/episodes.jsonl.") from None
+                said = f"step {step}: {e} The step's episodes are in {self.run_dir}/episodes.jsonl."
+                raise CoachFailure(said) from None
 
     def per_agent(self, fn, agents: list) -> dict:
         """{agent: fn(agent)}: at once for agents on GPUs of their own (--mappa.colocate none or agent), one after
@@ -271,7 +261,8 @@ class MappaTrainer:
 
         def forward(ag):
             maker = ag.trainer.experience_maker
-            return maker.make_experience(maker.split_rollout_samples([experience_of(a) for a in kept_actions[ag.spec.name]]))
+            rows = [experience_of(a) for a in kept_actions[ag.spec.name]]
+            return maker.make_experience(maker.split_rollout_samples(rows))
 
         batches = self.per_agent(forward, [ag for ag in self.trainees if ag.spec.name in kept_actions])
         return batches, kept_actions, dropped
@@ -287,7 +278,8 @@ class MappaTrainer:
         value = step if stage.metric == "step" else metrics.get(stage.metric)
         if stage.holds(value):
             tqdm.write(f"[mappa] coach criteria: after step {step}, {stage.metric} = {value:g} ({stage.when}): coach "
-                       f"template {stages[self.stage].name!r} -> {stage.name!r}, in use from step {step + 1}", file=console.out)
+                       f"template {stages[self.stage].name!r} -> {stage.name!r}, in use from step {step + 1}",
+                       file=console.out)
             self.set_stage(self.stage + 1, step + 1)
         elif value is None and stage.name not in self.stage_waits_noted:
             self.stage_waits_noted.add(stage.name)
@@ -354,7 +346,8 @@ class MappaTrainer:
             with self.engines_awake(), tqdm(total=total, desc=f"evaluation {dataset}", unit="episode", leave=False,
                                             file=console.err) as bar:
                 episodes = self.loop.run_until_complete(
-                    evaluate(self.topology, tasks, self.eval_policies, ev.n_samples_per_prompt, workspace, step, bar.update)
+                    evaluate(self.topology, tasks, self.eval_policies, ev.n_samples_per_prompt, workspace, step,
+                             bar.update)
                 )
             summary, problems = summarize(episodes, names, tasks)
             os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
@@ -389,7 +382,8 @@ class MappaTrainer:
         ray.get(refs)
         state = {"step": step, "coach_cost_usd": self.coach_cost_usd}
         if self.topology.coach_stages:  # the template in use for the next step
-            state["coach_template"] = {"name": self.topology.coach_stages[self.stage].name, "since_step": self.stage_since}
+            name = self.topology.coach_stages[self.stage].name
+            state["coach_template"] = {"name": name, "since_step": self.stage_since}
         resume.write_marker(self.args.ckpt.path, state)
         for ag in self.trainees:  # only now: the marker names a step all agents saved
             resume.rotate_checkpoints(ag.args.ckpt.path, self.args.ckpt.max_num)
