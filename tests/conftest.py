@@ -106,6 +106,26 @@ TINY_RUN_FLAGS = [
 ]  # fmt: skip
 
 
+def openrlhf_copy(dest, *patches) -> str:
+    """A copy of the installed openrlhf (the pinned release) in `dest`/openrlhf, with the upstream-candidate diffs
+    `patches` (file names in patches/) applied in order by `patch -p1`, as their headers say. Each must apply
+    cleanly: `git apply --check` and `patch --dry-run` pass, and neither run reports fuzz or an offset, which
+    would mean the diff was made against other source. Returns `dest`: put it first on sys.path (or PYTHONPATH)
+    and the copy shadows the installed package."""
+    import importlib.util
+
+    installed = os.path.dirname(importlib.util.find_spec("openrlhf").origin)  # locates it, imports nothing
+    shutil.copytree(installed, os.path.join(dest, "openrlhf"), ignore=shutil.ignore_patterns("__pycache__"))
+    for name in patches:
+        diff = os.path.join(REPO, "patches", name)
+        checks = (["git", "apply", "--check", "-p1", diff], ["patch", "-p1", "--dry-run", "-i", diff])
+        for cmd in (*checks, ["patch", "-p1", "-i", diff]):
+            proc = subprocess.run(cmd, cwd=dest, capture_output=True, text=True, timeout=60)
+            said = proc.stdout + proc.stderr
+            assert proc.returncode == 0 and not re.search(r"FAILED|fuzz|offset", said), f"{name}: {cmd[:3]}: {said}"
+    return str(dest)
+
+
 def submit_script(script, tmp_path, **env) -> tuple:
     """Run a GPU launch script for real under bash, with one stand-in: `ray` on PATH records the submission instead
     of sending it to a GPU cluster, which cannot exist here. Returns (the arguments `ray` got, the finished
