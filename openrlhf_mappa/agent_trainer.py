@@ -1,12 +1,7 @@
-"""One agent's OpenRLHF trainer. MappaTrainer (trainer.py) runs the team's loop, rollout -> coach -> advantages,
-and hands each agent's experiences to that agent's AgentTrainer, whose train_step is OpenRLHF's own.
-
-LoRA agents (topology `lora`) share their base model's engines (PoolEngine) and train only their adapter
-(LoraActor, OpenRLHF's actor with its --ds.lora settings); their reference is their own actor with the adapter
-off, and a sync sends the adapter alone, in PEFT format.
-
-A module of its own because importing OpenRLHF's trainer loads DeepSpeed and vLLM (seconds): the launcher's
-checks before Ray, `mappa report` and the unit tests import trainer.py without paying for it.
+"""One agent's OpenRLHF trainer: MappaTrainer (trainer.py) runs the team's loop and hands each agent's experiences
+to its AgentTrainer, whose train_step is OpenRLHF's own. LoRA agents share their base model's engines
+(PoolEngine), train only their adapter (LoraActor), use their own actor with the adapter off as reference, and
+sync the adapter alone, in PEFT format. Its own module because OpenRLHF's trainer loads DeepSpeed and vLLM.
 """
 
 import json
@@ -23,24 +18,17 @@ from openrlhf.trainer.ray.vllm_engine import RolloutRayActor, batch_vllm_engine_
 
 
 class MappaExperienceMaker(RemoteExperienceMaker):
-    """OpenRLHF's experience maker for one agent. MappaTrainer uses its split into micro-batches and its actor
-    and reference forwards (log-probs, KL) as they are."""
+    """OpenRLHF's experience maker for one agent, its micro-batch split and forwards (log-probs, KL) unchanged."""
 
     def make_experience_batch(self, experiences):
-        # Not upstream's advantage hook (compute_advantages_and_returns): it sees one agent's rows, where
-        # --mappa.norm_scope global whitens the team's, and its group baseline needs n_samples_per_prompt rows per
-        # prompt, which an agent acting a varying number of times breaks. MappaTrainer hands train_step
-        # experiences that rewards.compute_advantages already finished; upstream's train_step calls this once, first.
+        # Already finished by rewards.compute_advantages: upstream's advantage hook sees one agent's rows (scope
+        # global whitens the team's) and its group baseline breaks when an agent acts a varying number of times.
         return experiences
 
 
 class AgentTrainer(BasePPOTrainer):
-    """OpenRLHF's trainer over one agent's actor, reference and engines. train_step runs as upstream's: the
-    experiences go to this agent's actor ranks; ppo_train fits them (with --ds.enable_sleep, reloading the
-    actor's states before and offloading them after); broadcast_to_vllm sends the weights to this agent's
-    engines only (with --vllm.enable_sleep, waking their weights first); the KL controller updates.
-
-    `adapter`: a LoRA agent's name, the adapter its pool's engines serve under it."""
+    """OpenRLHF's trainer over one agent's actor, reference and engines; train_step runs as upstream's, and
+    broadcast_to_vllm reaches this agent's engines only. `adapter`: a LoRA agent's name, served by its pool."""
 
     def __init__(self, strategy, actor, ref, engines, tokenizer, adapter=None):
         super().__init__(strategy, actor, None, None, ref, engines, tokenizer)
@@ -57,15 +45,15 @@ class AgentTrainer(BasePPOTrainer):
             ray.get([e.load_adapter.remote(self.adapter, files) for e in self.vllm_engines])
             self.synced = {"sync_mib": sum(map(len, files.values())) / 2**20, "full_sync_mib": 2 * base_params / 2**20}
         if self.args.mappa.colocate == "team" and self.args.vllm.enable_sleep:
-            # On the team's GPUs the next agent trains now, so these engines go back to sleep. vLLM sleeps only
-            # a fully awake engine: the sync woke the weights, the KV cache wakes before the sleep.
+            # The next agent trains on the team's GPUs now. vLLM sleeps only a fully awake engine: the sync woke
+            # the weights, the KV cache wakes before the sleep.
             batch_vllm_engine_call(self.vllm_engines, "wake_up", tags=["kv_cache"])
             batch_vllm_engine_call(self.vllm_engines, "sleep")
 
 
 class AdapterOff:
-    """A LoRA agent's reference group, as OpenRLHF's experience maker calls it: its own actor ranks, whose
-    forward runs with the adapter disabled (the base model), so no reference model is loaded."""
+    """A LoRA agent's reference group: its own actor ranks, forward with the adapter disabled (the base model), so
+    no reference model is loaded."""
 
     def __init__(self, actor):
         self.actor = actor
@@ -90,8 +78,8 @@ class LoraActor(PolicyModelActor.__ray_actor_class__):
             return self.forward(**kwargs)
 
     def adapter_files(self):
-        """On rank 0: the adapter as `save_pretrained` writes it (the names vLLM's loader takes), and the base
-        model's parameter count; None on the other ranks, which join the ZeRO-3 gather."""
+        """On rank 0: the adapter's files as `save_pretrained` writes them (vLLM's loader takes those names) and
+        the base model's parameter count; None on the other ranks, which join the ZeRO-3 gather."""
         import deepspeed
         from peft import get_peft_model_state_dict
         from safetensors.torch import save
@@ -109,13 +97,12 @@ class LoraActor(PolicyModelActor.__ray_actor_class__):
 
 @ray.remote
 class PoolEngine(RolloutRayActor.__ray_actor_class__):
-    """An engine of a LoRA pool (vLLM with enable_lora): the base model once, each agent's adapter by name.
-    Every request carries an adapter: on vLLM 0.29's CPU path a request without one, batched with LoRA
-    requests, was computed with the last adapter slot's weights."""
+    """An engine of a LoRA pool (vLLM with enable_lora): the base model once, each agent's adapter by name. Every
+    request carries an adapter: vLLM may compute one without, batched with LoRA requests, with an adapter's."""
 
     async def load_adapter(self, name: str, files: dict):
-        """Replace adapter `name` (or add it): its files in this engine's own directory, loaded in place.
-        Between steps, never during an action; the prefix cache, keyed by adapter name, is reset."""
+        """Replace (or add) adapter `name`, loaded in place from this engine's own directory, between steps; the
+        prefix cache, keyed by adapter name, is reset."""
         from vllm.lora.request import LoRARequest
 
         if not hasattr(self, "adapters"):
@@ -136,7 +123,8 @@ class PoolEngine(RolloutRayActor.__ray_actor_class__):
         from vllm.utils import random_uuid
 
         final = None
-        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), deepcopy(sampling_params),
-                                              request_id=random_uuid(), lora_request=self.adapters[name]):
+        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
+                                              deepcopy(sampling_params), request_id=random_uuid(),
+                                              lora_request=self.adapters[name]):
             final = output
         return final

@@ -1,8 +1,7 @@
 """Records of one multi-agent episode: actions, coach verdicts, outcome. Plain Python, written to episodes.jsonl.
 
-An `Action` is one generation of one agent (one experience in training). A `Verdict` is the coach's
-judgement of one action; `score is None` means "no valid score" and such an action never trains on an
-invented number.
+An `Action` is one generation of one agent (one experience in training); a `Verdict` the coach's judgement of
+one action, where `score is None` means "no valid score": such an action never trains on an invented number.
 """
 
 import dataclasses
@@ -16,13 +15,8 @@ VERDICT_STATUSES = ("ok", "parse_error", "api_error", "timeout", "skipped")
 # hindsight review of the whole episode, or both combined (coach.combine).
 VERDICT_SOURCES = ("per_action", "hindsight", "both")
 # ToolFeedback.limit values, as as_text() tells them to the coach.
-LIMIT_MARKERS = {
-    "timeout": "[timed out]",
-    "cpu": "[killed: CPU time limit]",
-    "memory": "[hit the memory limit]",
-    "file_size": "[hit the file size limit]",
-    "processes": "[hit the process limit]",
-}
+LIMIT_MARKERS = {"timeout": "[timed out]", "cpu": "[killed: CPU time limit]", "memory": "[hit the memory limit]",
+                 "file_size": "[hit the file size limit]", "processes": "[hit the process limit]"}
 
 
 @dataclass
@@ -63,7 +57,7 @@ class ToolFeedback:
             parts.append("files: " + ", ".join(self.files))
         if self.files_created or self.files_changed:
             parts.append("this run created: " + (", ".join(self.files_created) or "-") + "; changed: "
-                         + (", ".join(self.files_changed) or "-"))  # fmt: skip
+                         + (", ".join(self.files_changed) or "-"))
         return "\n".join(parts) or "[no output]"
 
 
@@ -78,8 +72,8 @@ class Verdict:
     tokens_out: int = 0
     retries: int = 0  # HTTP attempts beyond the first (429, 5xx, timeouts) and format re-prompts
     cached: bool = False  # served from the verdict cache: cost nothing this time
-    # "hindsight" and "both" verdicts are not requests of their own: their cost is the episode's Review's
-    # and the per-action verdict's (Action.verdict_parts), counted there (audit.coach_calls).
+    # "hindsight" and "both" verdicts are no requests of their own: their cost is counted on the episode's Review
+    # and the per-action verdict (Action.verdict_parts; audit.coach_calls).
     source: str = "per_action"
 
     def __post_init__(self):
@@ -95,9 +89,8 @@ class Verdict:
 
 @dataclass
 class Review:
-    """The coach's hindsight review of a whole episode, once its outcome is known: one request, a score for
-    every action (in episode order) and the action it holds responsible for the outcome. A failed review
-    (status not "ok") has neither: no action gets a score from it."""
+    """The coach's hindsight review of a whole episode, once its outcome is known: one request, a score per action
+    (in episode order) and the action held responsible for the outcome; a failed review has neither."""
 
     scores: Optional[list]  # one score in [0, 10] per action of the episode, or None
     responsible: Optional[int]  # index into Episode.actions (the coach's action id - 1), or None
@@ -114,11 +107,11 @@ class Review:
         if self.status not in VERDICT_STATUSES:
             raise ValueError(f"unknown review status {self.status!r}; expected one of {VERDICT_STATUSES}")
         if (self.status == "ok") != (self.scores is not None and self.responsible is not None):
-            raise ValueError(f"an 'ok' review, and only one, has scores and a responsible action (status {self.status!r})")
+            raise ValueError(f"an 'ok' review, and only one, has scores and a responsible action "
+                             f"(status {self.status!r})")
 
     def verdicts(self, n: int) -> list:
-        """A Verdict for each of the episode's `n` actions, naming the responsible one; when the review failed,
-        n verdicts of its status and no score."""
+        """A hindsight Verdict for each of the episode's `n` actions (scoreless, of its status, if it failed)."""
         if self.status != "ok":
             return [Verdict(None, self.status, f"hindsight review: {self.rationale}", self.coach, source="hindsight")
                     for _ in range(n)]
@@ -141,12 +134,10 @@ class Action:
     formatted: Optional[bool] = None  # it gives a final answer in the env's format (None: not asked of this agent)
     prompt_truncated: bool = False  # its oldest history entries were left out to fit max_len - max_new_tokens
     feedback: ToolFeedback = field(default_factory=ToolFeedback)
-    # What the coach saw besides prompt_text/response_text (role, task, feedback text, ground truth, ...),
-    # so `mappa coach score` can re-score this action later with another coach or template.
+    # What the coach saw besides the texts (role, task, feedback, ground truth...), for `mappa coach score`.
     coach_request: dict = field(default_factory=dict)
     verdict: Optional[Verdict] = None  # the verdict it trains on (see --mappa.coach.mode)
-    # Mode "both" only: {"per_action": Verdict, "hindsight": Verdict}, the two that `verdict` combines.
-    verdict_parts: dict = field(default_factory=dict)
+    verdict_parts: dict = field(default_factory=dict)  # mode "both": {"per_action", "hindsight"} verdicts combined
     reward: Optional[float] = None  # the scalar reward this action trained on (None: left out)
     advantage: Optional[float] = None  # mean normalized advantage over its tokens
 
@@ -160,15 +151,13 @@ class Episode:
     outcome: dict = field(default_factory=dict)  # at least {"success": bool}; pipelines may add metrics
     step: int = 0  # training step that produced it
     timings: dict = field(default_factory=dict)
-    # Actions never taken: even with all history left out their prompt exceeded max_len - max_new_tokens.
-    # {"agent", "turn", "prompt_tokens" (that shortest prompt), "budget"}; that agent's turns ended there.
+    # Actions never taken, their prompt too long even without history: {"agent", "turn", "prompt_tokens",
+    # "budget"}; that agent's turns ended there.
     skipped_actions: list = field(default_factory=list)
-    # Why the episode was stopped by a limit (an agent's max_actions, the topology's max_episode_actions), or
-    # "" when it ended by itself. A stopped episode is a failure, whatever its env's outcome said.
+    # Which limit stopped the episode (max_actions, max_episode_actions), "" if none: a stopped episode fails.
     action_limit: str = ""
     review: Optional[Review] = None  # the hindsight review (--mappa.coach.mode hindsight or both)
-    # What the environment raised, and where, when it ended the episode (see rollout.run_episode); "" otherwise.
-    # Such an episode is a failure and none of its actions trains.
+    # What the environment raised, and where (rollout.run_episode), or "": such an episode fails, trains nothing.
     env_error: str = ""
 
     @property
@@ -185,11 +174,10 @@ class Episode:
     @classmethod
     def from_record(cls, record: dict) -> "Episode":
         """An episodes.jsonl record as an Episode again; its token ids, not kept there, are empty lists."""
-        actions = [
-            Action(**{**a, "prompt_ids": [], "response_ids": [], "feedback": ToolFeedback(**a.get("feedback") or {}),
-                      "verdict": Verdict(**a["verdict"]) if a.get("verdict") else None})
-            for a in record.get("actions", [])
-        ]  # fmt: skip
+        actions = [Action(**{**a, "prompt_ids": [], "response_ids": [],
+                             "feedback": ToolFeedback(**a.get("feedback") or {}),
+                             "verdict": Verdict(**a["verdict"]) if a.get("verdict") else None})
+                   for a in record.get("actions", [])]
         return cls(**{**record, "actions": actions})
 
 

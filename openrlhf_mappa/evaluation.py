@@ -1,9 +1,6 @@
 """Evaluation: the team plays held-out tasks with no coach and no training; pass@1 accuracy, DSBench scores and
-behaviour metrics per agent.
-
-Two callers: the trainer (every --eval.steps steps, on the training engines; see MappaTrainer.evaluate) and
-`mappa eval` (per-agent checkpoints or HF models; cli/mappa.py). Both go through the training rollout, so an
-evaluated episode is exactly a training episode minus the coach.
+behaviour metrics per agent. Used by MappaTrainer.evaluate (every --eval.steps) and `mappa eval`, both through
+the training rollout, so an evaluated episode is exactly a training episode minus the coach.
 """
 
 import os
@@ -16,8 +13,8 @@ from openrlhf_mappa.rollout import rollout
 
 
 class NoCoach(Coach):
-    """Evaluation, and the outcome baseline's training, ask no coach: every action's verdict is `skipped`
-    (no score, no cost); `reason` says why in the verdict."""
+    """Evaluation and the outcome baseline ask no coach: every verdict is `skipped` (no score, no cost), `reason`
+    its rationale."""
 
     name = "none"
 
@@ -29,8 +26,8 @@ class NoCoach(Coach):
 
 
 def load_eval_sets(paths: list, limit: int = 0) -> dict:
-    """{dataset name: tasks} for task files; the name (the file's stem) labels eval.jsonl, the loggers and
-    the report, so training-time and standalone evaluations of one file line up. limit: first N tasks."""
+    """{file stem: its first `limit` tasks (0: all)}; the stem labels eval.jsonl, the loggers and the report, so
+    training-time and standalone evaluations of one file line up."""
     return {os.path.splitext(os.path.basename(p))[0]: load_tasks(p)[: limit or None] for p in paths}
 
 
@@ -47,13 +44,10 @@ def _mean(values):
 
 
 def behaviour_metrics(episodes: list, agent_names: list) -> dict:
-    """Per agent: how it acts, whatever it is rewarded for. Keys `agent/<name>/<metric>`:
-    tool_use_rate (actions whose code ran), tool_error_rate (actions whose code failed, over all actions),
-    code_error_rate (failed over ran), action_length (response tokens), truncated_rate (hit the token
-    limit), prompt_truncated (prompts whose oldest history entries were left out to fit),
-    prompt_too_long_skipped (actions not taken: the prompt did not fit even without history; see
-    Episode.skipped_actions), answer_format_rate (final answer in the required form, only for agents that
-    owe one; see MultiAgentEnv.answer_formatted)."""
+    """`agent/<name>/<metric>`: how each agent acts, whatever it is rewarded for. action_length in response tokens;
+    tool_error_rate over all actions, code_error_rate over those whose code ran; prompt_truncated counts prompts
+    that left history out, prompt_too_long_skipped actions not taken (Episode.skipped_actions);
+    answer_format_rate only for agents that owe a final answer (MultiAgentEnv.answer_formatted)."""
     m = {}
     for name in agent_names:
         acts = [a for ep in episodes for a in ep.actions if a.agent == name]
@@ -74,27 +68,21 @@ def behaviour_metrics(episodes: list, agent_names: list) -> dict:
 
 
 def summarize(episodes: list, agent_names: list, tasks: list) -> tuple:
-    """(summary, problems). accuracy = mean over problems of pass@1, itself the mean success over that
-    problem's samples. DSBench outcomes (they carry `relative_score`) add: relative_score (mean over
-    samples, an invalid submission counting 0, as DSBench's paper does), the mean of each task metric over
-    valid submissions, and success rate and relative score per task type (regression / classification)."""
+    """(summary, problems). accuracy: the mean over problems of pass@1 (mean success over its samples). DSBench
+    outcomes add relative_score (an invalid submission counts 0, as DSBench's paper), each task metric's mean
+    over valid submissions, and success rate and relative score per task type."""
     by_task = {}
     for ep in episodes:
         by_task.setdefault(ep.task_id, []).append(ep)
     problems = []
     for task in tasks:
         samples = by_task.get(task["id"], [])
-        problems.append({
-            "id": task["id"], "type": task.get("type", ""), "reference": task["answer"],
-            "pass1": _mean([float(ep.success) for ep in samples]),
-            "samples": [ep.outcome for ep in samples],
-        })  # fmt: skip
+        problems.append({"id": task["id"], "type": task.get("type", ""), "reference": task["answer"],
+                         "pass1": _mean([float(ep.success) for ep in samples]),
+                         "samples": [ep.outcome for ep in samples]})
     outcomes = [ep.outcome for ep in episodes]
-    summary = {
-        "accuracy": _mean([p["pass1"] for p in problems]),
-        "n_problems": len(problems),
-        "n_samples": len(episodes) // max(1, len(problems)),
-    }
+    summary = {"accuracy": _mean([p["pass1"] for p in problems]), "n_problems": len(problems),
+               "n_samples": len(episodes) // max(1, len(problems))}
     if any("answered" in o for o in outcomes):
         summary["answered_rate"] = _mean([float(bool(o.get("answered"))) for o in outcomes])
     if any(ep.action_limit for ep in episodes):  # stopped by a limit (rollout.run_episode): failures, counted

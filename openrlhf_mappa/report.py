@@ -1,11 +1,9 @@
 """`mappa report RUN_DIR [RUN_DIR ...]`: one self-contained HTML page about training runs, readable from file://.
 
-It reads what a run writes into its run directory: metrics.jsonl (curves per agent, the coach's verdicts,
-the coach-bias audit), eval.jsonl when evaluation ran, and episodes.jsonl (the trajectory viewer: every
-action's output, tool feedback and coach verdict). Several runs (e.g. process against outcome rewards) share
-each chart, one line style per run. Nothing is fetched: the charts are inline SVG drawn by a few lines of
-JS. Agent output is untrusted text, so all data travels as JSON in a script block with every `<` escaped,
-and the page shows it through textContent only.
+It shows a run directory's metrics.jsonl (curves per agent, coach verdicts, the coach-bias audit), eval.jsonl and
+episodes.jsonl (a trajectory viewer); several runs share each chart, one line style per run. Nothing is fetched
+(inline SVG drawn by a few lines of JS). Agent output is untrusted: all data travels as JSON in a script block
+with every `<` escaped, and the page shows it through textContent only.
 """
 
 import html
@@ -18,7 +16,7 @@ from openrlhf_mappa.episode import VERDICT_STATUSES, read_jsonl
 MAX_EPISODES = 200  # the viewer embeds a run's last episodes only, so a long run's report stays small
 MAX_TEXT = 4000  # characters kept of each text shown in the viewer (the middle is cut)
 AGENT_CURVES = ("coach_score", "outcome_success", "kl", "action_length", "tool_use_rate", "tool_error_rate",
-                "code_error_rate", "truncated_rate", "answer_format_rate")  # fmt: skip
+                "code_error_rate", "truncated_rate", "answer_format_rate")
 EVAL_FIELDS = ("step", "dataset", "n_problems", "n_samples")  # eval.jsonl keys that are not curves
 
 
@@ -30,8 +28,8 @@ def series(rows: list, key: str, name: str) -> dict:
 
 
 def chart(title: str, all_series: list, scale: list = None):
-    """A chart of the series that have points, or None (no empty charts: e.g. KL of a run without β). `scale`:
-    a y range the axis always spans (values outside widen it)."""
+    """A chart of the series that have points, or None (e.g. KL of a run without β). `scale`: a y range the axis
+    always spans."""
     kept = [s for s in all_series if s["points"]]
     return {"title": title, "series": kept, "scale": scale} if kept else None
 
@@ -39,6 +37,12 @@ def chart(title: str, all_series: list, scale: list = None):
 def full_scale(key: str):
     """Scores and rates are drawn on their whole scale (0-10, 0-1), so runs and steps compare at a glance."""
     return [0, 10] if key.endswith("coach_score") else [0, 1] if key.endswith(("_rate", "outcome_success")) else None
+
+
+def agent_charts(rows: list, agents: list, prefix: str = "") -> list:
+    """One chart per AGENT_CURVES metric, a line per agent."""
+    return [chart(f"{prefix}agent/*/{k}", [series(rows, f"agent/{a}/{k}", a) for a in agents], full_scale(k))
+            for k in AGENT_CURVES]
 
 
 def clip(text) -> str:
@@ -58,7 +62,8 @@ def episode_view(ep: dict) -> dict:
         "id": ep.get("episode_id"), "task_id": ep.get("task_id"), "task_type": ep.get("task_type"),
         "step": ep.get("step"), "success": bool(ep.get("outcome", {}).get("success")), "outcome": ep.get("outcome", {}),
         "task": clip(task),
-        "review": review and {k: review.get(k) for k in ("status", "responsible", "coach")} | {"rationale": clip(review.get("rationale"))},
+        "review": review and {k: review.get(k) for k in ("status", "responsible", "coach")}
+                  | {"rationale": clip(review.get("rationale"))},
         "actions": [
             {"agent": a.get("agent"), "turn": a.get("turn"), "response": clip(a.get("response_text")),
              "truncated": a.get("truncated"), "verdict": a.get("verdict"), "reward": a.get("reward"),
@@ -68,7 +73,7 @@ def episode_view(ep: dict) -> dict:
                           if k in ("stdout", "stderr", "exit_code", "timed_out", "limit")}}
             for a in actions
         ],
-    }  # fmt: skip
+    }
 
 
 def records(path: str):
@@ -85,17 +90,18 @@ def records(path: str):
 
 def load_run(run_dir: str) -> dict:
     """Everything the page shows, as one JSON-ready dict."""
-    metrics, episodes, evals = (records(os.path.join(run_dir, n)) for n in ("metrics.jsonl", "episodes.jsonl", "eval.jsonl"))
+    metrics, episodes, evals = (records(os.path.join(run_dir, n))
+                                for n in ("metrics.jsonl", "episodes.jsonl", "eval.jsonl"))
     if metrics is None:
         raise ValueError(f"{run_dir}: no metrics.jsonl (not a run directory?)")
     episodes = episodes or []
     keys = list(dict.fromkeys(k for r in metrics for k in r))
     agents = list(dict.fromkeys([k.split("/")[1] for k in keys if k.startswith("agent/") and k.count("/") >= 2]
-                                + [a["agent"] for ep in episodes for a in ep.get("actions", [])]))  # fmt: skip
+                                + [a["agent"] for ep in episodes for a in ep.get("actions", [])]))
 
-    # The page opens with what a user looks at first: did the team get better, and how did the coach score each agent.
+    # The page opens with what a user looks at first: did the team get better, how did the coach score each agent.
     training = [chart("outcome/success_rate", [series(metrics, "outcome/success_rate", "all episodes")], [0, 1])]
-    training += [chart(f"agent/*/{k}", [series(metrics, f"agent/{a}/{k}", a) for a in agents], full_scale(k)) for k in AGENT_CURVES]
+    training += agent_charts(metrics, agents)
     coach = [
         chart("coach verdicts by status", [series(metrics, f"coach/verdicts_{s}", s) for s in VERDICT_STATUSES]),
         chart("coach/failure_fraction", [series(metrics, "coach/failure_fraction", "failed verdicts")], [0, 1]),
@@ -115,39 +121,30 @@ def load_run(run_dir: str) -> dict:
         bias.append(chart(f"{a}: mean coach score per task type", per_type, [0, 10]))
     bias.append(chart("coach score gap between task types",
                       [series(metrics, f"coach_bias/{a}/type_gap", a) for a in agents]
-                      + [series(metrics, "coach_bias/max_type_gap", "max")]))  # fmt: skip
+                      + [series(metrics, "coach_bias/max_type_gap", "max")]))
     agreement = [series(metrics, "coach_bias/final_score_outcome_corr", "correlation")]
     for k in ("success", "failure"):
         agreement.append(series(metrics, f"coach_bias/final_score_on_{k}", f"mean score on {k}"))
     bias.append(chart("final agent's coach score vs outcome", agreement))
     evaluation = None
     if evals is not None:
-        datasets = list(dict.fromkeys(r.get("dataset", "?") for r in evals))
         evaluation = []
-        for d in datasets:
+        for d in dict.fromkeys(r.get("dataset", "?") for r in evals):
             rows = [r for r in evals if r.get("dataset", "?") == d]
-            names = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in EVAL_FIELDS and not k.startswith("agent/")]
+            names = [k for k in dict.fromkeys(k for r in rows for k in r)
+                     if k not in EVAL_FIELDS and not k.startswith("agent/")]
             size = f" ({rows[-1].get('n_problems', '?')} problems x {rows[-1].get('n_samples', '?')} samples)"
             evaluation.append(chart(d + size, [series(rows, k, k) for k in names]))
-            # Behaviour on the evaluation set: one chart per metric, a line per agent, as in training.
-            evaluation += [chart(f"{d}: agent/*/{k}", [series(rows, f"agent/{a}/{k}", a) for a in agents], full_scale(k))
-                           for k in AGENT_CURVES]
+            evaluation += agent_charts(rows, agents, f"{d}: ")  # behaviour on the evaluation set, as in training
 
-    steps = sorted({r["step"] for r in metrics})
     return {
-        "run_dir": os.path.abspath(run_dir),
-        "steps": steps,
-        "agents": agents,
-        "episodes_total": len(episodes),
-        "episodes": [episode_view(ep) for ep in episodes[-MAX_EPISODES:]],
+        "run_dir": os.path.abspath(run_dir), "steps": sorted({r["step"] for r in metrics}), "agents": agents,
+        "episodes_total": len(episodes), "episodes": [episode_view(ep) for ep in episodes[-MAX_EPISODES:]],
         "bias_warning_steps": [r["step"] for r in metrics if r.get("coach_bias/warning")],
         "template_switches": switches,
-        "sections": {
-            "training": [c for c in training if c],
-            "coach": [c for c in coach if c],
-            "bias": [c for c in bias if c],
-            "eval": None if evaluation is None else [c for c in evaluation if c],
-        },
+        "sections": {"training": [c for c in training if c], "coach": [c for c in coach if c],
+                     "bias": [c for c in bias if c],
+                     "eval": None if evaluation is None else [c for c in evaluation if c]},
     }
 
 
@@ -167,18 +164,14 @@ def combine(runs: list, labels: list) -> dict:
                 into["series"] += [dict(s, run=i) for s in c["series"]]
         sections[name] = list(merged.values())
     head = ("run_dir", "steps", "agents", "episodes_total", "bias_warning_steps", "template_switches")
-    return {
-        "runs": [dict({k: r[k] for k in head}, label=label) for r, label in zip(runs, labels)],
-        "episodes_total": sum(r["episodes_total"] for r in runs),
-        "episodes": [dict(ep, run=i) for i, r in enumerate(runs) for ep in r["episodes"]],
-        "sections": sections,
-    }
+    return {"runs": [dict({k: r[k] for k in head}, label=label) for r, label in zip(runs, labels)],
+            "episodes_total": sum(r["episodes_total"] for r in runs),
+            "episodes": [dict(ep, run=i) for i, r in enumerate(runs) for ep in r["episodes"]], "sections": sections}
 
 
 def render(data: dict) -> str:
-    # NaN/Infinity (e.g. in an outcome's metric) are not JSON: they become null. Every "<" is escaped so no
-    # agent text can close the script block ("</script>") or open a comment in it; ASCII-only JSON also
-    # carries a lone surrogate (an escape in a hand-edited JSONL file) that UTF-8 could not encode.
+    # NaN/Infinity are not JSON: they become null. Every "<" is escaped so no agent text can close the script
+    # block or open a comment in it; ASCII-only JSON also carries a lone surrogate that UTF-8 could not encode.
     data = json.loads(json.dumps(data), parse_constant=lambda _: None)
     payload = json.dumps(data).replace("<", "\\u003c")
     title = html.escape("MAPPA run " + " vs ".join(r["run_dir"] for r in data["runs"]))
@@ -190,7 +183,8 @@ def write_report(*run_dirs: str, out: str = None) -> str:
     """The report of one run (default: RUN_DIR/report.html) or of several overlaid (RUN_A/compare.html)."""
     # Each run is named by the shortest ending of its path that tells the runs apart (runs/a/run vs runs/b/run).
     parts = [os.path.abspath(d).split(os.sep) for d in run_dirs]
-    n = next((n for n in range(1, max(map(len, parts)) + 1) if len({"/".join(p[-n:]) for p in parts}) == len(parts)), 1)
+    n = next((n for n in range(1, max(map(len, parts)) + 1)
+              if len({"/".join(p[-n:]) for p in parts}) == len(parts)), 1)
     labels = ["/".join(p[-n:]) for p in parts]
     out = out or os.path.join(run_dirs[0], "report.html" if len(run_dirs) == 1 else "compare.html")
     page = render(combine([load_run(d) for d in run_dirs], labels))
@@ -238,18 +232,14 @@ const DASHES = [["solid", ""], ["dashed", "6 3"], ["dotted", "2 2"], ["dash-dott
 const fmt = v => (v == null ? "-" : String(+(+v).toPrecision(3)));
 
 // Data only ever becomes text (textContent) or an attribute value, never markup.
-function el(tag, attrs, text) {
-  const e = document.createElement(tag);
+function fill(e, attrs, text) {
   for (const k in attrs || {}) e.setAttribute(k, attrs[k]);
   if (text != null) e.textContent = text;
   return e;
 }
-function svg(parent, tag, attrs, text) {
-  const e = document.createElementNS("http://www.w3.org/2000/svg", tag);
-  for (const k in attrs) e.setAttribute(k, attrs[k]);
-  if (text != null) e.textContent = text;
-  return parent.appendChild(e);
-}
+const el = (tag, attrs, text) => fill(document.createElement(tag), attrs, text);
+const svg = (parent, tag, attrs, text) =>
+  parent.appendChild(fill(document.createElementNS("http://www.w3.org/2000/svg", tag), attrs, text));
 
 // Round tick values (1, 2 or 5 × 10^k apart, about n of them) from lo to hi. `outward`: the first and last
 // tick enclose [lo, hi] and become the axis ends; otherwise only ticks inside [lo, hi] (steps: integers).
@@ -292,7 +282,8 @@ function chart(c) {
     svg(s, "line", {x1: X(v), x2: X(v), y1: H - B, y2: H - B + 4, stroke: "#888"});
     svg(s, "text", {class: "tick x", x: X(v), y: H - B + 16, "text-anchor": "middle", "font-size": 11}, fmt(v));
   }
-  svg(s, "polyline", {class: "axis", points: `${L},${T} ${L},${H - B} ${W - R},${H - B}`, fill: "none", stroke: "#888"});
+  svg(s, "polyline", {class: "axis", points: `${L},${T} ${L},${H - B} ${W - R},${H - B}`, fill: "none",
+                      stroke: "#888"});
   svg(s, "text", {x: W - R, y: H - 4, "text-anchor": "end", "font-size": 11, fill: "#555"}, "step");
   for (const r of D.runs)
     for (const w of r.template_switches.filter(w => w.step >= x0 && w.step <= x1)) {
@@ -306,7 +297,8 @@ function chart(c) {
     const color = COLORS[names.indexOf(ser.name) % COLORS.length], dash = DASHES[ser.run % DASHES.length][1];
     const name = (many ? D.runs[ser.run].label + ": " : "") + ser.name;
     svg(s, "polyline", {class: "series", "data-series": ser.name, "data-run": ser.run, fill: "none", stroke: color,
-                        "stroke-width": 1.5, "stroke-dasharray": dash, points: ser.points.map(p => X(p[0]) + "," + Y(p[1])).join(" ")});
+                        "stroke-width": 1.5, "stroke-dasharray": dash,
+                        points: ser.points.map(p => X(p[0]) + "," + Y(p[1])).join(" ")});
     for (const p of ser.points) {
       const dot = svg(s, "circle", {cx: X(p[0]), cy: Y(p[1]), r: ser.points.length > 30 ? 1.5 : 2.5, fill: color});
       svg(dot, "title", {}, `${name}, step ${p[0]}: ${fmt(p[1])}`);
@@ -324,7 +316,8 @@ for (const r of D.runs) {
   const steps = r.steps.length ? `${r.steps.length} (${r.steps[0]} to ${r.steps[r.steps.length - 1]})` : "none";
   const box = document.getElementById("header").appendChild(el("div", {class: "run"}));
   if (D.runs.length > 1) box.append(el("b", {}, `${r.label} (${DASHES[D.runs.indexOf(r) % DASHES.length][0]} lines)`));
-  for (const [k, v] of [["run directory", r.run_dir], ["steps", steps], ["episodes", r.episodes_total], ["agents", r.agents.join(", ")]])
+  for (const [k, v] of [["run directory", r.run_dir], ["steps", steps], ["episodes", r.episodes_total],
+                        ["agents", r.agents.join(", ")]])
     box.append(el("div", {}, `${k}: ${v}`));
   if (r.template_switches.length)  // dashed lines on the charts
     box.append(el("div", {}, "coach criteria switches: " +
@@ -346,11 +339,12 @@ document.getElementById("episodes-note").textContent = embedded < D.episodes_tot
   ? `the last ${embedded} of ${D.episodes_total} episodes are embedded (episodes.jsonl has them all)`
   : `${D.episodes_total} episodes`;
 
-const runSel = document.getElementById("f-run"), stepSel = document.getElementById("f-step"), okSel = document.getElementById("f-ok");
+const [runSel, stepSel, okSel] = ["f-run", "f-step", "f-ok"].map(id => document.getElementById(id));
 const list = document.getElementById("episodes"), detail = document.getElementById("detail");
 D.runs.forEach((r, i) => runSel.append(el("option", {value: i}, r.label)));
 document.getElementById("f-run-box").hidden = D.runs.length < 2;
-for (const s of [...new Set(D.episodes.map(e => e.step))].sort((a, b) => a - b)) stepSel.append(el("option", {value: s}, "step " + s));
+for (const s of [...new Set(D.episodes.map(e => e.step))].sort((a, b) => a - b))
+  stepSel.append(el("option", {value: s}, "step " + s));
 
 function showList() {
   const shown = D.episodes.filter(e => (runSel.value === "" || String(e.run) === runSel.value)
@@ -388,7 +382,8 @@ function showEpisode(e, li) {
                 el("pre", {class: "rationale"}, v ? `${v.coach}: ${v.rationale}` : ""),
                 el("div", {}, "response:"), el("pre", {class: "response"}, a.response));
     if (f.exit_code != null || f.timed_out) {
-      const how = `tool: exit code ${f.exit_code}` + (f.timed_out ? ", timed out" : "") + (f.limit ? `, limit ${f.limit}` : "");
+      const how = `tool: exit code ${f.exit_code}` + (f.timed_out ? ", timed out" : "")
+                  + (f.limit ? `, limit ${f.limit}` : "");
       card.append(el("div", {}, how), el("pre", {class: "stdout"}, "stdout:\\n" + f.stdout),
                   el("pre", {class: "stderr"}, "stderr:\\n" + f.stderr));
     }

@@ -34,34 +34,18 @@ REWARD_MODES = ("process", "outcome")
 # What each --mappa.norm_scope does, decided here only: (R normalized within its prompt group first,
 # advantages whitened over the whole team's batches instead of each agent's).
 NORM_SCOPES = {"agent": (False, False), "global": (False, True), "group": (True, False)}
-
-
-
 FAILURE_POLICIES = ("skip", "outcome", "neutral")
 
 
-def assign_rewards(
-    episodes: list[Episode],
-    mode: str,
-    on_failure: str = "skip",
-    neutral_score: float = 5.0,
-    scale: float = 1.0,
-    train_truncated: bool = False,
-    standardize_task_type: bool = False,
-    norm_scope: str = "agent",
-    outcome_score: float = 10.0,
-) -> dict:
-    """Set `action.reward` for every action: s · the coach's score ("process") or s · the episode outcome
-    ("outcome": `outcome_score` if solved, else 0), s = `scale` (the topology's reward_scale); then, in "process" mode with `standardize_task_type`,
-    standardize_by_task_type, and for `norm_scope` "group", group_normalize.
+def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip", neutral_score: float = 5.0,
+                   scale: float = 1.0, train_truncated: bool = False, standardize_task_type: bool = False,
+                   norm_scope: str = "agent", outcome_score: float = 10.0) -> dict:
+    """Set every `action.reward` (R, module docstring), then standardize_by_task_type and group_normalize where
+    asked; returns how many actions train, and why the others do not or what they fell back on.
 
-    In "process" mode an action whose coach gave no valid score is handled by the named `on_failure`
-    policy: "skip" (default) leaves it out of training (reward None); "outcome" pays it the episode's
-    outcome, as the outcome baseline would; "neutral" pays it s · `neutral_score`, the authors' silent 5.0
-    made explicit. The verdict itself keeps its failed status and no score. In both modes an action cut
-    off at the token limit is left out (its score judges text that never ended) unless `train_truncated`, and
-    so is every action of an episode whose environment raised (Episode.env_error).
-    Returns how many actions train, and why the others do not or on what they fell back.
+    In process mode a failed verdict is left out ("skip"), paid the outcome, or paid s · neutral_score (the
+    authors' silent 5.0 made explicit); it keeps its failed status. A truncated action (its score judges text
+    that never ended; unless train_truncated) and every action of an episode whose environment raised are left out.
     """
     if mode not in REWARD_MODES:
         raise ValueError(f"unknown reward mode {mode!r}; expected one of {REWARD_MODES}")
@@ -75,7 +59,7 @@ def assign_rewards(
         outcome_R = scale * outcome_score * float(episode.success)
         for action in episode.actions:
             verdict = action.verdict
-            if episode.env_error:  # its environment raised (counted per episode): no outcome, feedback untrusted
+            if episode.env_error:  # counted per episode: no outcome, and its feedback is untrusted
                 action.reward = None
                 continue
             if action.truncated and not train_truncated:
@@ -102,23 +86,15 @@ def assign_rewards(
     per_prompt_R, _ = NORM_SCOPES[norm_scope]
     if per_prompt_R:
         group_normalize(episodes)
-    return {
-        "trainable": trainable,
-        "left_out": sum(left_out_by_status.values()),
-        "left_out_by_status": left_out_by_status,
-        "fallback": fallback,
-        "truncated_left_out": truncated_by_agent,
-    }
+    return {"trainable": trainable, "left_out": sum(left_out_by_status.values()),
+            "left_out_by_status": left_out_by_status, "fallback": fallback, "truncated_left_out": truncated_by_agent}
 
 
 def standardize_by_task_type(episodes: list[Episode]) -> None:
-    """Remove a coach's offset between task types, per agent k and task type τ (a bias mitigation):
+    """R' = μ_k + σ_k · (R − μ_kτ) / σ_kτ per agent k and task type τ, over the step's rewarded actions.
 
-        R' = μ_k + σ_k · (R − μ_kτ) / σ_kτ
-
-    μ/σ over the step's rewarded actions: the agent's overall mean and spread are kept, so β·KL keeps its
-    weight, but a task type the coach scores higher no longer pays more on average. A group with one
-    action or no spread gets μ_k (nothing to learn from within it).
+    Removes a coach's offset between task types while keeping each agent's mean and spread (so β·KL keeps its
+    weight); a group of one action or no spread gets μ_k.
     """
     groups = {}
     for ep in episodes:
@@ -137,13 +113,11 @@ def standardize_by_task_type(episodes: list[Episode]) -> None:
 
 
 def group_normalize(episodes: list[Episode], eps: float = 1e-9) -> None:
-    """R' = (R - mean_g(R)) / (std_g(R) + ε) per group g = (step, task, agent, turn): each action is judged
-    against the other samples of the same prompt. std with Bessel's correction and ε = 1e-9, as the authors'
-    and OpenRLHF's group_norm. A group of one (its std is undefined) or of equal rewards gets 0: nothing to
-    learn from a prompt every sample did equally well on.
+    """R' = (R - mean_g(R)) / (std_g(R) + ε) per group g = (step, task, agent, turn), Bessel's std, as the authors'
+    and OpenRLHF's group_norm; a group of one or of equal rewards gets 0.
 
-    The authors group by position instead (blocks of n_samples_per_prompt in each agent's list, sorted by
-    prompt), which mixes prompts as soon as an agent acts a varying number of times; the key here does not.
+    The authors group by position (blocks of n_samples_per_prompt per agent), which mixes prompts as soon as an
+    agent acts a varying number of times; this key does not.
     """
     groups = {}
     for ep in episodes:
@@ -157,28 +131,21 @@ def group_normalize(episodes: list[Episode], eps: float = 1e-9) -> None:
             a.reward = r
 
 
-def token_rewards(
-    reward_B: torch.Tensor, kl_BA: torch.Tensor, action_mask_BA: torch.Tensor, kl_coef: float
-) -> torch.Tensor:
-    """r_t = -β·KL_t on every action token, plus the action's reward R on its last token; 0 off the mask.
-
-    Unlike OpenRLHF's compute_reward, R is never clamped to reward.clip_range: coach scores (0-10)
-    and any sum of them must reach the returns unchanged, or a clip range tuned for reward-model
-    logits would silently flatten the signal.
-    """
+def token_rewards(reward_B: torch.Tensor, kl_BA: torch.Tensor, action_mask_BA: torch.Tensor,
+                  kl_coef: float) -> torch.Tensor:
+    """r_t = -β·KL_t on every action token, plus R on its last; 0 off the mask. Unlike OpenRLHF's compute_reward,
+    R is never clamped to reward.clip_range: a range tuned for reward-model logits would flatten coach scores."""
     mask_BA = action_mask_BA.bool()
     dtype = torch.promote_types(reward_B.dtype, torch.float32)
     r_BA = torch.zeros(mask_BA.shape, dtype=dtype, device=mask_BA.device)
     if kl_coef > 0:
         r_BA = r_BA - kl_coef * kl_BA.to(dtype)
-
-    # The last action token is the highest masked position: the EOS token, or for a truncated
-    # action the last token it generated. Rows with an empty mask get no reward at all.
+    # The last action token is the highest masked position (EOS, or a truncated action's last token); a row with
+    # an empty mask gets no reward.
     pos_A = torch.arange(mask_BA.size(1), device=mask_BA.device)
     last_B = torch.where(mask_BA, pos_A, -1).max(dim=1).values
     is_last_BA = pos_A == last_B.unsqueeze(1)
     r_BA = r_BA + is_last_BA * reward_B.to(dtype).unsqueeze(1)
-
     return torch.where(mask_BA, r_BA, 0.0)
 
 
@@ -191,12 +158,8 @@ def returns_to_go(r_BA: torch.Tensor, action_mask_BA: torch.Tensor) -> torch.Ten
 
 
 def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1e-8) -> list[torch.Tensor]:
-    """(x - mean) / std with mean and population variance over the masked tokens of ALL tensors together.
-
-    Tensors may differ in width (each agent's batch is padded to its own longest action). The
-    variance is clamped at eps, so constant values whiten to 0, and no masked token at all gives
-    zeros rather than 0/0.
-    """
+    """(x - mean) / std, mean and population variance over the masked tokens of all tensors together (of any
+    widths). The variance is clamped at eps: constant values, or no masked token, whiten to 0."""
     if not values:
         return []
     x_N = torch.cat([torch.where(m.bool(), x, 0.0).flatten().float() for x, m in zip(values, masks)])
@@ -209,14 +172,11 @@ def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1
 
 
 def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope: str = "agent") -> dict:
-    """Set `.returns` (G) and `.advantages` (whitened G) on every batch of every agent; returns, per agent, each
-    row's mean advantage over its action tokens (the value an action's record shows).
+    """Set `.returns` (G) and `.advantages` (whitened G) on every batch (`.rewards`, `.kl`, `.action_mask`, as
+    OpenRLHF's Experience); returns, per agent, each row's mean advantage over its action tokens.
 
-    Each batch needs `.rewards` (B,), `.kl` (B, A) and `.action_mask` (B, A), e.g. OpenRLHF's
-    Experience. scope "agent" normalizes each agent's batches together (the authors' code);
-    "global" normalizes all agents' batches together (the paper's wording); "group" whitens per agent too:
-    its rewards were already normalized per prompt by `group_normalize`, and the authors' group_norm
-    whitens the returns after that (upstream OpenRLHF's does not).
+    "agent" and "group" whiten each agent's batches together (the authors' code; "group" after group_normalize,
+    as the authors' group_norm, unlike upstream OpenRLHF's), "global" all agents' (the paper's wording).
     """
     if scope not in NORM_SCOPES:
         raise ValueError(f"unknown normalization scope {scope!r}; expected one of {tuple(NORM_SCOPES)}")
@@ -226,8 +186,7 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope:
             r_BA = token_rewards(b.rewards, b.kl, b.action_mask, kl_coef)
             b.returns = returns_to_go(r_BA, b.action_mask)
             if isinstance(getattr(b, "info", None), dict):
-                # With γ = 1, G at the first action token is the whole row's reward sum.
-                b.info["return"] = r_BA.sum(dim=1)
+                b.info["return"] = r_BA.sum(dim=1)  # with γ = 1: G at the first action token
 
     _, over_team = NORM_SCOPES[scope]
     groups = [sum(batches_by_agent.values(), [])] if over_team else list(batches_by_agent.values())

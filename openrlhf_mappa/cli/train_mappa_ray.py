@@ -1,14 +1,10 @@
 """Train a MAPPA team: `python -m openrlhf_mappa.cli.train_mappa_ray` with OpenRLHF's flags plus `--mappa.*`.
 
-OpenRLHF's own flags and validation live inline under `if __name__ == "__main__"` in
-`openrlhf.cli.train_ppo_ray`; instead of copying ~400 lines we run that block, minus its final
-`train(args)` call, with MAPPA's flags added to the same parser. So every OpenRLHF flag means here what
-it means there.
-
-Every input is checked before the heavy imports (torch, DeepSpeed, vLLM), before Ray starts and before anything
-is written, so a bad flag, topology, model, dataset or resume state is refused in about a second with its message
-alone (exit 1; argparse's own errors exit 2, printed first) and the run directory is left as it was.
-MAPPA_TRACEBACK=1 adds the traceback.
+OpenRLHF's flags and checks are train_ppo_ray's own main block, run minus its `train(args)` with MAPPA's flags
+added to the same parser (upstream_cli), so every OpenRLHF flag means here what it means there. Every input is
+checked before the heavy imports, before Ray starts and before anything is written: a bad one is refused with
+its message alone (exit 1; argparse's errors exit 2), the run directory left as it was. MAPPA_TRACEBACK=1 adds
+the traceback.
 """
 
 import argparse
@@ -29,10 +25,8 @@ OPENRLHF_FITS = ("0.11.2",)
 
 
 def ranged(kind=int, low=None, high=None, *, above: bool = False, hint: str = ""):
-    """An argparse type: a `kind` number in [low, high] (above: > low); None leaves that end open, and NaN or an
-    infinity is never in range. A value out of range is refused as it is parsed, naming the flag, the value and
-    the range: a 0 or a negative count otherwise fails an hour into a run, or quietly means something else
-    (aiohttp takes a timeout <= 0 as none at all)."""
+    """An argparse type: a finite `kind` number in [low, high] (above: > low; None: open). Refused as parsed: a 0
+    or negative count otherwise fails an hour into a run, or quietly means something else (aiohttp: no timeout)."""
     noun = "an integer" if kind is int else "a number"
     if low is not None and high is not None:
         span = f"in {'(' if above else '['}{low:g}, {high:g}]"
@@ -61,9 +55,8 @@ GPU_GIB = ranged(float, 0, 1024, above=True, hint=" (GiB; nvidia-smi shows MiB: 
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse prints its whole usage before an error: 189 lines for the launcher, so the first line a user saw
-    was `usage: ...`, not what went wrong. Here the error comes first and alone, an unknown flag with the nearest
-    known ones, then where the flags are listed."""
+    """An argparse error alone, not under the whole usage (which buries it): an unknown flag with the nearest
+    known one, then where the flags are listed."""
 
     help_command = None  # how to list the flags (default: `<prog> --help`)
 
@@ -77,8 +70,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_mappa_args(parser):
-    """MAPPA's flags, in one --help group: the team and its training, the coach (--mappa.coach.*), then the GPUs
-    and the start-up."""
+    """MAPPA's flags, in one --help group: the team and its training, the coach, then the GPUs and the start-up."""
     g = parser.add_argument_group("MAPPA")
     add_training_args(g)
     add_coach_args(g)
@@ -207,9 +199,8 @@ def add_launch_args(g):
 
 @contextlib.contextmanager
 def refusals(prefix: str = "[mappa]"):
-    """Bad input found before Ray starts (or before a `mappa` tool's heavy imports) ends the run with its message
-    alone: the loaders' ValueError and OSError and upstream's assertions say what to fix, and a traceback in
-    front of them only hides that. MAPPA_TRACEBACK=1 shows it."""
+    """Bad input found before Ray starts (or a `mappa` tool's heavy imports) ends the run with its message alone:
+    the loaders' errors and upstream's assertions say what to fix, a traceback only hides it (MAPPA_TRACEBACK=1)."""
     try:
         yield
     except (ValueError, OSError, AssertionError) as e:
@@ -218,11 +209,9 @@ def refusals(prefix: str = "[mappa]"):
         raise SystemExit(f"{prefix} {e or type(e).__name__}") from None
 
 
-# ---------------------------------------------------------------- OpenRLHF's flags, honoured or refused
-# Every flag of train_ppo_ray's parser: "honoured" (it does in MAPPA what it does in OpenRLHF: MAPPA passes it
-# on, or OpenRLHF's actor, strategy or engine classes that MAPPA builds read it) or "refused: why". A refused
-# flag set to anything but its default stops the launch before Ray starts, instead of being silently ignored.
-# tests/test_launch.py fails when upstream's parser has a flag this table does not name (an openrlhf upgrade).
+# Every flag of train_ppo_ray's parser is "honoured" (it does in MAPPA what it does in OpenRLHF) or "refused: why":
+# a refused flag off its default stops the launch instead of being silently ignored. tests/test_launch.py fails on
+# an upstream flag this table does not name (an openrlhf upgrade).
 HONOURED = """
     actor.num_nodes actor.num_gpus_per_node ref.num_nodes ref.num_gpus_per_node ref.offload
     vllm.num_engines vllm.tensor_parallel_size vllm.sync_backend vllm.enable_prefix_caching vllm.enforce_eager
@@ -261,60 +250,55 @@ IS_CORRECTION = "MAPPA's experiences carry no rollout log-probs, which the corre
 KL_IN_REWARD = "MAPPA puts KL in the reward (r_t = score - beta * KL); KL as a loss is not supported"
 TEXT_ONLY = "MAPPA's agents are text-only"
 REFUSED = {
-    "reward.num_nodes": NO_REWARD_MODEL, "reward.num_gpus_per_node": NO_REWARD_MODEL, "reward.offload": NO_REWARD_MODEL,
-    "reward.model_name_or_path": NO_REWARD_MODEL, "reward.remote_url": NO_REWARD_MODEL,
-    "reward.normalize_enable": NO_REWARD_MODEL, "ds.value_head_prefix": NO_REWARD_MODEL + ", and no critic",
+    **dict.fromkeys(("reward." + k for k in "num_nodes num_gpus_per_node offload model_name_or_path remote_url "
+                     "normalize_enable".split()), NO_REWARD_MODEL),
+    "ds.value_head_prefix": NO_REWARD_MODEL + ", and no critic",
     "reward.clip_range": "coach scores are never clamped (rewards.token_rewards)",
     "reward.overlong_buffer_len": "OpenRLHF's length penalties are not applied: MAPPA leaves actions cut off at the "
                                   "token limit out of training instead (--mappa.train_truncated)",
     "reward.overlong_penalty_factor": "applies only with --reward.overlong_buffer_len, which MAPPA refuses",
     "reward.stop_properly_penalty_coef": "OpenRLHF's length penalties are not applied (see --mappa.train_truncated)",
-    "critic.num_nodes": NO_CRITIC, "critic.num_gpus_per_node": NO_CRITIC, "critic.model_name_or_path": NO_CRITIC,
-    "critic.value_clip": NO_CRITIC, "critic.freezing_steps": NO_CRITIC, "critic.save_value_network": NO_CRITIC,
-    "critic.optim": NO_CRITIC, "critic.muon.lr": NO_CRITIC, "critic.muon.momentum": NO_CRITIC,
-    "critic.muon.ns_steps": NO_CRITIC, "critic.muon.nesterov": NO_CRITIC, "critic.muon.no_nesterov": NO_CRITIC,
-    "critic.adam.lr": NO_CRITIC, "critic.adam.betas": NO_CRITIC, "critic.adam.eps": NO_CRITIC,
-    "critic.adam.weight_decay": NO_CRITIC, "critic.lr_scheduler": NO_CRITIC, "critic.lr_warmup_ratio": NO_CRITIC,
-    "critic.min_lr_ratio": NO_CRITIC, "critic.max_norm": NO_CRITIC,
+    **dict.fromkeys(("critic." + k for k in "num_nodes num_gpus_per_node model_name_or_path value_clip freezing_steps "
+                     "save_value_network optim muon.lr muon.momentum muon.ns_steps muon.nesterov muon.no_nesterov "
+                     "adam.lr adam.betas adam.eps adam.weight_decay lr_scheduler lr_warmup_ratio min_lr_ratio "
+                     "max_norm".split()), NO_CRITIC),
     "train.colocate_actor_ref": "MAPPA colocates an agent's actor, reference and engines together (--mappa.colocate "
                                 "agent) or not at all; the actor and reference alone are not placed together",
     "train.colocate_critic_reward": NO_CRITIC + "; " + NO_REWARD_MODEL,
     "vllm.sync_with_ray": "every agent's Ray collective sync group would be named 'openrlhf', so agents' weight "
                           "syncs would collide; use --vllm.sync_backend",
-    "train.async_enable": SYNCHRONOUS, "train.async_queue_size": SYNCHRONOUS,
-    "train.partial_rollout_enable": SYNCHRONOUS,
+    **dict.fromkeys(("train.async_enable", "train.async_queue_size", "train.partial_rollout_enable"), SYNCHRONOUS),
     "rollout.vllm_generate_batch_size": "MAPPA submits every episode of a step to the engines at once",
     "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
     "algo.advantage.gamma": "MAPPA's returns are undiscounted (gamma = 1, rewards.returns_to_go), as in the paper",
     "algo.advantage.lambd": "GAE's lambda: " + NO_CRITIC,
     "algo.advantage.no_std_norm": "MAPPA whitens advantages by mean and std (rewards.whiten) over --mappa.norm_scope",
-    "algo.advantage.is_correction_level": IS_CORRECTION, "algo.advantage.is_correction_mode": IS_CORRECTION,
-    "algo.advantage.is_correction_gating": IS_CORRECTION, "algo.advantage.is_correction_threshold": IS_CORRECTION,
-    "algo.kl.use_loss": KL_IN_REWARD, "algo.kl.unbiased_gradient": KL_IN_REWARD,
+    **dict.fromkeys(("algo.advantage.is_correction_" + k for k in ("level", "mode", "gating", "threshold")),
+                    IS_CORRECTION),
+    **dict.fromkeys(("algo.kl.use_loss", "algo.kl.unbiased_gradient"), KL_IN_REWARD),
     "algo.kl.target": "MAPPA keeps the KL coefficient fixed at --algo.kl.init_coef (no adaptive KL controller)",
     "algo.kl.horizon": "applies only with --algo.kl.target (adaptive KL), which MAPPA refuses",
     "algo.dynamic_filtering_enable": "MAPPA trains on every scored action; filtering prompt groups by reward is not "
                                      "wired in",
     "algo.dynamic_filtering_range": "applies only with --algo.dynamic_filtering_enable, which MAPPA refuses",
-    "train.dynamic_batch_enable": DYNAMIC_BATCH, "rollout.max_tokens_per_gpu": DYNAMIC_BATCH,
-    "train.max_tokens_per_gpu": DYNAMIC_BATCH,
-    "ds.ring_attn_size": NO_DUPLICATE, "ds.ring_attn_head_stride": NO_DUPLICATE,
-    "ds.tensor_parallel_size": NO_DUPLICATE,
-    "ds.lora.rank": LORA, "ds.lora.alpha": LORA, "ds.lora.target_modules": LORA, "ds.lora.dropout": LORA,
+    **dict.fromkeys(("train.dynamic_batch_enable", "rollout.max_tokens_per_gpu", "train.max_tokens_per_gpu"),
+                    DYNAMIC_BATCH),
+    **dict.fromkeys(("ds.ring_attn_size", "ds.ring_attn_head_stride", "ds.tensor_parallel_size"), NO_DUPLICATE),
+    **dict.fromkeys(("ds.lora." + k for k in ("rank", "alpha", "target_modules", "dropout")), LORA),
     "ds.load_in_4bit": "4-bit (QLoRA) base weights are not built for LoRA agents",
     "actor.model_name_or_path": "each agent's model comes from the topology (or --mappa.model)",
     "train.agent_func_path": "the topology's environment drives each episode (--mappa.topology)",
-    "data.prompt_probs": OWN_TASKS, "data.prompt_split": OWN_TASKS, "eval.split": OWN_TASKS,
-    "data.input_key": OWN_TASKS, "data.label_key": OWN_TASKS, "data.dataloader_num_workers": OWN_TASKS,
+    **dict.fromkeys(("data.prompt_probs", "data.prompt_split", "eval.split", "data.input_key", "data.label_key",
+                     "data.dataloader_num_workers"), OWN_TASKS),
     "data.input_template": OWN_PROMPTS,
     "data.disable_fast_tokenizer": "MAPPA's rollout tokenizes with each model's default (fast) tokenizer",
-    "data.image_key": TEXT_ONLY, "data.max_images_per_prompt": TEXT_ONLY, "actor.freeze_visual_encoder": TEXT_ONLY,
+    **dict.fromkeys(("data.image_key", "data.max_images_per_prompt", "actor.freeze_visual_encoder"), TEXT_ONLY),
     "logger.logging_steps": "MAPPA logs every step (metrics.jsonl and the loggers)",
     "ckpt.best_metric_key": "only OpenRLHF's own trainer keeps a best checkpoint; MAPPA's evaluations go to eval.jsonl",
     "local_rank": "DeepSpeed's launcher sets it; under Ray each actor's rank comes from Ray",
     "use_ms": "ModelScope would patch the driver only; MAPPA's actors and engines load from the Hugging Face hub "
               "or local directories",
-}  # fmt: skip
+}
 UPSTREAM_FLAGS = {**dict.fromkeys(HONOURED, "honoured"), **{k: f"refused: {why}" for k, why in REFUSED.items()}}
 # The range of each honoured OpenRLHF number, given to its parser (parse_args), which takes any int or float: a 0
 # there divides by zero in upstream's own checks (--rollout.micro_batch_size), or the run trains nothing.
@@ -330,12 +314,12 @@ UPSTREAM_RANGES = {
     "algo.kl.init_coef": NONNEGATIVE, "actor.adam.lr": NONNEGATIVE, "actor.adam.eps": POSITIVE,
     "actor.adam.weight_decay": NONNEGATIVE, "actor.eps_clip": POSITIVE, "actor.max_norm": NONNEGATIVE,
     "actor.lr_warmup_ratio": FRACTION, "actor.min_lr_ratio": FRACTION, "train.ema_beta": FRACTION,
-}  # fmt: skip
+}
 
 
 def refuse_ignored_flags(parser, raw) -> None:
-    """Stop when a flag the table refuses was given a value other than its default. `raw` is the parsed
-    namespace before upstream's checks, which change some values (e.g. --vllm.enable_sleep back to False)."""
+    """Stop when a refused flag has a value other than its default. `raw`: the namespace before upstream's
+    checks, which change some values (e.g. --vllm.enable_sleep back to False)."""
     plain = lambda v: list(v) if isinstance(v, tuple) else v  # nargs flags: a list given, a tuple as default
     refused = {}  # dest -> message (--x.nesterov and --x.no_nesterov share one)
     for action in parser._actions:
@@ -362,11 +346,9 @@ UPSTREAM_TRAIN = "train(args)"  # where the checks end
 def upstream_cli():
     """OpenRLHF's (get_parser, validate) of train_ppo_ray, and its hierarchize; none loads torch or Ray.
 
-    Imported where train_ppo_ray has them (patches/openrlhf_train_ppo_ray_get_parser.patch, an upstream
-    candidate). openrlhf 0.11.2 keeps both inline under `if __name__ == "__main__"`: then the block is read
-    from the source file and split at its parse_args() into the two: importing the module would load torch,
-    DeepSpeed and vLLM, 10-40 s before a typo could be reported. So the block may take only standard-library
-    names from its module; `hierarchize` comes from its own file."""
+    Imported where train_ppo_ray has them (patches/openrlhf_train_ppo_ray_get_parser.patch); openrlhf 0.11.2
+    keeps them inline under `__main__`, so that block is read from the source and split at its parse_args():
+    importing the module would load torch, DeepSpeed and vLLM. The block may use only standard-library names."""
     installed = importlib.metadata.version("openrlhf")
     if installed not in OPENRLHF_FITS:
         raise SystemExit(f"[mappa] openrlhf_mappa's CLI reads openrlhf {', '.join(OPENRLHF_FITS)}'s train_ppo_ray; "
@@ -425,9 +407,8 @@ def upstream_cli():
 
 
 def parse_args(argv=None, prog: str = "train_mappa_ray"):
-    """OpenRLHF's flags and checks (upstream_cli) with MAPPA's flags added, every number range-checked as it is
-    parsed (UPSTREAM_RANGES); the flag table checked on the parsed values before upstream's checks change any
-    of them. `prog`: the command named in an argparse error."""
+    """OpenRLHF's flags and checks (upstream_cli) with MAPPA's, numbers range-checked as parsed (UPSTREAM_RANGES)
+    and refused flags before upstream's checks change any value. `prog`: the command an argparse error names."""
     get_parser, validate_upstream, hierarchize = upstream_cli()
     parser = get_parser()
     add_mappa_args(parser)
@@ -453,8 +434,7 @@ def parse_args(argv=None, prog: str = "train_mappa_ray"):
 
 
 def load_file_module(name, path):
-    """A module executed from its file, without importing the package around it (whose __init__ may load
-    DeepSpeed)."""
+    """A module executed from its file, without its package (whose __init__ may load DeepSpeed)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -466,10 +446,10 @@ def validate(args, topology):
         raise SystemExit("MAPPA generates with vLLM: set --vllm.num_engines (per agent; a topology may override it)")
     if not args.data.prompt_dataset:
         raise SystemExit("--data.prompt_dataset: the task file (JSON list or JSONL with prompt/answer) is required")
-    # Each agent's train batch is split over its data-parallel ranks, in --rollout.micro_batch_size pieces
-    # (experiences) and --train.micro_batch_size pieces (DeepSpeed's gradient accumulation). A topology may
-    # give an agent its own GPU count; under --mappa.shared_policy only the first agent trains (trainee_specs).
-    for spec in topology.agents[:1] if args.mappa.shared_policy else topology.agents:
+    trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents  # as placement.trainee_specs
+    # Each agent's train batch is split over its data-parallel ranks (a topology may give an agent its own GPU
+    # count) in micro-batches.
+    for spec in trainees:
         ranks = args.actor.num_nodes * (spec.num_gpus_per_node or args.actor.num_gpus_per_node)
         for flag, micro in (("train.micro_batch_size", args.train.micro_batch_size),
                             ("rollout.micro_batch_size", args.rollout.micro_batch_size)):
@@ -490,10 +470,10 @@ def validate(args, topology):
                      else "--rollout.max_new_tokens")
             raise SystemExit(f"{where} ({limit}) must be below --data.max_len ({args.data.max_len}), which holds the "
                              f"prompt and the reply together: no prompt would fit, and every action would be skipped")
-    # The batch rule (trainer.batch_rule) trains whole --train.batch_size batches: an agent that cannot take that many
-    # actions in a step would never train. Under --mappa.shared_policy the first agent trains on every role's actions.
+    # A step trains whole --train.batch_size batches (trainer.batch_rule): an agent with fewer actions a step would
+    # never train. Under --mappa.shared_policy the one trainee trains on every role's actions.
     per_episode = lambda n: min(n, topology.max_episode_actions or n)
-    for spec in topology.agents[:1] if args.mappa.shared_policy else topology.agents:
+    for spec in trainees:
         most = args.rollout.batch_size * args.rollout.n_samples_per_prompt * per_episode(
             sum(a.max_actions for a in topology.agents) if args.mappa.shared_policy else spec.max_actions)
         if most < args.train.batch_size:
@@ -524,8 +504,8 @@ def validate(args, topology):
 
 def check_this_machine(args) -> None:
     """What the flags need of the machines the run starts on, not of the plan (`mappa plan` may run elsewhere)."""
-    # Without flash-attn (optional: README, GPU usage) OpenRLHF still imports (patches/flash_attn_stub.py), but its
-    # kernels are what flash attention and sample packing run on: refused here, not in every actor minutes later.
+    # OpenRLHF imports without flash-attn (patches/flash_attn_stub.py), but flash attention and packing need its
+    # kernels: refused here, not in every actor minutes later.
     attention = args.ds.attn_implementation
     kernel = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(attention)
     if args.ds.packing_samples:
@@ -538,18 +518,16 @@ def check_this_machine(args) -> None:
     from openrlhf_mappa.compat import cpu_mode
 
     if args.mappa.colocate != "none" and args.vllm.sync_backend == "gloo" and not cpu_mode():
-        # OpenRLHF passes a colocated actor's weights by CUDA IPC only with nccl; with gloo it builds a PyNccl group
-        # between an actor rank and the engine on the same GPU, which NCCL refuses (ppo_actor.py, distributed_util.py).
+        # With gloo, OpenRLHF builds a PyNccl group between an actor rank and the engine on its own GPU, which NCCL
+        # refuses (ppo_actor.py, distributed_util.py); nccl passes a colocated actor's weights by CUDA IPC.
         raise SystemExit(f"--vllm.sync_backend gloo with --mappa.colocate {args.mappa.colocate} cannot sync weights "
                          f"on GPUs: drop --vllm.sync_backend gloo (nccl, the default, passes them by CUDA IPC); gloo "
                          f"is for CPU-only machines")
 
 
 def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:
-    """`max_samples` tasks drawn at random with `seed`, in file order; all of them if there are no more.
-
-    The first N rows would be a biased subset (AIME_1983_2024's first 512 are 1983-2010). numpy's legacy
-    RandomState, sorted, is the authors' `random_sample_train`: same file and seed, same problems as theirs."""
+    """`max_samples` tasks drawn at random with `seed`, in file order (all if there are no more). The first N rows
+    would be biased (by year, in AIME); numpy's legacy RandomState, sorted, is the authors' random_sample_train."""
     import numpy as np
 
     if len(tasks) <= max_samples:
@@ -560,10 +538,9 @@ def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:
 
 @contextlib.contextmanager
 def output_to(log_path: str):
-    """Send this process's stdout and stderr to `log_path`, at the file-descriptor level, so Ray's, vLLM's and
-    DeepSpeed's output goes there too (their log handlers hold the original streams, and Ray forwards its
-    workers' output through sys.stdout/sys.stderr); console.console keeps the terminal for the run's own
-    output. On the way out the terminal is restored first, so an error that ends the run is shown there."""
+    """This process's stdout and stderr into `log_path` at the file-descriptor level, where Ray's, vLLM's and
+    DeepSpeed's output goes too (their handlers hold the original streams); console.console keeps the terminal.
+    The terminal is restored first on the way out, so an error that ends the run is shown there."""
     from openrlhf_mappa.console import console
 
     sys.stdout.flush()
@@ -600,8 +577,8 @@ def coach_cache_path(args):
 
 
 def check_team(args):
-    """The topology, the flags against it, every agent's model (a hub id resolved on the hub) and LoRA settings, and
-    the plan where the cluster is given: the team's part of the checks before Ray (train, `mappa doctor`)."""
+    """The team's checks before Ray (train, `mappa doctor`): the topology, the flags against it, every agent's
+    model and LoRA settings, and the plan where the cluster is given."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.topology import check_lora, check_model, load_topology
 
@@ -624,8 +601,7 @@ def train(args):
     from openrlhf_mappa.envs.base import load_tasks
     from openrlhf_mappa.evaluation import load_eval_sets
 
-    # Every check, before the heavy imports, before Ray and before anything is written: a refused launch leaves
-    # the run directory and the checkpoints exactly as they were.
+    # Every check comes first: a refused launch leaves the run directory and the checkpoints as they were.
     c = args.mappa.coach
     with refusals():
         topology = check_team(args)
@@ -634,14 +610,12 @@ def train(args):
         if len(tasks) < args.rollout.batch_size:
             raise SystemExit(f"{args.data.prompt_dataset}: {len(tasks)} tasks, fewer than --rollout.batch_size "
                              f"{args.rollout.batch_size}")
-        # --eval.dataset: comma-separated task files, each evaluated before training, every --eval.steps and at the end.
         eval_sets = load_eval_sets([p for p in (args.eval.dataset or "").split(",") if p])
         topology.check_env(tasks + [t for ts in eval_sets.values() for t in ts], args.mappa.topology)
         for flag, path in (("--mappa.run_dir", args.mappa.run_dir), ("--ckpt.path", args.ckpt.path)):
             if os.path.exists(path) and not os.path.isdir(path):
                 raise ValueError(f"{flag} {path}: exists and is not a directory")
-        # The chosen ids go into the run directory; a resumed run must train on the same tasks, or the steps after
-        # its checkpoint would quietly continue on another data set (resume.check_resume).
+        # A resumed run must train on the same tasks (resume.check_resume), so the chosen ids go into the run dir.
         chosen = {"source": os.path.abspath(args.data.prompt_dataset), "seed": args.train.seed, "total": len(all_tasks),
                   "max_samples": args.data.max_samples, "ids": [t["id"] for t in tasks]}
         start, resume_fixes = resume.check_resume(args, topology, chosen["ids"])
@@ -654,8 +628,8 @@ def train(args):
                              format_retries=c.format_retries, max_tokens=c.max_tokens, score_key=topology.score_key,
                              review_template=topology.review_template)
         check_this_machine(args)
-        # An unreachable coach or a rejected key would otherwise surface only after the first rollout. Asked by a
-        # coach of its own: the run's coach opens its verdict cache, which writes.
+        # An unreachable coach or a rejected key, found now rather than after the first rollout, by a coach of its
+        # own: the run's opens its verdict cache, which writes.
         probe = build_coach(c.kind, cache_path=None, **coach_options)
         if args.mappa.reward == "process" or c.score_outcome_runs:
             asyncio.run(probe.probe())
@@ -670,16 +644,15 @@ def train(args):
         print("[mappa] coach mode both: an action's score is the mean of its per-action and hindsight scores; the "
               "one that exists when the other failed (counted as coach/both_one_source); none when both failed")
 
-    if not args.mappa.verbose:
-        # Ray holds its workers' repeated lines back and prints them when it shuts down, after the terminal is
-        # restored (see output_to); a log file needs no deduplication. Read when Ray is first imported: here.
-        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    from openrlhf_mappa.console import run_summary
-
     log = os.path.join(args.mappa.run_dir, "train.log")
     if not args.mappa.verbose:
+        # Ray's deduplication prints held-back lines at shutdown, after the terminal is restored (output_to); a log
+        # file needs none. Read when Ray is first imported (launch).
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         print(f"[mappa] Ray's, vLLM's and DeepSpeed's output goes to {os.path.abspath(log)} (--mappa.verbose: here)",
               flush=True)
+    from openrlhf_mappa.console import run_summary
+
     with contextlib.nullcontext() if args.mappa.verbose else output_to(log):
         agents = launch(args, topology, coach, tasks, eval_sets, start)
     for line in run_summary(args.mappa.run_dir):
@@ -699,13 +672,9 @@ def train(args):
 
 
 def schedule_steps(args, topology, num_tasks: int) -> dict:
-    """Each agent's learning-rate schedule length (agent name -> optimizer steps), by --mappa.lr_horizon.
-
-    authors: num_episodes x (num_tasks x n_samples_per_prompt // train batch x max_epochs) for every agent, as
-    the authors' base_controller.py (its warm-up and cosine end follow from it). An agent taking more
-    optimizer steps than that runs past the schedule's end, where transformers' cosine rises again.
-    max_actions: the most optimizer steps the agent can take, its max_actions actions per episode (under
-    --mappa.shared_policy the one policy trains every role's), as OpenRLHF's trainer counts them."""
+    """Each agent's learning-rate schedule length in optimizer steps, by --mappa.lr_horizon: "authors" as their
+    base_controller.py (an agent taking more steps runs past its end, where transformers' cosine rises again);
+    "max_actions" the most steps the agent can take (under --mappa.shared_policy, every role's actions)."""
     episodes, epochs, batch, samples = (args.train.num_episodes, args.train.max_epochs, args.train.batch_size,
                                         args.rollout.n_samples_per_prompt)
     if args.mappa.lr_horizon == "authors":
