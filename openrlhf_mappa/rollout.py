@@ -1,15 +1,11 @@
 """Run many episodes at once over the agents' vLLM engines, the environment and the coach.
 
-Each agent's actions are generated on that agent's own engines, from messages rendered with that
-agent's own chat template. A prompt longer than max_len - max_new_tokens loses its oldest history entries
-(`env.observe(..., omit=k)`), never its system message, prompt or task; when those alone are too long the
-action is not taken and is recorded in `Episode.skipped_actions`. Who acts when is the environment's choice
-(`MultiAgentEnv.next_agents`, by default the topology's chain); the agents of one round generate concurrently,
-and an episode that asks for more than the topology's action limits ends as a counted failure
-(`Episode.action_limit`). The coach request for an action is
-submitted as soon as the action's tool feedback exists and awaited only when the episode is complete, so
-coach latency overlaps with the next agents' generation and with other episodes. In hindsight mode
-(`coach_mode`, see coach.judge_episode) there is none: one review of the whole episode follows its outcome.
+Each agent generates on its own engines, from messages rendered with its own chat template; the environment
+chooses who acts when (`MultiAgentEnv.next_agents`), and the agents of one round generate concurrently. A
+prompt too long for max_len - max_new_tokens loses its oldest history entries (`env.observe(..., omit=k)`), or
+is skipped when its fixed part alone is too long (`Episode.skipped_actions`). An action's coach request is
+submitted as soon as its tool feedback exists and awaited when the episode is complete, so coach latency
+overlaps with generation; in hindsight mode (coach.judge_episode) one review follows the episode's outcome.
 """
 
 import asyncio
@@ -46,10 +42,9 @@ class AgentPolicy:
         return text, ids, len(ids) > self.max_len - self.max_new_tokens
 
     def shorten(self, observe, entries: int) -> tuple:
-        """For a prompt too long in full: (text, ids, too_long, k) of observe(k), the prompt with the fewest
-        oldest history entries k left out that fits. When even k = entries (every entry out: the system
-        message, the prompt and the task alone) is too long, that prompt, too_long True. Binary search over
-        k, at most 1 + ceil(log2(entries)) tokenizations: a DSBench agent may see a dozen long entries."""
+        """For a prompt too long in full: (text, ids, too_long, k) of observe(k) for the fewest oldest history
+        entries k left out that fits; when even k = entries is too long, that prompt, too_long True. A binary
+        search over k: at most 1 + ceil(log2(entries)) tokenizations."""
         best = self.prompt_ids(observe(entries))
         if best[2]:
             return (*best, entries)
@@ -78,7 +73,7 @@ class EnvFailed(Exception):
 
 def env_call(env_name: str, what: str, fn, *args, **kwargs):
     """fn(*args) on the environment's behalf; what it raises comes back as EnvFailed, naming the env's method and
-    the line in the env's own code (the deepest frame outside Python's standard library)."""
+    the line in the env's own code (the deepest frame outside the standard library)."""
     try:
         return fn(*args, **kwargs)
     except Exception as e:
@@ -92,10 +87,9 @@ def env_call(env_name: str, what: str, fn, *args, **kwargs):
 
 async def run_episode(topology, task: dict, policies: dict, coach: Coach, workspace: str, step: int,
                       coach_bias: str = None, coach_mode: str = "per_action") -> Episode:
-    """One episode. An exception raised by its environment (building it, or in any of its methods) ends this
-    episode only: `Episode.env_error` says what and where, its outcome is a failure, its actions (kept in the
-    record with the verdicts already asked for) train nothing, and the trainer stops the run when too many of a
-    step's episodes fail so (--mappa.env.max_failure_fraction). Generation and coach errors are not contained."""
+    """One episode. An exception raised by its environment ends this episode only: `Episode.env_error` says what
+    and where, the outcome is a failure and its actions train nothing (the trainer stops the run when too many
+    do: --mappa.env.max_failure_fraction). Generation and coach errors are not contained."""
     episode_id = f"s{step}-{task.get('id', '')}-{uuid.uuid4().hex[:8]}"
     os.makedirs(workspace, exist_ok=True)
     episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=task.get("type", ""), step=step)
@@ -130,8 +124,8 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
 
 async def play(topology, env, call, policies: dict, episode: Episode, coach_bias: str = None):
     """The agents act, round by round as env.next_agents says, until it names no agent or a round would pass a
-    limit (`episode.action_limit`). Each action (or skipped action) is recorded in `episode`; each action's coach
-    request is yielded as soon as its tool feedback exists, so that the caller can submit it at once."""
+    limit (`episode.action_limit`). Actions are recorded in `episode`; each one's coach request is yielded as
+    soon as its tool feedback exists, so that the caller can submit it at once."""
     # An env whose own observe() takes no `omit` cannot leave history out: its over-long prompts are skipped.
     can_omit = "omit" in inspect.signature(env.observe).parameters
     limit = topology.max_episode_actions or sum(a.max_actions for a in topology.agents)
@@ -145,8 +139,8 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
         if over:  # a workflow that would go on forever (or past its budget) ends here, as a counted failure
             episode.action_limit = "; ".join(over)
             return
-        # Every agent of the round sees the history as it stands before the round, so their generations are
-        # independent and run concurrently; their steps then run in the order next_agents gave.
+        # The round's agents all see the history as it was before the round: they generate concurrently, and
+        # step in the order next_agents gave.
         prompts = [fit_prompt(env, call, policies[spec.name], spec, turns[spec.name], can_omit) for spec in agents]
         generations = (policies[spec.name].generate(p[1]) for spec, p in zip(agents, prompts) if not p[2])
         generated = iter(await asyncio.gather(*generations))
@@ -166,33 +160,20 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
             response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
             result = last[spec.name] = await asyncio.to_thread(call, "step", env.step, spec, turn, response_text)
             action = Action(
-                episode_id=episode.episode_id,
-                agent=spec.name,
-                turn=turn,
-                round=round_,
-                position=len(episode.actions),
-                prompt_ids=prompt_ids,
-                response_ids=response_ids,
-                prompt_text=prompt_text,
-                response_text=response_text,
-                truncated=truncated,
+                episode_id=episode.episode_id, agent=spec.name, turn=turn, round=round_,
+                position=len(episode.actions), prompt_ids=prompt_ids, response_ids=response_ids,
+                prompt_text=prompt_text, response_text=response_text, truncated=truncated,
                 formatted=call("answer_formatted", env.answer_formatted, spec, response_text),
-                prompt_truncated=omitted > 0,
-                feedback=result.feedback,
+                prompt_truncated=omitted > 0, feedback=result.feedback,
             )
+            # coach_bias is kept with the action only when shown, so that re-scoring sends the prompt it saw.
             action.coach_request = dict(
-                role=spec.role,
-                task=call("task_text", getattr, env, "task_text"),
-                task_type=episode.task_type,
+                role=spec.role, task=call("task_text", getattr, env, "task_text"), task_type=episode.task_type,
                 feedback=result.feedback.as_text(),
                 ground_truth=call("coach_ground_truth", env.coach_ground_truth, spec),
-                is_final_agent=spec is topology.agents[-1],
-                runs_code=spec.runs_code,
-                truncated_at=policy.max_new_tokens if truncated else None,
-                round=action.round,
-                position=action.position,
-                # Kept with the action only when shown, so that re-scoring sends the prompt this coach saw.
-                **({"coach_bias": coach_bias} if coach_bias is not None else {}),
+                is_final_agent=spec is topology.agents[-1], runs_code=spec.runs_code,
+                truncated_at=policy.max_new_tokens if truncated else None, round=action.round,
+                position=action.position, **({"coach_bias": coach_bias} if coach_bias is not None else {}),
             )
             episode.actions.append(action)
             yield CoachRequest(episode.episode_id, spec.name, turn, agent_input=prompt_text,
@@ -214,16 +195,14 @@ def fit_prompt(env, call, policy: AgentPolicy, spec, turn: int, can_omit: bool) 
     env's observe() can leave it out: `can_omit`)."""
     prompt_text, prompt_ids, too_long = policy.prompt_ids(call("observe", env.observe, spec, turn))
     if too_long and can_omit:
-        # observe(k): k oldest entries left out
         return policy.shorten(lambda k: call("observe", env.observe, spec, turn, omit=k), len(env.history))
     return prompt_text, prompt_ids, too_long, 0
 
 
 async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,
                   coach_bias: str = None, coach_mode: str = "per_action", progress=None) -> list:
-    """All episodes of one step, concurrently; results in task order. `coach_bias`: the coach's running
-    bias figures, shown in every coach request of the step (--mappa.coach.show_bias); `coach_mode`:
-    --mappa.coach.mode. progress(1) is called as each episode ends (a progress bar's update)."""
+    """All episodes of one step, concurrently, in task order. `coach_bias`: the coach's figures shown in every
+    request of the step (--mappa.coach.show_bias); progress(1) is called as each episode ends."""
 
     async def episode(i, task):
         workspace = os.path.join(workspace_root, f"step{step}", f"ep{i}")

@@ -1,34 +1,21 @@
 """Run an agent's Python code in its episode workspace, confined, and report what happened.
 
-Threat model: the code is untrusted but not a kernel exploit. It comes from a policy under RL, which will
-stumble into infinite loops, huge outputs and memory blow-ups, and may learn to game its environment (read
-answer files, touch other episodes, kill its supervisor). Run as root (the training machines, CI), every run:
+Threat model: the code is untrusted but not a kernel exploit. A policy under RL stumbles into infinite loops,
+huge outputs and memory blow-ups, and may learn to game its environment (read answer files, touch other
+episodes, kill its supervisor). Run as root, every run gets (sandbox_launcher.py; docs/reference.md, "Code
+sandbox"): a private mount namespace chrooted into a tmpfs with read-only system directories and Python
+installation and only its own workspace writable; a uid of its own (2**30 + launcher pid) owning the workspace,
+so it cannot signal or ptrace other processes; fresh network (no loopback), pid and IPC namespaces, so all its
+processes die with the run; an allow-listed environment (no secrets); and limits on wall-clock time (the whole
+process tree is killed), CPU time, memory, file size and process count. Memory is capped with RLIMIT_DATA, not
+RLIMIT_AS: AS counts address space that threads and allocators only reserve, so an AS cap rejects ordinary code.
 
-- runs in a private mount namespace, chrooted into a tmpfs that holds read-only binds of the system
-  directories, the Python installation (and the packages its start-up hooks import) and, writable, only its
-  own workspace. Home directories, the repository's data, other episodes' workspaces and the host's /tmp are
-  absent; /tmp and /dev/shm are private and share the tmpfs's size cap;
-- runs as a uid of its own (2**30 + launcher pid), which owns the workspace (mode 700), so it cannot signal
-  or ptrace other processes and `RLIMIT_NPROC` caps its process count; setuid programs cannot raise it;
-- has a fresh network namespace (no interface up: no network, not even the host's loopback), and its own
-  pid and IPC namespaces: it sees only its own processes, and all of them die when the run ends;
-- gets an environment built from an allow-list (no API keys or tokens), one thread per math library;
-- has limits on wall-clock time (the whole process tree is killed), CPU time (`RLIMIT_CPU`), memory
-  (`RLIMIT_DATA`, see below), the size of any one file (`RLIMIT_FSIZE`) and its process count.
-
-Memory is capped with RLIMIT_DATA, not RLIMIT_AS: AS counts address space that threads and allocators only
-reserve (importing numpy + pandas + scikit-learn measured ~550 MB of AS against ~250 MB of data segment and
-~210 MB resident), so an AS cap either rejects ordinary code or has to be set far above what is used.
-
-Not contained: the limits are per process, so many processes may together use up to `max_processes` times
-the memory cap; many files, each under the file cap, can fill the disk under the workspace; world-readable
-system files (/etc, /usr) and the Python installation can be read; CPU use is not shared fairly between
-concurrent runs. Without root, only the network and pid namespaces apply (via a user namespace): the code
-keeps the caller's uid and file access and no process cap is set. Whatever could not be applied is named in
-`ToolFeedback.isolation` and in a RuntimeWarning, never skipped silently.
-
-With `sandbox_url`, the code runs in a SandboxFusion service instead (its own isolation applies); files it
-writes stay on that service and are not seen in the local workspace.
+Not contained: the limits are per process (memory adds up over `max_processes` processes); many files, each
+under the file cap, can fill the disk; world-readable system files can be read; CPU is not shared fairly.
+Without root only the network and pid namespaces apply (via a user namespace): the code keeps the caller's uid
+and file access, and no process cap is set. Whatever could not be applied is named in `ToolFeedback.isolation`
+and in a RuntimeWarning, never skipped silently. With `sandbox_url` the code runs on a SandboxFusion service
+instead (its own isolation; the files it writes stay there).
 """
 
 import json
@@ -54,17 +41,11 @@ PASSED_ENV = ("LANG", "LC_ALL", "TZ")  # plus MAPPA_* variables that do not look
 # (n_jobs), and idle thread pools only cost memory.
 SANDBOX_ENV = {
     "PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
-    "HOME": "/tmp",  # writable and private; libraries' dotfiles do not clutter the workspace
-    "TMPDIR": "/tmp",
-    "USER": "sandbox",  # the sandbox uid has no passwd entry; getpass.getuser() reads these first
-    "LOGNAME": "sandbox",
+    "HOME": "/tmp", "TMPDIR": "/tmp",  # writable and private; libraries' dotfiles do not clutter the workspace
+    "USER": "sandbox", "LOGNAME": "sandbox",  # the sandbox uid has no passwd entry; getpass.getuser() reads these
     "PYTHONUNBUFFERED": "1",  # what the code printed before a kill still reaches the coach
-    "PYTHONDONTWRITEBYTECODE": "1",
-    "MPLBACKEND": "Agg",
-    "OMP_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "NUMEXPR_NUM_THREADS": "1",
+    "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
+    "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
 }
 CODE_BLOCK_RE = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 # What Python prints when a limit refused it something (the code usually dies of the exception).
@@ -82,23 +63,11 @@ def extract_code(text: str) -> Optional[str]:
     return code if code.strip() else None
 
 
-def run_python(
-    code: str,
-    workspace: str,
-    timeout_s: float = 10.0,
-    max_output_chars: int = 4000,
-    *,
-    memory_mb: int = 4096,
-    cpu_time_s: Optional[float] = None,
-    max_file_mb: int = 1024,
-    max_processes: int = 256,
-    sandbox_url: Optional[str] = None,
-) -> ToolFeedback:
-    """Run `code` with the workspace as its current directory; see the module docstring for the confinement.
-
-    `cpu_time_s` defaults to `timeout_s` (it matters for code that burns several cores at once). The defaults
-    fit data-science code: pandas + scikit-learn need ~250 MB of the memory cap, pickled models are small.
-    """
+def run_python(code: str, workspace: str, timeout_s: float = 10.0, max_output_chars: int = 4000, *,
+               memory_mb: int = 4096, cpu_time_s: Optional[float] = None, max_file_mb: int = 1024,
+               max_processes: int = 256, sandbox_url: Optional[str] = None) -> ToolFeedback:
+    """Run `code` with the workspace as its current directory, confined (see the module docstring).
+    `cpu_time_s` defaults to `timeout_s` (it matters for code that burns several cores at once)."""
     if sandbox_url:
         return _run_remote(code, sandbox_url, timeout_s, memory_mb, max_output_chars)
     os.makedirs(workspace, exist_ok=True)
@@ -126,24 +95,17 @@ def run_python(
     elif exit_code != 0:
         tail = stderr_text[-2000:]  # the final traceback; the start may be another process's output
         limit = next((name for name, pattern in LIMIT_ERRORS if pattern.search(tail)), None)
-    return ToolFeedback(
-        stdout=stdout.text(),
-        stderr=stderr_text,
-        exit_code=exit_code,  # a negative number: killed by that signal
-        timed_out=timed_out,
-        files=sorted(after),
-        limit=limit,
-        output_truncated=stdout.cut > 0 or stderr.cut > 0,
-        files_created=sorted(set(after) - set(before)),
-        files_changed=sorted(p for p in after if p in before and after[p] != before[p]),
-        isolation=isolation,
+    return ToolFeedback(  # exit_code < 0: killed by that signal
+        stdout=stdout.text(), stderr=stderr_text, exit_code=exit_code, timed_out=timed_out, files=sorted(after),
+        limit=limit, output_truncated=stdout.cut > 0 or stderr.cut > 0, files_created=sorted(set(after) - set(before)),
+        files_changed=sorted(p for p in after if p in before and after[p] != before[p]), isolation=isolation,
     )
 
 
 def _launch(code: str, workspace: str, timeout_s: float, max_output_chars: int, limits: dict):
-    """Run the code through the launcher (sandbox_launcher.py), which confines it and applies `limits`:
-    (stdout, stderr, timed_out, the launcher's exit status, the launcher's report). The report holds the
-    isolation applied and the code's exit code and CPU time, or the error that kept the code from starting."""
+    """Run the code through sandbox_launcher.py, which confines it and applies `limits`: (stdout, stderr,
+    timed_out, the launcher's exit status, its report: the isolation applied and the code's exit code and CPU
+    time, or the error that kept the code from starting)."""
     fd, script = tempfile.mkstemp(prefix="_mappa_code_", suffix=".py", dir=workspace)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(code)
@@ -154,16 +116,10 @@ def _launch(code: str, workspace: str, timeout_s: float, max_output_chars: int, 
         config = dict(
             python=sys.executable, script=script, workspace=workspace, new_root=new_root, report_fd=report_w, **limits
         )
-        proc = subprocess.Popen(
-            [sys.executable, LAUNCHER, json.dumps(config)],
-            cwd="/",
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group, apart from ours: one killpg ends it all
-            pass_fds=(report_w,),
-        )
+        # start_new_session: its own process group, apart from ours, so that one killpg ends it all.
+        proc = subprocess.Popen([sys.executable, LAUNCHER, json.dumps(config)], cwd="/", env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, pass_fds=(report_w,))
         os.close(report_w)
         stdout, stderr, timed_out = _collect(proc, timeout_s, max_output_chars)
         _kill_group(proc.pid)  # background children of code that exited normally must not outlive the action
@@ -245,15 +201,11 @@ def _kill_group(pgid: int) -> None:
 
 
 def _run_remote(code: str, url: str, timeout_s: float, memory_mb: int, max_output_chars: int) -> ToolFeedback:
-    """Run the code on a SandboxFusion service (POST {url}/run_code). Raises RuntimeError if it is unusable.
-
-    An unreachable or failing service raises rather than returning an error result: a broken sandbox must
-    not turn into a low reward for the agent.
-    """
+    """Run the code on a SandboxFusion service (POST {url}/run_code). An unusable service raises RuntimeError
+    rather than returning an error result: a broken sandbox must not turn into a low reward for the agent."""
     body = {"code": code, "language": "python", "run_timeout": timeout_s, "memory_limit_MB": memory_mb}
-    request = urllib.request.Request(
-        url.rstrip("/") + "/run_code", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    request = urllib.request.Request(url.rstrip("/") + "/run_code", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s + 30) as response:
             answer = json.loads(response.read())
@@ -268,11 +220,8 @@ def _run_remote(code: str, url: str, timeout_s: float, memory_mb: int, max_outpu
     stderr.add((run.get("stderr") or "").encode())
     exit_code = run.get("return_code")
     return ToolFeedback(
-        stdout=stdout.text(),
-        stderr=stderr.text(),
+        stdout=stdout.text(), stderr=stderr.text(),
         exit_code=-signal.SIGKILL if timed_out and exit_code is None else exit_code,
-        timed_out=timed_out,
-        limit="timeout" if timed_out else None,
-        output_truncated=stdout.cut > 0 or stderr.cut > 0,
-        isolation={"remote": url},
+        timed_out=timed_out, limit="timeout" if timed_out else None,
+        output_truncated=stdout.cut > 0 or stderr.cut > 0, isolation={"remote": url},
     )

@@ -1,10 +1,7 @@
-"""The program `sandbox.run_python` starts: it confines itself, then runs the agent's script.
-
-Usage (internal): python sandbox_launcher.py CONFIG_JSON. It only imports the standard library and runs as a
-fresh single-threaded process, so the namespace and uid changes below are safe (they are not after fork in a
-multi-threaded trainer). It writes JSON lines to the parent on CONFIG["report_fd"]: first
-{"isolation": {...}}, then {"exit_code": int, "cpu_s": float} when the script ends, or {"error": str} when
-the set-up itself failed. See sandbox.py for the threat model.
+"""The program `sandbox.run_python` starts (python sandbox_launcher.py CONFIG_JSON): it confines itself, then
+runs the agent's script. Standard library only, in a fresh single-threaded process, so the namespace and uid
+changes are safe (they are not after fork in a multi-threaded trainer). It reports JSON lines on
+CONFIG["report_fd"]: {"isolation": {...}}, then {"exit_code", "cpu_s"} or {"error"}. Threat model: sandbox.py.
 """
 
 import ctypes
@@ -53,11 +50,8 @@ def bind(src: str, new_root: str, read_only: bool) -> None:
 
 
 def build_root(cfg: dict) -> None:
-    """Chroot into a tmpfs holding read-only binds of the system and the interpreter, and the workspace.
-
-    Everything else (home directories, the repository's data, other workspaces, host /tmp) is absent. The
-    tmpfs also serves /tmp and /dev/shm, so its size caps what the code can write outside the workspace.
-    """
+    """Chroot into a tmpfs holding read-only binds of the system and the interpreter, and the workspace; all
+    else is absent. The tmpfs also serves /tmp and /dev/shm: its size caps what is written outside the workspace."""
     new_root, workspace = cfg["new_root"], cfg["workspace"]
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here propagates back to the host
     mount("tmpfs", new_root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['max_file_mb']}m,mode=755")

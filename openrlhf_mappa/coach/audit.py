@@ -1,10 +1,8 @@
 """What the coach did in a step: verdict statuses, cost accounting, and the live coach-bias audit.
 
-The bias audit exists because of the paper's own finding: its coach scored regression actions 0.5-1.8 points
-above classification actions, and the agents exploited it (regression kept improving, classification fell
-back to baseline) before anyone looked. Here the per agent x task type score means are logged every step,
-and a gap above a threshold over the last few steps is a warning in the log and in the metrics.
-"""
+The bias audit exists because of the paper's own finding: its coach favoured regression over classification
+actions, and the agents exploited the gap. So score means per agent x task type are logged every step, and a
+gap above a threshold over the last few steps is a warning in the log and in the metrics."""
 
 import logging
 import math
@@ -20,10 +18,10 @@ FAILED_STATUSES = ("parse_error", "api_error", "timeout")
 MIN_SCORES_FOR_GAP = 8
 
 
-def pearson(xs: list, ys: list) -> Optional[float]:
-    """Pearson correlation, or None when it is undefined (fewer than 2 pairs, or a constant side)."""
+def pearson(pairs: list) -> Optional[float]:
+    """Pearson correlation of (x, y) pairs, or None when it is undefined (fewer than 2 pairs, or a constant side)."""
     try:
-        return statistics.correlation(xs, ys)
+        return statistics.correlation(*zip(*pairs)) if len(pairs) > 1 else None
     except statistics.StatisticsError:
         return None
 
@@ -33,8 +31,7 @@ class CoachFailure(RuntimeError):
 
 
 def check_failures(episodes: list, metrics: dict, max_fraction: float):
-    """Raise CoachFailure when more than `max_fraction` of the step's verdicts failed (metrics from
-    coach_step_metrics), with the counts per status and the first failure's reason."""
+    """Raise CoachFailure when more than `max_fraction` of the step's verdicts failed (per coach_step_metrics)."""
     if metrics["coach/failure_fraction"] <= max_fraction:
         return
     failed = [a.verdict for ep in episodes for a in ep.actions if a.verdict and a.verdict.status in FAILED_STATUSES]
@@ -47,24 +44,22 @@ def check_failures(episodes: list, metrics: dict, max_fraction: float):
 
 
 def coach_calls(episodes: list) -> list:
-    """What the coach was asked this step, one record per request (a Verdict or a Review): each per-action
-    verdict (in mode "both", the per-action part) and each episode's hindsight review. Verdicts derived from
-    a review or combined from two are not requests: their cost is their parts'."""
+    """One record (Verdict or Review) per request to the coach: per-action verdicts and hindsight reviews.
+    Verdicts derived from a review or combined from two are not requests: their cost is their parts'."""
     calls = []
     for ep in episodes:
         for a in ep.actions:
-            asked = a.verdict_parts.get("per_action") or (a.verdict if a.verdict and a.verdict.source == "per_action" else None)
+            own = a.verdict if a.verdict and a.verdict.source == "per_action" else None
+            asked = a.verdict_parts.get("per_action") or own
             calls += [asked] if asked is not None else []
         calls += [ep.review] if ep.review is not None else []
     return calls
 
 
 def coach_step_metrics(episodes: list, price_in: float = 0.0, price_out: float = 0.0) -> dict:
-    """Verdict counts per status, the failed fraction, the coach's requests and what they cost (prices in USD
-    per 1M tokens). Verdicts and failures count the actions' verdicts (what trains); requests, cache hits,
-    tokens, latency and cost count the calls (coach_calls: a hindsight review is one request for a whole
-    episode). Cached calls cost nothing: tokens, latency and cost count fresh calls only. A `skipped` verdict
-    (no coach was asked: evaluation, the outcome baseline) is counted, but is neither a failure nor a call."""
+    """Verdict counts per status, the failed fraction, and the requests' cost (prices in USD per 1M tokens).
+    Verdicts count what trains; tokens, latency and cost count fresh (uncached) calls (coach_calls). A
+    `skipped` verdict (no coach was asked: evaluation, the outcome baseline) is neither a failure nor a call."""
     all_verdicts = [a.verdict for ep in episodes for a in ep.actions if a.verdict is not None]
     m = {f"coach/verdicts_{s}": sum(v.status == s for v in all_verdicts) for s in VERDICT_STATUSES}
     verdicts = [v for v in all_verdicts if v.status != "skipped"]
@@ -74,15 +69,14 @@ def coach_step_metrics(episodes: list, price_in: float = 0.0, price_out: float =
     reviews = [ep.review for ep in episodes if ep.review is not None]
     m["coach/requests"] = len(calls)
     if reviews:  # modes hindsight and both
-        m.update({f"coach/reviews_{s}": sum(r.status == s for r in reviews) for s in VERDICT_STATUSES if s != "skipped"})
+        m.update({f"coach/reviews_{s}": sum(r.status == s for r in reviews)
+                  for s in VERDICT_STATUSES if s != "skipped"})
     parts = [a.verdict_parts for ep in episodes for a in ep.actions if a.verdict_parts]
     if parts:  # mode both: actions whose score came from one of the two verdicts only (coach.combine)
         m["coach/both_one_source"] = sum(sum(v.status == "ok" for v in p.values()) == 1 for p in parts)
     fresh = [c for c in calls if not c.cached]
     m["coach/cache_hit_rate"] = (len(calls) - len(fresh)) / len(calls) if calls else 0.0
-    m["coach/tokens_in"] = sum(c.tokens_in for c in fresh)
-    m["coach/tokens_out"] = sum(c.tokens_out for c in fresh)
-    m["coach/retries"] = sum(c.retries for c in fresh)
+    m.update({f"coach/{k}": sum(getattr(c, k) for c in fresh) for k in ("tokens_in", "tokens_out", "retries")})
     latencies = sorted(c.latency_s for c in fresh)
     for q in (50, 90, 99):
         # Nearest-rank percentile: an observed latency, not an interpolation between two.
@@ -97,32 +91,29 @@ class BiasAudit:
 
     def __init__(self, threshold: float = 1.0, window: int = 5):
         self.threshold = threshold
-        # per step: ({(agent, task_type): [scores]}, [(final agent's score, episode success)])
-        self.window = deque(maxlen=window)
+        self.window = deque(maxlen=window)  # per step: ({(agent, task_type): [scores]}, final_pairs)
 
     def update(self, episodes: list) -> dict:
-        step = {}
-        final_pairs = []  # (final agent's score, episode success)
+        step, final_pairs = {}, []  # {(agent, task_type): [scores]}, [(final agent's score, episode success)]
         for ep in episodes:
             for a in ep.actions:
                 if a.verdict is None or a.verdict.score is None:
                     continue
                 step.setdefault((a.agent, ep.task_type or "-"), []).append(a.verdict.score)
-            finals = [a for a in ep.actions if a.coach_request.get("is_final_agent") and a.verdict and a.verdict.score is not None]
+            finals = [a.verdict.score for a in ep.actions
+                      if a.coach_request.get("is_final_agent") and a.verdict and a.verdict.score is not None]
             if finals:
-                final_pairs.append((finals[-1].verdict.score, float(ep.success)))
+                final_pairs.append((finals[-1], float(ep.success)))
         self.window.append((step, final_pairs))
 
         m = {}
         for (agent, task_type), scores in sorted(step.items()):
             p = f"coach_bias/{agent}/{task_type}/"
-            m[p + "mean"] = statistics.fmean(scores)
-            m[p + "std"] = statistics.pstdev(scores)
-            m[p + "n"] = len(scores)
+            m.update({p + "mean": statistics.fmean(scores), p + "std": statistics.pstdev(scores), p + "n": len(scores)})
 
         # The agreement of the final agent's score with the outcome: a coach that pays the last agent the
         # same for solved and failed episodes teaches nothing about the outcome.
-        m["coach_bias/final_score_outcome_corr"] = pearson(*zip(*final_pairs)) if len(final_pairs) > 1 else None
+        m["coach_bias/final_score_outcome_corr"] = pearson(final_pairs)
         for label, success in (("success", 1.0), ("failure", 0.0)):
             scores = [s for s, ok in final_pairs if ok == success]
             m[f"coach_bias/final_score_on_{label}"] = statistics.fmean(scores) if scores else None
@@ -130,7 +121,8 @@ class BiasAudit:
         pooled = self.pooled()
         worst = (0.0, None)
         for agent in sorted({agent for agent, _ in pooled}):
-            means = {t: statistics.fmean(s) for (a, t), s in pooled.items() if a == agent and len(s) >= MIN_SCORES_FOR_GAP}
+            means = {t: statistics.fmean(s) for (a, t), s in pooled.items()
+                     if a == agent and len(s) >= MIN_SCORES_FOR_GAP}
             if len(means) < 2:
                 continue
             high, low = max(means, key=means.get), min(means, key=means.get)
@@ -141,11 +133,9 @@ class BiasAudit:
         m["coach_bias/max_type_gap"] = worst[0]
         m["coach_bias/warning"] = int(worst[0] > self.threshold)
         if m["coach_bias/warning"]:
-            logger.warning(
-                "coach bias: %s over the last %d steps (threshold %.2f). Agents learn to exploit such a gap; "
-                "consider --mappa.coach.standardize_task_type or a different coach prompt.",
-                worst[1], len(self.window), self.threshold,
-            )
+            logger.warning("coach bias: %s over the last %d steps (threshold %.2f). Agents learn to exploit such a "
+                           "gap; consider --mappa.coach.standardize_task_type or a different coach prompt.",
+                           worst[1], len(self.window), self.threshold)
         return m
 
     def pooled(self) -> dict:
@@ -157,9 +147,8 @@ class BiasAudit:
         return pooled
 
     def prompt_text(self) -> str:
-        """The window's figures for the coach's own prompt (--mappa.coach.show_bias): its mean score per agent
-        and task type, and how its final-agent scores agreed with the outcomes. Only measured figures: before
-        any scored step, and where a figure is undefined, the text says so instead."""
+        """The window's figures for the coach's own prompt (--mappa.coach.show_bias). Only measured figures:
+        where one is undefined (no scored step yet), the text says so instead."""
         pooled = self.pooled()
         if not pooled:
             return ("Your recent scoring in this run: no figures yet (none of your scores in this run has been "
@@ -179,7 +168,7 @@ class BiasAudit:
             lines.append("Agreement of your scores with outcomes: not measurable yet (no final agent's action was "
                          "scored).")
             return "\n".join(lines)
-        r = pearson(*zip(*pairs)) if len(pairs) > 1 else None
+        r = pearson(pairs)
         agree = (f"Pearson correlation {r:.2f}" if r is not None
                  else "Pearson correlation undefined (one outcome only, or constant scores)")
         means = []

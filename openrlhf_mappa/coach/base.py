@@ -1,6 +1,5 @@
-"""What every coach backend shares: the `Coach` protocol, the `CoachRequest` it judges, the prompt fields and
-templates, and the strict rules that turn a reply into a score or a review (parse_score, parse_review). The
-backends (coach/heuristic.py, coach/openai_compat.py) import it; `build_coach` (coach/__init__.py) picks one."""
+"""What every coach backend shares: the `Coach` protocol, the `CoachRequest` it judges, the prompt templates,
+and the strict rules that turn a reply into a score or a review (parse_score, parse_review)."""
 
 import asyncio
 import json
@@ -18,7 +17,8 @@ PROMPT_FIELDS = (
 )
 REVIEW_FIELDS = ("task", "task_type", "trajectory", "outcome", "num_actions")
 # The hindsight prompt when the topology gives no `review_template`. The reply format is fixed (parse_review).
-DEFAULT_REVIEW_TEMPLATE = """You are a coach reviewing, in hindsight, a whole episode of a team of AI agents that solved a task together.
+DEFAULT_REVIEW_TEMPLATE = """You are a coach reviewing, in hindsight, a whole episode of a team of AI agents that \
+solved a task together.
 Now that the outcome is known, trace it back through the trajectory: judge every action, and name the one action most
 responsible for the outcome (for a failure: the first action that went wrong and that later actions could not repair).
 
@@ -53,17 +53,16 @@ class CoachRequest:
     feedback: str  # tool feedback text, "" when no tool ran
     ground_truth: Optional[str] = None  # only where the pipeline decides (e.g. the final agent)
     is_final_agent: bool = False
-    runs_code: bool = False  # the agent's actions are executed as code
+    runs_code: bool = False
     truncated_at: Optional[int] = None  # the output was cut off at this token limit (None: it ended by itself)
-    # --mappa.coach.show_bias: the coach's own recent figures (BiasAudit.prompt_text), None when not shown.
-    coach_bias: Optional[str] = None
-    round: int = 0  # where the action stands in the episode (see Action): its round and position, from 0
+    coach_bias: Optional[str] = None  # --mappa.coach.show_bias: BiasAudit.prompt_text(), None when not shown
+    round: int = 0  # where the action stands in the episode (see Action), from 0
     position: int = 0
 
 
 class Coach:
-    """A coach backend. `score` never raises for a failed evaluation: it returns a non-"ok" Verdict, so
-    the caller can leave the action out of training instead of inventing a score."""
+    """A coach backend. `score` never raises for a failed evaluation: a non-"ok" Verdict lets the caller leave
+    the action out of training instead of inventing a score."""
 
     name: str = "coach"
     template: str = ""  # an LLM coach's prompt template; the trainer swaps it when the criteria switch
@@ -72,68 +71,48 @@ class Coach:
         raise NotImplementedError
 
     async def review(self, requests: list, outcome: dict) -> Review:
-        """Hindsight: one judgement of a finished episode, `requests` being its actions' CoachRequests in order.
-        Like `score`, never raises for a failed evaluation: a Review with a non-"ok" status and no scores."""
+        """Hindsight: one Review of a finished episode (its actions' CoachRequests in order); never raises for a
+        failed evaluation."""
         raise NotImplementedError(f"coach {self.name!r} has no hindsight review")
 
     async def probe(self) -> None:
-        """Raise ValueError when the coach cannot be reached, before a run spends anything on rollouts.
-        Backends without a server have nothing to check."""
+        """Raise ValueError when the coach cannot be reached, before a run spends anything on rollouts."""
 
     async def aclose(self):
         pass
 
 
 def render_prompt(template: str, request: CoachRequest) -> str:
-    """Fill a coach prompt template (str.format syntax; literal braces must be doubled: {{ }}).
-
-    An output cut off at the token limit says so at its end, whatever the template: otherwise the coach
-    would judge an unfinished answer as if the agent had chosen to stop there. The coach's running bias
-    figures (request.coach_bias) go where the template names {coach_bias}, else before the whole prompt,
-    so that any template can show them; without them {coach_bias} is empty."""
-    agent_output = request.agent_output
-    if request.truncated_at is not None:
-        agent_output += f"\n[cut off at the limit of {request.truncated_at} tokens]"
-    fields = {
-        "task": request.task,
-        "role": request.role,
-        "agent": request.agent,
-        "turn": request.turn,
-        "round": request.round,
-        "position": request.position,
-        "task_type": request.task_type,
-        "agent_input": request.agent_input,
-        "agent_output": agent_output,
-        "feedback": request.feedback or "(none)",
+    """Fill a coach prompt template (str.format; literal braces doubled: {{ }}). A cut-off output says so at
+    its end, whatever the template, lest the coach judge an unfinished answer as a chosen stop. The bias figures
+    go where the template names {coach_bias}, else before the whole prompt, so any template can show them."""
+    fields = {name: getattr(request, name) for name in PROMPT_FIELDS} | {
+        "agent_output": _shown_output(request), "feedback": request.feedback or "(none)",
         "ground_truth": request.ground_truth if request.ground_truth is not None else "(not available)",
         "coach_bias": request.coach_bias or "",
     }
     try:
         prompt = template.format(**fields)
     except KeyError as e:
-        raise ValueError(
-            f"coach prompt template names unknown field {{{e.args[0]}}}; allowed fields: {', '.join(PROMPT_FIELDS)}"
-        ) from None
+        raise ValueError(f"coach prompt template names unknown field {{{e.args[0]}}}; allowed fields: "
+                         f"{', '.join(PROMPT_FIELDS)}") from None
     except IndexError:
-        raise ValueError(
-            f"coach prompt template has a positional field {{}}; use named ones: {', '.join(PROMPT_FIELDS)}"
-        ) from None
+        raise ValueError(f"coach prompt template has a positional field {{}}; use named ones: "
+                         f"{', '.join(PROMPT_FIELDS)}") from None
     if request.coach_bias and "coach_bias" not in {name for _, name, _, _ in string.Formatter().parse(template)}:
         prompt = request.coach_bias + "\n\n" + prompt
     return prompt
 
 
-# Where a score may come from, and nowhere else: the JSON verdict's "score"; a line `<KEY>: <number>` (the
-# topology's score_key); or a reply that is nothing but a number. Prose is full of numbers that are not the
-# score (metrics, step numbers, "a flawless action would score 10"), and a guessed number trains the agents
-# as surely as a real one, so an unclear reply is a parse error that the caller re-prompts.
+# A score comes only from the JSON verdict's "score", a line `<KEY>: <number>`, or a reply that is just a
+# number. Prose is full of numbers that are not the score, and a guessed number trains the agents as surely
+# as a real one, so an unclear reply is a parse error that the caller re-prompts.
 DEFAULT_SCORE_KEY = "PROCESS_SCORE"  # the authors' coach prompts ask for `PROCESS_SCORE: <0-10>`
 SCORE_KEY_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _NUM = r"([-+]?\d+(?:\.\d+)?)"
 _OUT_OF_10 = r"(?:[ \t]*/[ \t]*10(?:\.0+)?(?![\d.]))?"  # 7/10, 7 / 10.0
-# After the key line's number (and an optional /10) the rest of the line is commentary, e.g. "PROCESS_SCORE:
-# 6 - a flawless action would score 10" is 6. The number must end cleanly (end of line, a space, or . , ; : !
-# ? ) then a space or the end), so "7,5", "7%", "7/5", "6-7" are no score, and neither is a range "6 to 8".
+# After the key line's number (and an optional /10) the rest of the line is commentary ("6 - a flawless action
+# would score 10" is 6). The number must end cleanly, so "7,5", "7%", "7/5", "6-7", "6 to 8" are no score.
 _SCORE_LINE = (
     r"^[ \t#>*_`-]*{key}[*_`]*[ \t]*[:=][ \t*_`]*" + _NUM + r"[*_`]*" + _OUT_OF_10 + r"[*_`]*"
     r"(?=[.,;:!?)]?(?:[ \t\r]|$))(?![ \t]*(?:-|\u2013|\u2014|to|or|and)[ \t]*[-+]?\d)"
@@ -142,10 +121,9 @@ _BARE_NUMBER = re.compile(r"[*_`]*" + _NUM + r"[*_`]*" + _OUT_OF_10 + r"[*_`]*\.
 
 
 def parse_score(text: str, key: str) -> Optional[float]:
-    """The coach's score in [0, 10], else None. A reply that is a JSON object (bare or in one ``` fence) is
-    judged by its "score" number alone. Otherwise the score is on the lines `KEY: n` (case-insensitive, at the
-    start of a line, markdown and a trailing /10 allowed; two different values are no score), or the reply
-    is just a number. A score outside [0, 10] is no score, never a reason to look for another number."""
+    """The coach's score in [0, 10], else None: a JSON reply's "score" alone; else the `KEY: n` lines
+    (case-insensitive, markdown allowed; two different values are no score), or a reply that is just a number.
+    A score out of range is no score, never a reason to look for another number."""
     text = (text or "").strip()
     fenced = re.fullmatch(r"```[ \t]*(?:json)?\s*(.*?)\s*```", text, re.DOTALL | re.IGNORECASE)
     body = fenced.group(1) if fenced else text
@@ -156,8 +134,7 @@ def parse_score(text: str, key: str) -> Optional[float]:
             reply = None
         if isinstance(reply, dict):
             score = reply.get("score")
-            ok = isinstance(score, (int, float)) and not isinstance(score, bool)
-            return float(score) if ok and 0.0 <= score <= 10.0 else None
+            return float(score) if _number(score, False) and 0.0 <= score <= 10.0 else None
     pattern = _SCORE_LINE.replace("{key}", re.escape(key))
     values = {float(n) for n in re.findall(pattern, text, re.IGNORECASE | re.MULTILINE)}
     if not values:
@@ -170,13 +147,11 @@ def parse_score(text: str, key: str) -> Optional[float]:
 
 
 def render_review_prompt(template: str, requests: list, outcome: dict) -> str:
-    """Fill a hindsight template (fields REVIEW_FIELDS) with a finished episode: its actions, numbered from 1
-    as the reply must name them, each with what its agent was given, its output and its tool feedback."""
+    """Fill a hindsight template (fields REVIEW_FIELDS) with a finished episode, its actions numbered from 1."""
     parts = []
     for i, r in enumerate(requests, 1):
-        output = r.agent_output + (f"\n[cut off at the limit of {r.truncated_at} tokens]" if r.truncated_at is not None else "")
         part = (f"=== Action {i} of {len(requests)}: agent {r.agent}, its action {r.turn + 1} ===\nRole: {r.role}\n"
-                f"Given:\n{r.agent_input}\nOutput:\n{output}\nTool feedback:\n{r.feedback or '(none)'}")
+                f"Given:\n{r.agent_input}\nOutput:\n{_shown_output(r)}\nTool feedback:\n{r.feedback or '(none)'}")
         if r.ground_truth is not None:
             part += f"\nGround truth for this action: {r.ground_truth}"
         parts.append(part)
@@ -190,6 +165,11 @@ def render_review_prompt(template: str, requests: list, outcome: dict) -> str:
                          "literal braces must be doubled: {{ }}") from None
 
 
+def _shown_output(r: CoachRequest) -> str:
+    cut = r.truncated_at is not None
+    return r.agent_output + (f"\n[cut off at the limit of {r.truncated_at} tokens]" if cut else "")
+
+
 def _number(x, integer: bool) -> bool:
     """A JSON number (an integer if asked), never a boolean (Python counts True as 1)."""
     return isinstance(x, int if integer else (int, float)) and not isinstance(x, bool)
@@ -197,11 +177,8 @@ def _number(x, integer: bool) -> bool:
 
 def parse_review(text: str, n: int) -> Optional[tuple]:
     """(scores in action order, index of the responsible action, rationale) from a hindsight reply, else None.
-
-    The reply must be one JSON object (bare or in one ``` fence), whose "actions" list matches the episode's
-    n actions one to one: each entry an object with an integer "id" in 1..n, each id once, and a number
-    "score" in [0, 10]; and whose "responsible" is one of those ids. Anything else (a wrong count, a duplicate
-    or missing id, a score out of range, prose) is no review at all: never a partial one, never a guess."""
+    The JSON "actions" must match the n actions one to one (ids 1..n once each, scores in [0, 10]) and
+    "responsible" be one of the ids: anything else is no review at all, never a partial one or a guess."""
     text = (text or "").strip()
     fenced = re.fullmatch(r"```[ \t]*(?:json)?\s*(.*?)\s*```", text, re.DOTALL | re.IGNORECASE)
     try:
@@ -226,24 +203,22 @@ def parse_review(text: str, n: int) -> Optional[tuple]:
 
 
 def combine(per_action: Verdict, hindsight: Verdict) -> Verdict:
-    """--mappa.coach.mode both: the score is the mean of the per-action and the hindsight score when both
-    exist; the one that exists when the other failed (a failed review must not void per-action scores already
-    paid for, nor the reverse); no score when neither does. Never a score neither coach request gave."""
+    """--mappa.coach.mode both: the mean of the two scores, or the one that exists when the other failed (a failed
+    review must not void per-action scores already paid for, nor the reverse); no score when neither does."""
     scores = [v.score for v in (per_action, hindsight) if v.status == "ok"]
     if not scores:
         return Verdict(None, per_action.status, f"both failed: per-action: {per_action.rationale[:300]}; "
                        f"hindsight: {hindsight.rationale[:300]}", per_action.coach, source="both")
-    rule = "mean of per-action and hindsight" if len(scores) == 2 else (
-        "per-action only (the hindsight review failed)" if per_action.status == "ok" else "hindsight only (the per-action verdict failed)")
-    return Verdict(sum(scores) / len(scores), "ok", f"{rule}: per-action {per_action.score}, hindsight {hindsight.score}",
-                   per_action.coach, cached=per_action.cached and hindsight.cached, source="both")
+    rule = ("mean of per-action and hindsight" if len(scores) == 2
+            else "per-action only (the hindsight review failed)" if per_action.status == "ok"
+            else "hindsight only (the per-action verdict failed)")
+    return Verdict(sum(scores) / len(scores), "ok", f"{rule}: per-action {per_action.score}, hindsight "
+                   f"{hindsight.score}", per_action.coach, cached=per_action.cached and hindsight.cached, source="both")
 
 
 async def judge_episode(coach: Coach, mode: str, requests: list, outcome: dict, pending: list) -> tuple:
-    """(verdicts, parts, review) of a finished episode under `mode` (COACH_MODES): the verdict each action
-    trains on; per action {"per_action", "hindsight"} verdicts in mode "both" ({} otherwise); the Review, or
-    None in mode "per_action". `pending` holds the per-action verdicts' awaitables, submitted while the episode
-    ran (empty in mode "hindsight")."""
+    """(verdicts each action trains on, per action its {"per_action", "hindsight"} parts in mode "both" else {},
+    the Review or None) of a finished episode. `pending`: the per-action verdicts' awaitables, asked while it ran."""
     if mode not in COACH_MODES:
         raise ValueError(f"unknown coach mode {mode!r}; expected one of {', '.join(COACH_MODES)}")
     per_action = await asyncio.gather(*pending)

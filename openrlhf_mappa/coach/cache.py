@@ -1,17 +1,11 @@
-"""The verdict cache: an LLM coach's verdicts by a hash of (coach model, prompt template, request content), in
-memory and in SQLite, so that reruns, resumed runs and re-scoring never pay twice for the same judgement.
-A hit comes back with `cached=True` and the tokens and latency of the original call (accounting counts only
-fresh verdicts as spent). Hindsight reviews (episode.Review) are stored the same way, under keys of their own.
+"""The verdict cache: an LLM coach's verdicts (and hindsight Reviews) by a hash of the coach's name and the
+prompt it is sent, in memory and in SQLite, so reruns, resumed runs and re-scoring never pay twice. The key is
+everything the coach sees and nothing else (no random episode id). Only "ok" verdicts are stored: a timeout or
+a parse error must be retried, not replayed. A hit comes back `cached=True` (accounting counts fresh calls).
 
-The key hashes the coach's name and the prompt it is sent (the template filled with the request): everything
-the coach sees and nothing else, so the random episode id and fields the template leaves out never cause a
-miss. Only "ok" verdicts are stored: a timeout or a parse error may not happen again, and it must be
-retried, not replayed.
-
-New verdicts reach the disk from one writer thread, in one transaction per FLUSH_S seconds and at close: the
-event loop that drives rollouts and coach calls never waits on a commit (on a cluster's network filesystem
-a commit can take tens of milliseconds). A run killed hard loses at most its last FLUSH_S seconds of
-verdicts, which a resumed run asks for again.
+New verdicts reach the disk from one writer thread, one transaction per FLUSH_S seconds and at close, so the
+event loop never waits on a commit (slow on a network filesystem); a run killed hard loses at most FLUSH_S
+seconds of verdicts, which a resumed run asks for again.
 """
 
 import asyncio
@@ -32,9 +26,8 @@ SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite dat
 
 
 def check_cache_file(path: str) -> None:
-    """Refuse a cache path that is not an SQLite database (a directory, a JSON file given by mistake) without
-    writing anything: the launcher checks it before it writes into the run directory. An empty file is a new
-    database to SQLite."""
+    """Refuse a path that is not an SQLite database (a directory, a JSON file) without writing anything: the
+    launcher checks it before it writes into the run directory. An empty file is a new database to SQLite."""
     if os.path.isdir(path):
         raise ValueError(f"coach cache {path}: is a directory; the verdict cache is one SQLite file (or 'none')")
     if os.path.exists(path):
@@ -49,8 +42,7 @@ class VerdictCache:
     def __init__(self, path: Optional[str] = None):
         self.path, self.memory = path, {}
         self.pending = []  # (key, verdict JSON) not yet handed to the writer
-        self.db = self.writer = None
-        self.read_disk = False
+        self.db, self.writer, self.read_disk = None, None, False
         if path:
             check_cache_file(path)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -61,8 +53,7 @@ class VerdictCache:
             except sqlite3.DatabaseError as e:  # an SQLite header on a damaged file
                 self.db.close()
                 raise ValueError(f"coach cache {path}: {e}; give another path, or 'none'") from None
-            # Only verdicts the file held when opened can be missing from memory (all later ones pass through
-            # it), so a fresh cache never pays for a disk lookup on a miss.
+            # Only verdicts the file held when opened can be missing from memory: a fresh cache never reads disk.
             self.read_disk = self.db.execute("SELECT EXISTS (SELECT 1 FROM verdicts)").fetchone()[0] == 1
             self.writer = ThreadPoolExecutor(1, thread_name_prefix="verdict-cache")
             self.write_db = self.writer.submit(sqlite3.connect, path, isolation_level=None).result()
@@ -82,8 +73,8 @@ class VerdictCache:
     def put(self, key: str, verdict):
         self.memory[key] = verdict
         if self.writer is not None:
-            # Serialized here, not on the writer thread: Python code there would hold the GIL for milliseconds
-            # at a time, stalling the event loop; the writer only runs SQLite, which releases the GIL.
+            # Serialized here: Python code on the writer thread would hold the GIL, stalling the event loop;
+            # the writer only runs SQLite, which releases it.
             self.pending.append((key, json.dumps(vars(verdict), ensure_ascii=False)))
             if len(self.pending) == 1:
                 try:

@@ -6,17 +6,16 @@ from openrlhf_mappa.coach.base import Coach, CoachRequest
 from openrlhf_mappa.envs.mathchat import extract_boxed, grade
 from openrlhf_mappa.episode import Review, Verdict
 
-# Python's own error shapes, plus the markers ToolFeedback.as_text() writes for a timeout or a non-zero exit.
-# "Error" alone is not enough: stdout like "mean squared error: 0.3" is a clean run.
-_TOOL_ERROR_RE = re.compile(
-    r"Traceback \(most recent call last\)|\b\w*(?:Error|Exception)\b:|\[timed out\]|\[exit code"
-)
+# Python's error shapes and ToolFeedback.as_text()'s timeout and exit markers; "Error" alone is not enough:
+# stdout like "mean squared error: 0.3" is a clean run.
+_TOOL_ERROR_RE = re.compile(r"Traceback \(most recent call last\)|\b\w*(?:Error|Exception)\b:|\[timed out\]"
+                            r"|\[exit code")
 _CODE_BLOCK_RE = re.compile(r"```python\b", re.IGNORECASE)
 _NUMBER_RE = re.compile(r"\d")
-# The workspace check DSBenchEnv.coach_ground_truth writes (the file contract after the action).
+# The workspace check DSBenchEnv.coach_ground_truth writes.
 _DSBENCH_RE = re.compile(r"^Missing inputs[^:]*: (.*)\nMissing outputs[^:]*: (.*)$", re.MULTILINE)
 _SUBMISSION_RE = re.compile(r"^Submission check: (valid|invalid).*?(?:relative score ([\d.]+))?$", re.MULTILINE)
-# Per-action goals that a pipeline can check mechanically, given as the ground truth (see rule 2).
+# Per-action goals a pipeline can check mechanically, given as the ground truth (rule 2).
 PATTERN_PREFIX = "Required pattern: "
 REPLY_PREFIX = "Required reply: "
 
@@ -24,41 +23,32 @@ REPLY_PREFIX = "Required reply: "
 class HeuristicCoach(Coach):
     """Rule-based coach: no LLM, no network, same request -> same verdict. The first rule that applies fires:
 
-    0. DSBench (the ground truth is DSBenchEnv's workspace check): its own files missing while a file an
-       earlier agent had to save is missing too -> not this agent's fault: 5; its own files missing
-       -> 1 after an error or without code, 3 after a clean run (still exploring); an invalid submission
-       -> 3; files present after an error -> 5; else (a clean run, or a closing reply without code) 7,
-       + 2 x the relative score (capped at 1) of a valid submission. So a missing artifact costs the agent
-       that had to make it, not its successors.
-    1. tool feedback present (code ran): an error (Traceback, `XxxError:`, timeout, non-zero exit) -> 2;
-       ran cleanly and printed something -> 7; ran cleanly with no output -> 5.
-    2. ground truth given: "Required pattern: <regex>" (a pipeline states a checkable goal for this agent's
-       own action, e.g. benchmarks/credit_assignment.py) -> 10 if the output contains a match, else 0;
-       "Required reply: <regex>" (the whole reply must match it and end on its own, as in the demo's
-       envs/relay.py) -> 10 if both hold; a reply cut off at the token limit -> 0; one that ended on its
-       own but is not a match -> 5, + 2 if it contains one. So an untrained agent first learns to stop
-       (content paid before that would crowd out the rare end token), then to say the right thing;
-       otherwise the last \\boxed{...} of the output equals it (MathChat's `grade`) -> 10;
-       a boxed answer that differs -> 2; no boxed answer -> 0.
-    3. the agent runs code but the output has no ```python block -> 1.
-    4. otherwise reasonableness: empty output -> 0; else 3, +1 if it mentions any number, + up to 2 for
-       showing work (0.01 per word, capped at 200 words).
-    Every rule but a correct answer adds up to 0.9 for readable text (the share of printable ASCII), so
-    that even an untrained tiny model's outputs get different scores and REINFORCE++ has a signal.
+    0. DSBench contract (DSBenchEnv's workspace check as ground truth): an earlier agent's file missing too
+       -> 5 (not this agent's fault); its own files missing -> 1 after an error or without code, 3 after a
+       clean run; an invalid submission -> 3; files present after an error -> 5; else 7, + 2 x the relative
+       score (capped at 1) of a valid submission. So a missing artifact costs the agent that had to make it.
+    1. tool feedback: an error (Traceback, `XxxError:`, timeout, non-zero exit) -> 2; clean with output -> 7,
+       clean without output -> 5.
+    2. ground truth "Required pattern: <regex>" -> 10 if the output contains a match, else 0; "Required reply:
+       <regex>" -> 10 for a whole-reply match that ended on its own, 0 if cut off, else 5 (+2 if it contains
+       a match): an untrained agent first learns to stop (paying content first would crowd out the rare end
+       token), then to say the right thing; any other ground truth: the last \\boxed{...} equals it (`grade`)
+       -> 10, differs -> 2, none -> 0.
+    3. a code agent's output has no ```python block -> 1.
+    4. otherwise: empty -> 0; else 3, +1 if it mentions a number, + 0.01 per word (at most 2).
+    Every score below 10 adds up to 0.9 for readable text (the share of printable ASCII), so that even an
+    untrained tiny model's outputs differ and REINFORCE++ has a signal.
     """
 
     name = "heuristic"
 
     async def score(self, request: CoachRequest) -> Verdict:
-        # No latency is recorded (it stays 0.0): the verdict is a pure function of the request.
         score, why, _ = self.judge(request)
         return Verdict(score=score, status="ok", rationale=f"heuristic coach: {why}", coach=self.name)
 
     async def review(self, requests: list, outcome: dict) -> Review:
-        """Hindsight: every action scored by the rules above (they see in each action what a review would),
-        and held responsible: on a failed episode the first action that broke its own agent's goal (a rule
-        marked as a failure: a code error, a missed pattern or answer, no code, an empty reply, its own files
-        missing), else the last action (it gave the failed result); on a solved episode the last action."""
+        """Hindsight: every action scored by the rules above; held responsible: on a failed episode the first
+        action that broke its own goal (a rule marked it failed), else the last action, as on a solved one."""
         judged = [self.judge(r) for r in requests]
         broke = [i for i, (_, _, failed) in enumerate(judged) if failed]
         last = len(requests) - 1
@@ -105,7 +95,8 @@ class HeuristicCoach(Coach):
                 if not ended:
                     return 0.0, f"reply rule: cut off at the token limit ({request.truncated_at} tokens)", True
                 found = bool(re.search(pattern, output))
-                return 5.0 + 2.0 * found, f"reply rule: ended on its own but is not {pattern!r}; contains it: {found}", True
+                why = f"reply rule: ended on its own but is not {pattern!r}; contains it: {found}"
+                return 5.0 + 2.0 * found, why, True
             boxed = extract_boxed(output)
             if boxed is None:
                 return 0.0, "answer rule: no \\boxed{} answer", True
@@ -118,7 +109,8 @@ class HeuristicCoach(Coach):
             return 0.0, "reasonableness rule: empty output", True
         has_number = bool(_NUMBER_RE.search(output))
         work = min(2.0, 0.01 * len(output.split()))
-        return 3.0 + has_number + work, f"reasonableness rule: mentions a number: {has_number}, work credit {work:.2f}", False
+        why = f"reasonableness rule: mentions a number: {has_number}, work credit {work:.2f}"
+        return 3.0 + has_number + work, why, False
 
     def _dsbench_rule(self, contract, feedback: str, ground_truth: str):
         missing_inputs, missing_outputs = (g.strip() != "none" for g in contract.groups())

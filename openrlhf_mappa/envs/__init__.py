@@ -1,7 +1,6 @@
-"""The environments: `base.py` holds what every pipeline shares (`MultiAgentEnv`, the task-file reader), one
-module per pipeline the rest. A topology's `env:` names one of BUILTIN_ENVS or any "package.module:Class";
-load_env_class resolves it by name, importing nothing until then, so that parsing a topology (topology.py)
-does not depend on the environments' code."""
+"""The environments: `base.py` holds what every pipeline shares, one module per pipeline the rest. A topology's
+`env:` names one of BUILTIN_ENVS or any "package.module:Class"; load_env_class imports it only when asked, so
+that parsing a topology does not depend on the environments' code."""
 
 import importlib
 import traceback
@@ -19,9 +18,8 @@ def load_env_class(spec: str) -> type:
     target = BUILTIN_ENVS.get(spec, spec)
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise ValueError(
-            f"env {spec!r}: expected 'package.module:Class' or a built-in name ({', '.join(BUILTIN_ENVS)})"
-        )
+        raise ValueError(f"env {spec!r}: expected 'package.module:Class' or a built-in name "
+                         f"({', '.join(BUILTIN_ENVS)})")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

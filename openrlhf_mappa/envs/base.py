@@ -1,49 +1,24 @@
 """The environment protocol: how a pipeline tells MAPPA what each agent sees and what its actions do.
 
-One environment instance serves one episode (one task). The rollout drives it in rounds::
+One environment instance serves one episode (one task). The rollout (rollout.py) drives it in rounds::
 
     env = topology.make_env(task, workspace)      # env_class(topology, task, workspace, **env_kwargs)
     turns, last = {every agent: 0}, {}
     while agents := env.next_agents(turns, last): # who acts next; [] ends the episode
-        <more than an agent's max_actions or the topology's max_episode_actions: the episode ends, a failure>
+        <past an agent's max_actions or the topology's max_episode_actions: the episode ends, a failure>
         for agent in agents:                      # all of them see the history as it stands now
-            messages = env.observe(agent, turns[agent.name])   # chat messages; the agent's chat template is applied
-            <too long for max_len - max_new_tokens? env.observe(agent, turn, omit=k) with the fewest k that fits;
-             if even all history left out does not fit, no action: last[agent.name] = None (counted)>
+            messages = env.observe(agent, turns[agent.name])   # omit=k: the k oldest entries left out to fit
         responses = <the agents' policies generate, concurrently>
-        for agent, response in zip(agents, responses):        # in the order next_agents gave
+        for agent, response in zip(agents, responses):
             result = last[agent.name] = env.step(agent, turn, response)   # runs tools, records history
-            <the coach scores (task, role, round, position, input, response, result.feedback,
-             env.coach_ground_truth(agent))>
-            turns[agent.name] += 1                # turn counts this agent's own actions, from 0
+            <the coach scores the action, with result.feedback and env.coach_ground_truth(agent)>
+            turns[agent.name] += 1
     outcome = env.outcome()                       # {"success": bool, ...metrics}, logged with the episode
 
-`next_agents` decides the workflow. The default is a chain: the topology's agents in order, each acting until
-its `step` says done or it has taken max_actions. A loop, debate rounds or routing override it (see
-envs/debate.py and the README's loop example); an agent may then act many times, interleaved with others, and
-each of its actions is one experience with its own verdict.
-
-To write your own pipeline, subclass `MultiAgentEnv`, override what differs (usually `outcome`, often
-`step`), and name it in the topology YAML as `env: mypackage.mymodule:MyEnv`. Keyword arguments of your
-constructor come from the YAML's `env_kwargs`. The defaults here:
-
-- `observe` sends the agent's `system` message (if any), then its `prompt` template filled with `task`
-  (`task_text`, by default the task's "prompt") and `history`: the other agents' earlier actions that the
-  agent's `view` (topology.View) selects, rendered by `history_text`. Its own earlier actions in the
-  episode follow as turns of the chat: its reply (assistant), then its code's output (user).
-  `omit=k` leaves out the k oldest of these entries (other agents' first) and puts a marker
-  "[k earlier actions omitted to fit the context]" at the top of {history} (or at the end of the prompt
-  when it has no {history}); the system message, the prompt and the task are never cut. An `observe` of
-  your own that takes no `omit` still works; its prompts are then never shortened (too long: skipped).
-- `step` records the response; for an agent with `runs_code: true` it runs the reply's ```python blocks in
-  the episode workspace through the sandbox (sandbox.py) and records the output. A code agent that writes no
-  code block, and any other agent after one reply, is done. The sandbox's limits are constructor arguments,
-  so a topology sets them in `env_kwargs`: `code_timeout_s`, `code_memory_mb`, `code_cpu_time_s`,
-  `code_max_file_mb`, `code_max_processes`, and `sandbox_url` to use a SandboxFusion service instead.
-- `coach_ground_truth` gives the coach the task's "answer" when it judges the last agent, nothing otherwise.
-
-Tasks are rows of a JSON list or a JSONL file (`load_tasks`): a non-empty "prompt", an "answer", and
-optionally "id" and "type"; any other fields are kept for the environment to use.
+To write a pipeline, subclass `MultiAgentEnv`, override what differs (usually `outcome`, often `step`), and
+name it in the topology YAML as `env: mypackage.mymodule:MyEnv`; the YAML's `env_kwargs` are its constructor's
+keyword arguments. docs/reference.md ("What each agent sees", "Over-long prompts", "Your own environment")
+describes the defaults below.
 """
 
 from __future__ import annotations
@@ -59,6 +34,7 @@ from openrlhf_mappa.sandbox import extract_code, run_python
 
 if TYPE_CHECKING:
     from openrlhf_mappa.topology import AgentSpec, Topology
+
 
 @dataclass
 class StepResult:
@@ -78,20 +54,10 @@ class MultiAgentEnv:
 
     task_type: str = ""
 
-    def __init__(
-        self,
-        topology: Topology,
-        task: dict,
-        workspace: str,
-        code_timeout_s: float = 10.0,
-        code_memory_mb: int = 4096,
-        code_cpu_time_s: Optional[float] = None,
-        code_max_file_mb: int = 1024,
-        code_max_processes: int = 256,
-        sandbox_url: Optional[str] = None,
-    ):
-        # The sandbox's limits come from the topology's env_kwargs: refused here (and so before a run starts,
-        # Topology.check_env) rather than inside the first code run.
+    def __init__(self, topology: Topology, task: dict, workspace: str, code_timeout_s: float = 10.0,
+                 code_memory_mb: int = 4096, code_cpu_time_s: Optional[float] = None, code_max_file_mb: int = 1024,
+                 code_max_processes: int = 256, sandbox_url: Optional[str] = None):
+        # The sandbox's limits (env_kwargs) are refused here, so before a run starts (Topology.check_env).
         limits = {"code_timeout_s": (code_timeout_s, (int, float)), "code_cpu_time_s": (code_cpu_time_s, (int, float)),
                   "code_memory_mb": (code_memory_mb, int), "code_max_file_mb": (code_max_file_mb, int),
                   "code_max_processes": (code_max_processes, int)}
@@ -105,28 +71,20 @@ class MultiAgentEnv:
                                             and sandbox_url.startswith(("http://", "https://"))):
             raise ValueError(f"env_kwargs sandbox_url must be the http(s) URL of a SandboxFusion service, "
                              f"got {sandbox_url!r}")
-        self.topology = topology
-        self.task = task
-        self.workspace = workspace
-        self.code_timeout_s = code_timeout_s
-        self.sandbox_limits = dict(
-            memory_mb=code_memory_mb, cpu_time_s=code_cpu_time_s, max_file_mb=code_max_file_mb,
-            max_processes=code_max_processes, sandbox_url=sandbox_url,
-        )  # fmt: skip
+        self.topology, self.task, self.workspace, self.code_timeout_s = topology, task, workspace, code_timeout_s
+        self.sandbox_limits = dict(memory_mb=code_memory_mb, cpu_time_s=code_cpu_time_s, max_file_mb=code_max_file_mb,
+                                   max_processes=code_max_processes, sandbox_url=sandbox_url)
         self.history: list[HistoryEntry] = []
 
     @property
     def task_text(self) -> str:
+        """The task as the prompts' {task} and the coach see it."""
         return self.task["prompt"]
 
     def next_agents(self, turns: dict, last: dict) -> list:
-        """Who acts next, given the episode so far: the AgentSpecs of the next round, generated concurrently
-        (none sees another's action of the same round); [] ends the episode. `turns`: each agent's number of
-        actions so far (name -> int); `last`: the round just played, name -> its StepResult, or None where the
-        prompt did not fit and no action was taken; {} before the first round.
-
-        The default is the chain: the topology's agents in order, one at a time, each until its step says done,
-        it took max_actions, or its prompt did not fit."""
+        """The AgentSpecs of the next round ([] ends the episode). `turns`: name -> actions so far; `last`: the
+        round just played, name -> its StepResult (None: the prompt did not fit), {} before the first.
+        The default is the chain: the topology's agents in order, each until done, max_actions or a misfit."""
         agents = self.topology.agents
         if not last:
             return agents[:1]
@@ -136,28 +94,27 @@ class MultiAgentEnv:
             return [agents[i]]
         return agents[i + 1 : i + 2]
 
-    # Marks the default: a topology whose env keeps it is a chain, where no agent's view may name a later agent
-    # (topology.py reads the mark, so that parsing a topology needs the env class, not this module).
+    # Marks the default: in a chain no agent's view may name a later agent (topology.py reads the mark).
     next_agents.chain = True
 
     def observe(self, agent: AgentSpec, turn: int, omit: int = 0) -> list[dict]:
+        """The agent's system message, its prompt ({task}, and {history}: what its view selects of the other
+        agents' actions), then its own earlier actions as chat turns. `omit=k` leaves out the k oldest entries
+        (other agents' first) with a marker; the system message, prompt and task are never cut."""
         view, shows_history = agent.view, "{history}" in agent.prompt
         others = [e for e in self.history if shows_history and e.agent != agent.name
-                  and (view.agents == "all" or e.agent in view.agents)]  # fmt: skip
+                  and (view.agents == "all" or e.agent in view.agents)]
         if view.actions == "last":
-            # Each agent's final reply and its latest code run: what the authors' Verifier saw of the Code
-            # Executor (its final output and its last tool result).
+            # Each agent's final reply and its latest code run: what the authors' Verifier saw of the Code Executor.
             last = {e.agent: i for i, e in enumerate(others)}
             last_run = {e.agent: i for i, e in enumerate(others) if e.feedback and view.tool_output}
             others = [e for i, e in enumerate(others) if i in {*last.values(), *last_run.values()}]
         if view.strip_thinking:  # what follows the last </think>; a reply cut off inside its reasoning keeps nothing
             others = [e._replace(response=e.response.rpartition("</think>")[2] if "</think>" in e.response
-                                 else e.response.partition("<think>")[0]) for e in others]  # fmt: skip
+                                 else e.response.partition("<think>")[0]) for e in others]
         if not view.tool_output:
             others = [e._replace(feedback="") for e in others]
         own = [e for e in self.history if e.agent == agent.name]
-
-        # Leave out the `omit` oldest entries (other agents' come first: they acted first), and say so.
         omit = min(omit, len(others) + len(own))
         marker = f"[{omit} earlier action{'s' * (omit > 1)} omitted to fit the context]"
         history = self.history_text(others[omit:])
@@ -174,6 +131,8 @@ class MultiAgentEnv:
         return messages
 
     def step(self, agent: AgentSpec, turn: int, response: str) -> StepResult:
+        """Record the response; a `runs_code` agent's ```python blocks run in the workspace's sandbox. A code
+        agent that writes no code block, and any other agent after one reply, is done."""
         feedback, done = ToolFeedback(), True
         if agent.runs_code:
             code = extract_code(response)
@@ -184,34 +143,29 @@ class MultiAgentEnv:
         return StepResult(feedback, done)
 
     def answer_formatted(self, agent: AgentSpec, response: str) -> Optional[bool]:
-        """Whether this response gives a final answer in the form the pipeline requires, for agents that owe
-        one (the `answer_format_rate` behaviour metric); None for agents that do not."""
+        """Whether the response gives a final answer in the required form (metric `answer_format_rate`); None
+        for agents that owe none."""
         return None
 
     def outcome(self) -> dict:
         raise NotImplementedError(f"{type(self).__name__} must define outcome(): {{'success': bool, ...}}")
 
     def coach_ground_truth(self, agent: AgentSpec) -> Optional[str]:
-        if agent.name == self.topology.agents[-1].name:
-            return self.task.get("answer")
-        return None
+        """The task's "answer" for the last agent's coach, nothing for the others."""
+        return self.task.get("answer") if agent.name == self.topology.agents[-1].name else None
 
     def history_text(self, entries: Optional[list] = None) -> str:
         """Entries (all of this episode's by default) as the {history} text of a prompt."""
         entries = self.history if entries is None else entries
         if not entries:
             return "(nothing yet)"
-        parts = []
-        for entry in entries:
-            part = f"### {entry.agent} (action {entry.turn + 1})\n{entry.response.strip()}"
-            if entry.feedback:
-                part += f"\n\n#### Output of the code\n{entry.feedback}"
-            parts.append(part)
-        return "\n\n".join(parts)
+        return "\n\n".join(f"### {e.agent} (action {e.turn + 1})\n{e.response.strip()}"
+                           + (f"\n\n#### Output of the code\n{e.feedback}" if e.feedback else "") for e in entries)
 
 
 def load_tasks(path: str) -> list[dict]:
-    """Read tasks from a JSON list or a JSONL file (told apart by the first character, not the extension)."""
+    """Tasks from a JSON list or a JSONL file (told apart by the first character): a non-empty "prompt", an
+    "answer", optionally "id" and "type"; other fields are kept for the environment."""
     with open(path, "rb") as f:
         data = f.read()
     try:
@@ -233,14 +187,12 @@ def load_tasks(path: str) -> list[dict]:
             try:
                 located.append((f"line {lineno}", str(lineno), json.loads(line)))
             except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}: line {lineno}: broken JSON: {e.msg} (expected a JSON list, or one task per line)"
-                ) from e
+                raise ValueError(f"{path}: line {lineno}: broken JSON: {e.msg} (expected a JSON list, or one task "
+                                 "per line)") from e
     if not located:
         raise ValueError(f"{path}: no tasks in the file")
-    # One id, one problem: grouping (--mappa.norm_scope group) and evaluation pool the samples of an id, so two
-    # rows with the same id are refused. A row without an id takes its line (row) number, or "line<n>" ("row<n>")
-    # where another row gives that number as its own id.
+    # Grouping (--mappa.norm_scope group) and evaluation pool the samples of an id, so ids must be unique. A row
+    # without one takes its line (row) number, or "line<n>" ("row<n>") where another row gives that id.
     given = {str(row["id"]) for _, _, row in located if isinstance(row, dict) and row.get("id") is not None}
     tasks, first = [], {}  # id -> where it was first given
     for where, default_id, row in located:
@@ -266,9 +218,8 @@ def _check_task(row, default_id: str, where: str) -> dict:
     if not prompt.strip():
         raise ValueError(f"{where}: empty 'prompt'")
     if answer is None:
-        raise ValueError(
-            f"{where}: 'answer' is missing or null; these tasks need a reference answer (string or number)"
-        )
+        raise ValueError(f"{where}: 'answer' is missing or null; these tasks need a reference answer (string or "
+                         "number)")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"{where}: 'answer' must be a string or a number, got {type(answer).__name__}")
     if isinstance(answer, str) and not answer.strip():

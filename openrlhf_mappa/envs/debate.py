@@ -1,10 +1,6 @@
-"""Math debate: debaters argue over rounds, then a judge gives the team's final `\\boxed{}` answer.
-
-The topology (examples/configs/debate.yaml) lists the debaters, then the judge, last. Every debater acts in
-every round, concurrently with the other debaters (each sees the others' arguments of earlier rounds, as its
-`view` selects); a debater's max_actions is its number of rounds. After the last round the judge acts once.
-Success is MathChat's: the judge's (the last agent's) final `\\boxed{}` answer equals the task's answer, and
-only the judge's coach is given that answer.
+"""Math debate (examples/configs/debate.yaml): the debaters argue concurrently for their max_actions rounds,
+each seeing the others' earlier arguments as its `view` selects; then the judge, listed last, acts once.
+Success and the judge's coach's ground truth are MathChat's (the last agent's final `\\boxed{}` answer).
 """
 
 from openrlhf_mappa.envs.mathchat import MathChatEnv

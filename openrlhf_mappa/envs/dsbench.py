@@ -1,26 +1,11 @@
-"""DSBench: a Data Engineer, a Modeler and an Analyst solve a Kaggle-style modeling task in one workspace.
+"""DSBench: a Data Engineer, a Modeler and an Analyst solve a Kaggle-style modeling task in one workspace
+(docs/reference.md, "DSBench pipeline"). Each agent owes the files of its `contract`, the next one's inputs;
+its turns end on a reply without code (the authors' rule), or with `end_turn_on_files` once its files exist.
 
-The file contract (env_kwargs `contract`, agent name -> files it must save in the workspace):
-data_engineer saves X_train.pkl, y_train.pkl, X_test.pkl; modeler saves model.pkl; analyst writes
-submission.csv. An agent's "inputs" are the files of the agents before it. An agent's turns end on a reply
-without code, or after max_actions: the authors' rule (their step ends a turn on a reply without a tool
-call), so a finished agent writes a closing reply. env_kwargs `end_turn_on_files: true` also ends them once
-its own files exist after one of its code runs (fewer actions and coach calls; this project's earlier rule).
-
-A task row (tasks.jsonl, written by `mappa dsbench import` / `make-pack`) is
-`{"id": task_id, "prompt": Kaggle description, "answer": absolute path of the task directory,
-"type": "regression" | "classification"}`: "answer" names where the hidden answers live, which satisfies
-`load_tasks` without ever putting an answer in a prompt. A task directory:
-
-    task.json               {task_id, data_type, metric, id_column, target_columns, baseline, best, pos_label?, url}
-    train.csv, test.csv, sample_submission.csv    public: copied into every episode's workspace
-    answers/test_answer.csv                       hidden: never copied; read only by the scorer
-
-The coach never sees the answers: `coach_ground_truth` gives every agent's coach the contract state after
-the action (its missing outputs, its missing inputs, the workspace's files) and, for the Analyst, the
-validation and score of submission.csv, with the figures the authors' criteria grade by (`coach_figures`).
-A broken task directory or a bad submission becomes a status in the outcome, never an exception out of the
-environment.
+A task row names its task directory as "answer" (satisfying `load_tasks` without an answer in a prompt): task.json,
+the public CSVs copied into every workspace, and the hidden answers/test_answer.csv, read only by the scorer. The
+coach gets the contract state and the submission's score, never the answers. A broken task directory or a bad
+submission is a status in the outcome, never an exception.
 """
 
 import json
@@ -37,62 +22,45 @@ from openrlhf_mappa.envs.base import MultiAgentEnv
 PUBLIC_FILES = ("train.csv", "test.csv", "sample_submission.csv")
 ANSWER_FILE = os.path.join("answers", "test_answer.csv")
 SUBMISSION = "submission.csv"
-DEFAULT_CONTRACT = {
-    "data_engineer": ["X_train.pkl", "y_train.pkl", "X_test.pkl"],
-    "modeler": ["model.pkl"],
-    "analyst": [SUBMISSION],
-}
+DEFAULT_CONTRACT = {"data_engineer": ["X_train.pkl", "y_train.pkl", "X_test.pkl"], "modeler": ["model.pkl"],
+                    "analyst": [SUBMISSION]}
 
 
 # ---------------------------------------------------------------- metrics
 # y: true values, p: predictions, both 1-D arrays. A task with several target columns scores the mean of
 # the per-column metric (Kaggle's "mean column-wise" convention).
-
-
 def rmse(y, p):
     return float(np.sqrt(np.mean((y - p) ** 2)))
-
-
-def rmsle(y, p):
-    return float(np.sqrt(np.mean((np.log1p(p) - np.log1p(y)) ** 2)))
 
 
 def mae(y, p):
     return float(np.mean(np.abs(y - p)))
 
 
-def r2(y, p):
-    return float(1.0 - np.sum((y - p) ** 2) / np.sum((y - np.mean(y)) ** 2))
-
-
-def accuracy(y, p):
-    return float(np.mean(y == p))
-
-
 # name -> (function, higher is better, predictions must be numbers, perfect value)
 METRICS = {
-    "accuracy": (accuracy, True, False, 1.0),
+    "accuracy": (lambda y, p: float(np.mean(y == p)), True, False, 1.0),
     "f1": (lambda y, p, pos_label=1: float(f1_score(y, p, average="binary", pos_label=pos_label)), True, False, 1.0),
     "f1_macro": (lambda y, p: float(f1_score(y, p, average="macro")), True, False, 1.0),
     "roc_auc": (lambda y, p: float(roc_auc_score(y, p)), True, True, 1.0),
     "rmse": (rmse, False, True, 0.0),
-    "rmsle": (rmsle, False, True, 0.0),
+    "rmsle": (lambda y, p: float(np.sqrt(np.mean((np.log1p(p) - np.log1p(y)) ** 2))), False, True, 0.0),
     "mae": (mae, False, True, 0.0),
-    "r2": (r2, True, True, 1.0),
+    "r2": (lambda y, p: float(1.0 - np.sum((y - p) ** 2) / np.sum((y - np.mean(y)) ** 2)), True, True, 1.0),
 }
 
 
 def relative_score(pred: float, baseline: float, best: float) -> Optional[float]:
-    """DSBench's relative score max(0, (pred - baseline) / (best - baseline)). It holds for lower-is-better
-    metrics too (both differences flip sign). None when best == baseline (no room to improve)."""
+    """DSBench's max(0, (pred - baseline) / (best - baseline)), right for lower-is-better metrics too (both
+    differences flip sign); None when best == baseline (no room to improve)."""
     if best == baseline:
         return None
     return max(0.0, (pred - baseline) / (best - baseline))
 
 
 def metric_value(name: str, truth: pd.DataFrame, pred: pd.DataFrame, pos_label=None) -> float:
-    """The task metric, the mean over target columns. Labels compare as numbers when both sides are
-    numeric (so a predicted 1.0 equals a true 1), else as strings."""
+    """The task metric, the mean over target columns. Labels compare as numbers when both sides are numeric (a
+    predicted 1.0 equals a true 1), else as strings."""
     fn, _, numeric, _ = METRICS[name]
     kwargs = {"pos_label": pos_label} if name == "f1" and pos_label is not None else {}
     values = []
@@ -108,8 +76,6 @@ def metric_value(name: str, truth: pd.DataFrame, pred: pd.DataFrame, pos_label=N
 
 
 # ---------------------------------------------------------------- task directory and scoring
-
-
 def load_task_dir(task_dir: str) -> dict:
     """task.json of a task directory, checked; ValueError naming the problem otherwise."""
     path = os.path.join(task_dir, "task.json")
@@ -119,7 +85,7 @@ def load_task_dir(task_dir: str) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{task_dir}: not a DSBench task directory (task.json: {e})") from None
     missing = [k for k in ("task_id", "data_type", "metric", "id_column", "target_columns", "baseline", "best")
-               if k not in meta]  # fmt: skip
+               if k not in meta]
     if missing:
         raise ValueError(f"{path}: missing key(s) {missing}")
     if meta["metric"] not in METRICS:
@@ -131,16 +97,14 @@ def load_task_dir(task_dir: str) -> dict:
 
 
 def score_submission(task_dir: str, submission: str) -> dict:
-    """Validate a submission against the task's hidden answers and score it.
-
-    Returns {"valid", "status", "metric_name", "metric", "baseline", "best", "relative_score", "task_type"}
-    plus "error" (what is wrong) when invalid. A bad submission is a status; a broken task directory raises
-    ValueError (the caller decides: the env turns it into a status, the CLI into an error message)."""
+    """Validate a submission against the hidden answers and score it: {"valid", "status", "metric_name",
+    "metric", "baseline", "best", "relative_score", "task_type"}, "figures" when valid, "error" when not.
+    A broken task directory raises ValueError (the env makes it a status, the CLI an error message)."""
     meta = load_task_dir(task_dir)
     ids, targets = meta["id_column"], list(meta["target_columns"])
     out = {"valid": False, "status": "ok", "metric_name": meta["metric"], "metric": None,
            "baseline": meta["baseline"], "best": meta["best"], "relative_score": None,
-           "task_type": meta["data_type"]}  # fmt: skip
+           "task_type": meta["data_type"]}
 
     def invalid(status, error):
         return dict(out, status=status, error=error)
@@ -179,14 +143,13 @@ def score_submission(task_dir: str, submission: str) -> dict:
     except ValueError as e:  # e.g. f1 with labels that do not fit the task's pos_label
         return invalid("metric_error", f"{meta['metric']} could not be computed: {e}")
     return dict(out, valid=True, metric=metric, figures=coach_figures(meta, truth, values),
-                relative_score=relative_score(metric, meta["baseline"], meta["best"]))  # fmt: skip
+                relative_score=relative_score(metric, meta["baseline"], meta["best"]))
 
 
 def coach_figures(meta: dict, truth: pd.DataFrame, pred: pd.DataFrame) -> dict:
-    """What the authors' coach is shown of a valid submission besides the task metric, and grades by: accuracy
-    for labels (a classification task not scored on probabilities), and for regression RMSE, MAE and RMSE as a
-    percentage of the true target's range and interquartile range (their ground_truth_utils.py). Aggregates only:
-    no answer reaches the coach."""
+    """The figures besides the metric that the authors' coach grades by (their ground_truth_utils.py): accuracy
+    for labels; for regression RMSE, MAE and RMSE as a percentage of the target's range and interquartile range.
+    Aggregates only: no answer reaches the coach."""
     if meta["data_type"] != "regression":
         return {} if METRICS[meta["metric"]][2] else {"accuracy": metric_value("accuracy", truth, pred)}
     y, p = truth.to_numpy(dtype=float).ravel(), pred.to_numpy(dtype=float).ravel()
@@ -197,8 +160,6 @@ def coach_figures(meta: dict, truth: pd.DataFrame, pred: pd.DataFrame) -> dict:
 
 
 # ---------------------------------------------------------------- the environment
-
-
 class DSBenchEnv(MultiAgentEnv):
     task_type = ""  # set per task: "regression" or "classification"
 
@@ -239,21 +200,17 @@ class DSBenchEnv(MultiAgentEnv):
         return score_submission(self.task_dir, os.path.join(self.workspace, SUBMISSION))
 
     def answer_formatted(self, agent, response: str) -> Optional[bool]:
-        """The agent that owes submission.csv: is the file there and valid after this action?"""
+        """For the agent that owes submission.csv: is the file there and valid after this action?"""
         return self.submission_check()["valid"] if SUBMISSION in self.contract.get(agent.name, []) else None
 
     def outcome(self) -> dict:
         check = self.submission_check()
-        return {
-            "success": check.pop("valid"),
-            **check,
-            "missing_files": {a: m for a, files in self.contract.items() if (m := self.missing(files))},
-        }
+        missing = {a: m for a, files in self.contract.items() if (m := self.missing(files))}
+        return {"success": check.pop("valid"), **check, "missing_files": missing}
 
     def coach_ground_truth(self, agent) -> Optional[str]:
-        """The contract state right after this agent's action (the rollout asks just after `step`), so the
-        coach can blame the agent whose file is missing; the Analyst's coach also gets the submission's
-        validation and score, never the answers. The heuristic coach parses these lines."""
+        """The contract state right after the action (the rollout asks just after `step`), so the coach can blame
+        the agent whose file is missing; for the Analyst also the submission's check. The heuristic parses it."""
         names = [a.name for a in self.topology.agents]
         upstream = [f for a in names[: names.index(agent.name)] for f in self.contract.get(a, [])]
         own = self.contract.get(agent.name, [])
@@ -269,7 +226,7 @@ class DSBenchEnv(MultiAgentEnv):
             if c["valid"]:
                 rel = "n/a" if c["relative_score"] is None else f"{c['relative_score']:.3f}"
                 lines.append(f"Submission check: valid; {c['metric_name']} = {c['metric']:.6g} (baseline "
-                             f"{c['baseline']:.6g}, best {c['best']:.6g}); relative score {rel}")  # fmt: skip
+                             f"{c['baseline']:.6g}, best {c['best']:.6g}); relative score {rel}")
                 if c["figures"]:
                     lines.append("Submission figures: " + ", ".join(f"{k} = {v:.4g}" for k, v in c["figures"].items()))
             else:

@@ -1,30 +1,10 @@
 """DSBench tasks: import the official data layout, or build an offline pack from scikit-learn's bundled data.
 
-Both end in the same place: one task directory per task (see envs/dsbench.py) and a tasks.jsonl for
-`--data.prompt_dataset`. `make_pack` writes a small DSBench-style layout and metadata and then runs the
-very importer real data goes through, so the offline pack exercises the import path too.
-
-The official layout (users download it themselves):
-
-    DATA_ROOT/data_resplit/<task>/train.csv, test.csv, sample_submission.csv
-    DATA_ROOT/answers/<task>/test_answer.csv
-
-with JSON Lines metadata rows {prompt, answer: null, metadata: {task_id, data_type, train_file, test_file,
-answer_dir, url}} (e.g. mappa-bench's dsbench_modeling_*.json). The metadata paths are relocated under
-DATA_ROOT from their "data_resplit/" or "answers/" part onwards. Choices where DSBench's files are silent:
-
-- metric: metadata "metric" if present, else read from the prompt's evaluation text (`infer_metric`). Tasks
-  scored by a metric this project does not implement (log loss, SMAPE, Gini, kappa, ...) are skipped with
-  the metric named, not scored by a wrong one.
-- id and target columns: the header of sample_submission.csv (first column the id, the rest targets).
-- baseline: metadata "baseline" if present, else the metric of a constant prediction made from train.csv
-  alone (the training mean for regression metrics, the majority label for accuracy/F1, the positive rate
-  for ROC-AUC, which scores 0.5) against the hidden answers.
-- best: metadata "best" if present, else the metric's perfect value (1 for accuracy/F1/ROC-AUC/R², 0 for
-  errors). The offline pack sets it to a reference model's score instead, like DSBench's best entry.
-
-Task directories link to the data (symlinks), they do not copy it. pandas and scikit-learn (seconds to import)
-load only once the input has been read and checked, so that `mappa dsbench import` refuses bad input at once.
+Both write one task directory per task (envs/dsbench.py) and a tasks.jsonl; `make_pack` writes a small
+DSBench-style layout and runs the very importer real data goes through. Where DSBench's files are silent
+(docs/reference.md, "DSBench pipeline"), a metric not implemented here skips the task rather than score it
+wrongly. pandas and scikit-learn (seconds to import) load only once the input has been checked, so that
+`mappa dsbench import` refuses bad input at once.
 """
 
 from __future__ import annotations
@@ -76,6 +56,7 @@ def constant_baseline(metric: str, train: pd.DataFrame, truth: pd.DataFrame, pos
 
 
 def _relocate(data_root: str, path: str) -> str:
+    """A metadata path moved under data_root, from its "data_resplit/" or "answers/" part onwards."""
     for anchor in ("data_resplit/", "answers/"):
         if anchor in path:
             return os.path.join(data_root, anchor + path.split(anchor, 1)[1])
@@ -83,14 +64,17 @@ def _relocate(data_root: str, path: str) -> str:
 
 
 def import_tasks(data_root: str, metadata_path: str, out_dir: str) -> tuple:
-    """Write out_dir/<task_id>/ and out_dir/tasks.jsonl; return (task rows, [skip reasons])."""
+    """Write out_dir/<task_id>/ and out_dir/tasks.jsonl; return (task rows, [skip reasons]). Metadata rows (as in
+    DSBench's dsbench_modeling_*.json): {prompt, metadata: {task_id, data_type, train_file, test_file, answer_dir,
+    url, and optionally metric, baseline, best, pos_label}}."""
     with open(metadata_path, encoding="utf-8") as f:
         text = f.read()
     try:  # JSON Lines, as mappa-bench ships it, or one JSON list
-        rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+        rows = (json.loads(text) if text.lstrip().startswith("[")
+                else [json.loads(x) for x in text.splitlines() if x.strip()])
     except json.JSONDecodeError as e:
         raise ValueError(f"{metadata_path}: broken JSON: {e}") from None
-    for i, row in enumerate(rows if isinstance(rows, list) else [rows], 1):
+    for i, row in enumerate(rows, 1):
         if not isinstance(row, dict) or not isinstance(row.get("metadata") or {}, dict):
             raise ValueError(f"{metadata_path}: entry {i} is not a task's record (a JSON object with a 'metadata' "
                              f"object)")
@@ -100,11 +84,10 @@ def import_tasks(data_root: str, metadata_path: str, out_dir: str) -> tuple:
     tasks, skipped = [], []
     for row in rows:
         meta = row.get("metadata") or {}
-        task_id = meta.get("task_id", "?")
         try:
             tasks.append(_import_one(data_root, row, meta, out_dir))
         except (OSError, ValueError) as e:
-            skipped.append(f"{task_id}: {e}")
+            skipped.append(f"{meta.get('task_id', '?')}: {e}")
     if tasks:
         with open(os.path.join(out_dir, "tasks.jsonl"), "w", encoding="utf-8") as f:
             f.writelines(json.dumps(t) + "\n" for t in tasks)
@@ -147,7 +130,7 @@ def _import_one(data_root: str, row: dict, meta: dict, out_dir: str) -> dict:
         train_columns = pd.read_csv(sources["train.csv"], nrows=0).columns
         if any(c not in train_columns for c in targets):
             raise ValueError(f"cannot compute a baseline: train.csv lacks target column(s) {targets}; "
-                             "add 'baseline' to the metadata")  # fmt: skip
+                             "add 'baseline' to the metadata")
         train = pd.read_csv(sources["train.csv"], usecols=targets)
         baseline = constant_baseline(metric, train, truth, meta.get("pos_label"))
     best = meta.get("best", METRICS[metric][3])
@@ -159,11 +142,9 @@ def _import_one(data_root: str, row: dict, meta: dict, out_dir: str) -> dict:
         if os.path.lexists(link):
             os.remove(link)
         os.symlink(os.path.abspath(src), link)
-    task_json = {
-        "task_id": meta["task_id"], "data_type": meta["data_type"], "metric": metric,
-        "id_column": id_column, "target_columns": targets, "baseline": float(baseline), "best": float(best),
-        "url": meta.get("url", ""),
-    }  # fmt: skip
+    task_json = {"task_id": meta["task_id"], "data_type": meta["data_type"], "metric": metric, "id_column": id_column,
+                 "target_columns": targets, "baseline": float(baseline), "best": float(best),
+                 "url": meta.get("url", "")}
     if meta.get("pos_label") is not None:
         task_json["pos_label"] = meta["pos_label"]
     with open(os.path.join(task_dir, "task.json"), "w", encoding="utf-8") as f:
@@ -172,14 +153,14 @@ def _import_one(data_root: str, row: dict, meta: dict, out_dir: str) -> dict:
 
 
 # ---------------------------------------------------------------- the offline pack
-
-# (task id, sklearn loader, data type, metric, what the target is)
-PACK = [
-    ("sk-diabetes", "load_diabetes", "regression", "rmse", "a quantitative measure of disease progression one year after baseline"),
-    ("sk-breast-cancer", "load_breast_cancer", "classification", "roc_auc", "whether the tumour is benign (1) or malignant (0)"),
+PACK = [  # (task id, sklearn loader, data type, metric, what the target is)
+    ("sk-diabetes", "load_diabetes", "regression", "rmse",
+     "a quantitative measure of disease progression one year after baseline"),
+    ("sk-breast-cancer", "load_breast_cancer", "classification", "roc_auc",
+     "whether the tumour is benign (1) or malignant (0)"),
     ("sk-wine", "load_wine", "classification", "accuracy", "the cultivar of the wine (0, 1 or 2)"),
     ("sk-iris", "load_iris", "classification", "f1_macro", "the iris species (setosa, versicolor or virginica)"),
-]  # fmt: skip
+]
 METRIC_TEXT = {
     "rmse": "the root mean squared error (RMSE) between the predicted and the actual values",
     "roc_auc": "the area under the ROC curve between the predicted probability and the observed target",
@@ -189,11 +170,9 @@ METRIC_TEXT = {
 
 
 def make_pack(out_dir: str, seed: int = 0) -> tuple:
-    """Build the offline pack from datasets shipped inside scikit-learn (no download), deterministically.
-
-    70/30 split (stratified for classification), hidden answers, baseline = a constant predictor (as for
-    imported tasks), best = a random forest's score (a strong, honest reference; a perfect value would
-    make every real model look poor). Returns import_tasks' (task rows, skip reasons)."""
+    """Build the offline pack from datasets inside scikit-learn (no download), deterministically; returns
+    import_tasks'. A 70/30 split (stratified for classification), baseline a constant predictor, best a random
+    forest's score (a perfect value would make every real model look poor)."""
     import numpy as np
     import pandas as pd
     from sklearn import datasets
@@ -212,17 +191,15 @@ def make_pack(out_dir: str, seed: int = 0) -> tuple:
         X.insert(0, "id", np.arange(1000, 1000 + len(X)))
         stratify = y if data_type == "classification" else None
         X_tr, X_te, y_tr, y_te = train_test_split(X, y, test_size=0.3, random_state=seed, stratify=stratify)
-        data_dir = os.path.join(raw, "data_resplit", task_id)
-        answer_dir = os.path.join(raw, "answers", task_id)
-        os.makedirs(data_dir, exist_ok=True)
-        os.makedirs(answer_dir, exist_ok=True)
+        data_dir, answer_dir = os.path.join(raw, "data_resplit", task_id), os.path.join(raw, "answers", task_id)
+        for d in (data_dir, answer_dir):
+            os.makedirs(d, exist_ok=True)
         X_tr.assign(target=y_tr).to_csv(os.path.join(data_dir, "train.csv"), index=False)
         X_te.to_csv(os.path.join(data_dir, "test.csv"), index=False)
         placeholder = y_tr.mode().iloc[0] if metric in ("accuracy", "f1_macro") else 0.5
-        pd.DataFrame({"id": X_te["id"], "target": placeholder}).to_csv(
-            os.path.join(data_dir, "sample_submission.csv"), index=False
-        )
-        pd.DataFrame({"id": X_te["id"], "target": y_te}).to_csv(os.path.join(answer_dir, "test_answer.csv"), index=False)
+        for where, target in ((os.path.join(data_dir, "sample_submission.csv"), placeholder),
+                              (os.path.join(answer_dir, "test_answer.csv"), y_te)):
+            pd.DataFrame({"id": X_te["id"], "target": target}).to_csv(where, index=False)
 
         features, test = X_tr.drop(columns="id"), X_te.drop(columns="id")
         forest = RandomForestRegressor if data_type == "regression" else RandomForestClassifier
@@ -245,7 +222,7 @@ def make_pack(out_dir: str, seed: int = 0) -> tuple:
             "train_file": f"./data_resplit/{task_id}/train.csv", "test_file": f"./data_resplit/{task_id}/test.csv",
             "answer_dir": f"./answers/{task_id}", "url": f"sklearn.datasets.{loader}",
             "metric": metric, "best": best,
-        }})  # fmt: skip
+        }})
     metadata_path = os.path.join(raw, "metadata.jsonl")
     with open(metadata_path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(m) + "\n" for m in metadata)

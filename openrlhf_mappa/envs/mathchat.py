@@ -1,10 +1,6 @@
-"""MathChat: competition math solved by a Problem Solver, a Code Executor and a Verifier, in that order.
-
-The agents, prompts, action limits and views come from the topology (examples/configs/mathchat.yaml); the
-default `MultiAgentEnv` behaviour already runs the Code Executor's Python and shows each agent what its view
-selects of the agents before it. This file adds what MathChat means by success: the last agent's final
-`\\boxed{}` answer equals the task's answer, as judged by `grade` (math-verify, with a plain-number comparison
-as the fast path).
+"""MathChat (examples/configs/mathchat.yaml): a Problem Solver, a Code Executor and a Verifier, in that order.
+The default `MultiAgentEnv` already runs the Code Executor's Python; success is the last agent's final
+`\\boxed{}` answer equal to the task's answer (`grade`).
 """
 
 import re
@@ -25,7 +21,6 @@ class MathChatEnv(MultiAgentEnv):
             boxed = extract_boxed(entry.response) if entry.agent == last_agent else None
             if boxed is not None:
                 return boxed
-        return None
 
     def answer_formatted(self, agent, response: str) -> Optional[bool]:
         """Only the last agent owes the team a final answer, written as \\boxed{...}."""
@@ -33,11 +28,7 @@ class MathChatEnv(MultiAgentEnv):
 
     def outcome(self) -> dict:
         answer = self.final_answer()
-        return {
-            "success": grade(answer, self.task["answer"]),
-            "answer": answer,
-            "answered": answer is not None,
-        }
+        return {"success": grade(answer, self.task["answer"]), "answer": answer, "answered": answer is not None}
 
 
 def extract_boxed(text: str) -> Optional[str]:
@@ -60,12 +51,9 @@ def extract_boxed(text: str) -> Optional[str]:
 
 
 def grade(predicted, reference) -> bool:
-    """Is the final answer right? `answers_match` first (exact numbers, LaTeX noise: fast, no sympy), then
-    math-verify, which also sees equal expressions (\\frac{\\sqrt{3}}{2} vs \\frac{\\sqrt3}{2}, 2^{10} vs 1024).
-
-    math-verify bounds its sympy work with SIGALRM, which only the main thread may use; the rollout and
-    `mappa eval` call this from the main thread. Elsewhere it runs unbounded rather than silently fail.
-    """
+    """Is the final answer right? `answers_match` first (fast, no sympy), then math-verify, which also sees
+    equal expressions (2^{10} vs 1024). Its time bound is SIGALRM, which only the main thread may use (the
+    rollout's and `mappa eval`'s calls): elsewhere it runs unbounded rather than silently fail."""
     if predicted is None:
         return False
     if answers_match(predicted, reference):
