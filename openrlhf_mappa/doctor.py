@@ -1,11 +1,10 @@
-"""`mappa doctor`: the cluster self-check before a long job. It takes the training command's flags, with a small model
-for every agent (--mappa.model), builds the launch's own placement, engines and actors (launch.build_agents), runs
-one step's worth of each (generate, experience, train, sync) and checks on the cluster itself what the CPU tests
-cannot: each agent's weights reach its own engines and no other agent's, sleep frees GPU memory, a LoRA adapter's
-reload shows in generation, thread counts, host memory. It prints a table and exits 1 on any failure.
+"""`mappa doctor`: the cluster self-check before a long job. With the training command's flags and a small model
+(--mappa.model), it builds the launch's placement, engines and actors, runs one step of each and checks what CPU
+tests cannot: each agent's weights reach its own engines only, sleep frees GPU memory, a LoRA reload shows in
+generation, thread counts, host memory. A table; exit 1 on any failure.
 
-To make each agent's weights visibly its own, every agent trains one step on a text of its own at lr 1e-2 (a
-constant schedule, no warm-up): in bf16, the recipe's 1e-6 would move nothing an engine's log-probs could show.
+Each agent trains one step on a text of its own at lr 1e-2 (constant, no warm-up), so its weights are visibly its
+own: in bf16, the recipe's 1e-6 would move nothing an engine's log-probs could show.
 """
 
 import os
@@ -17,14 +16,13 @@ import torch
 from openrlhf_mappa import placement, rewards
 from openrlhf_mappa.episode import Action
 
-SAME, APART = 0.02, 0.05  # nats: an engine against its actor (bf16 vs the actor: ~0.003 measured); agents apart
+SAME, APART = 0.02, 0.05  # nats: an engine against its own actor (bf16 rounding); agents' weights apart
 PROBE = "Probe: 7 + 5 = 12, the answer is 12."
 
 
 def probe(agents, text: str = PROBE) -> dict:
-    """Per agent, the log-probs of one fixed text under its engines ("engines"; "engine": engine 0's) and its actor
-    ("actor"; "actor_ranks": each data-parallel rank's), and for a LoRA agent under its base ("base": the adapter
-    off). Engines asleep (--vllm.enable_sleep) are woken first; vLLM ignores the call for an awake engine."""
+    """Per agent, the log-probs of `text` under its engines ("engines"; "engine": engine 0's), its actor ("actor";
+    "actor_ranks": per rank) and, for LoRA, its base ("base"). Sleeping engines are woken first."""
     from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
     from vllm import SamplingParams
 
@@ -45,7 +43,8 @@ def probe(agents, text: str = PROBE) -> dict:
         per_rank = [r[0].float().tolist() for r in ray.get(ag.actor.async_run_method_batch(**forward))]
         out["actor"][ag.spec.name], out["actor_ranks"][ag.spec.name] = per_rank[0], per_rank
         if adapter:  # and the base it trains on, with the adapter off: its reference
-            out.setdefault("base", {})[ag.spec.name] = ray.get(ag.ref.async_run_method_batch(**forward))[0][0].float().tolist()
+            base = ray.get(ag.ref.async_run_method_batch(**forward))[0][0]
+            out.setdefault("base", {})[ag.spec.name] = base.float().tolist()
     return out
 
 
@@ -74,7 +73,7 @@ def device_free_gib():
     return torch.get_device_module(torch.accelerator.current_accelerator()).mem_get_info()[0] / placement.GIB
 
 
-def train_one_step(ag, args, step: int = 1):
+def train_one_step(ag, args):
     """One real step of an agent (OpenRLHF's experience maker, whitening, train_step and sync) on train.batch_size
     copies of two replies to a text of its own, one rewarded, one not."""
     from openrlhf_mappa.trainer import experience_of
@@ -89,7 +88,7 @@ def train_one_step(ag, args, step: int = 1):
     maker = ag.trainer.experience_maker
     batch = {ag.spec.name: maker.make_experience(maker.split_rollout_samples([experience_of(a) for a in actions]))}
     rewards.compute_advantages(batch, args.algo.kl.init_coef, scope="agent")
-    return ag.trainer.train_step(batch[ag.spec.name], step)[0]
+    return ag.trainer.train_step(batch[ag.spec.name], 1)[0]
 
 
 def run_checks(args, topology, agents) -> list:
@@ -196,7 +195,8 @@ def doctor(args, topology) -> int:
     args.ckpt.load_enable, args.ckpt.save_steps = False, -1
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s, [a.model for a in topology.agents])
+    startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s,
+                              [a.model for a in topology.agents])
     startup.start()
     try:
         agents = build_agents(args, topology, {spec.name: 1 for spec in topology.agents}, startup)

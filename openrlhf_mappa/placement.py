@@ -1,45 +1,20 @@
 """The GPU plan, before any actor starts (`mappa plan`, and the same check at launch): which GPU holds which
-agent's actor, reference and vLLM engines, and an estimate of each GPU's peak memory in each phase of a step.
-A plan that cannot fit is refused, naming the smallest change that would fit.
+agent's actor, reference and vLLM engines, and each GPU's estimated peak memory in each phase of a step
+(rollout, experience, train, sync: what sleeps in each, and the placements, in docs/reference.md). A plan that
+cannot fit is refused, naming the smallest change that would.
 
-Placement (--mappa.colocate): none: each agent's actor ranks, reference ranks and engines on GPUs of their own.
-agent: agent k's actor rank i, reference rank i and engine i share its GPU i (the authors' setup). team: every
-agent's actor rank i, reference rank i and engine i share the team's GPU i. Colocated, one GPU holds one rank
-of each, so an agent's actor, reference and engines need as many GPUs each, and an engine one GPU.
-
-Phases of a step and what sleeps in them (OpenRLHF's hybrid engine, as the team loop runs it):
-  rollout: every engine awake (weights and KV cache); with --ds.enable_sleep every actor offloaded: its
-      gradients and fp32 Adam states (master weights, m, v) on CPU, its bf16 weights kept (OpenRLHF's
-      offload_deepspeed_states; a no-op with --ds.adam_offload, whose Adam states live on CPU anyway).
-  experience: with --vllm.enable_sleep every engine asleep (level 1: weights on CPU, KV cache dropped); the
-      actor (still offloaded) and reference forwards run one at a time on a shared GPU (OpenRLHF's colocated
-      experience maker waits for each, and the team makes one agent's experiences at a time).
-  train: the actor reloaded and trained. Team colocation trains the agents in turn (reload, train, offload,
-      sync), so a shared GPU's peak is everything held plus the largest single agent's train additions.
-  sync: the syncing agent's engines wake their weights alone (no KV cache) and its actor gathers each tensor;
-      colocated, the tensor is passed by CUDA IPC, a copy of it. In turn under team colocation, as train.
-Without --vllm.enable_sleep engines hold weights and KV cache in every phase; without --ds.enable_sleep
-actors hold all their states in every phase.
-
-Memory model, per GPU, in bytes. P parameters, D data-parallel ranks, b micro-batch, s = --data.max_len
-tokens (the longest action a rollout lets through), h hidden size, L layers, V vocabulary, I intermediate
-size, k = key/value heads x head dim, TP an engine's tensor-parallel size:
-  training states (ZeRO paper, bf16 with fp32 Adam): weights 2P, gradients 2P, Adam (fp32 master, m, v) 12P.
-      ZeRO-1 shards Adam over D, ZeRO-2 also the gradients, ZeRO-3 also the weights. --ds.adam_offload moves
-      Adam to CPU memory. The reference holds weights only (sharded under ZeRO-3; on CPU with --ref.offload).
-  activations: with gradient checkpointing, every layer's input b*s*h*2 (x L) plus one layer recomputed in
-      backward, b*s*(6h + 2k + 4I)*2; without it, the latter for all L layers. Eager attention adds the
-      score matrix, b*heads*s^2*4, per stored layer. A forward pass without gradients holds one layer's.
-  logits: b*s*V x 10 bytes when training (fp32 logits kept for backward, their fp32 gradient, its bf16
-      copy), x 6 in a forward pass (bf16 output and its fp32 copy).
-  ZeRO-3 gathers two layers' weights at a time (the current and the prefetched one): 2 x layer params x 2;
-      the weight sync gathers the largest tensor, the embedding, V*h*2 (and its CUDA IPC copy, colocated).
-  a vLLM engine takes --vllm.gpu_memory_utilization x the GPU: weights 2P/TP, an activation reserve (8192
-      batched tokens through one layer, logits of 256 sequences), and the rest is KV cache of 2*L*k*2 bytes
-      per token / TP. It must hold one --data.max_len sequence, or vLLM refuses to start.
-  CUDA context and communication buffers: 1 GiB per process (DeepSpeed rank or engine; vLLM's share of
-      the GPU is measured after its own).
-It is an estimate at the worst case the flags allow (every action --data.max_len tokens long).
+Memory per GPU in bytes, at the worst case the flags allow (every action --data.max_len tokens). P parameters,
+D data-parallel ranks, b micro-batch, s = --data.max_len, h hidden, L layers, V vocabulary, I intermediate,
+k = key/value heads x head dim, TP an engine's tensor-parallel size:
+  training states (ZeRO, bf16 with fp32 Adam): weights 2P, gradients 2P, Adam 12P; ZeRO-1 shards Adam over D,
+      ZeRO-2 also the gradients, ZeRO-3 also the weights; --ds.adam_offload puts Adam in host memory.
+  activations: checkpointed, each layer's input b*s*h*2 (x L) plus one layer recomputed, b*s*(6h + 2k + 4I)*2;
+      eager attention adds b*heads*s^2*4 per stored layer. A forward without gradients holds one layer's.
+  logits: b*s*V x 10 training (fp32 logits, their fp32 gradient, a bf16 copy), x 6 in a forward pass.
+  ZeRO-3 gathers two layers' weights at a time; the sync gathers the embedding, V*h*2 (and a CUDA IPC copy).
+  a vLLM engine: --vllm.gpu_memory_utilization x the GPU, less weights 2P/TP and an activation reserve (8192
+      batched tokens, logits of 256 sequences), is KV cache, 2*L*k*2 / TP bytes per token.
+  CUDA context and communication buffers: 1 GiB per process (DeepSpeed rank or engine).
 """
 
 import copy
@@ -59,10 +34,8 @@ DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def agent_args(args, spec):
-    """A per-agent copy of OpenRLHF's args: its model, resources, and checkpoint/export paths.
-
-    OpenRLHF's actor, checkpoint and sync code read `strategy.args`, so a per-agent strategy built from
-    this copy keeps every agent's files and sync group apart."""
+    """A per-agent copy of OpenRLHF's args (model, resources, checkpoint/export paths): OpenRLHF's actor,
+    checkpoint and sync code read `strategy.args`, so each agent's files and sync group stay apart."""
     a = copy.deepcopy(args)
     a.actor.model_name_or_path = spec.model
     a.actor.num_gpus_per_node = spec.num_gpus_per_node or args.actor.num_gpus_per_node
@@ -75,15 +48,15 @@ def agent_args(args, spec):
     if spec.lora is not None:  # OpenRLHF's actor wraps its model with peft from these
         l = spec.lora
         a.ds.lora.rank, a.ds.lora.alpha, a.ds.lora.dropout = l.rank, l.alpha, l.dropout
-        a.ds.lora.target_modules = l.target_modules[0] if l.target_modules == ("all-linear",) else list(l.target_modules)
+        a.ds.lora.target_modules = "all-linear" if l.target_modules == ("all-linear",) else list(l.target_modules)
     # The team logs once (MappaTrainer); each agent's OpenRLHF trainer would open a wandb run of its own.
     a.logger.wandb.key, a.logger.tensorboard_dir = None, None
     return a
 
 
 def trainee_specs(args, topology) -> list:
-    """The agents that own weights: all of them, or with --mappa.shared_policy only the first, whose one
-    policy then plays every role (the baseline MAPPA's separate weights are compared against)."""
+    """The agents that own weights: all, or with --mappa.shared_policy only the first, whose policy plays every
+    role (the baseline MAPPA's separate weights are compared against)."""
     if not args.mappa.shared_policy:
         return topology.agents
     models = {spec.model for spec in topology.agents}
@@ -94,28 +67,28 @@ def trainee_specs(args, topology) -> list:
 
 
 def colocation_problems(args, topology) -> list:
-    """What --mappa.colocate cannot place, in words (empty: it can). Colocated, one GPU holds one actor rank,
-    one reference rank and one engine of an agent (of every agent, for a team), so the three need as many
-    GPUs each, and an engine one GPU (tensor-parallel engines across shared GPUs are not built)."""
+    """What --mappa.colocate cannot place, in words. A shared GPU holds one actor rank, reference rank and engine
+    of each agent on it, so the three need as many GPUs each; tensor-parallel engines there are not built."""
     if args.mappa.colocate == "none":
         return []
     out, sizes = [], {}
     for spec in trainee_specs(args, topology):
         a = agent_args(args, spec)
-        gpus = a.actor.num_nodes * a.actor.num_gpus_per_node
-        sizes[spec.name] = gpus
-        if a.algo.kl.init_coef > 0 and spec.lora is None and a.ref.num_nodes * a.ref.num_gpus_per_node != gpus:
-            out.append(f"agent {spec.name!r}: {a.ref.num_nodes * a.ref.num_gpus_per_node} reference GPUs, but its actor has "
-                       f"{gpus}; colocated they share GPUs one rank each (--ref.num_gpus_per_node)")
+        sizes[spec.name] = gpus = a.actor.num_nodes * a.actor.num_gpus_per_node
+        refs = a.ref.num_nodes * a.ref.num_gpus_per_node
+        if a.algo.kl.init_coef > 0 and spec.lora is None and refs != gpus:
+            out.append(f"agent {spec.name!r}: {refs} reference GPUs, but its actor has {gpus}; colocated they share "
+                       f"GPUs one rank each (--ref.num_gpus_per_node)")
         if a.vllm.tensor_parallel_size != 1:
-            out.append(f"--vllm.tensor_parallel_size {a.vllm.tensor_parallel_size}: colocated engines take one GPU each")
+            out.append(f"--vllm.tensor_parallel_size {a.vllm.tensor_parallel_size}: colocated engines take one GPU "
+                       f"each")
         elif a.vllm.num_engines != gpus:
             out.append(f"agent {spec.name!r}: {a.vllm.num_engines} vLLM engines on its actor's {gpus} GPUs; colocated, "
                        f"one engine per GPU (--vllm.num_engines {gpus})")
     pools = lora_pools(args, topology)
     if pools and args.mappa.colocate == "agent":
-        out.append(f"LoRA engine pools ({', '.join(pools)}) serve several agents, so they cannot sit on one agent's GPUs: "
-                   f"use --mappa.colocate team or none")
+        out.append(f"LoRA engine pools ({', '.join(pools)}) serve several agents, so they cannot sit on one agent's "
+                   f"GPUs: use --mappa.colocate team or none")
     if args.mappa.colocate == "team" and len(set(sizes.values())) > 1:
         out.append("--mappa.colocate team puts every agent on one GPU set, but the agents' actors have different GPU "
                    f"counts ({', '.join(f'{n}: {g}' for n, g in sizes.items())}); give them one num_gpus_per_node")
@@ -123,9 +96,8 @@ def colocation_problems(args, topology) -> list:
 
 
 def gpu_share(args, topology) -> float:
-    """The fraction of a GPU that each colocated actor rank, reference rank and engine asks Ray for: one over
-    the models one GPU holds (OpenRLHF hard-codes 0.2, which fits one policy's three, not a team's). Rounded
-    down to Ray's 1e-4 resolution, so the shares of one GPU never sum above 1."""
+    """The GPU fraction each colocated model asks Ray for: one over the models a GPU holds (OpenRLHF's 0.2 fits
+    one policy's three, not a team's), rounded down to Ray's 1e-4 so a GPU's shares never sum above 1."""
     specs = trainee_specs(args, topology)[: None if args.mappa.colocate == "team" else 1]
     full = [spec for spec in specs if spec.lora is None]  # a LoRA agent: no reference, and its pool's engines
     engines = len(full) + len({spec.pool for spec in specs if spec.lora is not None})
@@ -158,6 +130,10 @@ class ModelSize:
         shapes = self.linear_shapes()
         names = shapes if "all-linear" in targets else [t for t in targets if t in shapes]
         return self.layers * sum(rank * sum(shapes[n]) for n in names)
+
+    @property
+    def layer_act(self) -> int:  # activation bytes per token through one decoder layer
+        return 2 * (6 * self.hidden + 2 * self.kv_dim + 4 * self.intermediate)
 
 
 def model_size(config: dict) -> ModelSize:
@@ -220,13 +196,10 @@ class Group:
 
 
 def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -> list:
-    """The groups of one agent (its per-agent args `a`), memory per GPU by the model in the docstring. A LoRA
-    agent (`lora`, topology.Lora) trains its adapter's A parameters only: gradients and Adam states of A, not
-    of P; it has no reference group (its reference is the base, the adapter off, on its actor) and no
-    engines of its own (its pool's, pool_engines)."""
+    """One agent's groups (`a` its args), by the module docstring's model. A LoRA agent trains its adapter only
+    and has no reference group (its actor, adapter off) and no engines of its own (its pool's)."""
     s, h, L, V = a.data.max_len, size.hidden, size.layers, size.vocab
-    layer_act = 2 * (6 * h + 2 * size.kv_dim + 4 * size.intermediate)  # bytes per token, one layer
-    token_layer = layer_act + (size.heads * s * 4 if a.ds.attn_implementation == "eager" else 0)  # + scores
+    token_layer = size.layer_act + (size.heads * s * 4 if a.ds.attn_implementation == "eager" else 0)  # + scores
 
     def forward(b: int) -> dict:  # no gradients: one layer's activations at a time, then the logits
         return {"activations": b * s * token_layer / GIB, "logits": b * s * V * 6 / GIB}
@@ -246,7 +219,8 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     if offloads:  # asleep, its states wait in pinned host memory
         host = dict(states)
     b = a.train.micro_batch_size
-    stored = b * s * h * 2 * L + b * s * token_layer if a.actor.gradient_checkpointing_enable else b * s * token_layer * L
+    stored = (b * s * h * 2 * L + b * s * token_layer if a.actor.gradient_checkpointing_enable
+              else b * s * token_layer * L)
     largest = V * h * 2 / GIB  # the embedding, the largest tensor the sync gathers
     ipc = a.mappa.colocate != "none" and a.vllm.sync_backend == "nccl"  # OpenRLHF's colocated sync: CUDA IPC
     weights = {"weights": shard(2 * P, 3) / GIB, **({"adapter": shard(2 * trained, 3) / GIB} if lora else {})}
@@ -259,8 +233,8 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     }, host={**host, "process": HOST_PROCESS_GIB})
     if lora:
         actor.notes.append(f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {trained / 1e6:.1f}M trained "
-                           f"parameters ({100 * trained / P:.2f}% of the model); a sync sends {2 * trained / 2**20:.0f} "
-                           f"MiB, not {2 * P / 2**20:.0f} MiB")
+                           f"parameters ({100 * trained / P:.2f}% of the model); a sync sends "
+                           f"{2 * trained / 2**20:.0f} MiB, not {2 * P / 2**20:.0f} MiB")
         if a.algo.kl.init_coef > 0:
             actor.notes.append("reference log-probs: this actor with the adapter off (no reference group)")
     if a.ds.adam_offload:
@@ -272,43 +246,42 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     groups = [actor]
     if a.algo.kl.init_coef > 0 and not lora:
         R = a.ref.num_nodes * a.ref.num_gpus_per_node
-        weights = 0.0 if a.ref.offload else 2 * P / (R if zero3 else 1) / GIB
-        groups.append(Group(name, "reference", R, 1, {"weights": weights, "CUDA context": CONTEXT_GIB}, {
+        weights = 2 * P / (R if zero3 else 1) / GIB
+        groups.append(Group(name, "reference", R, 1, {"weights": 0.0 if a.ref.offload else weights,
+                                                      "CUDA context": CONTEXT_GIB}, {
             "experience": {**forward(a.rollout.micro_batch_size), **(gathered if zero3 or a.ref.offload else {})}},
-            host={**({"weights": 2 * P / (R if zero3 else 1) / GIB} if a.ref.offload else {}), "process": HOST_PROCESS_GIB}))
+            host={**({"weights": weights} if a.ref.offload else {}), "process": HOST_PROCESS_GIB}))
     return groups if lora else groups + [engine_group(a, name, size, gpu_gib)]
 
 
 def engine_group(a, name: str, size: ModelSize, gpu_gib: float, adapters: list = ()) -> Group:
     """The vLLM engines of one agent, or of a LoRA pool (`name` the pool's, `adapters` its agents' Lora): the
     base once, and for LoRA a slot per agent at the pool's max_lora_rank on every targeted layer."""
-    s, L, V = a.data.max_len, size.layers, size.vocab
-    layer_act = 2 * (6 * size.hidden + 2 * size.kv_dim + 4 * size.intermediate)
-    tp = a.vllm.tensor_parallel_size
-    budget = a.vllm.gpu_memory_utilization * gpu_gib
+    s, tp = a.data.max_len, a.vllm.tensor_parallel_size
     weights = 2 * size.params / tp / GIB
     if adapters:  # vLLM allocates max_loras slots of max_lora_rank on each module any adapter targets
         targets = sorted({t for lora in adapters for t in lora.target_modules})
-        weights += len(adapters) * 2 * size.lora_params(pool_max_rank([lora.rank for lora in adapters]), targets) / tp / GIB
-    reserve = (VLLM_BATCHED_TOKENS * layer_act + VLLM_SEQS * V * 4) / tp / GIB
-    kv_token = 2 * L * size.kv_dim * 2 / tp
-    kv = budget - weights - reserve
+        rank = pool_max_rank([lora.rank for lora in adapters])
+        weights += len(adapters) * 2 * size.lora_params(rank, targets) / tp / GIB
+    reserve = (VLLM_BATCHED_TOKENS * size.layer_act + VLLM_SEQS * size.vocab * 4) / tp / GIB
+    kv = max(a.vllm.gpu_memory_utilization * gpu_gib - weights - reserve, 0.0)
     label = "weights" + (f" + {len(adapters)} LoRA slots" if adapters else "")
-    awake = {label: weights, "activation reserve": reserve, "KV cache": max(kv, 0.0)}
+    awake = {label: weights, "activation reserve": reserve, "KV cache": kv}
     # Outside vLLM's share of the GPU: the CUDA context, and its captured CUDA graphs unless --vllm.enforce_eager.
     outside = {"CUDA context": CONTEXT_GIB, **({} if a.vllm.enforce_eager else {"CUDA graphs": GRAPHS_GIB})}
+    gpus = a.vllm.num_engines * tp
     if a.vllm.enable_sleep:  # level 1: weights to CPU, KV cache dropped; the sync wakes the weights alone
-        engines = Group(name, "vllm", a.vllm.num_engines * tp, tp, outside, {"rollout": awake, "sync": {label: weights}},
+        engines = Group(name, "vllm", gpus, tp, outside, {"rollout": awake, "sync": {label: weights}},
                         host={label: weights, "process": HOST_PROCESS_GIB})
         engines.notes.append("--vllm.enable_sleep: asleep outside the rollout (its weights in host memory); the sync "
                              "wakes its weights alone")
     else:
-        engines = Group(name, "vllm", a.vllm.num_engines * tp, tp, {**awake, **outside}, host={"process": HOST_PROCESS_GIB})
-    tokens = int(max(kv, 0) * GIB / kv_token)
-    engines.notes.append(f"KV cache {max(kv, 0):.1f} GiB = {tokens} tokens = {tokens // s} sequences of {s} per engine")
+        engines = Group(name, "vllm", gpus, tp, {**awake, **outside}, host={"process": HOST_PROCESS_GIB})
+    tokens = int(kv * GIB / (2 * size.layers * size.kv_dim * 2 / tp))  # K and V, bf16, per layer
+    engines.notes.append(f"KV cache {kv:.1f} GiB = {tokens} tokens = {tokens // s} sequences of {s} per engine")
     if tokens < s:
         engines.problems.append(f"{name}'s vLLM engines: {a.vllm.gpu_memory_utilization:g} x {gpu_gib:g} GiB leaves "
-                                f"{max(kv, 0):.1f} GiB of KV cache, {tokens} tokens, fewer than one --data.max_len "
+                                f"{kv:.1f} GiB of KV cache, {tokens} tokens, fewer than one --data.max_len "
                                 f"sequence ({s}); vLLM would refuse to start")
     return engines
 
@@ -323,8 +296,8 @@ def pool_max_rank(ranks: list) -> int:
 
 
 def lora_pools(args, topology) -> dict:
-    """LoRA engine pools of the trainees: pool label (its name, or its base model's last path part) -> its
-    agents' specs, in the order the agents are listed."""
+    """LoRA engine pools of the trainees, in the agents' order: pool label (its name, or its base model's last
+    path part) -> its agents' specs."""
     pools = {}
     for spec in trainee_specs(args, topology):
         if spec.lora is not None:
@@ -345,9 +318,8 @@ def gpu_set(colocate: str, agent: str, own) -> object:
 
 
 def layout(groups: list, colocate: str) -> list:
-    """GPU slots in the order the agents are built, each a list of (group, index in the group) it holds.
-    Colocated, rank i of the groups that share GPUs sits on slot i of their set, as the trainer puts them on
-    bundle i of one placement group (a set's GPU count is its largest group's, when the counts differ)."""
+    """GPU slots in build order, each the (group, index) pairs it holds. Colocated, rank i of the groups sharing
+    GPUs sits on slot i of their set, as the trainer puts them on bundle i of one placement group."""
     sets = {}
     for g in groups:
         sets.setdefault(gpu_set(colocate, g.agent, id(g)), []).append(g)
@@ -355,8 +327,7 @@ def layout(groups: list, colocate: str) -> list:
 
 
 def slot_label(slot: list) -> str:
-    """What one GPU holds, in words: `problem_solver: actor, reference, vLLM engine #0` when it holds rank i of
-    every group of its set."""
+    """What one GPU holds, in words (`problem_solver: actor, reference, vLLM engine #0` for rank i of each)."""
     agents = list(dict.fromkeys(g.agent for g, _ in slot))
     kinds = list(dict.fromkeys(g.kind for g, _ in slot))
     if len(slot) > 1 and len({i for _, i in slot}) == 1 and len(slot) == len(agents) * len(kinds):
@@ -404,8 +375,8 @@ class Plan:
         return sum(sets.values())
 
     def peak(self, slot: list, phase: str) -> float:
-        """What the GPU holds plus what the phase adds. Engines generate at once; the experience forwards run
-        one at a time on a GPU, and the agents train and sync in turn (the module docstring)."""
+        """What the GPU holds plus what the phase adds. Engines generate at once; a GPU's experience forwards
+        run one at a time, and a team's agents train and sync in turn."""
         adds = {}
         for g, _ in slot:
             unit = {"rollout": None, "experience": id(g)}.get(phase, g.agent)
@@ -419,8 +390,8 @@ class Plan:
             phase = max(PHASES, key=lambda p: self.peak(slot, p))
             key = tuple(id(g) for g, _ in slot)
             if self.peak(slot, phase) > self.gpu_gib and key not in out:
-                out[key] = (f"GPU {i} ({slot_label(slot)}) needs {self.peak(slot, phase):.1f} GiB in the {phase} phase, "
-                            f"more than its {self.gpu_gib:g} GiB")
+                out[key] = (f"GPU {i} ({slot_label(slot)}) needs {self.peak(slot, phase):.1f} GiB in the {phase} "
+                            f"phase, more than its {self.gpu_gib:g} GiB")
         return out
 
     def groups(self) -> list:
@@ -468,14 +439,14 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
         counts[f"{pool}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
         size = known[specs[0].name][1]
         if gpu_gib is not None and isinstance(size, ModelSize):
-            groups.append(engine_group(a, pool, size, gpu_gib, [spec.lora for spec in specs]))
-            groups[-1].notes.append(f"serves {', '.join(spec.name for spec in specs)}: the base model once, each agent's "
-                                    f"adapter by request (max_loras {len(specs)}, max_lora_rank {pool_max_rank([x.lora.rank for x in specs])})")
-            # The choice: an actor group per agent (each holds the base; agents on GPUs of their own train at once),
-            # not one per base model switching adapters (the base once, but the pool's agents train in turn).
+            engines = engine_group(a, pool, size, gpu_gib, [spec.lora for spec in specs])
             base = 2 * size.params / (a.actor.num_nodes * a.actor.num_gpus_per_node) / GIB
-            groups[-1].notes.append(f"actors: one group per agent, {len(specs)} x {base:.1f} GiB of base weights per actor "
-                                    f"rank; one group per base model would hold {base:.1f} GiB but train them in turn")
+            engines.notes += [f"serves {', '.join(spec.name for spec in specs)}: the base model once, each agent's "
+                              f"adapter by request (max_loras {len(specs)}, max_lora_rank "
+                              f"{pool_max_rank([x.lora.rank for x in specs])})",
+                              f"actors: one group per agent, {len(specs)} x {base:.1f} GiB of base weights per actor "
+                              f"rank; one group per base model would hold {base:.1f} GiB but train them in turn"]
+            groups.append(engines)
     colocate = args.mappa.colocate
     return Plan(counts, layout(groups, colocate), known, gpu_gib, colocate, colocation_problems(args, topology),
                 args.mappa.host_memory_gib, args.mappa.gpus_per_node)
@@ -500,29 +471,18 @@ def with_changes(args, settings: list):
 
 
 def memory_flags(args) -> list:
-    """The memory savings OpenRLHF offers and MAPPA honours, not yet on, that cost no extra GPU: sleep first
-    on colocated GPUs (what colocation is for)."""
-    out = []
-    if args.mappa.colocate != "none":
-        out += [(s, "enable_sleep", True) for s in ("vllm", "ds") if not getattr(args, s).enable_sleep]
-    if not args.actor.gradient_checkpointing_enable:
-        out.append(("actor", "gradient_checkpointing_enable", True))
-    if args.ds.zero_stage < 3:
-        out.append(("ds", "zero_stage", 3))
-    if args.train.micro_batch_size > 1:
-        out.append(("train", "micro_batch_size", 1))
-    if args.rollout.micro_batch_size > 1:
-        out.append(("rollout", "micro_batch_size", 1))
-    if args.algo.kl.init_coef > 0 and not args.ref.offload:
-        out.append(("ref", "offload", True))
-    if not args.ds.adam_offload:
-        out.append(("ds", "adam_offload", True))
-    return out
+    """The memory savings OpenRLHF offers and MAPPA honours, not yet on, that cost no GPU; sleep first when
+    colocated (what colocation is for)."""
+    out = [("vllm", "enable_sleep", True), ("ds", "enable_sleep", True)] * (args.mappa.colocate != "none")
+    out += [("actor", "gradient_checkpointing_enable", True), ("ds", "zero_stage", 3), ("train", "micro_batch_size", 1),
+            ("rollout", "micro_batch_size", 1), *[("ref", "offload", True)] * (args.algo.kl.init_coef > 0),
+            ("ds", "adam_offload", True)]
+    return [(s, k, v) for s, k, v in out if getattr(getattr(args, s), k) != v]
 
 
 def colocation(args, topology, mode: str) -> list:
-    """The settings of a placement: colocated, with sleep on; a team's engines, all awake in the rollout,
-    each take an equal part of the GPU share the flags give one engine."""
+    """The settings of a placement: colocated, sleep on; a team's engines, all awake in the rollout, split the
+    GPU share the flags give one engine."""
     out = [("mappa", "colocate", mode)] + [(s, "enable_sleep", True) for s in ("vllm", "ds") if mode != "none"]
     if mode == "team" and args.mappa.colocate != "team":
         share = args.vllm.gpu_memory_utilization / len(trainee_specs(args, topology))
@@ -536,11 +496,9 @@ def has_reference(args, topology) -> bool:
 
 
 def single_changes(args, topology, memory_known: bool) -> list:
-    """Changes of one flag (or one placement), smallest first: memory savings that cost no GPU, then fewer
-    GPUs for a component (fewer engines first), then colocation, then more GPUs for one (a bigger share of
-    the cluster), then all savings at once, then colocation with the savings it needs. Each is (settings,
-    savings), the savings trimmed to those the plan needs. Another placement is proposed only where its
-    memory can be checked: it changes what every GPU holds."""
+    """(settings, savings) changes of one flag or placement, smallest first (the order in docs/reference.md);
+    the savings are trimmed to those the plan needs. Another placement is proposed only where its memory can be
+    checked: it changes what every GPU holds."""
     kl = has_reference(args, topology)
     modes = ("agent", "team", "none") if memory_known else ()
     placements = {mode: colocation(args, topology, mode) for mode in modes if mode != args.mappa.colocate}
@@ -563,9 +521,10 @@ def single_changes(args, topology, memory_known: bool) -> list:
 
 def batch_fits(args, topology) -> bool:
     """train.batch_size splits into whole micro-batches on every trainee's actor ranks (validate's rule)."""
+    micro = (args.train.micro_batch_size, args.rollout.micro_batch_size)
     for spec in trainee_specs(args, topology):
         ranks = args.actor.num_nodes * (spec.num_gpus_per_node or args.actor.num_gpus_per_node)
-        if any(args.train.batch_size % (m * ranks) for m in (args.train.micro_batch_size, args.rollout.micro_batch_size)):
+        if any(args.train.batch_size % (m * ranks) for m in micro):
             return False
     return True
 
@@ -585,11 +544,10 @@ def trim(args, topology, gpus, gpu_gib, sizes, settings: list, savings: list) ->
 
 
 def fewest_gpus(args, topology, gpu_gib: float, sizes: dict):
-    """(GPUs, flags) of the smallest layout that fits, on GPUs of their own and colocated (per agent, as a
-    team), with the flags as given or with the memory savings it needs, whichever takes fewest GPUs (a tie
-    keeps the placement without sleep). On GPUs of their own: one engine per agent, each agent's actor and
-    reference on the fewest GPUs that hold them and the smallest tensor-parallel size that holds the model.
-    Colocated: the fewest GPUs per agent that hold one rank of each. None when no count up to 16 fits."""
+    """(GPUs, flags) of the smallest layout that fits (None: no count up to 16), over each placement, with the
+    flags as given or the memory savings it needs (a tie keeps the one without sleep). On GPUs of their own:
+    one engine per agent, the fewest actor and reference GPUs and the smallest tensor-parallel size that hold
+    the model; colocated, the fewest GPUs per agent that hold one rank of each."""
     kl = has_reference(args, topology)
     found = []
     for savings in ([], memory_flags(args)):
@@ -602,7 +560,7 @@ def fewest_gpus(args, topology, gpu_gib: float, sizes: dict):
                 steps += [({"vllm"}, [("vllm", "tensor_parallel_size")], (1, 2, 4, 8))]
             else:  # one rank of each per GPU: the three counts together
                 moves.append(("vllm", "tensor_parallel_size", 1))
-                keys = [("actor", "num_gpus_per_node")] + [("ref", "num_gpus_per_node")] * kl + [("vllm", "num_engines")]
+                keys = [("actor", "num_gpus_per_node"), *[("ref", "num_gpus_per_node")] * kl, ("vllm", "num_engines")]
                 steps = [({"actor", "reference", "vllm"}, keys, range(1, 17))]
             for kinds, keys, options in steps:
                 for n in options:
@@ -615,8 +573,8 @@ def fewest_gpus(args, topology, gpu_gib: float, sizes: dict):
                     break  # no count fits this component: try again with the memory savings
             else:
                 if fits(with_changes(args, savings + moves), topology, None, gpu_gib, sizes):
-                    kept = trim(args, topology, None, gpu_gib, sizes, moves, savings)
-                    found.append((make_plan(with_changes(args, kept + moves), topology).need, flags(args, kept + moves)))
+                    kept = trim(args, topology, None, gpu_gib, sizes, moves, savings) + moves
+                    found.append((make_plan(with_changes(args, kept), topology).need, flags(args, kept)))
     return min(found, key=lambda f: f[0], default=None)
 
 
@@ -637,7 +595,8 @@ def check(args, topology, gpus: int, gpu_gib: float = None, sizes: dict = None) 
             if len(fixes) == 3:
                 break
     if fixes:
-        lines.append(f"Smallest change that fits: {fixes[0]}" + (f" (others: {'; '.join(fixes[1:])})" if fixes[1:] else ""))
+        others = f" (others: {'; '.join(fixes[1:])})" if fixes[1:] else ""
+        lines.append(f"Smallest change that fits: {fixes[0]}{others}")
     elif plan.host_problems():
         most = max(sum(need.values()) for _, need in plan.nodes())
         lines.append(f"Smallest change that fits: nodes with at least {math.ceil(most)} GiB of host memory, or fewer "
@@ -657,16 +616,15 @@ def check(args, topology, gpus: int, gpu_gib: float = None, sizes: dict = None) 
             lines.append(f"Smallest change that fits: {fewest[1]} ({fewest[0]} GPUs)")
         else:
             n, found = fewest
-            lines.append(f"Smallest change that fits: more GPUs. This team needs at least {n} GPUs of {gpu_gib:g} GiB: "
-                         f"{found}" + (f"; as configured, {plan.need}" if plan.need != n else ""))
+            lines.append(f"Smallest change that fits: more GPUs. This team needs at least {n} GPUs of {gpu_gib:g} "
+                         f"GiB: {found}" + (f"; as configured, {plan.need}" if plan.need != n else ""))
     raise ValueError("\n".join(lines))
 
 
 def least_gpu_memory(args, topology, most: float = 1024.0) -> tuple:
-    """(GiB, unknown) for `mappa plan` where the GPUs' memory is not known: the least memory per GPU, to 0.1 GiB,
-    that the memory check accepts (None: not even `most`), and the agents whose model size is unknown, which it
-    leaves out as the check does. Found by bisection, since a vLLM engine takes its share of whatever the GPU
-    has: a GPU's peak grows with its size, but slower, so a plan that fits one size fits every larger one."""
+    """(GiB, unknown): the least memory per GPU, to 0.1 GiB, the memory check accepts (None: not even `most`),
+    and the agents of unknown model size it leaves out. Bisection is sound: an engine takes a share of whatever
+    the GPU has, so a GPU's peak grows with its size, but slower, and a plan that fits one size fits larger."""
     plan = make_plan(args, topology, most)
     sizes = {name: size for name, (_, size) in plan.sizes.items()}  # config.json read once
     unknown = [f"{name} ({model}): {size}" for name, (model, size) in plan.sizes.items() if isinstance(size, str)]
@@ -702,7 +660,8 @@ def format_plan(plan: Plan, gpus: int = None) -> str:
         lines = []
         for g in (g for g in plan.groups() if g.agent == owner):
             parts = " + ".join(f"{k} {v:.1f}" for k, v in g.held.items())
-            lines.append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {parts} = {sum(g.held.values()):.1f} GiB held")
+            lines.append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {parts} = {sum(g.held.values()):.1f} "
+                         f"GiB held")
             lines += [f"    {phase} adds " + " + ".join(f"{k} {v:.1f}" for k, v in extra.items())
                       for phase, extra in g.adds.items() if extra]
             lines.append("    host memory, each: " + " + ".join(f"{k} {v:.1f}" for k, v in g.host.items())
@@ -721,8 +680,8 @@ def format_plan(plan: Plan, gpus: int = None) -> str:
             out.append(f"\n{name}: {model}, the same as {seen[model, *lines]}")
             continue
         seen[model, *lines] = name
-        out.append(f"\n{name}: {model}, {size.params / 1e9:.2f}B parameters ({size.layers} layers, hidden {size.hidden}, "
-                   f"vocabulary {size.vocab})")
+        out.append(f"\n{name}: {model}, {size.params / 1e9:.2f}B parameters ({size.layers} layers, hidden "
+                   f"{size.hidden}, vocabulary {size.vocab})")
         out += lines
     for pool in dict.fromkeys(g.agent for g in plan.groups() if g.agent not in plan.sizes):  # LoRA engine pools
         out += [f"\n{pool}:"] + breakdown(pool)
@@ -730,8 +689,8 @@ def format_plan(plan: Plan, gpus: int = None) -> str:
 
 
 def host_memory_gib(available: bool = False) -> float:
-    """This machine's memory (`available`: what is available of it now, MemAvailable), or its container's limit
-    (cgroup v2 memory.max) where that is lower."""
+    """This machine's memory, or its container's limit (cgroup v2 memory.max) where lower; `available`: what
+    is available now (MemAvailable)."""
     if available:
         with open("/proc/meminfo") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024 / GIB

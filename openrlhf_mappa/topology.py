@@ -1,8 +1,6 @@
-"""A team of agents, their order, their environment and the coach prompt, read from one YAML file.
-
-Everything is checked when the file is loaded, so a typo fails in the first second of a run with a message
-that names the file and what to fix, not an hour later inside a Ray worker.
-"""
+"""A team of agents, their order, their environment and the coach prompt, read from one YAML file. Everything is
+checked on load, so a typo fails in the first second with a message naming the file and what to fix, not an hour
+later inside a Ray worker."""
 
 import dataclasses
 import difflib
@@ -32,21 +30,20 @@ STAGE_KEYS = ("name", "template", "when")
 SWITCH_RULE_RE = re.compile(r"\s*(\S+)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*")
 SWITCH_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 SWITCH_NAMESPACES = ("step", "agent/<agent>/<metric>", "outcome/success_rate", "coach/<metric>", "coach_bias/<...>")
-# The per-agent keys the trainer logs (trainer.step_metrics, evaluation.behaviour_metrics); a rule on any other
-# agent key would never fire. tests/test_criteria.py checks this list against what a step really logs.
-AGENT_METRICS = (
-    "coach_score", "outcome_success", "truncated_left_out", "trained_actions", "dropped_for_batching", "updated",
-    "kl", "policy_loss", "actor_lr", "actor_grad_norm", "ppo_clip_ratio", "num_actions", "action_length",
-    "tool_use_rate", "tool_error_rate", "code_error_rate", "truncated_rate", "prompt_truncated",
-    "prompt_too_long_skipped", "answer_format_rate", "sync_mib", "full_sync_mib",
-)  # fmt: skip
+# The per-agent keys a step logs (trainer.step_metrics, evaluation.behaviour_metrics; tests/test_criteria.py
+# checks them): a rule on any other agent key would never fire.
+AGENT_METRICS = tuple(
+    "coach_score outcome_success truncated_left_out trained_actions dropped_for_batching updated kl policy_loss "
+    "actor_lr actor_grad_norm ppo_clip_ratio num_actions action_length tool_use_rate tool_error_rate "
+    "code_error_rate truncated_rate prompt_truncated prompt_too_long_skipped answer_format_rate sync_mib "
+    "full_sync_mib".split()
+)
 
 
 @dataclass(frozen=True)
 class View:
-    """Which earlier actions of OTHER agents an agent's {history} shows. Its own earlier actions in the episode
-    always follow its prompt as turns of the chat (its reply, then its tool output), as the authors' agents
-    saw them. YAML: `view: all | previous | [names]`, or a mapping of these fields."""
+    """Which earlier actions of OTHER agents an agent's {history} shows (its own always follow its prompt as chat
+    turns, as the authors' agents saw them). YAML: `view: all | previous | [names]`, or a mapping of these."""
 
     agents: Union[str, tuple] = "all"  # "all", or a tuple of agent names ("previous" is resolved when the file loads)
     actions: str = "all"  # "last": each agent's final reply (and, with tool_output, its latest code run) only
@@ -56,8 +53,8 @@ class View:
 
 @dataclass(frozen=True)
 class CoachStage:
-    """One coach template of a criteria schedule (topology key coach_templates) and the rule that switches
-    to it after a step: `metric op threshold` on that step's logged metrics (None for the first stage)."""
+    """One coach template of a criteria schedule (coach_templates) and the rule `metric op threshold` on a
+    step's logged metrics that switches to it after that step (None for the first stage)."""
 
     name: str
     template: str
@@ -81,9 +78,8 @@ LORA_KEYS = ("rank", "alpha", "target_modules", "dropout", "pool")
 
 @dataclass(frozen=True)
 class Lora:
-    """An agent's LoRA adapter (topology key `lora`): it trains only these weights on a frozen base model, its
-    reference is that base with the adapter off, and it generates on its pool's engines, which serve the base
-    once and every pool agent's adapter by request."""
+    """An agent's LoRA adapter (key `lora`), trained on a frozen base that is its reference with the adapter off;
+    it generates on its pool's engines, which serve the base once and each member's adapter by request."""
 
     rank: int
     alpha: float  # peft's scaling is alpha / rank
@@ -119,24 +115,20 @@ class Topology:
     name: str
     env: str  # "package.module:Class", or a built-in short name such as "mathchat"
     agents: list  # list[AgentSpec]; in the order they act, unless the env's next_agents decides otherwise
-    # str.format template; fields: PROMPT_FIELDS (with coach_templates: the first's). None: not given, which
-    # only a run whose coach is never sent it may leave out (check_coach_template).
+    # str.format template, fields PROMPT_FIELDS (with coach_templates: the first's); None only where no coach is
+    # sent it (check_coach_template).
     coach_template: Optional[str]
     env_kwargs: dict = field(default_factory=dict)  # extra keyword arguments of the env's constructor
     score_key: str = DEFAULT_SCORE_KEY  # a text reply of the coach states its score on a line `<score_key>: <n>`
     reward_scale: float = 1.0  # every reward is multiplied by it (coach score and outcome alike; see rewards.py)
-    # Criteria that change over training: the coach templates in the order they take over, each after the
-    # first with its switch rule (topology key coach_templates). Empty: coach_template throughout.
-    coach_stages: list = field(default_factory=list)
-    # The most actions one episode may take (None: the sum of the agents' max_actions); an episode that would
-    # take more is stopped and counted as a failure (see rollout.run_episode).
-    max_episode_actions: Optional[int] = None
+    coach_stages: list = field(default_factory=list)  # coach_templates' stages in order; empty: coach_template
+    max_episode_actions: Optional[int] = None  # None: the max_actions summed; past it, stopped as a failure
     review_template: Optional[str] = None  # hindsight prompt (fields: coach.REVIEW_FIELDS); None: the default
 
     def check_coach_template(self, path: str, kind: str, mode: str, scored: bool = True) -> None:
-        """Refuse a topology without coach_template where a coach is sent it: an LLM coach (kind openai) asked
-        about each action (mode per_action or both) in a run that asks the coach at all (`scored`: not an outcome
-        baseline). A hindsight review sends review_template alone, and the heuristic coach reads no prompt."""
+        """Refuse a missing coach_template where a coach is sent it: an openai coach asked per action (mode
+        per_action or both) in a run that asks it at all (`scored`: not an outcome baseline). Hindsight sends
+        review_template alone; the heuristic coach reads no prompt."""
         if self.coach_template is None and kind == "openai" and mode != "hindsight" and scored:
             raise ValueError(f"{path}: {MISSING_COACH_TEMPLATE}: coach mode {mode} sends it to the coach with every "
                              f"action (mode hindsight needs none: it sends one review prompt per episode, "
@@ -150,9 +142,8 @@ class Topology:
         return self.env_class()(self, task, workspace, **self.env_kwargs)
 
     def check_env(self, tasks: list, label: str) -> None:
-        """Build the environment once per task type, from the first task of that type, in a scratch workspace:
-        env_kwargs the environment itself rejects (a value of the wrong type, a goal that is no regex) are refused
-        before a run starts, with its own message, instead of raising inside the first rollout."""
+        """Build the env once per task type (its first task, a scratch workspace): env_kwargs it rejects (a wrong
+        type, a goal that is no regex) are refused with its message before a run, not in the first rollout."""
         import tempfile
 
         first = {}
@@ -169,15 +160,16 @@ class Topology:
                                      f"{e}") from e
 
 
-MISSING_COACH_TEMPLATE = "'coach_template' is missing or empty; it must be a non-empty string (or give coach_templates)"
-TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "coach_templates", "env_kwargs", "score_key", "reward_scale",
-                 "max_episode_actions", "review_template")
+MISSING_COACH_TEMPLATE = ("'coach_template' is missing or empty; it must be a non-empty string (or give "
+                          "coach_templates)")
+TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "coach_templates", "env_kwargs", "score_key",
+                 "reward_scale", "max_episode_actions", "review_template")
 AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec))
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last value silently, so a
-    second `max_actions:` under an agent would quietly replace the first. Merge keys (<<) may still override."""
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML silently keeps the last, so a second
+    `max_actions:` would replace the first). Merge keys (<<) may still override."""
 
     def construct_mapping(self, node, deep=False):
         first = {}
@@ -208,9 +200,7 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
 
     if not isinstance(raw, dict):
         fail("expected a mapping with keys " + ", ".join(TOPOLOGY_KEYS))
-    unknown = sorted(set(raw) - set(TOPOLOGY_KEYS))
-    if unknown:
-        fail(f"unknown key(s) {unknown}; allowed top-level keys: {', '.join(TOPOLOGY_KEYS)}")
+    _check_keys(raw, TOPOLOGY_KEYS, "", fail, "allowed top-level keys")
     team = _parse_team_keys(raw, fail)
     try:
         env_cls = load_env_class(raw["env"])
@@ -223,8 +213,8 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
         templates.append(("coach_template", team["coach_template"]))
     for label, template in templates:
         if team["score_key"].lower() not in template.lower():
-            # Not an error (a server with JSON-schema output never needs the line), but a text coach that is not
-            # told the key states its score some other way, and every such verdict costs a re-prompt or fails.
+            # Not an error (JSON-schema output needs no such line), but a text coach not told the key states its
+            # score some other way, and each such verdict costs a re-prompt or fails.
             logger.warning("%s: %s never names the score key %s; ask for a last line `%s: <0-10>` "
                            "or set score_key to the key it asks for", path, label, team["score_key"], team["score_key"])
     if stages:
@@ -236,14 +226,14 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
 
 
 def _parse_team_keys(raw: dict, fail) -> dict:
-    """The top-level keys other than name, agents and coach_templates, checked: Topology's fields by name."""
+    """The top-level keys other than name, agents and coach_templates, checked, as Topology's fields."""
     if not isinstance(raw.get("env"), str) or not raw["env"].strip():
         fail("'env' is missing or empty; it must be a non-empty string")
     if "coach_templates" in raw and "coach_template" in raw:
         fail("give either 'coach_template' (one coach prompt) or 'coach_templates' (prompts that take over in "
              "turn, each after a switch rule), not both")
-    # Left out, it is refused where a coach would be sent it (Topology.check_coach_template): the file is read
-    # before, and apart from, the flags that say whether any coach reads it.
+    # Left out, it is refused only where a coach is sent it (check_coach_template): the file is read apart from
+    # the flags that say whether any coach reads it.
     if "coach_template" in raw:
         if not isinstance(raw["coach_template"], str) or not raw["coach_template"].strip():
             fail(MISSING_COACH_TEMPLATE)
@@ -263,19 +253,17 @@ def _parse_team_keys(raw: dict, fail) -> dict:
     is_number = isinstance(reward_scale, (int, float)) and not isinstance(reward_scale, bool)
     if not (is_number and 0 < reward_scale < float("inf")):
         fail(f"'reward_scale' must be a positive number (1.0: coach scores as given), got {reward_scale!r}")
-    max_episode_actions = raw.get("max_episode_actions")
-    if max_episode_actions is not None and (isinstance(max_episode_actions, bool) or not isinstance(max_episode_actions, int)
-                                            or max_episode_actions < 1):  # fmt: skip
+    limit = raw.get("max_episode_actions")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         fail(f"'max_episode_actions' must be an integer >= 1 or left out (the sum of the agents' max_actions), "
-             f"got {max_episode_actions!r}")
+             f"got {limit!r}")
     return dict(env=raw["env"], coach_template=raw.get("coach_template"), env_kwargs=env_kwargs, score_key=score_key,
-                reward_scale=float(reward_scale), max_episode_actions=max_episode_actions,
-                review_template=review_template)
+                reward_scale=float(reward_scale), max_episode_actions=limit, review_template=review_template)
 
 
 def _parse_agents(rows, env_cls: type, model_override: Optional[str], fail) -> list:
-    """The agents in their order, each checked alone, then what they must agree on: distinct names, LoRA pools,
-    and views naming only agents that exist (and, in a chain, act before them)."""
+    """The agents in order, each checked alone, then together: distinct names, LoRA pools, and views naming
+    only agents that exist (and, in a chain, act before them)."""
     if not isinstance(rows, list) or not rows:
         fail("'agents' must be a non-empty list; each agent needs at least name, model, role and prompt")
     agents = [_parse_agent(row, i, model_override, fail) for i, row in enumerate(rows)]
@@ -284,9 +272,9 @@ def _parse_agents(rows, env_cls: type, model_override: Optional[str], fail) -> l
     if duplicated:
         fail(f"agent name(s) {duplicated} used more than once; every agent needs its own name")
     _check_pools(agents, fail)
-    # Only the default workflow (the chain) fixes who acts before whom; an env with its own next_agents may
-    # let any agent see any other.
-    chain = getattr(getattr(env_cls, "next_agents", None), "chain", False)  # MultiAgentEnv's own (envs/base.py)
+    # Only the default workflow (MultiAgentEnv's own next_agents, a chain) fixes who acts before whom; an env
+    # with its own next_agents may let any agent see any other.
+    chain = getattr(getattr(env_cls, "next_agents", None), "chain", False)
     for i, (agent, row) in enumerate(zip(agents, rows)):
         agent.view = _parse_view(row.get("view", "all"), names, i, chain, fail)
     return agents
@@ -294,9 +282,8 @@ def _parse_agents(rows, env_cls: type, model_override: Optional[str], fail) -> l
 
 def _check_env_kwargs(env_cls: type, topology: Topology, fail) -> None:
     """A misspelt env_kwargs key fails here, not in the first rollout. A constructor's **kwargs usually go on to
-    its base class (super().__init__(..., **kwargs)), so the keys it takes are its own named ones and those of
-    the next __init__ in the MRO, until one without **kwargs. A chain whose last **kwargs nothing after it takes
-    (the class reads them itself) takes any key: not checked here; the env's own check (check_env) remains."""
+    super().__init__, so the keys taken are the named ones of each __init__ in the MRO up to one without
+    **kwargs; where the last **kwargs reach no further __init__ (the class reads them), any key passes here."""
     accepted, readers = [], []
     for cls in env_cls.__mro__[:-1]:  # not object
         if "__init__" not in vars(cls):
@@ -317,7 +304,8 @@ def _check_env_kwargs(env_cls: type, topology: Topology, fail) -> None:
 
     unknown = [key for key in topology.env_kwargs if key not in accepted] if accepted is not None else []
     if unknown:
-        through = f" (the __init__ of {readers[0]} and, through **kwargs, of {', '.join(readers[1:])})" if readers[1:] else ""
+        through = (f" (the __init__ of {readers[0]} and, through **kwargs, of {', '.join(readers[1:])})"
+                   if readers[1:] else "")
         fail(f"env_kwargs do not fit {topology.env}: unknown key(s) {', '.join(map(named, unknown))}; "
              f"{env_cls.__name__} takes {', '.join(accepted) or 'none'}{through}")
     try:  # a required argument left out (relay's goals), a key given twice
@@ -330,9 +318,7 @@ def _parse_agent(row, index: int, model_override: Optional[str], fail) -> AgentS
     if not isinstance(row, dict):
         fail(f"agents[{index}] must be a mapping with keys {', '.join(AGENT_KEYS)}")
     label = f"agent {row.get('name', index)!r}"
-    unknown = sorted(set(row) - set(AGENT_KEYS))
-    if unknown:
-        fail(f"{label}: unknown key(s) {unknown}; allowed agent keys: {', '.join(AGENT_KEYS)}")
+    _check_keys(row, AGENT_KEYS, f"{label}: ", fail, "allowed agent keys")
     row = dict(row)
     row.pop("view", None)  # checked once every agent's name is known (_parse_view)
     if model_override:
@@ -365,9 +351,7 @@ def _parse_lora(raw, label: str, fail) -> Lora:
     label += ": lora"
     if not isinstance(raw, dict):
         fail(f"{label} must be a mapping with keys {', '.join(LORA_KEYS)} (rank is required)")
-    unknown = sorted(set(raw) - set(LORA_KEYS))
-    if unknown:
-        fail(f"{label}: unknown key(s) {unknown}; allowed: {', '.join(LORA_KEYS)}")
+    _check_keys(raw, LORA_KEYS, f"{label}: ", fail)
     rank = raw.get("rank")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         fail(f"{label}: 'rank' must be an integer >= 1, got {rank!r}")
@@ -409,15 +393,11 @@ def _check_pools(agents: list, fail) -> None:
 
 
 def _parse_view(raw, names: list, index: int, chain: bool, fail) -> View:
-    """An agent's view, its names checked. In a chain (the default workflow) agents act in the listed order, so
-    a view may only name agents listed before it (later ones have not acted yet); its own actions are always
-    shown."""
+    """An agent's view, its names checked; in a chain (the default workflow) only agents listed before it."""
     label = f"agent {names[index]!r}: view"
     if not isinstance(raw, dict):
         raw = {"agents": raw}
-    unknown = sorted(set(raw) - set(VIEW_KEYS))
-    if unknown:
-        fail(f"{label}: unknown key(s) {unknown}; allowed: {', '.join(VIEW_KEYS)}")
+    _check_keys(raw, VIEW_KEYS, f"{label}: ", fail)
     agents = raw.get("agents", "all")
     if agents == "previous":
         if index == 0:
@@ -452,9 +432,7 @@ def _parse_stages(rows, agent_names: list, fail) -> list:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             fail(f"coach_templates[{i}] must be a mapping with keys {', '.join(STAGE_KEYS)}")
-        unknown = sorted(set(row) - set(STAGE_KEYS))
-        if unknown:
-            fail(f"coach_templates[{i}]: unknown key(s) {unknown}; allowed: {', '.join(STAGE_KEYS)}")
+        _check_keys(row, STAGE_KEYS, f"coach_templates[{i}]: ", fail)
         name = row.get("name")
         if not isinstance(name, str) or not AGENT_NAME_RE.fullmatch(name):
             fail(f"coach_templates[{i}]: 'name' must be a word of letters, digits, '_' and '-', got {name!r}")
@@ -500,6 +478,12 @@ def _check_switch_metric(metric: str, agent_names: list, label: str, fail) -> No
     fail(f"{label}: unknown metric name {metric!r}; a rule reads one of: {', '.join(SWITCH_NAMESPACES)}")
 
 
+def _check_keys(raw: dict, keys: tuple, label: str, fail, allowed: str = "allowed") -> None:
+    unknown = sorted(set(raw) - set(keys))
+    if unknown:
+        fail(f"{label}unknown key(s) {unknown}; {allowed}: {', '.join(keys)}")
+
+
 def _check_template(template: str, allowed: tuple, label: str, fail) -> None:
     """Reject fields str.format would not fill; a bad template would otherwise fail mid-rollout."""
     try:
@@ -510,61 +494,63 @@ def _check_template(template: str, allowed: tuple, label: str, fail) -> None:
         if name not in allowed:
             shown = "{" + name + "}"
             fail(f"{label}: unknown field {shown}; allowed fields: {', '.join(allowed)} "
-                 "(write {{ and }} for literal braces, e.g. \\boxed{{}})")  # fmt: skip
+                 "(write {{ and }} for literal braces, e.g. \\boxed{{}})")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 HUB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")  # org/name
 
 
 def check_model(model: str, label: str) -> None:
-    """Refuse, before any cluster starts, a model the actors could not load: a local directory needs a
-    config.json and a tokenizer; anything else must look like a hub id (org/name, its org not a local
-    directory) and, offline (HF_HUB_OFFLINE), be in the local cache. Otherwise a typo is looked up on the
-    hub inside a Ray actor minutes later, and a non-model directory fails with a misleading sentencepiece error."""
+    """Refuse, before any cluster starts, a model the actors could not load: a directory without config.json and
+    a tokenizer (it would fail with a misleading sentencepiece error), or not a hub id (org/name) on the hub or,
+    offline, in the cache (a typo would be looked up inside a Ray actor minutes later)."""
     if os.path.isdir(model):
         missing = [] if os.path.isfile(os.path.join(model, "config.json")) else ["config.json"]
         if not any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
             missing.append("tokenizer files (one of " + ", ".join(TOKENIZER_FILES) + ")")
         if missing:
-            raise ValueError(f"{label}: {model} is not a Hugging Face model directory: it has no {' and no '.join(missing)}")
+            raise ValueError(f"{label}: {model} is not a Hugging Face model directory: it has no "
+                             f"{' and no '.join(missing)}")
         return
+    where = "" if os.path.isabs(model) else f" (relative to {os.getcwd()})"
     if not HUB_ID_RE.fullmatch(model) or os.path.isdir(model.split("/")[0]):
-        where = "" if os.path.isabs(model) else f" (relative to {os.getcwd()})"
         raise ValueError(f"{label}: model {model!r} is not a directory{where}; give a local model directory or a "
                          f"Hugging Face id (org/name)")
     from huggingface_hub import constants, errors, get_session, hf_hub_download, is_offline_mode, try_to_load_from_cache
 
     if is_offline_mode():
         if not isinstance(try_to_load_from_cache(model, "config.json"), str):
-            raise ValueError(f"{label}: model {model!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                             f"downloads are off (HF_HUB_OFFLINE): download it first, or unset HF_HUB_OFFLINE")
+            raise ValueError(f"{label}: model {model!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                             f"and downloads are off (HF_HUB_OFFLINE): download it first, or unset HF_HUB_OFFLINE")
         return
     # Resolved on the hub now, its config.json into the cache (the plan reads it): a typo, a gated model or a hub
     # out of reach is named here, not inside every Ray actor after the cluster started.
-    where = f"not a local directory{'' if os.path.isabs(model) else f' (relative to {os.getcwd()})'}"
     try:
-        # One plain request first: hf_hub_download retries a hub out of reach for about 25 s before it says so.
+        # One plain request first: hf_hub_download retries a hub out of reach for a long while before saying so.
         get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
         hf_hub_download(model, "config.json")
     except errors.GatedRepoError:
-        raise ValueError(f"{label}: model {model!r} is gated on the Hugging Face hub: accept its terms there and export "
-                         f"HF_TOKEN (on the head node, before `ray start`)") from None
+        raise ValueError(f"{label}: model {model!r} is gated on the Hugging Face hub: accept its terms there and "
+                         f"export HF_TOKEN (on the head node, before `ray start`)") from None
     except errors.RepositoryNotFoundError:
-        raise ValueError(f"{label}: model {model!r} is {where}, nor a model on the Hugging Face hub ({constants.ENDPOINT}): "
-                         f"check the path or name (a private model needs HF_TOKEN)") from None
+        raise ValueError(f"{label}: model {model!r} is not a local directory{where}, nor a model on the Hugging Face "
+                         f"hub ({constants.ENDPOINT}): check the path or name (a private model needs HF_TOKEN)") \
+            from None
     except errors.RemoteEntryNotFoundError:
-        raise ValueError(f"{label}: the hub repository {model!r} has no config.json: not a transformers model") from None
+        raise ValueError(f"{label}: the hub repository {model!r} has no config.json: not a transformers "
+                         f"model") from None
     except (errors.LocalEntryNotFoundError, errors.HTTPError, OSError) as e:
-        raise ValueError(f"{label}: model {model!r} is {where}, and the Hugging Face hub ({constants.ENDPOINT}) could not "
-                         f"be reached to fetch its config.json ({type(e).__name__}): check the path, the network or "
-                         f"HF_ENDPOINT; or download the model first and set HF_HUB_OFFLINE=1") from None
+        raise ValueError(f"{label}: model {model!r} is not a local directory{where}, and the Hugging Face hub "
+                         f"({constants.ENDPOINT}) could not be reached to fetch its config.json ({type(e).__name__}): "
+                         f"check the path, the network or HF_ENDPOINT; or download the model first and set "
+                         f"HF_HUB_OFFLINE=1") from None
 
 
 def check_lora(spec: AgentSpec, label: str) -> None:
-    """Refuse, before any cluster starts, LoRA target modules the model does not have: peft would fail inside
-    a Ray actor minutes later. The dense families' linear layers are known from config.json; another model is
-    built on the meta device (no weights read) to list them."""
+    """Refuse, before any cluster starts, LoRA target modules the model lacks (peft would fail inside a Ray actor
+    minutes later): the dense families' linear layers come from config.json, another model's from a meta build."""
     if spec.lora is None or spec.lora.target_modules == ("all-linear",):
         return
     config = placement.read_config(spec.model)

@@ -4,6 +4,7 @@
 import json
 import os
 import sys
+from pathlib import Path
 
 from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, Parser, ranged,
                                                 refusals)
@@ -58,9 +59,9 @@ def build_parser():
                    "--mappa.gpu_memory_gib: the GPU counts, and the least GPU memory the plan needs); exit 1 when "
                    "it does not fit")
 
-    sub.add_parser("doctor", help="the cluster self-check before a long job: takes the training command's flags, with "
-                   "--mappa.model a small model; starts the team as planned, runs one step of each component and checks "
-                   "weight syncs, sleep, threads and host memory; a table of checks, exit 1 on a failure")
+    sub.add_parser("doctor", help="the cluster self-check before a long job: takes the training command's flags, "
+                   "with --mappa.model a small model; starts the team as planned, runs one step of each component and "
+                   "checks weight syncs, sleep, threads and host memory; a table of checks, exit 1 on a failure")
 
     eval_parser = add_eval_parser(sub)
 
@@ -103,7 +104,8 @@ def build_parser():
     p = sub.add_parser("report", help="write a self-contained HTML report of training runs (curves, coach, episodes)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                    help="a run's --mappa.run_dir (metrics.jsonl, episodes.jsonl, eval.jsonl); several: overlaid")
-    p.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html; several runs: the first's compare.html)")
+    p.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html; several runs: the first's "
+                   "compare.html)")
     return parser, eval_parser, score_parser
 
 
@@ -136,7 +138,8 @@ def add_coach_parser(sub):
     """`mappa coach score`; its parser is returned for the errors rescore_main reports."""
     p = sub.add_parser("coach", help="coach tools")
     coach_sub = p.add_subparsers(dest="coach_command", required=True)
-    p = coach_sub.add_parser("score", help="re-score saved episodes with another coach or template; print the agreement")
+    p = coach_sub.add_parser("score", help="re-score saved episodes with another coach or template; print the "
+                             "agreement")
     p.add_argument("--episodes", required=True, help="episodes.jsonl of a run")
     p.add_argument("--out", required=True, help="one line per action with both verdicts; summary in <out>.summary.json")
     p.add_argument("--kind", choices=["openai", "heuristic"], default="openai")
@@ -172,8 +175,7 @@ def sandbox_main(args):
     from openrlhf_mappa.sandbox import run_python
 
     with refusals("mappa sandbox run:"):
-        with open(args.file, "rb") as f:
-            code = f.read()
+        code = Path(args.file).read_bytes()
         try:
             code = code.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -222,9 +224,8 @@ def merge_lora_main(args):
 
 
 def plan_main(argv) -> int:
-    """`mappa plan`: the launch's own plan and check (placement.py), without a cluster. The GPU memory is this
-    machine's GPUs' unless given; with neither, only the GPU counts are checked, as the launcher checks them
-    before Ray with --mappa.gpus alone, and the least GPU memory the plan needs is said, not assumed."""
+    """`mappa plan`: the launch's plan and check without a cluster, on this machine's GPUs unless given; with no
+    GPU memory known, the counts are checked (as the launcher does) and the least GPU memory needed is said."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.cli.train_mappa_ray import parse_args, validate
     from openrlhf_mappa.topology import load_topology
@@ -271,10 +272,10 @@ def plan_main(argv) -> int:
 
 
 def doctor_main(argv) -> int:
-    """`mappa doctor`: the launch's checks, then the cluster's own (doctor.py); Ray's output into <run_dir>/doctor.log."""
+    """`mappa doctor`: the launch's checks, then the cluster's (doctor.py); Ray's output into <run_dir>/doctor.log."""
     import contextlib
 
-    from openrlhf_mappa.cli.train_mappa_ray import check_team, check_this_machine, output_to, parse_args, refusals
+    from openrlhf_mappa.cli.train_mappa_ray import check_team, check_this_machine, output_to, parse_args
 
     args = parse_args(argv)
     with refusals():
@@ -301,7 +302,7 @@ def eval_inputs(parser, args):
     from openrlhf_mappa.evaluation import load_eval_sets
     from openrlhf_mappa.topology import check_model, load_topology
 
-    with refusals("mappa eval:"):  # every input, before vLLM and Ray load
+    with refusals("mappa eval:"):
         topology = load_topology(args.topology, model_override=args.model)
         models = {spec.name: spec.model for spec in topology.agents}
         if args.checkpoint:
@@ -327,7 +328,8 @@ def eval_inputs(parser, args):
                 adapters[name] = read_record(os.path.join(model, "adapter_config.json"), "the adapter's config")
                 adapters[name]["dir"], models[name] = model, adapters[name].get("base_model_name_or_path") or ""
         for name, model in models.items():
-            check_model(model, f"agent {name!r}" + (f" (the base of its adapter {adapters[name]['dir']})" if name in adapters else ""))
+            base = f" (the base of its adapter {adapters[name]['dir']})" if name in adapters else ""
+            check_model(model, f"agent {name!r}{base}")
         if adapters and args.tensor_parallel_size != 1:
             parser.error("LoRA adapters are served by engines of --tensor-parallel-size 1")
         datasets = load_eval_sets(args.data, args.limit)
@@ -364,22 +366,19 @@ def eval_main(parser, args):
         else:
             engines[model, lora] = create_vllm_engines(
                 args.num_engines, args.tensor_parallel_size, model, args.seed, False, False, args.enforce_eager,
-                args.max_len, None, args.gpu_memory_utilization, False,
-            )  # fmt: skip
+                args.max_len, None, args.gpu_memory_utilization, False)
         tokenizers[model] = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
-    policies = {
-        spec.name: AgentPolicy(
-            engines=engines[group(spec.name)], tokenizer=tokenizers[models[spec.name]],
-            max_new_tokens=spec.max_new_tokens or args.max_new_tokens, max_len=args.max_len,
-            sampling=dict(temperature=args.temperature, top_p=args.top_p), adapter=spec.name if spec.name in adapters else None,
-        )  # fmt: skip
-        for spec in topology.agents
-    }
+    policies = {spec.name: AgentPolicy(engines=engines[group(spec.name)], tokenizer=tokenizers[models[spec.name]],
+                                       max_new_tokens=spec.max_new_tokens or args.max_new_tokens, max_len=args.max_len,
+                                       sampling=dict(temperature=args.temperature, top_p=args.top_p),
+                                       adapter=spec.name if spec.name in adapters else None)
+                for spec in topology.agents}
     workspace = args.workspace or tempfile.mkdtemp(prefix="mappa-eval-")
     results, summaries = {}, {}
     with open(args.out + ".episodes.jsonl", "w", encoding="utf-8") as f:
         for dataset, tasks in datasets.items():
-            episodes = asyncio.run(evaluate(topology, tasks, policies, args.n_samples, os.path.join(workspace, dataset)))
+            episodes = asyncio.run(evaluate(topology, tasks, policies, args.n_samples,
+                                            os.path.join(workspace, dataset)))
             f.writelines(ep.to_json() + "\n" for ep in episodes)
             summary, problems = summarize(episodes, list(models), tasks)
             results[dataset], summaries[dataset] = {"summary": summary, "problems": problems}, summary
@@ -412,9 +411,10 @@ def pool_engines(args, model: str, adapters: dict) -> list:
             enable_lora=True, max_loras=len(adapters), max_lora_rank=pool_max_rank([a["r"] for a in adapters.values()]),
         )
         for i in range(args.num_engines)
-    ]  # fmt: skip
+    ]
     for name, adapter in adapters.items():
-        files = {os.path.basename(f): open(f, "rb").read() for f in glob.glob(os.path.join(adapter["dir"], "adapter_*"))}
+        paths = glob.glob(os.path.join(adapter["dir"], "adapter_*"))
+        files = {os.path.basename(f): open(f, "rb").read() for f in paths}
         ray.get([e.load_adapter.remote(name, files) for e in engines])
     return engines
 
@@ -437,17 +437,15 @@ def rescore_main(parser, args):
         template = topology.coach_template if topology else None
         review_template = topology.review_template if topology else None
         if args.template:
-            with open(args.template, encoding="utf-8") as f:
-                template = f.read()
+            template = Path(args.template).read_text(encoding="utf-8")
         if args.review_template:
-            with open(args.review_template, encoding="utf-8") as f:
-                review_template = f.read()
+            review_template = Path(args.review_template).read_text(encoding="utf-8")
         options = {}
         if args.kind == "openai":
-            score_key = args.score_key or (topology.score_key if topology else DEFAULT_SCORE_KEY)
             options = dict(api_key_env=args.api_key_env, timeout_s=args.timeout, max_concurrency=args.max_concurrency,
                            max_retries=args.max_retries, rpm=args.rpm, structured=args.structured,
-                           max_tokens=args.max_tokens, score_key=score_key, review_template=review_template)
+                           max_tokens=args.max_tokens, review_template=review_template,
+                           score_key=args.score_key or (topology.score_key if topology else DEFAULT_SCORE_KEY))
         coach = build_coach(args.kind, template=template, model=args.model, base_url=args.base_url,
                             cache_path=args.cache, **options)
         actions = rescore.read_actions(args.episodes)
