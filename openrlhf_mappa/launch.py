@@ -35,12 +35,11 @@ def check_placement(args, topology) -> None:
     memory = "" if gib else " (GPU memory not known here: give --mappa.gpu_memory_gib to check it too)"
     # A topology's per-agent value wins over the flag (agent_args): said here, so a flag that changes nothing
     # for that agent is no surprise.
-    overrides = [f"agent {spec.name!r}: {key} {getattr(spec, key)} from the topology, not {flag} {value}\n"
-                 for spec in topology.agents for key, flag, value in (
-                     ("max_new_tokens", "--rollout.max_new_tokens", args.rollout.max_new_tokens),
-                     ("vllm_num_engines", "--vllm.num_engines", args.vllm.num_engines),
-                     ("num_gpus_per_node", "--actor.num_gpus_per_node", args.actor.num_gpus_per_node))
-                 if getattr(spec, key) and getattr(spec, key) != value]
+    flag = lambda group, name: getattr(getattr(args, group), name)
+    overrides = [f"agent {spec.name!r}: {key} {getattr(spec, key)} from the topology, not --{group}.{name} "
+                 f"{flag(group, name)}\n"
+                 for spec in topology.agents for key, group, name in placement.AGENT_OVERRIDES
+                 if getattr(spec, key) and getattr(spec, key) != flag(group, name)]
     print(f"[mappa] placement plan for {gpus} GPUs{memory}:\n{placement.format_plan(plan, gpus)}\n{''.join(overrides)}"
           f"actor and reference processes: {actor_threads(args)} OpenMP threads each (--mappa.actor_threads)",
           file=console.out, flush=True)

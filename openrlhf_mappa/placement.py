@@ -33,15 +33,20 @@ VLLM_BATCHED_TOKENS, VLLM_SEQS = 8192, 256
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+# Per-agent topology keys that win over a flag: (the key, the flag's group, its name). agent_args applies them,
+# and the launch prints each one that changes a flag's value (launch.check_placement).
+AGENT_OVERRIDES = (("max_new_tokens", "rollout", "max_new_tokens"), ("vllm_num_engines", "vllm", "num_engines"),
+                   ("num_gpus_per_node", "actor", "num_gpus_per_node"))
+
+
 def agent_args(args, spec):
     """A per-agent copy of OpenRLHF's args (model, resources, checkpoint/export paths): OpenRLHF's actor,
     checkpoint and sync code read `strategy.args`, so each agent's files and sync group stay apart."""
     a = copy.deepcopy(args)
     a.actor.model_name_or_path = spec.model
-    a.actor.num_gpus_per_node = spec.num_gpus_per_node or args.actor.num_gpus_per_node
+    for key, group, name in AGENT_OVERRIDES:
+        setattr(getattr(a, group), name, getattr(spec, key) or getattr(getattr(args, group), name))
     a.ref.num_gpus_per_node = spec.num_gpus_per_node or args.ref.num_gpus_per_node
-    a.vllm.num_engines = spec.vllm_num_engines or args.vllm.num_engines
-    a.rollout.max_new_tokens = spec.max_new_tokens or args.rollout.max_new_tokens
     a.ckpt.path = os.path.join(args.ckpt.path, spec.name)
     a.ckpt.max_num = args.ckpt.max_num + 1  # the team's checkpoint stays while the next is saved (rotate_checkpoints)
     a.ckpt.output_dir = os.path.join(args.ckpt.output_dir, spec.name)
@@ -629,7 +634,7 @@ def least_gpu_memory(args, topology, most: float = 1024.0) -> tuple:
     sizes = {name: size for name, (_, size) in plan.sizes.items()}  # config.json read once
     unknown = [f"{name} ({model}): {size}" for name, (model, size) in plan.sizes.items() if isinstance(size, str)]
     fits = lambda gib: not make_plan(args, topology, gib, sizes).unfit_kinds()
-    if not fits(most):
+    if plan.unfit_kinds():  # not even at `most`
         return None, unknown
     low, high = 0, round(most * 10)  # in tenths of a GiB; no GPU holds anything in 0 GiB
     while high - low > 1:
