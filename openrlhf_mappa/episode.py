@@ -140,6 +140,10 @@ class Action:
     verdict_parts: dict = field(default_factory=dict)  # mode "both": {"per_action", "hindsight"} verdicts combined
     reward: Optional[float] = None  # the scalar reward this action trained on (None: left out)
     advantage: Optional[float] = None  # mean normalized advantage over its tokens
+    # Each response token's log-prob as vLLM sampled it (after temperature and top-p): what the trainer's
+    # log-probs are compared with (mismatch metrics, --algo.advantage.is_correction_*). Empty: not asked.
+    rollout_logprobs: list = field(default_factory=list)
+    filtered: bool = False  # left out by --algo.dynamic_filtering_enable (its group's mean score out of range)
 
 
 @dataclass
@@ -169,6 +173,7 @@ class Episode:
         d = dataclasses.asdict(self)
         for a in d["actions"]:
             a.pop("prompt_ids"), a.pop("response_ids")
+            a["rollout_logprobs"] = [round(x, 4) for x in a["rollout_logprobs"]]  # bf16 engines: ~1e-2 nats apart
         return json.dumps(d, ensure_ascii=False)
 
     @classmethod

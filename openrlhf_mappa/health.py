@@ -127,9 +127,9 @@ def untrained_reasons(agents: list, owner: dict, episodes: list, dropped: dict, 
         mine = [(ep, x) for ep in episodes for x in ep.actions if owner[x.agent] == name]
         skipped = sum(owner[s["agent"]] == name for ep in episodes for s in ep.skipped_actions)
         cut = {id(x) for ep, x in mine if not ep.env_error and x.truncated and not train_truncated}
-        unscored = {}
+        unscored, filtered = {}, sum(x.filtered for _, x in mine)
         for ep, x in mine:
-            if x.reward is None and not ep.env_error and id(x) not in cut:
+            if x.reward is None and not ep.env_error and id(x) not in cut and not x.filtered:
                 status = x.verdict.status if x.verdict else "missing"
                 unscored[status] = unscored.get(status, 0) + 1
         env_failed = sum(bool(ep.env_error) for ep, _ in mine)
@@ -141,6 +141,9 @@ def untrained_reasons(agents: list, owner: dict, episodes: list, dropped: dict, 
             statuses = ", ".join(f"{k} {n}" for k, n in unscored.items())
             why.append(f"{sum(unscored.values())} {of} without a coach score ({statuses}): --mappa.coach.on_failure "
                        f"outcome or neutral trains them")
+        if filtered:
+            why.append(f"{filtered} {of} in (task, agent) groups whose mean score is outside "
+                       f"--algo.dynamic_filtering_range {tuple(a.algo.dynamic_filtering_range)} and left out")
         if env_failed:
             why.append(f"{env_failed} {of} in episodes whose environment raised (env_error in episodes.jsonl)")
         if dropped[name]:

@@ -82,7 +82,9 @@ def engines_on(a, model: str, pg, share: float, cls=None, **lora) -> list:
             worker_extension_cls="openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap", distributed_executor_backend="uni",
             max_model_len=a.data.max_len, enable_prefix_caching=a.vllm.enable_prefix_caching, dtype="bfloat16",
             trust_remote_code=True, full_determinism=a.train.full_determinism_enable, num_gpus=share,
-            gpu_memory_utilization=a.vllm.gpu_memory_utilization, enable_sleep_mode=a.vllm.enable_sleep, **lora,
+            gpu_memory_utilization=a.vllm.gpu_memory_utilization, enable_sleep_mode=a.vllm.enable_sleep,
+            # every action's sampling log-probs after temperature and top-p, as OpenRLHF's correction asks them
+            logprobs_mode="processed_logprobs", max_logprobs=1, **lora,
         )
         for i in range(a.vllm.num_engines)
     ]  # fmt: skip

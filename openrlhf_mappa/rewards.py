@@ -4,9 +4,12 @@ The paper's equations, for one action (one row) with action tokens t = 0..T-1:
 
     R = s · c                                  c = the coach's score of this action (0-10), s = the topology's
                                                reward_scale (MathChat 0.1, DSBench 1, as the authors)
-    r_t = -β · KL_t + [t == T-1] · R
-    G_t = Σ_{t' >= t} r_t'                     undiscounted return-to-go (γ = 1, REINFORCE++)
-    A_t = (G_t - mean(G)) / std(G)             mean/std over the action tokens of a whole batch
+    r_t = -β · KL_t + [t == T-1] · R           β: --algo.kl.init_coef, or each agent's adaptive KL controller
+                                               (--algo.kl.target); 0 here with --algo.kl.use_loss (KL in the loss)
+    G_t = Σ_{t' >= t} γ^(t'-t) · r_t'          return-to-go; γ = 1 (REINFORCE++, the paper) unless
+                                               --algo.advantage.gamma
+    A_t = (G_t - mean(G)) / std(G)             mean/std over the action tokens of a whole batch (mean only with
+                                               --algo.advantage.no_std_norm)
 
 The outcome baseline pays R = s · o · 1[success], o = --mappa.outcome_score (10: the top of the coach's scale,
 as the authors), so with the same s the same β·KL costs the same share of R in both modes; so do the
@@ -14,6 +17,12 @@ coach-failure fallbacks (R = s · neutral_score, or the outcome R). s is applied
 standardize_by_task_type is scale-equivariant and group_normalize scale-invariant, so what s changes is only
 the weight of R against β·KL. An action cut off at the token limit gets no R at all (left out, as the authors'
 mask_truncated_completions) unless train_truncated is set.
+
+Dynamic filtering (--algo.dynamic_filtering_enable, as OpenRLHF's, per agent and task) leaves out every action of
+a group (step, task, agent) whose mean score u on [0, 1] (the coach's score / 10; the outcome, 0 or 1, in outcome
+mode or for an outcome fallback) is not strictly inside --algo.dynamic_filtering_range: groups the agent always or
+never gets right teach it nothing relative to each other. Unlike OpenRLHF, no new prompt replaces them: a MAPPA step
+is a fixed batch of episodes, so the step trains on fewer actions (counted per agent).
 
 The GRPO-style baseline (norm scope "group", the authors' `group_norm`) normalizes R instead, within the
 group g of actions that answer the same prompt (same step, task, agent and turn: the n_samples_per_prompt
@@ -39,9 +48,10 @@ FAILURE_POLICIES = ("skip", "outcome", "neutral")
 
 def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip", neutral_score: float = 5.0,
                    scale: float = 1.0, train_truncated: bool = False, standardize_task_type: bool = False,
-                   norm_scope: str = "agent", outcome_score: float = 10.0) -> dict:
-    """Set every `action.reward` (R, module docstring), then standardize_by_task_type and group_normalize where
-    asked; returns how many actions train, and why the others do not or what they fell back on.
+                   norm_scope: str = "agent", outcome_score: float = 10.0, filter_range: tuple = None) -> dict:
+    """Set every `action.reward` (R, module docstring), then dynamic_filter (`filter_range`), standardize_by_task_type
+    and group_normalize where asked; returns how many actions train, and why the others do not or what they fell
+    back on.
 
     In process mode a failed verdict is left out ("skip"), paid the outcome, or paid s · neutral_score (the
     authors' silent 5.0 made explicit); it keeps its failed status. A truncated action (its score judges text
@@ -55,6 +65,7 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
         raise ValueError(f"unknown normalization scope {norm_scope!r}; expected one of {tuple(NORM_SCOPES)}")
 
     trainable, left_out_by_status, fallback, truncated_by_agent = 0, {}, 0, {}
+    u = {}  # id(action) -> its score on [0, 1], for dynamic_filter
     for episode in episodes:
         outcome_R = scale * outcome_score * float(episode.success)
         for action in episode.actions:
@@ -67,13 +78,13 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
                 truncated_by_agent[action.agent] = truncated_by_agent.get(action.agent, 0) + 1
                 continue
             if mode == "outcome":
-                action.reward = outcome_R
+                action.reward, u[id(action)] = outcome_R, float(episode.success)
             elif verdict is not None and verdict.status == "ok" and verdict.score is not None:
-                action.reward = scale * float(verdict.score)
+                action.reward, u[id(action)] = scale * float(verdict.score), float(verdict.score) / 10
             elif on_failure == "outcome":
-                action.reward, fallback = outcome_R, fallback + 1
+                action.reward, u[id(action)], fallback = outcome_R, float(episode.success), fallback + 1
             elif on_failure == "neutral":
-                action.reward, fallback = scale * float(neutral_score), fallback + 1
+                action.reward, u[id(action)], fallback = scale * float(neutral_score), neutral_score / 10, fallback + 1
             else:
                 action.reward = None
                 status = verdict.status if verdict is not None else "missing"
@@ -81,13 +92,38 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
                 continue
             trainable += 1
 
+    filtered = dynamic_filter(episodes, u, filter_range) if filter_range is not None else {}
     if standardize_task_type and mode == "process":
         standardize_by_task_type(episodes)
     per_prompt_R, _ = NORM_SCOPES[norm_scope]
     if per_prompt_R:
         group_normalize(episodes)
+    trainable -= sum(n for n, _, _ in filtered.values())
     return {"trainable": trainable, "left_out": sum(left_out_by_status.values()),
-            "left_out_by_status": left_out_by_status, "fallback": fallback, "truncated_left_out": truncated_by_agent}
+            "left_out_by_status": left_out_by_status, "fallback": fallback, "truncated_left_out": truncated_by_agent,
+            "filtered": filtered}
+
+
+def dynamic_filter(episodes: list[Episode], u: dict, score_range: tuple) -> dict:
+    """Leave out (reward None, `filtered` True) every rewarded action of a group g = (step, task, agent) unless
+    low < mean_g(u) < high, u = each action's score on [0, 1] (module docstring); OpenRLHF's rule for a prompt's
+    samples. Returns {agent: (actions filtered, groups kept, groups)}."""
+    low, high = score_range
+    groups = {}
+    for ep in episodes:
+        for a in ep.actions:
+            if a.reward is not None:
+                groups.setdefault((ep.step, ep.task_id, a.agent), []).append(a)
+    out = {}
+    for (_, _, agent), acts in groups.items():
+        n, kept, total = out.get(agent, (0, 0, 0))
+        if low < sum(u[id(a)] for a in acts) / len(acts) < high:
+            out[agent] = (n, kept + 1, total + 1)
+            continue
+        for a in acts:
+            a.reward, a.filtered = None, True
+        out[agent] = (n + len(acts), kept, total + 1)
+    return out
 
 
 def standardize_by_task_type(episodes: list[Episode]) -> None:
@@ -149,17 +185,25 @@ def token_rewards(reward_B: torch.Tensor, kl_BA: torch.Tensor, action_mask_BA: t
     return torch.where(mask_BA, r_BA, 0.0)
 
 
-def returns_to_go(r_BA: torch.Tensor, action_mask_BA: torch.Tensor) -> torch.Tensor:
-    """G_t = Σ_{t' >= t} r_t' over action tokens (γ = 1); 0 off the mask."""
+def returns_to_go(r_BA: torch.Tensor, action_mask_BA: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = Σ_{t' >= t} γ^(t'-t) · r_t' over action tokens, as OpenRLHF's get_cumulative_returns; 0 off the mask."""
     mask_BA = action_mask_BA.bool()
     r_BA = torch.where(mask_BA, r_BA, 0.0)
-    G_BA = r_BA.flip(1).cumsum(dim=1).flip(1)
+    if gamma == 1.0:
+        G_BA = r_BA.flip(1).cumsum(dim=1).flip(1)
+    else:
+        G_BA, G_B = torch.zeros_like(r_BA), torch.zeros_like(r_BA[:, 0])
+        for t in reversed(range(r_BA.size(1))):
+            G_B = r_BA[:, t] + gamma * G_B
+            G_BA[:, t] = G_B
     return torch.where(mask_BA, G_BA, 0.0)
 
 
-def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1e-8) -> list[torch.Tensor]:
+def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1e-8,
+           std_norm: bool = True) -> list[torch.Tensor]:
     """(x - mean) / std, mean and population variance over the masked tokens of all tensors together (of any
-    widths). The variance is clamped at eps: constant values, or no masked token, whiten to 0."""
+    widths); x - mean alone without `std_norm`. The variance is clamped at eps: constant values, or no masked
+    token, whiten to 0."""
     if not values:
         return []
     x_N = torch.cat([torch.where(m.bool(), x, 0.0).flatten().float() for x, m in zip(values, masks)])
@@ -167,13 +211,15 @@ def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1
     n = mask_N.sum().clamp(min=1)
     mean = x_N.sum() / n
     var = (torch.where(mask_N, x_N - mean, 0.0) ** 2).sum() / n
-    rstd = var.clamp(min=eps).rsqrt()
+    rstd = var.clamp(min=eps).rsqrt() if std_norm else 1.0
     return [torch.where(m.bool(), (x.float() - mean) * rstd, 0.0) for x, m in zip(values, masks)]
 
 
-def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope: str = "agent") -> dict:
+def compute_advantages(batches_by_agent: dict[str, list], kl_coef, scope: str = "agent", gamma: float = 1.0,
+                       std_norm: bool = True) -> dict:
     """Set `.returns` (G) and `.advantages` (whitened G) on every batch (`.rewards`, `.kl`, `.action_mask`, as
-    OpenRLHF's Experience); returns, per agent, each row's mean advantage over its action tokens.
+    OpenRLHF's Experience); returns, per agent, each row's mean advantage over its action tokens. `kl_coef`: β, or
+    {agent: β} (each agent's KL controller).
 
     "agent" and "group" whiten each agent's batches together (the authors' code; "group" after group_normalize,
     as the authors' group_norm, unlike upstream OpenRLHF's), "global" all agents' (the paper's wording).
@@ -181,18 +227,32 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef: float, scope:
     if scope not in NORM_SCOPES:
         raise ValueError(f"unknown normalization scope {scope!r}; expected one of {tuple(NORM_SCOPES)}")
 
-    for batches in batches_by_agent.values():
+    for name, batches in batches_by_agent.items():
+        beta = kl_coef[name] if isinstance(kl_coef, dict) else kl_coef
         for b in batches:
-            r_BA = token_rewards(b.rewards, b.kl, b.action_mask, kl_coef)
-            b.returns = returns_to_go(r_BA, b.action_mask)
+            r_BA = token_rewards(b.rewards, b.kl, b.action_mask, beta)
+            b.returns = returns_to_go(r_BA, b.action_mask, gamma)
             if isinstance(getattr(b, "info", None), dict):
-                b.info["return"] = r_BA.sum(dim=1)  # with γ = 1: G at the first action token
+                b.info["return"] = r_BA.sum(dim=1)  # as upstream's (with γ = 1: G at the first action token)
 
     _, over_team = NORM_SCOPES[scope]
     groups = [sum(batches_by_agent.values(), [])] if over_team else list(batches_by_agent.values())
     for batches in groups:
-        advantages = whiten([b.returns for b in batches], [b.action_mask for b in batches])
+        advantages = whiten([b.returns for b in batches], [b.action_mask for b in batches], std_norm=std_norm)
         for b, adv_BA in zip(batches, advantages):
             b.advantages = adv_BA
     mean_A = lambda b: ((b.advantages * b.action_mask).sum(1) / b.action_mask.sum(1).clamp(min=1)).tolist()
     return {name: sum((mean_A(b) for b in batches), []) for name, batches in batches_by_agent.items()}
+
+
+def logprob_mismatch(batches: list) -> dict:
+    """How far the trainer's log-probs (log π_train: the actor's forward in the experience maker) are from vLLM's
+    sampling log-probs (log π_rollout) on the same tokens, over every action token of `batches`: the mean |Δ| and
+    KL(π_rollout ‖ π_train) by the k3 estimator exp(Δ) − 1 − Δ ≥ 0, Δ = log π_train − log π_rollout (the tokens
+    are π_rollout's samples). {} when the engines gave no log-probs."""
+    rows = [b for b in batches if b.rollout_log_probs is not None]
+    d_N = torch.cat([(b.action_log_probs.float() - b.rollout_log_probs.float())[b.action_mask.bool()] for b in rows]
+                    or [torch.zeros(0)])
+    if not d_N.numel():
+        return {}
+    return {"logprob_mismatch_abs": d_N.abs().mean().item(), "logprob_mismatch_kl": (d_N.exp() - 1 - d_N).mean().item()}

@@ -56,15 +56,18 @@ class AgentPolicy:
         return (*best, hi)
 
     async def generate(self, prompt_ids: list):
+        """(response ids, truncated, each response token's sampling log-prob)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=self.max_new_tokens, **self.sampling)
+        params = SamplingParams(max_tokens=self.max_new_tokens, logprobs=1, **self.sampling)
         engine = self.engines[next(self._next) % len(self.engines)]
         if self.adapter:
             output = (await engine.generate_as.remote(self.adapter, prompt_ids, params)).outputs[0]
         else:
             output = (await engine.generate.remote(prompt_ids, params)).outputs[0]
-        return list(output.token_ids), output.finish_reason == "length"
+        # logprobs=1 returns the top token's and the sampled one's: the sampled one is always there.
+        logprobs = [step[token].logprob for token, step in zip(output.token_ids, output.logprobs or [])]
+        return list(output.token_ids), output.finish_reason == "length", logprobs
 
 
 class EnvFailed(Exception):
@@ -156,7 +159,7 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
                 episode.skipped_actions.append(skipped)
                 last[spec.name] = None
                 continue
-            response_ids, truncated = next(generated)
+            response_ids, truncated, logprobs = next(generated)
             response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
             result = last[spec.name] = await asyncio.to_thread(call, "step", env.step, spec, turn, response_text)
             action = Action(
@@ -164,7 +167,7 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
                 position=len(episode.actions), prompt_ids=prompt_ids, response_ids=response_ids,
                 prompt_text=prompt_text, response_text=response_text, truncated=truncated,
                 formatted=call("answer_formatted", env.answer_formatted, spec, response_text),
-                prompt_truncated=omitted > 0, feedback=result.feedback,
+                prompt_truncated=omitted > 0, feedback=result.feedback, rollout_logprobs=logprobs,
             )
             # coach_bias is kept with the action only when shown, so that re-scoring sends the prompt it saw.
             action.coach_request = dict(

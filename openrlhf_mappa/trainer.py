@@ -30,17 +30,23 @@ from openrlhf_mappa.rollout import AgentPolicy, rollout
 
 def experience_of(action):
     """One action as an OpenRLHF Experience: the sequence is prompt + response, and the action mask
-    (shifted by one, as OpenRLHF's) covers the response tokens only, so tool output never trains."""
+    (shifted by one, as OpenRLHF's) covers the response tokens only, so tool output never trains. The rollout
+    log-probs (vLLM's) sit on the action mask's positions, where OpenRLHF's PolicyLoss reads them."""
     from openrlhf.trainer.ppo_utils.experience import Experience
 
     seq = action.prompt_ids + action.response_ids
     action_mask = torch.zeros(len(seq), dtype=torch.bool)
     action_mask[len(action.prompt_ids) :] = True
     reward = torch.tensor([action.reward], dtype=torch.float32)
+    rollout_log_probs = None
+    if len(action.rollout_logprobs) == len(action.response_ids):
+        rollout_log_probs = torch.zeros(1, len(seq) - 1)
+        rollout_log_probs[0, len(action.prompt_ids) - 1 :] = torch.tensor(action.rollout_logprobs)
     return Experience(
         sequences=torch.tensor([seq]),
         attention_mask=torch.ones(1, len(seq), dtype=torch.long),
         action_mask=action_mask[1:].unsqueeze(0),
+        rollout_log_probs=rollout_log_probs,
         rewards=reward,
         response_length=torch.tensor([float(len(action.response_ids))]),
         truncated=torch.tensor([action.truncated]),
@@ -104,8 +110,10 @@ class MappaTrainer:
         if not step:
             return
         resume.load_team(self.trainees, step)
-        self.coach_cost_usd, stage, episodes_by_step = resume.driver_state(
+        self.coach_cost_usd, stage, episodes_by_step, kl_coef = resume.driver_state(
             self.args.ckpt.path, self.run_dir, step, self.bias_audit.window.maxlen)
+        for ag in self.trainees:
+            ag.trainer.kl_ctl.value = kl_coef.get(ag.spec.name, ag.trainer.kl_ctl.value)
         if stage:  # its name was checked against the topology by resume.check_resume
             self.set_stage([s.name for s in self.topology.coach_stages].index(stage["name"]), stage["since_step"])
             print(f"[mappa] coach criteria: resuming with coach template {stage['name']!r} (in use since step "
@@ -169,9 +177,11 @@ class MappaTrainer:
         if c.price_in or c.price_out:
             coach_metrics["coach/cost_usd_total"] = self.coach_cost_usd
         self.stop_on_failures(step, episodes, coach_metrics)
+        algo = self.args.algo
         counts = rewards.assign_rewards(episodes, self.mappa.reward, c.on_failure, c.neutral_score,
                                         self.topology.reward_scale, self.mappa.train_truncated,
-                                        c.standardize_task_type, self.mappa.norm_scope, self.mappa.outcome_score)
+                                        c.standardize_task_type, self.mappa.norm_scope, self.mappa.outcome_score,
+                                        algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None)
 
         # Per agent: trainable actions -> Experiences -> actor/ref forward (log-probs, KL), by OpenRLHF's maker.
         t0 = time.time()
@@ -191,7 +201,11 @@ class MappaTrainer:
             self.stalled = (f"no agent trained in {self.untrained_steps} steps in a row (--mappa.max_untrained_steps "
                             f"{most}); at step {step}, "
                             + "; ".join(f"agent {n!r}: {why}" for n, why in untrained.items()))
-        advantage_of = rewards.compute_advantages(batches, self.args.algo.kl.init_coef, scope=self.mappa.norm_scope)
+        # β per agent: its OpenRLHF KL controller's, fixed or adaptive (--algo.kl.target; upstream's train_step
+        # updates it). Read before training, which moves it.
+        kl_coef = {ag.spec.name: ag.trainer.kl_ctl.value for ag in self.trainees}
+        advantage_of = rewards.compute_advantages(batches, kl_coef, self.mappa.norm_scope, algo.advantage.gamma,
+                                                  std_norm=not algo.advantage.no_std_norm)
         t_experience = time.time() - t0
         for name, exps in batches.items():  # each trained action's record shows its row's mean advantage
             for action, adv in zip(kept_actions[name], advantage_of[name]):
@@ -210,7 +224,7 @@ class MappaTrainer:
         t_train = time.time() - t0 - t_sync
 
         self.write_episodes(episodes)
-        metrics = self.step_metrics(episodes, batches, status, dropped, counts)
+        metrics = self.step_metrics(episodes, batches, status, dropped, counts, kl_coef)
         metrics.update(coach_metrics)
         metrics.update({"timing/rollout": t_rollout, "timing/experience": t_experience, "timing/train": t_train,
                         "timing/sync": t_sync, "timing/step": time.time() - t_start})
@@ -302,7 +316,7 @@ class MappaTrainer:
         picked = random.Random(self.args.train.seed * 1000003 + step).sample(actions, keep) if keep else []
         return picked, len(actions) - keep
 
-    def step_metrics(self, episodes, batches, status, dropped, counts) -> dict:
+    def step_metrics(self, episodes, batches, status, dropped, counts, kl_coef) -> dict:
         c = self.mappa.coach
         m = {
             "outcome/success_rate": sum(ep.success for ep in episodes) / len(episodes),
@@ -328,11 +342,18 @@ class MappaTrainer:
             m[p + "trained_actions"] = sum(len(exp.sequences) for exp in batches.get(name, []))
             m[p + "dropped_for_batching"] = dropped[name]
             m[p + "updated"] = int(name in status)
+            m[p + "kl_coef"] = kl_coef[name]
+            if self.args.algo.dynamic_filtering_enable:
+                filtered, kept, groups = counts["filtered"].get(name, (0, 0, 0))
+                m[p + "filtered_actions"] = filtered
+                m[p + "dynamic_filtering_pass_rate"] = 100 * kept / groups if groups else None  # in %, as upstream
             if name in status:  # upstream's train status (all but its text sample), and a LoRA agent's sync sizes
                 m.update({p + k: v for k, v in status[name].items() if isinstance(v, (int, float))})
                 m.update({p + k: v for k, v in ag.trainer.synced.items()})
             if name in batches:
-                m[p + "kl"] = torch.cat([exp.info["kl"] for exp in batches[name]]).mean().item()
+                m.update({p + k: v for k, v in rewards.logprob_mismatch(batches[name]).items()})
+                if not self.args.algo.kl.use_loss:  # else the KL is the loss term, in upstream's status
+                    m[p + "kl"] = torch.cat([exp.info["kl"] for exp in batches[name]]).mean().item()
         return m
 
     def evaluate(self, step: int):
@@ -380,7 +401,8 @@ class MappaTrainer:
                 method_name="save_checkpoint", tag=f"global_step{step}", client_states={"global_step": step}
             )
         ray.get(refs)
-        state = {"step": step, "coach_cost_usd": self.coach_cost_usd}
+        state = {"step": step, "coach_cost_usd": self.coach_cost_usd,
+                 "kl_coef": {ag.spec.name: ag.trainer.kl_ctl.value for ag in self.trainees}}  # adaptive KL moves it
         if self.topology.coach_stages:  # the template in use for the next step
             name = self.topology.coach_stages[self.stage].name
             state["coach_template"] = {"name": name, "since_step": self.stage_since}

@@ -214,7 +214,8 @@ def assert_documented_episodes(path: str) -> dict:
     return seen
 
 
-RECORDED = ("sequences", "attention_mask", "action_mask", "rewards", "kl", "action_log_probs", "returns", "advantages")
+RECORDED = ("sequences", "attention_mask", "action_mask", "rewards", "kl", "action_log_probs", "rollout_log_probs",
+            "returns", "advantages")
 
 
 def record_experiences(path: str):
@@ -229,7 +230,7 @@ def record_experiences(path: str):
 
     def recording(batches_by_agent, *args, **kwargs):
         advantage_of = compute(batches_by_agent, *args, **kwargs)
-        steps.append({name: [{k: getattr(b, k).clone() for k in RECORDED} for b in batches]
+        steps.append({name: [{k: getattr(b, k).clone() for k in RECORDED if getattr(b, k) is not None} for b in batches]
                       for name, batches in batches_by_agent.items()})  # fmt: skip
         torch.save(steps, path)
         return advantage_of
@@ -241,8 +242,9 @@ def assert_rows_are_their_actions(steps: list, episodes: list, tokenizer, first_
     """Every row an agent trained on (`steps` as record_experiences saved them, the first of step `first_step`) is one
     of that agent's own actions of that step in episodes.jsonl, token for token (its prompt's ids, its decoded reply),
     each action at most once, and trained on that action's own values: the row's reward is the action's reward, and
-    the advantage recorded for the action is the row's mean advantage over its tokens. An action that trained no row
-    recorded no advantage. Returns {(step, agent): [(episode index, action index) of each row, in row order]}."""
+    the advantage recorded for the action is the row's mean advantage over its tokens, and the row's rollout log-probs
+    (on its action tokens) are the ones vLLM sampled that action with. An action that trained no row recorded no
+    advantage. Returns {(step, agent): [(episode index, action index) of each row, in row order]}."""
     trained = {}
     for step, by_agent in enumerate(steps, first_step):
         for name, batches in by_agent.items():
@@ -255,8 +257,10 @@ def assert_rows_are_their_actions(steps: list, episodes: list, tokenizer, first_
             for b in batches:
                 mask_BA = b["action_mask"].bool()
                 mean_adv_B = (b["advantages"].float() * mask_BA).sum(1) / mask_BA.sum(1)
-                for seq, real, mask, reward, adv in zip(b["sequences"].tolist(), b["attention_mask"].bool().tolist(),
-                                                        mask_BA.tolist(), b["rewards"].tolist(), mean_adv_B.tolist()):
+                sampled_B = [lp[m].tolist() for lp, m in zip(b["rollout_log_probs"].float(), mask_BA)]
+                for seq, real, mask, reward, adv, sampled in zip(
+                        b["sequences"].tolist(), b["attention_mask"].bool().tolist(), mask_BA.tolist(),
+                        b["rewards"].tolist(), mean_adv_B.tolist(), sampled_B):
                     start = mask.index(True) + 1  # the action mask is shifted by one, as OpenRLHF's
                     prompt = tuple(t for t, r in zip(seq[:start], real) if r)
                     reply = tokenizer.decode([t for t, m in zip(seq[1:], mask) if m], skip_special_tokens=True)
@@ -265,6 +269,7 @@ def assert_rows_are_their_actions(steps: list, episodes: list, tokenizer, first_
                     a = episodes[i]["actions"][j]
                     assert reward == pytest.approx(a["reward"], abs=1e-6), (step, name, i, j, reward, a["reward"])
                     assert a["advantage"] == pytest.approx(adv, abs=1e-5), (step, name, i, j, a["advantage"], adv)
+                    assert sampled == pytest.approx(a["rollout_logprobs"], abs=1e-4), (step, name, i, j)  # 4 decimals
                     rows.append((i, j))
             for i, j in sum(own.values(), []):
                 assert episodes[i]["actions"][j]["advantage"] is None, (step, name, i, j)  # never trained
@@ -283,6 +288,7 @@ class StandIn:
     def __init__(self, name: str, ckpt: str, on_save=None):
         self.name, self.dir, self.on_save = name, os.path.join(ckpt, name, "_actor"), on_save
         self.experience_maker, self.adapter, self.synced, self.trained = self, None, {}, []
+        self.kl_ctl = SimpleNamespace(value=0.0)  # OpenRLHF's FixedKLController at --algo.kl.init_coef 0
 
     def async_run_method(self, method_name, tag=None, **kwargs):
         assert method_name == "save_checkpoint", method_name

@@ -461,7 +461,7 @@ class CutOffPolicy(ScriptedPolicy):
     max_new_tokens = 8
 
     async def generate(self, prompt_ids):
-        return [4] * self.max_new_tokens, True
+        return [4] * self.max_new_tokens, True, []
 
 
 def scripted_trainer(tmp_path, tasks, monkeypatch, *flags, policy=None):
@@ -484,7 +484,7 @@ def scripted_trainer(tmp_path, tasks, monkeypatch, *flags, policy=None):
                        *flags])  # fmt: skip
     topology_ = load_topology(args.mappa.topology)
     agents = [Agent(spec, agent_args(args, spec), tokenizer=None, engines=[], actor=object(), ref=None,
-                                   trainer=SimpleNamespace(adapter=None)) for spec in topology_.agents]
+                                   trainer=SimpleNamespace(adapter=None, kl_ctl=SimpleNamespace(value=0.0))) for spec in topology_.agents]
     trainer = trainer_module.MappaTrainer(args, topology_, agents, HeuristicCoach(), tasks, args.mappa.run_dir)
     policy = policy or ScriptedPolicy
     trainer.policies = {"checker": policy("It is 2."), "solver": policy("So \\boxed{2}.")}

@@ -616,7 +616,7 @@ class ScriptedPolicy:
         return messages[-1]["content"], [1, 2, 3], False
 
     async def generate(self, prompt_ids):
-        return [4, 5], False
+        return [4, 5], False, []
 
     def decode(self, ids, skip_special_tokens=True):
         return self.reply

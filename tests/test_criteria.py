@@ -102,15 +102,17 @@ def test_the_rule_metrics_are_the_per_agent_keys_a_step_logs():
     trainer = MappaTrainer.__new__(MappaTrainer)
     trainer.mappa = SimpleNamespace(coach=SimpleNamespace(on_failure="skip"))
     trainer.topology = SimpleNamespace(reward_scale=1.0)
+    trainer.args = SimpleNamespace(algo=SimpleNamespace(dynamic_filtering_enable=True, kl=SimpleNamespace(use_loss=False)))
     lora = SimpleNamespace(synced={"sync_mib": 0.1, "full_sync_mib": 10.0})  # a LoRA agent logs its syncs too
     trainer.agents, trainer.owner = [SimpleNamespace(spec=SimpleNamespace(name="coder"), trainer=lora)], {"coder": "coder"}
     ran = ToolFeedback(stdout="4", exit_code=0)
     action = Action("e", "coder", 0, [1], [2], formatted=True, feedback=ran, verdict=Verdict(6.0, "ok"), reward=6.0)
     episodes = [Episode("e", "t", outcome={"success": True}, actions=[action])]
-    batch = SimpleNamespace(info={"kl": torch.tensor([0.1])}, sequences=torch.zeros(1, 3))
+    batch = SimpleNamespace(info={"kl": torch.tensor([0.1])}, sequences=torch.zeros(1, 3), action_mask=torch.ones(1, 2),
+                            action_log_probs=torch.zeros(1, 2), rollout_log_probs=torch.zeros(1, 2))
     status = {"coder": {"policy_loss": 0.1, "actor_lr": 1e-6, "actor_grad_norm": 1.0, "ppo_clip_ratio": 0.0}}
-    counts = {"left_out": 0, "fallback": 0, "truncated_left_out": {}}
-    logged = trainer.step_metrics(episodes, {"coder": [batch]}, status, {"coder": 0}, counts)
+    counts = {"left_out": 0, "fallback": 0, "truncated_left_out": {}, "filtered": {"coder": (0, 1, 1)}}
+    logged = trainer.step_metrics(episodes, {"coder": [batch]}, status, {"coder": 0}, counts, {"coder": 0.01})
     assert {k.split("/")[2] for k in logged if k.startswith("agent/coder/")} == set(AGENT_METRICS)
 
 
@@ -148,7 +150,7 @@ class Replies:
 
     async def generate(self, prompt_ids):
         self.calls += 1
-        return [self.calls - 1], False  # the reply's index, read back by decode
+        return [self.calls - 1], False, []  # the reply's index, read back by decode
 
     def decode(self, ids, skip_special_tokens=True):
         return self.replies[ids[0]]
@@ -174,6 +176,7 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
         def dies_in_step_4(experiences, step):
             if step == 4:
                 raise RuntimeError("solver's actor died")
+            solver.kl_ctl.value = 0.01 * step  # as upstream's train_step updates an adaptive KL controller
             return StandIn.train_step(solver, experiences, step)
 
         solver.train_step = dies_in_step_4
@@ -186,7 +189,8 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
         assert (first.stage, first.stage_since, coach.template) == (1, 3, STAGES[1]["template"])
         # Step 2's checkpoint came after step 2's switch, and records the template in use from step 3.
         assert json.load(open(tmp_path / "ckpt" / CHECKPOINT_MARKER)) == {
-            "step": 2, "coach_cost_usd": 0.0, "coach_template": {"name": "quality", "since_step": 3}}  # fmt: skip
+            "step": 2, "coach_cost_usd": 0.0, "coach_template": {"name": "quality", "since_step": 3},
+            "kl_coef": {"solver": 0.02, "coder": 0.0}}  # fmt: skip
         assert list(figures) == [2] and "(the last 2 training steps, 8 scored actions)" in figures[2]
         prompts = [r["prompt"].split("\n", 1)[0] for r in server.requests]
         assert prompts == ["RELIABILITY"] * 8 + ["QUALITY"] * 8  # 2 episodes x 2 actions per step, steps 1-4
@@ -200,6 +204,7 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
         second.policies = {"solver": Replies(*["2 + 2 is 4."] * 6), "coder": Replies(*["```python\nprint(2 + 2)\n```"] * 6)}
         second.resume(2)
         assert "resuming with coach template 'quality' (in use since step 3)" in capsys.readouterr().out
+        assert second.agents[0].trainer.kl_ctl.value == 0.02  # the KL coefficient as step 2 left it
         assert (second.stage, second.stage_since, coach.template) == (1, 3, STAGES[1]["template"])
         assert second.bias_audit.prompt_text() == figures[2]  # the audit's window, rebuilt from episodes.jsonl
         del server.requests[:]
@@ -211,6 +216,8 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
 
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [(r["step"], r["coach/template_stage"]) for r in rows] == [(1, 0), (2, 0), (3, 1), (4, 1), (5, 2)]
+    # each step's rewards used the coefficient before its update: 0 at step 1, then the one saved and resumed
+    assert [r["agent/solver/kl_coef"] for r in rows] == [0.0, 0.01, 0.02, 0.02, 0.02]
     # The report marks the first step of each new template on its charts and in its header.
     data = report.load_run(str(tmp_path / "run"))
     assert data["template_switches"] == [{"step": 3, "stage": 1}, {"step": 5, "stage": 2}]

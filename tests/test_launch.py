@@ -421,6 +421,10 @@ def test_every_upstream_flag_is_honoured_or_refused():
     assert sorted(options - set(UPSTREAM_FLAGS)) == [], "classify these in train_mappa_ray.UPSTREAM_FLAGS"
     assert sorted(set(UPSTREAM_FLAGS) - options) == [], "no longer in upstream's parser"
     assert all(v == "honoured" or (v.startswith("refused: ") and len(v) > 20) for v in UPSTREAM_FLAGS.values())
+    # The reference's counts are the table's (they had drifted by 3 before this check).
+    reference = (Path(__file__).parents[1] / "docs" / "reference.md").read_text()
+    honoured = sum(v == "honoured" for v in UPSTREAM_FLAGS.values())
+    assert f"- {honoured} are **honoured**" in reference and f"- {len(UPSTREAM_FLAGS) - honoured} are **refused**" in reference
 
 
 @pytest.mark.parametrize("flags, reason", [
@@ -428,17 +432,15 @@ def test_every_upstream_flag_is_honoured_or_refused():
     (["--ds.tensor_parallel_size", "2"], "without OpenRLHF's duplicate_actors"),
     (["--train.dynamic_batch_enable"], "token-budget batching is not wired in"),
     (["--vllm.sync_with_ray"], "would be named 'openrlhf'"),
-    (["--algo.advantage.is_correction_level", "token"], "carry no rollout log-probs"),
-    (["--algo.kl.target", "0.1"], "no adaptive KL controller"),
-    (["--algo.advantage.gamma", "0.99"], "undiscounted (gamma = 1"),
-    (["--algo.advantage.no_std_norm"], "whitens advantages by mean and std"),
+    (["--ds.load_in_4bit"], "full-weight agents included"),
+    (["--train.async_enable"], "team loop is synchronous"),
     (["--logger.logging_steps", "10"], "MAPPA logs every step"),
     (["--data.input_key", "question"], "prompt/answer rows"),
     (["--data.label_key", "solution"], "prompt/answer rows"),
     (["--actor.model_name_or_path", "Qwen/Qwen3-4B"], "comes from the topology (or --mappa.model)"),
     (["--train.colocate_actor_ref"], "colocates an agent's actor, reference and engines together"),
     (["--algo.advantage.estimator", "gae"], "only reinforce"),
-    (["--algo.kl.use_loss"], "KL in the reward"),
+    (["--algo.advantage.lambd", "0.9"], "GAE's lambda"),
 ])  # fmt: skip
 def test_refused_flags_name_their_reason(flags, reason):
     with pytest.raises(SystemExit) as e:
@@ -450,14 +452,45 @@ def test_refused_flags_name_their_reason(flags, reason):
 
 def test_refused_flags_at_their_default_pass_and_the_cli_refuses_before_ray(workdir):
     # Set to the default value, a refused flag changes nothing: passed.
-    args = parse_args(["--mappa.topology", "t.yaml", "--algo.advantage.gamma", "1.0", "--reward.clip_range", "-10", "10",
+    args = parse_args(["--mappa.topology", "t.yaml", "--algo.advantage.lambd", "1.0", "--reward.clip_range", "-10", "10",
                        "--logger.logging_steps", "1", "--algo.advantage.estimator", "reinforce"])
-    assert args.algo.advantage.gamma == 1.0
+    assert args.algo.advantage.lambd == 1.0
     # Several at once, all named, through the real CLI before torch or Ray load.
     write_topology(workdir)
-    proc = cli(workdir, GOOD + ["--algo.advantage.gamma", "0.9", "--train.async_enable"], "refused flags")
+    proc = cli(workdir, GOOD + ["--algo.advantage.lambd", "0.9", "--train.async_enable"], "refused flags")
     assert_refused(proc, "refused flags", "--train.async_enable True: MAPPA's team loop is synchronous")
-    assert "--algo.advantage.gamma 0.9: MAPPA's returns are undiscounted" in proc.message and proc.returncode == 1
+    assert "--algo.advantage.lambd 0.9: GAE's lambda: MAPPA has no critic" in proc.message and proc.returncode == 1
+
+
+ALGO_REFUSALS = [
+    (["--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.8", "0.2"], "the low end must be below"),
+    (["--algo.dynamic_filtering_enable", "--rollout.n_samples_per_prompt", "1"], "compares the samples of each task"),
+    (["--algo.kl.target", "0.1", "--algo.kl.init_coef", "0"], "--algo.kl.target needs --algo.kl.init_coef > 0"),
+    (["--algo.kl.use_loss", "--algo.kl.init_coef", "0"], "--algo.kl.use_loss needs --algo.kl.init_coef > 0"),
+    (["--algo.kl.unbiased_gradient"], "it needs --algo.kl.use_loss"),
+]  # fmt: skip
+
+
+def test_algorithm_flags_that_would_do_nothing_are_refused_before_ray(workdir):
+    # Each OpenRLHF algorithm flag MAPPA honours, set where it would change nothing (or pass nothing), stops the
+    # launch with what to change, through the real CLI before torch or Ray load.
+    write_topology(workdir)
+    for flags, message in ALGO_REFUSALS:
+        proc = cli(workdir, GOOD + ["--rollout.n_samples_per_prompt", "2"] + flags, message)
+        assert_refused(proc, message, message)
+    # The off-policy correction's settings are checked by OpenRLHF's own PolicyLoss, before any actor: clip is
+    # per token only.
+    args = parse_args(GOOD + ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode",
+                              "clip"])
+    with pytest.raises(ValueError, match="is_correction_mode=clip requires is_correction_level=token"):
+        validate(args, load_topology(write_topology(workdir)))
+    # And the honoured ones parse and pass as given.
+    args = parse_args(GOOD + ["--algo.advantage.gamma", "0.95", "--algo.advantage.no_std_norm", "--algo.kl.init_coef",
+                              "0.01", "--algo.kl.target", "0.1", "--algo.kl.use_loss", "--algo.kl.unbiased_gradient",
+                              "--algo.dynamic_filtering_enable", "--rollout.n_samples_per_prompt", "2",
+                              "--algo.advantage.is_correction_level", "token"])
+    validate(args, load_topology(write_topology(workdir)))
+    assert (args.algo.advantage.gamma, args.algo.dynamic_filtering_enable, args.algo.kl.use_loss) == (0.95, True, True)
 
 
 def patched_upstream(tmp_path, monkeypatch):
@@ -488,8 +521,8 @@ def test_get_parser_patch_applies_and_its_parser_is_the_same(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="The number of sample batches must be greater"):
         parse_args(["--mappa.topology", "t.yaml", "--rollout.batch_size", "1", "--rollout.micro_batch_size", "4",
                     "--actor.num_gpus_per_node", "2"])
-    with pytest.raises(SystemExit, match="--algo.kl.target 0.1: MAPPA keeps the KL coefficient fixed"):
-        parse_args(["--mappa.topology", "t.yaml", "--algo.kl.target", "0.1"])
+    with pytest.raises(SystemExit, match="--train.async_enable True: MAPPA's team loop is synchronous"):
+        parse_args(["--mappa.topology", "t.yaml", "--train.async_enable"])
 
 
 def vars_of(namespace):

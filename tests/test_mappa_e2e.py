@@ -107,6 +107,7 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
         *TINY_RUN_FLAGS,
         "--algo.kl.init_coef", str(BETA),  # after TINY_RUN_FLAGS' 0: the later flag wins
         "--algo.kl.estimator", "k1",
+        "--algo.advantage.is_correction_level", "token",  # OpenRLHF's correction, on vLLM's own log-probs
         "--ref.num_gpus_per_node", "1",
         "--actor.adam.lr", "1e-2",
         "--actor.lr_warmup_ratio", "0",
@@ -192,6 +193,15 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
         assert m["agent/solver/action_length"] == pytest.approx(torch.cat(tokens).float().mean().item())
         kl_B = torch.cat([(b["kl"].float() * b["action_mask"]).sum(1) / b["action_mask"].sum(1) for b in steps[step - 1]["solver"]])
         assert m["agent/solver/kl"] == pytest.approx(kl_B.mean().item(), abs=1e-6)
+        # vLLM's sampling log-probs against the actor's on the same tokens: close (a bf16 engine), so aligned token
+        # for token; the logged mismatch is theirs, and OpenRLHF's correction ran on them (its vllm_kl, filter ratio).
+        d_N = torch.cat([(b["action_log_probs"].float() - b["rollout_log_probs"].float())[b["action_mask"].bool()]
+                         for b in steps[step - 1]["solver"]])
+        assert d_N.abs().mean() < 0.05 and d_N.abs().max() < 0.5, (step, d_N.abs().mean(), d_N.abs().max())
+        assert m["agent/solver/logprob_mismatch_abs"] == pytest.approx(d_N.abs().mean().item(), abs=1e-6)
+        assert m["agent/solver/logprob_mismatch_kl"] == pytest.approx((d_N.exp() - 1 - d_N).mean().item(), abs=1e-6)
+        assert "agent/solver/vllm_kl" in m and 0 <= m["agent/solver/is_filter_ratio"] < 0.5
+        assert m["agent/solver/kl_coef"] == BETA and "agent/mute/logprob_mismatch_abs" not in m
         assert "agent/solver/policy_loss" in m and "agent/mute/kl" not in m
     assert os.path.exists(run_dir / "coach_cache.sqlite")
 

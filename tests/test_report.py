@@ -93,7 +93,8 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3, coach_mode="per_acti
     topology = load_topology(str(tmp_path / "t.yaml"))
     trainer = SimpleNamespace(run_dir=str(run_dir), loggers=[], agents=[SimpleNamespace(spec=SimpleNamespace(name=n)) for n in agents],
                               mappa=SimpleNamespace(coach=SimpleNamespace(on_failure="skip")), owner={n: n for n in agents},
-                              topology=topology)  # fmt: skip
+                              topology=topology, args=SimpleNamespace(algo=SimpleNamespace(
+                                  dynamic_filtering_enable=False, kl=SimpleNamespace(use_loss=False))))  # fmt: skip
     audit = BiasAudit()
     for step in range(1, steps + 1):
         replies = {"solver": "It is 4." if step < 3 else HOSTILE, "coder": f"```python\nprint(2 + {step - 1})\n```",
@@ -104,7 +105,7 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3, coach_mode="per_acti
         if step == 3:
             episodes[-1].actions[-1].verdict = Verdict(None, "parse_error", "the coach's reply had no score")
         counts = rewards.assign_rewards(episodes, "process")
-        metrics = MappaTrainer.step_metrics(trainer, episodes, {}, {}, {n: 0 for n in agents}, counts)
+        metrics = MappaTrainer.step_metrics(trainer, episodes, {}, {}, {n: 0 for n in agents}, counts, {n: 0.0 for n in agents})
         metrics.update(coach_step_metrics(episodes))
         metrics.update(audit.update(episodes))
         MappaTrainer.write_episodes(trainer, episodes)

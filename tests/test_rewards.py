@@ -36,7 +36,8 @@ def test_process_mode_multi_action_agent_gets_one_reward_per_action():
                                            action("executor", 1, ok(8)), action("verifier", 0, ok(10))])
     counts = assign_rewards([episode], "process")
     assert [a.reward for a in episode.actions] == [6.0, 3.0, 8.0, 10.0]
-    assert counts == {"trainable": 4, "left_out": 0, "left_out_by_status": {}, "fallback": 0, "truncated_left_out": {}}
+    assert counts == {"trainable": 4, "left_out": 0, "left_out_by_status": {}, "fallback": 0, "truncated_left_out": {},
+                      "filtered": {}}
 
 
 def test_process_mode_leaves_out_actions_without_a_valid_score():
@@ -59,6 +60,7 @@ def test_process_mode_leaves_out_actions_without_a_valid_score():
         "left_out_by_status": {"parse_error": 1, "api_error": 1, "timeout": 1, "missing": 1, "ok": 1},
         "fallback": 0,
         "truncated_left_out": {},
+        "filtered": {},
     }
 
 
@@ -71,7 +73,8 @@ def test_outcome_mode_pays_every_action_the_episode_outcome():
     counts = assign_rewards([won, lost], "outcome")
     assert [a.reward for a in won.actions] == [10.0, 10.0]
     assert [a.reward for a in lost.actions] == [0.0]
-    assert counts == {"trainable": 3, "left_out": 0, "left_out_by_status": {}, "fallback": 0, "truncated_left_out": {}}
+    assert counts == {"trainable": 3, "left_out": 0, "left_out_by_status": {}, "fallback": 0, "truncated_left_out": {},
+                      "filtered": {}}
     # Another outcome score, times the reward scale; the coach-failure fallback pays the same outcome R.
     assign_rewards([won, lost], "outcome", scale=0.1, outcome_score=4.0)
     assert [a.reward for a in won.actions + lost.actions] == pytest.approx([0.4, 0.4, 0.0])
@@ -265,3 +268,103 @@ def test_agent_scope_whitens_all_batches_of_an_agent_together():
 def test_unknown_scope_raises():
     with pytest.raises(ValueError, match="agent.*global"):
         compute_advantages({"a": [batch([1.0], [[0.0]], [[1]])]}, kl_coef=0.0, scope="team")
+
+
+# ── OpenRLHF's algorithm flags, against OpenRLHF's own code ──
+
+
+def upstream_advantages(rows, kl_coef, gamma, no_std_norm):
+    """OpenRLHF 0.11.2's compute_advantages_and_returns (estimator reinforce, one sample per prompt) on `rows`
+    (rewards_B, kl_BA, mask_BA): what its trainer computes for one agent's batch, with these flags."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args
+
+    args = parse_args(["--mappa.topology", "t.yaml", "--algo.advantage.gamma", str(gamma), "--algo.kl.init_coef",
+                       str(kl_coef), "--rollout.n_samples_per_prompt", "1"] + ["--algo.advantage.no_std_norm"] * no_std_norm)
+    maker = RemoteExperienceMaker.__new__(RemoteExperienceMaker)
+    maker.strategy, maker.kl_ctl, maker.advantage_estimator = SimpleNamespace(args=args), FixedKLController(kl_coef), "reinforce"
+    starts = [sum(len(R_B) for R_B, _, _ in rows[:i]) for i in range(len(rows))]  # each row's prompt index
+    exps = [Experience(rewards=torch.tensor(R_B), kl=torch.tensor(kl_BA), action_mask=torch.tensor(mask_BA).bool(),
+                       index=list(range(start, start + len(R_B))), info={})
+            for start, (R_B, kl_BA, mask_BA) in zip(starts, rows)]
+    return maker.compute_advantages_and_returns(exps)
+
+
+ROWS = [([3.0, -1.5], [[0.2, -0.1, 0.4, 0.0], [0.3, 0.1, -0.2, 0.5]], [[1, 1, 1, 0], [1, 1, 1, 1]]),
+        ([7.0], [[0.05, 0.5, -0.3, 0.1]], [[1, 1, 0, 0]])]  # fmt: skip
+
+
+@pytest.mark.parametrize("gamma, no_std_norm", [(1.0, False), (0.9, False), (0.5, True), (1.0, True)])
+def test_returns_and_advantages_are_openrlhfs_for_gamma_and_no_std_norm(gamma, no_std_norm):
+    # --algo.advantage.gamma discounts the return-to-go, --algo.advantage.no_std_norm whitens by the mean alone:
+    # MAPPA's rewards.py gives OpenRLHF's numbers on every action token (upstream leaves values off the mask, and its
+    # logged "return" sums KL terms off the mask too, where ours does not).
+    ours = [batch(*row) for row in ROWS]
+    compute_advantages({"a": ours}, kl_coef=0.1, gamma=gamma, std_norm=not no_std_norm)
+    theirs = upstream_advantages(ROWS, 0.1, gamma, no_std_norm)
+    for b, e in zip(ours, theirs):
+        mask = b.action_mask.bool()
+        torch.testing.assert_close(b.returns[mask], e.returns.float()[mask], rtol=0, atol=1e-5)
+        torch.testing.assert_close(b.advantages[mask], e.advantages.float()[mask], rtol=0, atol=1e-5)
+    if gamma < 1:  # and the discount is real: the first token of row 0 sees 3.0 · γ² (plus its KL terms)
+        assert abs(ours[0].returns[0, 0].item() - (-0.02 + gamma * (0.01 + gamma * (3.0 - 0.04)))) < 1e-5
+
+
+def test_each_agent_gets_its_own_kl_coefficient():
+    # An adaptive KL controller (--algo.kl.target) moves each agent's β apart: {agent: β} gives each agent's
+    # batch its own, the same as computing that agent alone with its β.
+    both = {"a": [batch(*ROWS[0])], "b": [batch(*ROWS[1])]}
+    compute_advantages(both, kl_coef={"a": 0.3, "b": 0.02})
+    for name, row, beta in (("a", ROWS[0], 0.3), ("b", ROWS[1], 0.02)):
+        alone = batch(*row)
+        compute_advantages({name: [alone]}, kl_coef=beta)
+        torch.testing.assert_close(both[name][0].returns, alone.returns)
+
+
+def test_adaptive_kl_controller_is_openrlhfs_per_agent():
+    # AgentTrainer is OpenRLHF's BasePPOTrainer: --algo.kl.target gives each agent upstream's adaptive controller,
+    # which upstream's train_step updates from the agent's own KL; the trainer reads its value for the rewards.
+    from openrlhf.trainer.ppo_utils.kl_controller import AdaptiveKLController
+
+    from openrlhf_mappa.agent_trainer import AgentTrainer
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args
+
+    args = parse_args(["--mappa.topology", "t.yaml", "--algo.kl.init_coef", "0.05", "--algo.kl.target", "0.1",
+                       "--algo.kl.horizon", "1000"])
+    a, b = (AgentTrainer(SimpleNamespace(args=args), None, None, None, None) for _ in range(2))
+    assert isinstance(a.kl_ctl, AdaptiveKLController) and a.kl_ctl is not b.kl_ctl
+    a.kl_ctl.update(0.3, 100)  # KL above target: β grows by clip(0.3 / 0.1 - 1, ±0.2) · 100 / 1000 = 2 %
+    assert a.kl_ctl.value == pytest.approx(0.05 * 1.02) and b.kl_ctl.value == 0.05
+
+
+def scored_episode(task, scores, success=False, agent="solver"):
+    return Episode(f"e-{task}-{len(scores)}", task, step=1, outcome={"success": success},
+                   actions=[action(agent, t, ok(s)) for t, s in enumerate(scores)])
+
+
+def test_dynamic_filtering_leaves_out_groups_whose_mean_score_is_out_of_range():
+    # OpenRLHF keeps a prompt's samples when low < mean score < high; MAPPA's group is a task's actions by one agent
+    # in the step, its score the coach's / 10. Task t1: all 10s (mean 1.0: out), t2: all 0s (out), t3: mixed (in).
+    eps = [scored_episode("t1", [10, 10]), scored_episode("t1", [10]), scored_episode("t2", [0]),
+           scored_episode("t2", [0]), scored_episode("t3", [10]), scored_episode("t3", [4, 0])]
+    eps[4].actions.append(action("verifier", 0, ok(10)))  # the verifier's t3 group is all 10s: out, on its own
+    counts = assign_rewards(eps, "process", filter_range=(0.0, 1.0))
+    assert [[a.reward for a in ep.actions] for ep in eps] == [[None, None], [None], [None], [None], [10.0, None], [4.0, 0.0]]
+    assert [a.filtered for a in eps[4].actions] == [False, True]
+    assert counts["filtered"] == {"solver": (5, 1, 3), "verifier": (1, 0, 1)} and counts["trainable"] == 3
+    # Another range, (0.5, 1): t1's mean 1.0 and t3's 0.2 are out, t4's 0.7 is in.
+    eps = [scored_episode("t1", [10]), scored_episode("t1", [10]), scored_episode("t3", [4, 0]), scored_episode("t4", [6, 8])]
+    assert assign_rewards(eps, "process", filter_range=(0.5, 1.0))["filtered"] == {"solver": (4, 1, 3)}
+    assert [a.reward for a in eps[3].actions] == [6.0, 8.0]
+
+
+def test_dynamic_filtering_in_outcome_mode_keeps_tasks_solved_sometimes():
+    # Outcome rewards: each action's score is its episode's success; DAPO's rule, all solved or none -> out.
+    eps = [scored_episode("t1", [5], True), scored_episode("t1", [5], True), scored_episode("t2", [5], True),
+           scored_episode("t2", [5], False)]
+    counts = assign_rewards(eps, "outcome", filter_range=(0.0, 1.0))
+    assert [ep.actions[0].reward for ep in eps] == [None, None, 10.0, 0.0]
+    assert counts["filtered"] == {"solver": (2, 1, 2)}

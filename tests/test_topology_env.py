@@ -597,7 +597,7 @@ def play_mathchat(tmp_path, tokenizer, replies, max_len, env_class=MathChatEnv):
 
         async def generate(prompt_ids, name=spec.name, turns=iter(replies[spec.name])):
             given.append((name, prompt_ids))
-            return tokenizer(next(turns), add_special_tokens=False)["input_ids"], False
+            return tokenizer(next(turns), add_special_tokens=False)["input_ids"], False, []
 
         policy.generate = generate
         policies[spec.name] = policy
@@ -713,7 +713,7 @@ class CannedPolicy:
         return messages[-1]["content"], [1, 2, 3], False
 
     async def generate(self, prompt_ids):
-        return [1] * max(1, len(self.reply)), self.truncated
+        return [1] * max(1, len(self.reply)), self.truncated, []
 
     def decode(self, ids, skip_special_tokens=True):
         return self.reply

@@ -225,7 +225,7 @@ class CutOffPolicy(ScriptedPolicy):
     max_new_tokens = 8
 
     async def generate(self, prompt_ids):
-        return [4] * self.max_new_tokens, True
+        return [4] * self.max_new_tokens, True, []
 
 
 class RecordingCoach(Coach):
@@ -313,7 +313,8 @@ def test_step_metrics_count_truncated_actions_per_agent_and_log_the_scale():
     from openrlhf_mappa.rewards import assign_rewards
 
     counts = assign_rewards(episodes, "process", scale=0.1)
-    m = t.step_metrics(episodes, {}, {}, {"solver": 0, "verifier": 0}, counts)
+    t.args = SimpleNamespace(algo=SimpleNamespace(dynamic_filtering_enable=False, kl=SimpleNamespace(use_loss=False)))
+    m = t.step_metrics(episodes, {}, {}, {"solver": 0, "verifier": 0}, counts, {"solver": 0.0, "verifier": 0.0})
     assert (m["agent/solver/truncated_left_out"], m["agent/verifier/truncated_left_out"]) == (1, 0)
     assert m["reward_scale"] == 0.1 and m["coach/left_out"] == 0
     assert episodes[0].actions[1].reward == pytest.approx(0.8)  # Action.reward: the scaled reward it trains on

@@ -44,7 +44,7 @@ class Script:
         self.in_flight.add(name)
         await asyncio.sleep(0.01)  # an engine takes time; a generation started concurrently is in flight meanwhile
         self.in_flight.discard(name)
-        return self.tokenizer(next(texts), add_special_tokens=False)["input_ids"], False
+        return self.tokenizer(next(texts), add_special_tokens=False)["input_ids"], False, []
 
 
 def play(topology, script, tmp_path, task=TASK):

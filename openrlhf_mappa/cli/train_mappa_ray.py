@@ -227,7 +227,10 @@ HONOURED = """
     train.seed train.full_determinism_enable
     rollout.batch_size rollout.micro_batch_size rollout.max_new_tokens rollout.n_samples_per_prompt
     rollout.temperature rollout.top_p
-    algo.kl.init_coef algo.kl.estimator
+    algo.kl.init_coef algo.kl.estimator algo.kl.target algo.kl.horizon algo.kl.use_loss algo.kl.unbiased_gradient
+    algo.advantage.gamma algo.advantage.no_std_norm algo.advantage.is_correction_level
+    algo.advantage.is_correction_mode algo.advantage.is_correction_gating algo.advantage.is_correction_threshold
+    algo.dynamic_filtering_enable algo.dynamic_filtering_range
     data.prompt_dataset data.max_len data.max_samples data.apply_chat_template
     eval.dataset eval.steps eval.temperature eval.n_samples_per_prompt
     ckpt.path ckpt.output_dir ckpt.save_steps ckpt.save_hf ckpt.disable_ds ckpt.max_num ckpt.max_mem ckpt.load_enable
@@ -246,8 +249,6 @@ DYNAMIC_BATCH = ("MAPPA trains whole --train.batch_size batches per agent (train
                  "experiences by --rollout.micro_batch_size; token-budget batching is not wired in")
 LORA = ("LoRA is set per agent, in the topology (agents[].lora), and its adapters are synced by MAPPA: OpenRLHF "
         "0.11.2's run-wide LoRA syncs every weight under peft's names, which vLLM's loader rejects (OpenRLHF #1349)")
-IS_CORRECTION = "MAPPA's experiences carry no rollout log-probs, which the correction compares against"
-KL_IN_REWARD = "MAPPA puts KL in the reward (r_t = score - beta * KL); KL as a loss is not supported"
 TEXT_ONLY = "MAPPA's agents are text-only"
 REFUSED = {
     **dict.fromkeys(("reward." + k for k in "num_nodes num_gpus_per_node offload model_name_or_path remote_url "
@@ -270,22 +271,14 @@ REFUSED = {
     **dict.fromkeys(("train.async_enable", "train.async_queue_size", "train.partial_rollout_enable"), SYNCHRONOUS),
     "rollout.vllm_generate_batch_size": "MAPPA submits every episode of a step to the engines at once",
     "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
-    "algo.advantage.gamma": "MAPPA's returns are undiscounted (gamma = 1, rewards.returns_to_go), as in the paper",
     "algo.advantage.lambd": "GAE's lambda: " + NO_CRITIC,
-    "algo.advantage.no_std_norm": "MAPPA whitens advantages by mean and std (rewards.whiten) over --mappa.norm_scope",
-    **dict.fromkeys(("algo.advantage.is_correction_" + k for k in ("level", "mode", "gating", "threshold")),
-                    IS_CORRECTION),
-    **dict.fromkeys(("algo.kl.use_loss", "algo.kl.unbiased_gradient"), KL_IN_REWARD),
-    "algo.kl.target": "MAPPA keeps the KL coefficient fixed at --algo.kl.init_coef (no adaptive KL controller)",
-    "algo.kl.horizon": "applies only with --algo.kl.target (adaptive KL), which MAPPA refuses",
-    "algo.dynamic_filtering_enable": "MAPPA trains on every scored action; filtering prompt groups by reward is not "
-                                     "wired in",
-    "algo.dynamic_filtering_range": "applies only with --algo.dynamic_filtering_enable, which MAPPA refuses",
     **dict.fromkeys(("train.dynamic_batch_enable", "rollout.max_tokens_per_gpu", "train.max_tokens_per_gpu"),
                     DYNAMIC_BATCH),
     **dict.fromkeys(("ds.ring_attn_size", "ds.ring_attn_head_stride", "ds.tensor_parallel_size"), NO_DUPLICATE),
     **dict.fromkeys(("ds.lora." + k for k in ("rank", "alpha", "target_modules", "dropout")), LORA),
-    "ds.load_in_4bit": "4-bit (QLoRA) base weights are not built for LoRA agents",
+    "ds.load_in_4bit": "4-bit (QLoRA) weights are not built: OpenRLHF would quantize every agent's actor, full-weight "
+                       "agents included (which cannot train 4-bit weights), while a LoRA pool's vLLM engines serve the "
+                       "base in bf16; and bitsandbytes' 4-bit kernels need CUDA, so this path has never run",
     "actor.model_name_or_path": "each agent's model comes from the topology (or --mappa.model)",
     "train.agent_func_path": "the topology's environment drives each episode (--mappa.topology)",
     **dict.fromkeys(("data.prompt_probs", "data.prompt_split", "eval.split", "data.input_key", "data.label_key",
@@ -311,7 +304,8 @@ UPSTREAM_RANGES = {
     "ds.zero_stage": ranged(int, 0, 3), "vllm.gpu_memory_utilization": ranged(float, 0, 1, above=True),
     "rollout.temperature": NONNEGATIVE, "eval.temperature": NONNEGATIVE,
     "rollout.top_p": ranged(float, 0, 1, above=True),
-    "algo.kl.init_coef": NONNEGATIVE, "actor.adam.lr": NONNEGATIVE, "actor.adam.eps": POSITIVE,
+    "algo.kl.init_coef": NONNEGATIVE, "algo.kl.target": POSITIVE, "algo.kl.horizon": POSITIVE,
+    "algo.advantage.gamma": ranged(float, 0, 1, above=True), "actor.adam.lr": NONNEGATIVE, "actor.adam.eps": POSITIVE,
     "actor.adam.weight_decay": NONNEGATIVE, "actor.eps_clip": POSITIVE, "actor.max_norm": NONNEGATIVE,
     "actor.lr_warmup_ratio": FRACTION, "actor.min_lr_ratio": FRACTION, "train.ema_beta": FRACTION,
 }
@@ -428,8 +422,12 @@ def parse_args(argv=None, prog: str = "train_mappa_ray"):
     if args.train.colocate_all and args.mappa.colocate == "none":
         args.mappa.colocate = "agent"
     args.train.colocate_all = args.mappa.colocate != "none"
+    # Upstream's dynamic-filtering check demands a reward model or an agent function: MAPPA's coach scores, and
+    # validate() checks the rest of it.
+    filtering, args.algo.dynamic_filtering_enable = args.algo.dynamic_filtering_enable, False
     with refusals():  # upstream validates with assert
         validate_upstream(args)
+    args.algo.dynamic_filtering_enable = filtering
     return args
 
 
@@ -484,6 +482,7 @@ def validate(args, topology):
     if args.mappa.norm_scope == "group" and args.rollout.n_samples_per_prompt < 2:
         raise SystemExit("--mappa.norm_scope group compares the samples of each prompt: set "
                          "--rollout.n_samples_per_prompt >= 2")
+    validate_algo(args)
     if args.mappa.startup_warn_s > args.mappa.startup_timeout_s:
         raise SystemExit(f"--mappa.startup_warn_s ({args.mappa.startup_warn_s:g}) must be at most "
                          f"--mappa.startup_timeout_s ({args.mappa.startup_timeout_s:g})")
@@ -500,6 +499,33 @@ def validate(args, topology):
                          "coach)")
     scored = args.mappa.reward == "process" or coach.score_outcome_runs  # as MappaTrainer.scored
     topology.check_coach_template(args.mappa.topology, coach.kind, coach.mode, scored)
+
+
+def validate_algo(args) -> None:
+    """OpenRLHF's algorithm flags where MAPPA would otherwise do nothing with them, silently."""
+    algo = args.algo
+    if algo.dynamic_filtering_enable:
+        low, high = algo.dynamic_filtering_range
+        if not low < high:
+            raise SystemExit(f"--algo.dynamic_filtering_range {low:g} {high:g}: the low end must be below the high end")
+        if args.rollout.n_samples_per_prompt < 2:
+            raise SystemExit("--algo.dynamic_filtering_enable compares the samples of each task: set "
+                             "--rollout.n_samples_per_prompt >= 2")
+    for flag, on in (("--algo.kl.target", algo.kl.target), ("--algo.kl.use_loss", algo.kl.use_loss)):
+        if on and not algo.kl.init_coef:
+            raise SystemExit(f"{flag} needs --algo.kl.init_coef > 0: with 0 no agent has a reference model, so there "
+                             f"is no KL to adapt or to put in the loss")
+    if algo.kl.unbiased_gradient and not algo.kl.use_loss:
+        raise SystemExit("--algo.kl.unbiased_gradient changes the gradient of the KL loss: it needs --algo.kl.use_loss "
+                         "(MAPPA's default puts KL in the reward)")
+    if algo.advantage.is_correction_level != "off":
+        from openrlhf.models.loss import PolicyLoss  # its own checks of the correction's settings, before any actor
+
+        a = args.actor
+        PolicyLoss(policy_loss_type=a.policy_loss_type, is_correction_level=algo.advantage.is_correction_level,
+                   is_correction_mode=algo.advantage.is_correction_mode,
+                   is_correction_gating=algo.advantage.is_correction_gating,
+                   is_correction_threshold=algo.advantage.is_correction_threshold)
 
 
 def check_this_machine(args) -> None:
