@@ -16,6 +16,8 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor, batch_vllm_engine_call
 
+from openrlhf_mappa.rollout import SyncGate
+
 
 class MappaExperienceMaker(RemoteExperienceMaker):
     """OpenRLHF's experience maker for one agent, its micro-batch split and forwards (log-probs, KL) unchanged."""
@@ -28,14 +30,28 @@ class MappaExperienceMaker(RemoteExperienceMaker):
 
 class AgentTrainer(BasePPOTrainer):
     """OpenRLHF's trainer over one agent's actor, reference and engines; train_step runs as upstream's, and
-    broadcast_to_vllm reaches this agent's engines only. `adapter`: a LoRA agent's name, served by its pool."""
+    broadcast_to_vllm reaches this agent's engines only, through its gate (versions; async training waits for the
+    agent's generations in flight or, with partial rollouts, pauses its engines). `adapter`: a LoRA agent's name,
+    served by its pool."""
 
     def __init__(self, strategy, actor, ref, engines, tokenizer, adapter=None):
         super().__init__(strategy, actor, None, None, ref, engines, tokenizer)
         self.experience_maker = MappaExperienceMaker(actor, None, None, ref, self.kl_ctl, strategy, tokenizer)
         self.adapter, self.synced = adapter, {}  # synced: the last sync's bytes, and a full-model sync's
+        self.gate = SyncGate()
 
     def broadcast_to_vllm(self):
+        partial = self.args.train.partial_rollout_enable
+        with self.gate.sync(wait=not partial):
+            if partial:  # in-flight requests are kept, and finish on the new weights
+                batch_vllm_engine_call(self.vllm_engines, "pause_generation")
+            try:
+                self.send_weights()
+            finally:
+                if partial:
+                    batch_vllm_engine_call(self.vllm_engines, "resume_generation")
+
+    def send_weights(self):
         if self.adapter is None:
             super().broadcast_to_vllm()
         else:  # OpenRLHF's sync sends every weight under peft's names, which vLLM rejects (OpenRLHF #1349)

@@ -126,10 +126,10 @@ def untrained_reasons(agents: list, owner: dict, episodes: list, dropped: dict, 
         name, a = ag.spec.name, ag.args
         mine = [(ep, x) for ep in episodes for x in ep.actions if owner[x.agent] == name]
         skipped = sum(owner[s["agent"]] == name for ep in episodes for s in ep.skipped_actions)
-        cut = {id(x) for ep, x in mine if not ep.env_error and x.truncated and not train_truncated}
-        unscored, filtered = {}, sum(x.filtered for _, x in mine)
+        cut = {id(x) for ep, x in mine if not ep.env_error and x.truncated and not train_truncated and not x.stale}
+        unscored, filtered, stale = {}, sum(x.filtered for _, x in mine), sum(x.stale for _, x in mine)
         for ep, x in mine:
-            if x.reward is None and not ep.env_error and id(x) not in cut and not x.filtered:
+            if x.reward is None and not ep.env_error and id(x) not in cut and not x.filtered and not x.stale:
                 status = x.verdict.status if x.verdict else "missing"
                 unscored[status] = unscored.get(status, 0) + 1
         env_failed = sum(bool(ep.env_error) for ep, _ in mine)
@@ -144,6 +144,8 @@ def untrained_reasons(agents: list, owner: dict, episodes: list, dropped: dict, 
         if filtered:
             why.append(f"{filtered} {of} in (task, agent) groups whose mean score is outside "
                        f"--algo.dynamic_filtering_range {tuple(a.algo.dynamic_filtering_range)} and left out")
+        if stale:
+            why.append(f"{stale} {of} made by weights more than --mappa.max_staleness updates old and left out")
         if env_failed:
             why.append(f"{env_failed} {of} in episodes whose environment raised (env_error in episodes.jsonl)")
         if dropped[name]:

@@ -119,9 +119,9 @@ def rotate_checkpoints(agent_ckpt_dir: str, keep: int) -> list:
 
 
 def truncate_logs(run_dir: str, step: int) -> None:
-    """Keep only the lines of steps <= `step` in metrics.jsonl and episodes.jsonl. A resumed run redoes the
+    """Keep only the lines of steps <= `step` in the run's JSONL logs. A resumed run redoes the
     steps after its checkpoint, which would otherwise appear twice; a line cut off by a kill is dropped."""
-    for name in ("metrics.jsonl", "episodes.jsonl", "eval.jsonl"):
+    for name in ("metrics.jsonl", "episodes.jsonl", "eval.jsonl", "syncs.jsonl"):
         path = os.path.join(run_dir, name)
         if not os.path.exists(path):
             continue
@@ -167,13 +167,14 @@ def load_team(trainees: list, step: int) -> None:
 
 
 def driver_state(ckpt_path: str, run_dir: str, step: int, window: int) -> tuple:
-    """(coach cost so far, the coach template in use as {name, since_step} or None, {step: episodes}, {agent: KL
-    coefficient}) as the team checkpoint of `step` left them: the episodes of the bias audit's last `window` steps
-    refill its window, whose warnings and the figures a coach is shown (--mappa.coach.show_bias) would otherwise
-    restart from nothing."""
+    """(coach cost so far, the coach template in use as {name, since_step} or None, {step: episodes}, the marker's
+    per-agent state: `kl_coef`, `versions`) as the team checkpoint of `step` left them: the episodes of the bias
+    audit's last `window` steps refill its window, whose warnings and the figures a coach is shown
+    (--mappa.coach.show_bias) would otherwise restart from nothing."""
     marker = json.load(open(os.path.join(ckpt_path, CHECKPOINT_MARKER)))
     path, by_step = os.path.join(run_dir, "episodes.jsonl"), {}
     for _, ep in read_jsonl(path) if os.path.exists(path) else []:
         if step - window < ep["step"] <= step:
             by_step.setdefault(ep["step"], []).append(Episode.from_record(ep))
-    return marker.get("coach_cost_usd", 0.0), marker.get("coach_template"), by_step, marker.get("kl_coef", {})
+    agents = {key: marker[key] for key in ("kl_coef", "versions") if key in marker}
+    return marker.get("coach_cost_usd", 0.0), marker.get("coach_template"), by_step, agents

@@ -55,7 +55,8 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
 
     In process mode a failed verdict is left out ("skip"), paid the outcome, or paid s · neutral_score (the
     authors' silent 5.0 made explicit); it keeps its failed status. A truncated action (its score judges text
-    that never ended; unless train_truncated) and every action of an episode whose environment raised are left out.
+    that never ended; unless train_truncated), a stale one and every action of an episode whose environment raised
+    are left out.
     """
     if mode not in REWARD_MODES:
         raise ValueError(f"unknown reward mode {mode!r}; expected one of {REWARD_MODES}")
@@ -64,7 +65,7 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
     if norm_scope not in NORM_SCOPES:
         raise ValueError(f"unknown normalization scope {norm_scope!r}; expected one of {tuple(NORM_SCOPES)}")
 
-    trainable, left_out_by_status, fallback, truncated_by_agent = 0, {}, 0, {}
+    trainable, left_out_by_status, fallback, truncated_by_agent, stale_by_agent = 0, {}, 0, {}, {}
     u = {}  # id(action) -> its score on [0, 1], for dynamic_filter
     for episode in episodes:
         outcome_R = scale * outcome_score * float(episode.success)
@@ -72,6 +73,10 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
             verdict = action.verdict
             if episode.env_error:  # counted per episode: no outcome, and its feedback is untrusted
                 action.reward = None
+                continue
+            if action.stale:  # its weights too many updates old (async training: trainer.mark_stale)
+                action.reward = None
+                stale_by_agent[action.agent] = stale_by_agent.get(action.agent, 0) + 1
                 continue
             if action.truncated and not train_truncated:
                 action.reward = None
@@ -101,7 +106,7 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
     trainable -= sum(n for n, _, _ in filtered.values())
     return {"trainable": trainable, "left_out": sum(left_out_by_status.values()),
             "left_out_by_status": left_out_by_status, "fallback": fallback, "truncated_left_out": truncated_by_agent,
-            "filtered": filtered}
+            "filtered": filtered, "stale_left_out": stale_by_agent}
 
 
 def dynamic_filter(episodes: list[Episode], u: dict, score_range: tuple) -> dict:

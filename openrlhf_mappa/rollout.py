@@ -9,11 +9,13 @@ overlaps with generation; in hindsight mode (coach.judge_episode) one review fol
 """
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import itertools
 import os
 import sysconfig
+import threading
 import time
 import traceback
 import uuid
@@ -21,6 +23,46 @@ from dataclasses import dataclass, field
 
 from openrlhf_mappa.coach import Coach, CoachRequest, judge_episode
 from openrlhf_mappa.episode import Action, Episode
+
+
+class SyncGate:
+    """One agent's generations and the syncs of its weights to its engines (`version`: how many it has had). With
+    async training a sync lands while the next step generates: it waits for the agent's generations in flight and
+    holds new ones back, so every action is made by one version of its weights; with partial rollouts
+    (`wait=False`) the engines pause instead, and an action in flight finishes on the new version. Generations
+    run on the rollout's event loop, syncs in the trainer's threads."""
+
+    def __init__(self):
+        self.cond, self.active, self.syncing, self.version = threading.Condition(), 0, False, 0
+        self.log = []  # {"version", "start", "end"} of each sync (unix seconds), until the trainer writes them out
+
+    async def enter(self) -> int:
+        while True:  # polled, not a blocking wait: the event loop runs every other episode meanwhile
+            with self.cond:
+                if not self.syncing:
+                    self.active += 1
+                    return self.version
+            await asyncio.sleep(0.01)
+
+    def leave(self) -> int:
+        with self.cond:
+            self.active -= 1
+            self.cond.notify_all()
+            return self.version
+
+    @contextlib.contextmanager
+    def sync(self, wait: bool = True):
+        with self.cond:
+            self.syncing = True
+            if wait:
+                self.cond.wait_for(lambda: self.active == 0)
+        start = time.time()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.version, self.syncing = self.version + 1, False
+                self.log.append({"version": self.version, "start": start, "end": time.time()})
 
 
 @dataclass
@@ -33,6 +75,7 @@ class AgentPolicy:
     max_len: int  # prompt + response tokens, as the engines were built with
     sampling: dict = field(default_factory=dict)  # temperature, top_p
     adapter: str = None  # a LoRA agent's name: its engines (its pool's) generate with its adapter
+    gate: SyncGate = field(default_factory=SyncGate)  # its trainer's: generations vs weight syncs, and the version
     _next: itertools.count = field(default_factory=itertools.count)
 
     def prompt_ids(self, messages: list) -> tuple:
@@ -97,7 +140,7 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
     os.makedirs(workspace, exist_ok=True)
     episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=task.get("type", ""), step=step)
     requests, verdict_futures = [], []
-    t0 = time.time()
+    t0 = episode.timings["start"] = time.time()
     try:
         env = env_call(topology.env, "__init__", topology.make_env, task, workspace)
         call = functools.partial(env_call, type(env).__name__)
@@ -121,7 +164,8 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
         verdicts, parts, episode.review = judged
     for action, verdict, part in zip(episode.actions, verdicts, parts):
         action.verdict, action.verdict_parts = verdict, part
-    episode.timings["coach_wait_s"] = time.time() - t0 - episode.timings["rollout_s"]
+    episode.timings["end"] = time.time()
+    episode.timings["coach_wait_s"] = episode.timings["end"] - t0 - episode.timings["rollout_s"]
     return episode
 
 
@@ -145,7 +189,7 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
         # The round's agents all see the history as it was before the round: they generate concurrently, and
         # step in the order next_agents gave.
         prompts = [fit_prompt(env, call, policies[spec.name], spec, turns[spec.name], can_omit) for spec in agents]
-        generations = (policies[spec.name].generate(p[1]) for spec, p in zip(agents, prompts) if not p[2])
+        generations = (gated(policies[spec.name], p[1]) for spec, p in zip(agents, prompts) if not p[2])
         generated = iter(await asyncio.gather(*generations))
         last = {}
         for spec, (prompt_text, prompt_ids, too_long, omitted) in zip(agents, prompts):
@@ -159,7 +203,10 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
                 episode.skipped_actions.append(skipped)
                 last[spec.name] = None
                 continue
-            response_ids, truncated, logprobs = next(generated)
+            (response_ids, truncated, logprobs), version, version_end = next(generated)
+            # Its weight versions: its own agent's, and each other agent's whose output came before it in the
+            # episode (as that action recorded its own).
+            versions = {a.agent: a.versions[a.agent] for a in episode.actions if a.agent != spec.name}
             response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
             result = last[spec.name] = await asyncio.to_thread(call, "step", env.step, spec, turn, response_text)
             action = Action(
@@ -168,6 +215,7 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
                 prompt_text=prompt_text, response_text=response_text, truncated=truncated,
                 formatted=call("answer_formatted", env.answer_formatted, spec, response_text),
                 prompt_truncated=omitted > 0, feedback=result.feedback, rollout_logprobs=logprobs,
+                versions={**versions, spec.name: version}, version_end=version_end,
             )
             # coach_bias is kept with the action only when shown, so that re-scoring sends the prompt it saw.
             action.coach_request = dict(
@@ -182,6 +230,15 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
             yield CoachRequest(episode.episode_id, spec.name, turn, agent_input=prompt_text,
                                agent_output=response_text, **action.coach_request)
         round_ += 1
+
+
+async def gated(policy: AgentPolicy, prompt_ids: list) -> tuple:
+    """(policy.generate's result, its weights' version when it started, and when it ended)."""
+    version = await policy.gate.enter()
+    try:
+        return await policy.generate(prompt_ids), version, policy.gate.version
+    finally:
+        policy.gate.leave()
 
 
 def check_round(env_name: str, topology, agents) -> None:

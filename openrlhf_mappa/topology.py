@@ -35,6 +35,7 @@ SWITCH_NAMESPACES = ("step", "agent/<agent>/<metric>", "outcome/success_rate", "
 AGENT_METRICS = tuple(
     "coach_score outcome_success truncated_left_out trained_actions dropped_for_batching updated kl kl_coef "
     "policy_loss logprob_mismatch_abs logprob_mismatch_kl filtered_actions dynamic_filtering_pass_rate "
+    "staleness_mean staleness_max stale_left_out "
     "actor_lr actor_grad_norm ppo_clip_ratio num_actions action_length tool_use_rate tool_error_rate "
     "code_error_rate truncated_rate prompt_truncated prompt_too_long_skipped answer_format_rate sync_mib "
     "full_sync_mib".split()

@@ -8,11 +8,13 @@ experiences train agent k's actor only -> agent k's weights go to agent k's engi
 """
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import json
 import os
 import random
+import threading
 import time
 
 import ray
@@ -80,7 +82,8 @@ class MappaTrainer:
         os.makedirs(run_dir, exist_ok=True)
         self.policies, self.eval_policies = ({ag.spec.name: AgentPolicy(
             ag.engines, ag.tokenizer, ag.args.rollout.max_new_tokens, args.data.max_len,
-            dict(temperature=temperature, top_p=args.rollout.top_p), ag.trainer.adapter) for ag in agents}
+            dict(temperature=temperature, top_p=args.rollout.top_p), ag.trainer.adapter, ag.trainer.gate)
+            for ag in agents}
             for temperature in (args.rollout.temperature, args.eval.temperature))
         # One event loop for the whole run: the coach's HTTP client and its semaphore belong to the loop
         # they were first used on, so a fresh asyncio.run() per step would break them at step 2.
@@ -110,10 +113,12 @@ class MappaTrainer:
         if not step:
             return
         resume.load_team(self.trainees, step)
-        self.coach_cost_usd, stage, episodes_by_step, kl_coef = resume.driver_state(
+        self.coach_cost_usd, stage, episodes_by_step, saved = resume.driver_state(
             self.args.ckpt.path, self.run_dir, step, self.bias_audit.window.maxlen)
-        for ag in self.trainees:
-            ag.trainer.kl_ctl.value = kl_coef.get(ag.spec.name, ag.trainer.kl_ctl.value)
+        for ag in self.trainees:  # as the checkpoint's step left them (load_team's sync counted one more version)
+            ag.trainer.kl_ctl.value = saved.get("kl_coef", {}).get(ag.spec.name, ag.trainer.kl_ctl.value)
+            ag.trainer.gate.version = saved.get("versions", {}).get(ag.spec.name, ag.trainer.gate.version)
+            ag.trainer.gate.log.clear()  # load_team's sync restored a version; it made none
         if stage:  # its name was checked against the topology by resume.check_resume
             self.set_stage([s.name for s in self.topology.coach_stages].index(stage["name"]), stage["since_step"])
             print(f"[mappa] coach criteria: resuming with coach template {stage['name']!r} (in use since step "
@@ -124,26 +129,76 @@ class MappaTrainer:
     def fit(self, start_step: int = 0):
         total = (len(self.tasks) // self.args.rollout.batch_size) * self.args.train.num_episodes
         every = self.args.eval.steps
-        if start_step == 0:
-            self.evaluate(0)  # the untrained models: the baseline every later evaluation compares with
-        steps = tqdm(self.batches(start_step), total=total, initial=start_step, desc="MAPPA steps", file=console.err)
-        for step, tasks in steps:
-            bar = tqdm(total=len(tasks), desc=f"step {step} rollout", unit="episode", leave=False, file=console.err)
-            with bar:
-                metrics = self.train_step(step, tasks, progress=bar.update)
-            self.log(step, metrics)
-            tqdm.write(step_line(step, total, metrics, [ag.spec.name for ag in self.agents]), file=console.err)
-            if self.stalled:
-                raise RunStopped(self.stalled)
-            self.advance_criteria(step, metrics)  # before the checkpoint, which records the template in use
-            if (every > 0 and step % every == 0) or step == total:
-                self.evaluate(step)
-            if self.args.ckpt.save_steps > 0 and step % self.args.ckpt.save_steps == 0:
-                self.save_checkpoints(step)
-        ray.get([ref for ag in self.trainees for ref in ag.actor.async_save_model()])
+        # The run's event loop (rollouts, coach, evaluation) runs in a thread of its own, so that with
+        # --train.async_enable the next steps' episodes are generated, run and scored while the team trains.
+        thread = threading.Thread(target=self.loop.run_forever, name="mappa-rollout", daemon=True)
+        thread.start()
+        try:
+            if start_step == 0:
+                self.evaluate(0)  # the untrained models: the baseline every later evaluation compares with
+            steps = tqdm(total=total, initial=start_step, desc="MAPPA steps", file=console.err)
+            t_step = time.time()
+            for step, episodes, t_rollout in self.rollouts(start_step):
+                t_wait = time.time() - t_step  # async: the part of the rollout that training did not hide
+                metrics = {**self.learn(step, episodes, t_rollout, t_step), "timing/rollout_wait": t_wait}
+                self.log(step, metrics)
+                steps.update(1)
+                tqdm.write(step_line(step, total, metrics, [ag.spec.name for ag in self.agents]), file=console.err)
+                if self.stalled:
+                    raise RunStopped(self.stalled)
+                self.advance_criteria(step, metrics)  # before the checkpoint, which records the template in use
+                if (every > 0 and step % every == 0) or step == total:
+                    self.evaluate(step)
+                if self.args.ckpt.save_steps > 0 and step % self.args.ckpt.save_steps == 0:
+                    self.save_checkpoints(step)
+                t_step = time.time()
+            steps.close()
+            ray.get([ref for ag in self.trainees for ref in ag.actor.async_save_model()])
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            thread.join()
         for logger in self.loggers:
             logger.close()
         self.loop.run_until_complete(self.coach.aclose())
+
+    def wait_for(self, coroutine):
+        """The coroutine's result, run on the run's event loop (in its thread during fit)."""
+        if self.loop.is_running():
+            return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+        return self.loop.run_until_complete(coroutine)
+
+    def rollouts(self, start_step: int):
+        """(step, its episodes, the rollout's seconds) for every step after start_step: each generated when its turn
+        comes, or with --train.async_enable up to --train.async_queue_size steps ahead, while the team trains."""
+        ahead = self.args.train.async_queue_size if self.args.train.async_enable else 0
+        pending = collections.deque()  # (step, its progress bar, its episodes to come)
+        for step, tasks in self.batches(start_step):
+            bar = tqdm(total=len(tasks), desc=f"step {step} rollout", unit="episode", leave=False, file=console.err)
+            if not ahead:
+                with bar, self.engines_awake():  # (async training refuses vLLM sleep)
+                    result = self.wait_for(self.rollout_of(step, tasks, bar.update))
+                yield step, *result
+                continue
+            rollout_ = asyncio.run_coroutine_threadsafe(self.rollout_of(step, tasks, bar.update), self.loop)
+            pending.append((step, bar, rollout_))
+            if len(pending) > ahead:
+                yield self.collect(*pending.popleft())
+        while pending:
+            yield self.collect(*pending.popleft())
+
+    @staticmethod
+    def collect(step: int, bar, rollout_) -> tuple:
+        with bar:
+            return step, *rollout_.result()
+
+    async def rollout_of(self, step: int, tasks: list, progress=None) -> tuple:
+        """(episodes, seconds): the step's episodes on the agents' engines as they are now, scored by the coach."""
+        t0, c = time.time(), self.mappa.coach
+        bias = self.bias_audit.prompt_text() if c.show_bias else None  # the steps before this one
+        episodes = await rollout(self.topology, tasks, self.policies, self.rollout_coach,
+                                 os.path.join(self.run_dir, "workspaces"), step, coach_bias=bias,
+                                 coach_mode=c.mode if self.scored else "per_action", progress=progress)
+        return episodes, time.time() - t0
 
     @contextlib.contextmanager
     def engines_awake(self):
@@ -161,22 +216,22 @@ class MappaTrainer:
                 batch_vllm_engine_call(engines, "sleep")
 
     def train_step(self, step: int, tasks: list, progress=None) -> dict:
-        t_start = t0 = time.time()
-        c = self.mappa.coach
-        workspace = os.path.join(self.run_dir, "workspaces")
-        bias = self.bias_audit.prompt_text() if c.show_bias else None  # the steps before this one
+        """One synchronous step: the rollout, then learn."""
+        t_start = time.time()
         with self.engines_awake():
-            episodes = self.loop.run_until_complete(
-                rollout(self.topology, tasks, self.policies, self.rollout_coach, workspace, step, coach_bias=bias,
-                        coach_mode=c.mode if self.scored else "per_action", progress=progress)
-            )
-        t_rollout = time.time() - t0
+            episodes, t_rollout = self.wait_for(self.rollout_of(step, tasks, progress))
+        return self.learn(step, episodes, t_rollout, t_start)
+
+    def learn(self, step: int, episodes: list, t_rollout: float, t_start: float) -> dict:
+        """The step's episodes to rewards, each agent's experiences and its update; returns the step's metrics."""
+        c = self.mappa.coach
         coach_metrics = coach_step_metrics(episodes, c.price_in, c.price_out)
         coach_metrics.update(self.bias_audit.update(episodes))
         self.coach_cost_usd += coach_metrics.get("coach/cost_usd", 0.0)
         if c.price_in or c.price_out:
             coach_metrics["coach/cost_usd_total"] = self.coach_cost_usd
         self.stop_on_failures(step, episodes, coach_metrics)
+        lags = self.mark_stale(episodes)
         algo = self.args.algo
         counts = rewards.assign_rewards(episodes, self.mappa.reward, c.on_failure, c.neutral_score,
                                         self.topology.reward_scale, self.mappa.train_truncated,
@@ -224,13 +279,28 @@ class MappaTrainer:
         t_train = time.time() - t0 - t_sync
 
         self.write_episodes(episodes)
-        metrics = self.step_metrics(episodes, batches, status, dropped, counts, kl_coef)
+        self.write_syncs(step)
+        metrics = self.step_metrics(episodes, batches, status, dropped, {**counts, "staleness": lags}, kl_coef)
         metrics.update(coach_metrics)
         metrics.update({"timing/rollout": t_rollout, "timing/experience": t_experience, "timing/train": t_train,
                         "timing/sync": t_sync, "timing/step": time.time() - t_start})
         if self.topology.coach_stages:
             metrics["coach/template_stage"] = self.stage  # 0-based, in coach_templates' order
         return metrics
+
+    def mark_stale(self, episodes: list) -> dict:
+        """Mark `stale` every action one of whose weight versions (its own agent's, or another agent's whose output
+        it saw) is more than --mappa.max_staleness updates behind that agent's now: it is left out (assign_rewards).
+        Returns {agent: [the own-agent staleness of each of its actions]}. Always 0 in synchronous training."""
+        now = {ag.spec.name: ag.trainer.gate.version for ag in self.agents}
+        most = self.mappa.max_staleness if self.mappa.max_staleness is not None else self.args.train.async_queue_size
+        lags = {}
+        for ep in episodes:
+            for a in ep.actions:
+                lag = {name: now[name] - v for name, v in a.versions.items()}
+                lags.setdefault(a.agent, []).append(lag.get(a.agent, 0))
+                a.stale = max(lag.values(), default=0) > most
+        return lags
 
     def stop_on_failures(self, step: int, episodes: list, coach_metrics: dict):
         """Stop the run, keeping the step's episodes and metrics on disk, when more of its episodes failed in the
@@ -343,6 +413,10 @@ class MappaTrainer:
             m[p + "dropped_for_batching"] = dropped[name]
             m[p + "updated"] = int(name in status)
             m[p + "kl_coef"] = kl_coef[name]
+            if self.args.train.async_enable and counts["staleness"].get(name):  # in updates of its own weights
+                lag = counts["staleness"][name]
+                m.update({p + "staleness_mean": sum(lag) / len(lag), p + "staleness_max": max(lag),
+                          p + "stale_left_out": counts["stale_left_out"].get(name, 0)})
             if self.args.algo.dynamic_filtering_enable:
                 filtered, kept, groups = counts["filtered"].get(name, (0, 0, 0))
                 m[p + "filtered_actions"] = filtered
@@ -366,10 +440,8 @@ class MappaTrainer:
             total = len(tasks) * ev.n_samples_per_prompt
             with self.engines_awake(), tqdm(total=total, desc=f"evaluation {dataset}", unit="episode", leave=False,
                                             file=console.err) as bar:
-                episodes = self.loop.run_until_complete(
-                    evaluate(self.topology, tasks, self.eval_policies, ev.n_samples_per_prompt, workspace, step,
-                             bar.update)
-                )
+                episodes = self.wait_for(evaluate(self.topology, tasks, self.eval_policies, ev.n_samples_per_prompt,
+                                                  workspace, step, bar.update))
             summary, problems = summarize(episodes, names, tasks)
             os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
             with open(os.path.join(self.run_dir, "eval", f"{dataset}-step{step}.json"), "w", encoding="utf-8") as f:
@@ -384,6 +456,14 @@ class MappaTrainer:
         with open(os.path.join(self.run_dir, "episodes.jsonl"), "a", encoding="utf-8") as f:
             for ep in episodes:
                 f.write(ep.to_json() + "\n")
+
+    def write_syncs(self, step: int):
+        """Each weight sync of this step's updates to syncs.jsonl: agent, the version it made, start and end."""
+        with open(os.path.join(self.run_dir, "syncs.jsonl"), "a", encoding="utf-8") as f:
+            for ag in self.trainees:
+                for sync in ag.trainer.gate.log:
+                    f.write(json.dumps({"step": step, "agent": ag.spec.name, **sync}) + "\n")
+                ag.trainer.gate.log.clear()
 
     def log(self, step: int, metrics: dict):
         with open(os.path.join(self.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
@@ -402,7 +482,8 @@ class MappaTrainer:
             )
         ray.get(refs)
         state = {"step": step, "coach_cost_usd": self.coach_cost_usd,
-                 "kl_coef": {ag.spec.name: ag.trainer.kl_ctl.value for ag in self.trainees}}  # adaptive KL moves it
+                 "kl_coef": {ag.spec.name: ag.trainer.kl_ctl.value for ag in self.trainees},  # adaptive KL moves it
+                 "versions": {ag.spec.name: ag.trainer.gate.version for ag in self.trainees}}
         if self.topology.coach_stages:  # the template in use for the next step
             name = self.topology.coach_stages[self.stage].name
             state["coach_template"] = {"name": name, "since_step": self.stage_since}

@@ -289,6 +289,9 @@ class StandIn:
         self.name, self.dir, self.on_save = name, os.path.join(ckpt, name, "_actor"), on_save
         self.experience_maker, self.adapter, self.synced, self.trained = self, None, {}, []
         self.kl_ctl = SimpleNamespace(value=0.0)  # OpenRLHF's FixedKLController at --algo.kl.init_coef 0
+        from openrlhf_mappa.rollout import SyncGate
+
+        self.gate = SyncGate()
 
     def async_run_method(self, method_name, tag=None, **kwargs):
         assert method_name == "save_checkpoint", method_name
@@ -308,7 +311,8 @@ class StandIn:
         return {"global_step": int(open(os.path.join(self.dir, "latest")).read()[len("global_step"):])}
 
     def broadcast_to_vllm(self):
-        pass
+        with self.gate.sync():  # as AgentTrainer's: the next version
+            pass
 
     def split_rollout_samples(self, experiences):
         return experiences
@@ -323,6 +327,7 @@ class StandIn:
 
     def train_step(self, experiences, step):
         self.trained.append((step, experiences))
+        self.broadcast_to_vllm()  # upstream's train_step ends with the sync
         return {"policy_loss": 0.0, "timing/broadcast": 0.0}, step
 
 

@@ -23,7 +23,7 @@ from test_launch import GOOD, HEAVY, workdir  # noqa: F401 (a fixture)
 from openrlhf_mappa.envs.mathchat import MathChatEnv
 from openrlhf_mappa.episode import Verdict, read_jsonl
 from openrlhf_mappa.rewards import assign_rewards
-from openrlhf_mappa.rollout import rollout
+from openrlhf_mappa.rollout import SyncGate, rollout
 
 
 TOPOLOGY = ("name: t\nenv: {env}\ncoach_template: 'Judge {{agent_output}}. End with PROCESS_SCORE: <0-10>'\n{top}"
@@ -484,7 +484,7 @@ def scripted_trainer(tmp_path, tasks, monkeypatch, *flags, policy=None):
                        *flags])  # fmt: skip
     topology_ = load_topology(args.mappa.topology)
     agents = [Agent(spec, agent_args(args, spec), tokenizer=None, engines=[], actor=object(), ref=None,
-                                   trainer=SimpleNamespace(adapter=None, kl_ctl=SimpleNamespace(value=0.0))) for spec in topology_.agents]
+                                   trainer=SimpleNamespace(adapter=None, kl_ctl=SimpleNamespace(value=0.0), gate=SyncGate())) for spec in topology_.agents]
     trainer = trainer_module.MappaTrainer(args, topology_, agents, HeuristicCoach(), tasks, args.mappa.run_dir)
     policy = policy or ScriptedPolicy
     trainer.policies = {"checker": policy("It is 2."), "solver": policy("So \\boxed{2}.")}

@@ -610,7 +610,9 @@ class ScriptedPolicy:
     so the rollout, the environment and the coach client run for real without loading a model."""
 
     def __init__(self, reply):
-        self.reply, self.tokenizer = reply, self
+        from openrlhf_mappa.rollout import SyncGate
+
+        self.reply, self.tokenizer, self.gate = reply, self, SyncGate()
 
     def prompt_ids(self, messages):
         return messages[-1]["content"], [1, 2, 3], False

@@ -8,6 +8,7 @@ conftest.StandIn for the agents' Ray actors; no Ray (the e2e part is in test_res
 import json
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,7 @@ from openrlhf_mappa import trainer as trainer_module
 from openrlhf_mappa.cli.train_mappa_ray import parse_args
 from openrlhf_mappa.console import console as run_console
 from openrlhf_mappa.resume import CHECKPOINT_MARKER, check_resume, write_marker
+from openrlhf_mappa.rollout import SyncGate
 from openrlhf_mappa.trainer import MappaTrainer
 
 AGENTS = [
@@ -102,7 +104,7 @@ def test_the_rule_metrics_are_the_per_agent_keys_a_step_logs():
     trainer = MappaTrainer.__new__(MappaTrainer)
     trainer.mappa = SimpleNamespace(coach=SimpleNamespace(on_failure="skip"))
     trainer.topology = SimpleNamespace(reward_scale=1.0)
-    trainer.args = SimpleNamespace(algo=SimpleNamespace(dynamic_filtering_enable=True, kl=SimpleNamespace(use_loss=False)))
+    trainer.args = parse_args(["--mappa.topology", "t.yaml", "--algo.dynamic_filtering_enable", "--train.async_enable"])
     lora = SimpleNamespace(synced={"sync_mib": 0.1, "full_sync_mib": 10.0})  # a LoRA agent logs its syncs too
     trainer.agents, trainer.owner = [SimpleNamespace(spec=SimpleNamespace(name="coder"), trainer=lora)], {"coder": "coder"}
     ran = ToolFeedback(stdout="4", exit_code=0)
@@ -111,7 +113,8 @@ def test_the_rule_metrics_are_the_per_agent_keys_a_step_logs():
     batch = SimpleNamespace(info={"kl": torch.tensor([0.1])}, sequences=torch.zeros(1, 3), action_mask=torch.ones(1, 2),
                             action_log_probs=torch.zeros(1, 2), rollout_log_probs=torch.zeros(1, 2))
     status = {"coder": {"policy_loss": 0.1, "actor_lr": 1e-6, "actor_grad_norm": 1.0, "ppo_clip_ratio": 0.0}}
-    counts = {"left_out": 0, "fallback": 0, "truncated_left_out": {}, "filtered": {"coder": (0, 1, 1)}}
+    counts = {"left_out": 0, "fallback": 0, "truncated_left_out": {}, "filtered": {"coder": (0, 1, 1)},
+              "staleness": {"coder": [1]}, "stale_left_out": {}}
     logged = trainer.step_metrics(episodes, {"coder": [batch]}, status, {"coder": 0}, counts, {"coder": 0.01})
     assert {k.split("/")[2] for k in logged if k.startswith("agent/coder/")} == set(AGENT_METRICS)
 
@@ -119,14 +122,14 @@ def test_the_rule_metrics_are_the_per_agent_keys_a_step_logs():
 # ---------------------------------------------------------------- switching, and switching after a resume
 
 
-def trainer_for(topology, coach, tmp_path, tasks=(), show_bias=False, on_save=None) -> MappaTrainer:
-    """The driver of a run (MappaTrainer, OpenRLHF's flags as parsed), its agents' Ray side stood in for
+def trainer_for(topology, coach, tmp_path, tasks=(), show_bias=False, on_save=None, flags=()) -> MappaTrainer:
+    """The driver of a run (MappaTrainer, OpenRLHF's flags as parsed, and `flags`), its agents' Ray side stood in for
     (conftest.StandIn): 2 tasks a step, one sample each, a checkpoint every 2 steps."""
     args = parse_args(["--mappa.topology", "topo.yaml", "--mappa.run_dir", str(tmp_path / "run"), "--ckpt.path",
                        str(tmp_path / "ckpt"), "--ckpt.load_enable", "--ckpt.save_steps", "2", "--rollout.batch_size", "2",
                        "--rollout.n_samples_per_prompt", "1", "--train.batch_size", "2", "--data.max_len", "64",
                        "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--train.micro_batch_size", "1"]
-                      + ["--mappa.coach.show_bias"] * show_bias)  # fmt: skip
+                      + ["--mappa.coach.show_bias"] * show_bias + list(flags))  # fmt: skip
     os.makedirs(args.ckpt.path, exist_ok=True)
     return MappaTrainer(args, topology, stand_in_team(args, topology, on_save), coach, list(tasks), args.mappa.run_dir)
 
@@ -142,8 +145,8 @@ def agents_saved(ckpt, step: int):
 class Replies:
     """Stands in for an agent's vLLM engine (no model): its replies in order, one per call."""
 
-    def __init__(self, *replies):
-        self.replies, self.calls, self.tokenizer = replies, 0, self
+    def __init__(self, *replies, gate=None):
+        self.replies, self.calls, self.tokenizer, self.gate = replies, 0, self, gate or SyncGate()
 
     def prompt_ids(self, messages):
         return messages[-1]["content"], [1, 2, 3], False
@@ -154,6 +157,12 @@ class Replies:
 
     def decode(self, ids, skip_special_tokens=True):
         return self.replies[ids[0]]
+
+
+def script(trainer, **replies):
+    """The trainer's agents' engines stood in for by Replies, each behind its agent's gate (its weight versions), as
+    the trainer's own policies are."""
+    trainer.policies = {ag.spec.name: Replies(*replies[ag.spec.name], gate=ag.trainer.gate) for ag in trainer.agents}
 
 
 def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsys, monkeypatch):
@@ -169,8 +178,8 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
     with CoachServer() as server:
         coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
         first = trainer_for(topology, coach, tmp_path, tasks, on_save=lambda step: figures.setdefault(step, first.bias_audit.prompt_text()))
-        first.policies = {"solver": Replies(*["2 + 2 is 4."] * 8),
-                          "coder": Replies(*[f"```python\n{code}\n```" for code in ["print(1 / 0)"] * 2 + ["print(2 + 2)"] * 6])}
+        script(first, solver=["2 + 2 is 4."] * 8,
+               coder=[f"```python\n{code}\n```" for code in ["print(1 / 0)"] * 2 + ["print(2 + 2)"] * 6])
         solver = first.agents[0].trainer
 
         def dies_in_step_4(experiences, step):
@@ -190,7 +199,7 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
         # Step 2's checkpoint came after step 2's switch, and records the template in use from step 3.
         assert json.load(open(tmp_path / "ckpt" / CHECKPOINT_MARKER)) == {
             "step": 2, "coach_cost_usd": 0.0, "coach_template": {"name": "quality", "since_step": 3},
-            "kl_coef": {"solver": 0.02, "coder": 0.0}}  # fmt: skip
+            "kl_coef": {"solver": 0.02, "coder": 0.0}, "versions": {"solver": 2, "coder": 2}}  # fmt: skip
         assert list(figures) == [2] and "(the last 2 training steps, 8 scored actions)" in figures[2]
         prompts = [r["prompt"].split("\n", 1)[0] for r in server.requests]
         assert prompts == ["RELIABILITY"] * 8 + ["QUALITY"] * 8  # 2 episodes x 2 actions per step, steps 1-4
@@ -201,10 +210,11 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
         assert json.load(open(tmp_path / "ckpt" / CHECKPOINT_MARKER))["coach_template"] == {"name": "quality", "since_step": 3}
         coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
         second = trainer_for(topology, coach, tmp_path, tasks)
-        second.policies = {"solver": Replies(*["2 + 2 is 4."] * 6), "coder": Replies(*["```python\nprint(2 + 2)\n```"] * 6)}
+        script(second, solver=["2 + 2 is 4."] * 6, coder=["```python\nprint(2 + 2)\n```"] * 6)
         second.resume(2)
         assert "resuming with coach template 'quality' (in use since step 3)" in capsys.readouterr().out
         assert second.agents[0].trainer.kl_ctl.value == 0.02  # the KL coefficient as step 2 left it
+        assert [ag.trainer.gate.version for ag in second.agents] == [2, 2]  # and the weights' versions
         assert (second.stage, second.stage_since, coach.template) == (1, 3, STAGES[1]["template"])
         assert second.bias_audit.prompt_text() == figures[2]  # the audit's window, rebuilt from episodes.jsonl
         del server.requests[:]
@@ -296,7 +306,7 @@ def test_the_coach_prompt_shows_the_bias_figures_only_when_enabled(tmp_path, mon
         for show_bias in (True, False):
             coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
             trainer = trainer_for(topology, coach, tmp_path / str(show_bias), tasks, show_bias=show_bias)
-            trainer.policies = {"solver": Replies(*["2 + 2 is 4."] * 4), "coder": Replies(*["```python\nprint(2 + 2)\n```"] * 4)}
+            script(trainer, solver=["2 + 2 is 4."] * 4, coder=["```python\nprint(2 + 2)\n```"] * 4)
             trainer.fit()
         step1, step2, off = server.requests[:4], server.requests[4:8], server.requests[8:]
     assert all(r["prompt"].startswith("Your recent scoring in this run: no figures yet") for r in step1)
@@ -325,3 +335,53 @@ def test_a_template_places_the_figures_where_it_names_them():
     request.coach_bias = None
     assert render_prompt("Judge {agent_output}.\n{coach_bias}\nPROCESS_SCORE:", request) == "Judge 4.\n\nPROCESS_SCORE:"
     assert render_prompt("Judge {agent_output}. {{coach_bias}}", request) == "Judge 4. {coach_bias}"
+
+
+# ---------------------------------------------------------------- async training: the loop's order and the versions
+
+
+@pytest.mark.parametrize("max_staleness", [None, 0])
+def test_async_training_generates_the_next_step_while_the_team_trains(tmp_path, monkeypatch, max_staleness):
+    # --train.async_enable with the agents' Ray side and engines stood in for. The solver's step-1 update waits until
+    # step 2's rollout has asked the solver's engine for its first reply: in a synchronous loop that never comes (the
+    # test fails on the wait). So the solver's step-2 actions were made by its weights before step 1's update, one
+    # version behind when step 2 trains: within the default bound (the queue size, 1) they train; with
+    # --mappa.max_staleness 0 they are left out, counted, and the console says why.
+    monkeypatch.setattr(trainer_module.ray, "get", lambda refs, **kwargs: refs)
+    monkeypatch.setattr(run_console, "err", sys.stderr)
+    topology = load_topology(write_topology(tmp_path, coach_templates=None, coach_template=COACH_TEMPLATE))
+    tasks = [{"id": str(i), "prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]  # 3 steps of 2
+    flags = ["--train.async_enable"] + (["--mappa.max_staleness", str(max_staleness)] if max_staleness is not None else [])
+    with CoachServer() as server:
+        coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
+        trainer = trainer_for(topology, coach, tmp_path, tasks, flags=flags)
+        script(trainer, solver=["2 + 2 is 4."] * 6, coder=["```python\nprint(2 + 2)\n```"] * 6)
+        solver, engine = trainer.agents[0].trainer, trainer.policies["solver"]
+        waited = []
+
+        def train_step(experiences, step):
+            if step == 1:
+                deadline = time.time() + 30
+                while engine.calls < 3 and time.time() < deadline:  # 2 replies a step: a third is step 2's
+                    time.sleep(0.01)
+                waited.append(engine.calls)
+            return StandIn.train_step(solver, experiences, step)
+
+        solver.train_step = train_step
+        trainer.fit()
+    assert waited and waited[0] >= 3, "step 2's rollout did not run during step 1's update"
+    episodes = [json.loads(line) for line in open(tmp_path / "run" / "episodes.jsonl")]
+    first, second = ([a for ep in episodes if ep["step"] == s for a in ep["actions"] if a["agent"] == "solver"]
+                     for s in (1, 2))
+    assert [a["versions"]["solver"] for a in first + second] == [0, 0, 0, 0]  # step 2's too: before step 1's sync
+    assert all(a["version_end"] == a["versions"]["solver"] for a in first + second)  # no partial rollout
+    assert all(set(a["versions"]) == {"solver"} for a in first)  # the first to act saw nobody's output
+    rows = {r["step"]: r for r in (json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl"))}
+    assert rows[2]["agent/solver/staleness_max"] == 1 and rows[1]["agent/solver/staleness_max"] == 0
+    if max_staleness is None:
+        assert rows[2]["agent/solver/trained_actions"] == 2 and rows[2]["agent/solver/stale_left_out"] == 0
+        assert not any(a["stale"] for a in second)
+    else:
+        assert rows[2]["agent/solver/trained_actions"] == 0 and rows[2]["agent/solver/stale_left_out"] == 2
+        assert all(a["stale"] and a["reward"] is None for a in second)
+    assert solver.gate.version == len([s for s, _ in solver.trained])  # one version per update and its sync

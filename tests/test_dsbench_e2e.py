@@ -1,13 +1,17 @@
 """A real DSBench MAPPA run on CPU: three tiny agents (Data Engineer, Modeler, Analyst), each with its own
 ZeRO-3 actor and vLLM engine (Ray, vLLM, DeepSpeed for real), on one task of the offline pack, coached by
-the offline heuristic coach. Tiny untrained agents cannot solve the task; the run must still complete, with
-a verdict for every action of all three agents and the DSBench outcome fields in every episode.
+the offline heuristic coach, for 3 steps trained asynchronously (--train.async_enable: each step's rollout runs
+while the team trains on the one before) with OpenRLHF's off-policy correction. Tiny untrained agents cannot solve
+the task; the run must still complete, with a verdict for every action of all three agents and the DSBench outcome
+fields in every episode.
 
 It trains on the default path (no --mappa.train_truncated): the agents' model is the tiny one made to end its
 replies on its own (ending_model), so its actions are not cut off at the token limit and train. Asserted from
 episodes.jsonl: every action that ended and was scored trains on its score (DSBench's scale 1), each agent on a
 whole number of batches of them, its advantages ordered as its rewards; the cut-off ones (if any) are left out
-and counted."""
+and counted. From episodes.jsonl and the sync log (syncs.jsonl): step t + 1's rollout overlapped step t's
+training; every action's own weight version is the one its agent's engines had while its episode ran; none more
+than the staleness bound behind trained; the correction ran (its vLLM KL and filter ratio logged)."""
 
 import glob
 import json
@@ -85,7 +89,9 @@ def test_dsbench_mappa_run_trains_on_replies_that_ended(tmp_path, tiny_model):
         "--data.max_len", "3072",  # the prompts alone are ~2,500 (byte) tokens; history is shortened to fit
         "--train.batch_size", "2",
         "--train.micro_batch_size", "1",
-        "--train.num_episodes", "1",
+        "--train.num_episodes", "3",  # 3 steps of the one task
+        "--train.async_enable",
+        "--algo.advantage.is_correction_level", "token",
         "--ckpt.path", str(tmp_path / "ckpt"),
         "--ckpt.output_dir", str(tmp_path / "final"),
     ]  # fmt: skip
@@ -95,11 +101,42 @@ def test_dsbench_mappa_run_trains_on_replies_that_ended(tmp_path, tiny_model):
                         timeout=1200, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
 
-    (m,) = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
-    assert m["step"] == 1 and len(episodes) == 2 and "--mappa.train_truncated" not in argv
-    # The default path: an action that ended on its own trains on its score; one cut off at the token limit is left
-    # out and counted. Each agent trains on whole batches (--train.batch_size 2) of the rest.
+    syncs = [json.loads(line) for line in open(run_dir / "syncs.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and len(episodes) == 6 and "--mappa.train_truncated" not in argv
+    ended = 0
+    for m in metrics:
+        mine = [ep for ep in episodes if ep["step"] == m["step"]]
+        ended += assert_trained_on_scores(m, mine)
+        assert "agent/modeler/vllm_kl" in m and 0 <= m["agent/modeler/is_filter_ratio"] <= 1  # the correction ran
+    assert ended == 18, "the replies ran to the token limit: the default path trained nothing"
+    assert_async(episodes, syncs, metrics)
+    for ep in episodes:
+        assert ep["task_id"] == "sk-diabetes" and ep["task_type"] == "regression"
+        agents = [a["agent"] for a in ep["actions"]]
+        assert sorted(set(agents), key=AGENTS.index) == AGENTS and agents == sorted(agents, key=AGENTS.index)
+        for a in ep["actions"]:
+            v = a["verdict"]
+            assert v["status"] == "ok" and v["score"] is not None and v["coach"] == "heuristic"
+            assert "contract rule" in v["rationale"]  # the env's workspace check reached the coach
+        out = ep["outcome"]
+        assert out["success"] is False and out["status"] == "missing_file" and out["error"]
+        assert out["metric_name"] == "rmse" and out["task_type"] == "regression"
+        assert {"metric", "baseline", "best", "relative_score"} <= set(out)
+        assert "analyst" in out["missing_files"]
+
+    workspaces = glob.glob(str(run_dir / "workspaces" / "*" / "*"))
+    assert len(workspaces) == 6
+    for ws in workspaces:
+        files = os.listdir(ws)
+        assert {"train.csv", "test.csv", "sample_submission.csv"} <= set(files) and "test_answer.csv" not in files
+
+
+def assert_trained_on_scores(m: dict, episodes: list) -> int:
+    """One step's metrics `m` and its episodes on the default path: an action that ended on its own trains on its
+    score; one cut off at the token limit is left out and counted. Each agent trains on whole batches
+    (--train.batch_size 2) of the rest. Returns how many actions trained."""
     ended = 0
     for name in AGENTS:
         own = [a for ep in episodes for a in ep["actions"] if a["agent"] == name]
@@ -116,23 +153,37 @@ def test_dsbench_mappa_run_trains_on_replies_that_ended(tmp_path, tiny_model):
             for b in trained:
                 assert (a["reward"] > b["reward"]) == (a["advantage"] > b["advantage"] + 1e-6), name
         ended += len(trained)
-    assert ended == 6, "the replies ran to the token limit: the default path trained nothing"
-    for ep in episodes:
-        assert ep["task_id"] == "sk-diabetes" and ep["task_type"] == "regression"
-        agents = [a["agent"] for a in ep["actions"]]
-        assert sorted(set(agents), key=AGENTS.index) == AGENTS and agents == sorted(agents, key=AGENTS.index)
-        for a in ep["actions"]:
-            v = a["verdict"]
-            assert v["status"] == "ok" and v["score"] is not None and v["coach"] == "heuristic"
-            assert "contract rule" in v["rationale"]  # the env's workspace check reached the coach
-        out = ep["outcome"]
-        assert out["success"] is False and out["status"] == "missing_file" and out["error"]
-        assert out["metric_name"] == "rmse" and out["task_type"] == "regression"
-        assert {"metric", "baseline", "best", "relative_score"} <= set(out)
-        assert "analyst" in out["missing_files"]
+    return ended
 
-    workspaces = glob.glob(str(run_dir / "workspaces" / "*" / "*"))
-    assert len(workspaces) == 2
-    for ws in workspaces:
-        files = os.listdir(ws)
-        assert {"train.csv", "test.csv", "sample_submission.csv"} <= set(files) and "test_answer.csv" not in files
+
+def assert_async(episodes: list, syncs: list, metrics: list, bound: int = 1):
+    """Async training, from the records: (1) step t + 1's rollout overlapped step t's training (an episode of t + 1
+    began before t's last sync ended); (2) each action's own version is one its agent's engines had while its episode
+    ran (no fewer than the syncs ended before the episode began, no more than those begun before it ended), and every
+    other agent's in it is that agent's action's before it; (3) no action more than `bound` versions behind when its
+    step trained (the syncs of earlier steps) trained, and the logged staleness is the one recomputed."""
+    of = lambda name, step: [s for s in syncs if s["agent"] == name and s["step"] < step]  # synced before step trains
+    for t in (1, 2):
+        last_sync = max(s["end"] for s in syncs if s["step"] == t)
+        assert min(ep["timings"]["start"] for ep in episodes if ep["step"] == t + 1) < last_sync, t
+    for ep in episodes:
+        for k, a in enumerate(ep["actions"]):
+            mine = [s for s in syncs if s["agent"] == a["agent"]]
+            v = a["versions"][a["agent"]]
+            assert sum(s["end"] < ep["timings"]["start"] for s in mine) <= v <= sum(s["start"] < ep["timings"]["end"]
+                                                                                   for s in mine), (ep["step"], a["agent"])
+            assert a["version_end"] == v  # no partial rollout: a sync waits for the generation in flight
+            assert {b["agent"]: b["versions"][b["agent"]] for b in ep["actions"][:k] if b["agent"] != a["agent"]} == {
+                j: u for j, u in a["versions"].items() if j != a["agent"]}
+    stale = 0
+    for m in metrics:
+        for name in AGENTS:
+            lags = [len(of(name, m["step"])) - a["versions"][name] for ep in episodes if ep["step"] == m["step"]
+                    for a in ep["actions"] if a["agent"] == name]
+            assert m[f"agent/{name}/staleness_max"] == max(lags) and m[f"agent/{name}/stale_left_out"] == 0
+            stale += sum(lags)
+    assert stale, "no action was made by weights a step old: nothing ran during training"
+    for ep in episodes:
+        for a in ep["actions"]:
+            lag = max(len(of(j, ep["step"])) - u for j, u in a["versions"].items())
+            assert a["reward"] is None or lag <= bound, (ep["step"], a["agent"], lag)

@@ -433,7 +433,7 @@ def test_every_upstream_flag_is_honoured_or_refused():
     (["--train.dynamic_batch_enable"], "token-budget batching is not wired in"),
     (["--vllm.sync_with_ray"], "would be named 'openrlhf'"),
     (["--ds.load_in_4bit"], "full-weight agents included"),
-    (["--train.async_enable"], "team loop is synchronous"),
+    (["--rollout.vllm_generate_batch_size", "4"], "every episode of a step to the engines at once"),
     (["--logger.logging_steps", "10"], "MAPPA logs every step"),
     (["--data.input_key", "question"], "prompt/answer rows"),
     (["--data.label_key", "solution"], "prompt/answer rows"),
@@ -457,8 +457,8 @@ def test_refused_flags_at_their_default_pass_and_the_cli_refuses_before_ray(work
     assert args.algo.advantage.lambd == 1.0
     # Several at once, all named, through the real CLI before torch or Ray load.
     write_topology(workdir)
-    proc = cli(workdir, GOOD + ["--algo.advantage.lambd", "0.9", "--train.async_enable"], "refused flags")
-    assert_refused(proc, "refused flags", "--train.async_enable True: MAPPA's team loop is synchronous")
+    proc = cli(workdir, GOOD + ["--algo.advantage.lambd", "0.9", "--train.dynamic_batch_enable"], "refused flags")
+    assert_refused(proc, "refused flags", "--train.dynamic_batch_enable True: MAPPA trains whole --train.batch_size")
     assert "--algo.advantage.lambd 0.9: GAE's lambda: MAPPA has no critic" in proc.message and proc.returncode == 1
 
 
@@ -468,6 +468,8 @@ ALGO_REFUSALS = [
     (["--algo.kl.target", "0.1", "--algo.kl.init_coef", "0"], "--algo.kl.target needs --algo.kl.init_coef > 0"),
     (["--algo.kl.use_loss", "--algo.kl.init_coef", "0"], "--algo.kl.use_loss needs --algo.kl.init_coef > 0"),
     (["--algo.kl.unbiased_gradient"], "it needs --algo.kl.use_loss"),
+    (["--train.async_enable", "--mappa.colocate", "agent"], "on engines of their own: use --mappa.colocate none"),
+    (["--mappa.max_staleness", "1"], "--mappa.max_staleness applies to --train.async_enable"),
 ]  # fmt: skip
 
 
@@ -521,8 +523,8 @@ def test_get_parser_patch_applies_and_its_parser_is_the_same(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="The number of sample batches must be greater"):
         parse_args(["--mappa.topology", "t.yaml", "--rollout.batch_size", "1", "--rollout.micro_batch_size", "4",
                     "--actor.num_gpus_per_node", "2"])
-    with pytest.raises(SystemExit, match="--train.async_enable True: MAPPA's team loop is synchronous"):
-        parse_args(["--mappa.topology", "t.yaml", "--train.async_enable"])
+    with pytest.raises(SystemExit, match="--train.dynamic_batch_enable True: MAPPA trains whole"):
+        parse_args(["--mappa.topology", "t.yaml", "--train.dynamic_batch_enable"])
 
 
 def vars_of(namespace):

@@ -78,6 +78,7 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3, coach_mode="per_acti
     from test_coach import ScriptedPolicy
 
     from openrlhf_mappa import rewards
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args
     from openrlhf_mappa.coach import build_coach
     from openrlhf_mappa.coach.audit import BiasAudit, coach_step_metrics
     from openrlhf_mappa.episode import Verdict
@@ -93,8 +94,7 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3, coach_mode="per_acti
     topology = load_topology(str(tmp_path / "t.yaml"))
     trainer = SimpleNamespace(run_dir=str(run_dir), loggers=[], agents=[SimpleNamespace(spec=SimpleNamespace(name=n)) for n in agents],
                               mappa=SimpleNamespace(coach=SimpleNamespace(on_failure="skip")), owner={n: n for n in agents},
-                              topology=topology, args=SimpleNamespace(algo=SimpleNamespace(
-                                  dynamic_filtering_enable=False, kl=SimpleNamespace(use_loss=False))))  # fmt: skip
+                              topology=topology, args=parse_args(["--mappa.topology", "t.yaml"]))  # fmt: skip
     audit = BiasAudit()
     for step in range(1, steps + 1):
         replies = {"solver": "It is 4." if step < 3 else HOSTILE, "coder": f"```python\nprint(2 + {step - 1})\n```",

@@ -37,7 +37,7 @@ def test_process_mode_multi_action_agent_gets_one_reward_per_action():
     counts = assign_rewards([episode], "process")
     assert [a.reward for a in episode.actions] == [6.0, 3.0, 8.0, 10.0]
     assert counts == {"trainable": 4, "left_out": 0, "left_out_by_status": {}, "fallback": 0, "truncated_left_out": {},
-                      "filtered": {}}
+                      "filtered": {}, "stale_left_out": {}}
 
 
 def test_process_mode_leaves_out_actions_without_a_valid_score():
@@ -61,6 +61,7 @@ def test_process_mode_leaves_out_actions_without_a_valid_score():
         "fallback": 0,
         "truncated_left_out": {},
         "filtered": {},
+        "stale_left_out": {},
     }
 
 
@@ -74,7 +75,7 @@ def test_outcome_mode_pays_every_action_the_episode_outcome():
     assert [a.reward for a in won.actions] == [10.0, 10.0]
     assert [a.reward for a in lost.actions] == [0.0]
     assert counts == {"trainable": 3, "left_out": 0, "left_out_by_status": {}, "fallback": 0, "truncated_left_out": {},
-                      "filtered": {}}
+                      "filtered": {}, "stale_left_out": {}}
     # Another outcome score, times the reward scale; the coach-failure fallback pays the same outcome R.
     assign_rewards([won, lost], "outcome", scale=0.1, outcome_score=4.0)
     assert [a.reward for a in won.actions + lost.actions] == pytest.approx([0.4, 0.4, 0.0])

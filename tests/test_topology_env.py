@@ -16,7 +16,7 @@ from openrlhf_mappa.envs.base import HistoryEntry, MultiAgentEnv, StepResult, lo
 from openrlhf_mappa.envs.mathchat import MathChatEnv, answers_match, extract_boxed
 from openrlhf_mappa.episode import Verdict
 from openrlhf_mappa.evaluation import behaviour_metrics
-from openrlhf_mappa.rollout import AgentPolicy, run_episode
+from openrlhf_mappa.rollout import AgentPolicy, SyncGate, run_episode
 from openrlhf_mappa.sandbox import extract_code, run_python
 from openrlhf_mappa.topology import AgentSpec, load_topology
 
@@ -708,6 +708,7 @@ class CannedPolicy:
 
     def __init__(self, reply, truncated=False):
         self.reply, self.truncated, self.tokenizer, self.max_new_tokens = reply, truncated, self, 16
+        self.gate = SyncGate()
 
     def prompt_ids(self, messages):
         return messages[-1]["content"], [1, 2, 3], False

@@ -313,7 +313,7 @@ def test_step_metrics_count_truncated_actions_per_agent_and_log_the_scale():
     from openrlhf_mappa.rewards import assign_rewards
 
     counts = assign_rewards(episodes, "process", scale=0.1)
-    t.args = SimpleNamespace(algo=SimpleNamespace(dynamic_filtering_enable=False, kl=SimpleNamespace(use_loss=False)))
+    t.args = parse_args(["--mappa.topology", "t.yaml"])
     m = t.step_metrics(episodes, {}, {}, {"solver": 0, "verifier": 0}, counts, {"solver": 0.0, "verifier": 0.0})
     assert (m["agent/solver/truncated_left_out"], m["agent/verifier/truncated_left_out"]) == (1, 0)
     assert m["reward_scale"] == 0.1 and m["coach/left_out"] == 0

@@ -103,6 +103,11 @@ def add_training_args(g):
                         "/ train batch x epochs, the same for every agent (their base_controller.py); max_actions: "
                         "the most optimizer steps that agent can take (its max_actions per episode), so its "
                         "schedule ends at its last step")
+    g.add_argument("--mappa.max_staleness", type=NONNEGATIVE_INT, default=None,
+                   help="with --train.async_enable: leave out (and count, agent/<name>/stale_left_out) an action one of "
+                        "whose weight versions, its own agent's or another agent's whose output it saw, is more than "
+                        "this many updates behind when its step trains (default: --train.async_queue_size, so that "
+                        "none is in steady state)")
     g.add_argument("--mappa.max_untrained_steps", type=NONNEGATIVE_INT, default=3,
                    help="stop the run after this many steps in a row in which no agent trained on any action (each "
                         "such step names the reason on the console; 0: never stop)")
@@ -231,6 +236,7 @@ HONOURED = """
     algo.advantage.gamma algo.advantage.no_std_norm algo.advantage.is_correction_level
     algo.advantage.is_correction_mode algo.advantage.is_correction_gating algo.advantage.is_correction_threshold
     algo.dynamic_filtering_enable algo.dynamic_filtering_range
+    train.async_enable train.async_queue_size train.partial_rollout_enable
     data.prompt_dataset data.max_len data.max_samples data.apply_chat_template
     eval.dataset eval.steps eval.temperature eval.n_samples_per_prompt
     ckpt.path ckpt.output_dir ckpt.save_steps ckpt.save_hf ckpt.disable_ds ckpt.max_num ckpt.max_mem ckpt.load_enable
@@ -239,7 +245,6 @@ HONOURED = """
 """.split()  # data.apply_chat_template: MAPPA always renders prompts with each model's chat template
 NO_CRITIC = "MAPPA has no critic: its advantages are REINFORCE++ return-to-go (rewards.py)"
 NO_REWARD_MODEL = "MAPPA has no reward model: the coach scores every action (--mappa.coach.*)"
-SYNCHRONOUS = "MAPPA's team loop is synchronous: rollout, coach, then each agent's update"
 OWN_TASKS = ("MAPPA reads tasks itself, JSON lists or JSONL of prompt/answer rows (--data.prompt_dataset, "
              "--eval.dataset)")
 OWN_PROMPTS = "each agent's prompt comes from the topology, rendered with that agent's chat template"
@@ -268,7 +273,6 @@ REFUSED = {
     "train.colocate_critic_reward": NO_CRITIC + "; " + NO_REWARD_MODEL,
     "vllm.sync_with_ray": "every agent's Ray collective sync group would be named 'openrlhf', so agents' weight "
                           "syncs would collide; use --vllm.sync_backend",
-    **dict.fromkeys(("train.async_enable", "train.async_queue_size", "train.partial_rollout_enable"), SYNCHRONOUS),
     "rollout.vllm_generate_batch_size": "MAPPA submits every episode of a step to the engines at once",
     "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
     "algo.advantage.lambd": "GAE's lambda: " + NO_CRITIC,
@@ -302,7 +306,7 @@ UPSTREAM_RANGES = {
                      "rollout.micro_batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
                      "data.max_len", "data.max_samples", "eval.n_samples_per_prompt", "ckpt.max_num"), COUNT),
     "ds.zero_stage": ranged(int, 0, 3), "vllm.gpu_memory_utilization": ranged(float, 0, 1, above=True),
-    "rollout.temperature": NONNEGATIVE, "eval.temperature": NONNEGATIVE,
+    "rollout.temperature": NONNEGATIVE, "eval.temperature": NONNEGATIVE, "train.async_queue_size": COUNT,
     "rollout.top_p": ranged(float, 0, 1, above=True),
     "algo.kl.init_coef": NONNEGATIVE, "algo.kl.target": POSITIVE, "algo.kl.horizon": POSITIVE,
     "algo.advantage.gamma": ranged(float, 0, 1, above=True), "actor.adam.lr": NONNEGATIVE, "actor.adam.eps": POSITIVE,
@@ -502,7 +506,7 @@ def validate(args, topology):
 
 
 def validate_algo(args) -> None:
-    """OpenRLHF's algorithm flags where MAPPA would otherwise do nothing with them, silently."""
+    """OpenRLHF's algorithm and async flags, where MAPPA would otherwise do nothing with them, silently, or cannot."""
     algo = args.algo
     if algo.dynamic_filtering_enable:
         low, high = algo.dynamic_filtering_range
@@ -518,6 +522,13 @@ def validate_algo(args) -> None:
     if algo.kl.unbiased_gradient and not algo.kl.use_loss:
         raise SystemExit("--algo.kl.unbiased_gradient changes the gradient of the KL loss: it needs --algo.kl.use_loss "
                          "(MAPPA's default puts KL in the reward)")
+    if args.train.async_enable and args.mappa.colocate != "none":
+        # Colocated, an agent's engines and actor share GPUs in turns (OpenRLHF's hybrid engine): nothing could
+        # generate while the actors train. Upstream refuses async with vLLM sleep for the same reason.
+        raise SystemExit(f"--train.async_enable generates the next steps while the agents train, on engines of their "
+                         f"own: use --mappa.colocate none (not {args.mappa.colocate})")
+    if args.mappa.max_staleness is not None and not args.train.async_enable:
+        raise SystemExit("--mappa.max_staleness applies to --train.async_enable: synchronous training is on-policy")
     if algo.advantage.is_correction_level != "off":
         from openrlhf.models.loss import PolicyLoss  # its own checks of the correction's settings, before any actor
 
