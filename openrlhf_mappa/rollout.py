@@ -204,9 +204,10 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
                 last[spec.name] = None
                 continue
             (response_ids, truncated, logprobs), version, version_end = next(generated)
-            # Its weight versions: its own agent's, and each other agent's whose output came before it in the
-            # episode (as that action recorded its own).
-            versions = {a.agent: a.versions[a.agent] for a in episode.actions if a.agent != spec.name}
+            # Its weight versions: its own agent's, and each other agent's that acted in an earlier round, whose
+            # output its input can hold (as that action recorded its own; a view hiding an agent still counts it).
+            versions = {a.agent: a.versions[a.agent] for a in episode.actions
+                        if a.agent != spec.name and a.round < round_}
             response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
             result = last[spec.name] = await asyncio.to_thread(call, "step", env.step, spec, turn, response_text)
             action = Action(

@@ -173,7 +173,8 @@ def assert_async(episodes: list, syncs: list, metrics: list, bound: int = 1):
             assert sum(s["end"] < ep["timings"]["start"] for s in mine) <= v <= sum(s["start"] < ep["timings"]["end"]
                                                                                    for s in mine), (ep["step"], a["agent"])
             assert a["version_end"] == v  # no partial rollout: a sync waits for the generation in flight
-            assert {b["agent"]: b["versions"][b["agent"]] for b in ep["actions"][:k] if b["agent"] != a["agent"]} == {
+            earlier = [b for b in ep["actions"][:k] if b["agent"] != a["agent"] and b["round"] < a["round"]]
+            assert {b["agent"]: b["versions"][b["agent"]] for b in earlier} == {
                 j: u for j, u in a["versions"].items() if j != a["agent"]}
     stale = 0
     for m in metrics:

@@ -233,3 +233,65 @@ def test_a_view_may_name_a_later_agent_only_outside_the_chain(tmp_path):
         load_topology(write_topology(tmp_path, "mathchat", agents))  # the chain: b has not acted yet
     topology = load_topology(write_topology(tmp_path, "test_workflows:RouterEnv", agents))
     assert topology.agents[0].view.agents == ("b",)
+
+
+# ---------------------------------------------------------------- weight versions (async training)
+
+
+def test_each_action_records_its_agents_weight_versions(tokenizer, tmp_path):
+    # Each agent's engines at another version: an action records its own agent's, and the version each agent of an
+    # earlier round acted with; never a same-round agent's (generated at the same time, not in its input).
+    topology = load_topology(f"{REPO}/examples/configs/debate.yaml", model_override="tiny")
+    script = Script(tokenizer, {
+        "debater_a": ["A0: \\boxed{12}.", "A1: \\boxed{10}."], "debater_b": ["B0: \\boxed{10}.", "B1: \\boxed{10}."],
+        "judge": ["\\boxed{10}"],
+    })  # fmt: skip
+    for name, version in (("debater_a", 4), ("debater_b", 7), ("judge", 1)):
+        script.policies[name].gate.version = version
+    episode, _ = play(topology, script, tmp_path)
+    assert [(a.agent, a.versions, a.version_end) for a in episode.actions] == [
+        ("debater_a", {"debater_a": 4}, 4), ("debater_b", {"debater_b": 7}, 7),
+        ("debater_a", {"debater_a": 4, "debater_b": 7}, 4), ("debater_b", {"debater_a": 4, "debater_b": 7}, 7),
+        ("judge", {"debater_a": 4, "debater_b": 7, "judge": 1}, 1)]  # fmt: skip
+    assert json.loads(episode.to_json())["actions"][4]["versions"] == {"debater_a": 4, "debater_b": 7, "judge": 1}
+
+
+def test_a_weight_sync_waits_for_generations_in_flight_unless_partial():
+    # The gate between an agent's generations (the rollout's event loop) and its weight syncs (a trainer thread):
+    # a sync waits for the generation in flight, and a generation asked for meanwhile waits for the sync, so each is
+    # made by one version. With partial rollouts (wait=False) the sync lands at once: the generation in flight ends
+    # on the next version (its version_end), as a paused vLLM engine's would.
+    import threading
+    import time
+
+    from openrlhf_mappa.rollout import SyncGate
+
+    async def scenario(wait):
+        gate = SyncGate()
+        start = await gate.enter()
+
+        def syncing():
+            with gate.sync(wait=wait):
+                time.sleep(0.2)
+
+        sync = threading.Thread(target=syncing)
+        sync.start()
+        while not gate.syncing:
+            await asyncio.sleep(0.001)
+        waiter = asyncio.ensure_future(gate.enter())  # a generation asked for while the sync is pending or running
+        deadline = time.time() + (0.5 if wait else 10)  # wait: the sync cannot begin; partial: it ends in 0.2 s
+        while gate.version == 0 and time.time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # a held-back generation polls the gate every 10 ms
+        in_flight_saw, held_back = gate.version, not waiter.done()
+        end = gate.leave()  # the first generation ends
+        second = await waiter
+        gate.leave()
+        await asyncio.to_thread(sync.join)
+        return start, in_flight_saw, held_back, end, second, [r["version"] for r in gate.log]
+
+    # wait: no sync while the generation is in flight; the one asked for meanwhile starts on version 1.
+    assert asyncio.run(scenario(wait=True)) == (0, 0, True, 0, 1, [1])
+    # partial: the sync lands while the generation is in flight, which ends on version 1; the new one was held back
+    # only for the sync itself.
+    assert asyncio.run(scenario(wait=False)) == (0, 1, False, 1, 1, [1])
