@@ -109,6 +109,19 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
             "filtered": filtered, "stale_left_out": stale_by_agent}
 
 
+def mark_stale(episodes: list[Episode], now: dict, most: int) -> dict:
+    """Mark `stale` (assign_rewards leaves it out) every action one of whose weight versions, its own agent's or
+    another's whose output it saw, is more than `most` updates behind that agent's version `now` (async training;
+    always 0 behind in synchronous training). Returns {agent: [its own staleness, for each of its actions]}."""
+    lags = {}
+    for ep in episodes:
+        for a in ep.actions:
+            lag = {name: now[name] - v for name, v in a.versions.items()}
+            lags.setdefault(a.agent, []).append(lag.get(a.agent, 0))
+            a.stale = max(lag.values(), default=0) > most
+    return lags
+
+
 def dynamic_filter(episodes: list[Episode], u: dict, score_range: tuple) -> dict:
     """Leave out (reward None, `filtered` True) every rewarded action of a group g = (step, task, agent) unless
     low < mean_g(u) < high, u = each action's score on [0, 1] (module docstring); OpenRLHF's rule for a prompt's

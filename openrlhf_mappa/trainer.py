@@ -231,7 +231,8 @@ class MappaTrainer:
         if c.price_in or c.price_out:
             coach_metrics["coach/cost_usd_total"] = self.coach_cost_usd
         self.stop_on_failures(step, episodes, coach_metrics)
-        lags = self.mark_stale(episodes)
+        most = self.mappa.max_staleness if self.mappa.max_staleness is not None else self.args.train.async_queue_size
+        lags = rewards.mark_stale(episodes, {ag.spec.name: ag.trainer.gate.version for ag in self.agents}, most)
         algo = self.args.algo
         counts = rewards.assign_rewards(episodes, self.mappa.reward, c.on_failure, c.neutral_score,
                                         self.topology.reward_scale, self.mappa.train_truncated,
@@ -287,20 +288,6 @@ class MappaTrainer:
         if self.topology.coach_stages:
             metrics["coach/template_stage"] = self.stage  # 0-based, in coach_templates' order
         return metrics
-
-    def mark_stale(self, episodes: list) -> dict:
-        """Mark `stale` every action one of whose weight versions (its own agent's, or another agent's whose output
-        it saw) is more than --mappa.max_staleness updates behind that agent's now: it is left out (assign_rewards).
-        Returns {agent: [the own-agent staleness of each of its actions]}. Always 0 in synchronous training."""
-        now = {ag.spec.name: ag.trainer.gate.version for ag in self.agents}
-        most = self.mappa.max_staleness if self.mappa.max_staleness is not None else self.args.train.async_queue_size
-        lags = {}
-        for ep in episodes:
-            for a in ep.actions:
-                lag = {name: now[name] - v for name, v in a.versions.items()}
-                lags.setdefault(a.agent, []).append(lag.get(a.agent, 0))
-                a.stale = max(lag.values(), default=0) > most
-        return lags
 
     def stop_on_failures(self, step: int, episodes: list, coach_metrics: dict):
         """Stop the run, keeping the step's episodes and metrics on disk, when more of its episodes failed in the

@@ -369,3 +369,19 @@ def test_dynamic_filtering_in_outcome_mode_keeps_tasks_solved_sometimes():
     counts = assign_rewards(eps, "outcome", filter_range=(0.0, 1.0))
     assert [ep.actions[0].reward for ep in eps] == [None, None, 10.0, 0.0]
     assert counts["filtered"] == {"solver": (2, 1, 2)}
+
+
+def test_staleness_is_per_component_and_stale_actions_are_left_out():
+    # Now solver is at version 3, checker at 5. An action is stale when any of its versions (its own agent's, or
+    # another's whose output it saw) is more than the bound behind: the checker's action saw a solver 2 versions old.
+    from openrlhf_mappa.rewards import mark_stale
+
+    solver, checker = action("solver", 0, ok(6)), action("checker", 0, ok(8))
+    solver.versions, checker.versions = {"solver": 2}, {"solver": 1, "checker": 5}
+    episode = Episode("e0", "t0", actions=[solver, checker])
+    assert mark_stale([episode], {"solver": 3, "checker": 5}, most=1) == {"solver": [1], "checker": [0]}
+    assert (solver.stale, checker.stale) == (False, True)
+    counts = assign_rewards([episode], "process")
+    assert (solver.reward, checker.reward) == (6.0, None) and counts["stale_left_out"] == {"checker": 1}
+    assert mark_stale([episode], {"solver": 3, "checker": 5}, most=2) == {"solver": [1], "checker": [0]}
+    assert not checker.stale  # within a bound of 2
