@@ -99,6 +99,7 @@ def main():
     p.add_argument("--coach-s", type=float, default=1.0)
     p.add_argument("--tool-s", type=float, default=0.25)
     p.add_argument("--out", default=os.path.join(REPO, "runs", "bench-async"))
+    p.add_argument("--modes", default="sync,async", help="which runs, e.g. async alone to repeat it")
     a, extra = p.parse_known_args()
     os.environ["MAPPA_BENCH_TOOL_S"] = str(a.tool_s)  # read where the topology imports this module by name
     os.environ.setdefault("MAPPA_CPU_NUM_GPUS", "6")
@@ -108,16 +109,17 @@ def main():
         subprocess.run([os.path.join(os.path.dirname(sys.executable), "mappa"), "tiny-model", model, "--seed", "0",
                         "--vocab-size", "259", "--init-std", "0.002"], check=True, capture_output=True)
     results = {}
-    for mode in ("sync", "async"):
+    for mode in a.modes.split(","):
         out = os.path.join(a.out, mode)
         subprocess.run(["rm", "-rf", out], check=True)
         results[mode] = summary(run(out, model, a.steps, a.coach_s, mode == "async", extra))
     print(f"relay, {a.steps} steps of 32 episodes, tool call {a.tool_s:g} s, coach {a.coach_s:g} s {' '.join(extra)}")
     print(f"{'':18}" + "".join(f"{mode:>12}" for mode in results))
-    for key in results["sync"]:
+    for key in next(iter(results.values())):
         cells = [results[mode][key] for mode in results]
         print(f"{key:18}" + "".join(f"{c:>12.3f}" if isinstance(c, float) else f"{str(c):>12}" for c in cells))
-    print(f"throughput async / sync: {results['async']['steps/hour'] / results['sync']['steps/hour']:.2f}")
+    if {"sync", "async"} <= set(results):
+        print(f"throughput async / sync: {results['async']['steps/hour'] / results['sync']['steps/hour']:.2f}")
 
 
 if __name__ == "__main__":
