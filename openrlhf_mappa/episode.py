@@ -144,8 +144,8 @@ class Action:
     # log-probs are compared with (mismatch metrics, --algo.advantage.is_correction_*). Empty: not asked.
     rollout_logprobs: list = field(default_factory=list)
     filtered: bool = False  # left out by --algo.dynamic_filtering_enable (its group's mean score out of range)
-    # {agent: weight version}: its own agent's when it started generating, and each other agent's whose output
-    # came before it in the episode; version_end: its own agent's when it ended (later: a partial rollout).
+    # {agent: weight version}: its own agent's when it started generating, and each other agent's that acted in an
+    # earlier round of the episode; version_end: its own agent's when it ended (later: a partial rollout).
     versions: dict = field(default_factory=dict)
     version_end: int = 0
     stale: bool = False  # left out: a version more than --mappa.max_staleness behind when its step trained

@@ -127,13 +127,8 @@ def dynamic_filter(episodes: list[Episode], u: dict, score_range: tuple) -> dict
     low < mean_g(u) < high, u = each action's score on [0, 1] (module docstring); OpenRLHF's rule for a prompt's
     samples. Returns {agent: (actions filtered, groups kept, groups)}."""
     low, high = score_range
-    groups = {}
-    for ep in episodes:
-        for a in ep.actions:
-            if a.reward is not None:
-                groups.setdefault((ep.step, ep.task_id, a.agent), []).append(a)
     out = {}
-    for (_, _, agent), acts in groups.items():
+    for (_, _, agent), acts in rewarded_groups(episodes, lambda ep, a: (ep.step, ep.task_id, a.agent)).items():
         n, kept, total = out.get(agent, (0, 0, 0))
         if low < sum(u[id(a)] for a in acts) / len(acts) < high:
             out[agent] = (n, kept + 1, total + 1)
@@ -142,6 +137,16 @@ def dynamic_filter(episodes: list[Episode], u: dict, score_range: tuple) -> dict
             a.reward, a.filtered = None, True
         out[agent] = (n + len(acts), kept, total + 1)
     return out
+
+
+def rewarded_groups(episodes: list[Episode], key) -> dict:
+    """{key(episode, action): [its actions that have a reward]}, in episode order."""
+    groups = {}
+    for ep in episodes:
+        for a in ep.actions:
+            if a.reward is not None:
+                groups.setdefault(key(ep, a), []).append(a)
+    return groups
 
 
 def standardize_by_task_type(episodes: list[Episode]) -> None:
@@ -173,11 +178,7 @@ def group_normalize(episodes: list[Episode], eps: float = 1e-9) -> None:
     The authors group by position (blocks of n_samples_per_prompt per agent), which mixes prompts as soon as an
     agent acts a varying number of times; this key does not.
     """
-    groups = {}
-    for ep in episodes:
-        for a in ep.actions:
-            if a.reward is not None:
-                groups.setdefault((ep.step, ep.task_id, a.agent, a.turn), []).append(a)
+    groups = rewarded_groups(episodes, lambda ep, a: (ep.step, ep.task_id, a.agent, a.turn))
     for acts in groups.values():
         R_g = torch.tensor([a.reward for a in acts], dtype=torch.float64)
         z_g = (R_g - R_g.mean()) / (R_g.std() + eps) if len(acts) > 1 else torch.zeros_like(R_g)

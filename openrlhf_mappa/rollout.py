@@ -237,9 +237,10 @@ async def gated(policy: AgentPolicy, prompt_ids: list) -> tuple:
     """(policy.generate's result, its weights' version when it started, and when it ended)."""
     version = await policy.gate.enter()
     try:
-        return await policy.generate(prompt_ids), version, policy.gate.version
+        generated = await policy.generate(prompt_ids)
     finally:
-        policy.gate.leave()
+        version_end = policy.gate.leave()  # read under the gate's lock, as it ends
+    return generated, version, version_end
 
 
 def check_round(env_name: str, topology, agents) -> None:

@@ -231,8 +231,8 @@ class MappaTrainer:
         if c.price_in or c.price_out:
             coach_metrics["coach/cost_usd_total"] = self.coach_cost_usd
         self.stop_on_failures(step, episodes, coach_metrics)
-        most = self.mappa.max_staleness if self.mappa.max_staleness is not None else self.args.train.async_queue_size
-        lags = rewards.mark_stale(episodes, {ag.spec.name: ag.trainer.gate.version for ag in self.agents}, most)
+        bound = self.mappa.max_staleness if self.mappa.max_staleness is not None else self.args.train.async_queue_size
+        lags = rewards.mark_stale(episodes, {ag.spec.name: ag.trainer.gate.version for ag in self.agents}, bound)
         algo = self.args.algo
         counts = rewards.assign_rewards(episodes, self.mappa.reward, c.on_failure, c.neutral_score,
                                         self.topology.reward_scale, self.mappa.train_truncated,
