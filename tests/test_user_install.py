@@ -136,6 +136,7 @@ def test_ray_job_submit_from_a_user_install_checks_the_cluster_trains_and_resume
     ]  # fmt: skip
     with training(head, tmp_path / "ray-head", env=env) as cluster:
         wait_for(cluster, lambda: dashboard_up(address), 180, "the Ray dashboard")
+        wait_for(cluster, lambda: jobs_accepted(address), 180, "the head node's job agent")
         form = submit_form(address)
 
         # The self-check first, as the README asks before a long job: the same flags, the small model.
@@ -182,6 +183,19 @@ def dashboard_up(address: str) -> bool:
         with urllib.request.urlopen(address + "/api/version", timeout=5) as r:
             return r.status == 200
     except OSError:
+        return False
+
+
+def jobs_accepted(address: str) -> bool:
+    """The head node's job agent has registered: a job that does nothing is accepted. Until then the dashboard, up
+    already, answers a submission 500 "No available agent to submit job, please try again later" (after waiting 10 s
+    for the agent; on 2 busy cores it registered later than that once, and the doctor's submission failed)."""
+    job = json.dumps({"entrypoint": "true"}).encode()
+    request = urllib.request.Request(address + "/api/jobs/", data=job, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status == 200
+    except OSError:  # urllib's HTTPError (the 500) included
         return False
 
 
