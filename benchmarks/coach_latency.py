@@ -55,7 +55,7 @@ def run(out: str, model: str, delay: float, steps: int, async_: bool) -> list:
     trained = [sum(v for k, v in m.items() if k.endswith("/trained_actions")) for m in metrics]
     if not all(trained):
         raise SystemExit(f"{out}: a step trained nothing ({trained} actions a step): its time would not be a step's")
-    return [(m["timing/step"], n) for m, n in zip(metrics, trained)]
+    return [(m["timing/step"], n, m) for m, n in zip(metrics, trained)]
 
 
 def main():
@@ -74,11 +74,15 @@ def main():
         out = os.path.join(a.out, f"delay{delay:g}" + "-async" * a.async_)
         subprocess.run(["rm", "-rf", out], check=True)
         times[delay] = run(out, model, delay, a.steps, a.async_)[1:]
-    instant, slow = (sum(t for t, _ in times[d]) / len(times[d]) for d in (0.0, a.delay))
+    instant, slow = (sum(t for t, _, _ in times[d]) / len(times[d]) for d in (0.0, a.delay))
     for delay, mean in ((0.0, instant), (a.delay, slow)):
-        shown = ", ".join(f"{t:.2f} ({n} trained)" for t, n in times[delay])
+        shown = ", ".join(f"{t:.2f} ({n} trained)" for t, n, _ in times[delay])
         print(f"step wall time, {'instant' if not delay else f'{delay:g} s'} coach{' (async)' * a.async_}: {mean:.2f} s  "
               f"(steps {shown})")
+        # Where the step went: the agents' phases overlap (each agent's update starts when its verdicts are in).
+        phase = lambda k: sum(m.get(f"timing/{k}", 0.0) for _, _, m in times[delay]) / len(times[delay])
+        print("  per step: " + ", ".join(f"{k} {phase(k):.2f} s" for k in
+                                          ("rollout", "coach_wait", "experience", "train", "sync")))
     print(f"ratio (goal <= {1.05 if a.async_ else 1.2}): {slow / instant:.3f}")
 
 

@@ -35,6 +35,8 @@ Shape suffixes: `_B` one value per action (row), `_BA` one value per action toke
 Pure torch + the episode records: no Ray, vLLM or DeepSpeed here, so it is testable on a CPU.
 """
 
+import collections
+
 import torch
 
 from openrlhf_mappa.episode import Episode
@@ -107,6 +109,16 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
     return {"trainable": trainable, "left_out": sum(left_out_by_status.values()),
             "left_out_by_status": left_out_by_status, "fallback": fallback, "truncated_left_out": truncated_by_agent,
             "filtered": filtered, "stale_left_out": stale_by_agent}
+
+
+def merge_counts(parts: list) -> dict:
+    """assign_rewards' counts from calls on disjoint sets of agents' actions (one per agent), as one call's."""
+    out = {k: sum(p[k] for p in parts) for k in ("trainable", "left_out", "fallback")}
+    out["left_out_by_status"] = dict(sum((collections.Counter(p["left_out_by_status"]) for p in parts),
+                                         collections.Counter()))
+    for k in ("truncated_left_out", "filtered", "stale_left_out"):  # by agent: each in one part only
+        out[k] = {agent: n for p in parts for agent, n in p[k].items()}
+    return out
 
 
 def mark_stale(episodes: list[Episode], now: dict, most: int) -> dict:

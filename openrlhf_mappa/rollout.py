@@ -5,7 +5,8 @@ chooses who acts when (`MultiAgentEnv.next_agents`), and the agents of one round
 prompt too long for max_len - max_new_tokens loses its oldest history entries (`env.observe(..., omit=k)`), or
 is skipped when its fixed part alone is too long (`Episode.skipped_actions`). An action's coach request is
 submitted as soon as its tool feedback exists and awaited when the episode is complete, so coach latency
-overlaps with generation; in hindsight mode (coach.judge_episode) one review follows the episode's outcome.
+overlaps with generation, and in training with the updates of agents whose verdicts are in; in hindsight mode
+(coach.judge_episode) one review follows the episode's outcome.
 """
 
 import asyncio
@@ -132,10 +133,11 @@ def env_call(env_name: str, what: str, fn, *args, **kwargs):
 
 
 async def run_episode(topology, task: dict, policies: dict, coach: Coach, workspace: str, step: int,
-                      coach_bias: str = None, coach_mode: str = "per_action") -> Episode:
+                      coach_bias: str = None, coach_mode: str = "per_action", played=None) -> Episode:
     """One episode. An exception raised by its environment ends this episode only: `Episode.env_error` says what
     and where, the outcome is a failure and its actions train nothing (the trainer stops the run when too many
-    do: --mappa.env.max_failure_fraction). Generation and coach errors are not contained."""
+    do: --mappa.env.max_failure_fraction). Generation and coach errors are not contained. played(episode) is
+    called when the agents are done, before the verdicts still coming are awaited."""
     episode_id = f"s{step}-{task.get('id', '')}-{uuid.uuid4().hex[:8]}"
     os.makedirs(workspace, exist_ok=True)
     episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=task.get("type", ""), step=step)
@@ -149,6 +151,8 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
             requests.append(request)
             if coach_mode != "hindsight":
                 verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
+            if coach_mode == "per_action":  # its final verdict: on the action as soon as it comes (trainer.learn)
+                verdict_futures[-1].add_done_callback(functools.partial(record_verdict, episode.actions[-1]))
         episode.timings["rollout_s"] = time.time() - t0
         outcome = call("outcome", env.outcome)
         # An episode stopped by a limit never reached its end: a failure, whatever the env's outcome says.
@@ -156,6 +160,9 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
     except EnvFailed as e:
         episode.env_error, episode.outcome = str(e), {"success": False}
         episode.timings["rollout_s"] = time.time() - t0
+    if played:
+        played(episode)
+    if episode.env_error:
         # The verdicts already asked for are awaited (and paid for): kept in the record, never trained on.
         verdicts = await asyncio.gather(*verdict_futures)
         parts, episode.review = [{} for _ in verdicts], None
@@ -167,6 +174,11 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
     episode.timings["end"] = time.time()
     episode.timings["coach_wait_s"] = episode.timings["end"] - t0 - episode.timings["rollout_s"]
     return episode
+
+
+def record_verdict(action: Action, future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is None:  # an error reaches the rollout through its gather
+        action.verdict = future.result()
 
 
 async def play(topology, env, call, policies: dict, episode: Episode, coach_bias: str = None):
@@ -262,15 +274,21 @@ def fit_prompt(env, call, policy: AgentPolicy, spec, turn: int, can_omit: bool) 
 
 
 async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,
-                  coach_bias: str = None, coach_mode: str = "per_action", progress=None) -> list:
+                  coach_bias: str = None, coach_mode: str = "per_action", progress=None, played=None) -> list:
     """All episodes of one step, concurrently, in task order. `coach_bias`: the coach's figures shown in every
-    request of the step (--mappa.coach.show_bias); progress(1) is called as each episode ends."""
+    request of the step (--mappa.coach.show_bias); progress(1) is called as each episode's agents are done, and
+    played(episodes) once all are, while verdicts may still be coming: in mode per_action each lands on its
+    action as it comes, so that the trainer can train an agent whose verdicts are all in."""
+    ended = {}
 
-    async def episode(i, task):
-        workspace = os.path.join(workspace_root, f"step{step}", f"ep{i}")
-        ep = await run_episode(topology, task, policies, coach, workspace, step, coach_bias, coach_mode)
+    def ended_play(i, episode):
+        ended[i] = episode
         if progress:
             progress(1)
-        return ep
+        if played and len(ended) == len(tasks):
+            played([ended[k] for k in range(len(tasks))])
 
-    return await asyncio.gather(*(episode(i, task) for i, task in enumerate(tasks)))
+    return await asyncio.gather(*(
+        run_episode(topology, task, policies, coach, os.path.join(workspace_root, f"step{step}", f"ep{i}"), step,
+                    coach_bias, coach_mode, functools.partial(ended_play, i))
+        for i, task in enumerate(tasks)))

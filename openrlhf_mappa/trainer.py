@@ -2,15 +2,16 @@
 engines (OpenRLHF's classes, built by launch.py); MappaTrainer drives them all, one step at a time. A LoRA agent
 (topology `lora`) has no reference group and shares its base model's engine pool (agent_trainer.py).
 
-One step:  rollout (all episodes at once) -> coach verdicts -> per-action rewards -> per agent: OpenRLHF
-Experiences (actor/ref log-probs, KL) -> token rewards, return-to-go, whitening (rewards.py) -> agent k's
-experiences train agent k's actor only -> agent k's weights go to agent k's engines only.
+One step:  rollout (all episodes at once) -> per agent, as soon as its own coach verdicts are in: per-action
+rewards -> OpenRLHF Experiences (actor/ref log-probs, KL) -> token rewards, return-to-go, whitening (rewards.py)
+-> agent k's experiences train agent k's actor only -> agent k's weights go to agent k's engines only.
 """
 
 import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -129,18 +130,14 @@ class MappaTrainer:
     def fit(self, start_step: int = 0):
         total = (len(self.tasks) // self.args.rollout.batch_size) * self.args.train.num_episodes
         every = self.args.eval.steps
-        # The run's event loop (rollouts, coach, evaluation) runs in a thread of its own, so that with
-        # --train.async_enable the next steps' episodes are generated, run and scored while the team trains.
-        thread = threading.Thread(target=self.loop.run_forever, name="mappa-rollout", daemon=True)
-        thread.start()
-        try:
+        with self.loop_running():
             if start_step == 0:
                 self.evaluate(0)  # the untrained models: the baseline every later evaluation compares with
             steps = tqdm(total=total, initial=start_step, desc="MAPPA steps", file=console.err)
             t_step = time.time()
-            for step, episodes, t_rollout in self.rollouts(start_step):
+            for step, episodes, t_rollout, complete in self.rollouts(start_step):
                 t_wait = time.time() - t_step  # async: the part of the rollout that training did not hide
-                metrics = {**self.learn(step, episodes, t_rollout, t_step), "timing/rollout_wait": t_wait}
+                metrics = {**self.learn(step, episodes, t_rollout, t_step, complete), "timing/rollout_wait": t_wait}
                 self.log(step, metrics)
                 steps.update(1)
                 tqdm.write(step_line(step, total, metrics, [ag.spec.name for ag in self.agents]), file=console.err)
@@ -154,12 +151,21 @@ class MappaTrainer:
                 t_step = time.time()
             steps.close()
             ray.get([ref for ag in self.trainees for ref in ag.actor.async_save_model()])
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            thread.join()
         for logger in self.loggers:
             logger.close()
         self.loop.run_until_complete(self.coach.aclose())
+
+    @contextlib.contextmanager
+    def loop_running(self):
+        """The run's event loop (rollouts, coach, evaluation) in a thread of its own, so that the team trains while
+        verdicts are still coming, and with --train.async_enable while the next steps' episodes are generated."""
+        thread = threading.Thread(target=self.loop.run_forever, name="mappa-rollout", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            thread.join()
 
     def wait_for(self, coroutine):
         """The coroutine's result, run on the run's event loop (in its thread during fit)."""
@@ -168,37 +174,48 @@ class MappaTrainer:
         return self.loop.run_until_complete(coroutine)
 
     def rollouts(self, start_step: int):
-        """(step, its episodes, the rollout's seconds) for every step after start_step: each generated when its turn
-        comes, or with --train.async_enable up to --train.async_queue_size steps ahead, while the team trains."""
+        """(step, its episodes, the rollout's seconds, its future) for every step after start_step, as soon as the
+        agents are done (verdicts may still be coming: the future is done when all are in). Each step is generated
+        when its turn comes, or with --train.async_enable up to --train.async_queue_size steps ahead."""
         ahead = self.args.train.async_queue_size if self.args.train.async_enable else 0
-        pending = collections.deque()  # (step, its progress bar, its episodes to come)
+        pending = collections.deque()  # (step, its progress bar, its rollout's futures)
         for step, tasks in self.batches(start_step):
             bar = tqdm(total=len(tasks), desc=f"step {step} rollout", unit="episode", leave=False, file=console.err)
             if not ahead:
-                with bar, self.engines_awake():  # (async training refuses vLLM sleep)
-                    result = self.wait_for(self.rollout_of(step, tasks, bar.update))
-                yield step, *result
+                with self.engines_awake():  # asleep again for the updates: the verdicts to come need no engine
+                    played = self.collect(step, bar, self.start_rollout(step, tasks, bar.update))
+                yield played
                 continue
-            rollout_ = asyncio.run_coroutine_threadsafe(self.rollout_of(step, tasks, bar.update), self.loop)
-            pending.append((step, bar, rollout_))
+            pending.append((step, bar, self.start_rollout(step, tasks, bar.update)))
             if len(pending) > ahead:
                 yield self.collect(*pending.popleft())
         while pending:
             yield self.collect(*pending.popleft())
 
-    @staticmethod
-    def collect(step: int, bar, rollout_) -> tuple:
-        with bar:
-            return step, *rollout_.result()
+    def start_rollout(self, step: int, tasks: list, progress=None) -> tuple:
+        """The step's rollout, started on the run's event loop: futures of (its episodes, seconds) once the agents
+        are done, and of its episodes once every verdict is in too."""
+        played, t0 = concurrent.futures.Future(), time.time()
+        done = lambda episodes: played.set_result((episodes, time.time() - t0))
+        return played, asyncio.run_coroutine_threadsafe(self.rollout_of(step, tasks, progress, done), self.loop)
 
-    async def rollout_of(self, step: int, tasks: list, progress=None) -> tuple:
-        """(episodes, seconds): the step's episodes on the agents' engines as they are now, scored by the coach."""
-        t0, c = time.time(), self.mappa.coach
+    @staticmethod
+    def collect(step: int, bar, futures: tuple) -> tuple:
+        """(step, episodes, seconds, the rollout's future) once the agents are done; the rollout's error if any."""
+        played, complete = futures
+        with bar:
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+            if not played.done():
+                complete.result()  # it ended before the agents were done: its error
+            return step, *played.result(), complete
+
+    async def rollout_of(self, step: int, tasks: list, progress=None, played=None) -> list:
+        """The step's episodes on the agents' engines as they are now, scored by the coach (rollout.rollout)."""
+        c = self.mappa.coach
         bias = self.bias_audit.prompt_text() if c.show_bias else None  # the steps before this one
-        episodes = await rollout(self.topology, tasks, self.policies, self.rollout_coach,
-                                 os.path.join(self.run_dir, "workspaces"), step, coach_bias=bias,
-                                 coach_mode=c.mode if self.scored else "per_action", progress=progress)
-        return episodes, time.time() - t0
+        return await rollout(self.topology, tasks, self.policies, self.rollout_coach,
+                             os.path.join(self.run_dir, "workspaces"), step, coach_bias=bias,
+                             coach_mode=c.mode if self.scored else "per_action", progress=progress, played=played)
 
     @contextlib.contextmanager
     def engines_awake(self):
@@ -216,37 +233,45 @@ class MappaTrainer:
                 batch_vllm_engine_call(engines, "sleep")
 
     def train_step(self, step: int, tasks: list, progress=None) -> dict:
-        """One synchronous step: the rollout, then learn."""
+        """One synchronous step on `tasks`: the rollout, then learn."""
         t_start = time.time()
-        with self.engines_awake():
-            episodes, t_rollout = self.wait_for(self.rollout_of(step, tasks, progress))
-        return self.learn(step, episodes, t_rollout, t_start)
+        with self.loop_running():
+            with self.engines_awake():
+                _, episodes, t_rollout, complete = self.collect(step, contextlib.nullcontext(),
+                                                                self.start_rollout(step, tasks, progress))
+            return self.learn(step, episodes, t_rollout, t_start, complete)
 
-    def learn(self, step: int, episodes: list, t_rollout: float, t_start: float) -> dict:
-        """The step's episodes to rewards, each agent's experiences and its update; returns the step's metrics."""
+    def learn(self, step: int, episodes: list, t_rollout: float, t_start: float, complete=None) -> dict:
+        """The step's episodes to rewards, each agent's experiences and its update; returns the step's metrics.
+        `episodes`: the agents are done; `complete`: the rollout's future, done when every verdict is in too."""
+        env_stop = self.env_failures(step, episodes)  # known as the agents are done: before any update
+        bound = self.mappa.max_staleness if self.mappa.max_staleness is not None else self.args.train.async_queue_size
+        lags = rewards.mark_stale(episodes, {ag.spec.name: ag.trainer.gate.version for ag in self.agents}, bound)
+        # β per agent: its OpenRLHF KL controller's, fixed or adaptive (--algo.kl.target; upstream's train_step
+        # updates it). Read before training, which moves it.
+        kl_coef = {ag.spec.name: ag.trainer.kl_ctl.value for ag in self.trainees}
+        try:
+            made = {} if env_stop else self.update_team(step, episodes, complete, kl_coef)
+        finally:  # every verdict in, even when an update failed: none is left in flight, paid for and lost
+            if complete is not None:
+                concurrent.futures.wait([complete])
+        if complete is not None:
+            complete.result()  # the rollout's error, if it failed after the agents were done
         c = self.mappa.coach
         coach_metrics = coach_step_metrics(episodes, c.price_in, c.price_out)
         coach_metrics.update(self.bias_audit.update(episodes))
         self.coach_cost_usd += coach_metrics.get("coach/cost_usd", 0.0)
         if c.price_in or c.price_out:
             coach_metrics["coach/cost_usd_total"] = self.coach_cost_usd
-        self.stop_on_failures(step, episodes, coach_metrics)
-        bound = self.mappa.max_staleness if self.mappa.max_staleness is not None else self.args.train.async_queue_size
-        lags = rewards.mark_stale(episodes, {ag.spec.name: ag.trainer.gate.version for ag in self.agents}, bound)
-        algo = self.args.algo
-        counts = rewards.assign_rewards(episodes, self.mappa.reward, c.on_failure, c.neutral_score,
-                                        self.topology.reward_scale, self.mappa.train_truncated,
-                                        c.standardize_task_type, self.mappa.norm_scope, self.mappa.outcome_score,
-                                        algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None)
+        if env_stop:
+            self.write_episodes(episodes)
+            self.log(step, {**coach_metrics, "outcome/env_failed_episodes": sum(bool(ep.env_error) for ep in episodes)})
+            raise RunStopped(env_stop)
+        self.stop_on_coach_failures(step, episodes, coach_metrics)
 
-        # Per agent: trainable actions -> Experiences -> actor/ref forward (log-probs, KL), by OpenRLHF's maker.
-        t0 = time.time()
-        actions_of = {ag.spec.name: [] for ag in self.trainees}
-        for ep in episodes:
-            for action in ep.actions:
-                if action.reward is not None:
-                    actions_of[self.owner[action.agent]].append(action)
-        batches, kept_actions, dropped = self.make_experiences(actions_of, step)
+        batches = {name: m["batch"] for name, m in made.items() if m["batch"]}
+        status = {name: m["status"] for name, m in made.items() if "status" in m}
+        dropped = {name: m["dropped"] for name, m in made.items()}
         untrained = untrained_reasons([ag for ag in self.trainees if ag.spec.name not in batches], self.owner,
                                       episodes, dropped, self.mappa.train_truncated)
         for name, why in untrained.items():
@@ -257,56 +282,110 @@ class MappaTrainer:
             self.stalled = (f"no agent trained in {self.untrained_steps} steps in a row (--mappa.max_untrained_steps "
                             f"{most}); at step {step}, "
                             + "; ".join(f"agent {n!r}: {why}" for n, why in untrained.items()))
-        # β per agent: its OpenRLHF KL controller's, fixed or adaptive (--algo.kl.target; upstream's train_step
-        # updates it). Read before training, which moves it.
-        kl_coef = {ag.spec.name: ag.trainer.kl_ctl.value for ag in self.trainees}
-        advantage_of = rewards.compute_advantages(batches, kl_coef, self.mappa.norm_scope, algo.advantage.gamma,
-                                                  std_norm=not algo.advantage.no_std_norm)
-        t_experience = time.time() - t0
-        for name, exps in batches.items():  # each trained action's record shows its row's mean advantage
-            for action, adv in zip(kept_actions[name], advantage_of[name]):
-                action.advantage = adv
-            for exp in exps:
-                exp.kl = None  # consumed by the advantages; OpenRLHF's actor does not read it
-
-        # Agent k's experiences train agent k's actor, whose weights then go to agent k's engines: OpenRLHF's
-        # train_step.
-        t0 = time.time()
-        trained = [ag for ag in self.trainees if ag.spec.name in batches]
-        status = self.per_agent(lambda ag: ag.trainer.train_step(batches[ag.spec.name], step)[0], trained)
-        # timing/sync: the syncs' share of the phase (the slowest agent's, or all of them one after another).
-        syncs = [s["timing/broadcast"] for s in status.values()]
-        t_sync = (sum(syncs) if self.mappa.colocate == "team" else max(syncs, default=0.0))
-        t_train = time.time() - t0 - t_sync
 
         self.write_episodes(episodes)
         self.write_syncs(step)
+        counts = rewards.merge_counts([m["counts"] for m in made.values()])
         metrics = self.step_metrics(episodes, batches, status, dropped, {**counts, "staleness": lags}, kl_coef)
         metrics.update(coach_metrics)
-        metrics.update({"timing/rollout": t_rollout, "timing/experience": t_experience, "timing/train": t_train,
-                        "timing/sync": t_sync, "timing/step": time.time() - t_start})
+        # The agents' phases overlap (each starts when its verdicts are in): each phase's time is the slowest
+        # agent's, or on the team's shared GPUs, where they take turns, the sum of all.
+        total = sum if self.mappa.colocate == "team" else lambda ts: max(ts, default=0.0)
+        metrics.update({f"timing/{k}": total([m.get(k, 0.0) for m in made.values()])
+                        for k in ("experience", "train", "sync")})
+        metrics.update({"timing/rollout": t_rollout, "timing/step": time.time() - t_start,
+                        "timing/coach_wait": max((m["coach_wait"] for m in made.values()), default=0.0)})
         if self.topology.coach_stages:
             metrics["coach/template_stage"] = self.stage  # 0-based, in coach_templates' order
         return metrics
 
-    def stop_on_failures(self, step: int, episodes: list, coach_metrics: dict):
-        """Stop the run, keeping the step's episodes and metrics on disk, when more of its episodes failed in the
-        environment than --mappa.env.max_failure_fraction, or more of its verdicts than the coach's."""
-        c = self.mappa.coach
+    def update_team(self, step: int, episodes: list, complete, kl_coef: dict) -> dict:
+        """Each agent's part of the step, from its verdicts to its weights on its engines: {agent: its rewards'
+        counts, batch (OpenRLHF Experiences), kept actions, dropped count, update status, timings}. An agent starts
+        as soon as its own verdicts are in, so that only the last waits on the last ones; with --mappa.norm_scope
+        global, whose advantages are whitened over the whole team's batches, all experiences come first."""
+        algo, c, t_start = self.args.algo, self.mappa.coach, time.time()
+
+        def prepare(ag) -> dict:
+            name = ag.spec.name
+            self.verdicts_in(name, episodes, complete)
+            t0 = time.time()
+            own = [dataclasses.replace(ep, actions=[a for a in ep.actions if self.owner[a.agent] == name])
+                   for ep in episodes]  # the same Action objects: rewards land on the step's records
+            counts = rewards.assign_rewards(own, self.mappa.reward, c.on_failure, c.neutral_score,
+                                            self.topology.reward_scale, self.mappa.train_truncated,
+                                            c.standardize_task_type, self.mappa.norm_scope, self.mappa.outcome_score,
+                                            algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None)
+            kept, dropped = self.batch_rule([a for ep in own for a in ep.actions if a.reward is not None], step)
+            batch = self.experiences(ag, kept) if kept else []
+            return {"counts": counts, "kept": kept, "dropped": dropped, "batch": batch, "coach_wait": t0 - t_start,
+                    "experience": time.time() - t0}
+
+        def advantages(made: dict) -> None:  # each trained action's record shows its row's mean advantage
+            batches = {name: m["batch"] for name, m in made.items() if m["batch"]}
+            advantage_of = rewards.compute_advantages(batches, kl_coef, self.mappa.norm_scope, algo.advantage.gamma,
+                                                      std_norm=not algo.advantage.no_std_norm)
+            for name, advantage_B in advantage_of.items():
+                for action, adv in zip(made[name]["kept"], advantage_B):
+                    action.advantage = adv
+                for exp in batches[name]:
+                    exp.kl = None  # consumed by the advantages; OpenRLHF's actor does not read it
+
+        def train(ag, m: dict) -> dict:  # agent k's experiences train agent k's actor, then go to its engines
+            if m["batch"]:
+                t0 = time.time()
+                m["status"] = ag.trainer.train_step(m["batch"], step)[0]
+                m["sync"] = m["status"]["timing/broadcast"]
+                m["train"] = time.time() - t0 - m["sync"]
+            return m
+
+        def whole(ag) -> dict:
+            m = prepare(ag)
+            advantages({ag.spec.name: m})
+            return train(ag, m)
+
+        if not rewards.NORM_SCOPES[self.mappa.norm_scope][1]:
+            return self.per_agent(whole, self.trainees)
+        made = self.per_agent(prepare, self.trainees)
+        advantages(made)
+        return self.per_agent(lambda ag: train(ag, made[ag.spec.name]), self.trainees)
+
+    @staticmethod
+    def experiences(ag, actions: list) -> list:
+        """Agent ag's actions as OpenRLHF Experiences with its actor's and reference's log-probs and KL."""
+        maker = ag.trainer.experience_maker
+        return maker.make_experience(maker.split_rollout_samples([experience_of(a) for a in actions]))
+
+    def verdicts_in(self, name: str, episodes: list, complete) -> None:
+        """Wait until every verdict on agent `name`'s actions of the step is in; the rollout's error if it failed."""
+        mine = [a for ep in episodes for a in ep.actions if self.owner[a.agent] == name]
+        while complete is not None and not complete.done() and any(a.verdict is None for a in mine):
+            time.sleep(0.02)  # the verdicts land on the rollout's thread (rollout.record_verdict)
+        if complete is not None and complete.done():
+            complete.result()
+
+    def env_failures(self, step: int, episodes: list):
+        """Say how many of the step's episodes ended with an exception in the environment; the message that stops
+        the run when more did than --mappa.env.max_failure_fraction, else None."""
         failed = [ep for ep in episodes if ep.env_error]
-        if failed:  # contained by the rollout: each is a failed episode that trains nothing (rollout.run_episode)
-            limit = self.mappa.env.max_failure_fraction
-            said = (f"{len(failed)} of {len(episodes)} episodes ended with an exception in the environment (they "
-                    f"train nothing). First: {failed[0].env_error}")
-            tqdm.write(f"[mappa] step {step}: {said}", file=console.err)
-            if len(failed) / len(episodes) > limit:
-                self.write_episodes(episodes)
-                self.log(step, {**coach_metrics, "outcome/env_failed_episodes": len(failed)})
-                raise RunStopped(f"step {step}: {said}. That is more than --mappa.env.max_failure_fraction {limit:g} "
-                                 f"of them; the step's episodes are in {self.run_dir}/episodes.jsonl.")
+        if not failed:  # contained by the rollout: each is a failed episode that trains nothing (rollout.run_episode)
+            return None
+        limit = self.mappa.env.max_failure_fraction
+        said = (f"{len(failed)} of {len(episodes)} episodes ended with an exception in the environment (they "
+                f"train nothing). First: {failed[0].env_error}")
+        tqdm.write(f"[mappa] step {step}: {said}", file=console.err)
+        if len(failed) / len(episodes) > limit:
+            return (f"step {step}: {said}. That is more than --mappa.env.max_failure_fraction {limit:g} of them; the "
+                    f"step's episodes are in {self.run_dir}/episodes.jsonl.")
+        return None
+
+    def stop_on_coach_failures(self, step: int, episodes: list, coach_metrics: dict):
+        """Stop the run, keeping the step's episodes and metrics on disk, when more of its verdicts failed than
+        --mappa.coach.max_failure_fraction. Agents whose verdicts came first have updated in memory; the run stops
+        before the step's checkpoint, so a resume starts from the one before."""
         if self.scored:  # verdicts paid for but mostly failed: stop, even when only logged
             try:
-                check_failures(episodes, coach_metrics, c.max_failure_fraction)
+                check_failures(episodes, coach_metrics, self.mappa.coach.max_failure_fraction)
             except CoachFailure as e:  # keep what the step produced, so the failures can be inspected
                 self.write_episodes(episodes)
                 self.log(step, coach_metrics)
@@ -320,23 +399,6 @@ class MappaTrainer:
             return {ag.spec.name: fn(ag) for ag in agents}
         with concurrent.futures.ThreadPoolExecutor(max(1, len(agents))) as pool:
             return dict(zip([ag.spec.name for ag in agents], pool.map(fn, agents)))
-
-    def make_experiences(self, actions_of: dict, step: int):
-        """Each trainee's kept actions (batch_rule) as OpenRLHF Experiences with its actor's and reference's
-        log-probs and KL: (batches, kept actions, dropped counts), by agent; an agent with no batch is absent."""
-        kept_actions, dropped = {}, {}
-        for ag in self.trainees:
-            kept, dropped[ag.spec.name] = self.batch_rule(actions_of[ag.spec.name], step)
-            if kept:
-                kept_actions[ag.spec.name] = kept
-
-        def forward(ag):
-            maker = ag.trainer.experience_maker
-            rows = [experience_of(a) for a in kept_actions[ag.spec.name]]
-            return maker.make_experience(maker.split_rollout_samples(rows))
-
-        batches = self.per_agent(forward, [ag for ag in self.trainees if ag.spec.name in kept_actions])
-        return batches, kept_actions, dropped
 
     def advance_criteria(self, step: int, metrics: dict):
         """After step `step`: when the rule of the next template in the topology's coach_templates holds on this

@@ -5,12 +5,14 @@ and HF exports rotated once a team checkpoint exists, the plan's refusal naming 
 asked for, and `mappa doctor`'s verdict on a weight sync. (Team engines starting one agent at a time: test_colocation_e2e.py; host memory in the
 plan: test_placement.py; actor threads and the doctor on a cluster: test_user_install.py.)"""
 
+import concurrent.futures
 import http.server
 import json
 import os
 import subprocess
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -139,32 +141,38 @@ def test_checkpoints_and_hf_exports_rotate_once_the_team_checkpoint_exists(tmp_p
     assert agent_args(args, load_topology(MATHCHAT).agents[0]).ckpt.max_num == 2
 
 
+def team_trainer(colocate: str, forward, names=("a", "b", "c"), trained=None):
+    """A MappaTrainer with only what update_team uses: agents whose experience maker calls forward(name, rows) and
+    whose train_step appends the agent's name to `trained`."""
+    t, trained = MappaTrainer.__new__(MappaTrainer), [] if trained is None else trained
+    t.args = parse_args(["--mappa.topology", MATHCHAT, "--train.batch_size", "1", "--mappa.colocate", colocate])
+    t.mappa, t.topology, t.owner = t.args.mappa, SimpleNamespace(reward_scale=1.0), {n: n for n in names}
+    maker = lambda name: SimpleNamespace(split_rollout_samples=lambda exps: exps,
+                                         make_experience=lambda exps: forward(name, exps))
+    train = lambda name: lambda exps, step: (trained.append(name), ({"timing/broadcast": 0.0}, step))[1]
+    t.trainees = [SimpleNamespace(spec=SimpleNamespace(name=n), trainer=SimpleNamespace(
+        experience_maker=maker(n), train_step=train(n))) for n in names]
+    return t
+
+
+def one_action_each(names=("a", "b", "c")) -> list:
+    from openrlhf_mappa.episode import Action, Episode, Verdict
+
+    actions = [Action("ep", n, 0, [1, 2], [3], verdict=Verdict(7.0, "ok")) for n in names]
+    return [Episode("ep", "t", actions=actions, outcome={"success": True})]
+
+
 def test_experience_forwards_of_agents_on_their_own_gpus_run_at_once():
     # Each agent's experience maker waits, inside its forward, until every agent's forward is in flight: agents made
     # one after another never get there (the barrier breaks), agents made at once all do. On the team's shared GPUs
     # they must be made in turn: never two in flight.
     names = ("a", "b", "c")
-
-    def trainer(colocate, forward):
-        t = MappaTrainer.__new__(MappaTrainer)
-        t.args = SimpleNamespace(train=SimpleNamespace(batch_size=1, seed=0))
-        t.mappa = SimpleNamespace(colocate=colocate)
-        maker = lambda name: SimpleNamespace(split_rollout_samples=lambda exps: exps,
-                                             make_experience=lambda exps: forward(name, exps))
-        t.trainees = [SimpleNamespace(spec=SimpleNamespace(name=n), trainer=SimpleNamespace(experience_maker=maker(n)))
-                      for n in names]
-        return t
-
-    from openrlhf_mappa.episode import Action
-
-    actions = {n: [Action("ep", n, 0, [1, 2], [3])] for n in names}
-    for a in sum(actions.values(), []):
-        a.reward = 1.0
     for colocate in ("none", "agent"):
-        barrier = threading.Barrier(len(names), timeout=30)
-        batches, kept, dropped = trainer(colocate, lambda n, exps: (barrier.wait(), exps)[1]).make_experiences(actions, 1)
-        assert set(batches) == set(names) and all(len(batches[n]) == 1 for n in names), colocate
-        assert dropped == dict.fromkeys(names, 0) and kept == actions
+        barrier, episodes = threading.Barrier(len(names), timeout=30), one_action_each()
+        trainer = team_trainer(colocate, lambda n, exps: (barrier.wait(), exps)[1])
+        made = trainer.update_team(1, episodes, None, dict.fromkeys(names, 0.0))
+        assert set(made) == set(names) and all(len(made[n]["batch"]) == 1 for n in names), colocate
+        assert all(made[n]["dropped"] == 0 and made[n]["kept"] == [episodes[0].actions[i]] for i, n in enumerate(names))
     in_flight, most = [], []
 
     def alone(name, exps):
@@ -174,8 +182,39 @@ def test_experience_forwards_of_agents_on_their_own_gpus_run_at_once():
         in_flight.remove(name)
         return exps
 
-    trainer("team", alone).make_experiences(actions, 1)
+    team_trainer("team", alone).update_team(1, one_action_each(), None, dict.fromkeys(names, 0.0))
     assert most == [1, 1, 1]
+
+
+@pytest.mark.parametrize("scope", ["agent", "global"])
+def test_an_agent_trains_as_soon_as_its_own_verdicts_are_in(scope):
+    # Agent c's verdict is still coming (the rollout's future not done): a and b update meanwhile, and c's verdict
+    # comes only once they have. A step that waited for every verdict first would never let them (the wait below
+    # times out, and c's update would come first or alone). With --mappa.norm_scope global the advantages need every
+    # agent's batch: nobody updates before c's verdict.
+    from openrlhf_mappa.episode import Verdict
+
+    episodes, trained = one_action_each(), []
+    episodes[0].actions[2].verdict = None
+    trainer = team_trainer("none", lambda n, exps: exps, trained=trained)
+    trainer.mappa.norm_scope = scope
+    complete = concurrent.futures.Future()
+
+    def coach():  # c's verdict, once a and b have updated (or after a while): who had updated then
+        deadline = time.time() + (5 if scope == "agent" else 1)
+        while len(trained) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        before = sorted(trained)
+        episodes[0].actions[2].verdict = Verdict(3.0, "ok")
+        complete.set_result(episodes)
+        return before
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        seen = pool.submit(coach)
+        made = trainer.update_team(1, episodes, complete, {n: 0.0 for n in "abc"})
+    assert seen.result() == (["a", "b"] if scope == "agent" else [])
+    assert sorted(trained) == ["a", "b", "c"] and made["c"]["kept"][0].reward == 3.0
+    assert made["c"]["coach_wait"] >= made["a"]["coach_wait"]
 
 
 def test_doctor_tells_a_sync_that_arrived_from_one_that_did_not_or_crossed():

@@ -9,6 +9,7 @@ from openrlhf_mappa.episode import Action, Episode, Verdict
 from openrlhf_mappa.rewards import (
     assign_rewards,
     compute_advantages,
+    merge_counts,
     returns_to_go,
     token_rewards,
     whiten,
@@ -28,6 +29,34 @@ def ok(score):
 
 
 # ── assign_rewards ──
+
+
+@pytest.mark.parametrize("norm_scope,on_failure", [("agent", "skip"), ("group", "neutral")])
+def test_rewards_assigned_one_agent_at_a_time_are_the_whole_steps(norm_scope, on_failure):
+    # The trainer assigns each agent's rewards as soon as its own verdicts are in, on a view of the episodes holding
+    # only its actions: every reward and every count must be what one call over the whole step gives. The
+    # standardisation per task type, the group normalisation and dynamic filtering all group within an agent.
+    import dataclasses
+
+    def step():
+        def ep(i, task, kind):
+            scores = {"solver": [3, 7, None, 8][i], "verifier": [9, 2, 6, None][i]}
+            failed = {"solver": Verdict(None, "timeout"), "verifier": Verdict(None, "parse_error")}
+            acts = [Action(f"e{i}", agent, 0, [1], [2], verdict=Verdict(s, "ok") if s is not None else failed[agent],
+                           truncated=(i == 2 and agent == "verifier")) for agent, s in scores.items()]
+            return Episode(f"e{i}", task, kind, actions=acts, outcome={"success": i % 2 == 0}, step=1)
+        return [ep(0, "t0", "a"), ep(1, "t0", "a"), ep(2, "t1", "b"), ep(3, "t1", "b")]
+
+    flags = dict(mode="process", on_failure=on_failure, scale=0.1, standardize_task_type=True, norm_scope=norm_scope,
+                 filter_range=(0.52, 0.9))
+    whole, parts = step(), step()
+    expected = assign_rewards(whole, **flags)
+    counts = merge_counts([assign_rewards([dataclasses.replace(ep, actions=[a for a in ep.actions if a.agent == name])
+                                           for ep in parts], **flags) for name in ("solver", "verifier")])
+    assert counts == expected and expected["truncated_left_out"] == {"verifier": 1}
+    assert expected["filtered"]["solver"][0] == 2 and expected["left_out"] + expected["fallback"] == 2
+    assert [a.reward for ep in parts for a in ep.actions] == [a.reward for ep in whole for a in ep.actions]
+    assert any(a.reward is not None for ep in whole for a in ep.actions)
 
 
 def test_process_mode_multi_action_agent_gets_one_reward_per_action():
