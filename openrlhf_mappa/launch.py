@@ -2,6 +2,7 @@
 placement group, vLLM engines, ZeRO-3 actor and reference groups and its AgentTrainer (build_agents), and the
 views of the result the loop and the health checks use (owners, components)."""
 
+import copy
 import dataclasses
 import os
 import types
@@ -177,6 +178,7 @@ def build_agents(args, topology, max_steps: dict, startup) -> list:
     for spec, a in per_agent:
         startup.stage = f"agent {spec.name!r} (creating its actors)"
         strategy = get_strategy(a)
+        actor_strategy = get_strategy(actor_args(a, spec, topology)) if a.train.dynamic_batch_enable else strategy
         pg = pgs.get(spec.name)
         # RayActorGroup calls .options() on its actor type
         actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node,
@@ -189,7 +191,7 @@ def build_agents(args, topology, max_steps: dict, startup) -> list:
                                 num_gpus_per_actor=share)
             init_refs += ref.async_init_model_from_pretrained(strategy, spec.model)
         steps = max_steps[spec.name]  # its learning-rate schedule's length (train_mappa_ray.schedule_steps)
-        init_refs += actor.async_init_model_from_pretrained(strategy, spec.model, steps, engines[spec.name])
+        init_refs += actor.async_init_model_from_pretrained(actor_strategy, spec.model, steps, engines[spec.name])
         tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=True)
         trainer = AgentTrainer(strategy, actor, ref, engines[spec.name], tokenizer, spec.name if spec.lora else None)
         agents.append(Agent(spec, a, tokenizer, engines[spec.name], actor, ref, trainer))
@@ -210,6 +212,15 @@ def build_agents(args, topology, max_steps: dict, startup) -> list:
     for spec in topology.agents[len(agents) :]:
         agents.append(dataclasses.replace(agents[0], spec=spec, args=agent_args(args, spec)))
     return agents
+
+
+def actor_args(a, spec, topology):
+    """Agent `spec`'s args (`a`) as its actor ranks get them. With token budgets, upstream's actor plans for
+    rollout.batch_size x n_samples_per_prompt actions a step (one per sample) and leaves any more untrained
+    (ReplayBuffer.setup_dynamic_batch); an agent may act several times an episode, so they plan for its most."""
+    planned = copy.deepcopy(a)
+    planned.rollout.batch_size *= topology.most_actions(spec, a.mappa.shared_policy)
+    return planned
 
 
 def distinct(handles: list) -> list:

@@ -136,6 +136,11 @@ class Topology:
                              f"action (mode hindsight needs none: it sends one review prompt per episode, "
                              f"review_template)")
 
+    def most_actions(self, spec, shared_policy: bool = False) -> int:
+        """The most actions `spec`'s weights take in one episode (under --mappa.shared_policy, every role's)."""
+        n = sum(a.max_actions for a in self.agents) if shared_policy else spec.max_actions
+        return min(n, self.max_episode_actions or n)
+
     def env_class(self) -> type:
         return load_env_class(self.env)
 

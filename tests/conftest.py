@@ -221,18 +221,25 @@ RECORDED = ("sequences", "attention_mask", "action_mask", "rewards", "kl", "acti
 def record_experiences(path: str):
     """From here on in this process (a training child of a test), every step's experience tensors of every agent go
     to `path`, as the advantage step leaves them: a list, one {agent: [{RECORDED field: tensor}, ...]} per step.
-    rewards.compute_advantages is observed, not replaced."""
+    rewards.compute_advantages is observed, not replaced. A step calls it once per agent (each as its verdicts come
+    in, from the agents' threads) or once for the team: a call naming an agent already recorded starts a step."""
+    import threading
+
     import torch
 
     from openrlhf_mappa import rewards
 
-    steps, compute = [], rewards.compute_advantages
+    steps, compute, lock = [], rewards.compute_advantages, threading.Lock()
 
     def recording(batches_by_agent, *args, **kwargs):
         advantage_of = compute(batches_by_agent, *args, **kwargs)
-        steps.append({name: [{k: getattr(b, k).clone() for k in RECORDED if getattr(b, k) is not None} for b in batches]
-                      for name, batches in batches_by_agent.items()})  # fmt: skip
-        torch.save(steps, path)
+        recorded = {name: [{k: getattr(b, k).clone() for k in RECORDED if getattr(b, k) is not None} for b in batches]
+                    for name, batches in batches_by_agent.items()}  # fmt: skip
+        with lock:
+            if not steps or set(recorded) & set(steps[-1]):
+                steps.append({})
+            steps[-1].update(recorded)
+            torch.save(steps, path)
         return advantage_of
 
     rewards.compute_advantages = recording

@@ -1,7 +1,7 @@
 """The debate pipeline trained for real on CPU: examples/scripts/train_mappa_debate_tiny_cpu.sh, run as shipped
-but for one step (its extra flags: 2 problems x 2 samples, lr 1e-3) and colocated per agent, the authors' setup
-(--mappa.colocate agent with vLLM and DeepSpeed sleep): three tiny agents, each with its own ZeRO-3 actor,
-reference model and vLLM engine sharing one logical GPU of its own. The coach, instead of the script's heuristic
+but for one step (its extra flags: 2 problems x 2 samples, lr 1e-3, token budgets) and colocated per agent, the
+authors' setup (--mappa.colocate agent with vLLM and DeepSpeed sleep): three tiny agents, each with its own ZeRO-3
+actor, reference model and vLLM engine sharing one logical GPU of its own. The coach, instead of the script's heuristic
 one, reviews each episode in hindsight (--mappa.coach.mode hindsight) through the OpenAI-compatible backend,
 against a real HTTP server on 127.0.0.1 standing in for a paid coach API (tests/coach_server.py): one review
 request per episode and no per-action request, each action trained on the score its episode's review gave it.
@@ -11,7 +11,8 @@ the advantage step leaves (rewards.compute_advantages observed, not replaced). A
 episodes.jsonl: every episode is debater_a, debater_b (round 0), both again (round 1), then the judge (round 2);
 every row an agent trained on is one of its own actions, token for token, trained on that action's reward, with
 the row's mean advantage recorded for that action, and every action with a reward trained exactly once, so each
-debater trained both of its rounds' actions of every episode.
+debater trained both of its rounds' actions of every episode. With token budgets (--train.dynamic_batch_enable,
+1,000 tokens), each agent's experiences came in as many micro-batches as OpenRLHF's first-fit count of their lengths.
 
 From the hybrid engine's call log (patches/hybrid_engine.py, see test_colocation_e2e; in the log's order of
 events, not by any clock): no agent's engine was awake while its own actor trained, no actor was loaded while
@@ -35,6 +36,7 @@ from conftest import (REPO, assert_documented_episodes, assert_rows_are_their_ac
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(REPO, "examples", "scripts", "train_mappa_debate_tiny_cpu.sh")
 AGENTS = ("debater_a", "debater_b", "judge")
+BUDGET = 1000  # tokens a micro-batch (--rollout/--train.max_tokens_per_gpu): 3-4 of these actions
 
 
 def train_recording(argv: list, tensors_path: str, probe_path: str):
@@ -63,7 +65,9 @@ def test_debate_pipeline_trains_every_round_of_every_agent_on_its_own(tmp_path, 
                       f"from test_debate_e2e import train_recording\ntrain_recording(sys.argv[1:], {tensors_path!r}, {probe_path!r})\n")
     python.chmod(0o755)
     one_step = ["--data.max_samples", "2", "--rollout.batch_size", "2", "--actor.adam.lr", "1e-3",
-                "--mappa.colocate", "agent", "--vllm.enable_sleep", "--ds.enable_sleep"]
+                "--mappa.colocate", "agent", "--vllm.enable_sleep", "--ds.enable_sleep",
+                "--train.dynamic_batch_enable", "--rollout.max_tokens_per_gpu", str(BUDGET),
+                "--train.max_tokens_per_gpu", str(BUDGET)]
     call_log = tmp_path / "calls.jsonl"
     # 3 agents x 1 GPU, each holding the agent's actor, reference and engine
     env = local_cluster_env(3, PY=str(python), OUT=str(out), PYTHONPATH=REPO, MAPPA_CALL_LOG=str(call_log))
@@ -93,6 +97,14 @@ def test_debate_pipeline_trains_every_round_of_every_agent_on_its_own(tmp_path, 
         rounds = (0, 1) if name != "judge" else (2,)
         assert sorted((i, episodes[i]["actions"][j]["round"]) for i, j in rows[1, name]) == [(i, r) for i in range(4) for r in rounds]
         assert all(torch.isfinite(b["advantages"]).all() for b in steps[0][name])
+    # Token budgets: each agent's experiences came in as many micro-batches as its actions' lengths need (OpenRLHF's
+    # first-fit count), not in --rollout.micro_batch_size rows (2) each.
+    from openrlhf.utils.seqlen_balancing import get_minimum_num_micro_batch_size
+
+    lengths = {n: [int(x) for b in steps[0][n] for x in b["attention_mask"].sum(1)] for n in AGENTS}
+    counts = [len(steps[0][n]) for n in AGENTS]
+    assert counts == [get_minimum_num_micro_batch_size(lengths[n], BUDGET, 1, 1) for n in AGENTS], lengths
+    assert counts != [len(lengths[n]) // 2 for n in AGENTS], lengths
 
     (metrics,) = [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
     assert [metrics[f"agent/{n}/trained_actions"] for n in AGENTS] == [8, 8, 4]

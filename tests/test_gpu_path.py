@@ -230,3 +230,64 @@ def test_doctor_tells_a_sync_that_arrived_from_one_that_did_not_or_crossed():
     assert not verdicts["b"][0] and verdicts["b"][1].endswith("holds the weights of a")
     unmoved = {"actor": {"a": a, "b": b}, "engines": {"a": [a], "b": [b]}}
     assert not sync_verdicts({"actor": {"a": a, "b": [0.0] * 4}}, unmoved)["a"][0]  # a's step trained nothing
+
+
+TOKEN_BUDGET_RANK = """
+import json, sys
+from types import SimpleNamespace
+import torch
+import torch.distributed as dist
+from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer
+
+rank, port, args = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+ns = lambda d: SimpleNamespace(**{k: ns(v) if isinstance(v, dict) else v for k, v in d.items()})
+strategy = SimpleNamespace(args=ns(args), ds_device_mesh={"dp": SimpleNamespace(get_group=lambda: dist.group.WORLD)},
+                           all_reduce=lambda t, op: (dist.all_reduce(t, op=dist.ReduceOp.MAX), t)[1])
+buffer = NaiveReplayBuffer(1, dynamic_batch=True)
+lengths = args["lengths"][rank]
+buffer.items = [SimpleNamespace(total_length=torch.tensor(n), action_mask=torch.ones(1, n // 2)) for n in lengths]
+buffer.setup_dynamic_batch(strategy)
+print(json.dumps({"micro_batches": [[lengths[i] for i in mb] for mb in buffer.dynamic_indices],
+                  "optimizer_steps": sum(buffer.dynamic_optimizer_step)}))
+"""
+
+
+def test_token_budgets_give_every_rank_the_same_micro_batches_and_train_all_of_an_agents_actions():
+    # OpenRLHF's own token-budget split (ReplayBuffer.setup_dynamic_batch) on two real data-parallel ranks (gloo):
+    # rank 0 holds a Code Executor's long actions, rank 1 short ones. Each rank needs a different number of
+    # micro-batches within the budget, and unequal counts would deadlock the ranks' all-reduce: both get the
+    # largest. An agent acting twice an episode has twice rollout.batch_size x n_samples_per_prompt actions:
+    # upstream plans one per sample and trains half of them; the args MAPPA's launch gives its actors train all.
+    import socket
+
+    from openrlhf_mappa.launch import actor_args
+
+    topology = load_topology(MATHCHAT)
+    executor = next(s for s in topology.agents if s.max_actions > 1)
+    a = parse_args(["--mappa.topology", MATHCHAT, "--vllm.num_engines", "1", "--train.dynamic_batch_enable",
+                    "--train.max_tokens_per_gpu", "1000", "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt",
+                    "2", "--train.batch_size", "8"])
+    # 4 tasks x 2 samples x 2 actions = 16 actions a step, 8 on each rank.
+    lengths = [[900, 800, 700, 600, 500, 400, 300, 200], [60] * 8]
+
+    def ranks(args):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        plain = {"train": vars(args.train), "rollout": vars(args.rollout), "ds": {"ring_attn_size": 1,
+                 "tensor_parallel_size": 1}, "lengths": lengths}
+        procs = [subprocess.Popen([sys.executable, "-c", TOKEN_BUDGET_RANK, str(r), str(port), json.dumps(plain)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+        return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+    long, short = ranks(actor_args(a, executor, topology))
+    assert len(long["micro_batches"]) == len(short["micro_batches"]) > executor.max_actions  # the same count
+    assert sorted(sum(long["micro_batches"], [])) == sorted(lengths[0])  # every action trained, once
+    assert sorted(sum(short["micro_batches"], [])) == sorted(lengths[1])
+    assert all(sum(mb) <= 1000 for mb in long["micro_batches"])  # the budget holds
+    assert long["optimizer_steps"] == short["optimizer_steps"] == 16 // 8  # one per train batch
+    upstream, _ = ranks(a)  # upstream's plan for the same actions: one train batch a step, half left out
+    assert len(sum(upstream["micro_batches"], [])) == len(lengths[0]) // executor.max_actions

@@ -430,7 +430,6 @@ def test_every_upstream_flag_is_honoured_or_refused():
 @pytest.mark.parametrize("flags, reason", [
     (["--ds.ring_attn_size", "2"], "without OpenRLHF's duplicate_actors"),
     (["--ds.tensor_parallel_size", "2"], "without OpenRLHF's duplicate_actors"),
-    (["--train.dynamic_batch_enable"], "token-budget batching is not wired in"),
     (["--vllm.sync_with_ray"], "would be named 'openrlhf'"),
     (["--ds.load_in_4bit"], "full-weight agents included"),
     (["--rollout.vllm_generate_batch_size", "4"], "every episode of a step to the engines at once"),
@@ -457,9 +456,20 @@ def test_refused_flags_at_their_default_pass_and_the_cli_refuses_before_ray(work
     assert args.algo.advantage.lambd == 1.0
     # Several at once, all named, through the real CLI before torch or Ray load.
     write_topology(workdir)
-    proc = cli(workdir, GOOD + ["--algo.advantage.lambd", "0.9", "--train.dynamic_batch_enable"], "refused flags")
-    assert_refused(proc, "refused flags", "--train.dynamic_batch_enable True: MAPPA trains whole --train.batch_size")
+    proc = cli(workdir, GOOD + ["--algo.advantage.lambd", "0.9", "--ds.ring_attn_size", "2"], "refused flags")
+    assert_refused(proc, "refused flags", "--ds.ring_attn_size 2: MAPPA builds each agent's actor and reference")
     assert "--algo.advantage.lambd 0.9: GAE's lambda: MAPPA has no critic" in proc.message and proc.returncode == 1
+
+
+def test_token_budgets_keep_packing_as_given():
+    # Upstream's checks turn packing on with token budgets; packing needs flash-attn, which a CPU (or sdpa) lacks.
+    args = parse_args(["--mappa.topology", "t.yaml", "--vllm.num_engines", "1", "--ds.attn_implementation", "sdpa",
+                       "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "512"])
+    assert args.train.dynamic_batch_enable and not args.ds.packing_samples and args.ds.attn_implementation == "sdpa"
+    assert args.rollout.max_tokens_per_gpu == 512  # upstream's default: the training budget
+    packed = parse_args(["--mappa.topology", "t.yaml", "--vllm.num_engines", "1", "--train.dynamic_batch_enable",
+                         "--ds.packing_samples"])
+    assert packed.ds.packing_samples and packed.ds.attn_implementation == "flash_attention_2"  # as upstream
 
 
 ALGO_REFUSALS = [
@@ -523,8 +533,8 @@ def test_get_parser_patch_applies_and_its_parser_is_the_same(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="The number of sample batches must be greater"):
         parse_args(["--mappa.topology", "t.yaml", "--rollout.batch_size", "1", "--rollout.micro_batch_size", "4",
                     "--actor.num_gpus_per_node", "2"])
-    with pytest.raises(SystemExit, match="--train.dynamic_batch_enable True: MAPPA trains whole"):
-        parse_args(["--mappa.topology", "t.yaml", "--train.dynamic_batch_enable"])
+    with pytest.raises(SystemExit, match="--ds.tensor_parallel_size 2: MAPPA builds each agent's actor"):
+        parse_args(["--mappa.topology", "t.yaml", "--ds.tensor_parallel_size", "2"])
 
 
 def vars_of(namespace):

@@ -237,6 +237,7 @@ HONOURED = """
     algo.advantage.is_correction_mode algo.advantage.is_correction_gating algo.advantage.is_correction_threshold
     algo.dynamic_filtering_enable algo.dynamic_filtering_range
     train.async_enable train.async_queue_size train.partial_rollout_enable
+    train.dynamic_batch_enable rollout.max_tokens_per_gpu train.max_tokens_per_gpu
     data.prompt_dataset data.max_len data.max_samples data.apply_chat_template
     eval.dataset eval.steps eval.temperature eval.n_samples_per_prompt
     ckpt.path ckpt.output_dir ckpt.save_steps ckpt.save_hf ckpt.disable_ds ckpt.max_num ckpt.max_mem ckpt.load_enable
@@ -250,8 +251,6 @@ OWN_TASKS = ("MAPPA reads tasks itself, JSON lists or JSONL of prompt/answer row
 OWN_PROMPTS = "each agent's prompt comes from the topology, rendered with that agent's chat template"
 NO_DUPLICATE = ("MAPPA builds each agent's actor and reference groups without OpenRLHF's duplicate_actors, so "
                 "ranks of one ring-attention / tensor-parallel group would get different data")
-DYNAMIC_BATCH = ("MAPPA trains whole --train.batch_size batches per agent (trainer.batch_rule) and splits "
-                 "experiences by --rollout.micro_batch_size; token-budget batching is not wired in")
 LORA = ("LoRA is set per agent, in the topology (agents[].lora), and its adapters are synced by MAPPA: OpenRLHF "
         "0.11.2's run-wide LoRA syncs every weight under peft's names, which vLLM's loader rejects (OpenRLHF #1349)")
 TEXT_ONLY = "MAPPA's agents are text-only"
@@ -276,8 +275,6 @@ REFUSED = {
     "rollout.vllm_generate_batch_size": "MAPPA submits every episode of a step to the engines at once",
     "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
     "algo.advantage.lambd": "GAE's lambda: " + NO_CRITIC,
-    **dict.fromkeys(("train.dynamic_batch_enable", "rollout.max_tokens_per_gpu", "train.max_tokens_per_gpu"),
-                    DYNAMIC_BATCH),
     **dict.fromkeys(("ds.ring_attn_size", "ds.ring_attn_head_stride", "ds.tensor_parallel_size"), NO_DUPLICATE),
     **dict.fromkeys(("ds.lora." + k for k in ("rank", "alpha", "target_modules", "dropout")), LORA),
     "ds.load_in_4bit": "4-bit (QLoRA) weights are not built: OpenRLHF would quantize every agent's actor, full-weight "
@@ -429,9 +426,14 @@ def parse_args(argv=None, prog: str = "train_mappa_ray"):
     # Upstream's dynamic-filtering check demands a reward model or an agent function: MAPPA's coach scores, and
     # validate() checks the rest of it.
     filtering, args.algo.dynamic_filtering_enable = args.algo.dynamic_filtering_enable, False
+    # Upstream turns --ds.packing_samples on with token budgets, to go faster, and flash attention with it; both
+    # need flash-attn's kernels, and the budgets work on padded batches too (sdpa, a CPU): MAPPA keeps them as given.
+    packing, attention = args.ds.packing_samples, args.ds.attn_implementation
     with refusals():  # upstream validates with assert
         validate_upstream(args)
     args.algo.dynamic_filtering_enable = filtering
+    if not packing:
+        args.ds.packing_samples, args.ds.attn_implementation = False, attention
     return args
 
 
@@ -474,10 +476,9 @@ def validate(args, topology):
                              f"prompt and the reply together: no prompt would fit, and every action would be skipped")
     # A step trains whole --train.batch_size batches (trainer.batch_rule): an agent with fewer actions a step would
     # never train. Under --mappa.shared_policy the one trainee trains on every role's actions.
-    per_episode = lambda n: min(n, topology.max_episode_actions or n)
     for spec in trainees:
-        most = args.rollout.batch_size * args.rollout.n_samples_per_prompt * per_episode(
-            sum(a.max_actions for a in topology.agents) if args.mappa.shared_policy else spec.max_actions)
+        most = (args.rollout.batch_size * args.rollout.n_samples_per_prompt
+                * topology.most_actions(spec, args.mappa.shared_policy))
         if most < args.train.batch_size:
             raise SystemExit(f"agent {spec.name!r} takes at most {most} actions a step (--rollout.batch_size x "
                              f"--rollout.n_samples_per_prompt x its actions per episode), fewer than "
