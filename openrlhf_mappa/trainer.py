@@ -326,8 +326,10 @@ class MappaTrainer:
             advantage_of = rewards.compute_advantages(batches, kl_coef, self.mappa.norm_scope, algo.advantage.gamma,
                                                       std_norm=not algo.advantage.no_std_norm)
             for name, advantage_B in advantage_of.items():
-                for action, adv in zip(made[name]["kept"], advantage_B):
-                    action.advantage = adv
+                # Each row's action, by upstream's index into the rows given: token budgets regroup them.
+                rows = [i for exp in batches[name] for i in exp.index]
+                for i, adv in zip(rows, advantage_B):
+                    made[name]["kept"][i].advantage = adv
                 for exp in batches[name]:
                     exp.kl = None  # consumed by the advantages; OpenRLHF's actor does not read it
 

@@ -322,6 +322,8 @@ class StandIn:
             pass
 
     def split_rollout_samples(self, experiences):
+        for i, e in enumerate(experiences):  # as upstream's: each row's index into the rows given
+            e.index = [i]
         return experiences
 
     def make_experience(self, experiences):

@@ -147,8 +147,8 @@ def team_trainer(colocate: str, forward, names=("a", "b", "c"), trained=None):
     t, trained = MappaTrainer.__new__(MappaTrainer), [] if trained is None else trained
     t.args = parse_args(["--mappa.topology", MATHCHAT, "--train.batch_size", "1", "--mappa.colocate", colocate])
     t.mappa, t.topology, t.owner = t.args.mappa, SimpleNamespace(reward_scale=1.0), {n: n for n in names}
-    maker = lambda name: SimpleNamespace(split_rollout_samples=lambda exps: exps,
-                                         make_experience=lambda exps: forward(name, exps))
+    split = lambda exps: [(setattr(e, "index", [i]), e)[1] for i, e in enumerate(exps)]  # as upstream's, unbatched
+    maker = lambda name: SimpleNamespace(split_rollout_samples=split, make_experience=lambda exps: forward(name, exps))
     train = lambda name: lambda exps, step: (trained.append(name), ({"timing/broadcast": 0.0}, step))[1]
     t.trainees = [SimpleNamespace(spec=SimpleNamespace(name=n), trainer=SimpleNamespace(
         experience_maker=maker(n), train_step=train(n))) for n in names]
@@ -184,6 +184,19 @@ def test_experience_forwards_of_agents_on_their_own_gpus_run_at_once():
 
     team_trainer("team", alone).update_team(1, one_action_each(), None, dict.fromkeys(names, 0.0))
     assert most == [1, 1, 1]
+
+
+def test_each_action_records_its_own_rows_advantage_when_upstream_regroups_the_rows():
+    # Token budgets regroup an agent's rows (upstream's split_rollout_samples, by length; reversed here): the advantage
+    # recorded for each action must still be its own row's, so it rises with the action's score.
+    from openrlhf_mappa.episode import Action, Episode, Verdict
+
+    trainer = team_trainer("none", lambda n, exps: exps, names=("a",))
+    split = lambda exps: [(setattr(e, "index", [i]), e)[1] for i, e in reversed(list(enumerate(exps)))]
+    trainer.trainees[0].trainer.experience_maker.split_rollout_samples = split
+    actions = [Action("ep", "a", t, [1, 2], [3, 4], verdict=Verdict(s, "ok")) for t, s in enumerate((1.0, 4.0, 9.0, 6.0))]
+    trainer.update_team(1, [Episode("ep", "t", actions=actions, outcome={"success": True})], None, {"a": 0.0})
+    assert sorted(actions, key=lambda a: a.advantage) == sorted(actions, key=lambda a: a.verdict.score)
 
 
 @pytest.mark.parametrize("scope", ["agent", "global"])
