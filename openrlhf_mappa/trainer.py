@@ -241,7 +241,7 @@ class MappaTrainer:
                                                                 self.start_rollout(step, tasks, progress))
             return self.learn(step, episodes, t_rollout, t_start, complete)
 
-    def learn(self, step: int, episodes: list, t_rollout: float, t_start: float, complete=None) -> dict:
+    def learn(self, step: int, episodes: list, t_rollout: float, t_start: float, complete) -> dict:
         """The step's episodes to rewards, each agent's experiences and its update; returns the step's metrics.
         `episodes`: the agents are done; `complete`: the rollout's future, done when every verdict is in too."""
         env_stop = self.env_failures(step, episodes)  # known as the agents are done: before any update
@@ -253,10 +253,8 @@ class MappaTrainer:
         try:
             made = {} if env_stop else self.update_team(step, episodes, complete, kl_coef)
         finally:  # every verdict in, even when an update failed: none is left in flight, paid for and lost
-            if complete is not None:
-                concurrent.futures.wait([complete])
-        if complete is not None:
-            complete.result()  # the rollout's error, if it failed after the agents were done
+            concurrent.futures.wait([complete])
+        complete.result()  # the rollout's error, if it failed after the agents were done
         c = self.mappa.coach
         coach_metrics = coach_step_metrics(episodes, c.price_in, c.price_out)
         coach_metrics.update(self.bias_audit.update(episodes))
@@ -361,9 +359,9 @@ class MappaTrainer:
     def verdicts_in(self, name: str, episodes: list, complete) -> None:
         """Wait until every verdict on agent `name`'s actions of the step is in; the rollout's error if it failed."""
         mine = [a for ep in episodes for a in ep.actions if self.owner[a.agent] == name]
-        while complete is not None and not complete.done() and any(a.verdict is None for a in mine):
+        while not complete.done() and any(a.verdict is None for a in mine):
             time.sleep(0.02)  # the verdicts land on the rollout's thread (rollout.record_verdict)
-        if complete is not None and complete.done():
+        if complete.done():
             complete.result()
 
     def env_failures(self, step: int, episodes: list):

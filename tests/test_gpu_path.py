@@ -155,6 +155,13 @@ def team_trainer(colocate: str, forward, names=("a", "b", "c"), trained=None):
     return t
 
 
+def finished(episodes: list) -> concurrent.futures.Future:
+    """The rollout's future of a step whose verdicts are all in."""
+    complete = concurrent.futures.Future()
+    complete.set_result(episodes)
+    return complete
+
+
 def one_action_each(names=("a", "b", "c")) -> list:
     from openrlhf_mappa.episode import Action, Episode, Verdict
 
@@ -170,7 +177,7 @@ def test_experience_forwards_of_agents_on_their_own_gpus_run_at_once():
     for colocate in ("none", "agent"):
         barrier, episodes = threading.Barrier(len(names), timeout=30), one_action_each()
         trainer = team_trainer(colocate, lambda n, exps: (barrier.wait(), exps)[1])
-        made = trainer.update_team(1, episodes, None, dict.fromkeys(names, 0.0))
+        made = trainer.update_team(1, episodes, finished(episodes), dict.fromkeys(names, 0.0))
         assert set(made) == set(names) and all(len(made[n]["batch"]) == 1 for n in names), colocate
         assert all(made[n]["dropped"] == 0 and made[n]["kept"] == [episodes[0].actions[i]] for i, n in enumerate(names))
     in_flight, most = [], []
@@ -182,7 +189,8 @@ def test_experience_forwards_of_agents_on_their_own_gpus_run_at_once():
         in_flight.remove(name)
         return exps
 
-    team_trainer("team", alone).update_team(1, one_action_each(), None, dict.fromkeys(names, 0.0))
+    episodes = one_action_each()
+    team_trainer("team", alone).update_team(1, episodes, finished(episodes), dict.fromkeys(names, 0.0))
     assert most == [1, 1, 1]
 
 
@@ -195,7 +203,8 @@ def test_each_action_records_its_own_rows_advantage_when_upstream_regroups_the_r
     split = lambda exps: [(setattr(e, "index", [i]), e)[1] for i, e in reversed(list(enumerate(exps)))]
     trainer.trainees[0].trainer.experience_maker.split_rollout_samples = split
     actions = [Action("ep", "a", t, [1, 2], [3, 4], verdict=Verdict(s, "ok")) for t, s in enumerate((1.0, 4.0, 9.0, 6.0))]
-    trainer.update_team(1, [Episode("ep", "t", actions=actions, outcome={"success": True})], None, {"a": 0.0})
+    episodes = [Episode("ep", "t", actions=actions, outcome={"success": True})]
+    trainer.update_team(1, episodes, finished(episodes), {"a": 0.0})
     assert sorted(actions, key=lambda a: a.advantage) == sorted(actions, key=lambda a: a.verdict.score)
 
 
