@@ -96,15 +96,16 @@ def run_checks(args, topology, agents) -> list:
     from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
     from vllm import SamplingParams
 
-    from openrlhf_mappa.launch import actor_threads, components, distinct, owners
+    from openrlhf_mappa.launch import actor_threads, components, distinct, gpu_nodes, owners
 
     rows, trainees = [], owners(agents)
-    nodes = placement.make_plan(args, topology, args.mappa.gpu_memory_gib).nodes()
-    for k, (gpus, need) in enumerate(nodes):
+    gpus = [n for _, n in gpu_nodes()]
+    nodes = placement.make_plan(args, topology, args.mappa.gpu_memory_gib).nodes(gpus)
+    for k, slots, need in nodes:
         planned, total = sum(need.values()), args.mappa.host_memory_gib
         here = placement.host_memory_gib()
         rows.append(("host memory", f"node {k}", planned <= total,
-                     f"planned {planned:.1f} of {total:.1f} GiB (GPUs {gpus[0]}-{gpus[-1]}); this node now uses "
+                     f"planned {planned:.1f} of {total:.1f} GiB ({len(slots)} GPUs); this node now uses "
                      f"{here - placement.host_memory_gib(available=True):.1f} of {here:.1f}"))
     if not nodes:
         rows.append(("host memory", "-", None, "skipped: no memory plan without the GPUs' memory (CPU mode)"))

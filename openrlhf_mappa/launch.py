@@ -15,20 +15,26 @@ from openrlhf_mappa.console import console
 from openrlhf_mappa.placement import agent_args, trainee_specs
 
 
-def check_placement(args, topology) -> None:
-    """Before any actor exists: the plan (placement.py) against the Ray cluster's GPUs, logical or real, and
-    their memory where known (the lower of --mappa.gpu_memory_gib and what this process's GPU reports) and the
-    host memory of a node (--mappa.host_memory_gib, else this one's). Printed when it fits; refused,
-    with the smallest change that would fit, when not. Ray itself would wait forever, silently, for GPUs
-    that never come."""
-    gpus = int(ray.cluster_resources().get("GPU", 0))
+def gpu_nodes() -> list:
+    """(Ray node id, GPUs) of the cluster's live nodes that have GPUs, the largest first: the plan's node k."""
+    nodes = [(n["NodeID"], int(n["Resources"].get("GPU", 0))) for n in ray.nodes() if n["Alive"]]
+    return sorted([n for n in nodes if n[1]], key=lambda n: -n[1])
+
+
+def check_placement(args, topology) -> tuple:
+    """Before any actor exists: the plan (placement.py) against the Ray cluster's nodes and their GPUs, logical
+    or real, and their memory where known (the lower of --mappa.gpu_memory_gib and what this process's GPU
+    reports) and the host memory of a node (--mappa.host_memory_gib, else this one's). Printed when it fits;
+    refused, with the smallest change that would fit, when not: Ray itself would wait forever, silently, for
+    GPUs that never come. Returns (the plan, gpu_nodes())."""
+    nodes = gpu_nodes()
+    gpus = [n for _, n in nodes]
     # The card's memory as the CUDA driver reports it where this process sees a GPU (an "80 GB" card: 79.6 GiB),
     # the flag's where it is lower or none is seen; host memory and node sizes as this node and Ray see them.
     given, seen = args.mappa.gpu_memory_gib, placement.detect_gpus()[1]
     gib = args.mappa.gpu_memory_gib = min(g for g in (given, seen) if g) if given or seen else None
     args.mappa.host_memory_gib = args.mappa.host_memory_gib or placement.host_memory_gib()
-    args.mappa.gpus_per_node = args.mappa.gpus_per_node or int(max(
-        [n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]] + [1]))
+    args.mappa.gpus_per_node = args.mappa.gpus_per_node or max(gpus + [1])
     try:
         plan = placement.check(args, topology, gpus, gib)
     except ValueError as e:
@@ -41,9 +47,22 @@ def check_placement(args, topology) -> None:
                  f"{flag(group, name)}\n"
                  for spec in topology.agents for key, group, name in placement.AGENT_OVERRIDES
                  if getattr(spec, key) and getattr(spec, key) != flag(group, name)]
-    print(f"[mappa] placement plan for {gpus} GPUs{memory}:\n{placement.format_plan(plan, gpus)}\n{''.join(overrides)}"
-          f"actor and reference processes: {actor_threads(args)} OpenMP threads each (--mappa.actor_threads)",
-          file=console.out, flush=True)
+    names = "".join(f"node {k}: Ray node {node_id}, {n} GPUs\n" for k, (node_id, n) in enumerate(nodes))
+    print(f"[mappa] placement plan for {sum(gpus)} GPUs{memory}:\n{placement.format_plan(plan, gpus)}\n{names}"
+          f"{''.join(overrides)}actor and reference processes: {actor_threads(args)} OpenMP threads each "
+          f"(--mappa.actor_threads)", file=console.out, flush=True)
+    return plan, nodes
+
+
+def pinned_groups(plan, nodes: list) -> dict:
+    """GPU set (placement.gpu_set) -> its placement group, bundle i on the Ray node the plan puts the set's GPU i
+    on: Ray's own PACK would fill nodes in creation order, splitting a set, or an agent's actor from its engines,
+    where the plan keeps them on one node."""
+    from ray.util.placement_group import placement_group
+
+    return {key: placement_group([{"GPU": 1, "CPU": 1}] * len(on), strategy="PACK",
+                                 bundle_label_selector=[{"ray.io/node-id": nodes[k][0]} for k in on])
+            for key, on in plan.place([n for _, n in nodes]).items()}
 
 
 def actor_threads(args) -> int:
@@ -91,12 +110,12 @@ def engines_on(a, model: str, pg, share: float, cls=None, **lora) -> list:
     ]  # fmt: skip
 
 
-def start_engines(args, topology, per_agent: list, pgs: dict, share: float, startup) -> dict:
-    """{agent: its vLLM engines} (a LoRA pool's once, shared by its agents), each on its agent's placement group
-    when colocated, started, and asleep with --vllm.enable_sleep before any actor starts (build_agents)."""
+def start_engines(args, topology, per_agent: list, pg_of, share: float, startup) -> dict:
+    """{agent: its vLLM engines} (a LoRA pool's once, shared by its agents), each on its placement group (pg_of:
+    (owner, component) -> the group of its GPU set), started, and asleep with --vllm.enable_sleep before any
+    actor starts (build_agents)."""
     from openrlhf.trainer.ray import create_vllm_engines
     from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
-    from ray.util.placement_group import placement_group
 
     from openrlhf_mappa.agent_trainer import PoolEngine
 
@@ -112,16 +131,17 @@ def start_engines(args, topology, per_agent: list, pgs: dict, share: float, star
         if label:
             ranks = [m.lora.rank for m in pools[label]]
             lora = dict(enable_lora=True, max_loras=len(ranks), max_lora_rank=placement.pool_max_rank(ranks))
-            pg = pgs.get(spec.name) or placement_group([{"GPU": 1, "CPU": 1}] * a.vllm.num_engines, strategy="PACK")
-            engines[label] = engines[spec.name] = engines_on(a, spec.model, pg, share, PoolEngine, **lora)
-        elif colocate == "none":
+            engines[label] = engines[spec.name] = engines_on(a, spec.model, pg_of(label, "vllm"), share, PoolEngine,
+                                                             **lora)
+        elif colocate == "none":  # on GPUs of their own, tensor-parallel engines too (each on one node: the plan)
             v = a.vllm
             engines[spec.name] = create_vllm_engines(
                 v.num_engines, v.tensor_parallel_size, spec.model, a.train.seed, a.train.full_determinism_enable,
-                v.enable_prefix_caching, v.enforce_eager, a.data.max_len, None, v.gpu_memory_utilization, False,
+                v.enable_prefix_caching, v.enforce_eager, a.data.max_len, pg_of(spec.name, "vllm"),
+                v.gpu_memory_utilization, False, logprobs_mode="processed_logprobs",
             )
         else:
-            engines[spec.name] = engines_on(a, spec.model, pgs[spec.name], share)
+            engines[spec.name] = engines_on(a, spec.model, pg_of(spec.name, "vllm"), share)
         startup.components += [(f"{label or f'agent {spec.name!r}'}: vLLM engine {i}", e.__ray_ready__.remote())
                                for i, e in enumerate(engines[spec.name])]
         if colocate == "team":
@@ -143,19 +163,19 @@ def build_agents(args, topology, max_steps: dict, startup) -> list:
     StartupWatchdog) is told which agent is being created and, per component, a ref that is ready once that
     one is up.
 
-    Colocated (--mappa.colocate), an agent's actor rank i, reference rank i and engine i share bundle i of one
-    placement group: the agent's own (agent), or the team's (team). Their engines are created, and put to sleep
+    Each GPU set of the plan has a placement group, its bundles on the plan's nodes (pinned_groups). Colocated
+    (--mappa.colocate), an agent's actor rank i, reference rank i and engine i share bundle i of one: the
+    agent's (agent), or the team's (team). Their engines are created, and put to sleep
     with --vllm.enable_sleep, before any actor: vLLM sizes its KV cache from the GPU memory free when it starts
     (on the team's GPUs, one agent's engines after another's, for the same reason)."""
     from openrlhf.trainer.ray.launcher import RayActorGroup, ReferenceModelActor
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
     from openrlhf.utils import get_strategy
-    from ray.util.placement_group import placement_group
     from transformers import AutoTokenizer
 
     from openrlhf_mappa.agent_trainer import AdapterOff, AgentTrainer, LoraActor
 
-    check_placement(args, topology)
+    plan, nodes = check_placement(args, topology)
     # Ray gives an actor of less than one CPU (every colocated one) OMP_NUM_THREADS=1, which leaves torch's CPU ops
     # and DeepSpeed's CPU Adam (--ds.adam_offload: the optimizer step of billions of parameters) on one core.
     threads = {"env_vars": {"OMP_NUM_THREADS": str(actor_threads(args))}}
@@ -163,32 +183,25 @@ def build_agents(args, topology, max_steps: dict, startup) -> list:
     per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
     colocate = args.mappa.colocate
     share = placement.gpu_share(args, topology) if colocate != "none" else 1
-    gpu_set = lambda a: placement_group([{"GPU": 1, "CPU": 1}] * (a.actor.num_nodes * a.actor.num_gpus_per_node),
-                                        strategy="PACK")
-    pgs = {}  # agent -> the placement group its actor, reference and engines share (colocated only)
-    if colocate == "agent":
-        pgs = {spec.name: gpu_set(a) for spec, a in per_agent}
-    elif colocate == "team":  # every agent has the same GPU count (placement.colocation_problems)
-        team = gpu_set(per_agent[0][1])
-        pgs = {spec.name: team for spec, _ in per_agent}
-
-    engines = start_engines(args, topology, per_agent, pgs, share, startup)
+    pgs = pinned_groups(plan, nodes)
+    pg_of = lambda owner, kind: pgs[placement.gpu_set(colocate, owner, f"{owner}/{kind}")]
+    engines = start_engines(args, topology, per_agent, pg_of, share, startup)
 
     agents, init_refs = [], []
     for spec, a in per_agent:
         startup.stage = f"agent {spec.name!r} (creating its actors)"
         strategy = get_strategy(a)
         actor_strategy = get_strategy(actor_args(a, spec, topology)) if a.train.dynamic_batch_enable else strategy
-        pg = pgs.get(spec.name)
         # RayActorGroup calls .options() on its actor type
         actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node,
-                              threaded(LoraActor if spec.lora else PolicyModelActor), pg=pg, num_gpus_per_actor=share)
+                              threaded(LoraActor if spec.lora else PolicyModelActor), pg=pg_of(spec.name, "actor"),
+                              num_gpus_per_actor=share)
         ref = None
         if a.algo.kl.init_coef > 0 and spec.lora:
             ref = AdapterOff(actor)  # the base: its own actor with the adapter off
         elif a.algo.kl.init_coef > 0:
-            ref = RayActorGroup(a.ref.num_nodes, a.ref.num_gpus_per_node, threaded(ReferenceModelActor), pg=pg,
-                                num_gpus_per_actor=share)
+            ref = RayActorGroup(a.ref.num_nodes, a.ref.num_gpus_per_node, threaded(ReferenceModelActor),
+                                pg=pg_of(spec.name, "reference"), num_gpus_per_actor=share)
             init_refs += ref.async_init_model_from_pretrained(strategy, spec.model)
         steps = max_steps[spec.name]  # its learning-rate schedule's length (train_mappa_ray.schedule_steps)
         init_refs += actor.async_init_model_from_pretrained(actor_strategy, spec.model, steps, engines[spec.name])

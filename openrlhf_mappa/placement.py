@@ -322,13 +322,37 @@ def gpu_set(colocate: str, agent: str, own) -> object:
     return {"none": own, "agent": agent, "team": ""}[colocate]
 
 
+def set_of(g: "Group", colocate: str) -> str:
+    """The GPU set of a group, keyed as Plan.counts' components are (`agent/kind`)."""
+    return gpu_set(colocate, g.agent, f"{g.agent}/{g.kind}")
+
+
+def set_label(key: str) -> str:
+    """A GPU set in words: the team's GPUs, an agent's (colocated), or one component of an agent's."""
+    if "/" not in key:
+        return f"agent {key!r}'s GPUs" if key else "the team's GPUs"
+    owner, kind = key.rsplit("/", 1)
+    return f"{owner}'s {'vLLM engines' if kind == 'vllm' else kind}"
+
+
 def layout(groups: list, colocate: str) -> list:
     """GPU slots in build order, each the (group, index) pairs it holds. Colocated, rank i of the groups sharing
     GPUs sits on slot i of their set, as the trainer puts them on bundle i of one placement group."""
     sets = {}
     for g in groups:
-        sets.setdefault(gpu_set(colocate, g.agent, id(g)), []).append(g)
+        sets.setdefault(set_of(g, colocate), []).append(g)
     return [[(g, i) for g in gs if i < g.gpus] for gs in sets.values() for i in range(max(g.gpus for g in gs))]
+
+
+def node_sizes(gpus, per_node: int):
+    """GPUs of each node: Ray's nodes as given (a list), else `gpus` in nodes of `per_node`; None: no limit."""
+    if gpus is None or isinstance(gpus, list):
+        return gpus
+    return [per_node] * (gpus // per_node) + [gpus % per_node] * (gpus % per_node > 0)
+
+
+def total(gpus):
+    return sum(gpus) if isinstance(gpus, list) else gpus
 
 
 def slot_label(slot: list) -> str:
@@ -350,34 +374,102 @@ class Plan:
     colocate: str = "none"
     refused: list = field(default_factory=list)  # what the colocation cannot place (colocation_problems)
     host_gib: float = None  # host memory of one node; None: not checked
-    gpus_per_node: int = None  # GPU i is on node i // gpus_per_node (as Ray packs the placement groups)
+    gpus_per_node: int = None  # a node's GPUs where the cluster is given as a count (--mappa.gpus)
+    tp: int = 1  # an engine's tensor-parallel GPUs, which stay on one node
 
-    def nodes(self) -> list:
-        """Per node: (its GPUs' indices, {label: GiB of host memory its processes need})."""
-        per = self.gpus_per_node or DEFAULT_GPUS_PER_NODE
-        out = []
-        for first in range(0, len(self.slots), per):
-            need = {}
-            for slot in self.slots[first : first + per]:
-                for g, _ in slot:
-                    for label, gib in g.host.items():
-                        key = f"{g.kind} {label}"
-                        need[key] = need.get(key, 0.0) + gib
-            out.append((range(first, min(first + per, len(self.slots))), need))
-        return out
-
-    def host_problems(self) -> list:
-        return [f"node {k} (GPUs {gpus[0]}-{gpus[-1]}) needs {sum(need.values()):.0f} GiB of host memory, more than "
-                f"its {self.host_gib:g} GiB: " + ", ".join(f"{label} {gib:.0f}" for label, gib in need.items())
-                for k, (gpus, need) in enumerate(self.nodes()) if self.host_gib and sum(need.values()) > self.host_gib]
-
-    @property
-    def need(self) -> int:
+    def sets(self) -> dict:
+        """GPU set (gpu_set) -> its GPUs: the components that share GPUs, as many as the largest of them."""
         sets = {}
         for key, n in self.counts.items():
             k = gpu_set(self.colocate, key.rpartition("/")[0], key)
             sets[k] = max(sets.get(k, 0), n)
-        return sum(sets.values())
+        return sets
+
+    @property
+    def need(self) -> int:
+        return sum(self.sets().values())
+
+    def place(self, gpus=None) -> dict:
+        """GPU set -> the node of each of its GPUs (None: beyond the cluster). An agent's sets together where a
+        node has room (its weight sync stays inside the node), else each set alone; largest first, each on the
+        fullest node with room for it, so that whole nodes stay free for larger ones. A set no node has room for
+        spreads over the nodes with the most free GPUs, an engine's tensor-parallel GPUs on one node. The
+        launch's placement groups follow it (launch.pinned_groups)."""
+        per = self.gpus_per_node or DEFAULT_GPUS_PER_NODE
+        free = list(node_sizes(gpus, per) or [])
+        grow = gpus is None  # no cluster given: as many nodes of `per` as the plan needs
+
+        def one_node(n: int):
+            if grow and n <= per and max(free, default=0) < n:
+                free.append(per)
+            room = [k for k, f in enumerate(free) if f >= n]
+            return min(room, key=lambda k: free[k]) if room else None
+
+        def spread(n: int, chunk: int) -> list:
+            nodes = []
+            while len(nodes) < n:
+                k = max(range(len(free)), key=lambda k: free[k], default=None)
+                take = min(free[k] // chunk * chunk, n - len(nodes)) if k is not None else 0
+                if take == 0 and not (grow and chunk <= per):
+                    return nodes + [None] * (n - len(nodes))
+                if take == 0:
+                    free.append(per)
+                    continue
+                nodes, free[k] = nodes + [k] * take, free[k] - take
+            return nodes
+
+        owners, out = {}, {}
+        for key, n in self.sets().items():
+            owners.setdefault(key.rpartition("/")[0] if self.colocate == "none" else key, {})[key] = n
+        for parts in sorted(owners.values(), key=lambda parts: -sum(parts.values())):
+            together = one_node(sum(parts.values()))
+            for key, n in sorted(parts.items(), key=lambda kv: -kv[1]):
+                k = together if together is not None else one_node(n)
+                if k is None:
+                    out[key] = spread(n, self.tp if self.colocate == "none" and key.endswith("/vllm") else 1)
+                else:
+                    out[key], free[k] = [k] * n, free[k] - n
+        return {key: out[key] for key in self.sets()}  # build order
+
+    def node_of_slots(self, gpus=None) -> list:
+        """The node of each GPU slot (None: beyond the cluster)."""
+        placed = self.place(gpus)
+        return [placed[set_of(slot[0][0], self.colocate)][slot[0][1]] for slot in self.slots]
+
+    def nodes(self, gpus=None) -> list:
+        """Per node that holds a GPU slot: (the node, its slots, {label: GiB of host memory its processes need})."""
+        out = {}
+        for i, (slot, node) in enumerate(zip(self.slots, self.node_of_slots(gpus))):
+            if node is None:
+                continue
+            indices, need = out.setdefault(node, ([], {}))
+            indices.append(i)
+            for g, _ in slot:
+                for label, gib in g.host.items():
+                    need[f"{g.kind} {label}"] = need.get(f"{g.kind} {label}", 0.0) + gib
+        return [(k, *out[k]) for k in sorted(out)]
+
+    def spread(self, gpus=None) -> list:
+        """What crosses nodes, in words: a GPU set no node has room for (an actor group or colocated set then
+        spans nodes), and an agent whose engines are on other nodes than its actor (its weight sync crosses)."""
+        placed, out, per = self.place(gpus), [], self.gpus_per_node or DEFAULT_GPUS_PER_NODE
+        on = lambda nodes: ", ".join(map(str, sorted(set(nodes) - {None})))
+        largest = max(node_sizes(gpus, per) or [per])
+        for key, nodes in placed.items():
+            if len(set(nodes) - {None}) > 1:
+                why = f"more than a node's {largest}" if len(nodes) > largest else "no node has room for all"
+                out.append(f"{set_label(key)}: {len(nodes)} GPUs on nodes {on(nodes)} ({why})")
+        for owner in dict.fromkeys(key.rpartition("/")[0] for key in placed) if self.colocate == "none" else ():
+            actor, engines = (placed.get(f"{owner}/{kind}", []) for kind in ("actor", "vllm"))
+            if actor and engines and set(actor) != set(engines):
+                out.append(f"{owner}: actor on node {on(actor)}, vLLM engines on node {on(engines)}: its weight sync "
+                           f"crosses nodes")
+        return out
+
+    def host_problems(self, gpus=None) -> list:
+        return [f"node {k} ({len(slots)} GPUs) needs {sum(need.values()):.0f} GiB of host memory, more than its "
+                f"{self.host_gib:g} GiB: " + ", ".join(f"{label} {gib:.0f}" for label, gib in need.items())
+                for k, slots, need in self.nodes(gpus) if self.host_gib and sum(need.values()) > self.host_gib]
 
     def peak(self, slot: list, phase: str) -> float:
         """What the GPU holds plus what the phase adds. Engines generate at once; a GPU's experience forwards
@@ -402,16 +494,20 @@ class Plan:
     def groups(self) -> list:
         return list({id(g): g for slot in self.slots for g, _ in slot}.values())
 
-    def problems(self, gpus: int = None) -> list:
+    def problems(self, gpus=None) -> list:
         out = list(self.refused)
-        if gpus is not None and self.need > gpus:
+        if gpus is not None and self.need > total(gpus):
             detail = ", ".join(f"{k}: {n}" for k, n in self.counts.items())
             what = {"none": "the requested actor groups and vLLM engines",
                     "agent": "the agents' actor groups and vLLM engines, each agent on GPUs of its own that they share",
                     "team": "the team's actor groups and vLLM engines, on GPUs they all share"}[self.colocate]
-            out.append(f"not enough GPUs: {what} need {self.need} GPUs but the cluster has {gpus} ({detail})")
+            out.append(f"not enough GPUs: {what} need {self.need} GPUs but the cluster has {total(gpus)} ({detail})")
+        elif any(None in nodes for nodes in self.place(gpus).values()):
+            sizes = node_sizes(gpus, self.gpus_per_node or DEFAULT_GPUS_PER_NODE)
+            out.append(f"the vLLM engines' tensor-parallel groups ({self.tp} GPUs each, on one node) fit no node's "
+                       f"free GPUs on nodes of {', '.join(map(str, sizes))} GPUs")
         return (out + [p for g in self.groups() for p in g.problems] + list(self.overfull().values())
-                + self.host_problems())
+                + self.host_problems(gpus))
 
     def unfit_kinds(self) -> set:
         """The kinds of component (actor, reference, vllm) that do not fit their GPUs."""
@@ -454,7 +550,7 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
             groups.append(engines)
     colocate = args.mappa.colocate
     return Plan(counts, layout(groups, colocate), known, gpu_gib, colocate, colocation_problems(args, topology),
-                args.mappa.host_memory_gib, args.mappa.gpus_per_node)
+                args.mappa.host_memory_gib, args.mappa.gpus_per_node, args.vllm.tensor_parallel_size)
 
 
 # A change is a list of settings (section, key, value), as the flags that make them: `--ds.adam_offload` for
@@ -583,14 +679,15 @@ def fewest_gpus(args, topology, gpu_gib: float, sizes: dict):
     return min(found, key=lambda f: f[0], default=None)
 
 
-def check(args, topology, gpus: int, gpu_gib: float = None, sizes: dict = None) -> Plan:
-    """The plan, or ValueError naming what does not fit and the smallest change that would."""
+def check(args, topology, gpus, gpu_gib: float = None, sizes: dict = None) -> Plan:
+    """The plan, or ValueError naming what does not fit and the smallest change that would. `gpus`: the
+    cluster's count (in nodes of --mappa.gpus_per_node), or each node's (Ray's)."""
     plan = make_plan(args, topology, gpu_gib, sizes)
     problems = plan.problems(gpus)
     if not problems:
         return plan
     sizes = {name: size for name, (_, size) in plan.sizes.items()}  # read once for the search below
-    cluster = f"{gpus if gpus is not None else 'the'}{f' x {gpu_gib:g} GiB' if gpu_gib else ''} GPUs"
+    cluster = f"{total(gpus) if gpus is not None else 'the'}{f' x {gpu_gib:g} GiB' if gpu_gib else ''} GPUs"
     lines = [f"the plan does not fit {cluster}:"] + [f"  - {p}" for p in problems]
     fixes = []
     for change, savings in single_changes(args, topology, memory_known=gpu_gib is not None):
@@ -602,8 +699,8 @@ def check(args, topology, gpus: int, gpu_gib: float = None, sizes: dict = None) 
     if fixes:
         others = f" (others: {'; '.join(fixes[1:])})" if fixes[1:] else ""
         lines.append(f"Smallest change that fits: {fixes[0]}{others}")
-    elif plan.host_problems():
-        most = max(sum(need.values()) for _, need in plan.nodes())
+    elif plan.host_problems(gpus):
+        most = max(sum(need.values()) for _, _, need in plan.nodes(gpus))
         lines.append(f"Smallest change that fits: nodes with at least {math.ceil(most)} GiB of host memory, or fewer "
                      f"GPUs per node (--mappa.gpus_per_node, with more nodes)")
     elif gpu_gib is None:  # colocation: the placements that share more GPUs than the one asked for
@@ -617,7 +714,7 @@ def check(args, topology, gpus: int, gpu_gib: float = None, sizes: dict = None) 
         if fewest is None:
             lines.append("No layout fits: some model does not fit even 16 GPUs of this size with every memory "
                          "saving on, on GPUs of its own or colocated")
-        elif gpus is not None and fewest[0] <= gpus:
+        elif gpus is not None and fewest[0] <= total(gpus):
             lines.append(f"Smallest change that fits: {fewest[1]} ({fewest[0]} GPUs)")
         else:
             n, found = fewest
@@ -643,23 +740,33 @@ def least_gpu_memory(args, topology, most: float = 1024.0) -> tuple:
     return high / 10, unknown
 
 
-def format_plan(plan: Plan, gpus: int = None) -> str:
-    """The table (GPU, what it holds, GiB per phase) and, per agent, what the numbers are made of."""
-    out = [f"{'GPU':>4}  {'holds':<50}" + "".join(f"{p:>11}" for p in PHASES) + "   (GiB, peak per phase)"]
-    for i, slot in enumerate(plan.slots):
-        mark = "  <- beyond the cluster's GPUs" if gpus is not None and i >= gpus else ""
-        out.append(f"{i:>4}  {slot_label(slot):<50}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES) + mark)
+def format_plan(plan: Plan, gpus=None) -> str:
+    """The table (node, GPU, what it holds, GiB per phase) and, per agent, what the numbers are made of."""
+    out = [f"{'node':>4} {'GPU':>4}  {'holds':<50}" + "".join(f"{p:>11}" for p in PHASES) + "   (GiB, peak per phase)"]
+    seen = {}  # node -> GPUs listed so far
+    for node, i in sorted(((k, i) for i, k in enumerate(plan.node_of_slots(gpus))), key=lambda x: (x[0] is None, x)):
+        slot, local = plan.slots[i], seen.setdefault(node, [])
+        local.append(i)
+        where = f"{node:>4} {len(local) - 1:>4}" if node is not None else f"{'-':>4} {'-':>4}"
+        mark = "  <- beyond the cluster's GPUs" if node is None else ""
+        out.append(f"{where}  {slot_label(slot):<50}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES) + mark)
     if not plan.slots:  # GPU memory not known: the counts only, and which of them share GPUs
-        out = [f"{n:>4}  GPUs: {label}" for label, n in plan.counts.items()]
+        placed = plan.place(gpus)
+        on = lambda nodes: "beyond the cluster" if None in nodes else (
+            f"node{'s' * (len(set(nodes)) > 1)} {', '.join(map(str, sorted(set(nodes))))}")
+        out = [f"{n:>4}  GPUs: {label}, on {on(placed[gpu_set(plan.colocate, label.rpartition('/')[0], label)])}"
+               for label, n in plan.counts.items()]
         out += [f"placement: {PLACEMENTS[plan.colocate]}"] * (plan.colocate != "none")
-    out.append(f"total: {plan.need} GPUs" + (f" of the cluster's {gpus}" if gpus is not None else ""))
+    out.append(f"total: {plan.need} GPUs" + (f" of the cluster's {total(gpus)}" if gpus is not None else "")
+               + f" on {len(set(k for nodes in plan.place(gpus).values() for k in nodes if k is not None))} node(s)")
+    out += [f"across nodes: {line}" for line in plan.spread(gpus)]
     if plan.colocate != "none" and plan.slots:
         turns = "the largest agent's (they train and sync in turn)" if plan.colocate == "team" else "its agent's"
         out.append(f"A shared GPU holds what its models keep plus what the phase adds: every engine's in the rollout,\n"
                    f"the largest forward's in the experience phase, {turns} in train and sync")
-    for k, (gpus, need) in enumerate(plan.nodes()):  # host memory: offloaded states, sleeping engines' weights
+    for k, slots, need in plan.nodes(gpus):  # host memory: offloaded states, sleeping engines' weights
         of = f" of its {plan.host_gib:g}" if plan.host_gib else " (not checked: --mappa.host_memory_gib)"
-        out.append(f"host memory, node {k} (GPUs {gpus[0]}-{gpus[-1]}): {sum(need.values()):.1f} GiB{of}: "
+        out.append(f"host memory, node {k} ({len(slots)} GPUs): {sum(need.values()):.1f} GiB{of}: "
                    + ", ".join(f"{label} {gib:.1f}" for label, gib in need.items()))
     def breakdown(owner: str) -> list:
         lines = []

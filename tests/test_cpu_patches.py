@@ -7,14 +7,17 @@ prints one `FACTS {json}` line; the assertions are made here so a failure shows 
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
 import torch
 
+from conftest import training
 from openrlhf_mappa.compat import PatchVersionError, check_version
 from openrlhf_mappa.patches import cpu_device
 from openrlhf_mappa.patches.flash_attn_stub import index_first_axis, pad_input, unpad_input
@@ -416,45 +419,72 @@ def test_unpad_with_unused_mask_and_index_first_axis():
 # In a child process like the activation tests: a Ray driver left in the pytest process can crash it at exit.
 
 
-def test_placement_check_against_a_real_cluster(tmp_path):
-    # A local cluster of 2 logical GPUs; two agents x (actor + engine) need 4. On CPU no GPU memory is known,
-    # so the launch checks the count only (the memory model is tested in test_placement.py).
+def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
+    # Two nodes of 1 logical GPU each, as a user starts them (`ray start --head`, then `ray start --address` on the
+    # other node; here both on 127.0.0.1). Two agents x (actor + engine) need 4 GPUs: refused. One shared policy
+    # needs 2, an exact fit, but no node has room for both its actor and its engine: the plan puts them on
+    # different nodes and says the weight sync crosses them, and the launch's placement groups follow the plan.
+    # On CPU no GPU memory is known, so the launch checks the count only (the memory model: test_placement.py).
     topology = {"name": "two", "env": "mathchat", "coach_template": "{agent_output} PROCESS_SCORE",
                 "agents": [{"name": n, "model": "m", "role": n, "prompt": "{task}"} for n in ("a", "b")]}
     topology["agents"][1]["max_new_tokens"] = 64  # a per-agent value that wins over the flag: printed
     (tmp_path / "t.yaml").write_text(json.dumps(topology))  # YAML is a superset of JSON
     flags = ["--mappa.topology", str(tmp_path / "t.yaml"), "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1",
              "--algo.kl.init_coef", "0", "--rollout.batch_size", "2", "--train.batch_size", "2"]
-    proc = run_child(f"""
-        import io, json, ray
-        from openrlhf_mappa.cli.train_mappa_ray import parse_args
-        from openrlhf_mappa.topology import load_topology
-        from openrlhf_mappa.console import console
-        from openrlhf_mappa.launch import check_placement
-        ray.init(num_cpus=1, num_gpus=2, include_dashboard=False)
-        facts = {{"gpus": ray.cluster_resources().get("GPU")}}
-        args = parse_args({flags!r})
-        try:
-            check_placement(args, load_topology(args.mappa.topology))
-        except SystemExit as e:
-            facts["refused"] = str(e)
-        args = parse_args({flags!r} + ["--mappa.shared_policy"])  # one policy for both roles: 2 GPUs, an exact fit
-        console.out = out = io.StringIO()  # the run's own output goes to the terminal's stream, console.console
-        check_placement(args, load_topology(args.mappa.topology))
-        facts["printed"] = out.getvalue()
-        ray.shutdown()
-        print("FACTS " + json.dumps(facts))
-    """)
+    ray_cli, port = os.path.join(os.path.dirname(sys.executable), "ray"), free_port()
+    common = ["--block", "--num-gpus", "1", "--num-cpus", "2", f"--dashboard-agent-listen-port={free_port()}",
+              "--disable-usage-stats"]
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay within 107 bytes
+    head = [ray_cli, "start", "--head", f"--port={port}", "--include-dashboard=false", "--temp-dir", temp, *common]
+    worker = [ray_cli, "start", f"--address=127.0.0.1:{port}", *common]
+    try:
+        with training(head, tmp_path / "head", env=child_env()), training(worker, tmp_path / "worker", env=child_env()):
+            proc = run_child(f"""
+                import io, json, time, ray
+                from ray.util.placement_group import placement_group_table
+                from openrlhf_mappa.cli.train_mappa_ray import parse_args
+                from openrlhf_mappa.topology import load_topology
+                from openrlhf_mappa.console import console
+                from openrlhf_mappa.launch import check_placement, gpu_nodes, pinned_groups
+                ray.init(address="127.0.0.1:{port}")
+                deadline = time.time() + 120
+                while len(gpu_nodes()) < 2 and time.time() < deadline:  # the worker node joins
+                    time.sleep(0.5)
+                facts = {{"gpus": ray.cluster_resources().get("GPU"), "nodes": [n for n, _ in gpu_nodes()]}}
+                args = parse_args({flags!r})
+                try:
+                    check_placement(args, load_topology(args.mappa.topology))
+                except SystemExit as e:
+                    facts["refused"] = str(e)
+                args = parse_args({flags!r} + ["--mappa.shared_policy"])
+                console.out = out = io.StringIO()  # the run's own output goes to the terminal's stream, console.console
+                plan, nodes = check_placement(args, load_topology(args.mappa.topology))
+                facts["printed"] = out.getvalue()
+                groups = pinned_groups(plan, nodes)
+                ray.get([pg.ready() for pg in groups.values()], timeout=60)
+                facts["bundles"] = {{key: sorted(placement_group_table(pg)["bundles_to_node_id"].values())
+                                    for key, pg in groups.items()}}
+                ray.shutdown()
+                print("FACTS " + json.dumps(facts))
+            """)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     facts = facts_of(proc)
-    assert facts["gpus"] == 2.0
+    assert facts["gpus"] == 2.0 and len(facts["nodes"]) == 2
     message = facts["refused"]
     assert "not enough GPUs" in message and "need 4 GPUs" in message and "has 2" in message
     assert "a/actor: 1" in message and "a/vllm: 1" in message and "b/actor: 1" in message and "b/vllm: 1" in message
     assert "Smallest change that fits: a cluster of 4 GPUs" in message and "MAPPA_CPU_NUM_GPUS" in message
-    assert "placement plan for 2 GPUs (GPU memory not known here" in facts["printed"]
-    assert "total: 2 GPUs of the cluster's 2" in facts["printed"]
-    assert "agent 'b': max_new_tokens 64 from the topology, not --rollout.max_new_tokens " in facts["printed"]
-    assert "agent 'a':" not in facts["printed"]
+    printed = facts["printed"]
+    assert "placement plan for 2 GPUs (GPU memory not known here" in printed
+    assert "total: 2 GPUs of the cluster's 2 on 2 node(s)" in printed
+    assert "1  GPUs: a/actor, on node 0" in printed and "1  GPUs: a/vllm, on node 1" in printed
+    assert "across nodes: a: actor on node 0, vLLM engines on node 1: its weight sync crosses nodes" in printed
+    assert f"node 0: Ray node {facts['nodes'][0]}, 1 GPUs" in printed and f"node 1: Ray node {facts['nodes'][1]}" in printed
+    assert "agent 'b': max_new_tokens 64 from the topology, not --rollout.max_new_tokens " in printed
+    assert "agent 'a':" not in printed
+    # Each placement group's bundle on the node the plan names, not wherever Ray's PACK would put it.
+    assert facts["bundles"] == {"a/actor": [facts["nodes"][0]], "a/vllm": [facts["nodes"][1]]}
 
 
 # ── 5. ZeRO-3 gathers on gloo ──

@@ -335,7 +335,7 @@ def test_mappa_plan_command():
                                             "--mappa.gpus", "18", "--mappa.gpu_memory_gib", "80"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert fits.returncode == 0, fits.stderr[-2000:]
-    assert "  17  verifier vLLM engine 1" in fits.stdout and "fits: 18 of 18 GPUs" in fits.stdout
+    assert "   2    1  verifier vLLM engine 1" in fits.stdout and "fits: 18 of 18 GPUs" in fits.stdout
     refused = subprocess.run(mappa + RECIPE + ["--mappa.model", str(QWEN3_4B), "--mappa.gpus", "8",
                                                "--mappa.gpu_memory_gib", "80"],
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -480,21 +480,83 @@ def test_host_memory_of_the_paper_recipe_is_planned_per_node(tmp_path):
     node = 3 * D * (actor + reference + engine)
     assert round(node) == 261 and round(node - 3 * D * 6) == 225  # the gpu-path review's 225 GiB, plus the processes
     plan = placement.check(args, topology, gpus=8, gpu_gib=79.6)
-    assert [round(sum(need.values()), 6) for _, need in plan.nodes()] == [round(node, 6)]
-    assert f"host memory, node 0 (GPUs 0-5): {node:.1f} GiB of its 1024" in placement.format_plan(plan)
+    assert [round(sum(need.values()), 6) for _, _, need in plan.nodes()] == [round(node, 6)]
+    assert f"host memory, node 0 (6 GPUs): {node:.1f} GiB of its 1024" in placement.format_plan(plan)
 
     # A node of 256 GiB: the GPUs fit, the host does not; no single flag makes it fit, so the node size is named.
     args.mappa.host_memory_gib = 256
     message = refusal(args, topology, gpus=8, gib=79.6)
-    assert f"node 0 (GPUs 0-5) needs {node:.0f} GiB of host memory, more than its 256 GiB" in message
+    assert f"node 0 (6 GPUs) needs {node:.0f} GiB of host memory, more than its 256 GiB" in message
     assert message.splitlines()[-1] == ("Smallest change that fits: nodes with at least 261 GiB of host memory, or "
                                         "fewer GPUs per node (--mappa.gpus_per_node, with more nodes)")
     # Nodes of 4 GPUs: node 0 holds 4 of the 6 GPUs (2 agents), node 1 the third agent's 2.
     args.mappa.gpus_per_node = 4
-    assert [round(sum(n.values())) for _, n in placement.make_plan(args, topology, 79.6).nodes()] == [round(node * 4 / 6),
+    assert [round(sum(n.values())) for _, _, n in placement.make_plan(args, topology, 79.6).nodes()] == [round(node * 4 / 6),
                                                                                                      round(node * 2 / 6)]
     # The references' weights offloaded too (--ref.offload: 6 x 3.7 GiB more) on a node of 270 GiB: the change that
     # fits gives host memory back for GPU memory, the references' weights on their GPUs again.
     args, topology = planned(argv + ["--ref.offload", "--mappa.host_memory_gib", "270"])
     assert f"needs {node + 3 * D * 2 * P / D / GIB:.0f} GiB of host memory" in refusal(args, topology, gpus=8, gib=79.6)
     assert refusal(args, topology, gpus=8, gib=79.6).splitlines()[-1] == "Smallest change that fits: without --ref.offload"
+
+
+def test_the_plan_across_nodes(tmp_path):
+    # The paper's recipe (the GPU script: each agent's actor, reference and 2 engines colocated on its 2 GPUs) on
+    # 2 nodes of 4 GPUs: two agents fill node 0, the third takes half of node 1; no agent's GPUs span nodes, and
+    # each node's host memory is its own agents' (the recipe's 261 GiB on one node: 2/3 and 1/3 of it).
+    argv, _ = script_flags(tmp_path, "train_mappa_mathchat.sh")
+    args, topology = planned(argv + ["--mappa.gpus_per_node", "4", "--mappa.host_memory_gib", "1024"])
+    plan = placement.check(args, topology, gpus=8, gpu_gib=79.6)
+    assert plan.place(8) == {"problem_solver": [0, 0], "code_executor": [0, 0], "verifier": [1, 1]}
+    assert plan.place([4, 4]) == plan.place(8)  # the nodes as Ray reports them: the same plan
+    assert not plan.spread(8)
+    text = placement.format_plan(plan, 8)
+    assert "   1    1  verifier: actor, reference, vLLM engine #1" in text
+    assert "total: 6 GPUs of the cluster's 8 on 2 node(s)" in text
+    agent = 2 * ((12 + 4) * P / 2 / GIB + 2 + 2 + 2 * P / GIB + 2)  # as in the host-memory test below, per agent
+    assert [sum(need.values()) for _, _, need in plan.nodes(8)] == [pytest.approx(2 * agent), pytest.approx(agent)]
+    assert f"host memory, node 1 (2 GPUs): {agent:.1f} GiB of its 1024" in text
+    # The team on all 8 GPUs: one set larger than a node spans both, and the plan says so; each agent's
+    # weight sync is within a GPU (colocated).
+    argv, _ = script_flags(tmp_path, "train_mappa_mathchat.sh", COLOCATE="team", GPUS_PER_AGENT="8")
+    args, topology = planned(argv + ["--mappa.gpus_per_node", "4"])
+    plan = placement.check(args, topology, gpus=8, gpu_gib=79.6)
+    assert plan.place(8) == {"": [0, 0, 0, 0, 1, 1, 1, 1]}
+    assert plan.spread(8) == ["the team's GPUs: 8 GPUs on nodes 0, 1 (more than a node's 4)"]
+    # GPUs of their own: 18 GPUs, refused on 8 whatever the nodes.
+    argv, _ = script_flags(tmp_path, "train_mappa_mathchat.sh", COLOCATE="none")
+    args, topology = planned(argv + ["--mappa.gpus_per_node", "4"])
+    assert "need 18 GPUs but the cluster has 8" in refusal(args, topology, gpus=8, gib=79.6)
+
+
+def test_three_14b_agents_on_two_nodes_of_8(tmp_path):
+    # 3 x Qwen3-14B with the GPU script's flags on 2 nodes of 8 x 80 GB: 2 GPUs per agent do not fit (the
+    # reference's weights beside the engine), 4 per agent do: two agents on node 0, the third on node 1.
+    qwen3_14b = lambda argv: parse_args(argv + ["--mappa.model", str(ROOT / "tests" / "fixtures" / "qwen3-14b"),
+                                                "--mappa.gpus_per_node", "8"])
+    args = qwen3_14b(script_flags(tmp_path, "train_mappa_mathchat.sh")[0])
+    topology = load_topology(str(ROOT / args.mappa.topology), model_override=args.mappa.model)
+    assert "needs 92.0 GiB in the experience phase" in refusal(args, topology, gpus=16, gib=79.6)
+    args = qwen3_14b(script_flags(tmp_path, "train_mappa_mathchat.sh", GPUS_PER_AGENT="4")[0])
+    plan = placement.check(args, topology, gpus=16, gpu_gib=79.6)
+    assert plan.need == 12 and plan.place(16) == {"problem_solver": [0] * 4, "code_executor": [0] * 4, "verifier": [1] * 4}
+    assert plan.sizes["verifier"][1].params > 14e9
+    # On GPUs of their own with one engine each (15 GPUs): an agent's actor, reference and engine together where a
+    # node has room; the third agent's do not fit one node's 3 free GPUs, so its components go apart, its actor
+    # beside its engine (the weight sync stays inside node 0), its reference on node 1.
+    args.mappa.colocate, args.vllm.enable_sleep, args.ds.enable_sleep = "none", False, False
+    args.actor.num_gpus_per_node = args.ref.num_gpus_per_node = 2
+    args.vllm.num_engines, args.vllm.gpu_memory_utilization = 1, 0.9
+    plan = placement.check(args, topology, gpus=16, gpu_gib=79.6)
+    placed = plan.place(16)
+    assert {k: set(v) for k, v in placed.items()} == {
+        "problem_solver/actor": {0}, "problem_solver/reference": {0}, "problem_solver/vllm": {0},
+        "code_executor/actor": {1}, "code_executor/reference": {1}, "code_executor/vllm": {1},
+        "verifier/actor": {0}, "verifier/reference": {1}, "verifier/vllm": {0}}
+    assert not plan.spread(16)
+    # An engine of 8 tensor-parallel GPUs on nodes of 4: no node holds one, refused (vLLM's tensor parallelism
+    # stays inside a node).
+    args.vllm.tensor_parallel_size, args.mappa.gpus_per_node = 8, 4
+    problems = placement.make_plan(args, topology, None).problems(40)
+    assert "the vLLM engines' tensor-parallel groups (8 GPUs each, on one node) fit no node's free GPUs on nodes of " \
+           "4, 4, 4, 4, 4, 4, 4, 4, 4, 4 GPUs" in problems

@@ -104,17 +104,22 @@ def submit_form(address: str) -> list:
 
 @pytest.mark.e2e
 def test_ray_job_submit_from_a_user_install_checks_the_cluster_trains_and_resumes(user_env, tmp_path):
-    # A local cluster as a user starts one (`ray start --head`, here with logical GPUs and --block, so that the
-    # whole cluster is one process group, killed at the end), with the user's environment.
+    # A cluster of two nodes as a user starts one (`ray start --head`, then `ray start --address` on the other
+    # node; here both on this machine, with logical GPUs and --block, so that each node is one process group,
+    # killed at the end), with the user's environment. The head has 2 GPUs, the other node 1: the plan puts one
+    # agent there, and its actor and engine are placed on that node as planned.
     out = tmp_path / "out"  # MAPPA_OUT: absolute, outside the job's copy of the checkout
     tiny = out / "tiny-model"
     subprocess.run([os.path.join(os.path.dirname(user_env["python"]), "mappa"), "tiny-model", str(tiny)], check=True,
                    capture_output=True, env=user_env["env"], timeout=300)
     dashboard = free_port()
     env = dict(user_env["env"], VLLM_CPU_KVCACHE_SPACE="1")
-    head = ["ray", "start", "--head", "--block", "--num-gpus", "3", "--num-cpus", str((os.cpu_count() or 1) + 3),
-            f"--port={free_port()}", f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={free_port()}",
+    gcs = free_port()
+    head = ["ray", "start", "--head", "--block", "--num-gpus", "2", "--num-cpus", str((os.cpu_count() or 1) + 2),
+            f"--port={gcs}", f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={free_port()}",
             f"--ray-client-server-port={free_port()}", "--temp-dir", str(user_env["root"] / "ray"), "--disable-usage-stats"]
+    node1 = ["ray", "start", f"--address=127.0.0.1:{gcs}", "--block", "--num-gpus", "1", "--num-cpus", "2",
+             f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"]
     address = f"http://127.0.0.1:{dashboard}"
     flags = [
         "--mappa.topology", "examples/configs/relay.yaml",  # relative: the job's copy of the checkout has it
@@ -134,8 +139,9 @@ def test_ray_job_submit_from_a_user_install_checks_the_cluster_trains_and_resume
         "--ckpt.save_steps", "1", "--ckpt.load_enable", "--ckpt.save_hf", "--ckpt.max_num", "1",
         "--ckpt.path", str(out / "ckpt"), "--ckpt.output_dir", str(out / "hf"),
     ]  # fmt: skip
-    with training(head, tmp_path / "ray-head", env=env) as cluster:
+    with training(head, tmp_path / "ray-head", env=env) as cluster, training(node1, tmp_path / "ray-node1", env=env):
         wait_for(cluster, lambda: dashboard_up(address), 180, "the Ray dashboard")
+        wait_for(cluster, lambda: len(state(address, "nodes")) == 2, 180, "the second node")
         wait_for(cluster, lambda: jobs_accepted(address), 180, "the head node's job agent")
         form = submit_form(address)
 
@@ -162,9 +168,25 @@ def test_ray_job_submit_from_a_user_install_checks_the_cluster_trains_and_resume
         # ... and the same submission again: it resumes after the checkpoint and finishes.
         job2 = run_training(form + ["openrlhf_mappa.cli.train_mappa_ray", *flags], tmp_path / "job2", timeout=900, cwd=REPO,
                             env=env)
+        actors = state(address, "actors")
+        worker_node = next(n["node_id"] for n in state(address, "nodes") if not n["is_head_node"])
     log = job2.stdout + job2.stderr
     assert job2.returncode == 0 and "succeeded" in log, log[-4000:]
     assert 1 <= saved < 8 and f"resuming after step {saved}" in log  # stopped mid-run: the resume has steps to do
+    # The plan: the first agent on node 1 (the node of 1 GPU, the fullest with room), the others on node 0. Each run
+    # (the doctor's, both jobs') put exactly that agent's actor and engine on the second node, in one placement
+    # group: its GPU set.
+    planned = re.search(r"\n +1 +0  (\w+): actor, vLLM engine #0", log)
+    assert planned and planned[1] == AGENTS[0] and f"node 1: Ray node {worker_node}, 1 GPUs" in log, log[-4000:]
+    there = {}
+    for actor in actors:
+        if actor["class_name"] in ("PolicyModelActor", "RolloutRayActor"):
+            there.setdefault(actor["job_id"], []).append((actor["node_id"] == worker_node, actor))
+    assert len(there) == 3  # the doctor and two jobs
+    for job, placed in there.items():
+        on_node1 = [a for worker, a in placed if worker]
+        assert sorted(a["class_name"] for a in on_node1) == ["PolicyModelActor", "RolloutRayActor"], (job, placed)
+        assert len({a["placement_group_id"] for a in on_node1}) == 1 and len(placed) == 6, (job, placed)
 
     metrics = [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == list(range(1, 9))
@@ -184,6 +206,17 @@ def dashboard_up(address: str) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+def state(address: str, what: str) -> list:
+    """Ray's state API (`ray list nodes` / `ray list actors --detail`, dead actors included) over the dashboard."""
+    url = f"{address}/api/v0/{what}?detail=1&limit=10000" + ("&filter_keys=state&filter_predicates=%3D&filter_values=ALIVE"
+                                                              if what == "nodes" else "")
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return json.load(r)["data"]["result"]["result"]
+    except OSError:
+        return []
 
 
 def jobs_accepted(address: str) -> bool:
