@@ -435,8 +435,8 @@ def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
     common = ["--block", "--num-gpus", "1", "--num-cpus", "2", f"--dashboard-agent-listen-port={free_port()}",
               "--disable-usage-stats"]
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay within 107 bytes
-    head = [ray_cli, "start", "--head", f"--port={port}", "--include-dashboard=false", "--temp-dir", temp, *common]
-    worker = [ray_cli, "start", f"--address=127.0.0.1:{port}", *common]
+    head = [ray_cli, "start", "--head", f"--port={port}", "--include-dashboard=false", "--temp-dir", f"{temp}/0", *common]
+    worker = [ray_cli, "start", f"--address=127.0.0.1:{port}", "--temp-dir", f"{temp}/1", *common]
     try:
         with training(head, tmp_path / "head", env=child_env()), training(worker, tmp_path / "worker", env=child_env()):
             proc = run_child(f"""

@@ -119,7 +119,8 @@ def test_ray_job_submit_from_a_user_install_checks_the_cluster_trains_and_resume
             f"--port={gcs}", f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={free_port()}",
             f"--ray-client-server-port={free_port()}", "--temp-dir", str(user_env["root"] / "ray"), "--disable-usage-stats"]
     node1 = ["ray", "start", f"--address=127.0.0.1:{gcs}", "--block", "--num-gpus", "1", "--num-cpus", "2",
-             f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"]
+             f"--dashboard-agent-listen-port={free_port()}", "--temp-dir", str(user_env["root"] / "ray1"),
+             "--disable-usage-stats"]  # a node's own temp dir, as on a machine of its own: their runtime envs apart
     address = f"http://127.0.0.1:{dashboard}"
     flags = [
         "--mappa.topology", "examples/configs/relay.yaml",  # relative: the job's copy of the checkout has it
