@@ -757,8 +757,9 @@ def format_plan(plan: Plan, gpus=None) -> str:
         out = [f"{n:>4}  GPUs: {label}, on {on(placed[gpu_set(plan.colocate, label.rpartition('/')[0], label)])}"
                for label, n in plan.counts.items()]
         out += [f"placement: {PLACEMENTS[plan.colocate]}"] * (plan.colocate != "none")
+    used = len({k for nodes in plan.place(gpus).values() for k in nodes if k is not None})
     out.append(f"total: {plan.need} GPUs" + (f" of the cluster's {total(gpus)}" if gpus is not None else "")
-               + f" on {len(set(k for nodes in plan.place(gpus).values() for k in nodes if k is not None))} node(s)")
+               + f" on {used} node{'s' * (used != 1)}")
     out += [f"across nodes: {line}" for line in plan.spread(gpus)]
     if plan.colocate != "none" and plan.slots:
         turns = "the largest agent's (they train and sync in turn)" if plan.colocate == "team" else "its agent's"

@@ -477,7 +477,7 @@ def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
     assert "Smallest change that fits: a cluster of 4 GPUs" in message and "MAPPA_CPU_NUM_GPUS" in message
     printed = facts["printed"]
     assert "placement plan for 2 GPUs (GPU memory not known here" in printed
-    assert "total: 2 GPUs of the cluster's 2 on 2 node(s)" in printed
+    assert "total: 2 GPUs of the cluster's 2 on 2 nodes" in printed
     assert "1  GPUs: a/actor, on node 0" in printed and "1  GPUs: a/vllm, on node 1" in printed
     assert "across nodes: a: actor on node 0, vLLM engines on node 1: its weight sync crosses nodes" in printed
     assert f"node 0: Ray node {facts['nodes'][0]}, 1 GPUs" in printed and f"node 1: Ray node {facts['nodes'][1]}" in printed

@@ -512,7 +512,7 @@ def test_the_plan_across_nodes(tmp_path):
     assert not plan.spread(8)
     text = placement.format_plan(plan, 8)
     assert "   1    1  verifier: actor, reference, vLLM engine #1" in text
-    assert "total: 6 GPUs of the cluster's 8 on 2 node(s)" in text
+    assert "total: 6 GPUs of the cluster's 8 on 2 nodes" in text
     agent = 2 * ((12 + 4) * P / 2 / GIB + 2 + 2 + 2 * P / GIB + 2)  # as in the host-memory test below, per agent
     assert [sum(need.values()) for _, _, need in plan.nodes(8)] == [pytest.approx(2 * agent), pytest.approx(agent)]
     assert f"host memory, node 1 (2 GPUs): {agent:.1f} GiB of its 1024" in text

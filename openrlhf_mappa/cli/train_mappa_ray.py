@@ -186,8 +186,9 @@ def add_launch_args(g):
                    help="host memory of one node in GiB, for the plan's check of offloaded states and sleeping "
                         "engines (default: detected where the launcher runs, or its container's limit)")
     g.add_argument("--mappa.gpus_per_node", type=COUNT, default=None,
-                   help="GPUs per node, for the host-memory check (default: at launch, the Ray cluster's largest "
-                        "node; in `mappa plan`, this machine's GPUs, else 8)")
+                   help="GPUs per node: --mappa.gpus in nodes of this many, for the plan's nodes and their host "
+                        "memory (default: in `mappa plan`, this machine's GPUs, else 8; at launch the Ray cluster's "
+                        "nodes are planned, and this divides a node's cores among its actor processes)")
     g.add_argument("--mappa.actor_threads", type=NONNEGATIVE_INT, default=0,
                    help="OpenMP threads of each actor and reference process (DeepSpeed's CPU Adam with "
                         "--ds.adam_offload); 0: the launcher node's cores / its GPUs (Ray would give a "
