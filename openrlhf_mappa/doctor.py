@@ -100,9 +100,10 @@ def run_checks(args, topology, agents) -> list:
 
     rows, trainees = [], owners(agents)
     gpus = [n for _, n in gpu_nodes()]
-    nodes = placement.make_plan(args, topology, args.mappa.gpu_memory_gib).nodes(gpus)
+    plan = placement.make_plan(args, topology, args.mappa.gpu_memory_gib)
+    nodes = plan.nodes(gpus)
     for k, slots, need in nodes:
-        planned, total = sum(need.values()), args.mappa.host_memory_gib
+        planned, total = sum(need.values()), plan.host_of(k)
         here = placement.host_memory_gib()
         rows.append(("host memory", f"node {k}", planned <= total,
                      f"planned {planned:.1f} of {total:.1f} GiB ({len(slots)} GPUs); this node now uses "

@@ -21,10 +21,19 @@ def gpu_nodes() -> list:
     return sorted([n for n in nodes if n[1]], key=lambda n: -n[1])
 
 
+def host_memory(nodes: list) -> list:
+    """Each node's host memory in GiB, read on that node (the launcher's may be a CPU head of other size)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    read = ray.remote(num_cpus=0)(placement.host_memory_gib)
+    return ray.get([read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+                    for node_id, _ in nodes])
+
+
 def check_placement(args, topology) -> tuple:
     """Before any actor exists: the plan (placement.py) against the Ray cluster's nodes and their GPUs, logical
     or real, and their memory where known (the lower of --mappa.gpu_memory_gib and what this process's GPU
-    reports) and the host memory of a node (--mappa.host_memory_gib, else this one's). Printed when it fits;
+    reports) and the host memory of a node (--mappa.host_memory_gib, else each node's own). Printed when it fits;
     refused, with the smallest change that would fit, when not: Ray itself would wait forever, silently, for
     GPUs that never come. Returns (the plan, gpu_nodes())."""
     nodes = gpu_nodes()
@@ -33,7 +42,7 @@ def check_placement(args, topology) -> tuple:
     # the flag's where it is lower or none is seen; host memory and node sizes as this node and Ray see them.
     given, seen = args.mappa.gpu_memory_gib, placement.detect_gpus()[1]
     gib = args.mappa.gpu_memory_gib = min(g for g in (given, seen) if g) if given or seen else None
-    args.mappa.host_memory_gib = args.mappa.host_memory_gib or placement.host_memory_gib()
+    args.mappa.host_memory_gib = args.mappa.host_memory_gib or host_memory(nodes)
     args.mappa.gpus_per_node = args.mappa.gpus_per_node or max(gpus + [1])
     try:
         plan = placement.check(args, topology, gpus, gib)

@@ -373,7 +373,7 @@ class Plan:
     gpu_gib: float
     colocate: str = "none"
     refused: list = field(default_factory=list)  # what the colocation cannot place (colocation_problems)
-    host_gib: float = None  # host memory of one node; None: not checked
+    host_gib: object = None  # host memory of a node, or of each (a list, as Ray's nodes report it); None: unchecked
     gpus_per_node: int = None  # a node's GPUs where the cluster is given as a count (--mappa.gpus)
     tp: int = 1  # an engine's tensor-parallel GPUs, which stay on one node
 
@@ -466,10 +466,13 @@ class Plan:
                            f"crosses nodes")
         return out
 
+    def host_of(self, node: int):
+        return self.host_gib[node] if isinstance(self.host_gib, list) else self.host_gib
+
     def host_problems(self, gpus=None) -> list:
         return [f"node {k} ({len(slots)} GPUs) needs {sum(need.values()):.0f} GiB of host memory, more than its "
-                f"{self.host_gib:g} GiB: " + ", ".join(f"{label} {gib:.0f}" for label, gib in need.items())
-                for k, slots, need in self.nodes(gpus) if self.host_gib and sum(need.values()) > self.host_gib]
+                f"{self.host_of(k):g} GiB: " + ", ".join(f"{label} {gib:.0f}" for label, gib in need.items())
+                for k, slots, need in self.nodes(gpus) if self.host_of(k) and sum(need.values()) > self.host_of(k)]
 
     def peak(self, slot: list, phase: str) -> float:
         """What the GPU holds plus what the phase adds. Engines generate at once; a GPU's experience forwards
@@ -766,7 +769,7 @@ def format_plan(plan: Plan, gpus=None) -> str:
         out.append(f"A shared GPU holds what its models keep plus what the phase adds: every engine's in the rollout,\n"
                    f"the largest forward's in the experience phase, {turns} in train and sync")
     for k, slots, need in plan.nodes(gpus):  # host memory: offloaded states, sleeping engines' weights
-        of = f" of its {plan.host_gib:g}" if plan.host_gib else " (not checked: --mappa.host_memory_gib)"
+        of = f" of its {plan.host_of(k):g}" if plan.host_of(k) else " (not checked: --mappa.host_memory_gib)"
         out.append(f"host memory, node {k} ({len(slots)} GPUs): {sum(need.values()):.1f} GiB{of}: "
                    + ", ".join(f"{label} {gib:.1f}" for label, gib in need.items()))
     def breakdown(owner: str) -> list:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import training
+from openrlhf_mappa import placement
 from openrlhf_mappa.compat import PatchVersionError, check_version
 from openrlhf_mappa.patches import cpu_device
 from openrlhf_mappa.patches.flash_attn_stub import index_first_axis, pad_input, unpad_input
@@ -459,7 +460,7 @@ def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
                 args = parse_args({flags!r} + ["--mappa.shared_policy"])
                 console.out = out = io.StringIO()  # the run's own output goes to the terminal's stream, console.console
                 plan, nodes = check_placement(args, load_topology(args.mappa.topology))
-                facts["printed"] = out.getvalue()
+                facts["printed"], facts["host"] = out.getvalue(), args.mappa.host_memory_gib
                 groups = pinned_groups(plan, nodes)
                 ray.get([pg.ready() for pg in groups.values()], timeout=60)
                 facts["bundles"] = {{key: sorted(placement_group_table(pg)["bundles_to_node_id"].values())
@@ -483,6 +484,8 @@ def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
     assert f"node 0: Ray node {facts['nodes'][0]}, 1 GPUs" in printed and f"node 1: Ray node {facts['nodes'][1]}" in printed
     assert "agent 'b': max_new_tokens 64 from the topology, not --rollout.max_new_tokens " in printed
     assert "agent 'a':" not in printed
+    # Each node's host memory, read on that node (both are this machine here).
+    assert facts["host"] == [pytest.approx(placement.host_memory_gib(), rel=1e-6)] * 2
     # Each placement group's bundle on the node the plan names, not wherever Ray's PACK would put it.
     assert facts["bundles"] == {"a/actor": [facts["nodes"][0]], "a/vllm": [facts["nodes"][1]]}
 

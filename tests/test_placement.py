@@ -516,6 +516,13 @@ def test_the_plan_across_nodes(tmp_path):
     agent = 2 * ((12 + 4) * P / 2 / GIB + 2 + 2 + 2 * P / GIB + 2)  # as in the host-memory test below, per agent
     assert [sum(need.values()) for _, _, need in plan.nodes(8)] == [pytest.approx(2 * agent), pytest.approx(agent)]
     assert f"host memory, node 1 (2 GPUs): {agent:.1f} GiB of its 1024" in text
+    # Each node's own memory, as the launch reads it on each node: node 1 (one agent) fits 100 GiB, not 80.
+    plan.host_gib = [1024, 100]
+    assert not plan.problems(8)
+    plan.host_gib = [1024, 80]
+    assert plan.problems(8) == [f"node 1 (2 GPUs) needs {agent:.0f} GiB of host memory, more than its 80 GiB: actor Adam "
+                                f"states 45, actor fp32 gradients 15, actor process 4, reference process 4, vllm weights "
+                                f"15, vllm process 4"]
     # The team on all 8 GPUs: one set larger than a node spans both, and the plan says so; each agent's
     # weight sync is within a GPU (colocated).
     argv, _ = script_flags(tmp_path, "train_mappa_mathchat.sh", COLOCATE="team", GPUS_PER_AGENT="8")

@@ -184,7 +184,7 @@ def add_launch_args(g):
                         "sees a GPU)")
     g.add_argument("--mappa.host_memory_gib", type=POSITIVE, default=None,
                    help="host memory of one node in GiB, for the plan's check of offloaded states and sleeping "
-                        "engines (default: detected where the launcher runs, or its container's limit)")
+                        "engines (default: at launch each node's own, or its container's limit, read on that node)")
     g.add_argument("--mappa.gpus_per_node", type=COUNT, default=None,
                    help="GPUs per node: --mappa.gpus in nodes of this many, for the plan's nodes and their host "
                         "memory (default: in `mappa plan`, this machine's GPUs, else 8; at launch the Ray cluster's "
