@@ -117,6 +117,7 @@ def test_start_up_without_a_free_gpu_is_named_then_stopped(tmp_path, tiny_model)
     assert "Stops after --mappa.startup_timeout_s 30" in warning, proc.stderr[-4000:]
     stop = proc.stderr.split("[mappa] stopping: ")[-1].splitlines()[0]
     assert stop.startswith("start-up not done after"), proc.stderr[-4000:]
-    assert "not up yet: agent 'problem_solver' (creating its engines)" in stop
+    # Every placement group is asked for before any component starts: the components waiting on them are named.
+    assert "not up yet: agent 'problem_solver': vLLM engine 0, agent 'problem_solver': actor rank 0;" in stop
     assert re.search(r"a placement group Ray cannot place: \[\{[^]]*'GPU': 1\.0[^]]*\}\], 0 GPUs free", stop), stop
     assert stop.endswith("Stopped by --mappa.startup_timeout_s 30.")
