@@ -586,11 +586,12 @@ def memory_flags(args) -> list:
 
 def colocation(args, topology, mode: str) -> list:
     """The settings of a placement: colocated, sleep on; a team's engines, all awake in the rollout, split the
-    GPU share the flags give one engine."""
+    GPU share the flags give one engine, and an engine leaving the team's GPUs takes the whole share back."""
     out = [("mappa", "colocate", mode)] + [(s, "enable_sleep", True) for s in ("vllm", "ds") if mode != "none"]
-    if mode == "team" and args.mappa.colocate != "team":
-        share = args.vllm.gpu_memory_utilization / len(trainee_specs(args, topology))
-        out.append(("vllm", "gpu_memory_utilization", math.floor(share * 100 + 1e-9) / 100))
+    n = len(trainee_specs(args, topology))
+    if (mode == "team") != (args.mappa.colocate == "team"):
+        share = args.vllm.gpu_memory_utilization * (1 / n if mode == "team" else n)
+        out.append(("vllm", "gpu_memory_utilization", min(math.floor(share * 100 + 1e-9) / 100, 0.9)))
     return out
 
 

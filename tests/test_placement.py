@@ -544,6 +544,12 @@ def test_three_14b_agents_on_two_nodes_of_8(tmp_path):
     args = qwen3_14b(script_flags(tmp_path, "train_mappa_mathchat.sh")[0])
     topology = load_topology(str(ROOT / args.mappa.topology), model_override=args.mappa.model)
     assert "needs 92.0 GiB in the experience phase" in refusal(args, topology, gpus=16, gib=79.6)
+    # The team on 8 GPUs splits vLLM's 0.6 three ways, which leaves no KV cache beside 14B weights; the fewest GPUs
+    # that fit put each agent on its own 2 GPUs again, its engine with the whole 0.6.
+    args = qwen3_14b(script_flags(tmp_path, "train_mappa_mathchat.sh", COLOCATE="team", GPUS_PER_AGENT="8")[0])
+    assert refusal(args, topology, gpus=16, gib=79.6).splitlines()[-1] == (
+        "Smallest change that fits: --ref.offload --mappa.colocate agent --vllm.gpu_memory_utilization 0.6 "
+        "--actor.num_gpus_per_node 2 --ref.num_gpus_per_node 2 --vllm.num_engines 2 (6 GPUs)")
     args = qwen3_14b(script_flags(tmp_path, "train_mappa_mathchat.sh", GPUS_PER_AGENT="4")[0])
     plan = placement.check(args, topology, gpus=16, gpu_gib=79.6)
     assert plan.need == 12 and plan.place(16) == {"problem_solver": [0] * 4, "code_executor": [0] * 4, "verifier": [1] * 4}
