@@ -42,7 +42,8 @@ def check_placement(args, topology) -> tuple:
     # the flag's where it is lower or none is seen; host memory and node sizes as this node and Ray see them.
     given, seen = args.mappa.gpu_memory_gib, placement.detect_gpus()[1]
     gib = args.mappa.gpu_memory_gib = min(g for g in (given, seen) if g) if given or seen else None
-    args.mappa.host_memory_gib = args.mappa.host_memory_gib or host_memory(nodes)
+    if gib:  # the plan's host memory needs its GPU memory plan: no Ray task per node otherwise
+        args.mappa.host_memory_gib = args.mappa.host_memory_gib or host_memory(nodes)
     args.mappa.gpus_per_node = args.mappa.gpus_per_node or max(gpus + [1])
     try:
         plan = placement.check(args, topology, gpus, gib)
@@ -193,7 +194,7 @@ def build_agents(args, topology, max_steps: dict, startup) -> list:
     colocate = args.mappa.colocate
     share = placement.gpu_share(args, topology) if colocate != "none" else 1
     pgs = pinned_groups(plan, nodes)
-    pg_of = lambda owner, kind: pgs[placement.gpu_set(colocate, owner, f"{owner}/{kind}")]
+    pg_of = lambda owner, kind: pgs[placement.gpu_set(colocate, f"{owner}/{kind}")]
     engines = start_engines(args, topology, per_agent, pg_of, share, startup)
 
     agents, init_refs = [], []

@@ -317,14 +317,10 @@ PLACEMENTS = {
 }
 
 
-def gpu_set(colocate: str, agent: str, own) -> object:
-    """Which components share GPUs: none, each its own (`own`); per agent, the agent's; for a team, all."""
-    return {"none": own, "agent": agent, "team": ""}[colocate]
-
-
-def set_of(g: "Group", colocate: str) -> str:
-    """The GPU set of a group, keyed as Plan.counts' components are (`agent/kind`)."""
-    return gpu_set(colocate, g.agent, f"{g.agent}/{g.kind}")
+def gpu_set(colocate: str, component: str) -> str:
+    """The GPU set of a component (`agent/kind`, as Plan.counts keys them): which components share GPUs. None
+    colocated, each its own; per agent, the agent's; for a team, all."""
+    return {"none": component, "agent": component.rpartition("/")[0], "team": ""}[colocate]
 
 
 def set_label(key: str) -> str:
@@ -340,7 +336,7 @@ def layout(groups: list, colocate: str) -> list:
     GPUs sits on slot i of their set, as the trainer puts them on bundle i of one placement group."""
     sets = {}
     for g in groups:
-        sets.setdefault(set_of(g, colocate), []).append(g)
+        sets.setdefault(gpu_set(colocate, f"{g.agent}/{g.kind}"), []).append(g)
     return [[(g, i) for g in gs if i < g.gpus] for gs in sets.values() for i in range(max(g.gpus for g in gs))]
 
 
@@ -381,7 +377,7 @@ class Plan:
         """GPU set (gpu_set) -> its GPUs: the components that share GPUs, as many as the largest of them."""
         sets = {}
         for key, n in self.counts.items():
-            k = gpu_set(self.colocate, key.rpartition("/")[0], key)
+            k = gpu_set(self.colocate, key)
             sets[k] = max(sets.get(k, 0), n)
         return sets
 
@@ -405,7 +401,7 @@ class Plan:
             room = [k for k, f in enumerate(free) if f >= n]
             return min(room, key=lambda k: free[k]) if room else None
 
-        def spread(n: int, chunk: int) -> list:
+        def spread_over(n: int, chunk: int) -> list:
             nodes = []
             while len(nodes) < n:
                 k = max(range(len(free)), key=lambda k: free[k], default=None)
@@ -426,7 +422,7 @@ class Plan:
             for key, n in sorted(parts.items(), key=lambda kv: -kv[1]):
                 k = together if together is not None else one_node(n)
                 if k is None:
-                    out[key] = spread(n, self.tp if self.colocate == "none" and key.endswith("/vllm") else 1)
+                    out[key] = spread_over(n, self.tp if self.colocate == "none" and key.endswith("/vllm") else 1)
                 else:
                     out[key], free[k] = [k] * n, free[k] - n
         return {key: out[key] for key in self.sets()}  # build order
@@ -434,7 +430,7 @@ class Plan:
     def node_of_slots(self, gpus=None) -> list:
         """The node of each GPU slot (None: beyond the cluster)."""
         placed = self.place(gpus)
-        return [placed[set_of(slot[0][0], self.colocate)][slot[0][1]] for slot in self.slots]
+        return [placed[gpu_set(self.colocate, f"{g.agent}/{g.kind}")][i] for (g, i), *_ in self.slots]
 
     def nodes(self, gpus=None) -> list:
         """Per node that holds a GPU slot: (the node, its slots, {label: GiB of host memory its processes need})."""
@@ -449,7 +445,7 @@ class Plan:
                     need[f"{g.kind} {label}"] = need.get(f"{g.kind} {label}", 0.0) + gib
         return [(k, *out[k]) for k in sorted(out)]
 
-    def spread(self, gpus=None) -> list:
+    def across_nodes(self, gpus=None) -> list:
         """What crosses nodes, in words: a GPU set no node has room for (an actor group or colocated set then
         spans nodes), and an agent whose engines are on other nodes than its actor (its weight sync crosses)."""
         placed, out, per = self.place(gpus), [], self.gpus_per_node or DEFAULT_GPUS_PER_NODE
@@ -747,24 +743,24 @@ def least_gpu_memory(args, topology, most: float = 1024.0) -> tuple:
 def format_plan(plan: Plan, gpus=None) -> str:
     """The table (node, GPU, what it holds, GiB per phase) and, per agent, what the numbers are made of."""
     out = [f"{'node':>4} {'GPU':>4}  {'holds':<50}" + "".join(f"{p:>11}" for p in PHASES) + "   (GiB, peak per phase)"]
-    seen = {}  # node -> GPUs listed so far
+    listed = {}  # node -> its GPUs listed so far
     for node, i in sorted(((k, i) for i, k in enumerate(plan.node_of_slots(gpus))), key=lambda x: (x[0] is None, x)):
-        slot, local = plan.slots[i], seen.setdefault(node, [])
-        local.append(i)
-        where = f"{node:>4} {len(local) - 1:>4}" if node is not None else f"{'-':>4} {'-':>4}"
+        slot, local = plan.slots[i], listed.get(node, 0)
+        listed[node] = local + 1
+        where = f"{node:>4} {local:>4}" if node is not None else f"{'-':>4} {'-':>4}"
         mark = "  <- beyond the cluster's GPUs" if node is None else ""
         out.append(f"{where}  {slot_label(slot):<50}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES) + mark)
     if not plan.slots:  # GPU memory not known: the counts only, and which of them share GPUs
         placed = plan.place(gpus)
         on = lambda nodes: "beyond the cluster" if None in nodes else (
             f"node{'s' * (len(set(nodes)) > 1)} {', '.join(map(str, sorted(set(nodes))))}")
-        out = [f"{n:>4}  GPUs: {label}, on {on(placed[gpu_set(plan.colocate, label.rpartition('/')[0], label)])}"
+        out = [f"{n:>4}  GPUs: {label}, on {on(placed[gpu_set(plan.colocate, label)])}"
                for label, n in plan.counts.items()]
         out += [f"placement: {PLACEMENTS[plan.colocate]}"] * (plan.colocate != "none")
     used = len({k for nodes in plan.place(gpus).values() for k in nodes if k is not None})
     out.append(f"total: {plan.need} GPUs" + (f" of the cluster's {total(gpus)}" if gpus is not None else "")
                + f" on {used} node{'s' * (used != 1)}")
-    out += [f"across nodes: {line}" for line in plan.spread(gpus)]
+    out += [f"across nodes: {line}" for line in plan.across_nodes(gpus)]
     if plan.colocate != "none" and plan.slots:
         turns = "the largest agent's (they train and sync in turn)" if plan.colocate == "team" else "its agent's"
         out.append(f"A shared GPU holds what its models keep plus what the phase adds: every engine's in the rollout,\n"

@@ -446,7 +446,7 @@ def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
                 from openrlhf_mappa.cli.train_mappa_ray import parse_args
                 from openrlhf_mappa.topology import load_topology
                 from openrlhf_mappa.console import console
-                from openrlhf_mappa.launch import check_placement, gpu_nodes, pinned_groups
+                from openrlhf_mappa.launch import check_placement, gpu_nodes, host_memory, pinned_groups
                 ray.init(address="127.0.0.1:{port}")
                 deadline = time.time() + 120
                 while len(gpu_nodes()) < 2 and time.time() < deadline:  # the worker node joins
@@ -462,6 +462,7 @@ def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
                 plan, nodes = check_placement(args, load_topology(args.mappa.topology))
                 facts["printed"], facts["host"] = out.getvalue(), args.mappa.host_memory_gib
                 groups = pinned_groups(plan, nodes)
+                facts["host_read"] = host_memory(nodes)  # what the launch reads when the GPUs' memory is known
                 ray.get([pg.ready() for pg in groups.values()], timeout=60)
                 facts["bundles"] = {{key: sorted(placement_group_table(pg)["bundles_to_node_id"].values())
                                     for key, pg in groups.items()}}
@@ -484,8 +485,9 @@ def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
     assert f"node 0: Ray node {facts['nodes'][0]}, 1 GPUs" in printed and f"node 1: Ray node {facts['nodes'][1]}" in printed
     assert "agent 'b': max_new_tokens 64 from the topology, not --rollout.max_new_tokens " in printed
     assert "agent 'a':" not in printed
-    # Each node's host memory, read on that node (both are this machine here).
-    assert facts["host"] == [pytest.approx(placement.host_memory_gib(), rel=1e-6)] * 2
+    # Each node's host memory, read on that node (both are this machine here); not read without a memory plan.
+    assert facts["host"] is None
+    assert facts["host_read"] == [pytest.approx(placement.host_memory_gib(), rel=1e-6)] * 2
     # Each placement group's bundle on the node the plan names, not wherever Ray's PACK would put it.
     assert facts["bundles"] == {"a/actor": [facts["nodes"][0]], "a/vllm": [facts["nodes"][1]]}
 

@@ -509,7 +509,7 @@ def test_the_plan_across_nodes(tmp_path):
     plan = placement.check(args, topology, gpus=8, gpu_gib=79.6)
     assert plan.place(8) == {"problem_solver": [0, 0], "code_executor": [0, 0], "verifier": [1, 1]}
     assert plan.place([4, 4]) == plan.place(8)  # the nodes as Ray reports them: the same plan
-    assert not plan.spread(8)
+    assert not plan.across_nodes(8)
     text = placement.format_plan(plan, 8)
     assert "   1    1  verifier: actor, reference, vLLM engine #1" in text
     assert "total: 6 GPUs of the cluster's 8 on 2 nodes" in text
@@ -529,7 +529,7 @@ def test_the_plan_across_nodes(tmp_path):
     args, topology = planned(argv + ["--mappa.gpus_per_node", "4"])
     plan = placement.check(args, topology, gpus=8, gpu_gib=79.6)
     assert plan.place(8) == {"": [0, 0, 0, 0, 1, 1, 1, 1]}
-    assert plan.spread(8) == ["the team's GPUs: 8 GPUs on nodes 0, 1 (more than a node's 4)"]
+    assert plan.across_nodes(8) == ["the team's GPUs: 8 GPUs on nodes 0, 1 (more than a node's 4)"]
     # GPUs of their own: 18 GPUs, refused on 8 whatever the nodes.
     argv, _ = script_flags(tmp_path, "train_mappa_mathchat.sh", COLOCATE="none")
     args, topology = planned(argv + ["--mappa.gpus_per_node", "4"])
@@ -566,7 +566,7 @@ def test_three_14b_agents_on_two_nodes_of_8(tmp_path):
         "problem_solver/actor": {0}, "problem_solver/reference": {0}, "problem_solver/vllm": {0},
         "code_executor/actor": {1}, "code_executor/reference": {1}, "code_executor/vllm": {1},
         "verifier/actor": {0}, "verifier/reference": {1}, "verifier/vllm": {0}}
-    assert not plan.spread(16)
+    assert not plan.across_nodes(16)
     # An engine of 8 tensor-parallel GPUs on nodes of 4: no node holds one, refused (vLLM's tensor parallelism
     # stays inside a node).
     args.vllm.tensor_parallel_size, args.mappa.gpus_per_node = 8, 4
