@@ -199,19 +199,21 @@ def build_agents(args, topology, max_steps: dict, startup) -> list:
 
     agents, init_refs = [], []
     for spec, a in per_agent:
+        # Ranks of one ring-attention / tensor-parallel group get the same micro-batches (upstream's batch split)
+        group = lambda count, cls, kind: RayActorGroup(*count, threaded(cls), pg=pg_of(spec.name, kind),
+                                                       num_gpus_per_actor=share,
+                                                       duplicate_actors=a.ds.ring_attn_size * a.ds.tensor_parallel_size)
         startup.stage = f"agent {spec.name!r} (creating its actors)"
         strategy = get_strategy(a)
         actor_strategy = get_strategy(actor_args(a, spec, topology)) if a.train.dynamic_batch_enable else strategy
         # RayActorGroup calls .options() on its actor type
-        actor = RayActorGroup(a.actor.num_nodes, a.actor.num_gpus_per_node,
-                              threaded(LoraActor if spec.lora else PolicyModelActor), pg=pg_of(spec.name, "actor"),
-                              num_gpus_per_actor=share)
+        actor = group((a.actor.num_nodes, a.actor.num_gpus_per_node), LoraActor if spec.lora else PolicyModelActor,
+                      "actor")
         ref = None
         if a.algo.kl.init_coef > 0 and spec.lora:
             ref = AdapterOff(actor)  # the base: its own actor with the adapter off
         elif a.algo.kl.init_coef > 0:
-            ref = RayActorGroup(a.ref.num_nodes, a.ref.num_gpus_per_node, threaded(ReferenceModelActor),
-                                pg=pg_of(spec.name, "reference"), num_gpus_per_actor=share)
+            ref = group((a.ref.num_nodes, a.ref.num_gpus_per_node), ReferenceModelActor, "reference")
             init_refs += ref.async_init_model_from_pretrained(strategy, spec.model)
         steps = max_steps[spec.name]  # its learning-rate schedule's length (train_mappa_ray.schedule_steps)
         init_refs += actor.async_init_model_from_pretrained(actor_strategy, spec.model, steps, engines[spec.name])

@@ -11,6 +11,8 @@ k = key/value heads x head dim, TP an engine's tensor-parallel size:
   activations: checkpointed, each layer's input b*s*h*2 (x L) plus one layer recomputed, b*s*(6h + 2k + 4I)*2;
       eager attention adds b*heads*s^2*4 per stored layer. A forward without gradients holds one layer's.
   logits: b*s*V x 10 training (fp32 logits, their fp32 gradient, a bf16 copy), x 6 in a forward pass.
+  ring attention (--ds.ring_attn_size r) gives each rank s/r of a sequence's tokens, so activations and logits
+      divide by r.
   ZeRO-3 gathers two layers' weights at a time; the sync gathers the embedding, V*h*2 (and a CUDA IPC copy).
   a vLLM engine: --vllm.gpu_memory_utilization x the GPU, less weights 2P/TP and an activation reserve (8192
       batched tokens, logits of 256 sequences), is KV cache, 2*L*k*2 / TP bytes per token.
@@ -36,7 +38,7 @@ DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Per-agent topology keys that win over a flag: (the key, the flag's group, its name). agent_args applies them,
 # and the launch prints each one that changes a flag's value (launch.check_placement).
 AGENT_OVERRIDES = (("max_new_tokens", "rollout", "max_new_tokens"), ("vllm_num_engines", "vllm", "num_engines"),
-                   ("num_gpus_per_node", "actor", "num_gpus_per_node"))
+                   ("num_gpus_per_node", "actor", "num_gpus_per_node"), ("ring_attn_size", "ds", "ring_attn_size"))
 
 
 def agent_args(args, spec):
@@ -47,6 +49,7 @@ def agent_args(args, spec):
     for key, group, name in AGENT_OVERRIDES:
         setattr(getattr(a, group), name, getattr(spec, key) or getattr(getattr(args, group), name))
     a.ref.num_gpus_per_node = spec.num_gpus_per_node or args.ref.num_gpus_per_node
+    a.ds.packing_samples |= a.ds.ring_attn_size > 1  # a ring splits packed sequences (upstream turns it on too)
     a.ckpt.path = os.path.join(args.ckpt.path, spec.name)
     a.ckpt.max_num = args.ckpt.max_num + 1  # the team's checkpoint stays while the next is saved (rotate_checkpoints)
     a.ckpt.output_dir = os.path.join(args.ckpt.output_dir, spec.name)
@@ -205,9 +208,10 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     and has no reference group (its actor, adapter off) and no engines of its own (its pool's)."""
     s, h, L, V = a.data.max_len, size.hidden, size.layers, size.vocab
     token_layer = size.layer_act + (size.heads * s * 4 if a.ds.attn_implementation == "eager" else 0)  # + scores
+    t = s / a.ds.ring_attn_size  # a sequence's tokens on one rank
 
     def forward(b: int) -> dict:  # no gradients: one layer's activations at a time, then the logits
-        return {"activations": b * s * token_layer / GIB, "logits": b * s * V * 6 / GIB}
+        return {"activations": b * t * token_layer / GIB, "logits": b * t * V * 6 / GIB}
 
     zero3 = a.ds.zero_stage == 3
     gathered = {"ZeRO-3 gathered layers": 2 * size.layer_params * 2 / GIB} if zero3 else {}
@@ -224,14 +228,14 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     if offloads:  # asleep, its states wait in pinned host memory
         host = dict(states)
     b = a.train.micro_batch_size
-    stored = (b * s * h * 2 * L + b * s * token_layer if a.actor.gradient_checkpointing_enable
-              else b * s * token_layer * L)
+    stored = (b * t * h * 2 * L + b * t * token_layer if a.actor.gradient_checkpointing_enable
+              else b * t * token_layer * L)
     largest = V * h * 2 / GIB  # the embedding, the largest tensor the sync gathers
     ipc = a.mappa.colocate != "none" and a.vllm.sync_backend == "nccl"  # OpenRLHF's colocated sync: CUDA IPC
     weights = {"weights": shard(2 * P, 3) / GIB, **({"adapter": shard(2 * trained, 3) / GIB} if lora else {})}
     actor = Group(name, "actor", D, 1, {**weights, **({} if offloads else states), "CUDA context": CONTEXT_GIB}, {
         "experience": {**forward(a.rollout.micro_batch_size), **gathered},
-        "train": {**(states if offloads else {}), "activations": stored / GIB, "logits": b * s * V * 10 / GIB,
+        "train": {**(states if offloads else {}), "activations": stored / GIB, "logits": b * t * V * 10 / GIB,
                   **gathered},
         "sync": {} if lora else {**({"gathered embedding": largest} if zero3 else {}),
                                  **({"its CUDA IPC copy": largest} if ipc else {})},
@@ -613,6 +617,11 @@ def single_changes(args, topology, memory_known: bool) -> list:
     out += placements.values()
     out += [[("actor", "num_gpus_per_node", n)] for n in range(args.actor.num_gpus_per_node + 1, 17)]
     out += [[("ref", "num_gpus_per_node", n)] for n in range(args.ref.num_gpus_per_node + 1, 9)] * kl
+    # A sequence split over the ranks of a ring, on at least as many GPUs
+    for ring in [r for r in (2, 4, 8) if memory_known and r > args.ds.ring_attn_size]:
+        whole = lambda n: math.ceil(n / ring) * ring
+        out.append([("ds", "ring_attn_size", ring), ("actor", "num_gpus_per_node", whole(args.actor.num_gpus_per_node)),
+                    *[("ref", "num_gpus_per_node", whole(args.ref.num_gpus_per_node))] * kl])
     out += [[("vllm", "tensor_parallel_size", n)] for n in (2, 4, 8) if n > args.vllm.tensor_parallel_size]
     out = [(change, []) for change in out]
     if len(memory_flags(args)) > 1:
@@ -624,8 +633,9 @@ def batch_fits(args, topology) -> bool:
     """train.batch_size splits into whole micro-batches on every trainee's actor ranks (validate's rule)."""
     micro = (args.train.micro_batch_size, args.rollout.micro_batch_size)
     for spec in trainee_specs(args, topology):
-        ranks = args.actor.num_nodes * (spec.num_gpus_per_node or args.actor.num_gpus_per_node)
-        if any(args.train.batch_size % (m * ranks) for m in micro):
+        a = agent_args(args, spec)
+        ring, gpus = a.ds.ring_attn_size, a.actor.num_nodes * a.actor.num_gpus_per_node  # a ring shares micro-batches
+        if gpus % ring or any(args.train.batch_size % (m * gpus // ring) for m in micro):
             return False
     return True
 

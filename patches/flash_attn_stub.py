@@ -55,12 +55,28 @@ def pad_input(hidden_states, indices, batch, seqlen):
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])
 
 
+class AllGather(torch.autograd.Function):
+    """flash-attn's all_gather: `x` of every rank of `group` concatenated along dim 0. Its gradient is each rank's
+    slice of the gradient summed over the group: ring attention's log-probs are gathered so, and trained through.
+    flash-attn reduce-scatters; gloo has no reduce-scatter, so all-reduce, then slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        rank, world = torch.distributed.get_rank(ctx.group), torch.distributed.get_world_size(ctx.group)
+        return grad.chunk(world, dim=0)[rank], None
+
+
 def all_gather(input_, group=None):
-    """Concatenate `input_` from every rank of `group` along dim 0."""
-    world = torch.distributed.get_world_size(group)
-    parts = [torch.empty_like(input_) for _ in range(world)]
-    torch.distributed.all_gather(parts, input_.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+    return AllGather.apply(input_, group)
 
 
 def before_exec(module):

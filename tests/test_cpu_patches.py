@@ -416,6 +416,64 @@ def test_unpad_with_unused_mask_and_index_first_axis():
     assert torch.equal(tokens, hidden.reshape(8, 3)[[0, 1, 2, 4, 5, 6]])
 
 
+
+RING_RANK = """
+    import json, os, sys
+    import torch, torch.distributed as dist
+    rank, port, model_dir, stand_ins = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    import openrlhf_mappa.compat
+    from openrlhf.models import Actor
+    from openrlhf.models.ring_attn_utils import set_ring_attn_group
+    sys.path.insert(0, stand_ins)
+    import ring_flash_attn
+
+    torch.manual_seed(0)
+    seqs = torch.randint(3, 300, (3, 11))
+    mask = torch.ones_like(seqs)
+    mask[0, :4] = mask[2, :2] = 0  # left-padded prompts, as OpenRLHF pads them
+    out = {}
+    for ring in (False, True):  # a plain padded forward first (no collective), then the ring of both ranks
+        actor = Actor(model_dir, attn_implementation="sdpa", packing_samples=ring)
+        actor.model.float()
+        if ring:  # what OpenRLHF's strategy does for --ds.ring_attn_size 2 (setup_ring_attn)
+            group = dist.new_group([0, 1])
+            set_ring_attn_group(group)
+            ring_flash_attn.substitute_hf_flash_attn(group, 1)
+        logp = actor(seqs, torch.ones(3, 5), attention_mask=mask, ring_attn_group=group if ring else None)
+        logp.sum().backward()
+        grad = actor.model.model.embed_tokens.weight.grad
+        if ring:  # each rank's gradient covers its half of the tokens, counted once per rank of the ring (as
+            dist.all_reduce(grad, group=group)  # flash-attn's reduce-scatter does; DeepSpeed averages it over them)
+            grad /= 2
+        out[ring] = (logp.detach(), grad)
+    print("FACTS " + json.dumps({"logp": (out[True][0] - out[False][0]).abs().max().item(),
+                                 "grad": (out[True][1] - out[False][1]).abs().max().item(),
+                                 "grad_size": out[False][1].abs().max().item()}))
+"""
+
+
+def test_ring_attention_on_two_ranks_matches_one_forward(tiny_model):
+    # OpenRLHF's ring path for real on 2 gloo ranks: its packing, its split of the packed tokens over the ring, its
+    # gather of the log-probs (flash_attn_stub's all_gather, differentiable as flash-attn's is), with only the
+    # attention kernel a stand-in (tests/stand_ins/ring_flash_attn.py: flash-attn needs CUDA). Log-probs and gradients
+    # equal a plain padded forward's (5e-7 and 3e-6 measured); with the kernel attending to its own rank's tokens only,
+    # or a gather without a gradient, they would not.
+    port, stand_ins = str(free_port()), os.path.join(os.path.dirname(__file__), "stand_ins")
+    cmd = lambda rank: [sys.executable, "-c", textwrap.dedent(RING_RANK), str(rank), port, tiny_model, stand_ins]
+    procs = [subprocess.Popen(cmd(r), env=child_env(MAPPA_CPU_MODE="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=CHILD_TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        facts = facts_of(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        assert facts["logp"] < 1e-5 and facts["grad"] < 1e-4 * facts["grad_size"], facts
+
+
 # ── 5. the placement check at launch ──
 # In a child process like the activation tests: a Ray driver left in the pytest process can crash it at exit.
 

@@ -88,14 +88,31 @@ def test_hub_models_are_resolved_before_ray(tmp_path):
     assert f"and the Hugging Face hub ({hub.url}) could not be reached to fetch its config.json" in proc.stderr
 
 
-def test_flash_attention_without_flash_attn_and_gloo_colocated_on_gpus_are_refused(tmp_path):
+def test_flash_attention_without_flash_attn_ring_attention_and_gloo_colocated_on_gpus_are_refused(tmp_path):
     base = ["--mappa.topology", MATHCHAT, "--data.prompt_dataset", "x.jsonl", "--vllm.num_engines", "1"]
     with pytest.raises(SystemExit, match=r"--ds.attn_implementation flash_attention_2 needs flash-attn's kernels, and "
                                          r"the module flash_attn is not installed here: install flash-attn .* or pass "
                                          r"--ds.attn_implementation sdpa"):
         check_this_machine(parse_args(base))  # OpenRLHF's default attention, on this machine without flash-attn
-    with pytest.raises(SystemExit, match="--ds.packing_samples needs flash-attn's kernels"):
-        check_this_machine(parse_args(base + ["--ds.attn_implementation", "sdpa", "--ds.packing_samples"]))
+    # Packing under sdpa: transformers masks the packed samples by their position ids (the same log-probs as padded,
+    # 5e-7 measured with the tiny model), so it needs no flash-attn.
+    check_this_machine(parse_args(base + ["--ds.attn_implementation", "sdpa", "--ds.packing_samples"]))
+    # Ring attention needs ring-flash-attn's package; on GPUs, flash attention too (its kernel is what the ring
+    # replaces). Its stand-in (tests/stand_ins, which the e2e test trains with) passes the first check, not the second.
+    ring = base + ["--ds.attn_implementation", "sdpa", "--ds.ring_attn_size", "2", "--actor.num_gpus_per_node", "2"]
+    with pytest.raises(SystemExit, match=r"--ds.ring_attn_size 2 runs ring-flash-attn's kernels, and the module "
+                                         r"ring_flash_attn is not installed here"):
+        check_this_machine(parse_args(ring))
+    code = (f"from openrlhf_mappa.cli.train_mappa_ray import check_this_machine, parse_args; "
+            f"check_this_machine(parse_args({ring!r}))")
+    stand_in = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "stand_ins"))
+    for cpu, rc in (("1", 0), ("0", 1)):
+        proc = subprocess.run([sys.executable, "-c", code], env=dict(stand_in, MAPPA_CPU_MODE=cpu), capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == rc, proc.stderr[-2000:]
+    assert proc.stderr.strip().endswith(
+        "--ds.ring_attn_size 2 replaces flash attention's kernel, which --ds.attn_implementation sdpa does not use: pass "
+        "--ds.attn_implementation flash_attention_2"), proc.stderr[-2000:]
     colocated = base + ["--ds.attn_implementation", "sdpa", "--mappa.colocate", "agent", "--vllm.sync_backend", "gloo"]
     check_this_machine(parse_args(colocated))  # CPU mode: gloo is how a colocated team syncs here
     # What a CUDA build of torch decides (MAPPA_CPU_MODE=0 forces it on this machine): refused, naming the fix.

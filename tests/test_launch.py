@@ -428,8 +428,7 @@ def test_every_upstream_flag_is_honoured_or_refused():
 
 
 @pytest.mark.parametrize("flags, reason", [
-    (["--ds.ring_attn_size", "2"], "without OpenRLHF's duplicate_actors"),
-    (["--ds.tensor_parallel_size", "2"], "without OpenRLHF's duplicate_actors"),
+    (["--ds.tensor_parallel_size", "2"], "AutoTP has never run under MAPPA"),
     (["--vllm.sync_with_ray"], "would be named 'openrlhf'"),
     (["--ds.load_in_4bit"], "full-weight agents included"),
     (["--rollout.vllm_generate_batch_size", "4"], "every episode of a step to the engines at once"),
@@ -456,8 +455,9 @@ def test_refused_flags_at_their_default_pass_and_the_cli_refuses_before_ray(work
     assert args.algo.advantage.lambd == 1.0
     # Several at once, all named, through the real CLI before torch or Ray load.
     write_topology(workdir)
-    proc = cli(workdir, GOOD + ["--algo.advantage.lambd", "0.9", "--ds.ring_attn_size", "2"], "refused flags")
-    assert_refused(proc, "refused flags", "--ds.ring_attn_size 2: MAPPA builds each agent's actor and reference")
+    proc = cli(workdir, GOOD + ["--algo.advantage.lambd", "0.9", "--ds.tensor_parallel_size", "2"], "refused flags")
+    assert_refused(proc, "refused flags", "--ds.tensor_parallel_size 2: DeepSpeed's tensor parallelism (AutoTP) is "
+                                          "not built")
     assert "--algo.advantage.lambd 0.9: GAE's lambda: MAPPA has no critic" in proc.message and proc.returncode == 1
 
 
@@ -533,7 +533,7 @@ def test_get_parser_patch_applies_and_its_parser_is_the_same(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="The number of sample batches must be greater"):
         parse_args(["--mappa.topology", "t.yaml", "--rollout.batch_size", "1", "--rollout.micro_batch_size", "4",
                     "--actor.num_gpus_per_node", "2"])
-    with pytest.raises(SystemExit, match="--ds.tensor_parallel_size 2: MAPPA builds each agent's actor"):
+    with pytest.raises(SystemExit, match="--ds.tensor_parallel_size 2: DeepSpeed's tensor parallelism"):
         parse_args(["--mappa.topology", "t.yaml", "--ds.tensor_parallel_size", "2"])
 
 

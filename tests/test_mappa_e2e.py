@@ -3,8 +3,10 @@ reference model and vLLM engine (Ray, vLLM, DeepSpeed for real), coached by an O
 on 127.0.0.1 (a stand-in for a paid API: it scores by rule, and answers one agent in prose full of
 numbers that are not a score). β > 0, 2 steps, trained asynchronously (--train.async_enable: step 2's episodes
 are generated one step ahead, while step 1 trains; partial rollouts: a weight sync pauses the engine, vLLM's
-pause_generation for real) with OpenRLHF's off-policy correction; "solver" acts twice per episode and trains
-on 2 data-parallel ranks (actor and reference).
+pause_generation for real) with OpenRLHF's off-policy correction; "solver" acts twice per episode, and its actor and
+reference each run on 2 ranks of one ring-attention group (its topology's ring_attn_size 2, packed sequences split over
+the ranks, the same micro-batches routed to both): only flash-attn's kernel is a stand-in (tests/stand_ins), since it
+needs CUDA.
 
 Asserted: the coached agent's actor changed and both its ranks hold the same weights; after the sync each
 agent's engine holds its own actor's weights and not another agent's (compared through log-probs of a
@@ -13,7 +15,8 @@ experience tensors, every row the solver trained on is one of its own actions of
 trained on that action's reward, and the advantage recorded for the action is the row's mean advantage, both
 actions of every episode trained; the per-token reward recovered from the returns is −β·KL_t plus R on the last
 action token, KL is the actor's log-probs minus the frozen initial model's; each step's metrics are the values
-recomputed from its episodes and tensors, and `mappa report` renders them (in Chromium). Every trained row's rollout
+recomputed from its episodes and tensors, and `mappa report` renders them (in Chromium). The ring's log-probs are
+checked against a plain forward of the frozen initial model (through the KL) and against vLLM's. Every trained row's rollout
 log-probs are its action's, close to the actor's when its recorded version is current and one update apart when
 it is one behind (step 2's, generated one step ahead, beside step 1's rollout and update).
 """
@@ -84,7 +87,7 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
         models[name] = str(tmp_path / f"model-{name}")
         subprocess.run([MAPPA, "tiny-model", models[name], "--seed", str(seed)], check=True, capture_output=True)
     agent_rows = {
-        "solver": dict(max_actions=2, num_gpus_per_node=2),  # acts twice; 2 actor and 2 reference ranks
+        "solver": dict(max_actions=2, num_gpus_per_node=2, ring_attn_size=2),  # acts twice; a ring of 2 ranks each
         "mute": dict(max_actions=1),
     }
     topology = {
@@ -120,7 +123,8 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
         "--ckpt.output_dir", str(tmp_path / "final"),
     ]  # fmt: skip
     # solver: 2 actor + 2 reference + 1 engine; mute: 1 + 1 + 1
-    env = local_cluster_env(8, MAPPA_TEST_COACH_KEY="secret-123")
+    env = local_cluster_env(8, MAPPA_TEST_COACH_KEY="secret-123",
+                            PYTHONPATH=os.pathsep.join([os.path.join(TESTS, "stand_ins"), os.environ.get("PYTHONPATH", "")]))
     probe_path, tensors_path = str(tmp_path / "probe.json"), str(tmp_path / "tensors.pt")
     child = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_mappa_e2e import run_and_probe; "
              f"run_and_probe({argv!r}, {probe_path!r}, {tensors_path!r})")  # fmt: skip
@@ -142,7 +146,7 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
         # ... and not another agent's
         for o in others:
             assert (engine[n] - actor[o]).abs().mean() > 0.1, (n, o)
-    # coached: trained, its weights moved away from the initial model; both data-parallel ranks agree
+    # coached: trained, its weights moved away from the initial model; both ranks of its ring agree
     assert (actor["solver"] - init["solver"]).abs().mean() > 0.1
     rank0, rank1 = (torch.tensor(r) for r in result["actor_ranks"]["solver"])
     assert (rank0 - rank1).abs().max() < 1e-4

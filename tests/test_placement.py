@@ -573,3 +573,37 @@ def test_three_14b_agents_on_two_nodes_of_8(tmp_path):
     problems = placement.make_plan(args, topology, None).problems(40)
     assert "the vLLM engines' tensor-parallel groups (8 GPUs each, on one node) fit no node's free GPUs on nodes of " \
            "4, 4, 4, 4, 4, 4, 4, 4, 4, 4 GPUs" in problems
+
+
+def test_long_actions_name_ring_attention(tmp_path):
+    # The DSBench script with the authors' longest prompts (24K + 16K generated: --data.max_len 40960), Qwen3-4B, one
+    # node of 8 x 80 GiB: a forward micro-batch of 2 such sequences does not fit beside each agent's engine, and the
+    # smallest change is a ring of the agent's 2 GPUs (each rank holds half of every sequence's tokens).
+    argv = script_flags(tmp_path, "train_mappa_dsbench.sh")[0] + ["--data.max_len", "40960"]
+    args, topology = planned(argv)
+    message = refusal(args, topology, gpus=8)
+    assert "needs 89.5 GiB in the experience phase" in message
+    assert message.splitlines()[-1].startswith("Smallest change that fits: --ds.ring_attn_size 2 (others:")
+    ring, _ = planned(argv + ["--ds.ring_attn_size", "2"])
+    plan = placement.check(ring, topology, gpus=8, gpu_gib=80.0)
+    assert plan.need == 6 and ring.ds.packing_samples is False  # packing is turned on per agent (agent_args)
+    assert placement.agent_args(ring, topology.agents[0]).ds.packing_samples is True
+    # Each rank's activations and logits are half of a whole sequence's, its weights and states unchanged.
+    whole = {g.kind: g for g in placement.make_plan(args, topology, 80.0).groups() if g.agent == "modeler"}
+    half = {g.kind: g for g in plan.groups() if g.agent == "modeler"}
+    for kind, phase in (("actor", "experience"), ("actor", "train"), ("reference", "experience")):
+        for label in ("activations", "logits"):
+            assert half[kind].adds[phase][label] == pytest.approx(whole[kind].adds[phase][label] / 2), (kind, label)
+    assert half["actor"].held == whole["actor"].held
+    # Per agent, in the topology: a ring for the modeler alone; the other agents' GPUs still do not fit.
+    topology.agents[1].ring_attn_size = 2
+    assert topology.agents[1].name == "modeler"
+    problems = placement.make_plan(args, topology, 80.0).problems(8)
+    assert len(problems) == 2 and not any("modeler" in p for p in problems)
+    # A ring's ranks share their micro-batches: an odd GPU count is refused before any plan.
+    with pytest.raises(SystemExit, match=r"agent 'data_engineer': its 3 actor GPUs must be a multiple of its "
+                                         r"ring-attention size \(2\): the 2 ranks of a ring share each micro-batch"):
+        from openrlhf_mappa.cli.train_mappa_ray import validate
+
+        validate(parse_args(argv + ["--ds.ring_attn_size", "2", "--actor.num_gpus_per_node", "3",
+                                    "--mappa.model", str(QWEN3_4B)]), topology)

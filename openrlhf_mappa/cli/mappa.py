@@ -280,7 +280,7 @@ def doctor_main(argv) -> int:
     args = parse_args(argv)
     with refusals():
         topology = check_team(args)
-        check_this_machine(args)
+        check_this_machine(args, topology)
     os.makedirs(args.mappa.run_dir, exist_ok=True)
     log = os.path.join(args.mappa.run_dir, "doctor.log")
     if not args.mappa.verbose:

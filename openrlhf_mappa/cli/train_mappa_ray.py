@@ -224,6 +224,7 @@ HONOURED = """
     vllm.gpu_memory_utilization vllm.enable_sleep ds.enable_sleep train.colocate_all
     ds.zero_stage ds.param_dtype ds.zpg ds.adam_offload ds.attn_implementation ds.experts_implementation
     ds.use_liger_kernel ds.grad_accum_dtype ds.overlap_comm ds.deepcompile ds.packing_samples ds.use_universal_ckpt
+    ds.ring_attn_size ds.ring_attn_head_stride
     actor.gradient_checkpointing_enable actor.gradient_checkpointing_reentrant
     actor.eps_clip actor.eps_clip_low_high actor.dual_clip actor.policy_loss_type actor.loss_agg_mode
     actor.aux_loss_coef actor.entropy_coef actor.optim actor.muon.lr actor.muon.momentum actor.muon.ns_steps
@@ -250,8 +251,6 @@ NO_REWARD_MODEL = "MAPPA has no reward model: the coach scores every action (--m
 OWN_TASKS = ("MAPPA reads tasks itself, JSON lists or JSONL of prompt/answer rows (--data.prompt_dataset, "
              "--eval.dataset)")
 OWN_PROMPTS = "each agent's prompt comes from the topology, rendered with that agent's chat template"
-NO_DUPLICATE = ("MAPPA builds each agent's actor and reference groups without OpenRLHF's duplicate_actors, so "
-                "ranks of one ring-attention / tensor-parallel group would get different data")
 LORA = ("LoRA is set per agent, in the topology (agents[].lora), and its adapters are synced by MAPPA: OpenRLHF "
         "0.11.2's run-wide LoRA syncs every weight under peft's names, which vLLM's loader rejects (OpenRLHF #1349)")
 TEXT_ONLY = "MAPPA's agents are text-only"
@@ -276,8 +275,11 @@ REFUSED = {
     "rollout.vllm_generate_batch_size": "MAPPA submits every episode of a step to the engines at once",
     "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
     "algo.advantage.lambd": "GAE's lambda: " + NO_CRITIC,
-    **dict.fromkeys(("ds.ring_attn_size", "ds.ring_attn_head_stride", "ds.tensor_parallel_size"), NO_DUPLICATE),
     **dict.fromkeys(("ds.lora." + k for k in ("rank", "alpha", "target_modules", "dropout")), LORA),
+    "ds.tensor_parallel_size": "DeepSpeed's tensor parallelism (AutoTP) is not built: its ranks would get their data as "
+                               "ring attention's do (duplicate_actors), but AutoTP has never run under MAPPA (not on CPU "
+                               "either), and a LoRA adapter would be synced from one rank's shard; use "
+                               "--ds.ring_attn_size for long actions",
     "ds.load_in_4bit": "4-bit (QLoRA) weights are not built: OpenRLHF would quantize every agent's actor, full-weight "
                        "agents included (which cannot train 4-bit weights), while a LoRA pool's vLLM engines serve the "
                        "base in bf16; and bitsandbytes' 4-bit kernels need CUDA, so this path has never run",
@@ -427,14 +429,15 @@ def parse_args(argv=None, prog: str = "train_mappa_ray"):
     # Upstream's dynamic-filtering check demands a reward model or an agent function: MAPPA's coach scores, and
     # validate() checks the rest of it.
     filtering, args.algo.dynamic_filtering_enable = args.algo.dynamic_filtering_enable, False
-    # Upstream turns --ds.packing_samples on with token budgets, to go faster, and flash attention with it; both
-    # need flash-attn's kernels, and the budgets work on padded batches too (sdpa, a CPU): MAPPA keeps them as given.
+    # Upstream turns --ds.packing_samples on with token budgets (to go faster) and ring attention, and flash
+    # attention with packing. Budgets work on padded batches too, and transformers masks packed sequences by their
+    # position ids under sdpa (a CPU): MAPPA keeps both as given, packing for an agent with ring attention
+    # (placement.agent_args; check_this_machine refuses ring attention on GPUs without flash attention).
     packing, attention = args.ds.packing_samples, args.ds.attn_implementation
     with refusals():  # upstream validates with assert
         validate_upstream(args)
     args.algo.dynamic_filtering_enable = filtering
-    if not packing:
-        args.ds.packing_samples, args.ds.attn_implementation = False, attention
+    args.ds.packing_samples, args.ds.attn_implementation = packing, attention
     return args
 
 
@@ -447,20 +450,34 @@ def load_file_module(name, path):
 
 
 def validate(args, topology):
+    from openrlhf_mappa.placement import agent_args
+
     if not args.vllm.num_engines:
         raise SystemExit("MAPPA generates with vLLM: set --vllm.num_engines (per agent; a topology may override it)")
     if not args.data.prompt_dataset:
         raise SystemExit("--data.prompt_dataset: the task file (JSON list or JSONL with prompt/answer) is required")
     trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents  # as placement.trainee_specs
     # Each agent's train batch is split over its data-parallel ranks (a topology may give an agent its own GPU
-    # count) in micro-batches.
+    # count) in micro-batches. The ranks of one ring-attention group share theirs (upstream's duplicate_actors): an
+    # agent's GPUs hold whole rings, and its data-parallel ranks are its GPUs / its ring size.
     for spec in trainees:
-        ranks = args.actor.num_nodes * (spec.num_gpus_per_node or args.actor.num_gpus_per_node)
+        a = agent_args(args, spec)
+        ring = a.ds.ring_attn_size
+        gpus = {"actor": a.actor.num_nodes * a.actor.num_gpus_per_node}
+        if a.algo.kl.init_coef > 0 and spec.lora is None:
+            gpus["reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
+        for kind, n in gpus.items():
+            if n % ring:
+                raise SystemExit(f"agent {spec.name!r}: its {n} {kind} GPUs must be a multiple of its ring-attention "
+                                 f"size ({ring}): the {ring} ranks of a ring share each micro-batch")
+        ranks = gpus["actor"] // ring
         for flag, micro in (("train.micro_batch_size", args.train.micro_batch_size),
                             ("rollout.micro_batch_size", args.rollout.micro_batch_size)):
             if args.train.batch_size % (micro * ranks):
                 where = ("num_gpus_per_node in the topology" if spec.num_gpus_per_node
                          else "--actor.num_nodes x --actor.num_gpus_per_node")
+                if ring > 1:
+                    where += f" / its ring-attention size {ring}"
                 raise SystemExit(f"agent {spec.name!r}: --train.batch_size ({args.train.batch_size}) must be a "
                                  f"multiple of --{flag} ({micro}) x its {ranks} data-parallel actor ranks ({where}) = "
                                  f"{micro * ranks}, so that every rank gets whole micro-batches")
@@ -541,20 +558,28 @@ def validate_algo(args) -> None:
                    is_correction_threshold=algo.advantage.is_correction_threshold)
 
 
-def check_this_machine(args) -> None:
+def check_this_machine(args, topology=None) -> None:
     """What the flags need of the machines the run starts on, not of the plan (`mappa plan` may run elsewhere)."""
     # OpenRLHF imports without flash-attn (patches/flash_attn_stub.py), but flash attention and packing need its
     # kernels: refused here, not in every actor minutes later.
+    from openrlhf_mappa.compat import cpu_mode
+
     attention = args.ds.attn_implementation
     kernel = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(attention)
-    if args.ds.packing_samples:
-        kernel = kernel or "flash_attn"
     if kernel and importlib.util.find_spec(kernel) is None:
-        what = "--ds.packing_samples" if args.ds.packing_samples else f"--ds.attn_implementation {attention}"
-        raise SystemExit(f"{what} needs flash-attn's kernels, and the module {kernel} is not installed here: install "
-                         f"flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, built for this torch and "
-                         f"CUDA) or pass --ds.attn_implementation sdpa (more memory at long contexts)")
-    from openrlhf_mappa.compat import cpu_mode
+        raise SystemExit(f"--ds.attn_implementation {attention} needs flash-attn's kernels, and the module {kernel} is "
+                         f"not installed here: install flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, "
+                         f"built for this torch and CUDA) or pass --ds.attn_implementation sdpa (more memory at long "
+                         f"contexts)")
+    ring = max([args.ds.ring_attn_size] + [spec.ring_attn_size or 1 for spec in (topology.agents if topology else ())])
+    if ring > 1 and importlib.util.find_spec("ring_flash_attn") is None:
+        raise SystemExit(f"--ds.ring_attn_size {ring} runs ring-flash-attn's kernels, and the module ring_flash_attn is "
+                         f"not installed here: `pip install ring_flash_attn` (it needs flash-attn)")
+    if ring > 1 and "flash_attention" not in attention and not cpu_mode():
+        # ring_flash_attn replaces flash attention's forward: under sdpa each rank would attend to its own slice.
+        raise SystemExit(f"--ds.ring_attn_size {ring} replaces flash attention's kernel, which "
+                         f"--ds.attn_implementation {attention} does not use: pass --ds.attn_implementation "
+                         f"flash_attention_2")
 
     if args.mappa.colocate != "none" and args.vllm.sync_backend == "gloo" and not cpu_mode():
         # With gloo, OpenRLHF builds a PyNccl group between an actor rank and the engine on its own GPU, which NCCL
@@ -666,7 +691,7 @@ def train(args):
                              max_retries=c.max_retries, rpm=c.rpm, structured=c.structured,
                              format_retries=c.format_retries, max_tokens=c.max_tokens, score_key=topology.score_key,
                              review_template=topology.review_template)
-        check_this_machine(args)
+        check_this_machine(args, topology)
         # An unreachable coach or a rejected key, found now rather than after the first rollout, by a coach of its
         # own: the run's opens its verdict cache, which writes.
         probe = build_coach(c.kind, cache_path=None, **coach_options)
