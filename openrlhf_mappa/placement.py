@@ -655,37 +655,41 @@ def trim(args, topology, gpus, gpu_gib, sizes, settings: list, savings: list) ->
 
 
 def fewest_gpus(args, topology, gpu_gib: float, sizes: dict):
-    """(GPUs, flags) of the smallest layout that fits (None: no count up to 16), over each placement, with the
-    flags as given or the memory savings it needs (a tie keeps the one without sleep). On GPUs of their own:
-    one engine per agent, the fewest actor and reference GPUs and the smallest tensor-parallel size that hold
-    the model; colocated, the fewest GPUs per agent that hold one rank of each."""
+    """(GPUs, flags) of the smallest layout that fits (None: no count up to 16), over each placement and ring-attention
+    size, with the flags as given or the memory savings it needs (a tie keeps the smaller ring, then the one without
+    sleep). On GPUs of their own: one engine per agent, the fewest actor and reference GPUs and the smallest
+    tensor-parallel size that hold the model; colocated, the fewest GPUs per agent that hold one rank of each."""
     kl = has_reference(args, topology)
+    tp_sizes = (1,) if any(spec.lora for spec in topology.agents) else (1, 2, 4, 8)  # a LoRA pool's engines: TP 1
     found = []
-    for savings in ([], memory_flags(args)):
-        for mode in ("none", "agent", "team"):
-            moves = colocation(args, topology, mode)
-            if mode == "none":  # each component's count in turn, smallest first; the rest as far as found
-                moves.append(("vllm", "num_engines", 1))
-                steps = [({"actor"}, [("actor", "num_gpus_per_node")], range(1, 17))]
-                steps += [({"reference"}, [("ref", "num_gpus_per_node")], range(1, 17))] * kl
-                steps += [({"vllm"}, [("vllm", "tensor_parallel_size")], (1, 2, 4, 8))]
-            else:  # one rank of each per GPU: the three counts together
-                moves.append(("vllm", "tensor_parallel_size", 1))
-                keys = [("actor", "num_gpus_per_node"), *[("ref", "num_gpus_per_node")] * kl, ("vllm", "num_engines")]
-                steps = [({"actor", "reference", "vllm"}, keys, range(1, 17))]
-            for kinds, keys, options in steps:
-                for n in options:
-                    step = [(s, k, n) for s, k in keys]
-                    a = with_changes(args, savings + moves + step)
-                    if batch_fits(a, topology) and not make_plan(a, topology, gpu_gib, sizes).unfit_kinds() & kinds:
-                        moves += step
-                        break
+    for ring in sorted({args.ds.ring_attn_size, 2, 4, 8}):  # an agent's GPU counts are whole rings
+        counts = range(ring, 17, ring)
+        for savings in ([], memory_flags(args)):
+            for mode in ("none", "agent", "team"):
+                moves = colocation(args, topology, mode) + [("ds", "ring_attn_size", ring)]
+                if mode == "none":  # each component's count in turn, smallest first; the rest as far as found
+                    moves.append(("vllm", "num_engines", 1))
+                    steps = [({"actor"}, [("actor", "num_gpus_per_node")], counts)]
+                    steps += [({"reference"}, [("ref", "num_gpus_per_node")], counts)] * kl
+                    steps += [({"vllm"}, [("vllm", "tensor_parallel_size")], tp_sizes)]
+                else:  # one rank of each per GPU: the three counts together
+                    moves.append(("vllm", "tensor_parallel_size", 1))
+                    keys = [("actor", "num_gpus_per_node"), *[("ref", "num_gpus_per_node")] * kl,
+                            ("vllm", "num_engines")]
+                    steps = [({"actor", "reference", "vllm"}, keys, counts)]
+                for kinds, keys, options in steps:
+                    for n in options:
+                        step = [(s, k, n) for s, k in keys]
+                        a = with_changes(args, savings + moves + step)
+                        if batch_fits(a, topology) and not make_plan(a, topology, gpu_gib, sizes).unfit_kinds() & kinds:
+                            moves += step
+                            break
+                    else:
+                        break  # no count fits this component: try again with the memory savings
                 else:
-                    break  # no count fits this component: try again with the memory savings
-            else:
-                if fits(with_changes(args, savings + moves), topology, None, gpu_gib, sizes):
-                    kept = trim(args, topology, None, gpu_gib, sizes, moves, savings) + moves
-                    found.append((make_plan(with_changes(args, kept), topology).need, flags(args, kept)))
+                    if fits(with_changes(args, savings + moves), topology, None, gpu_gib, sizes):
+                        kept = trim(args, topology, None, gpu_gib, sizes, moves, savings) + moves
+                        found.append((make_plan(with_changes(args, kept), topology).need, flags(args, kept)))
     return min(found, key=lambda f: f[0], default=None)
 
 

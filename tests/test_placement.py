@@ -464,7 +464,9 @@ def test_readme_lora_figures_are_the_plans(tmp_path):
     largest = [n for n in ("qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b") if figures["none", n][0] or figures["team", n][0]]
     assert largest[-1] == "qwen3-14b" and figures["none", "qwen3-14b"][0]
     assert "the largest Qwen3 whose 3-agent team fits one 8 × 80 GB node is **Qwen3-14B**" in " ".join(readme.split())
-    assert f"3 × Qwen3-32B needs {figures['none', 'qwen3-32b'][1][0]}." in readme
+    # A pool's engines take one GPU each (validate refuses tensor-parallel LoRA engines), which 32B's weights fill.
+    assert figures["none", "qwen3-32b"][1] is None and figures["team", "qwen3-32b"][1] is None
+    assert "3 × Qwen3-32B fits no layout of up to 16 GPUs: a pool's engine takes one GPU" in " ".join(readme.split())
     assert f"send {2 * A / 2**20:.0f} MiB per Qwen3-4B agent,\nnot {2 * P / 2**20:.0f} MiB" in readme
 
 
@@ -595,6 +597,13 @@ def test_long_actions_name_ring_attention(tmp_path):
         for label in ("activations", "logits"):
             assert half[kind].adds[phase][label] == pytest.approx(whole[kind].adds[phase][label] / 2), (kind, label)
     assert half["actor"].held == whole["actor"].held
+    # Qwen3-14B at 64K tokens: no ring fits 2 GPUs an agent; the fewest that hold it are 4 an agent, in rings of 2.
+    args14 = parse_args(argv[:-2] + ["--data.max_len", "65536", "--mappa.model", str(ROOT / "tests/fixtures/qwen3-14b")])
+    topology14 = load_topology(str(ROOT / args14.mappa.topology), model_override=args14.mappa.model)
+    assert refusal(args14, topology14, gpus=8).splitlines()[-1] == (
+        "Smallest change that fits: more GPUs. This team needs at least 12 GPUs of 80 GiB: --ref.offload "
+        "--ds.ring_attn_size 2 --actor.num_gpus_per_node 4 --ref.num_gpus_per_node 4 --vllm.num_engines 4; as "
+        "configured, 6")
     # Per agent, in the topology: a ring for the modeler alone; the other agents' GPUs still do not fit.
     topology.agents[1].ring_attn_size = 2
     assert topology.agents[1].name == "modeler"
