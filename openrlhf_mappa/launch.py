@@ -199,7 +199,7 @@ def build_agents(args, topology, max_steps: dict, startup) -> list:
 
     agents, init_refs = [], []
     for spec, a in per_agent:
-        # Ranks of one ring-attention / tensor-parallel group get the same micro-batches (upstream's batch split)
+        # The ranks of one ring get the same micro-batches (upstream's duplicate_actors: ring x tensor-parallel size)
         group = lambda count, cls, kind: RayActorGroup(*count, threaded(cls), pg=pg_of(spec.name, kind),
                                                        num_gpus_per_actor=share,
                                                        duplicate_actors=a.ds.ring_attn_size * a.ds.tensor_parallel_size)

@@ -560,8 +560,8 @@ def validate_algo(args) -> None:
 
 def check_this_machine(args, topology=None) -> None:
     """What the flags need of the machines the run starts on, not of the plan (`mappa plan` may run elsewhere)."""
-    # OpenRLHF imports without flash-attn (patches/flash_attn_stub.py), but flash attention and packing need its
-    # kernels: refused here, not in every actor minutes later.
+    # OpenRLHF imports without flash-attn (patches/flash_attn_stub.py), but flash attention needs its kernels, and
+    # ring attention ring-flash-attn's: refused here, not in every actor minutes later.
     from openrlhf_mappa.compat import cpu_mode
 
     attention = args.ds.attn_implementation
