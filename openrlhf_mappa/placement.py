@@ -246,6 +246,9 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
                            f"{2 * trained / 2**20:.0f} MiB, not {2 * P / 2**20:.0f} MiB")
         if a.algo.kl.init_coef > 0:
             actor.notes.append("reference log-probs: this actor with the adapter off (no reference group)")
+    if a.ds.ring_attn_size > 1:
+        actor.notes.append(f"ring attention: its ranks in rings of {a.ds.ring_attn_size}, each holding {t:.0f} of a "
+                           f"sequence's {s} tokens (the reference's too)")
     if a.ds.adam_offload:
         actor.notes.append(f"Adam states and fp32 gradients in host memory: {sum(host.values()):.1f} GiB per rank")
     if offloads:

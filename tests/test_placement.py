@@ -597,6 +597,8 @@ def test_long_actions_name_ring_attention(tmp_path):
         for label in ("activations", "logits"):
             assert half[kind].adds[phase][label] == pytest.approx(whole[kind].adds[phase][label] / 2), (kind, label)
     assert half["actor"].held == whole["actor"].held
+    assert "ring attention: its ranks in rings of 2, each holding 20480 of a sequence's 40960 tokens" in \
+        placement.format_plan(plan, 8)
     # Qwen3-14B at 64K tokens: no ring fits 2 GPUs an agent; the fewest that hold it are 4 an agent, in rings of 2.
     args14 = parse_args(argv[:-2] + ["--data.max_len", "65536", "--mappa.model", str(ROOT / "tests/fixtures/qwen3-14b")])
     topology14 = load_topology(str(ROOT / args14.mappa.topology), model_override=args14.mappa.model)
