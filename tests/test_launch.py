@@ -428,7 +428,7 @@ def test_every_upstream_flag_is_honoured_or_refused():
 
 
 @pytest.mark.parametrize("flags, reason", [
-    (["--ds.tensor_parallel_size", "2"], "AutoTP has never run under MAPPA"),
+    (["--ds.tensor_parallel_size", "2"], "transformers' DeepSpeed loader refuses the model"),
     (["--vllm.sync_with_ray"], "would be named 'openrlhf'"),
     (["--ds.load_in_4bit"], "full-weight agents included"),
     (["--rollout.vllm_generate_batch_size", "4"], "every episode of a step to the engines at once"),

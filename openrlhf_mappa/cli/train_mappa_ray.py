@@ -276,9 +276,10 @@ REFUSED = {
     "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
     "algo.advantage.lambd": "GAE's lambda: " + NO_CRITIC,
     **dict.fromkeys(("ds.lora." + k for k in ("rank", "alpha", "target_modules", "dropout")), LORA),
-    "ds.tensor_parallel_size": "DeepSpeed's tensor parallelism (AutoTP) is not built: its ranks would get their data as "
-                               "ring attention's do (duplicate_actors), but AutoTP has never run under MAPPA (not on CPU "
-                               "either), and a LoRA adapter would be synced from one rank's shard; use "
+    "ds.tensor_parallel_size": "DeepSpeed's tensor parallelism (AutoTP) is not built: under ZeRO-3 (every recipe's) "
+                               "transformers' DeepSpeed loader refuses the model ('Weight conversions ... with DeepSpeed "
+                               "Tensor Parallelism are not yet implemented', measured), under ZeRO-2 its sharding is "
+                               "unverified, and a LoRA adapter would be synced from one rank's shard; use "
                                "--ds.ring_attn_size for long actions",
     "ds.load_in_4bit": "4-bit (QLoRA) weights are not built: OpenRLHF would quantize every agent's actor, full-weight "
                        "agents included (which cannot train 4-bit weights), while a LoRA pool's vLLM engines serve the "
