@@ -572,7 +572,10 @@ def check_this_machine(args, topology=None) -> None:
                          f"not installed here: install flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, "
                          f"built for this torch and CUDA) or pass --ds.attn_implementation sdpa (more memory at long "
                          f"contexts)")
-    ring = max([args.ds.ring_attn_size] + [spec.ring_attn_size or 1 for spec in (topology.agents if topology else ())])
+    from openrlhf_mappa.placement import agent_args
+
+    specs = topology.agents if topology else []  # each agent's ring: the flag, or its topology's ring_attn_size
+    ring = max([agent_args(args, spec).ds.ring_attn_size for spec in specs] or [args.ds.ring_attn_size])
     if ring > 1 and importlib.util.find_spec("ring_flash_attn") is None:
         raise SystemExit(f"--ds.ring_attn_size {ring} runs ring-flash-attn's kernels, and the module ring_flash_attn is "
                          f"not installed here: `pip install ring_flash_attn` (it needs flash-attn)")
