@@ -4,6 +4,7 @@ to its AgentTrainer, whose train_step is OpenRLHF's own. LoRA agents share their
 sync the adapter alone, in PEFT format. Its own module because OpenRLHF's trainer loads DeepSpeed and vLLM.
 """
 
+import functools
 import json
 import os
 import tempfile
@@ -86,12 +87,30 @@ class LoraActor(PolicyModelActor.__ray_actor_class__):
     """A LoRA agent's actor rank: OpenRLHF's, its model wrapped by peft (--ds.lora.* in the agent's args)."""
 
     def init_model_from_pretrained(self, strategy, pretrain, max_steps=None, vllm_engines=None):
+        if strategy.args.ds.load_in_4bit:
+            # bitsandbytes adds each 4-bit weight's quantization constants to the state dict: DeepSpeed's strict load
+            # refuses them on resume, and upstream's HF export asserts on them (its QLoRA checkpoints fail so). The
+            # fresh 4-bit base rebuilds them alike, and an export needs the adapter alone.
+            strategy.load_ckpt = functools.partial(strategy.load_ckpt, load_module_strict=False)
+            strategy.save_model = self.save_adapter
         # No weight-sync group with the engines: only the adapter travels, through Ray (adapter_files).
         super().init_model_from_pretrained(strategy, pretrain, max_steps, None)
 
     def forward_base(self, **kwargs):
         with self.actor.model.module.disable_adapter():
             return self.forward(**kwargs)
+
+    def save_adapter(self, model, tokenizer, output_dir, **kwargs):
+        """An HF export of the adapter alone, in PEFT format, with the model's config and tokenizer (what upstream's
+        strategy.save_model writes for a LoRA actor). Every rank joins the gather; its callers wait for all ranks."""
+        files = self.adapter_files()
+        if files is not None:
+            os.makedirs(output_dir, exist_ok=True)
+            for name, data in files[0].items():
+                with open(os.path.join(output_dir, name), "wb") as f:
+                    f.write(data)
+            self.actor.model.module.config.to_json_file(os.path.join(output_dir, "config.json"))
+            tokenizer.save_pretrained(output_dir)
 
     def adapter_files(self):
         """On rank 0: the adapter's files as `save_pretrained` writes them (vLLM's loader takes those names) and
@@ -107,7 +126,9 @@ class LoraActor(PolicyModelActor.__ray_actor_class__):
                 return None
             tensors = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
         config = {k: sorted(v) if isinstance(v, set) else v for k, v in model.peft_config["default"].to_dict().items()}
-        base = sum(getattr(p, "ds_numel", p.numel()) for n, p in model.named_parameters() if "lora_" not in n)
+        # A 4-bit weight (QLoRA) packs two parameters a byte; its quant_state keeps the unpacked shape.
+        size = lambda p: p.quant_state.shape.numel() if hasattr(p, "quant_state") else getattr(p, "ds_numel", p.numel())
+        base = sum(size(p) for n, p in model.named_parameters() if "lora_" not in n)
         return {"adapter_model.safetensors": save(tensors), "adapter_config.json": json.dumps(config).encode()}, base
 
 

@@ -38,7 +38,8 @@ DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Per-agent topology keys that win over a flag: (the key, the flag's group, its name). agent_args applies them,
 # and the launch prints each one that changes a flag's value (launch.check_placement).
 AGENT_OVERRIDES = (("max_new_tokens", "rollout", "max_new_tokens"), ("vllm_num_engines", "vllm", "num_engines"),
-                   ("num_gpus_per_node", "actor", "num_gpus_per_node"), ("ring_attn_size", "ds", "ring_attn_size"))
+                   ("num_gpus_per_node", "actor", "num_gpus_per_node"), ("ring_attn_size", "ds", "ring_attn_size"),
+                   ("tensor_parallel_size", "ds", "tensor_parallel_size"))
 
 
 def agent_args(args, spec):
@@ -50,6 +51,7 @@ def agent_args(args, spec):
         setattr(getattr(a, group), name, getattr(spec, key) or getattr(getattr(args, group), name))
     a.ref.num_gpus_per_node = spec.num_gpus_per_node or args.ref.num_gpus_per_node
     a.ds.packing_samples |= a.ds.ring_attn_size > 1  # a ring splits packed sequences (upstream turns it on too)
+    a.ds.load_in_4bit &= spec.lora is not None  # QLoRA: a full-weight agent's weights train, so they stay bf16
     a.ckpt.path = os.path.join(args.ckpt.path, spec.name)
     a.ckpt.max_num = args.ckpt.max_num + 1  # the team's checkpoint stays while the next is saved (rotate_checkpoints)
     a.ckpt.output_dir = os.path.join(args.ckpt.output_dir, spec.name)
@@ -215,9 +217,12 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
 
     zero3 = a.ds.zero_stage == 3
     gathered = {"ZeRO-3 gathered layers": 2 * size.layer_params * 2 / GIB} if zero3 else {}
-    P, D = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node
+    P, D, tp = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node, a.ds.tensor_parallel_size
+    linear = size.layers * sum(i * o for i, o in size.linear_shapes().values())
+    # AutoTP: a rank holds 1/tp of every linear layer, and ZeRO shards its states over the D/tp data-parallel ranks.
+    P, Z = P - linear + linear / tp, D / tp
     trained = size.lora_params(lora.rank, lora.target_modules) if lora else P
-    shard = lambda nbytes, stage: nbytes / (D if a.ds.zero_stage >= stage else 1)
+    shard = lambda nbytes, stage: nbytes / (Z if a.ds.zero_stage >= stage else 1)
     if a.ds.adam_offload:  # ZeRO's offloaded optimizer keeps fp32 gradients beside Adam, in pinned host memory
         states = {"gradient buckets": h * h * 4 / GIB}
         host = {"Adam states": shard(12 * trained, 1) / GIB, "fp32 gradients": shard(4 * trained, 1) / GIB}
@@ -232,7 +237,10 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
               else b * t * token_layer * L)
     largest = V * h * 2 / GIB  # the embedding, the largest tensor the sync gathers
     ipc = a.mappa.colocate != "none" and a.vllm.sync_backend == "nccl"  # OpenRLHF's colocated sync: CUDA IPC
-    weights = {"weights": shard(2 * P, 3) / GIB, **({"adapter": shard(2 * trained, 3) / GIB} if lora else {})}
+    base = 2 * P
+    if a.ds.load_in_4bit:  # QLoRA: bitsandbytes' nf4 linear layers, 4 bits and a byte of scale per 64; the rest bf16
+        base -= linear * (2 - 0.5 - 1 / 64)
+    weights = {"weights": shard(base, 3) / GIB, **({"adapter": shard(2 * trained, 3) / GIB} if lora else {})}
     actor = Group(name, "actor", D, 1, {**weights, **({} if offloads else states), "CUDA context": CONTEXT_GIB}, {
         "experience": {**forward(a.rollout.micro_batch_size), **gathered},
         "train": {**(states if offloads else {}), "activations": stored / GIB, "logits": b * t * V * 10 / GIB,
@@ -246,6 +254,12 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
                            f"{2 * trained / 2**20:.0f} MiB, not {2 * P / 2**20:.0f} MiB")
         if a.algo.kl.init_coef > 0:
             actor.notes.append("reference log-probs: this actor with the adapter off (no reference group)")
+        if a.ds.load_in_4bit:
+            actor.notes.append(f"4-bit base (QLoRA): {base / GIB:.1f} GiB of weights in all, not {2 * P / GIB:.1f}; "
+                               f"its pool's engines serve the bf16 base")
+    if tp > 1:
+        actor.notes.append(f"tensor parallelism (DeepSpeed AutoTP): every linear layer split over {tp} ranks, ZeRO-"
+                           f"{a.ds.zero_stage} over {Z:.0f} data-parallel ranks; activations counted whole")
     if a.ds.ring_attn_size > 1:
         actor.notes.append(f"ring attention: its ranks in rings of {a.ds.ring_attn_size}, each holding {t:.0f} of a "
                            f"sequence's {s} tokens (the reference's too)")
@@ -637,8 +651,8 @@ def batch_fits(args, topology) -> bool:
     micro = (args.train.micro_batch_size, args.rollout.micro_batch_size)
     for spec in trainee_specs(args, topology):
         a = agent_args(args, spec)
-        ring, gpus = a.ds.ring_attn_size, a.actor.num_nodes * a.actor.num_gpus_per_node  # a ring shares micro-batches
-        if gpus % ring or any(args.train.batch_size % (m * gpus // ring) for m in micro):
+        group, gpus = a.ds.ring_attn_size * a.ds.tensor_parallel_size, a.actor.num_nodes * a.actor.num_gpus_per_node
+        if gpus % group or any(args.train.batch_size % (m * gpus // group) for m in micro):  # a group shares them
             return False
     return True
 

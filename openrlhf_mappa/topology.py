@@ -104,6 +104,7 @@ class AgentSpec:
     vllm_num_engines: Optional[int] = None
     max_new_tokens: Optional[int] = None
     ring_attn_size: Optional[int] = None
+    tensor_parallel_size: Optional[int] = None
     view: View = field(default_factory=View)
     lora: Optional[Lora] = None
 
@@ -346,7 +347,7 @@ def _parse_agent(row, index: int, model_override: Optional[str], fail) -> AgentS
     max_actions = row.get("max_actions", 1)
     if isinstance(max_actions, bool) or not isinstance(max_actions, int) or max_actions < 1:
         fail(f"{label}: 'max_actions' must be an integer >= 1, got {max_actions!r}")
-    for key in ("num_gpus_per_node", "vllm_num_engines", "max_new_tokens", "ring_attn_size"):
+    for key in ("num_gpus_per_node", "vllm_num_engines", "max_new_tokens", "ring_attn_size", "tensor_parallel_size"):
         value = row.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             fail(f"{label}: '{key}' must be a positive integer or left out, got {value!r}")

@@ -7,6 +7,7 @@ plan: test_placement.py; actor threads and the doctor on a cluster: test_user_in
 
 import concurrent.futures
 import http.server
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 
@@ -113,6 +115,14 @@ def test_flash_attention_without_flash_attn_ring_attention_and_gloo_colocated_on
     assert proc.stderr.strip().endswith(
         "--ds.ring_attn_size 2 replaces flash attention's kernel, which --ds.attn_implementation sdpa does not use: pass "
         "--ds.attn_implementation flash_attention_2"), proc.stderr[-2000:]
+    # QLoRA needs bitsandbytes (installed here: 0.50 runs 4-bit on CPU); a machine without it is refused.
+    qlora = parse_args(base + ["--ds.attn_implementation", "sdpa", "--ds.load_in_4bit"])
+    check_this_machine(qlora)
+    real = importlib.util.find_spec
+    with mock.patch("importlib.util.find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)):
+        with pytest.raises(SystemExit, match=r"--ds.load_in_4bit quantizes with bitsandbytes, and it is not installed "
+                                             r"here: `pip install bitsandbytes`"):
+            check_this_machine(qlora)
     colocated = base + ["--ds.attn_implementation", "sdpa", "--mappa.colocate", "agent", "--vllm.sync_backend", "gloo"]
     check_this_machine(parse_args(colocated))  # CPU mode: gloo is how a colocated team syncs here
     # What a CUDA build of torch decides (MAPPA_CPU_MODE=0 forces it on this machine): refused, naming the fix.
@@ -271,11 +281,26 @@ def test_doctor_tells_a_sync_that_arrived_from_one_that_did_not_or_crossed():
     assert not verdicts["b"][0] and verdicts["b"][1].endswith("holds the weights of a")
     unmoved = {"actor": {"a": a, "b": b}, "engines": {"a": [a], "b": [b]}}
     assert not sync_verdicts({"actor": {"a": a, "b": [0.0] * 4}}, unmoved)["a"][0]  # a's step trained nothing
+    # QLoRA: b's actor runs on a 4-bit base up to 0.3 nats off its engines' bf16 one (the adapters off); its engine
+    # may be that far from it, if it is nearer b's new weights than its old ones.
+    q_base, e_base = [-1.3, -1.7, -0.9, -0.5], [-1.0, -2.0, -0.6, -0.2]
+    q_actor = [-1.8, -1.3, -1.1, -0.2]
+    quant = {"actor": {"a": a, "b": q_actor}, "base": {"b": q_base}, "engine_base": {"b": e_base},
+             "engines": {"a": [a], "b": [[x + 0.25 for x in q_actor]]}}
+    before_q = {"actor": {"a": [0.0] * 4, "b": q_base}}
+    assert not sync_verdicts(before_q, quant)["b"][0]  # taken at face value, the bases' offset fails it
+    verdict = sync_verdicts(before_q, quant, quantized=["b"])["b"]
+    assert verdict[0] and "the 4-bit base is 0.3000 off theirs" in verdict[1], verdict
+    stale = dict(quant, engines={"a": [a], "b": [e_base]})  # b's engine kept its initial adapter (off: its base)
+    assert not sync_verdicts(before_q, stale, quantized=["b"])["b"][0]
+    far = dict(quant, engines={"a": [a], "b": [[x + 0.4 for x in q_actor]]})  # beyond what the bases differ by
+    assert not sync_verdicts(before_q, far, quantized=["b"])["b"][0]
 
 
 TOKEN_BUDGET_RANK = """
 import json, sys
 from types import SimpleNamespace
+from unittest import mock
 import torch
 import torch.distributed as dist
 from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer

@@ -282,7 +282,7 @@ def test_dataset_with_a_byte_that_is_not_utf8(workdir, flag):
     assert_refused(proc, f"not UTF-8 ({flag})", "latin1.jsonl: line 2: byte 0xe9 is not UTF-8; save the file as UTF-8")
 
 
-def test_lora_target_modules_and_tensor_parallel_pools_are_refused_before_ray(workdir):
+def test_lora_target_modules_tensor_parallel_pools_and_4bit_without_lora_are_refused_before_ray(workdir):
     shutil.copy(ROOT / "tests" / "fixtures" / "qwen3-4b" / "config.json", workdir / "model" / "config.json")
     write_topology(workdir, lora={"rank": 8, "target_modules": ["q_proj", "qkv"]})
     proc = cli(workdir, GOOD, "lora target")
@@ -291,6 +291,14 @@ def test_lora_target_modules_and_tensor_parallel_pools_are_refused_before_ray(wo
     write_topology(workdir, lora={"rank": 8})
     proc = cli(workdir, GOOD + ["--vllm.tensor_parallel_size", "2"], "lora tensor parallel")
     assert_refused(proc, "lora tensor parallel", "agents solver declare lora: their pool's engines take one GPU each")
+    proc = cli(workdir, GOOD + ["--ds.load_in_4bit", "--ds.param_dtype", "fp16"], "4-bit fp16")
+    assert_refused(proc, "4-bit fp16", "--ds.load_in_4bit computes in bf16 (OpenRLHF's bitsandbytes config): use "
+                                       "--ds.param_dtype bf16, not fp16")
+    write_topology(workdir)  # full weights
+    proc = cli(workdir, GOOD + ["--ds.load_in_4bit"], "4-bit full weights")
+    assert_refused(proc, "4-bit full weights", "--ds.load_in_4bit trains LoRA adapters on a 4-bit base (QLoRA), and no "
+                                               "agent declares lora in the topology: its full weights cannot train in "
+                                               "4 bits")
 
 
 def test_bad_flag_topology_and_upstream_check(workdir):
@@ -428,9 +436,8 @@ def test_every_upstream_flag_is_honoured_or_refused():
 
 
 @pytest.mark.parametrize("flags, reason", [
-    (["--ds.tensor_parallel_size", "2"], "transformers' DeepSpeed loader refuses the model"),
+    (["--ds.lora.rank", "8"], "LoRA is set per agent, in the topology"),
     (["--vllm.sync_with_ray"], "would be named 'openrlhf'"),
-    (["--ds.load_in_4bit"], "full-weight agents included"),
     (["--rollout.vllm_generate_batch_size", "4"], "every episode of a step to the engines at once"),
     (["--logger.logging_steps", "10"], "MAPPA logs every step"),
     (["--data.input_key", "question"], "prompt/answer rows"),
@@ -455,9 +462,8 @@ def test_refused_flags_at_their_default_pass_and_the_cli_refuses_before_ray(work
     assert args.algo.advantage.lambd == 1.0
     # Several at once, all named, through the real CLI before torch or Ray load.
     write_topology(workdir)
-    proc = cli(workdir, GOOD + ["--algo.advantage.lambd", "0.9", "--ds.tensor_parallel_size", "2"], "refused flags")
-    assert_refused(proc, "refused flags", "--ds.tensor_parallel_size 2: DeepSpeed's tensor parallelism (AutoTP) is "
-                                          "not built")
+    proc = cli(workdir, GOOD + ["--algo.advantage.lambd", "0.9", "--ds.lora.rank", "8"], "refused flags")
+    assert_refused(proc, "refused flags", "--ds.lora.rank 8: LoRA is set per agent, in the topology")
     assert "--algo.advantage.lambd 0.9: GAE's lambda: MAPPA has no critic" in proc.message and proc.returncode == 1
 
 
@@ -533,8 +539,8 @@ def test_get_parser_patch_applies_and_its_parser_is_the_same(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="The number of sample batches must be greater"):
         parse_args(["--mappa.topology", "t.yaml", "--rollout.batch_size", "1", "--rollout.micro_batch_size", "4",
                     "--actor.num_gpus_per_node", "2"])
-    with pytest.raises(SystemExit, match="--ds.tensor_parallel_size 2: DeepSpeed's tensor parallelism"):
-        parse_args(["--mappa.topology", "t.yaml", "--ds.tensor_parallel_size", "2"])
+    with pytest.raises(SystemExit, match="--ds.lora.rank 8: LoRA is set per agent"):
+        parse_args(["--mappa.topology", "t.yaml", "--ds.lora.rank", "8"])
 
 
 def vars_of(namespace):

@@ -119,3 +119,71 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
             if o != n:
                 assert (engine - actor[o]).abs().mean() > 0.05, (n, o)
                 assert any(not torch.equal(adapters[n][k], adapters[o][k]) for k in adapters[n]), (n, o)
+
+
+@pytest.mark.e2e
+def test_qlora_agents_train_adapters_on_a_4bit_base_and_resume(tmp_path, tiny_model):
+    """--ds.load_in_4bit (QLoRA) for real on CPU: bitsandbytes' nf4 base under OpenRLHF's actor, ZeRO-3 (quantity on 2
+    ranks), the pool's engine serving the bf16 base. A 2-step run, then the same command with 2 more episodes resumes
+    it from DeepSpeed's checkpoint (whose quantization constants upstream's strict load refuses)."""
+    topology = yaml.safe_load(open(os.path.join(REPO, "examples", "configs", "relay.yaml")))
+    for agent in topology["agents"]:
+        agent["model"] = tiny_model
+        agent["lora"] = {"rank": 8, "alpha": 16}
+    topology["agents"][0]["num_gpus_per_node"] = 2
+    (tmp_path / "topology.yaml").write_text(yaml.safe_dump(topology))
+    run_dir, ckpt, final = tmp_path / "run", tmp_path / "ckpt", tmp_path / "final"
+    argv = [
+        "--mappa.topology", str(tmp_path / "topology.yaml"),
+        "--data.prompt_dataset", os.path.join(REPO, "examples", "data", "relay_train.jsonl"),
+        "--data.max_samples", "4", "--mappa.run_dir", str(run_dir), *TINY_RUN_FLAGS, "--ds.load_in_4bit",
+        "--actor.adam.lr", "5e-2", "--actor.lr_warmup_ratio", "0",
+        "--ckpt.save_steps", "1", "--ckpt.load_enable", "--ckpt.path", str(ckpt), "--ckpt.output_dir", str(final),
+    ]  # fmt: skip
+    env = local_cluster_env(5)
+    paths = {k: str(tmp_path / f"{k}.json") for k in ("start1", "end1", "start2", "end2")}
+    for run, more in ((1, []), (2, ["--train.num_episodes", "2"])):
+        child = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_resume_e2e import resume_and_probe; "
+                 f"resume_and_probe({argv + more!r}, {paths[f'start{run}']!r}, {paths[f'end{run}']!r})")
+        proc = run_training([sys.executable, "-c", child], tmp_path / f"train{run}", timeout=1200, cwd=tmp_path,
+                            env=env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    start1, end1, start2, end2 = (json.load(open(paths[k])) for k in ("start1", "end1", "start2", "end2"))
+    assert "resuming after step 2" in open(tmp_path / "train2.out").read() and start2["start"] == 2
+
+    from openrlhf_mappa.doctor import SAME, sync_verdicts
+    from test_openrlhf_cpu_e2e import hf_probe_logprobs
+
+    t = torch.tensor
+    for n in AGENTS:
+        assert end1["base_layers"][n] == ["Linear4bit"], end1["base_layers"]  # every adapted layer's base is 4-bit
+        # The 4-bit base is not the engines' bf16 one, and the adapter off is that 4-bit base.
+        quantization = (t(start1["base"][n]) - t(start1["engine_base"][n])).abs()
+        print(f"{n}: 4-bit base vs the engine's bf16 base {quantization.mean():.4f} nats mean, "
+              f"{quantization.max():.4f} max")
+        assert quantization.max() > SAME, n
+        assert (t(start1["actor"][n]) - t(start1["base"][n])).abs().max() < 1e-6, n  # peft's B = 0: the base
+        # Resumed: each actor is its checkpoint's adapter on the rebuilt 4-bit base, as the first run left it.
+        assert (t(start2["actor"][n]) - t(end1["actor"][n])).abs().max() < 1e-3, n
+    for before, after in ((start1, end1), (start2, end2)):  # each run: the adapters trained and reached the pool
+        verdicts = sync_verdicts(before, after, quantized=AGENTS)
+        assert all(ok for ok, _ in verdicts.values()), verdicts
+    # The final HF export is each adapter in PEFT format: merged into the bf16 base, it is what the pool serves.
+    merge = lambda n: [MAPPA, "merge-lora", str(final / n), str(tmp_path / f"merged-{n}")]
+    merges = {n: subprocess.Popen(merge(n), stderr=subprocess.PIPE) for n in AGENTS}
+    for n in AGENTS:
+        assert merges[n].wait(timeout=300) == 0, merges[n].stderr.read()[-2000:]
+        merged = torch.as_tensor(hf_probe_logprobs(str(tmp_path / f"merged-{n}"), end2["probe"]))
+        assert (merged - t(end2["engine"][n])).abs().max() < 0.05, n
+    from transformers import AutoModelForCausalLM
+
+    bf16_mib = 2 * sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters()) / 2**20
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        for n in AGENTS:
+            assert m[f"agent/{n}/updated"] == 1 and m[f"agent/{n}/trained_actions"] == 4
+            assert m[f"agent/{n}/logprob_mismatch_abs"] > 0  # sampled on the bf16 base, trained on the 4-bit one
+            # What a full sync would send: the bf16 model, its 4-bit layers counted by their unpacked shapes.
+            assert m[f"agent/{n}/full_sync_mib"] == pytest.approx(bf16_mib, rel=1e-6)
+            assert 0 < m[f"agent/{n}/sync_mib"] < bf16_mib / 2

@@ -33,7 +33,8 @@ import yaml
 
 from coach_server import COACH_TEMPLATE, CoachServer
 from conftest import (MAPPA, TINY_RUN_FLAGS, assert_documented_episodes, assert_report_renders,
-                      assert_rows_are_their_actions, local_cluster_env, record_experiences, run_training)
+                      assert_rows_are_their_actions, local_cluster_env, record_experiences, run_training,
+                      two_agent_mathchat)
 from openrlhf_mappa.envs.mathchat import MathChatEnv
 
 AGENTS = ("solver", "mute")  # the coach never gives "mute" a score
@@ -65,7 +66,8 @@ def probe_agents(agents) -> dict:
 
 
 def run_and_probe(argv: list, out_path: str, tensors_path: str = None):
-    """In a child process (see the test): train with `argv`, then probe every agent (probe_agents). Ray and
+    """In a child process (see the test): train with `argv`, then probe every agent (probe_agents; with each actor
+    rank's first q_proj, its class and shape). Ray and
     vLLM never live in the pytest process itself. With `tensors_path`, every step's experience tensors are
     saved as the advantage step leaves them (rewards.compute_advantages is observed, not replaced)."""
     import ray
@@ -75,8 +77,12 @@ def run_and_probe(argv: list, out_path: str, tensors_path: str = None):
     if tensors_path:
         record_experiences(tensors_path)
     agents = train(parse_args(argv))
+    # and, per actor rank, the class and shape of its first q_proj (DeepSpeed's AutoTP replaces and splits it)
+    q_proj = lambda self: next([type(m).__name__, list(m.weight.shape)]
+                               for n, m in self.actor.model.module.named_modules() if n.endswith("q_proj"))
+    layers = {ag.spec.name: ray.get([h.__ray_call__.remote(q_proj) for h in ag.actor._actor_handlers]) for ag in agents}
     with open(out_path, "w") as f:
-        json.dump(probe_agents(agents), f)
+        json.dump(dict(probe_agents(agents), q_proj=layers), f)
     ray.shutdown()
 
 
@@ -254,6 +260,55 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
     dom = assert_report_renders(str(run_dir / "report.html"), AGENTS, steps=2, episodes=8)
     mute = [c for c in dom.find_all("div", "action") if c.attrs["data-agent"] == "mute"]
     assert mute and all(c.find_all("div", "score")[0].text() == "no score: parse_error" for c in mute)
+
+
+@pytest.mark.e2e
+def test_tensor_parallel_agent_trains_on_split_layers_fed_alike(tmp_path, tiny_model):
+    """DeepSpeed's AutoTP for one agent, for real on CPU (ZeRO-2, gloo): MathChat's Problem Solver on 2 ranks in one
+    tensor-parallel group (topology `tensor_parallel_size: 2`), beside a Verifier on 1; heuristic coach, 2 steps."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    topology_path, tasks = two_agent_mathchat(tmp_path, num_tasks=4)
+    raw = yaml.safe_load(open(topology_path))
+    raw["agents"][0].update(num_gpus_per_node=2, tensor_parallel_size=2)
+    assert raw["agents"][0]["name"] == "problem_solver"
+    (tmp_path / "topology.yaml").write_text(yaml.safe_dump(raw))
+    argv = ["--mappa.topology", topology_path, "--mappa.model", tiny_model, "--data.prompt_dataset", tasks,
+            "--mappa.run_dir", str(tmp_path / "run"), *TINY_RUN_FLAGS, "--ds.zero_stage", "2",
+            "--actor.adam.lr", "1e-2", "--actor.lr_warmup_ratio", "0"]  # fmt: skip
+    probe_path, tensors_path = str(tmp_path / "probe.json"), str(tmp_path / "tensors.pt")
+    child = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_mappa_e2e import run_and_probe; "
+             f"run_and_probe({argv!r}, {probe_path!r}, {tensors_path!r})")  # fmt: skip
+    proc = run_training([sys.executable, "-c", child], tmp_path / "train", timeout=1200, cwd=tmp_path,
+                        env=local_cluster_env(5))  # the solver's 2 actor ranks and engine, the verifier's 1 and 1
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    result = json.load(open(probe_path))
+    # Each solver rank holds half of every q_proj (AutoTP's LinearLayer); the verifier's is whole.
+    assert result["q_proj"]["problem_solver"] == [["LinearLayer", [64, 128]]] * 2, result["q_proj"]
+    assert result["q_proj"]["verifier"] == [["Linear", [128, 128]]]
+    # Both ranks compute one forward (each its half, all-reduced), and the sync sent the gathered weights: the
+    # engine gives the trained actor's log-probs, and the actor moved away from the initial model.
+    from test_openrlhf_cpu_e2e import hf_probe_logprobs
+
+    rank0, rank1 = (torch.tensor(r) for r in result["actor_ranks"]["problem_solver"])
+    assert (rank0 - rank1).abs().max() < 1e-4
+    engine, actor = (torch.tensor(result[k]["problem_solver"]) for k in ("engine", "actor"))
+    assert (engine - actor).abs().max() < 0.02
+    assert (actor - torch.as_tensor(hf_probe_logprobs(tiny_model, result["probe"]))).abs().mean() > 0.05
+    # Step 1's experience (the initial weights): the split forward's log-probs of every row are a plain HF
+    # forward's, so both ranks of the group were given the same rows; each row is one of the solver's actions.
+    steps = torch.load(tensors_path)
+    episodes = [json.loads(line) for line in open(tmp_path / "run" / "episodes.jsonl")]
+    rows = assert_rows_are_their_actions(steps, episodes, AutoTokenizer.from_pretrained(tiny_model))
+    assert len(steps) == 2 and all(len(rows[step, "problem_solver"]) == 4 for step in (1, 2))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    for b in steps[0]["problem_solver"]:
+        mask_BA = b["action_mask"].bool()
+        with torch.no_grad():
+            logits = model(b["sequences"], attention_mask=b["attention_mask"]).logits[:, :-1].float()
+        hf_BA = torch.log_softmax(logits, -1).gather(-1, b["sequences"][:, 1:, None])[..., 0][:, -mask_BA.size(1):]
+        gap = (b["action_log_probs"].float() - hf_BA)[mask_BA].abs()
+        assert gap.max() < 0.05 and gap.mean() < 0.01, (gap.max(), gap.mean())
 
 
 @pytest.mark.e2e  # it starts a Ray cluster

@@ -436,6 +436,18 @@ def test_lora_plan_agrees_with_a_hand_computation(tmp_path):
     assert "serves problem_solver, code_executor, verifier: the base model once, each agent's adapter by request " \
            "(max_loras 3, max_lora_rank 16)" in text
 
+    # QLoRA: the base's linear layers in nf4 (4 bits and a byte of scale per 64 weights), the rest bf16.
+    args, topology = lora_recipe(tmp_path, QWEN3_4B, "--rollout.micro_batch_size", "1", "--ds.load_in_4bit")
+    plan = placement.check(args, topology, gpus=8, gpu_gib=80.0)
+    linear = L * (H * Q + 2 * H * K + Q * H + 3 * H * I)
+    base = 2 * (P - linear) + linear * 33 / 64
+    held = (base + 2 * A + 2 * A + 12 * A) / D / GIB + 1
+    slot = {g.label(0): [(g, 0)] for g in plan.groups()}
+    assert plan.peak(slot["verifier actor rank 0/2"], "train") == pytest.approx(held + TRAIN, rel=1e-9)
+    text = placement.format_plan(plan)
+    assert f"4-bit base (QLoRA): {base / GIB:.1f} GiB of weights in all, not {2 * P / GIB:.1f}" in text
+    assert f"weights + 3 LoRA slots {(2 * P / GIB + slots):.1f}" in text  # the pool serves the bf16 base
+
     # Team colocation: per GPU, 3 actor ranks and 1 pool engine, each asking Ray for a quarter of it.
     args, topology = lora_recipe(tmp_path, QWEN3_4B, "--mappa.colocate", "team")
     assert placement.gpu_share(args, topology) == 0.25
@@ -613,8 +625,41 @@ def test_long_actions_name_ring_attention(tmp_path):
     assert len(problems) == 2 and not any("modeler" in p for p in problems)
     # A ring's ranks share their micro-batches: an odd GPU count is refused before any plan.
     with pytest.raises(SystemExit, match=r"agent 'data_engineer': its 3 actor GPUs must be a multiple of its "
-                                         r"ring-attention size \(2\): the 2 ranks of a ring share each micro-batch"):
+                                         r"ring-attention size \(2\) x its tensor-parallel size \(1\): the ranks of a "
+                                         r"ring or tensor-parallel group share each micro-batch"):
         from openrlhf_mappa.cli.train_mappa_ray import validate
 
         validate(parse_args(argv + ["--ds.ring_attn_size", "2", "--actor.num_gpus_per_node", "3",
                                     "--mappa.model", str(QWEN3_4B)]), topology)
+
+
+def test_tensor_parallelism_splits_the_linear_layers_and_needs_zero_2(tmp_path):
+    # DeepSpeed's AutoTP at ZeRO-2 on the verifier's 4 GPUs in pairs: each rank holds half of every linear layer
+    # (hand-computed as LAYER's projections), and ZeRO-2 shards gradients and Adam states over the 2 pairs.
+    from openrlhf_mappa.cli.train_mappa_ray import validate
+
+    args, topology = recipe(QWEN3_4B, "--ds.zero_stage", "2", "--actor.num_gpus_per_node", "4",
+                            "--ref.num_gpus_per_node", "4", "--rollout.micro_batch_size", "1")
+    verifier = next(spec for spec in topology.agents if spec.name == "verifier")
+    verifier.tensor_parallel_size = 2
+    linear = L * (H * Q + 2 * H * K + Q * H + 3 * H * I)
+    Pr = P - linear + linear / 2
+    held = {g.agent: g.held for g in placement.make_plan(args, topology, 80.0).groups() if g.kind == "actor"}
+    assert held["verifier"]["weights"] == pytest.approx(2 * Pr / GIB)
+    assert held["verifier"]["Adam states"] == pytest.approx(12 * Pr / 2 / GIB)
+    assert held["verifier"]["gradients"] == pytest.approx(2 * Pr / 2 / GIB)
+    assert held["problem_solver"]["Adam states"] == pytest.approx(12 * P / 4 / GIB)  # the flag's 1 elsewhere
+    text = placement.format_plan(placement.make_plan(args, topology, 80.0))
+    assert ("tensor parallelism (DeepSpeed AutoTP): every linear layer split over 2 ranks, ZeRO-2 over 2 "
+            "data-parallel ranks") in text
+    # Validation: a group's ranks share micro-batches; AutoTP trains with ZeRO 0-2 only.
+    validate(args, topology)  # 16 a step: micro-batches of 1 on the verifier's 2 data-parallel ranks
+    verifier.num_gpus_per_node = 3
+    with pytest.raises(SystemExit, match=r"its 3 actor GPUs must be a multiple of its ring-attention size \(1\) x "
+                                         r"its tensor-parallel size \(2\)"):
+        validate(args, topology)
+    verifier.num_gpus_per_node = None
+    args.ds.zero_stage = 3
+    with pytest.raises(SystemExit, match=r"agent 'verifier': tensor parallelism \(2\) is DeepSpeed's AutoTP, which "
+                                         r"trains with ZeRO stages 0-2 only .*: pass --ds.zero_stage 2"):
+        validate(args, topology)

@@ -42,7 +42,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 def resume_and_probe(argv: list, out_path: str, end_path: str = None, tensors_path: str = None):
     """In a child process: resume training with `argv`; before the first resumed step, probe every agent's
     actor and engines (test_mappa_e2e.probe_agents); with `end_path`, after the last step too, with the kind of
-    each agent's reference; with `tensors_path`, every resumed step's experience tensors (record_experiences)."""
+    each agent's reference and the layers its LoRA adapters wrap; with `tensors_path`, every resumed step's
+    experience tensors (record_experiences)."""
     import ray
 
     from openrlhf_mappa.cli.train_mappa_ray import parse_args, train
@@ -61,8 +62,13 @@ def resume_and_probe(argv: list, out_path: str, end_path: str = None, tensors_pa
     MappaTrainer.fit = probe_then_fit
     agents = train(parse_args(argv))
     if end_path:
+        # and, from actor rank 0, the classes of the layers its LoRA adapters wrap (bitsandbytes' for QLoRA)
+        wrapped = lambda self: sorted({type(m.base_layer).__name__ for m in self.actor.model.modules()
+                                       if hasattr(m, "base_layer")})
+        base_layers = {ag.spec.name: ray.get(ag.actor._actor_handlers[0].__ray_call__.remote(wrapped)) for ag in agents}
         with open(end_path, "w") as f:
-            json.dump(dict(probe_agents(agents), references=[type(ag.ref).__name__ for ag in agents]), f)
+            json.dump(dict(probe_agents(agents), references=[type(ag.ref).__name__ for ag in agents],
+                           base_layers=base_layers), f)
     ray.shutdown()
 
 

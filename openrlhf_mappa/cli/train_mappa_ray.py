@@ -224,7 +224,7 @@ HONOURED = """
     vllm.gpu_memory_utilization vllm.enable_sleep ds.enable_sleep train.colocate_all
     ds.zero_stage ds.param_dtype ds.zpg ds.adam_offload ds.attn_implementation ds.experts_implementation
     ds.use_liger_kernel ds.grad_accum_dtype ds.overlap_comm ds.deepcompile ds.packing_samples ds.use_universal_ckpt
-    ds.ring_attn_size ds.ring_attn_head_stride
+    ds.ring_attn_size ds.ring_attn_head_stride ds.tensor_parallel_size ds.load_in_4bit
     actor.gradient_checkpointing_enable actor.gradient_checkpointing_reentrant
     actor.eps_clip actor.eps_clip_low_high actor.dual_clip actor.policy_loss_type actor.loss_agg_mode
     actor.aux_loss_coef actor.entropy_coef actor.optim actor.muon.lr actor.muon.momentum actor.muon.ns_steps
@@ -276,14 +276,6 @@ REFUSED = {
     "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
     "algo.advantage.lambd": "GAE's lambda: " + NO_CRITIC,
     **dict.fromkeys(("ds.lora." + k for k in ("rank", "alpha", "target_modules", "dropout")), LORA),
-    "ds.tensor_parallel_size": "DeepSpeed's tensor parallelism (AutoTP) is not built: under ZeRO-3 (every recipe's) "
-                               "transformers' DeepSpeed loader refuses the model ('Weight conversions ... with DeepSpeed "
-                               "Tensor Parallelism are not yet implemented', measured), under ZeRO-2 its sharding is "
-                               "unverified, and a LoRA adapter would be synced from one rank's shard; use "
-                               "--ds.ring_attn_size for long actions",
-    "ds.load_in_4bit": "4-bit (QLoRA) weights are not built: OpenRLHF would quantize every agent's actor, full-weight "
-                       "agents included (which cannot train 4-bit weights), while a LoRA pool's vLLM engines serve the "
-                       "base in bf16; and bitsandbytes' 4-bit kernels need CUDA, so this path has never run",
     "actor.model_name_or_path": "each agent's model comes from the topology (or --mappa.model)",
     "train.agent_func_path": "the topology's environment drives each episode (--mappa.topology)",
     **dict.fromkeys(("data.prompt_probs", "data.prompt_split", "eval.split", "data.input_key", "data.label_key",
@@ -459,26 +451,38 @@ def validate(args, topology):
         raise SystemExit("--data.prompt_dataset: the task file (JSON list or JSONL with prompt/answer) is required")
     trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents  # as placement.trainee_specs
     # Each agent's train batch is split over its data-parallel ranks (a topology may give an agent its own GPU
-    # count) in micro-batches. The ranks of one ring-attention group share theirs (upstream's duplicate_actors): an
-    # agent's GPUs hold whole rings, and its data-parallel ranks are its GPUs / its ring size.
+    # count) in micro-batches. The ranks of one ring or tensor-parallel group share theirs (upstream's
+    # duplicate_actors): an agent's GPUs hold whole groups, and its data-parallel ranks are its GPUs / group size.
     for spec in trainees:
         a = agent_args(args, spec)
-        ring = a.ds.ring_attn_size
+        ring, tp = a.ds.ring_attn_size, a.ds.tensor_parallel_size
+        if tp > 1 and a.ds.zero_stage == 3:
+            raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) is DeepSpeed's AutoTP, which trains with "
+                             f"ZeRO stages 0-2 only (under ZeRO-3 transformers refuses to load the model): pass "
+                             f"--ds.zero_stage 2")
+        if tp > 1 and args.ds.param_dtype != "bf16":
+            raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) trains in bf16 (OpenRLHF's AutoTP): use "
+                             f"--ds.param_dtype bf16, not {args.ds.param_dtype}")
+        if tp > 1 and spec.lora is not None:
+            raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) with LoRA is not built: AutoTP would "
+                             f"split the base under peft's adapter layers, and the adapter syncs from one rank; give "
+                             f"it tensor_parallel_size 1")
         gpus = {"actor": a.actor.num_nodes * a.actor.num_gpus_per_node}
         if a.algo.kl.init_coef > 0 and spec.lora is None:
             gpus["reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
         for kind, n in gpus.items():
-            if n % ring:
+            if n % (ring * tp):
                 raise SystemExit(f"agent {spec.name!r}: its {n} {kind} GPUs must be a multiple of its ring-attention "
-                                 f"size ({ring}): the {ring} ranks of a ring share each micro-batch")
-        ranks = gpus["actor"] // ring
+                                 f"size ({ring}) x its tensor-parallel size ({tp}): the ranks of a ring or "
+                                 f"tensor-parallel group share each micro-batch")
+        ranks = gpus["actor"] // (ring * tp)
         for flag, micro in (("train.micro_batch_size", args.train.micro_batch_size),
                             ("rollout.micro_batch_size", args.rollout.micro_batch_size)):
             if args.train.batch_size % (micro * ranks):
                 where = ("num_gpus_per_node in the topology" if spec.num_gpus_per_node
                          else "--actor.num_nodes x --actor.num_gpus_per_node")
-                if ring > 1:
-                    where += f" / its ring-attention size {ring}"
+                if ring * tp > 1:
+                    where += f" / its ring x tensor-parallel size {ring * tp}"
                 raise SystemExit(f"agent {spec.name!r}: --train.batch_size ({args.train.batch_size}) must be a "
                                  f"multiple of --{flag} ({micro}) x its {ranks} data-parallel actor ranks ({where}) = "
                                  f"{micro * ranks}, so that every rank gets whole micro-batches")
@@ -515,6 +519,14 @@ def validate(args, topology):
         raise SystemExit(f"--mappa.coach.mode {coach.mode}: an outcome run asks no coach; add "
                          "--mappa.coach.score_outcome_runs to log the coach's verdicts anyway")
     lora = [spec.name for spec in topology.agents if spec.lora is not None]
+    if args.ds.load_in_4bit:
+        # QLoRA: LoRA agents' bases in 4 bits (agent_args); 4-bit weights cannot train, so full-weight agents stay bf16.
+        if not any(spec.lora is not None for spec in trainees):
+            raise SystemExit("--ds.load_in_4bit trains LoRA adapters on a 4-bit base (QLoRA), and no agent declares "
+                             "lora in the topology: its full weights cannot train in 4 bits")
+        if args.ds.param_dtype != "bf16":
+            raise SystemExit(f"--ds.load_in_4bit computes in bf16 (OpenRLHF's bitsandbytes config): use "
+                             f"--ds.param_dtype bf16, not {args.ds.param_dtype}")
     if lora and args.vllm.tensor_parallel_size > 1:
         raise SystemExit(f"agents {', '.join(lora)} declare lora: their pool's engines take one GPU each "
                          f"(--vllm.tensor_parallel_size 1; tensor-parallel LoRA engines are not built)")
@@ -584,6 +596,9 @@ def check_this_machine(args, topology=None) -> None:
         raise SystemExit(f"--ds.ring_attn_size {ring} replaces flash attention's kernel, which "
                          f"--ds.attn_implementation {attention} does not use: pass --ds.attn_implementation "
                          f"flash_attention_2")
+    if args.ds.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        raise SystemExit("--ds.load_in_4bit quantizes with bitsandbytes, and it is not installed here: "
+                         "`pip install bitsandbytes` (OpenRLHF lists it)")
 
     if args.mappa.colocate != "none" and args.vllm.sync_backend == "gloo" and not cpu_mode():
         # With gloo, OpenRLHF builds a PyNccl group between an actor rank and the engine on its own GPU, which NCCL
