@@ -89,8 +89,6 @@ def device_free_gib():
 def train_one_step(ag, args):
     """One real step of an agent (OpenRLHF's experience maker, whitening, train_step and sync) on train.batch_size
     copies of two replies to a text of its own, one rewarded, one not."""
-    from openrlhf_mappa.trainer import experience_of
-
     tok = ag.tokenizer
     prompt = tok(f"Who are you? {ag.spec.name} or nobody?")["input_ids"]
     actions = []
@@ -99,7 +97,8 @@ def train_one_step(ag, args):
         a.reward = float(i % 2 == 0)
         actions.append(a)
     maker = ag.trainer.experience_maker
-    batch = {ag.spec.name: maker.make_experience(maker.split_rollout_samples([experience_of(a) for a in actions]))}
+    rows = maker.split_rollout_samples([rewards.experience_of(a) for a in actions])
+    batch = {ag.spec.name: maker.make_experience(rows)}
     rewards.compute_advantages(batch, args.algo.kl.init_coef, scope="agent")
     return ag.trainer.train_step(batch[ag.spec.name], 1)[0]
 

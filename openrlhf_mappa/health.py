@@ -8,6 +8,7 @@ import threading
 import time
 
 import ray
+from tqdm import tqdm
 
 from openrlhf_mappa.console import console
 from openrlhf_mappa.launch import components
@@ -156,3 +157,18 @@ def untrained_reasons(agents: list, owner: dict, episodes: list, dropped: dict, 
                        f"{limit} even without its history: raise --data.max_len")
         out[name] = "; ".join(why) or "the environment gave it no turn"
     return out
+
+
+def env_failures(step: int, episodes: list, limit: float, run_dir: str):
+    """Say how many of the step's episodes ended with an exception in the environment; the message that stops
+    the run when more did than `limit` (--mappa.env.max_failure_fraction), else None."""
+    failed = [ep for ep in episodes if ep.env_error]
+    if not failed:  # contained by the rollout: each is a failed episode that trains nothing (rollout.run_episode)
+        return None
+    said = (f"{len(failed)} of {len(episodes)} episodes ended with an exception in the environment (they "
+            f"train nothing). First: {failed[0].env_error}")
+    tqdm.write(f"[mappa] step {step}: {said}", file=console.err)
+    if len(failed) / len(episodes) > limit:
+        return (f"step {step}: {said}. That is more than --mappa.env.max_failure_fraction {limit:g} of them; the "
+                f"step's episodes are in {run_dir}/episodes.jsonl.")
+    return None

@@ -154,9 +154,23 @@ def write_marker(ckpt_path: str, state: dict) -> None:
     os.replace(marker + ".tmp", marker)
 
 
-def load_team(trainees: list, step: int) -> None:
+def save_team(trainees: list, ckpt, state: dict) -> None:
+    """OpenRLHF-style resumable checkpoints (and HF exports with --ckpt.save_hf), one directory per agent; then
+    the team's marker; then the rotation, only now that the marker names a step all agents saved."""
+    import ray
+
+    step = state["step"]
+    ray.get([ref for ag in trainees for ref in ag.actor.async_run_method(
+        method_name="save_checkpoint", tag=f"global_step{step}", client_states={"global_step": step})])
+    write_marker(ckpt.path, state)
+    for ag in trainees:
+        rotate_checkpoints(ag.args.ckpt.path, ckpt.max_num)
+
+
+def load_team(trainees: list, step: int, saved: dict) -> None:
     """Every agent checked to have loaded the checkpoint of `step`, then each agent's engines given its actor's
-    loaded weights (they start from the base model)."""
+    loaded weights (they start from the base model), and its KL coefficient and weight version as the marker's
+    `saved` state has them (the sync counted one more version, and made none)."""
     for ag in trainees:
         loaded = ag.trainer.init_checkpoint_states()["global_step"]
         if loaded != step:
@@ -164,6 +178,9 @@ def load_team(trainees: list, step: int) -> None:
                                f"{step}")
     for ag in trainees:
         ag.trainer.broadcast_to_vllm()
+        ag.trainer.kl_ctl.value = saved.get("kl_coef", {}).get(ag.spec.name, ag.trainer.kl_ctl.value)
+        ag.trainer.gate.version = saved.get("versions", {}).get(ag.spec.name, ag.trainer.gate.version)
+        ag.trainer.gate.log.clear()
 
 
 def driver_state(ckpt_path: str, run_dir: str, step: int, window: int) -> tuple:

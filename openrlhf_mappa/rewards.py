@@ -198,6 +198,35 @@ def group_normalize(episodes: list[Episode], eps: float = 1e-9) -> None:
             a.reward = r
 
 
+def experience_of(action):
+    """One action as an OpenRLHF Experience: the sequence is prompt + response, and the action mask
+    (shifted by one, as OpenRLHF's) covers the response tokens only, so tool output never trains. The rollout
+    log-probs (vLLM's) sit on the action mask's positions, where OpenRLHF's PolicyLoss reads them."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    seq = action.prompt_ids + action.response_ids
+    action_mask = torch.zeros(len(seq), dtype=torch.bool)
+    action_mask[len(action.prompt_ids) :] = True
+    reward = torch.tensor([action.reward], dtype=torch.float32)
+    rollout_log_probs = None
+    if len(action.rollout_logprobs) == len(action.response_ids):
+        rollout_log_probs = torch.zeros(1, len(seq) - 1)
+        rollout_log_probs[0, len(action.prompt_ids) - 1 :] = torch.tensor(action.rollout_logprobs)
+    return Experience(
+        sequences=torch.tensor([seq]),
+        attention_mask=torch.ones(1, len(seq), dtype=torch.long),
+        action_mask=action_mask[1:].unsqueeze(0),
+        rollout_log_probs=rollout_log_probs,
+        rewards=reward,
+        response_length=torch.tensor([float(len(action.response_ids))]),
+        truncated=torch.tensor([action.truncated]),
+        total_length=torch.tensor([float(len(seq))]),
+        prompts=[action.prompt_text],
+        labels=[""],
+        info={"reward": reward, "response_length": torch.tensor([float(len(action.response_ids))])},
+    )
+
+
 def token_rewards(reward_B: torch.Tensor, kl_BA: torch.Tensor, action_mask_BA: torch.Tensor,
                   kl_coef: float) -> torch.Tensor:
     """r_t = -β·KL_t on every action token, plus R on its last; 0 off the mask. Unlike OpenRLHF's compute_reward,

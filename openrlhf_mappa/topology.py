@@ -30,7 +30,7 @@ STAGE_KEYS = ("name", "template", "when")
 SWITCH_RULE_RE = re.compile(r"\s*(\S+)\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*")
 SWITCH_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 SWITCH_NAMESPACES = ("step", "agent/<agent>/<metric>", "outcome/success_rate", "coach/<metric>", "coach_bias/<...>")
-# The per-agent keys a step logs (trainer.step_metrics, evaluation.behaviour_metrics; tests/test_criteria.py
+# The per-agent keys a step logs (run_log.step_metrics, evaluation.behaviour_metrics; tests/test_criteria.py
 # checks them): a rule on any other agent key would never fire.
 AGENT_METRICS = tuple(
     "coach_score outcome_success truncated_left_out trained_actions dropped_for_batching updated kl kl_coef "

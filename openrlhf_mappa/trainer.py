@@ -12,52 +12,22 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import os
 import random
 import threading
 import time
 
 import ray
-import torch
 from tqdm import tqdm
 
 from openrlhf_mappa import resume, rewards
 from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, coach_step_metrics
 from openrlhf_mappa.console import console, step_line
-from openrlhf_mappa.evaluation import NoCoach, behaviour_metrics, evaluate, format_table, summarize
-from openrlhf_mappa.health import RunStopped, untrained_reasons
+from openrlhf_mappa.evaluation import NoCoach, evaluate, format_table, summarize
+from openrlhf_mappa.health import RunStopped, env_failures, untrained_reasons
 from openrlhf_mappa.launch import distinct, owners
 from openrlhf_mappa.rollout import AgentPolicy, rollout
-
-
-def experience_of(action):
-    """One action as an OpenRLHF Experience: the sequence is prompt + response, and the action mask
-    (shifted by one, as OpenRLHF's) covers the response tokens only, so tool output never trains. The rollout
-    log-probs (vLLM's) sit on the action mask's positions, where OpenRLHF's PolicyLoss reads them."""
-    from openrlhf.trainer.ppo_utils.experience import Experience
-
-    seq = action.prompt_ids + action.response_ids
-    action_mask = torch.zeros(len(seq), dtype=torch.bool)
-    action_mask[len(action.prompt_ids) :] = True
-    reward = torch.tensor([action.reward], dtype=torch.float32)
-    rollout_log_probs = None
-    if len(action.rollout_logprobs) == len(action.response_ids):
-        rollout_log_probs = torch.zeros(1, len(seq) - 1)
-        rollout_log_probs[0, len(action.prompt_ids) - 1 :] = torch.tensor(action.rollout_logprobs)
-    return Experience(
-        sequences=torch.tensor([seq]),
-        attention_mask=torch.ones(1, len(seq), dtype=torch.long),
-        action_mask=action_mask[1:].unsqueeze(0),
-        rollout_log_probs=rollout_log_probs,
-        rewards=reward,
-        response_length=torch.tensor([float(len(action.response_ids))]),
-        truncated=torch.tensor([action.truncated]),
-        total_length=torch.tensor([float(len(seq))]),
-        prompts=[action.prompt_text],
-        labels=[""],
-        info={"reward": reward, "response_length": torch.tensor([float(len(action.response_ids))])},
-    )
+from openrlhf_mappa.run_log import RunLog, step_metrics
 
 
 class MappaTrainer:
@@ -80,7 +50,6 @@ class MappaTrainer:
         self.stage, self.stage_since, self.stage_waits_noted = 0, 1, set()
         # Steps in a row in which no agent trained, and the message that stops the run (--mappa.max_untrained_steps).
         self.untrained_steps, self.stalled = 0, None
-        os.makedirs(run_dir, exist_ok=True)
         self.policies, self.eval_policies = ({ag.spec.name: AgentPolicy(
             ag.engines, ag.tokenizer, ag.args.rollout.max_new_tokens, args.data.max_len,
             dict(temperature=temperature, top_p=args.rollout.top_p), ag.trainer.adapter, ag.trainer.gate)
@@ -89,12 +58,7 @@ class MappaTrainer:
         # One event loop for the whole run: the coach's HTTP client and its semaphore belong to the loop
         # they were first used on, so a fresh asyncio.run() per step would break them at step 2.
         self.loop = asyncio.new_event_loop()
-        self.loggers = []
-        if args.logger.wandb.key or args.logger.tensorboard_dir:
-            from openrlhf.utils.logging_utils import TensorboardLogger, WandbLogger
-
-            self.loggers = [cls(args) for cls, on in ((WandbLogger, args.logger.wandb.key),
-                                                       (TensorboardLogger, args.logger.tensorboard_dir)) if on]
+        self.out = RunLog(args, run_dir)
 
     def batches(self, start_step: int):
         """(step, tasks) for every step of every pass over the data; each task repeated n_samples times."""
@@ -113,13 +77,9 @@ class MappaTrainer:
         resume.truncate_logs(self.run_dir, step)
         if not step:
             return
-        resume.load_team(self.trainees, step)
         self.coach_cost_usd, stage, episodes_by_step, saved = resume.driver_state(
             self.args.ckpt.path, self.run_dir, step, self.bias_audit.window.maxlen)
-        for ag in self.trainees:  # as the checkpoint's step left them (load_team's sync counted one more version)
-            ag.trainer.kl_ctl.value = saved.get("kl_coef", {}).get(ag.spec.name, ag.trainer.kl_ctl.value)
-            ag.trainer.gate.version = saved.get("versions", {}).get(ag.spec.name, ag.trainer.gate.version)
-            ag.trainer.gate.log.clear()  # load_team's sync restored a version; it made none
+        resume.load_team(self.trainees, step, saved)
         if stage:  # its name was checked against the topology by resume.check_resume
             self.set_stage([s.name for s in self.topology.coach_stages].index(stage["name"]), stage["since_step"])
             print(f"[mappa] coach criteria: resuming with coach template {stage['name']!r} (in use since step "
@@ -138,7 +98,7 @@ class MappaTrainer:
             for step, episodes, t_rollout, complete in self.rollouts(start_step):
                 t_wait = time.time() - t_step  # async: the part of the rollout that training did not hide
                 metrics = {**self.learn(step, episodes, t_rollout, t_step, complete), "timing/rollout_wait": t_wait}
-                self.log(step, metrics)
+                self.out.metrics(step, metrics)
                 steps.update(1)
                 tqdm.write(step_line(step, total, metrics, [ag.spec.name for ag in self.agents]), file=console.err)
                 if self.stalled:
@@ -151,8 +111,7 @@ class MappaTrainer:
                 t_step = time.time()
             steps.close()
             ray.get([ref for ag in self.trainees for ref in ag.actor.async_save_model()])
-        for logger in self.loggers:
-            logger.close()
+        self.out.close()
         self.loop.run_until_complete(self.coach.aclose())
 
     @contextlib.contextmanager
@@ -244,7 +203,8 @@ class MappaTrainer:
     def learn(self, step: int, episodes: list, t_rollout: float, t_start: float, complete) -> dict:
         """The step's episodes to rewards, each agent's experiences and its update; returns the step's metrics.
         `episodes`: the agents are done; `complete`: the rollout's future, done when every verdict is in too."""
-        env_stop = self.env_failures(step, episodes)  # known as the agents are done: before any update
+        # Known as the agents are done: before any update.
+        env_stop = env_failures(step, episodes, self.mappa.env.max_failure_fraction, self.run_dir)
         bound = self.mappa.max_staleness if self.mappa.max_staleness is not None else self.args.train.async_queue_size
         lags = rewards.mark_stale(episodes, {ag.spec.name: ag.trainer.gate.version for ag in self.agents}, bound)
         # β per agent: its OpenRLHF KL controller's, fixed or adaptive (--algo.kl.target; upstream's train_step
@@ -261,11 +221,17 @@ class MappaTrainer:
         self.coach_cost_usd += coach_metrics.get("coach/cost_usd", 0.0)
         if c.price_in or c.price_out:
             coach_metrics["coach/cost_usd_total"] = self.coach_cost_usd
-        if env_stop:
-            self.write_episodes(episodes)
-            self.log(step, {**coach_metrics, "outcome/env_failed_episodes": sum(bool(ep.env_error) for ep in episodes)})
-            raise RunStopped(env_stop)
-        self.stop_on_coach_failures(step, episodes, coach_metrics)
+        stop = env_stop and RunStopped(env_stop)
+        if self.scored and not stop:  # verdicts paid for but mostly failed: stop, even when only logged
+            try:
+                check_failures(episodes, coach_metrics, c.max_failure_fraction)
+            except CoachFailure as e:
+                stop = CoachFailure(f"step {step}: {e} The step's episodes are in {self.run_dir}/episodes.jsonl.")
+        if stop:  # before the step's checkpoint (a resume starts from the one before), keeping what it produced
+            self.out.episodes(episodes)
+            failed = sum(bool(ep.env_error) for ep in episodes)
+            self.out.metrics(step, {**coach_metrics, "outcome/env_failed_episodes": failed})
+            raise stop
 
         batches = {name: m["batch"] for name, m in made.items() if m["batch"]}
         status = {name: m["status"] for name, m in made.items() if "status" in m}
@@ -281,10 +247,11 @@ class MappaTrainer:
                             f"{most}); at step {step}, "
                             + "; ".join(f"agent {n!r}: {why}" for n, why in untrained.items()))
 
-        self.write_episodes(episodes)
-        self.write_syncs(step)
+        self.out.episodes(episodes)
+        self.out.syncs(step, self.trainees)
         counts = rewards.merge_counts([m["counts"] for m in made.values()])
-        metrics = self.step_metrics(episodes, batches, status, dropped, {**counts, "staleness": lags}, kl_coef)
+        metrics = step_metrics(self.args, self.topology, self.agents, self.owner, episodes, batches, status, dropped,
+                               {**counts, "staleness": lags}, kl_coef)
         metrics.update(coach_metrics)
         # The agents' phases overlap (each starts when its verdicts are in): each phase's time is the slowest
         # agent's, or on the team's shared GPUs, where they take turns, the sum of all.
@@ -315,7 +282,10 @@ class MappaTrainer:
                                             c.standardize_task_type, self.mappa.norm_scope, self.mappa.outcome_score,
                                             algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None)
             kept, dropped = self.batch_rule([a for ep in own for a in ep.actions if a.reward is not None], step)
-            batch = self.experiences(ag, kept) if kept else []
+            batch = []
+            if kept:  # with the actor's and reference's log-probs and KL, by upstream's experience maker
+                maker = ag.trainer.experience_maker
+                batch = maker.make_experience(maker.split_rollout_samples([rewards.experience_of(a) for a in kept]))
             return {"counts": counts, "kept": kept, "dropped": dropped, "batch": batch, "coach_wait": t0 - t_start,
                     "experience": time.time() - t0}
 
@@ -350,12 +320,6 @@ class MappaTrainer:
         advantages(made)
         return self.per_agent(lambda ag: train(ag, made[ag.spec.name]), self.trainees)
 
-    @staticmethod
-    def experiences(ag, actions: list) -> list:
-        """Agent ag's actions as OpenRLHF Experiences with its actor's and reference's log-probs and KL."""
-        maker = ag.trainer.experience_maker
-        return maker.make_experience(maker.split_rollout_samples([experience_of(a) for a in actions]))
-
     def verdicts_in(self, name: str, episodes: list, complete) -> None:
         """Wait until every verdict on agent `name`'s actions of the step is in; the rollout's error if it failed."""
         mine = [a for ep in episodes for a in ep.actions if self.owner[a.agent] == name]
@@ -363,34 +327,6 @@ class MappaTrainer:
             time.sleep(0.02)  # the verdicts land on the rollout's thread (rollout.record_verdict)
         if complete.done():
             complete.result()
-
-    def env_failures(self, step: int, episodes: list):
-        """Say how many of the step's episodes ended with an exception in the environment; the message that stops
-        the run when more did than --mappa.env.max_failure_fraction, else None."""
-        failed = [ep for ep in episodes if ep.env_error]
-        if not failed:  # contained by the rollout: each is a failed episode that trains nothing (rollout.run_episode)
-            return None
-        limit = self.mappa.env.max_failure_fraction
-        said = (f"{len(failed)} of {len(episodes)} episodes ended with an exception in the environment (they "
-                f"train nothing). First: {failed[0].env_error}")
-        tqdm.write(f"[mappa] step {step}: {said}", file=console.err)
-        if len(failed) / len(episodes) > limit:
-            return (f"step {step}: {said}. That is more than --mappa.env.max_failure_fraction {limit:g} of them; the "
-                    f"step's episodes are in {self.run_dir}/episodes.jsonl.")
-        return None
-
-    def stop_on_coach_failures(self, step: int, episodes: list, coach_metrics: dict):
-        """Stop the run, keeping the step's episodes and metrics on disk, when more of its verdicts failed than
-        --mappa.coach.max_failure_fraction. Agents whose verdicts came first have updated in memory; the run stops
-        before the step's checkpoint, so a resume starts from the one before."""
-        if self.scored:  # verdicts paid for but mostly failed: stop, even when only logged
-            try:
-                check_failures(episodes, coach_metrics, self.mappa.coach.max_failure_fraction)
-            except CoachFailure as e:  # keep what the step produced, so the failures can be inspected
-                self.write_episodes(episodes)
-                self.log(step, coach_metrics)
-                said = f"step {step}: {e} The step's episodes are in {self.run_dir}/episodes.jsonl."
-                raise CoachFailure(said) from None
 
     def per_agent(self, fn, agents: list) -> dict:
         """{agent: fn(agent)}: at once for agents on GPUs of their own (--mappa.colocate none or agent), one after
@@ -435,50 +371,6 @@ class MappaTrainer:
         picked = random.Random(self.args.train.seed * 1000003 + step).sample(actions, keep) if keep else []
         return picked, len(actions) - keep
 
-    def step_metrics(self, episodes, batches, status, dropped, counts, kl_coef) -> dict:
-        c = self.mappa.coach
-        m = {
-            "outcome/success_rate": sum(ep.success for ep in episodes) / len(episodes),
-            # episodes stopped by an agent's max_actions or max_episode_actions (failures; see rollout.py)
-            "outcome/action_limit_episodes": sum(bool(ep.action_limit) for ep in episodes),
-            # episodes ended by an exception in the environment (failures that train nothing; see rollout.py)
-            "outcome/env_failed_episodes": sum(bool(ep.env_error) for ep in episodes),
-            "coach/left_out": counts["left_out"],
-            "reward_scale": self.topology.reward_scale,
-            **({f"coach/fallback_{c.on_failure}": counts["fallback"]} if c.on_failure != "skip" else {}),
-        }
-        m.update(behaviour_metrics(episodes, [ag.spec.name for ag in self.agents]))
-        for ag in self.agents:
-            name = ag.spec.name
-            scored = [a.verdict.score for ep in episodes for a in ep.actions
-                      if a.agent == name and a.verdict and a.verdict.score is not None]  # fmt: skip
-            p = f"agent/{name}/"
-            m[p + "coach_score"] = sum(scored) / len(scored) if scored else None
-            m[p + "outcome_success"] = m["outcome/success_rate"]
-            m[p + "truncated_left_out"] = counts["truncated_left_out"].get(name, 0)
-            if self.owner[name] != name:  # a shared policy's training metrics are under the first agent's name
-                continue
-            m[p + "trained_actions"] = sum(len(exp.sequences) for exp in batches.get(name, []))
-            m[p + "dropped_for_batching"] = dropped[name]
-            m[p + "updated"] = int(name in status)
-            m[p + "kl_coef"] = kl_coef[name]
-            if self.args.train.async_enable and counts["staleness"].get(name):  # in updates of its own weights
-                lag = counts["staleness"][name]
-                m.update({p + "staleness_mean": sum(lag) / len(lag), p + "staleness_max": max(lag),
-                          p + "stale_left_out": counts["stale_left_out"].get(name, 0)})
-            if self.args.algo.dynamic_filtering_enable:
-                filtered, kept, groups = counts["filtered"].get(name, (0, 0, 0))
-                m[p + "filtered_actions"] = filtered
-                m[p + "dynamic_filtering_pass_rate"] = 100 * kept / groups if groups else None  # in %, as upstream
-            if name in status:  # upstream's train status (all but its text sample), and a LoRA agent's sync sizes
-                m.update({p + k: v for k, v in status[name].items() if isinstance(v, (int, float))})
-                m.update({p + k: v for k, v in ag.trainer.synced.items()})
-            if name in batches:
-                m.update({p + k: v for k, v in rewards.logprob_mismatch(batches[name]).items()})
-                if not self.args.algo.kl.use_loss:  # else the KL is the loss term, in upstream's status
-                    m[p + "kl"] = torch.cat([exp.info["kl"] for exp in batches[name]]).mean().item()
-        return m
-
     def evaluate(self, step: int):
         """Every --eval.dataset, n samples per task at --eval.temperature, on the current weights: one line
         per dataset in eval.jsonl (read by `mappa report`), the per-problem results in eval/, and the
@@ -492,50 +384,15 @@ class MappaTrainer:
                 episodes = self.wait_for(evaluate(self.topology, tasks, self.eval_policies, ev.n_samples_per_prompt,
                                                   workspace, step, bar.update))
             summary, problems = summarize(episodes, names, tasks)
-            os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
-            with open(os.path.join(self.run_dir, "eval", f"{dataset}-step{step}.json"), "w", encoding="utf-8") as f:
-                json.dump({"step": step, "dataset": dataset, "summary": summary, "problems": problems}, f, indent=1)
-            with open(os.path.join(self.run_dir, "eval.jsonl"), "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step, "dataset": dataset, **summary}) + "\n")
-            for logger in self.loggers:
-                logger.log_eval(step, {f"{dataset}/{k}": v for k, v in summary.items()})
+            self.out.evaluation(step, dataset, summary, problems)
             tqdm.write(f"[mappa] evaluation after step {step}\n{format_table({dataset: summary})}", file=console.err)
 
-    def write_episodes(self, episodes: list):
-        with open(os.path.join(self.run_dir, "episodes.jsonl"), "a", encoding="utf-8") as f:
-            for ep in episodes:
-                f.write(ep.to_json() + "\n")
-
-    def write_syncs(self, step: int):
-        """Each weight sync of this step's updates to syncs.jsonl: agent, the version it made, start and end."""
-        with open(os.path.join(self.run_dir, "syncs.jsonl"), "a", encoding="utf-8") as f:
-            for ag in self.trainees:
-                for sync in ag.trainer.gate.log:
-                    f.write(json.dumps({"step": step, "agent": ag.spec.name, **sync}) + "\n")
-                ag.trainer.gate.log.clear()
-
-    def log(self, step: int, metrics: dict):
-        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        clean = {k: v for k, v in metrics.items() if v is not None}
-        for logger in self.loggers:
-            logger.log_train(step, clean)
-
     def save_checkpoints(self, step: int):
-        """OpenRLHF-style resumable checkpoints (and HF exports with --ckpt.save_hf), one directory per agent; then
-        the team's marker, with the driver's state that resume() reads back."""
-        refs = []
-        for ag in self.trainees:
-            refs += ag.actor.async_run_method(
-                method_name="save_checkpoint", tag=f"global_step{step}", client_states={"global_step": step}
-            )
-        ray.get(refs)
+        """Every agent's checkpoint, then the team's marker with the driver's state that resume() reads back."""
         state = {"step": step, "coach_cost_usd": self.coach_cost_usd,
                  "kl_coef": {ag.spec.name: ag.trainer.kl_ctl.value for ag in self.trainees},  # adaptive KL moves it
                  "versions": {ag.spec.name: ag.trainer.gate.version for ag in self.trainees}}
         if self.topology.coach_stages:  # the template in use for the next step
             name = self.topology.coach_stages[self.stage].name
             state["coach_template"] = {"name": name, "since_step": self.stage_since}
-        resume.write_marker(self.args.ckpt.path, state)
-        for ag in self.trainees:  # only now: the marker names a step all agents saved
-            resume.rotate_checkpoints(ag.args.ckpt.path, self.args.ckpt.max_num)
+        resume.save_team(self.trainees, self.args.ckpt, state)

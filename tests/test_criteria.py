@@ -27,6 +27,7 @@ from openrlhf_mappa.cli.train_mappa_ray import parse_args
 from openrlhf_mappa.console import console as run_console
 from openrlhf_mappa.resume import CHECKPOINT_MARKER, check_resume, write_marker
 from openrlhf_mappa.rollout import SyncGate
+from openrlhf_mappa.run_log import step_metrics
 from openrlhf_mappa.trainer import MappaTrainer
 
 AGENTS = [
@@ -101,12 +102,9 @@ def test_one_coach_template_or_a_schedule_not_both(tmp_path):
 def test_the_rule_metrics_are_the_per_agent_keys_a_step_logs():
     # Catches a per-agent metric added to the trainer (or renamed) but not to the list a rule is checked against:
     # a rule on it would be refused, or a rule on a removed one would wait forever.
-    trainer = MappaTrainer.__new__(MappaTrainer)
-    trainer.mappa = SimpleNamespace(coach=SimpleNamespace(on_failure="skip"))
-    trainer.topology = SimpleNamespace(reward_scale=1.0)
-    trainer.args = parse_args(["--mappa.topology", "t.yaml", "--algo.dynamic_filtering_enable", "--train.async_enable"])
+    args = parse_args(["--mappa.topology", "t.yaml", "--algo.dynamic_filtering_enable", "--train.async_enable"])
     lora = SimpleNamespace(synced={"sync_mib": 0.1, "full_sync_mib": 10.0})  # a LoRA agent logs its syncs too
-    trainer.agents, trainer.owner = [SimpleNamespace(spec=SimpleNamespace(name="coder"), trainer=lora)], {"coder": "coder"}
+    agents = [SimpleNamespace(spec=SimpleNamespace(name="coder"), trainer=lora)]
     ran = ToolFeedback(stdout="4", exit_code=0)
     action = Action("e", "coder", 0, [1], [2], formatted=True, feedback=ran, verdict=Verdict(6.0, "ok"), reward=6.0)
     episodes = [Episode("e", "t", outcome={"success": True}, actions=[action])]
@@ -115,7 +113,8 @@ def test_the_rule_metrics_are_the_per_agent_keys_a_step_logs():
     status = {"coder": {"policy_loss": 0.1, "actor_lr": 1e-6, "actor_grad_norm": 1.0, "ppo_clip_ratio": 0.0}}
     counts = {"left_out": 0, "fallback": 0, "truncated_left_out": {}, "filtered": {"coder": (0, 1, 1)},
               "staleness": {"coder": [1]}, "stale_left_out": {}}
-    logged = trainer.step_metrics(episodes, {"coder": [batch]}, status, {"coder": 0}, counts, {"coder": 0.01})
+    logged = step_metrics(args, SimpleNamespace(reward_scale=1.0), agents, {"coder": "coder"}, episodes, {"coder": [batch]},
+                          status, {"coder": 0}, counts, {"coder": 0.01})
     assert {k.split("/")[2] for k in logged if k.startswith("agent/coder/")} == set(AGENT_METRICS)
 
 

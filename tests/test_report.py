@@ -84,7 +84,7 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3, coach_mode="per_acti
     from openrlhf_mappa.episode import Verdict
     from openrlhf_mappa.rollout import rollout
     from openrlhf_mappa.topology import load_topology
-    from openrlhf_mappa.trainer import MappaTrainer
+    from openrlhf_mappa.run_log import RunLog, step_metrics
 
     agents = ["solver", "coder", "verifier"]
     (tmp_path / "t.yaml").write_text(
@@ -92,9 +92,8 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3, coach_mode="per_acti
         + "".join(f"  - {{name: {n}, model: unused, role: r, prompt: '{{task}}', runs_code: {n == 'coder'}}}\n" for n in agents)
     )
     topology = load_topology(str(tmp_path / "t.yaml"))
-    trainer = SimpleNamespace(run_dir=str(run_dir), loggers=[], agents=[SimpleNamespace(spec=SimpleNamespace(name=n)) for n in agents],
-                              mappa=SimpleNamespace(coach=SimpleNamespace(on_failure="skip")), owner={n: n for n in agents},
-                              topology=topology, args=parse_args(["--mappa.topology", "t.yaml"]))  # fmt: skip
+    args, named = parse_args(["--mappa.topology", "t.yaml"]), [SimpleNamespace(spec=SimpleNamespace(name=n)) for n in agents]
+    log = RunLog(args, str(run_dir))
     audit = BiasAudit()
     for step in range(1, steps + 1):
         replies = {"solver": "It is 4." if step < 3 else HOSTILE, "coder": f"```python\nprint(2 + {step - 1})\n```",
@@ -105,11 +104,12 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3, coach_mode="per_acti
         if step == 3:
             episodes[-1].actions[-1].verdict = Verdict(None, "parse_error", "the coach's reply had no score")
         counts = rewards.assign_rewards(episodes, "process")
-        metrics = MappaTrainer.step_metrics(trainer, episodes, {}, {}, {n: 0 for n in agents}, counts, {n: 0.0 for n in agents})
+        metrics = step_metrics(args, topology, named, {n: n for n in agents}, episodes, {}, {}, {n: 0 for n in agents}, counts,
+                               {n: 0.0 for n in agents})
         metrics.update(coach_step_metrics(episodes))
         metrics.update(audit.update(episodes))
-        MappaTrainer.write_episodes(trainer, episodes)
-        MappaTrainer.log(trainer, step, metrics)
+        log.episodes(episodes)
+        log.metrics(step, metrics)
     return agents
 
 

@@ -26,7 +26,9 @@ from openrlhf_mappa.rollout import rollout
 from openrlhf_mappa.topology import load_topology
 from openrlhf_mappa.resume import apply, check_resume
 from openrlhf_mappa.resume import truncate_logs
-from openrlhf_mappa.trainer import MappaTrainer, experience_of
+from openrlhf_mappa.rewards import experience_of
+from openrlhf_mappa.run_log import step_metrics
+from openrlhf_mappa.trainer import MappaTrainer
 
 MATHCHAT_YAML = os.path.join(REPO, "examples", "configs", "mathchat.yaml")
 AIME = os.path.join(os.environ.get("MAPPA_BENCH_DIR", os.path.join(os.path.dirname(REPO), "shared", "data", "mappa-bench")),
@@ -302,19 +304,16 @@ def test_outcome_baseline_asks_no_coach_unless_told(tmp_path):
 
 def test_step_metrics_count_truncated_actions_per_agent_and_log_the_scale():
     # Catches the old metrics, which neither counted the truncated actions left out nor logged reward_scale.
-    t = MappaTrainer.__new__(MappaTrainer)
-    t.mappa = SimpleNamespace(coach=SimpleNamespace(on_failure="skip"))
-    t.topology = SimpleNamespace(reward_scale=0.1)
-    t.agents = [SimpleNamespace(spec=SimpleNamespace(name=n)) for n in ("solver", "verifier")]
-    t.owner = {"solver": "solver", "verifier": "verifier"}
+    agents = [SimpleNamespace(spec=SimpleNamespace(name=n)) for n in ("solver", "verifier")]
     episodes = [Episode("e", "t", outcome={"success": True}, actions=[
         Action("e", "solver", 0, [1], [2, 3], truncated=True, verdict=Verdict(9.0, "ok")),
         Action("e", "verifier", 0, [1], [2], verdict=Verdict(8.0, "ok"))])]  # fmt: skip
     from openrlhf_mappa.rewards import assign_rewards
 
     counts = assign_rewards(episodes, "process", scale=0.1)
-    t.args = parse_args(["--mappa.topology", "t.yaml"])
-    m = t.step_metrics(episodes, {}, {}, {"solver": 0, "verifier": 0}, counts, {"solver": 0.0, "verifier": 0.0})
+    m = step_metrics(parse_args(["--mappa.topology", "t.yaml"]), SimpleNamespace(reward_scale=0.1), agents,
+                     {"solver": "solver", "verifier": "verifier"}, episodes, {}, {}, {"solver": 0, "verifier": 0}, counts,
+                     {"solver": 0.0, "verifier": 0.0})
     assert (m["agent/solver/truncated_left_out"], m["agent/verifier/truncated_left_out"]) == (1, 0)
     assert m["reward_scale"] == 0.1 and m["coach/left_out"] == 0
     assert episodes[0].actions[1].reward == pytest.approx(0.8)  # Action.reward: the scaled reward it trains on

@@ -443,49 +443,12 @@ def load_file_module(name, path):
 
 
 def validate(args, topology):
-    from openrlhf_mappa.placement import agent_args
-
     if not args.vllm.num_engines:
         raise SystemExit("MAPPA generates with vLLM: set --vllm.num_engines (per agent; a topology may override it)")
     if not args.data.prompt_dataset:
         raise SystemExit("--data.prompt_dataset: the task file (JSON list or JSONL with prompt/answer) is required")
     trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents  # as placement.trainee_specs
-    # Each agent's train batch is split over its data-parallel ranks (a topology may give an agent its own GPU
-    # count) in micro-batches. The ranks of one ring or tensor-parallel group share theirs (upstream's
-    # duplicate_actors): an agent's GPUs hold whole groups, and its data-parallel ranks are its GPUs / group size.
-    for spec in trainees:
-        a = agent_args(args, spec)
-        ring, tp = a.ds.ring_attn_size, a.ds.tensor_parallel_size
-        if tp > 1 and a.ds.zero_stage == 3:
-            raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) is DeepSpeed's AutoTP, which trains with "
-                             f"ZeRO stages 0-2 only (under ZeRO-3 transformers refuses to load the model): pass "
-                             f"--ds.zero_stage 2")
-        if tp > 1 and args.ds.param_dtype != "bf16":
-            raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) trains in bf16 (OpenRLHF's AutoTP): use "
-                             f"--ds.param_dtype bf16, not {args.ds.param_dtype}")
-        if tp > 1 and spec.lora is not None:
-            raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) with LoRA is not built: AutoTP would "
-                             f"split the base under peft's adapter layers, and the adapter syncs from one rank; give "
-                             f"it tensor_parallel_size 1")
-        gpus = {"actor": a.actor.num_nodes * a.actor.num_gpus_per_node}
-        if a.algo.kl.init_coef > 0 and spec.lora is None:
-            gpus["reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
-        for kind, n in gpus.items():
-            if n % (ring * tp):
-                raise SystemExit(f"agent {spec.name!r}: its {n} {kind} GPUs must be a multiple of its ring-attention "
-                                 f"size ({ring}) x its tensor-parallel size ({tp}): the ranks of a ring or "
-                                 f"tensor-parallel group share each micro-batch")
-        ranks = gpus["actor"] // (ring * tp)
-        for flag, micro in (("train.micro_batch_size", args.train.micro_batch_size),
-                            ("rollout.micro_batch_size", args.rollout.micro_batch_size)):
-            if args.train.batch_size % (micro * ranks):
-                where = ("num_gpus_per_node in the topology" if spec.num_gpus_per_node
-                         else "--actor.num_nodes x --actor.num_gpus_per_node")
-                if ring * tp > 1:
-                    where += f" / its ring x tensor-parallel size {ring * tp}"
-                raise SystemExit(f"agent {spec.name!r}: --train.batch_size ({args.train.batch_size}) must be a "
-                                 f"multiple of --{flag} ({micro}) x its {ranks} data-parallel actor ranks ({where}) = "
-                                 f"{micro * ranks}, so that every rank gets whole micro-batches")
+    validate_parallel(args, trainees)
     # A prompt gets --data.max_len minus its agent's token limit: with no room left, every action is skipped.
     for spec in topology.agents:
         limit = spec.max_new_tokens or args.rollout.max_new_tokens
@@ -535,6 +498,47 @@ def validate(args, topology):
                          "coach)")
     scored = args.mappa.reward == "process" or coach.score_outcome_runs  # as MappaTrainer.scored
     topology.check_coach_template(args.mappa.topology, coach.kind, coach.mode, scored)
+
+
+def validate_parallel(args, trainees: list) -> None:
+    """Each agent's train batch is split over its data-parallel ranks (a topology may give an agent its own GPU
+    count) in micro-batches. The ranks of one ring or tensor-parallel group share theirs (upstream's
+    duplicate_actors): an agent's GPUs hold whole groups, and its data-parallel ranks are its GPUs / group size."""
+    from openrlhf_mappa.placement import agent_args
+
+    for spec in trainees:
+        a = agent_args(args, spec)
+        ring, tp = a.ds.ring_attn_size, a.ds.tensor_parallel_size
+        if tp > 1 and a.ds.zero_stage == 3:
+            raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) is DeepSpeed's AutoTP, which trains with "
+                             f"ZeRO stages 0-2 only (under ZeRO-3 transformers refuses to load the model): pass "
+                             f"--ds.zero_stage 2")
+        if tp > 1 and args.ds.param_dtype != "bf16":
+            raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) trains in bf16 (OpenRLHF's AutoTP): use "
+                             f"--ds.param_dtype bf16, not {args.ds.param_dtype}")
+        if tp > 1 and spec.lora is not None:
+            raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) with LoRA is not built: AutoTP would "
+                             f"split the base under peft's adapter layers, and the adapter syncs from one rank; give "
+                             f"it tensor_parallel_size 1")
+        gpus = {"actor": a.actor.num_nodes * a.actor.num_gpus_per_node}
+        if a.algo.kl.init_coef > 0 and spec.lora is None:
+            gpus["reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
+        for kind, n in gpus.items():
+            if n % (ring * tp):
+                raise SystemExit(f"agent {spec.name!r}: its {n} {kind} GPUs must be a multiple of its ring-attention "
+                                 f"size ({ring}) x its tensor-parallel size ({tp}): the ranks of a ring or "
+                                 f"tensor-parallel group share each micro-batch")
+        ranks = gpus["actor"] // (ring * tp)
+        for flag, micro in (("train.micro_batch_size", args.train.micro_batch_size),
+                            ("rollout.micro_batch_size", args.rollout.micro_batch_size)):
+            if args.train.batch_size % (micro * ranks):
+                where = ("num_gpus_per_node in the topology" if spec.num_gpus_per_node
+                         else "--actor.num_nodes x --actor.num_gpus_per_node")
+                if ring * tp > 1:
+                    where += f" / its ring x tensor-parallel size {ring * tp}"
+                raise SystemExit(f"agent {spec.name!r}: --train.batch_size ({args.train.batch_size}) must be a "
+                                 f"multiple of --{flag} ({micro}) x its {ranks} data-parallel actor ranks ({where}) = "
+                                 f"{micro * ranks}, so that every rank gets whole micro-batches")
 
 
 def validate_algo(args) -> None:
