@@ -3,8 +3,9 @@ tiny agents learning from scratch, examples/scripts/train_mappa_tiny_cpu.sh's se
 call takes --tool-s seconds and the coach answers after --coach-s seconds, so that a rollout waits as DSBench's do.
 Both runs start from the same weights and seed. Prints, per mode: steps per hour (step 1, warm-up, left out), the
 share of the wall time the team waited for its episodes (synchronous: every rollout; async: what training did not
-hide), the mean staleness of the actions, the success rate over training, and the episodes seen before the
-success rate (mean over 3 steps) first reached 0.8.
+hide), the mean staleness of the actions, the success rate over training, the episodes seen before the
+success rate (mean over 3 steps) first reached 0.8, and the steps in which an agent relapsed into replies cut off
+at the token limit after it had learned to end them.
 
     .venv/bin/python benchmarks/async_training.py [--steps 40] [--tool-s 0.25] [--coach-s 1.0] [train_mappa_ray flags]
 
@@ -86,9 +87,17 @@ def summary(metrics: list) -> dict:
     smooth = [sum(success[max(0, i - 2): i + 1]) / len(success[max(0, i - 2): i + 1]) for i in range(len(success))]
     reached = next((i + 1 for i, s in enumerate(smooth) if s >= 0.8), None)
     stale = [m[k] for m in metrics for k in m if k.endswith("/staleness_mean")]
+    # Relapses: steps in which an agent that had learned to end its replies (under 10% cut off at the token limit)
+    # had half or more of them cut off again; all cut off alike, they score alike and teach it little.
+    relapsed = set()
+    for key in {k for m in metrics for k in m if k.endswith("/truncated_rate")}:
+        rates = [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
+        learned = next((i for i, (_, rate) in enumerate(rates) if rate < 0.1), len(rates))
+        relapsed |= {step for step, rate in rates[learned:] if rate >= 0.5}
     return {"steps/hour": 3600 * len(timed) / wall, "waiting share": waited / wall,
             "staleness": sum(stale) / len(stale) if stale else 0.0, "success first 3": sum(success[:3]) / 3,
             "success last 3": sum(success[-3:]) / 3, "episodes to 0.8": reached and reached * 32,
+            "relapsed steps": len(relapsed),
             "rollout s": sum(m["timing/rollout"] for m in timed) / len(timed),
             "train s": sum(m["timing/train"] + m["timing/experience"] + m["timing/sync"] for m in timed) / len(timed)}
 

@@ -303,8 +303,11 @@ class MappaTrainer:
 
         def train(ag, m: dict) -> dict:  # agent k's experiences train agent k's actor, then go to its engines
             if m["batch"]:
-                t0 = time.time()
-                m["status"] = ag.trainer.train_step(m["batch"], step)[0]
+                t0, batch = time.time(), m["batch"]
+                if self.mappa.ppo_ratio == "rollout":  # copies: the step's metrics compare the two log-probs
+                    batch = [e if e.rollout_log_probs is None else
+                             dataclasses.replace(e, action_log_probs=e.rollout_log_probs) for e in batch]
+                m["status"] = ag.trainer.train_step(batch, step)[0]
                 m["sync"] = m["status"]["timing/broadcast"]
                 m["train"] = time.time() - t0 - m["sync"]
             return m

@@ -235,6 +235,32 @@ def test_each_action_records_its_own_rows_advantage_when_upstream_regroups_the_r
     assert sorted(actions, key=lambda a: a.advantage) == sorted(actions, key=lambda a: a.verdict.score)
 
 
+@pytest.mark.parametrize("ratio", ["trainer", "rollout"])
+def test_ppo_ratio_rollout_trains_against_the_log_probs_of_the_weights_that_sampled(ratio):
+    # --mappa.ppo_ratio rollout: the update's old log-probs (PPO's ratio and clip) are the engine's, on each action's
+    # own tokens; the step's batch, whose mismatch metrics compare the two, keeps the actor's. Default: the actor's.
+    import torch
+
+    from openrlhf_mappa.episode import Action, Episode, Verdict
+
+    def actor_forward(name, exps):  # the actor's log-probs, as the experience maker's forward would give them
+        for e in exps:
+            e.action_log_probs = torch.full_like(e.rollout_log_probs, -1.0)
+        return exps
+
+    given, trainer = [], team_trainer("none", actor_forward, names=("a",))
+    trainer.mappa.ppo_ratio = ratio
+    trainer.trainees[0].trainer.train_step = lambda exps, step: (given.extend(exps), ({"timing/broadcast": 0}, step))[1]
+    engine = ([-0.5, -0.25], [-2.0, -0.125])
+    actions = [Action("ep", "a", t, [1, 2], [3, 4], verdict=Verdict(5.0 + t, "ok"), rollout_logprobs=list(engine[t]))
+               for t in range(2)]
+    made = trainer.update_team(1, [Episode("ep", "t", actions=actions)], finished([]), {"a": 0.0})
+    assert len(given) == 2 and all((e.action_log_probs == -1.0).all() for e in made["a"]["batch"])
+    for e in given:
+        old = made["a"]["kept"][e.index[0]].rollout_logprobs if ratio == "rollout" else [-1.0, -1.0]  # its row's
+        assert e.action_log_probs[0, 1:].tolist() == old and e.action_mask[0].tolist() == [False, True, True]
+
+
 @pytest.mark.parametrize("scope", ["agent", "global"])
 def test_an_agent_trains_as_soon_as_its_own_verdicts_are_in(scope):
     # Agent c's verdict is still coming (the rollout's future not done): a and b update meanwhile, and c's verdict

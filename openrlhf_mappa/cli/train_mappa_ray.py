@@ -108,6 +108,10 @@ def add_training_args(g):
                         "whose weight versions, its own agent's or another agent's whose output it saw, is more than "
                         "this many updates behind when its step trains (default: --train.async_queue_size, so that "
                         "none is in steady state)")
+    g.add_argument("--mappa.ppo_ratio", choices=["trainer", "rollout"], default="trainer",
+                   help="the old policy of PPO's ratio and clip. trainer: the actor's log-probs just before the update "
+                        "(OpenRLHF's); rollout: the engine's, of the weights that sampled each action, so that the "
+                        "clip bounds each update around the policy that made the data (async training)")
     g.add_argument("--mappa.max_untrained_steps", type=NONNEGATIVE_INT, default=3,
                    help="stop the run after this many steps in a row in which no agent trained on any action (each "
                         "such step names the reason on the console; 0: never stop)")
