@@ -1,6 +1,5 @@
-"""The team loop: each agent is its own policy with its own ZeRO-3 actor group, reference group and vLLM
-engines (OpenRLHF's classes, built by launch.py); MappaTrainer drives them all, one step at a time. A LoRA agent
-(topology `lora`) has no reference group and shares its base model's engine pool (agent_trainer.py).
+"""The team loop: each agent is its own policy (its own ZeRO-3 actor and reference groups and vLLM engines, built
+by launch.py; a LoRA agent shares its base's engine pool and has no reference group), one step at a time.
 
 One step:  rollout (all episodes at once) -> per agent, as soon as its own coach verdicts are in: per-action
 rewards -> OpenRLHF Experiences (actor/ref log-probs, KL) -> token rewards, return-to-go, whitening (rewards.py)
