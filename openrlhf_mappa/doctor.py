@@ -96,9 +96,7 @@ def train_one_step(ag, args):
         a = Action(f"doctor-{i}", ag.spec.name, 0, prompt, tok([f" {ag.spec.name}.", " nobody."][i % 2])["input_ids"])
         a.reward = float(i % 2 == 0)
         actions.append(a)
-    maker = ag.trainer.experience_maker
-    rows = maker.split_rollout_samples([rewards.experience_of(a) for a in actions])
-    batch = {ag.spec.name: maker.make_experience(rows)}
+    batch = {ag.spec.name: rewards.experiences(ag.trainer.experience_maker, actions)}
     rewards.compute_advantages(batch, args.algo.kl.init_coef, scope="agent")
     return ag.trainer.train_step(batch[ag.spec.name], 1)[0]
 

@@ -32,7 +32,8 @@ episodes of one task), with the sample std, then whitens G per agent as above:
     A_t = (G_t - mean(G)) / std(G)             G from R', over each agent's batch
 
 Shape suffixes: `_B` one value per action (row), `_BA` one value per action token.
-Pure torch + the episode records: no Ray, vLLM or DeepSpeed here, so it is testable on a CPU.
+Pure torch + the episode records: no Ray, vLLM or DeepSpeed here (experiences() calls the maker it is given), so it
+is testable on a CPU.
 """
 
 import collections
@@ -225,6 +226,12 @@ def experience_of(action):
         labels=[""],
         info={"reward": reward, "response_length": torch.tensor([float(len(action.response_ids))])},
     )
+
+
+def experiences(maker, actions: list) -> list:
+    """An agent's actions as OpenRLHF Experiences with its actor's and reference's log-probs and KL: `maker` is the
+    agent's experience maker (upstream's split into micro-batches, then its forwards)."""
+    return maker.make_experience(maker.split_rollout_samples([experience_of(a) for a in actions]))
 
 
 def token_rewards(reward_B: torch.Tensor, kl_BA: torch.Tensor, action_mask_BA: torch.Tensor,

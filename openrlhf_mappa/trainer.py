@@ -281,10 +281,7 @@ class MappaTrainer:
                                             c.standardize_task_type, self.mappa.norm_scope, self.mappa.outcome_score,
                                             algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None)
             kept, dropped = self.batch_rule([a for ep in own for a in ep.actions if a.reward is not None], step)
-            batch = []
-            if kept:  # with the actor's and reference's log-probs and KL, by upstream's experience maker
-                maker = ag.trainer.experience_maker
-                batch = maker.make_experience(maker.split_rollout_samples([rewards.experience_of(a) for a in kept]))
+            batch = rewards.experiences(ag.trainer.experience_maker, kept) if kept else []
             return {"counts": counts, "kept": kept, "dropped": dropped, "batch": batch, "coach_wait": t0 - t_start,
                     "experience": time.time() - t0}
 
