@@ -212,7 +212,7 @@ def doctor(args, topology) -> int:
                               [a.model for a in topology.agents])
     startup.start()
     try:
-        agents = build_agents(args, topology, {spec.name: 1 for spec in topology.agents}, startup)
+        agents = build_agents(args, topology, {s.name: 1 for s in placement.trainee_specs(args, topology)}, startup)
     finally:
         startup.done.set()
     rows = [("placement", "-", True, f"{len(owners(agents))} agents' engines and actors started, as planned")]

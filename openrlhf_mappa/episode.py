@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+COACH_NAME = "coach"  # a trained coach's name among the trainees (its actions, checkpoints, metrics)
 VERDICT_STATUSES = ("ok", "parse_error", "api_error", "timeout", "skipped")
 # Where a verdict's score comes from (--mappa.coach.mode): the coach's request about this one action, the
 # hindsight review of the whole episode, or both combined (coach.combine).
@@ -75,6 +76,8 @@ class Verdict:
     # "hindsight" and "both" verdicts are no requests of their own: their cost is counted on the episode's Review
     # and the per-action verdict (Action.verdict_parts; audit.coach_calls).
     source: str = "per_action"
+    version: Optional[int] = None  # --mappa.coach.kind trained: the coach's weight version that gave it
+    reference: Optional[dict] = None  # trained coach: its reference judge's verdict on the action, where asked
 
     def __post_init__(self):
         if self.status not in VERDICT_STATUSES:

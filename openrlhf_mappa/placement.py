@@ -66,9 +66,16 @@ def agent_args(args, spec):
 
 def trainee_specs(args, topology) -> list:
     """The agents that own weights: all, or with --mappa.shared_policy only the first, whose policy plays every
-    role (the baseline MAPPA's separate weights are compared against)."""
+    role (the baseline MAPPA's separate weights are compared against). A trained coach
+    (--mappa.coach.kind trained) is one more, last: its own engines and actor, as an agent's."""
+    c, coach = getattr(args.mappa, "coach", None), []
+    if getattr(c, "kind", None) == "trained":  # an AgentSpec (the topology's class: topology imports this module)
+        from openrlhf_mappa.episode import COACH_NAME
+
+        spec = type(topology.agents[0])
+        coach = [spec(COACH_NAME, c.model, "the team's coach", "", max_new_tokens=c.max_tokens or None)]
     if not args.mappa.shared_policy:
-        return topology.agents
+        return topology.agents + coach
     models = {spec.model for spec in topology.agents}
     if len(models) > 1:
         raise SystemExit(f"--mappa.shared_policy trains one model for every role, but the topology names "

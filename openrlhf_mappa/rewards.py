@@ -37,6 +37,7 @@ is testable on a CPU.
 """
 
 import collections
+import random
 
 import torch
 
@@ -197,6 +198,18 @@ def group_normalize(episodes: list[Episode], eps: float = 1e-9) -> None:
         z_g = (R_g - R_g.mean()) / (R_g.std() + eps) if len(acts) > 1 else torch.zeros_like(R_g)
         for a, r in zip(acts, z_g.tolist()):
             a.reward = r
+
+
+def batch_rule(actions: list, train, step: int) -> tuple:
+    """(kept, dropped count): a whole number of global train batches B = train.batch_size of an agent's actions.
+
+    DeepSpeed's gradient accumulation is fixed by B, and data-parallel ranks with unequal micro-batch counts
+    deadlock in all-reduce. So an agent whose action count varies (a Code Executor acting once or twice) trains on
+    floor(n / B) * B of its actions, drawn with a RNG seeded by train.seed and the step, and skips the update when
+    n < B. Dropped actions are counted in the metrics."""
+    keep = (len(actions) // train.batch_size) * train.batch_size
+    picked = random.Random(train.seed * 1000003 + step).sample(actions, keep) if keep else []
+    return picked, len(actions) - keep
 
 
 def experience_of(action):

@@ -99,6 +99,15 @@ class AgentPolicy:
             lo, hi, best = (mid, hi, best) if found[2] else (lo, mid, found)
         return (*best, hi)
 
+    async def sample(self, prompt_ids: list) -> tuple:
+        """(generate's result, its weights' version when it started, and when it ended), through the sync gate."""
+        version = await self.gate.enter()
+        try:
+            generated = await self.generate(prompt_ids)
+        finally:
+            version_end = self.gate.leave()  # read under the gate's lock, as it ends
+        return generated, version, version_end
+
     async def generate(self, prompt_ids: list):
         """(response ids, truncated, each response token's sampling log-prob)."""
         from vllm import SamplingParams
@@ -201,7 +210,7 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
         # The round's agents all see the history as it was before the round: they generate concurrently, and
         # step in the order next_agents gave.
         prompts = [fit_prompt(env, call, policies[spec.name], spec, turns[spec.name], can_omit) for spec in agents]
-        generations = (gated(policies[spec.name], p[1]) for spec, p in zip(agents, prompts) if not p[2])
+        generations = (policies[spec.name].sample(p[1]) for spec, p in zip(agents, prompts) if not p[2])
         generated = iter(await asyncio.gather(*generations))
         last = {}
         for spec, (prompt_text, prompt_ids, too_long, omitted) in zip(agents, prompts):
@@ -243,16 +252,6 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
             yield CoachRequest(episode.episode_id, spec.name, turn, agent_input=prompt_text,
                                agent_output=response_text, **action.coach_request)
         round_ += 1
-
-
-async def gated(policy: AgentPolicy, prompt_ids: list) -> tuple:
-    """(policy.generate's result, its weights' version when it started, and when it ended)."""
-    version = await policy.gate.enter()
-    try:
-        generated = await policy.generate(prompt_ids)
-    finally:
-        version_end = policy.gate.leave()  # read under the gate's lock, as it ends
-    return generated, version, version_end
 
 
 def check_round(env_name: str, topology, agents) -> None:

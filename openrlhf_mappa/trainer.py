@@ -20,6 +20,7 @@ import ray
 from tqdm import tqdm
 
 from openrlhf_mappa import resume, rewards
+from openrlhf_mappa.coach import trained
 from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, coach_step_metrics
 from openrlhf_mappa.console import console, step_line
 from openrlhf_mappa.evaluation import NoCoach, evaluate, format_table, summarize
@@ -32,13 +33,15 @@ from openrlhf_mappa.run_log import RunLog, step_metrics
 class MappaTrainer:
     def __init__(self, args, topology, agents: list, coach, tasks: list, run_dir: str, eval_sets: dict = None):
         self.args, self.topology, self.agents, self.coach, self.tasks = args, topology, agents, coach, tasks
-        self.run_dir = run_dir
-        self.eval_sets = eval_sets or {}  # dataset name -> tasks
-        # Who trains whose actions: each agent its own, or with a shared policy, all of them the first's.
-        self.trainees = owners(agents)
+        self.run_dir, self.eval_sets = run_dir, eval_sets or {}  # eval_sets: dataset name -> tasks
+        # Who trains whose actions: each agent its own (a shared policy: the first's); a trained coach its verdicts.
+        self.coach_agent = getattr(coach, "agent", None)
+        self.trainees = owners(agents) + [self.coach_agent] * bool(self.coach_agent)
         owner_of_actor = {id(ag.actor): ag.spec.name for ag in self.trainees}
-        self.owner = {ag.spec.name: owner_of_actor[id(ag.actor)] for ag in agents}
+        self.owner = {ag.spec.name: owner_of_actor[id(ag.actor)] for ag in agents + self.trainees}
         self.mappa = args.mappa
+        # The most updates an action's weights (or its trained coach's) may be behind when its step trains.
+        self.bound = self.mappa.max_staleness if self.mappa.max_staleness is not None else args.train.async_queue_size
         # The outcome baseline trains on no verdict: asking an API coach anyway would cost money for nothing.
         # --mappa.coach.score_outcome_runs asks it all the same, for a comparison that is logged, never trained on.
         self.scored = self.mappa.reward == "process" or self.mappa.coach.score_outcome_runs
@@ -52,8 +55,10 @@ class MappaTrainer:
         self.policies, self.eval_policies = ({ag.spec.name: AgentPolicy(
             ag.engines, ag.tokenizer, ag.args.rollout.max_new_tokens, args.data.max_len,
             dict(temperature=temperature, top_p=args.rollout.top_p), ag.trainer.adapter, ag.trainer.gate)
-            for ag in agents}
+            for ag in agents + self.trainees}
             for temperature in (args.rollout.temperature, args.eval.temperature))
+        if self.coach_agent:
+            coach.policy = self.policies[self.coach_agent.spec.name]
         # One event loop for the whole run: the coach's HTTP client and its semaphore belong to the loop
         # they were first used on, so a fresh asyncio.run() per step would break them at step 2.
         self.loop = asyncio.new_event_loop()
@@ -204,10 +209,8 @@ class MappaTrainer:
         `episodes`: the agents are done; `complete`: the rollout's future, done when every verdict is in too."""
         # Known as the agents are done: before any update.
         env_stop = env_failures(step, episodes, self.mappa.env.max_failure_fraction, self.run_dir)
-        bound = self.mappa.max_staleness if self.mappa.max_staleness is not None else self.args.train.async_queue_size
-        lags = rewards.mark_stale(episodes, {ag.spec.name: ag.trainer.gate.version for ag in self.agents}, bound)
-        # β per agent: its OpenRLHF KL controller's, fixed or adaptive (--algo.kl.target; upstream's train_step
-        # updates it). Read before training, which moves it.
+        lags = rewards.mark_stale(episodes, {ag.spec.name: ag.trainer.gate.version for ag in self.agents}, self.bound)
+        # β per agent: its OpenRLHF KL controller's (adaptive with --algo.kl.target), read before training moves it.
         kl_coef = {ag.spec.name: ag.trainer.kl_ctl.value for ag in self.trainees}
         try:
             made = {} if env_stop else self.update_team(step, episodes, complete, kl_coef)
@@ -217,11 +220,13 @@ class MappaTrainer:
         c = self.mappa.coach
         coach_metrics = coach_step_metrics(episodes, c.price_in, c.price_out)
         coach_metrics.update(self.bias_audit.update(episodes))
+        # A trained coach's reward terms, its agreement with the reference and the reference's cost.
+        coach_metrics.update({k: v for m in made.values() for k, v in m["terms"].items()})
         self.coach_cost_usd += coach_metrics.get("coach/cost_usd", 0.0)
         if c.price_in or c.price_out:
             coach_metrics["coach/cost_usd_total"] = self.coach_cost_usd
         stop = env_stop and RunStopped(env_stop)
-        if self.scored and not stop:  # verdicts paid for but mostly failed: stop, even when only logged
+        if self.scored and not stop and not self.coach_agent:  # verdicts paid for but mostly failed: stop
             try:
                 check_failures(episodes, coach_metrics, c.max_failure_fraction)
             except CoachFailure as e:
@@ -235,11 +240,12 @@ class MappaTrainer:
         batches = {name: m["batch"] for name, m in made.items() if m["batch"]}
         status = {name: m["status"] for name, m in made.items() if "status" in m}
         dropped = {name: m["dropped"] for name, m in made.items()}
-        untrained = untrained_reasons([ag for ag in self.trainees if ag.spec.name not in batches], self.owner,
+        agents = owners(self.agents)  # the trainees but a trained coach
+        untrained = untrained_reasons([ag for ag in agents if ag.spec.name not in batches], self.owner,
                                       episodes, dropped, self.mappa.train_truncated)
         for name, why in untrained.items():
             tqdm.write(f"[mappa] step {step}: agent {name!r} trained on nothing: {why}", file=console.err)
-        self.untrained_steps = self.untrained_steps + 1 if len(untrained) == len(self.trainees) else 0
+        self.untrained_steps = self.untrained_steps + 1 if len(untrained) == len(agents) else 0
         most = self.mappa.max_untrained_steps
         if most and self.untrained_steps >= most:
             self.stalled = (f"no agent trained in {self.untrained_steps} steps in a row (--mappa.max_untrained_steps "
@@ -249,9 +255,11 @@ class MappaTrainer:
         self.out.episodes(episodes)
         self.out.syncs(step, self.trainees)
         counts = rewards.merge_counts([m["counts"] for m in made.values()])
-        metrics = step_metrics(self.args, self.topology, self.agents, self.owner, episodes, batches, status, dropped,
-                               {**counts, "staleness": lags}, kl_coef)
+        metrics = step_metrics(self.args, self.topology, self.agents + self.trainees[len(agents) :], self.owner,
+                               episodes, batches, status, dropped, {**counts, "staleness": lags}, kl_coef)
         metrics.update(coach_metrics)
+        if self.coach_agent:  # the safeguard: a trained coach's agreement with its reference, held out
+            self.stalled = self.stalled or trained.agreement_stop(step, metrics, c.min_agreement, c.agreement_warmup)
         # The agents' phases overlap (each starts when its verdicts are in): each phase's time is the slowest
         # agent's, or on the team's shared GPUs, where they take turns, the sum of all.
         total = sum if self.mappa.colocate == "team" else lambda ts: max(ts, default=0.0)
@@ -271,19 +279,27 @@ class MappaTrainer:
         algo, c, t_start = self.args.algo, self.mappa.coach, time.time()
 
         def prepare(ag) -> dict:
-            name = ag.spec.name
-            self.verdicts_in(name, episodes, complete)
-            t0 = time.time()
-            own = [dataclasses.replace(ep, actions=[a for a in ep.actions if self.owner[a.agent] == name])
-                   for ep in episodes]  # the same Action objects: rewards land on the step's records
-            counts = rewards.assign_rewards(own, self.mappa.reward, c.on_failure, c.neutral_score,
-                                            self.topology.reward_scale, self.mappa.train_truncated,
-                                            c.standardize_task_type, self.mappa.norm_scope, self.mappa.outcome_score,
-                                            algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None)
-            kept, dropped = self.batch_rule([a for ep in own for a in ep.actions if a.reward is not None], step)
+            name, terms = ag.spec.name, {}
+            if ag is self.coach_agent:  # its verdicts' own actions, once all are in, rewarded by its terms
+                concurrent.futures.wait([complete])
+                t0, (mine, terms) = time.time(), self.coach.rewarded(episodes, c.price_in, c.price_out)
+                counts = {**rewards.merge_counts([]), "trainable": sum(a.reward is not None for a in mine)}
+            else:
+                self.verdicts_in(name, episodes, complete)
+                t0 = time.time()
+                own = [dataclasses.replace(ep, actions=[a for a in ep.actions if self.owner[a.agent] == name])
+                       for ep in episodes]  # the same Action objects: rewards land on the step's records
+                mine = [a for ep in own for a in ep.actions]
+                if self.coach_agent:  # never a verdict from a coach more than the bound behind
+                    trained.stale_verdicts(mine, self.coach_agent.trainer.gate.version, self.bound)
+                counts = rewards.assign_rewards(
+                    own, self.mappa.reward, c.on_failure, c.neutral_score, self.topology.reward_scale,
+                    self.mappa.train_truncated, c.standardize_task_type, self.mappa.norm_scope,
+                    self.mappa.outcome_score, algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None)
+            kept, dropped = rewards.batch_rule([a for a in mine if a.reward is not None], self.args.train, step)
             batch = rewards.experiences(ag.trainer.experience_maker, kept) if kept else []
             return {"counts": counts, "kept": kept, "dropped": dropped, "batch": batch, "coach_wait": t0 - t_start,
-                    "experience": time.time() - t0}
+                    "experience": time.time() - t0, "terms": terms}
 
         def advantages(made: dict) -> None:  # each trained action's record shows its row's mean advantage
             batches = {name: m["batch"] for name, m in made.items() if m["batch"]}
@@ -358,22 +374,9 @@ class MappaTrainer:
         self.stage, self.stage_since = index, since
         self.coach.template = self.topology.coach_stages[index].template
 
-    def batch_rule(self, actions: list, step: int):
-        """Keep a whole number of global train batches (train.batch_size) per agent and step.
-
-        DeepSpeed's gradient accumulation is fixed by train.batch_size, and data-parallel ranks with
-        unequal micro-batch counts deadlock in all-reduce. So an agent whose action count varies (a Code
-        Executor acting once or twice) trains on floor(n / B) * B of its actions, picked at random with a
-        seeded RNG, and skips the update when n < B. Dropped actions are counted in the metrics."""
-        B = self.args.train.batch_size
-        keep = (len(actions) // B) * B
-        picked = random.Random(self.args.train.seed * 1000003 + step).sample(actions, keep) if keep else []
-        return picked, len(actions) - keep
-
     def evaluate(self, step: int):
-        """Every --eval.dataset, n samples per task at --eval.temperature, on the current weights: one line
-        per dataset in eval.jsonl (read by `mappa report`), the per-problem results in eval/, and the
-        loggers' eval/ namespace."""
+        """Every --eval.dataset, n samples per task at --eval.temperature, on the current weights: a line per dataset
+        in eval.jsonl (read by `mappa report`), the per-problem results in eval/, and the loggers' eval/ namespace."""
         ev, names = self.args.eval, [ag.spec.name for ag in self.agents]
         for dataset, tasks in self.eval_sets.items():
             workspace = os.path.join(self.run_dir, "workspaces", f"eval-{dataset}")

@@ -18,6 +18,7 @@ import pytest
 from openrlhf_mappa.coach import CoachRequest, build_coach, render_prompt
 from openrlhf_mappa.coach.cache import VerdictCache
 from openrlhf_mappa.episode import Verdict
+from openrlhf_mappa.rollout import AgentPolicy
 
 TEMPLATE = (
     "Task: {task}\nRole: {role}\nOutput: {agent_output}\nFeedback: {feedback}\nTruth: {ground_truth}\nPROCESS_SCORE:"
@@ -613,6 +614,8 @@ class ScriptedPolicy:
         from openrlhf_mappa.rollout import SyncGate
 
         self.reply, self.tokenizer, self.gate = reply, self, SyncGate()
+
+    sample = AgentPolicy.sample  # generate() behind the gate, as the real one
 
     def prompt_ids(self, messages):
         return messages[-1]["content"], [1, 2, 3], False

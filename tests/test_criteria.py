@@ -26,7 +26,7 @@ from openrlhf_mappa import trainer as trainer_module
 from openrlhf_mappa.cli.train_mappa_ray import parse_args
 from openrlhf_mappa.console import console as run_console
 from openrlhf_mappa.resume import CHECKPOINT_MARKER, check_resume, write_marker
-from openrlhf_mappa.rollout import SyncGate
+from openrlhf_mappa.rollout import AgentPolicy, SyncGate
 from openrlhf_mappa.run_log import step_metrics
 from openrlhf_mappa.trainer import MappaTrainer
 
@@ -146,6 +146,8 @@ class Replies:
 
     def __init__(self, *replies, gate=None):
         self.replies, self.calls, self.tokenizer, self.gate = replies, 0, self, gate or SyncGate()
+
+    sample = AgentPolicy.sample  # generate() behind the gate, as the real one
 
     def prompt_ids(self, messages):
         return messages[-1]["content"], [1, 2, 3], False

@@ -174,6 +174,7 @@ def team_trainer(colocate: str, forward, names=("a", "b", "c"), trained=None):
     t, trained = MappaTrainer.__new__(MappaTrainer), [] if trained is None else trained
     t.args = parse_args(["--mappa.topology", MATHCHAT, "--train.batch_size", "1", "--mappa.colocate", colocate])
     t.mappa, t.topology, t.owner = t.args.mappa, SimpleNamespace(reward_scale=1.0), {n: n for n in names}
+    t.coach_agent = None  # a frozen coach
     split = lambda exps: [(setattr(e, "index", [i]), e)[1] for i, e in enumerate(exps)]  # as upstream's, unbatched
     maker = lambda name: SimpleNamespace(split_rollout_samples=split, make_experience=lambda exps: forward(name, exps))
     train = lambda name: lambda exps, step: (trained.append(name), ({"timing/broadcast": 0.0}, step))[1]

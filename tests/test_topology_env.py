@@ -710,6 +710,8 @@ class CannedPolicy:
         self.reply, self.truncated, self.tokenizer, self.max_new_tokens = reply, truncated, self, 16
         self.gate = SyncGate()
 
+    sample = AgentPolicy.sample  # generate() behind the gate, as the real one
+
     def prompt_ids(self, messages):
         return messages[-1]["content"], [1, 2, 3], False
 

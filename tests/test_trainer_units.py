@@ -26,7 +26,7 @@ from openrlhf_mappa.rollout import rollout
 from openrlhf_mappa.topology import load_topology
 from openrlhf_mappa.resume import apply, check_resume
 from openrlhf_mappa.resume import truncate_logs
-from openrlhf_mappa.rewards import experience_of
+from openrlhf_mappa.rewards import batch_rule, experience_of
 from openrlhf_mappa.run_log import step_metrics
 from openrlhf_mappa.trainer import MappaTrainer
 
@@ -43,10 +43,8 @@ def model_dir(tmp_path) -> str:
     return str(tmp_path / "model")
 
 
-def trainer_with(batch_size, seed=0):
-    t = MappaTrainer.__new__(MappaTrainer)  # the rule reads only args
-    t.args = SimpleNamespace(train=SimpleNamespace(batch_size=batch_size, seed=seed))
-    return t
+def train_with(batch_size, seed=0):
+    return SimpleNamespace(batch_size=batch_size, seed=seed)
 
 
 def executor_actions(turns_per_episode):
@@ -56,18 +54,18 @@ def executor_actions(turns_per_episode):
 def test_batch_rule_keeps_whole_train_batches_of_a_varying_agent():
     # A Code Executor acting 1-2 times per episode: 1+2+2+1+2 = 8 actions, B = 3 -> 6 kept, 2 dropped.
     actions = executor_actions([1, 2, 2, 1, 2])
-    kept, dropped = trainer_with(3).batch_rule(actions, step=1)
+    kept, dropped = batch_rule(actions, train_with(3), step=1)
     assert (len(kept), dropped) == (6, 2)
     assert len({id(a) for a in kept}) == 6 and all(a in actions for a in kept)
     # seeded: the same step picks the same actions; another step may pick others
-    again, _ = trainer_with(3).batch_rule(actions, step=1)
+    again, _ = batch_rule(actions, train_with(3), step=1)
     assert [id(a) for a in again] == [id(a) for a in kept]
 
 
 def test_batch_rule_skips_an_agent_with_fewer_actions_than_a_batch():
-    kept, dropped = trainer_with(4).batch_rule(executor_actions([1, 2]), step=1)
+    kept, dropped = batch_rule(executor_actions([1, 2]), train_with(4), step=1)
     assert (kept, dropped) == ([], 3)
-    kept, dropped = trainer_with(4).batch_rule([], step=1)
+    kept, dropped = batch_rule([], train_with(4), step=1)
     assert (kept, dropped) == ([], 0)
 
 
@@ -273,8 +271,8 @@ def test_truncated_action_tells_the_coach_where_it_was_cut_off(tmp_path):
 def trainer_for(reward: str, coach, tmp_path, score_outcome_runs: bool = False) -> MappaTrainer:
     """A MappaTrainer with no agents (nothing on Ray): enough to see which coach its rollouts ask."""
     args = SimpleNamespace(
-        mappa=SimpleNamespace(reward=reward, coach=SimpleNamespace(score_outcome_runs=score_outcome_runs,
-                                                                   bias_threshold=1.0, bias_window=5)),
+        mappa=SimpleNamespace(reward=reward, max_staleness=0, coach=SimpleNamespace(
+            score_outcome_runs=score_outcome_runs, bias_threshold=1.0, bias_window=5)),
         rollout=SimpleNamespace(temperature=1.0, top_p=1.0), eval=SimpleNamespace(temperature=0.6),
         data=SimpleNamespace(max_len=64), logger=SimpleNamespace(wandb=SimpleNamespace(key=None), tensorboard_dir=None),
     )  # fmt: skip

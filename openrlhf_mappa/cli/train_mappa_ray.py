@@ -123,8 +123,26 @@ def add_training_args(g):
 
 
 def add_coach_args(g):
-    g.add_argument("--mappa.coach.kind", choices=["heuristic", "openai"], default="heuristic",
-                   help="heuristic: offline rule-based coach (demo/tests); openai: any OpenAI-compatible server")
+    g.add_argument("--mappa.coach.kind", choices=["heuristic", "openai", "trained"], default="heuristic",
+                   help="heuristic: offline rule-based coach (demo/tests); openai: any OpenAI-compatible server; "
+                        "trained: the model --mappa.coach.model in the team's cluster, trained with the agents and "
+                        "anchored to a reference judge (--mappa.coach.reference_*)")
+    g.add_argument("--mappa.coach.reference_kind", choices=["heuristic", "openai"], default="heuristic",
+                   help="trained coach: the judge it is compared with (openai: --mappa.coach.reference_model at "
+                        "--mappa.coach.base_url)")
+    g.add_argument("--mappa.coach.reference_model", default=None, help="trained coach: the reference judge's model")
+    g.add_argument("--mappa.coach.reference_fraction", type=FRACTION, default=0.25,
+                   help="trained coach: the share of actions the reference judge also scores (a cost)")
+    g.add_argument("--mappa.coach.held_out_fraction", type=FRACTION, default=0.2,
+                   help="trained coach: the share of the reference's verdicts kept out of its reward, to measure "
+                        "its agreement with the reference (coach/heldout_agreement)")
+    g.add_argument("--mappa.coach.terms", default="format,outcome,agreement,bias",
+                   help="trained coach: the terms of its reward, comma-separated (coach/trained.py coach_rewards)")
+    g.add_argument("--mappa.coach.min_agreement", type=FRACTION, default=0.0,
+                   help="trained coach: stop the run when its held-out agreement with the reference falls below this "
+                        "after --mappa.coach.agreement_warmup steps (0: never)")
+    g.add_argument("--mappa.coach.agreement_warmup", type=NONNEGATIVE_INT, default=10,
+                   help="trained coach: steps before --mappa.coach.min_agreement applies (a new coach agrees little)")
     g.add_argument("--mappa.coach.mode", choices=["per_action", "hindsight", "both"], default="per_action",
                    help="per_action: one coach request per action, as the episode runs (the paper); hindsight: one "
                         "request per finished episode, scoring every action and naming the one responsible for the "
@@ -464,7 +482,7 @@ def validate(args, topology):
                      else "--rollout.max_new_tokens")
             raise SystemExit(f"{where} ({limit}) must be below --data.max_len ({args.data.max_len}), which holds the "
                              f"prompt and the reply together: no prompt would fit, and every action would be skipped")
-    # A step trains whole --train.batch_size batches (trainer.batch_rule): an agent with fewer actions a step would
+    # A step trains whole --train.batch_size batches (rewards.batch_rule): an agent with fewer actions a step would
     # never train. Under --mappa.shared_policy the one trainee trains on every role's actions.
     for spec in trainees:
         most = (args.rollout.batch_size * args.rollout.n_samples_per_prompt
@@ -502,6 +520,36 @@ def validate(args, topology):
                          "coach)")
     scored = args.mappa.reward == "process" or coach.score_outcome_runs  # as MappaTrainer.scored
     topology.check_coach_template(args.mappa.topology, coach.kind, coach.mode, scored)
+    if coach.kind == "trained":
+        validate_trained_coach(args, topology)
+
+
+def validate_trained_coach(args, topology) -> None:
+    """--mappa.coach.kind trained: one more trainee (placement.trainee_specs), judging each action as it comes."""
+    from openrlhf_mappa.coach.trained import TERMS
+    from openrlhf_mappa.episode import COACH_NAME
+
+    c, m = args.mappa.coach, args.mappa
+    problems = [
+        (not c.model, "give the coach's model: --mappa.coach.model (an HF hub id or a local directory)"),
+        (c.mode != "per_action", f"it judges each action as it comes (mode per_action); hindsight reviews by a "
+                                 f"trained coach are not built, so not --mappa.coach.mode {c.mode}"),
+        (m.reward != "process", "it trains on the verdicts of process runs only (--mappa.reward process)"),
+        (m.shared_policy, "with --mappa.shared_policy is not built (the baseline's one policy plays every role)"),
+        (args.vllm.enable_sleep, "with --vllm.enable_sleep is not built: its engines judge the last actions after the "
+                                 "agents are done, when the team's engines go to sleep"),
+        (COACH_NAME in [spec.name for spec in topology.agents], f"the topology has an agent named {COACH_NAME!r}, "
+                                                                f"the trained coach's name: rename that agent"),
+        (bool(set(c.terms.split(",")) - set(TERMS)), f"--mappa.coach.terms {c.terms}: each of {', '.join(TERMS)}"),
+        (c.reference_kind == "openai" and not (c.reference_model and c.base_url),
+         "an openai reference judge needs --mappa.coach.reference_model and --mappa.coach.base_url"),
+        ((c.max_tokens or args.rollout.max_new_tokens) >= args.data.max_len,
+         f"its reply limit (--mappa.coach.max_tokens, else --rollout.max_new_tokens) must be below --data.max_len "
+         f"({args.data.max_len})"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise SystemExit(f"--mappa.coach.kind trained: {why}")
 
 
 def validate_parallel(args, trainees: list) -> None:
@@ -675,6 +723,8 @@ def check_team(args):
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
     validate(args, topology)
+    for spec in placement.trainee_specs(args, topology)[len(topology.agents) :]:  # a trained coach
+        check_model(spec.model, "--mappa.coach.model")
     for spec in topology.agents:
         label = "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}"
         check_model(spec.model, label)
@@ -717,7 +767,11 @@ def train(args):
                              api_key_env=c.api_key_env, timeout_s=c.timeout, max_concurrency=c.max_concurrency,
                              max_retries=c.max_retries, rpm=c.rpm, structured=c.structured,
                              format_retries=c.format_retries, max_tokens=c.max_tokens, score_key=topology.score_key,
-                             review_template=topology.review_template)
+                             review_template=topology.review_template,
+                             trained=dict(reference_kind=c.reference_kind, reference_model=c.reference_model,
+                                          reference_fraction=c.reference_fraction,
+                                          held_out_fraction=c.held_out_fraction, terms=tuple(c.terms.split(",")),
+                                          seed=args.train.seed))
         check_this_machine(args, topology)
         # An unreachable coach or a rejected key, found now rather than after the first rollout, by a coach of its
         # own: the run's opens its verdict cache, which writes.
@@ -766,15 +820,18 @@ def schedule_steps(args, topology, num_tasks: int) -> dict:
     """Each agent's learning-rate schedule length in optimizer steps, by --mappa.lr_horizon: "authors" as their
     base_controller.py (an agent taking more steps runs past its end, where transformers' cosine rises again);
     "max_actions" the most steps the agent can take (under --mappa.shared_policy, every role's actions)."""
+    from openrlhf_mappa.placement import trainee_specs
+
     episodes, epochs, batch, samples = (args.train.num_episodes, args.train.max_epochs, args.train.batch_size,
                                         args.rollout.n_samples_per_prompt)
+    specs = topology.agents + trainee_specs(args, topology)[len(topology.agents) :]  # and a trained coach
     if args.mappa.lr_horizon == "authors":
-        return {spec.name: max(1, episodes * (num_tasks * samples // batch * epochs)) for spec in topology.agents}
+        return {spec.name: max(1, episodes * (num_tasks * samples // batch * epochs)) for spec in specs}
     rollout_steps = (num_tasks // args.rollout.batch_size) * episodes
-    shared = sum(spec.max_actions for spec in topology.agents)
-    actions = lambda spec: shared if args.mappa.shared_policy else spec.max_actions  # per episode, at most
+    shared = sum(spec.max_actions for spec in topology.agents)  # a trained coach judges every action
+    actions = lambda spec: shared if args.mappa.shared_policy or spec not in topology.agents else spec.max_actions
     return {spec.name: rollout_steps * max(1, args.rollout.batch_size * samples * actions(spec) // batch) * epochs
-            for spec in topology.agents}
+            for spec in specs}
 
 
 def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> list:
@@ -804,17 +861,20 @@ def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> l
         raise SystemExit(f"[mappa] run stopped at start-up: {startup.reason}") from None
     finally:
         startup.done.set()
+    team = agents
+    if args.mappa.coach.kind == "trained":  # the last trainee is the coach's own weights, not a team member
+        coach.agent, agents = agents[-1], agents[:-1]
     trainer = MappaTrainer(args, topology, agents, coach, tasks, args.mappa.run_dir, eval_sets)
     with open(os.path.join(args.mappa.run_dir, "processes.json"), "w") as f:  # which process is whose
         json.dump({f"{name}/{what}": ray.get(h.__ray_call__.remote(lambda self: os.getpid()))
-                   for name, what, h in components(agents)}, f, indent=1)
-    watchdog = Watchdog(agents)
+                   for name, what, h in components(team)}, f, indent=1)
+    watchdog = Watchdog(team)
     watchdog.start()
     try:
         trainer.resume(start)
         trainer.fit(start)
     except (KeyboardInterrupt, ray.exceptions.RayActorError) as e:
-        dead = watchdog.dead or find_dead(agents)
+        dead = watchdog.dead or find_dead(team)
         if not dead:
             raise
         raise SystemExit(f"[mappa] run stopped: {'; '.join(dead)} died ({type(e).__name__}). Completed steps are "
@@ -823,7 +883,7 @@ def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> l
         raise SystemExit(f"[mappa] run stopped: {e}") from None
     finally:
         watchdog.done.set()
-    return agents
+    return team
 
 
 if __name__ == "__main__":

@@ -1,0 +1,201 @@
+"""The trained coach (--mappa.coach.kind trained): a coach model that is a member of the team. It has its own
+vLLM engines and ZeRO-3 actor, like an agent's (placement.trainee_specs), and its verdicts go through the same
+strict parser as an API coach's. Each verdict is also one action of its own, and it trains on those with the
+same REINFORCE++ machinery as an agent, rewarded by the terms of coach_rewards. A reference judge (any other coach
+kind) scores a sampled fraction of the actions; a share of those is held out to measure agreement, never trained on.
+"""
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+from openrlhf_mappa.coach.base import Coach, CoachRequest, parse_score, render_prompt
+from openrlhf_mappa.episode import COACH_NAME, Action, Verdict
+
+TERMS = ("format", "outcome", "agreement", "bias")
+
+
+@dataclass
+class Judgement:
+    """One verdict of the trained coach: the request it judged, the verdict given, and the coach's own action
+    (its prompt, reply, sampling log-probs and weight version), which its reward lands on."""
+
+    request: CoachRequest
+    verdict: Verdict
+    action: Action
+
+
+class TrainedCoach(Coach):
+    name = "trained"
+
+    def __init__(self, template: str, score_key: str, reference: Coach, reference_fraction: float,
+                 held_out_fraction: float, terms: tuple, seed: int = 0):
+        self.template, self.score_key, self.reference = template, score_key, reference
+        self.reference_fraction, self.held_out_fraction, self.terms, self.seed = (
+            reference_fraction, held_out_fraction, tuple(terms), seed)
+        self.policy = None  # its AgentPolicy (engines, tokenizer, sync gate), set by the trainer
+        self.agent = None  # its launch.Agent: actor, engines, AgentTrainer
+        self.judgements = {}  # episode id -> its Judgements not trained on yet
+
+    def draws(self, request: CoachRequest) -> tuple:
+        """(asked of the reference, held out): fixed per action and seed, so a rerun asks the same ones."""
+        rng = random.Random(f"{self.seed}/{request.episode_id}/{request.agent}/{request.turn}")
+        return rng.random() < self.reference_fraction, rng.random() < self.held_out_fraction
+
+    async def score(self, request: CoachRequest) -> Verdict:
+        asked, held_out = self.draws(request)
+        reference = asyncio.ensure_future(self.reference.score(request)) if asked else None  # off the critical path
+        t0, prompt = time.time(), render_prompt(self.template, request)
+        text, ids, too_long = self.policy.prompt_ids([{"role": "user", "content": prompt}])
+        if too_long:
+            verdict = Verdict(None, "skipped", f"trained coach: prompt of {len(ids)} tokens over its budget",
+                              self.name)
+        else:
+            (reply_ids, truncated, logprobs), version, version_end = await self.policy.sample(ids)
+            reply = self.policy.tokenizer.decode(reply_ids, skip_special_tokens=True)
+            score = parse_score(reply, self.score_key)
+            verdict = Verdict(score, "ok" if score is not None else "parse_error", reply[:2000], self.name,
+                              latency_s=time.time() - t0, tokens_in=len(ids), tokens_out=len(reply_ids),
+                              version=version)
+            action = Action(request.episode_id, COACH_NAME, request.position, ids, reply_ids, prompt_text=text,
+                            response_text=reply, truncated=truncated, rollout_logprobs=logprobs,
+                            versions={COACH_NAME: version}, version_end=version_end)
+            self.judgements.setdefault(request.episode_id, []).append(Judgement(request, verdict, action))
+        if reference is not None:
+            ref = await reference
+            verdict.reference = {"score": ref.score, "status": ref.status, "held_out": held_out,
+                                 **{k: getattr(ref, k) for k in ("coach", "tokens_in", "tokens_out", "cached")}}
+        return verdict
+
+    def rewarded(self, episodes: list, price_in: float = 0.0, price_out: float = 0.0) -> tuple:
+        """(the coach's actions of these episodes' verdicts, each with its reward R; the step's term and judge
+        metrics). Those verdicts leave the pending set."""
+        judged = [j for ep in episodes for j in self.judgements.pop(ep.episode_id, [])]
+        metrics = {**coach_rewards(judged, episodes, self.terms), **judge_metrics(judged, price_in, price_out)}
+        return [j.action for j in judged], metrics
+
+    async def probe(self) -> None:
+        await self.reference.probe()
+
+    async def aclose(self):
+        await self.reference.aclose()
+
+
+def coach_rewards(judgements: list, episodes: list, terms: tuple) -> dict:
+    """Set the reward R of each judgement's action, the sum of the enabled terms for a verdict of score s (0-10):
+
+        format     +1 for a valid score; for none (then its only term) -3 + d/2, d the share of digits in the
+                   reply: below any valid score's sum (>= -2), yet a random-init coach, none of whose replies
+                   parse, has a slope toward one. With format off, a reply with no score is left out (R None).
+        outcome    1 - 2|s/10 - o|       on the final agent's action, o = its episode's success (0 or 1)
+        agreement  1 - 2|s - s_ref|/10   where the reference judged the action and it is not held out
+
+    outcome and agreement are centered (a non-committal 5 against an outcome earns 0), so that a verdict is not
+    paid merely for being one that a term applies to: uncentered, whitening favoured whatever the coach said on
+    those actions, and a random-init coach collapsed to one score (benchmarks/README.md).
+        bias       -max(0, g_kτ - ḡ_k)   g_kτ = mean s/10 - success rate over agent k's actions of task type τ
+                                         this step, ḡ_k its mean over k's types (two or more): a type scored
+                                         higher than its outcomes warrant, against the agent's other types
+
+    A cut-off reply (no score to read) and an action of an episode whose environment failed (no outcome) count
+    like any other. Returns, per term, its mean over the verdicts it applied to, and how many it applied to."""
+    episode_of = {ep.episode_id: ep for ep in episodes}
+    valid = [j for j in judgements if j.verdict.score is not None]
+    gap = bias_gaps(valid, episode_of) if "bias" in terms else {}
+    applied = {t: [] for t in TERMS}
+    for j in judgements:
+        s, ep = j.verdict.score, episode_of[j.request.episode_id]
+        if s is None:
+            text = j.action.response_text
+            j.action.reward = -3.0 + sum(ch.isdigit() for ch in text) / max(1, len(text)) / 2
+            j.action.reward = j.action.reward if "format" in terms else None
+            applied["format"] += [j.action.reward] if "format" in terms else []
+            continue
+        parts = {"format": 1.0}
+        if j.request.is_final_agent and not ep.env_error:
+            parts["outcome"] = 1.0 - 2 * abs(s / 10 - float(ep.success))
+        ref = j.verdict.reference
+        if ref and ref["status"] == "ok" and not ref["held_out"]:
+            parts["agreement"] = 1.0 - 2 * abs(s - ref["score"]) / 10
+        if (j.request.agent, j.request.task_type) in gap:
+            parts["bias"] = -gap[j.request.agent, j.request.task_type]
+        parts = {t: v for t, v in parts.items() if t in terms}
+        j.action.reward = sum(parts.values())
+        for t, v in parts.items():
+            applied[t].append(v)
+    out = {f"coach/term_{t}": sum(v) / len(v) if v else None for t, v in applied.items() if t in terms}
+    out.update({f"coach/term_{t}_n": len(v) for t, v in applied.items() if t in terms})
+    return out
+
+
+def bias_gaps(judgements: list, episode_of: dict) -> dict:
+    """{(agent, task type): max(0, g_kτ - ḡ_k)} for agents judged on two or more task types (coach_rewards)."""
+    cells = {}
+    for j in judgements:
+        ep = episode_of[j.request.episode_id]
+        cells.setdefault(j.request.agent, {}).setdefault(j.request.task_type, []).append(
+            (j.verdict.score / 10, float(ep.success)))
+    out = {}
+    for agent, by_type in cells.items():
+        if len(by_type) < 2:
+            continue
+        g = {t: sum(s for s, _ in v) / len(v) - sum(o for _, o in v) / len(v) for t, v in by_type.items()}
+        mean = sum(g.values()) / len(g)
+        out.update({(agent, t): max(0.0, x - mean) for t, x in g.items()})
+    return out
+
+
+def judge_metrics(judgements: list, price_in: float = 0.0, price_out: float = 0.0) -> dict:
+    """The step's verdicts against the reference: agreement on the held-out ones (mean 1 - |s - s_ref|/10, a reply
+    with no valid score agreeing 0; None when none was held out) and the Pearson correlation of the scores (None
+    when either is constant: a coach that always gives the reference's usual score agrees, and tells nothing), and
+    what the reference was asked and cost. The run's coach cost is the reference's (prices per 1M tokens): the
+    coach's own tokens are the cluster's time."""
+    refs = [j.verdict.reference for j in judgements if j.verdict.reference]
+    held = [j for j in judgements if j.verdict.reference and j.verdict.reference["held_out"]
+            and j.verdict.reference["status"] == "ok"]
+    agree = [0.0 if j.verdict.score is None else 1.0 - abs(j.verdict.score - j.verdict.reference["score"]) / 10
+             for j in held]
+    pairs = [(j.verdict.score, j.verdict.reference["score"]) for j in held if j.verdict.score is not None]
+    fresh = [r for r in refs if not r["cached"]]
+    tokens_in, tokens_out = (sum(r[k] for r in fresh) for k in ("tokens_in", "tokens_out"))
+    return {"coach/heldout_agreement": sum(agree) / len(agree) if agree else None,
+            "coach/heldout_n": len(held), "coach/heldout_correlation": correlation(pairs),
+            "coach/reference_requests": len(refs),
+            "coach/reference_share": len(refs) / len(judgements) if judgements else None,
+            "coach/parse_error_rate": (sum(j.verdict.score is None for j in judgements) / len(judgements)
+                                       if judgements else None),
+            "coach/reference_tokens_in": tokens_in, "coach/reference_tokens_out": tokens_out,
+            "coach/cost_usd": (tokens_in * price_in + tokens_out * price_out) / 1e6}
+
+
+def correlation(pairs: list):
+    """Pearson's r of (x, y) pairs; None for fewer than two, or when either side is constant."""
+    if len(pairs) < 2:
+        return None
+    mx, my = (sum(v) / len(pairs) for v in zip(*pairs))
+    sxy = sum((x - mx) * (y - my) for x, y in pairs)
+    sxx, syy = sum((x - mx) ** 2 for x, _ in pairs), sum((y - my) ** 2 for _, y in pairs)
+    return sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else None
+
+
+def stale_verdicts(actions: list, now: int, most: int) -> int:
+    """Mark `stale` (left out) every action whose verdict came from a trained coach more than `most` updates
+    behind its version `now`: agents never train on an old coach's judgement. Returns how many."""
+    n = 0
+    for a in actions:
+        if a.verdict is not None and a.verdict.version is not None and now - a.verdict.version > most:
+            a.stale, n = True, n + 1
+    return n
+
+
+def agreement_stop(step: int, metrics: dict, least: float, warmup: int):
+    """The reason to stop the run, or None: after `warmup` steps, the step's held-out agreement with the reference
+    below `least` (--mappa.coach.min_agreement; 0: never): the coach drifted from the judge it is anchored to."""
+    agreement = metrics.get("coach/heldout_agreement")
+    if least > 0 and step > warmup and agreement is not None and agreement < least:
+        return (f"step {step}: the trained coach's agreement with its reference judge on held-out actions fell to "
+                f"{agreement:.3f}, below --mappa.coach.min_agreement {least:g}: its verdicts drifted from the "
+                f"reference (collusion with the agents, or a reward it learned to game)")
+    return None

@@ -1,0 +1,218 @@
+"""The trained coach (--mappa.coach.kind trained, openrlhf_mappa/coach/trained.py): each term of its reward, the
+staleness rule for its verdicts, the agreement stop and the reference draws as unit tests; and a real run on CPU
+(Ray, vLLM, DeepSpeed ZeRO-3) of the relay team with a random-init tiny coach in the cluster, the heuristic coach as
+its reference judge, for 3 steps."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import REPO, TINY_RUN_FLAGS, local_cluster_env, run_training
+from openrlhf_mappa.coach import CoachRequest
+from openrlhf_mappa.coach.trained import (Judgement, TrainedCoach, agreement_stop, coach_rewards, judge_metrics,
+                                          stale_verdicts)
+from openrlhf_mappa.episode import Action, Episode, Verdict
+
+
+def judged(episode_id, agent, score, final=False, task_type="math", ref=None, held_out=False, ref_status="ok",
+           reply="x"):
+    """A Judgement of `agent`'s action in `episode_id` with the coach's `score` (None: no valid score) and the
+    reference's `ref` (None: not asked)."""
+    request = CoachRequest(episode_id, agent, 0, "role", "task", task_type, "in", "out", "", is_final_agent=final)
+    verdict = Verdict(score, "ok" if score is not None else "parse_error", version=0)
+    if ref is not None:
+        verdict.reference = {"score": ref if ref_status == "ok" else None, "status": ref_status, "held_out": held_out,
+                             "coach": "heuristic", "tokens_in": 100, "tokens_out": 10, "cached": False}
+    return Judgement(request, verdict, Action(episode_id, "coach", 0, [1], [2], response_text=reply))
+
+
+def episode(episode_id, success, task_type="math", env_error=""):
+    return Episode(episode_id, "t", task_type, outcome={"success": success}, env_error=env_error)
+
+
+ALL = ("format", "outcome", "agreement", "bias")
+
+
+def test_format_term_rewards_a_valid_score_and_never_a_reply_without_one():
+    js = [judged("e1", "a", 7.0), judged("e1", "b", None, reply="no score"), judged("e1", "c", None, reply="ab12")]
+    m = coach_rewards(js, [episode("e1", True)], ("format",))
+    # No score: -3, plus half the share of digits in the reply (a slope toward a number, always below a score).
+    assert [j.action.reward for j in js] == [1.0, -3.0, -2.75]
+    assert (m["coach/term_format"], m["coach/term_format_n"]) == (pytest.approx(-1.583333), 3)
+    # Format off: the reply with no score is left out, not paid 0 (which whitening could put above others).
+    js = [judged("e1", "a", 7.0, ref=5.0), judged("e1", "b", None, ref=5.0)]
+    coach_rewards(js, [episode("e1", True)], ("agreement",))
+    assert js[0].action.reward == pytest.approx(0.6) and js[1].action.reward is None
+
+
+def test_outcome_term_calibrates_the_final_agents_score_to_its_episodes_success():
+    eps = [episode("ok", True), episode("bad", False), episode("broken", True, env_error="raised")]
+    js = [judged("ok", "last", 8.0, final=True), judged("bad", "last", 8.0, final=True),
+          judged("ok", "first", 8.0), judged("broken", "last", 8.0, final=True)]
+    m = coach_rewards(js, eps, ("outcome",))
+    # 1 - 2|s/10 - o|: 0.6 for a success, -0.6 for a failure; none for a non-final action or an episode with no outcome
+    assert [j.action.reward for j in js] == pytest.approx([0.6, -0.6, 0.0, 0.0])
+    assert m["coach/term_outcome"] == pytest.approx(0.0) and m["coach/term_outcome_n"] == 2
+
+
+def test_agreement_term_uses_the_reference_where_asked_and_never_a_held_out_action():
+    js = [judged("e", "a", 8.0, ref=6.0), judged("e", "b", 8.0, ref=6.0, held_out=True), judged("e", "c", 8.0),
+          judged("e", "d", 8.0, ref=6.0, ref_status="api_error")]
+    m = coach_rewards(js, [episode("e", True)], ("agreement",))
+    assert [j.action.reward for j in js] == pytest.approx([0.6, 0.0, 0.0, 0.0])
+    assert m["coach/term_agreement_n"] == 1
+
+
+def test_bias_term_penalizes_a_task_type_scored_above_what_its_outcomes_warrant():
+    # Agent a: type "reg" scored 8 with success 1/2, "cls" scored 4 with success 1/2: g = 0.3 and -0.1, mean 0.1,
+    # so "reg" verdicts pay 0.2 and "cls" nothing. Agent b saw one type only: no term.
+    eps = [episode("r1", True, "reg"), episode("r2", False, "reg"), episode("c1", True, "cls"),
+           episode("c2", False, "cls")]
+    js = [judged(e.episode_id, "a", 8.0 if e.task_type == "reg" else 4.0, task_type=e.task_type) for e in eps]
+    js.append(judged("r1", "b", 9.0, task_type="reg"))
+    m = coach_rewards(js, eps, ("bias",))
+    assert [j.action.reward for j in js] == pytest.approx([-0.2, -0.2, 0.0, 0.0, 0.0])
+    assert m["coach/term_bias_n"] == 4
+
+
+def test_reward_is_the_sum_of_the_enabled_terms():
+    js = [judged("e", "last", 8.0, final=True, ref=6.0)]
+    m = coach_rewards(js, [episode("e", True)], ALL)
+    assert js[0].action.reward == pytest.approx(1.0 + 0.6 + 0.6 + 0.0)
+    assert set(m) == {f"coach/term_{t}{n}" for t in ALL for n in ("", "_n")}
+    coach_rewards(js, [episode("e", True)], ("format", "agreement"))
+    assert js[0].action.reward == pytest.approx(1.6)
+
+
+def test_agents_never_train_on_a_verdict_from_a_coach_older_than_the_bound():
+    actions = [Action("e", "a", i, [], []) for i in range(4)]
+    for a, version in zip(actions, (5, 4, 3, None)):  # None: a frozen coach's verdict
+        a.verdict = Verdict(5.0, "ok", version=version)
+    assert stale_verdicts(actions, now=5, most=1) == 1
+    assert [a.stale for a in actions] == [False, False, True, False]
+
+
+def test_agreement_stop_after_the_warmup_only_and_never_when_off():
+    agreed = lambda x: {"coach/heldout_agreement": x}
+    assert agreement_stop(11, agreed(0.4), 0.5, 10).startswith("step 11: the trained coach's agreement")
+    assert "fell to 0.400, below --mappa.coach.min_agreement 0.5" in agreement_stop(11, agreed(0.4), 0.5, 10)
+    assert agreement_stop(10, agreed(0.4), 0.5, 10) is None  # still warming up
+    assert agreement_stop(11, agreed(0.6), 0.5, 10) is None
+    assert agreement_stop(11, agreed(0.0), 0.0, 10) is None  # off
+    assert agreement_stop(11, agreed(None), 0.5, 10) is None  # nothing held out this step
+
+
+def test_judge_metrics_held_out_agreement_reference_share_and_its_cost():
+    js = [judged("e", "a", 8.0, ref=6.0, held_out=True), judged("e", "b", None, ref=6.0, held_out=True),
+          judged("e", "c", 8.0, ref=6.0), judged("e", "d", 8.0)]
+    m = judge_metrics(js, price_in=1.0, price_out=2.0)
+    assert m["coach/heldout_agreement"] == pytest.approx((0.8 + 0.0) / 2)  # no valid score agrees 0
+    assert (m["coach/heldout_n"], m["coach/reference_requests"], m["coach/reference_share"]) == (2, 3, 0.75)
+    assert m["coach/parse_error_rate"] == 0.25
+    assert m["coach/heldout_correlation"] is None  # one held-out pair with a score: no correlation
+    scored = [(8.0, 6.0), (2.0, 1.0), (5.0, 4.0)]  # (coach, reference)
+    pairs = [judged("e", str(i), s, ref=r, held_out=True) for i, (s, r) in enumerate(scored)]
+    assert judge_metrics(pairs)["coach/heldout_correlation"] == pytest.approx(0.9934, abs=1e-4)
+    constant = [judged("e", str(i), 0.0, ref=r, held_out=True) for i, r in enumerate([0.0, 0.5, 7.0])]
+    # A coach that always says 0 agrees with a reference that mostly does, and tells nothing.
+    assert judge_metrics(constant)["coach/heldout_agreement"] == pytest.approx(0.75)
+    assert judge_metrics(constant)["coach/heldout_correlation"] is None
+    assert m["coach/cost_usd"] == pytest.approx((300 * 1.0 + 30 * 2.0) / 1e6)
+
+
+def test_reference_draws_are_fixed_per_action_and_hold_the_fraction():
+    coach = TrainedCoach("{agent_output}", "PROCESS_SCORE", None, 0.25, 0.2, ALL, seed=3)
+    requests = [CoachRequest(f"s1-{i}", "a", 0, "", "", "", "", "", "") for i in range(4000)]
+    draws = [coach.draws(r) for r in requests]
+    assert draws == [coach.draws(r) for r in requests]  # a rerun asks the reference about the same actions
+    asked = [held for ask, held in draws if ask]
+    assert abs(len(asked) / 4000 - 0.25) < 0.02 and abs(sum(asked) / len(asked) - 0.2) < 0.04
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "give the coach's model"),
+    (["--mappa.coach.model", "m", "--mappa.coach.mode", "hindsight"], "not --mappa.coach.mode hindsight"),
+    (["--mappa.coach.model", "m", "--mappa.coach.terms", "format,vibes"], "--mappa.coach.terms format,vibes"),
+    (["--mappa.coach.model", "m", "--mappa.shared_policy"], "--mappa.shared_policy is not built"),
+    (["--mappa.coach.model", "m", "--mappa.colocate", "agent", "--vllm.enable_sleep"], "--vllm.enable_sleep is not"),
+    (["--mappa.coach.model", "m", "--mappa.coach.reference_kind", "openai"], "needs --mappa.coach.reference_model"),
+])
+def test_a_trained_coach_is_refused_with_its_reason(flags, message):
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args, validate
+    from openrlhf_mappa.topology import load_topology
+
+    topology = os.path.join(REPO, "examples", "configs", "relay.yaml")
+    args = parse_args(["--mappa.topology", topology, "--data.prompt_dataset", "x.jsonl", *TINY_RUN_FLAGS,
+                       "--mappa.coach.kind", "trained", *flags])
+    with pytest.raises(SystemExit, match=message.replace(".", r"\.").replace("(", r"\(")):
+        validate(args, load_topology(topology))
+
+
+@pytest.mark.e2e
+def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model):
+    """The relay team, 3 steps of 2 tasks x 2 samples, coached by a random-init tiny model on a logical GPU of its
+    own (actor and engine), the heuristic coach its reference on half the actions. From the run's records: every
+    verdict carries the coach's weight version (step t's: t - 1, one update a step), the reference judged exactly the
+    actions its draws chose, each term of the coach's reward is logged and recomputed from the verdicts, the coach
+    trained every step, and its exported weights differ from the ones it started with."""
+    import torch
+    from safetensors.torch import load_file
+
+    run_dir, final = tmp_path / "run", tmp_path / "final"
+    argv = ["--mappa.topology", os.path.join(REPO, "examples", "configs", "relay.yaml"), "--mappa.model", tiny_model,
+            "--data.prompt_dataset", os.path.join(REPO, "examples", "data", "relay_train.jsonl"),
+            "--data.max_samples", "6", "--mappa.run_dir", str(run_dir), *TINY_RUN_FLAGS,
+            "--data.max_len", "1024",  # after TINY_RUN_FLAGS' 512: the relay's coach prompt holds the agent's
+            "--actor.adam.lr", "5e-2", "--actor.lr_warmup_ratio", "0",
+            "--mappa.coach.kind", "trained", "--mappa.coach.model", tiny_model, "--mappa.coach.max_tokens", "6",
+            "--mappa.coach.reference_fraction", "0.5", "--mappa.coach.held_out_fraction", "0.25",
+            "--mappa.coach.on_failure", "neutral",  # the agents train on the steps a random coach gives no score
+            "--ckpt.path", str(tmp_path / "ckpt"), "--ckpt.output_dir", str(final)]  # fmt: skip
+    proc = run_training([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], tmp_path / "train",
+                        timeout=1200, cwd=tmp_path, env=local_cluster_env(8))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    assert "coach/actor" in proc.stdout  # the placement plan counts the coach's GPUs
+
+    episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and len(episodes) == 12
+    coach = TrainedCoach("", "PROCESS_SCORE", None, 0.5, 0.25, (), seed=42)
+    for m in metrics:
+        step = m["step"]
+        judged = [(ep, a) for ep in episodes if ep["step"] == step for a in ep["actions"]]
+        verdicts = [a["verdict"] for _, a in judged]
+        assert len(verdicts) == 12 and {v["coach"] for v in verdicts} == {"trained"}
+        assert {v["version"] for v in verdicts} == {step - 1}  # the coach's weights that judged: one update a step
+        for ep, a in judged:  # the reference was asked about the actions drawn for it, and only those
+            request = CoachRequest(ep["episode_id"], a["agent"], a["turn"], "", "", "", "", "", "")
+            asked, held_out = coach.draws(request)
+            assert (a["verdict"]["reference"] is not None) == asked
+            if asked:
+                assert a["verdict"]["reference"]["held_out"] == held_out and a["verdict"]["reference"]["status"] == "ok"
+        refs = [v["reference"] for v in verdicts if v["reference"]]
+        assert m["coach/reference_requests"] == len(refs) and m["coach/reference_share"] == len(refs) / 12
+        # Each term, recomputed from the verdicts (a trained coach's rationale is its reply): format +1, or -3 plus
+        # half the reply's share of digits; agreement on the referenced, not held out ones.
+        valid = [v for v in verdicts if v["score"] is not None]
+        digits = lambda text: sum(ch.isdigit() for ch in text) / max(1, len(text))
+        formats = [1.0 if v["score"] is not None else -3 + digits(v["rationale"]) / 2 for v in verdicts]
+        assert m["coach/term_format"] == pytest.approx(sum(formats) / 12)
+        agree = [1 - 2 * abs(v["score"] - v["reference"]["score"]) / 10 for v in valid
+                 if v["reference"] and not v["reference"]["held_out"]]
+        assert m["coach/term_agreement_n"] == len(agree)
+        assert m["coach/term_agreement"] == (pytest.approx(sum(agree) / len(agree)) if agree else None)
+        finals = [1 - 2 * abs(a["verdict"]["score"] / 10 - ep["outcome"]["success"]) for ep, a in judged
+                  if a["agent"] == "code" and a["verdict"]["score"] is not None]
+        assert m["coach/term_outcome_n"] == len(finals)
+        assert m["coach/term_bias_n"] == 0 and "coach/term_bias" in m  # the relay has one task type
+        assert m["coach/parse_error_rate"] == pytest.approx(1 - len(valid) / 12)
+        assert "coach/heldout_agreement" in m
+        assert (m["agent/coach/trained_actions"], m["agent/coach/updated"]) == (12, 1)  # every verdict, each step
+    syncs = [json.loads(line) for line in open(run_dir / "syncs.jsonl")]
+    assert sorted(s["version"] for s in syncs if s["agent"] == "coach") == [1, 2, 3]
+    start = load_file(os.path.join(tiny_model, "model.safetensors"))
+    end = load_file(final / "coach" / "model.safetensors")
+    moved = [k for k in start if not torch.equal(start[k].float(), end[k].float())]
+    assert len(moved) > len(start) // 2, moved  # the coach trained
