@@ -342,7 +342,11 @@ lengths = args["lengths"][rank]
 buffer.items = [SimpleNamespace(total_length=torch.tensor(n), action_mask=torch.ones(1, n // 2)) for n in lengths]
 buffer.setup_dynamic_batch(strategy)
 print(json.dumps({"micro_batches": [[lengths[i] for i in mb] for mb in buffer.dynamic_indices],
-                  "optimizer_steps": sum(buffer.dynamic_optimizer_step)}))
+                  "optimizer_steps": sum(buffer.dynamic_optimizer_step)}), flush=True)
+# Left to the interpreter's exit, gloo's threads are sometimes torn down running ("terminate called without an
+# active exception", seen under a loaded -n 2 run): both ranks done, the group is closed first.
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
