@@ -181,11 +181,11 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
     coach = TrainedCoach("", "PROCESS_SCORE", None, 0.5, 0.25, (), seed=42)
     for m in metrics:
         step = m["step"]
-        judged = [(ep, a) for ep in episodes if ep["step"] == step for a in ep["actions"]]
-        verdicts = [a["verdict"] for _, a in judged]
+        acted = [(ep, a) for ep in episodes if ep["step"] == step for a in ep["actions"]]
+        verdicts = [a["verdict"] for _, a in acted]
         assert len(verdicts) == 12 and {v["coach"] for v in verdicts} == {"trained"}
         assert {v["version"] for v in verdicts} == {step - 1}  # the coach's weights that judged: one update a step
-        for ep, a in judged:  # the reference was asked about the actions drawn for it, and only those
+        for ep, a in acted:  # the reference was asked about the actions drawn for it, and only those
             request = CoachRequest(ep["episode_id"], a["agent"], a["turn"], "", "", "", "", "", "")
             asked, held_out = coach.draws(request)
             assert (a["verdict"]["reference"] is not None) == asked
@@ -203,7 +203,7 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
                  if v["reference"] and not v["reference"]["held_out"]]
         assert m["coach/term_agreement_n"] == len(agree)
         assert m["coach/term_agreement"] == (pytest.approx(sum(agree) / len(agree)) if agree else None)
-        finals = [1 - 2 * abs(a["verdict"]["score"] / 10 - ep["outcome"]["success"]) for ep, a in judged
+        finals = [1 - 2 * abs(a["verdict"]["score"] / 10 - ep["outcome"]["success"]) for ep, a in acted
                   if a["agent"] == "code" and a["verdict"]["score"] is not None]
         assert m["coach/term_outcome_n"] == len(finals)
         assert m["coach/term_bias_n"] == 0 and "coach/term_bias" in m  # the relay has one task type

@@ -10,6 +10,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from openrlhf_mappa.coach.audit import pearson
 from openrlhf_mappa.coach.base import Coach, CoachRequest, parse_score, render_prompt
 from openrlhf_mappa.episode import COACH_NAME, Action, Verdict
 
@@ -90,13 +91,13 @@ def coach_rewards(judgements: list, episodes: list, terms: tuple) -> dict:
                    parse, has a slope toward one. With format off, a reply with no score is left out (R None).
         outcome    1 - 2|s/10 - o|       on the final agent's action, o = its episode's success (0 or 1)
         agreement  1 - 2|s - s_ref|/10   where the reference judged the action and it is not held out
+        bias       -max(0, g_kτ - ḡ_k)   g_kτ = mean s/10 - success rate over agent k's actions of task type τ
+                                         this step, ḡ_k its mean over k's types (two or more): a type scored
+                                         higher than its outcomes warrant, against the agent's other types
 
     outcome and agreement are centered (a non-committal 5 against an outcome earns 0), so that a verdict is not
     paid merely for being one that a term applies to: uncentered, whitening favoured whatever the coach said on
     those actions, and a random-init coach collapsed to one score (benchmarks/README.md).
-        bias       -max(0, g_kτ - ḡ_k)   g_kτ = mean s/10 - success rate over agent k's actions of task type τ
-                                         this step, ḡ_k its mean over k's types (two or more): a type scored
-                                         higher than its outcomes warrant, against the agent's other types
 
     A cut-off reply (no score to read) and an action of an episode whose environment failed (no outcome) count
     like any other. Returns, per term, its mean over the verdicts it applied to, and how many it applied to."""
@@ -107,10 +108,10 @@ def coach_rewards(judgements: list, episodes: list, terms: tuple) -> dict:
     for j in judgements:
         s, ep = j.verdict.score, episode_of[j.request.episode_id]
         if s is None:
-            text = j.action.response_text
-            j.action.reward = -3.0 + sum(ch.isdigit() for ch in text) / max(1, len(text)) / 2
-            j.action.reward = j.action.reward if "format" in terms else None
-            applied["format"] += [j.action.reward] if "format" in terms else []
+            text, j.action.reward = j.action.response_text, None
+            if "format" in terms:
+                j.action.reward = -3.0 + sum(ch.isdigit() for ch in text) / max(1, len(text)) / 2
+                applied["format"].append(j.action.reward)
             continue
         parts = {"format": 1.0}
         if j.request.is_final_agent and not ep.env_error:
@@ -161,23 +162,13 @@ def judge_metrics(judgements: list, price_in: float = 0.0, price_out: float = 0.
     fresh = [r for r in refs if not r["cached"]]
     tokens_in, tokens_out = (sum(r[k] for r in fresh) for k in ("tokens_in", "tokens_out"))
     return {"coach/heldout_agreement": sum(agree) / len(agree) if agree else None,
-            "coach/heldout_n": len(held), "coach/heldout_correlation": correlation(pairs),
+            "coach/heldout_n": len(held), "coach/heldout_correlation": pearson(pairs),
             "coach/reference_requests": len(refs),
             "coach/reference_share": len(refs) / len(judgements) if judgements else None,
             "coach/parse_error_rate": (sum(j.verdict.score is None for j in judgements) / len(judgements)
                                        if judgements else None),
             "coach/reference_tokens_in": tokens_in, "coach/reference_tokens_out": tokens_out,
             "coach/cost_usd": (tokens_in * price_in + tokens_out * price_out) / 1e6}
-
-
-def correlation(pairs: list):
-    """Pearson's r of (x, y) pairs; None for fewer than two, or when either side is constant."""
-    if len(pairs) < 2:
-        return None
-    mx, my = (sum(v) / len(pairs) for v in zip(*pairs))
-    sxy = sum((x - mx) * (y - my) for x, y in pairs)
-    sxx, syy = sum((x - mx) ** 2 for x, _ in pairs), sum((y - my) ** 2 for _, y in pairs)
-    return sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else None
 
 
 def stale_verdicts(actions: list, now: int, most: int) -> int:
