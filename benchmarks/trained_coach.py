@@ -8,9 +8,11 @@ correlation of the two scores there, over the first and the last 5 steps.
 
     .venv/bin/python benchmarks/trained_coach.py [--steps 60] [--reference-fraction 0.25] [train_mappa_ray flags]
 
-Extra flags go to both runs (the later of a repeated flag wins). The coach replies in one token (a digit, once it
-has learned to), so that a random-init model can find the score format at all, and is sent a short prompt (the
-agent's goal and reply: COACH_TEMPLATE) instead of relay.yaml's, which would make its training 5x the team's here.
+Extra flags go to both runs (the later of a repeated flag wins). The coach is sent a short prompt (the agent's goal
+and reply: COACH_TEMPLATE) instead of relay.yaml's, which would make its training 5x the team's here, and replies with
+one digit (--mappa.coach.digits_only), trained on its format and agreement terms (the relay's outcome is the whole
+team's, at odds with an action's own score); the reference draws are stratified by cut-off and ended actions, and
+the agents train on its verdicts from its 9th update (--mappa.coach.warmup_steps 8). COACH_FLAGS, to try others.
 """
 
 import argparse
@@ -25,6 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from async_training import summary  # noqa: E402  (success rate, episodes to 0.8, relapses)
 
 COACH_TEMPLATE = "Goal: {ground_truth}\nReply: {agent_output}"
+COACH_FLAGS = ["--mappa.coach.digits_only", "--mappa.coach.terms", "format,agreement",
+               "--mappa.coach.warmup_steps", "8", "--mappa.coach.reference_draw", "stratified",
+               "--mappa.coach.on_failure", "neutral"]
 
 
 def run(out: str, model: str, coach_model: str, steps: int, fraction: float, trained: bool, extra: list) -> list:
@@ -38,8 +43,8 @@ def run(out: str, model: str, coach_model: str, steps: int, fraction: float, tra
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "relay.yaml"), "w") as f:
         yaml.safe_dump(topology, f)
-    coach = (["--mappa.coach.kind", "trained", "--mappa.coach.model", coach_model, "--mappa.coach.max_tokens", "1",
-              "--mappa.coach.reference_fraction", str(fraction), "--mappa.coach.on_failure", "neutral"]
+    coach = (["--mappa.coach.kind", "trained", "--mappa.coach.model", coach_model,
+              "--mappa.coach.reference_fraction", str(fraction), *COACH_FLAGS]
              if trained else ["--mappa.coach.kind", "heuristic"])
     args = parse_args([
         "--mappa.topology", os.path.join(out, "relay.yaml"), "--mappa.model", model,

@@ -146,7 +146,8 @@ def untrained_reasons(agents: list, owner: dict, episodes: list, dropped: dict, 
             why.append(f"{filtered} {of} in (task, agent) groups whose mean score is outside "
                        f"--algo.dynamic_filtering_range {tuple(a.algo.dynamic_filtering_range)} and left out")
         if stale:
-            why.append(f"{stale} {of} made by weights more than --mappa.max_staleness updates old and left out")
+            why.append(f"{stale} {of} made by weights, or judged by a trained coach, more than --mappa.max_staleness "
+                       f"updates old, or by one in its --mappa.coach.warmup_steps, and left out")
         if env_failed:
             why.append(f"{env_failed} {of} in episodes whose environment raised (env_error in episodes.jsonl)")
         if dropped[name]:

@@ -73,7 +73,8 @@ def trainee_specs(args, topology) -> list:
         from openrlhf_mappa.episode import COACH_NAME
 
         spec = type(topology.agents[0])
-        coach = [spec(COACH_NAME, c.model, "the team's coach", "", max_new_tokens=c.max_tokens or None)]
+        tokens = 1 if c.digits_only else c.max_tokens or None  # digits_only: one digit (TrainedCoach.attach)
+        coach = [spec(COACH_NAME, c.model, "the team's coach", "", max_new_tokens=tokens)]
     if not args.mappa.shared_policy:
         return topology.agents + coach
     models = {spec.model for spec in topology.agents}

@@ -58,7 +58,7 @@ class MappaTrainer:
             for ag in agents + self.trainees}
             for temperature in (args.rollout.temperature, args.eval.temperature))
         if self.coach_agent:
-            coach.policy = self.policies[self.coach_agent.spec.name]
+            coach.attach(self.policies[self.coach_agent.spec.name])
         # One event loop for the whole run: the coach's HTTP client and its semaphore belong to the loop
         # they were first used on, so a fresh asyncio.run() per step would break them at step 2.
         self.loop = asyncio.new_event_loop()
@@ -245,7 +245,7 @@ class MappaTrainer:
                                       episodes, dropped, self.mappa.train_truncated)
         for name, why in untrained.items():
             tqdm.write(f"[mappa] step {step}: agent {name!r} trained on nothing: {why}", file=console.err)
-        self.untrained_steps = self.untrained_steps + 1 if len(untrained) == len(agents) else 0
+        self.untrained_steps = (self.untrained_steps + 1) * (len(untrained) == len(agents) and step > c.warmup_steps)
         most = self.mappa.max_untrained_steps
         if most and self.untrained_steps >= most:
             self.stalled = (f"no agent trained in {self.untrained_steps} steps in a row (--mappa.max_untrained_steps "
@@ -291,7 +291,7 @@ class MappaTrainer:
                        for ep in episodes]  # the same Action objects: rewards land on the step's records
                 mine = [a for ep in own for a in ep.actions]
                 if self.coach_agent:  # never a verdict from a coach more than the bound behind
-                    trained.stale_verdicts(mine, self.coach_agent.trainer.gate.version, self.bound)
+                    trained.stale_verdicts(mine, self.coach_agent.trainer.gate.version, self.bound, c.warmup_steps)
                 counts = rewards.assign_rewards(
                     own, self.mappa.reward, c.on_failure, c.neutral_score, self.topology.reward_scale,
                     self.mappa.train_truncated, c.standardize_task_type, self.mappa.norm_scope,

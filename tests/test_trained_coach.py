@@ -11,8 +11,9 @@ import pytest
 
 from conftest import REPO, TINY_RUN_FLAGS, local_cluster_env, run_training
 from openrlhf_mappa.coach import CoachRequest
+from openrlhf_mappa.coach.base import parse_score
 from openrlhf_mappa.coach.trained import (Judgement, TrainedCoach, agreement_stop, coach_rewards, judge_metrics,
-                                          stale_verdicts)
+                                          stale_verdicts, strata_chances)
 from openrlhf_mappa.episode import Action, Episode, Verdict
 
 
@@ -24,6 +25,7 @@ def judged(episode_id, agent, score, final=False, task_type="math", ref=None, he
     verdict = Verdict(score, "ok" if score is not None else "parse_error", version=0)
     if ref is not None:
         verdict.reference = {"score": ref if ref_status == "ok" else None, "status": ref_status, "held_out": held_out,
+                             "p": 0.25,
                              "coach": "heuristic", "tokens_in": 100, "tokens_out": 10, "cached": False}
     return Judgement(request, verdict, Action(episode_id, "coach", 0, [1], [2], response_text=reply))
 
@@ -52,17 +54,66 @@ def test_outcome_term_calibrates_the_final_agents_score_to_its_episodes_success(
     js = [judged("ok", "last", 8.0, final=True), judged("bad", "last", 8.0, final=True),
           judged("ok", "first", 8.0), judged("broken", "last", 8.0, final=True)]
     m = coach_rewards(js, eps, ("outcome",))
-    # 1 - 2|s/10 - o|: 0.6 for a success, -0.6 for a failure; none for a non-final action or an episode with no outcome
+    # 1 - 2|s/10 - o|: 0.6 for a success, -0.6 for a failure; a non-final action or an episode with no outcome
+    # gets the term's mean over those it applied to (0.0 here)
     assert [j.action.reward for j in js] == pytest.approx([0.6, -0.6, 0.0, 0.0])
     assert m["coach/term_outcome"] == pytest.approx(0.0) and m["coach/term_outcome_n"] == 2
 
 
 def test_agreement_term_uses_the_reference_where_asked_and_never_a_held_out_action():
     js = [judged("e", "a", 8.0, ref=6.0), judged("e", "b", 8.0, ref=6.0, held_out=True), judged("e", "c", 8.0),
-          judged("e", "d", 8.0, ref=6.0, ref_status="api_error")]
+          judged("e", "d", 8.0, ref=6.0, ref_status="api_error"), judged("e", "f", 8.0, ref=8.0)]
     m = coach_rewards(js, [episode("e", True)], ("agreement",))
-    assert [j.action.reward for j in js] == pytest.approx([0.6, 0.0, 0.0, 0.0])
-    assert m["coach/term_agreement_n"] == 1
+    # 0.6 and 1.0 where it applies; elsewhere its mean, 0.8: a held-out action counted would have had 0.6
+    assert [j.action.reward for j in js] == pytest.approx([0.6, 0.8, 0.8, 0.8, 1.0])
+    assert m["coach/term_agreement_n"] == 2 and m["coach/term_agreement"] == pytest.approx(0.8)
+    # So whitened, the verdicts the reference never saw (format's +1 their only term) move neither way.
+    coach_rewards(js, [episode("e", True)], ("format", "agreement"))
+    rewards = [j.action.reward for j in js]
+    assert rewards[1:4] == pytest.approx([sum(rewards) / len(rewards)] * 3)
+    coach_rewards(js[2:4], [episode("e", True)], ("agreement",))  # no term judged anything: left out
+    assert [j.action.reward for j in js[2:4]] == [None, None]
+
+
+def test_agreement_bands_give_a_rare_reference_score_the_weight_of_the_usual_one():
+    # Three referenced verdicts in the reference's band [0, 2) and one in [6, 8), of 5 bands: weights n/(B n_b),
+    # 4/(2*3) and 4/(2*1). A coach that says 0 everywhere then loses on the rare one what it wins on the usual.
+    js = [judged("e", f"a{i}", 0.0, ref=0.5) for i in range(3)] + [judged("e", "b", 0.0, ref=7.0)]
+    coach_rewards(js, [episode("e", True)], ("agreement",), bands=5)
+    assert [j.action.reward for j in js] == pytest.approx([0.9 * 2 / 3] * 3 + [-0.4 * 2])
+    assert sum(j.action.reward for j in js) == pytest.approx(1.0)  # against 2.3 unweighted
+    coach_rewards(js, [episode("e", True)], ("agreement",), bands=1)
+    assert [j.action.reward for j in js] == pytest.approx([0.9] * 3 + [-0.4])
+    # One band present: every weight is 1, as unweighted. A score of exactly 10 is in the top band.
+    js = [judged("e", "a", 10.0, ref=10.0), judged("e", "b", 6.0, ref=10.0)]
+    coach_rewards(js, [episode("e", True)], ("agreement",), bands=5)
+    assert [j.action.reward for j in js] == pytest.approx([1.0, 0.2])
+
+
+def test_digits_only_samples_one_digit_token_and_the_coach_replies_with_one_token(tiny_model):
+    """--mappa.coach.digits_only: the coach's engines sample its one-token reply from the tokens of 0-9 alone, as
+    vLLM's allowed_token_ids (each decodes to a score the strict parser reads); its AgentSpec generates one token."""
+    from transformers import AutoTokenizer
+
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args
+    from openrlhf_mappa.placement import trainee_specs
+    from openrlhf_mappa.rollout import AgentPolicy
+    from openrlhf_mappa.topology import load_topology
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    policy = AgentPolicy([], tokenizer, 1, 256, {"temperature": 1.0})
+    TrainedCoach("", "PROCESS_SCORE", None, 0.25, 0.2, (), digits_only=True).attach(policy)
+    allowed = policy.sampling.pop("allowed_token_ids")
+    assert policy.sampling == {"temperature": 1.0} and len(set(allowed)) == 10
+    assert [parse_score(tokenizer.decode([t]), "PROCESS_SCORE") for t in allowed] == list(range(10))
+    TrainedCoach("", "PROCESS_SCORE", None, 0.25, 0.2, ()).attach(policy)
+    assert "allowed_token_ids" not in policy.sampling  # off: the coach writes what it likes
+    topology = os.path.join(REPO, "examples", "configs", "relay.yaml")
+    for flags, tokens in (([], 6), (["--mappa.coach.digits_only"], 1)):
+        args = parse_args(["--mappa.topology", topology, "--data.prompt_dataset", "x.jsonl", *TINY_RUN_FLAGS,
+                           "--mappa.coach.kind", "trained", "--mappa.coach.model", "m", "--mappa.coach.max_tokens",
+                           "6", *flags])
+        assert trainee_specs(args, load_topology(topology))[-1].max_new_tokens == tokens
 
 
 def test_bias_term_penalizes_a_task_type_scored_above_what_its_outcomes_warrant():
@@ -73,7 +124,7 @@ def test_bias_term_penalizes_a_task_type_scored_above_what_its_outcomes_warrant(
     js = [judged(e.episode_id, "a", 8.0 if e.task_type == "reg" else 4.0, task_type=e.task_type) for e in eps]
     js.append(judged("r1", "b", 9.0, task_type="reg"))
     m = coach_rewards(js, eps, ("bias",))
-    assert [j.action.reward for j in js] == pytest.approx([-0.2, -0.2, 0.0, 0.0, 0.0])
+    assert [j.action.reward for j in js] == pytest.approx([-0.2, -0.2, 0.0, 0.0, -0.1])  # b: the term's mean
     assert m["coach/term_bias_n"] == 4
 
 
@@ -92,6 +143,11 @@ def test_agents_never_train_on_a_verdict_from_a_coach_older_than_the_bound():
         a.verdict = Verdict(5.0, "ok", version=version)
     assert stale_verdicts(actions, now=5, most=1) == 1
     assert [a.stale for a in actions] == [False, False, True, False]
+    # In the coach's warm-up (--mappa.coach.warmup_steps 5): a verdict of a coach with fewer than 5 updates too.
+    for a in actions:
+        a.stale = False
+    assert stale_verdicts(actions, now=5, most=1, warmup=5) == 2
+    assert [a.stale for a in actions] == [False, True, True, False]
 
 
 def test_agreement_stop_after_the_warmup_only_and_never_when_off():
@@ -127,8 +183,26 @@ def test_reference_draws_are_fixed_per_action_and_hold_the_fraction():
     requests = [CoachRequest(f"s1-{i}", "a", 0, "", "", "", "", "", "") for i in range(4000)]
     draws = [coach.draws(r) for r in requests]
     assert draws == [coach.draws(r) for r in requests]  # a rerun asks the reference about the same actions
-    asked = [held for ask, held in draws if ask]
+    asked = [held for ask, held, p in draws if ask]
     assert abs(len(asked) / 4000 - 0.25) < 0.02 and abs(sum(asked) / len(asked) - 0.2) < 0.04
+
+
+def test_stratified_draws_judge_the_rare_kind_of_action_as_often_and_keep_the_fraction():
+    # 25% of 100 actions: the 10 ended ones all (a share of 12.5 > 10), the 15 left over the 90 cut off.
+    assert strata_chances(0.25, {True: 90, False: 10}) == pytest.approx({False: 1.0, True: 15 / 90})
+    assert strata_chances(0.25, {True: 50, False: 50}) == pytest.approx({False: 0.25, True: 0.25})
+    assert strata_chances(0.25, {True: 96, False: 0}) == pytest.approx({False: 1.0, True: 0.25})
+    coach = TrainedCoach("{agent_output}", "PROCESS_SCORE", None, 0.25, 0.2, ALL, stratified=True, seed=3)
+    cut = lambda i: None if i % 10 == 0 else 16
+    step = [judged(f"s1-{i}", "a", 5.0) for i in range(100)]
+    for i, j in enumerate(step):
+        j.request.truncated_at = cut(i)
+        coach.judgements.setdefault(j.request.episode_id, []).append(j)
+    coach.rewarded([episode(f"s1-{i}", False) for i in range(100)])  # the step's counts set the next draws
+    requests = [CoachRequest(f"s2-{i}", "a", 0, "", "", "", "", "", "", truncated_at=cut(i)) for i in range(4000)]
+    draws = [coach.draws(r) for r in requests]
+    assert all(ask and p == 1.0 for (ask, _, p), r in zip(draws, requests) if r.truncated_at is None)
+    assert abs(sum(ask for ask, _, _ in draws) / 4000 - 0.25) < 0.02
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -187,20 +261,24 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
         assert {v["version"] for v in verdicts} == {step - 1}  # the coach's weights that judged: one update a step
         for ep, a in acted:  # the reference was asked about the actions drawn for it, and only those
             request = CoachRequest(ep["episode_id"], a["agent"], a["turn"], "", "", "", "", "", "")
-            asked, held_out = coach.draws(request)
+            asked, held_out, _ = coach.draws(request)
             assert (a["verdict"]["reference"] is not None) == asked
             if asked:
                 assert a["verdict"]["reference"]["held_out"] == held_out and a["verdict"]["reference"]["status"] == "ok"
         refs = [v["reference"] for v in verdicts if v["reference"]]
         assert m["coach/reference_requests"] == len(refs) and m["coach/reference_share"] == len(refs) / 12
         # Each term, recomputed from the verdicts (a trained coach's rationale is its reply): format +1, or -3 plus
-        # half the reply's share of digits; agreement on the referenced, not held out ones.
+        # half the reply's share of digits; agreement on the referenced, not held out ones, each weighted by
+        # n / (B n_b) for the reference's score band (5 bands of width 2 by default).
         valid = [v for v in verdicts if v["score"] is not None]
         digits = lambda text: sum(ch.isdigit() for ch in text) / max(1, len(text))
         formats = [1.0 if v["score"] is not None else -3 + digits(v["rationale"]) / 2 for v in verdicts]
         assert m["coach/term_format"] == pytest.approx(sum(formats) / 12)
-        agree = [1 - 2 * abs(v["score"] - v["reference"]["score"]) / 10 for v in valid
+        pairs = [(v["score"], v["reference"]["score"]) for v in valid
                  if v["reference"] and not v["reference"]["held_out"]]
+        bands = [min(4, int(ref // 2)) for _, ref in pairs]
+        agree = [len(bands) / (len(set(bands)) * bands.count(b)) * (1 - 2 * abs(s - ref) / 10)
+                 for (s, ref), b in zip(pairs, bands)]
         assert m["coach/term_agreement_n"] == len(agree)
         assert m["coach/term_agreement"] == (pytest.approx(sum(agree) / len(agree)) if agree else None)
         finals = [1 - 2 * abs(a["verdict"]["score"] / 10 - ep["outcome"]["success"]) for ep, a in acted

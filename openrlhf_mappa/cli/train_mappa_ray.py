@@ -133,11 +133,25 @@ def add_coach_args(g):
     g.add_argument("--mappa.coach.reference_model", default=None, help="trained coach: the reference judge's model")
     g.add_argument("--mappa.coach.reference_fraction", type=FRACTION, default=0.25,
                    help="trained coach: the share of actions the reference judge also scores (a cost)")
+    g.add_argument("--mappa.coach.reference_draw", choices=["uniform", "stratified"], default="uniform",
+                   help="trained coach: uniform: each action drawn at --mappa.coach.reference_fraction; stratified: "
+                        "cut-off and ended actions share it equally (by the last step's counts), so the rare kind is "
+                        "judged as often as the usual one")
     g.add_argument("--mappa.coach.held_out_fraction", type=FRACTION, default=0.2,
                    help="trained coach: the share of the reference's verdicts kept out of its reward, to measure "
                         "its agreement with the reference (coach/heldout_agreement)")
     g.add_argument("--mappa.coach.terms", default="format,outcome,agreement,bias",
                    help="trained coach: the terms of its reward, comma-separated (coach/trained.py coach_rewards)")
+    g.add_argument("--mappa.coach.agreement_bands", type=COUNT, default=5,
+                   help="trained coach: the reference's score bands (of 0-10) that share its agreement term equally, "
+                        "so a rare score weighs as much as the usual one (1: unweighted)")
+    g.add_argument("--mappa.coach.digits_only", action="store_true",
+                   help="trained coach: reply with one token sampled from the digits 0-9 alone (vLLM's "
+                        "allowed_token_ids), so every verdict is a score and the format term never fires")
+    g.add_argument("--mappa.coach.warmup_steps", type=NONNEGATIVE_INT, default=0,
+                   help="trained coach: the agents train only on verdicts of a coach with at least this many updates; "
+                        "until then it trains alone, on the agents' untrained actions (a random coach's scores are "
+                        "noise)")
     g.add_argument("--mappa.coach.min_agreement", type=FRACTION, default=0.0,
                    help="trained coach: stop the run when its held-out agreement with the reference falls below this "
                         "after --mappa.coach.agreement_warmup steps (0: never)")
@@ -771,6 +785,8 @@ def train(args):
                              trained=dict(reference_kind=c.reference_kind, reference_model=c.reference_model,
                                           reference_fraction=c.reference_fraction,
                                           held_out_fraction=c.held_out_fraction, terms=tuple(c.terms.split(",")),
+                                          agreement_bands=c.agreement_bands, digits_only=c.digits_only,
+                                          stratified=c.reference_draw == "stratified",
                                           seed=args.train.seed))
         check_this_machine(args, topology)
         # An unreachable coach or a rejected key, found now rather than after the first rollout, by a coach of its

@@ -31,21 +31,39 @@ class TrainedCoach(Coach):
     name = "trained"
 
     def __init__(self, template: str, score_key: str, reference: Coach, reference_fraction: float,
-                 held_out_fraction: float, terms: tuple, seed: int = 0):
+                 held_out_fraction: float, terms: tuple, agreement_bands: int = 5, digits_only: bool = False,
+                 stratified: bool = False, seed: int = 0):
         self.template, self.score_key, self.reference = template, score_key, reference
-        self.reference_fraction, self.held_out_fraction, self.terms, self.seed = (
-            reference_fraction, held_out_fraction, tuple(terms), seed)
-        self.policy = None  # its AgentPolicy (engines, tokenizer, sync gate), set by the trainer
+        self.reference_fraction, self.held_out_fraction, self.terms, self.bands, self.digits_only, self.seed = (
+            reference_fraction, held_out_fraction, tuple(terms), agreement_bands, digits_only, seed)
+        self.policy = None  # its AgentPolicy (engines, tokenizer, sync gate): attach()
+        # The chance that the reference is asked about an action, by whether it was cut off: the last step's
+        # strata share the fraction (stratified), or each is asked at the fraction (and in a run's first step).
+        self.stratified, self.ask = stratified, {False: reference_fraction, True: reference_fraction}
         self.agent = None  # its launch.Agent: actor, engines, AgentTrainer
         self.judgements = {}  # episode id -> its Judgements not trained on yet
 
+    def attach(self, policy) -> None:
+        """Judge with this AgentPolicy. With digits_only its one-token reply (placement.trainee_specs) is sampled
+        from the digits 0-9 alone, so every verdict parses and none of its training goes into learning the format."""
+        if self.digits_only:
+            ids = {d: policy.tokenizer.encode(d, add_special_tokens=False) for d in "0123456789"}
+            split = [d for d, t in ids.items() if len(t) != 1]
+            if split:
+                raise ValueError(f"--mappa.coach.digits_only: the coach's tokenizer does not write the digits "
+                                 f"{', '.join(split)} as one token each")
+            policy.sampling = {**policy.sampling, "allowed_token_ids": [t[0] for t in ids.values()]}
+        self.policy = policy
+
     def draws(self, request: CoachRequest) -> tuple:
-        """(asked of the reference, held out): fixed per action and seed, so a rerun asks the same ones."""
+        """(asked of the reference, held out, the chance it was asked): fixed per action, seed and chance, so a
+        rerun asks the same ones."""
         rng = random.Random(f"{self.seed}/{request.episode_id}/{request.agent}/{request.turn}")
-        return rng.random() < self.reference_fraction, rng.random() < self.held_out_fraction
+        p = self.ask[request.truncated_at is not None]
+        return rng.random() < p, rng.random() < self.held_out_fraction, p
 
     async def score(self, request: CoachRequest) -> Verdict:
-        asked, held_out = self.draws(request)
+        asked, held_out, p = self.draws(request)
         reference = asyncio.ensure_future(self.reference.score(request)) if asked else None  # off the critical path
         t0, prompt = time.time(), render_prompt(self.template, request)
         text, ids, too_long = self.policy.prompt_ids([{"role": "user", "content": prompt}])
@@ -65,7 +83,7 @@ class TrainedCoach(Coach):
             self.judgements.setdefault(request.episode_id, []).append(Judgement(request, verdict, action))
         if reference is not None:
             ref = await reference
-            verdict.reference = {"score": ref.score, "status": ref.status, "held_out": held_out,
+            verdict.reference = {"score": ref.score, "status": ref.status, "held_out": held_out, "p": p,
                                  **{k: getattr(ref, k) for k in ("coach", "tokens_in", "tokens_out", "cached")}}
         return verdict
 
@@ -73,7 +91,10 @@ class TrainedCoach(Coach):
         """(the coach's actions of these episodes' verdicts, each with its reward R; the step's term and judge
         metrics). Those verdicts leave the pending set."""
         judged = [j for ep in episodes for j in self.judgements.pop(ep.episode_id, [])]
-        metrics = {**coach_rewards(judged, episodes, self.terms), **judge_metrics(judged, price_in, price_out)}
+        if self.stratified and judged:
+            cut = [j.request.truncated_at is not None for j in judged]
+            self.ask = strata_chances(self.reference_fraction, {True: sum(cut), False: len(cut) - sum(cut)})
+        metrics = coach_rewards(judged, episodes, self.terms, self.bands) | judge_metrics(judged, price_in, price_out)
         return [j.action for j in judged], metrics
 
     async def probe(self) -> None:
@@ -83,28 +104,38 @@ class TrainedCoach(Coach):
         await self.reference.aclose()
 
 
-def coach_rewards(judgements: list, episodes: list, terms: tuple) -> dict:
+def coach_rewards(judgements: list, episodes: list, terms: tuple, bands: int = 5) -> dict:
     """Set the reward R of each judgement's action, the sum of the enabled terms for a verdict of score s (0-10):
 
         format     +1 for a valid score; for none (then its only term) -3 + d/2, d the share of digits in the
-                   reply: below any valid score's sum (>= -2), yet a random-init coach, none of whose replies
-                   parse, has a slope toward one. With format off, a reply with no score is left out (R None).
+                   reply: 3.5 or more below a valid score's, yet a random-init coach, none of whose replies parse,
+                   has a slope toward one. With format off, a reply with no score is left out (R None).
         outcome    1 - 2|s/10 - o|       on the final agent's action, o = its episode's success (0 or 1)
-        agreement  1 - 2|s - s_ref|/10   where the reference judged the action and it is not held out
+        agreement  w_b (1 - 2|s - s_ref|/10)   where the reference judged the action and it is not held out;
+                                         w_b = n / (B n_b): the step's n such verdicts fall in B score bands
+                                         (of `bands` across 0-10) by s_ref, n_b in this one's band
         bias       -max(0, g_kτ - ḡ_k)   g_kτ = mean s/10 - success rate over agent k's actions of task type τ
                                          this step, ḡ_k its mean over k's types (two or more): a type scored
                                          higher than its outcomes warrant, against the agent's other types
 
     outcome and agreement are centered (a non-committal 5 against an outcome earns 0), so that a verdict is not
     paid merely for being one that a term applies to: uncentered, whitening favoured whatever the coach said on
-    those actions, and a random-init coach collapsed to one score (benchmarks/README.md).
+    those actions, and a random-init coach collapsed to one score (benchmarks/README.md). The band weights give each
+    of the reference's score bands an equal share of the agreement term: unweighted, a coach that always gives the
+    reference's usual score agreed on 99% of actions and collapsed to it (bands=1 turns the weights off).
 
-    A cut-off reply (no score to read) and an action of an episode whose environment failed (no outcome) count
-    like any other. Returns, per term, its mean over the verdicts it applied to, and how many it applied to."""
+    A term that does not apply to a valid verdict counts at its mean over the ones it applied to this step, so that
+    whitened, a verdict stands apart from the others by the terms that judged it alone: counted as 0, the verdicts
+    the reference never saw (most) were all pushed one way by the rest's mean, whatever they said. A cut-off reply
+    (no score to read) and an action of an episode whose environment failed (no outcome) count like any other.
+    Returns, per term, its mean over the verdicts it applied to, and how many it applied to."""
     episode_of = {ep.episode_id: ep for ep in episodes}
     valid = [j for j in judgements if j.verdict.score is not None]
     gap = bias_gaps(valid, episode_of) if "bias" in terms else {}
-    applied = {t: [] for t in TERMS}
+    band = lambda ref: min(bands - 1, int(ref["score"] / 10 * bands))
+    agreed = [band(j.verdict.reference) for j in valid if referenced(j.verdict)]
+    weight = {b: len(agreed) / (len(set(agreed)) * agreed.count(b)) for b in set(agreed)}
+    applied, parts_of = {t: [] for t in TERMS}, []
     for j in judgements:
         s, ep = j.verdict.score, episode_of[j.request.episode_id]
         if s is None:
@@ -116,18 +147,39 @@ def coach_rewards(judgements: list, episodes: list, terms: tuple) -> dict:
         parts = {"format": 1.0}
         if j.request.is_final_agent and not ep.env_error:
             parts["outcome"] = 1.0 - 2 * abs(s / 10 - float(ep.success))
-        ref = j.verdict.reference
-        if ref and ref["status"] == "ok" and not ref["held_out"]:
-            parts["agreement"] = 1.0 - 2 * abs(s - ref["score"]) / 10
+        if referenced(j.verdict):
+            ref = j.verdict.reference
+            parts["agreement"] = weight[band(ref)] * (1.0 - 2 * abs(s - ref["score"]) / 10)
         if (j.request.agent, j.request.task_type) in gap:
             parts["bias"] = -gap[j.request.agent, j.request.task_type]
         parts = {t: v for t, v in parts.items() if t in terms}
-        j.action.reward = sum(parts.values())
+        parts_of.append((j, parts))
         for t, v in parts.items():
             applied[t].append(v)
-    out = {f"coach/term_{t}": sum(v) / len(v) if v else None for t, v in applied.items() if t in terms}
+    mean = {t: sum(v) / len(v) for t, v in applied.items() if v}
+    for j, parts in parts_of:  # no term judged anything this step: no signal, left out
+        j.action.reward = sum(parts.get(t, mean[t]) for t in mean) if mean else None
+    out = {f"coach/term_{t}": mean.get(t) for t in TERMS if t in terms}
     out.update({f"coach/term_{t}_n": len(v) for t, v in applied.items() if t in terms})
     return out
+
+
+def strata_chances(fraction: float, counts: dict) -> dict:
+    """{stratum: the chance to ask the reference} that asks about `fraction` of all the actions counted, each
+    stratum an equal share where it has that many, a smaller one all of its actions and the rest to the others
+    (water-filling): the rare kind of action, where the information is, is judged as often as the usual one."""
+    budget, out = fraction * sum(counts.values()), {}
+    strata = sorted(counts, key=counts.get)
+    for i, stratum in enumerate(strata):
+        n = counts[stratum]
+        out[stratum] = min(1.0, budget / (len(strata) - i) / n) if n else 1.0
+        budget -= out[stratum] * n
+    return out
+
+
+def referenced(verdict: Verdict) -> bool:
+    """The reference judged this action, and it is not held out: the agreement term applies."""
+    return bool(verdict.reference) and verdict.reference["status"] == "ok" and not verdict.reference["held_out"]
 
 
 def bias_gaps(judgements: list, episode_of: dict) -> dict:
@@ -149,19 +201,21 @@ def bias_gaps(judgements: list, episode_of: dict) -> dict:
 
 def judge_metrics(judgements: list, price_in: float = 0.0, price_out: float = 0.0) -> dict:
     """The step's verdicts against the reference: agreement on the held-out ones (mean 1 - |s - s_ref|/10, a reply
-    with no valid score agreeing 0; None when none was held out) and the Pearson correlation of the scores (None
-    when either is constant: a coach that always gives the reference's usual score agrees, and tells nothing), and
-    what the reference was asked and cost. The run's coach cost is the reference's (prices per 1M tokens): the
+    with no valid score agreeing 0, each weighted 1/p by the chance p that its action was drawn, so that stratified
+    draws still estimate it over all actions; None when none was held out) and the Pearson correlation of the
+    scores (None when either is constant: a coach that always gives the reference's usual score agrees, and tells
+    nothing), and what the reference was asked and cost. The run's coach cost is the reference's (prices per 1M tokens): the
     coach's own tokens are the cluster's time."""
     refs = [j.verdict.reference for j in judgements if j.verdict.reference]
     held = [j for j in judgements if j.verdict.reference and j.verdict.reference["held_out"]
             and j.verdict.reference["status"] == "ok"]
     agree = [0.0 if j.verdict.score is None else 1.0 - abs(j.verdict.score - j.verdict.reference["score"]) / 10
              for j in held]
+    weight = [1 / j.verdict.reference["p"] for j in held]
     pairs = [(j.verdict.score, j.verdict.reference["score"]) for j in held if j.verdict.score is not None]
     fresh = [r for r in refs if not r["cached"]]
     tokens_in, tokens_out = (sum(r[k] for r in fresh) for k in ("tokens_in", "tokens_out"))
-    return {"coach/heldout_agreement": sum(agree) / len(agree) if agree else None,
+    return {"coach/heldout_agreement": sum(map(float.__mul__, agree, weight)) / sum(weight) if agree else None,
             "coach/heldout_n": len(held), "coach/heldout_correlation": pearson(pairs),
             "coach/reference_requests": len(refs),
             "coach/reference_share": len(refs) / len(judgements) if judgements else None,
@@ -171,12 +225,15 @@ def judge_metrics(judgements: list, price_in: float = 0.0, price_out: float = 0.
             "coach/cost_usd": (tokens_in * price_in + tokens_out * price_out) / 1e6}
 
 
-def stale_verdicts(actions: list, now: int, most: int) -> int:
+def stale_verdicts(actions: list, now: int, most: int, warmup: int = 0) -> int:
     """Mark `stale` (left out) every action whose verdict came from a trained coach more than `most` updates
-    behind its version `now`: agents never train on an old coach's judgement. Returns how many."""
+    behind its version `now`, or from one with fewer than `warmup` updates (--mappa.coach.warmup_steps): agents
+    never train on an old coach's judgement, nor on a new one's that its reference has not shaped yet. Returns
+    how many."""
     n = 0
     for a in actions:
-        if a.verdict is not None and a.verdict.version is not None and now - a.verdict.version > most:
+        v = None if a.verdict is None else a.verdict.version
+        if v is not None and (now - v > most or v < warmup):
             a.stale, n = True, n + 1
     return n
 
