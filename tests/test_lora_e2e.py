@@ -30,6 +30,13 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 AGENTS = ("quantity", "item", "code")
 
 
+def close(engine_logprobs, actor_logprobs) -> bool:
+    """The bf16 engine's probe log-probs against the actor's: 2 bf16 steps at |logprob| 4-8 are 0.0625, and one
+    token of 35 was 0.064 apart in a CI run (mean 0.007); another agent's policy is 0.28 apart on average."""
+    d = (engine_logprobs - actor_logprobs).abs()
+    return d.max().item() < 0.1 and d.mean().item() < 0.02
+
+
 @pytest.mark.e2e
 def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_model):
     from safetensors.torch import load_file
@@ -81,7 +88,7 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
         assert merges[n].wait(timeout=300) == 0, merges[n].stderr.read()[-2000:]
         checkpointed = torch.as_tensor(hf_probe_logprobs(str(tmp_path / f"merged-{n}"), start["probe"]))
         assert (torch.tensor(start["actor"][n]) - checkpointed).abs().max() < 0.05, n
-        assert (torch.tensor(start["engine"][n]) - torch.tensor(start["actor"][n])).abs().max() < 0.05, n
+        assert close(torch.tensor(start["engine"][n]), torch.tensor(start["actor"][n])), n
 
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2]
@@ -114,7 +121,7 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
         lora_b = [v for k, v in adapters[n].items() if "lora_B" in k]
         assert lora_b and all(v.abs().sum() > 0 for v in lora_b), n  # trained from peft's zero init
         engine = torch.tensor(end["engine"][n])
-        assert (engine - actor[n]).abs().max() < 0.05, n  # the pool with agent n's adapter is agent n's policy
+        assert close(engine, actor[n]), n  # the pool with agent n's adapter is agent n's policy
         for o in AGENTS:
             if o != n:
                 assert (engine - actor[o]).abs().mean() > 0.05, (n, o)
