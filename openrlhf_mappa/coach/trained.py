@@ -204,8 +204,8 @@ def judge_metrics(judgements: list, price_in: float = 0.0, price_out: float = 0.
     with no valid score agreeing 0, each weighted 1/p by the chance p that its action was drawn, so that stratified
     draws still estimate it over all actions; None when none was held out) and the Pearson correlation of the
     scores (None when either is constant: a coach that always gives the reference's usual score agrees, and tells
-    nothing), and what the reference was asked and cost. The run's coach cost is the reference's (prices per 1M tokens): the
-    coach's own tokens are the cluster's time."""
+    nothing), and what the reference was asked and cost. The run's coach cost is the reference's (prices per 1M
+    tokens): the coach's own tokens are the cluster's time."""
     refs = [j.verdict.reference for j in judgements if j.verdict.reference]
     held = [j for j in judgements if j.verdict.reference and j.verdict.reference["held_out"]
             and j.verdict.reference["status"] == "ok"]
@@ -215,7 +215,7 @@ def judge_metrics(judgements: list, price_in: float = 0.0, price_out: float = 0.
     pairs = [(j.verdict.score, j.verdict.reference["score"]) for j in held if j.verdict.score is not None]
     fresh = [r for r in refs if not r["cached"]]
     tokens_in, tokens_out = (sum(r[k] for r in fresh) for k in ("tokens_in", "tokens_out"))
-    return {"coach/heldout_agreement": sum(map(float.__mul__, agree, weight)) / sum(weight) if agree else None,
+    return {"coach/heldout_agreement": sum(a * w for a, w in zip(agree, weight)) / sum(weight) if agree else None,
             "coach/heldout_n": len(held), "coach/heldout_correlation": pearson(pairs),
             "coach/reference_requests": len(refs),
             "coach/reference_share": len(refs) / len(judgements) if judgements else None,
