@@ -11,8 +11,10 @@ correlation of the two scores there, over the first and the last 5 steps.
 Extra flags go to both runs (the later of a repeated flag wins). The coach is sent a short prompt (the agent's goal
 and reply: COACH_TEMPLATE) instead of relay.yaml's, which would make its training 5x the team's here, and replies with
 one digit (--mappa.coach.digits_only), trained on its format and agreement terms (the relay's outcome is the whole
-team's, at odds with an action's own score); the reference draws are stratified by cut-off and ended actions, and
-the agents train on its verdicts from its 9th update (--mappa.coach.warmup_steps 8). COACH_FLAGS, to try others.
+team's, at odds with an action's own score), on every digit where the reference judged (--mappa.coach.all_digits), at
+a fifth of the agents' learning rate (--mappa.coach.lr 1e-3); the reference draws are stratified by cut-off and ended
+actions, and the agents train on its verdicts from its 9th update (--mappa.coach.warmup_steps 8). COACH_FLAGS, to try
+others.
 """
 
 import argparse
@@ -27,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from async_training import summary  # noqa: E402  (success rate, episodes to 0.8, relapses)
 
 COACH_TEMPLATE = "Goal: {ground_truth}\nReply: {agent_output}"
-COACH_FLAGS = ["--mappa.coach.digits_only", "--mappa.coach.terms", "format,agreement",
-               "--mappa.coach.warmup_steps", "8", "--mappa.coach.reference_draw", "stratified",
-               "--mappa.coach.on_failure", "neutral"]
+COACH_FLAGS = ["--mappa.coach.digits_only", "--mappa.coach.all_digits", "--mappa.coach.lr", "1e-3",
+               "--mappa.coach.terms", "format,agreement", "--mappa.coach.warmup_steps", "8",
+               "--mappa.coach.reference_draw", "stratified", "--mappa.coach.on_failure", "neutral"]
 
 
 def run(out: str, model: str, coach_model: str, steps: int, fraction: float, trained: bool, extra: list) -> list:

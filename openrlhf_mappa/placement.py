@@ -47,6 +47,7 @@ def agent_args(args, spec):
     checkpoint and sync code read `strategy.args`, so each agent's files and sync group stay apart."""
     a = copy.deepcopy(args)
     a.actor.model_name_or_path = spec.model
+    a.actor.adam.lr = spec.lr or args.actor.adam.lr
     for key, group, name in AGENT_OVERRIDES:
         setattr(getattr(a, group), name, getattr(spec, key) or getattr(getattr(args, group), name))
     a.ref.num_gpus_per_node = spec.num_gpus_per_node or args.ref.num_gpus_per_node
@@ -74,7 +75,7 @@ def trainee_specs(args, topology) -> list:
 
         spec = type(topology.agents[0])
         tokens = 1 if c.digits_only else c.max_tokens or None  # digits_only: one digit (TrainedCoach.attach)
-        coach = [spec(COACH_NAME, c.model, "the team's coach", "", max_new_tokens=tokens)]
+        coach = [spec(COACH_NAME, c.model, "the team's coach", "", max_new_tokens=tokens, lr=c.lr or None)]
     if not args.mappa.shared_policy:
         return topology.agents + coach
     models = {spec.model for spec in topology.agents}

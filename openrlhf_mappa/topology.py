@@ -105,6 +105,7 @@ class AgentSpec:
     max_new_tokens: Optional[int] = None
     ring_attn_size: Optional[int] = None
     tensor_parallel_size: Optional[int] = None
+    lr: Optional[float] = None  # the trained coach's --mappa.coach.lr (not a topology key)
     view: View = field(default_factory=View)
     lora: Optional[Lora] = None
 
@@ -173,7 +174,7 @@ MISSING_COACH_TEMPLATE = ("'coach_template' is missing or empty; it must be a no
                           "coach_templates)")
 TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "coach_templates", "env_kwargs", "score_key",
                  "reward_scale", "max_episode_actions", "review_template")
-AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec))
+AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec) if f.name != "lr")  # lr: the trained coach's
 
 
 class UniqueKeyLoader(yaml.SafeLoader):

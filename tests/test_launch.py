@@ -117,6 +117,18 @@ def test_the_package_has_no_import_cycle():
         visit(name)
 
 
+def test_no_function_is_over_80_lines():
+    # OpenRLHF's rule for a reviewable PR: a function a reader holds in one screen. Decorators and docstring count.
+    long = []
+    for path in sorted([*(ROOT / "openrlhf_mappa").rglob("*.py"), *(ROOT / "patches").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if node.end_lineno - start + 1 > 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - start + 1})")
+    assert not long, f"functions over 80 lines: {long}"
+
+
 def test_requirements_files_agree_with_setup_py():
     declared = {normalized(r.name) for r in declared_requirements()}
     # GPU: openrlhf's own requirements and its vLLM extra's, as it pins them, but flash-attn (optional: openrlhf

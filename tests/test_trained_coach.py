@@ -92,7 +92,8 @@ def test_agreement_bands_give_a_rare_reference_score_the_weight_of_the_usual_one
 
 def test_digits_only_samples_one_digit_token_and_the_coach_replies_with_one_token(tiny_model):
     """--mappa.coach.digits_only: the coach's engines sample its one-token reply from the tokens of 0-9 alone, as
-    vLLM's allowed_token_ids (each decodes to a score the strict parser reads); its AgentSpec generates one token."""
+    vLLM's allowed_token_ids (each decodes to a score the strict parser reads); its AgentSpec generates one token,
+    and learns at --mappa.coach.lr."""
     from transformers import AutoTokenizer
 
     from openrlhf_mappa.cli.train_mappa_ray import parse_args
@@ -114,6 +115,53 @@ def test_digits_only_samples_one_digit_token_and_the_coach_replies_with_one_toke
                            "--mappa.coach.kind", "trained", "--mappa.coach.model", "m", "--mappa.coach.max_tokens",
                            "6", *flags])
         assert trainee_specs(args, load_topology(topology))[-1].max_new_tokens == tokens
+    # --mappa.coach.lr: the coach's actor learns at its own rate, the agents' at --actor.adam.lr.
+    from openrlhf_mappa.placement import agent_args
+
+    for coach_lr, expected in (([], 5e-2), (["--mappa.coach.lr", "1e-3"], 1e-3)):
+        args = parse_args(["--mappa.topology", topology, "--data.prompt_dataset", "x.jsonl", *TINY_RUN_FLAGS,
+                           "--actor.adam.lr", "5e-2", "--mappa.coach.kind", "trained", "--mappa.coach.model", "m",
+                           *coach_lr])
+        rates = [agent_args(args, spec).actor.adam.lr for spec in trainee_specs(args, load_topology(topology))]
+        assert rates == [5e-2, 5e-2, 5e-2, expected]
+
+
+def test_all_digits_trains_on_every_one_digit_reply_where_the_agreement_term_judges(tiny_model):
+    """--mappa.coach.all_digits through TrainedCoach.score: an action the agreement term will judge gives the coach
+    ten actions of its own, one per digit, and the agents the sampled verdict; a held-out action gives the sampled
+    one. With digits_only no action carries vLLM's log-probs (over the digits, not the vocabulary). The engine is a
+    stand-in that replies 4 (a real vLLM engine serves the coach in the e2e test below)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from openrlhf_mappa.coach.heuristic import HeuristicCoach
+    from openrlhf_mappa.rollout import AgentPolicy
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+
+    async def generate(ids, params):
+        assert params.allowed_token_ids and len(params.allowed_token_ids) == 10  # sampled from the digits alone
+        token = tokenizer.encode("4", add_special_tokens=False)
+        step = [{token[0]: SimpleNamespace(logprob=-0.5)}]
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=token, logprobs=step, finish_reason="length")])
+
+    engine = SimpleNamespace(generate=SimpleNamespace(remote=generate))
+    request = CoachRequest("e", "a", 0, "role", "task", "math", "in", "7", "", ground_truth="Required reply: \\d+")
+    for held_out, scores in ((0.0, [float(d) for d in range(10)]), (1.0, [4.0])):
+        coach = TrainedCoach("{agent_output}", "PROCESS_SCORE", HeuristicCoach(), 1.0, held_out, ("agreement",),
+                             digits_only=True, all_digits=True)
+        coach.attach(AgentPolicy([engine], tokenizer, 1, 256))
+        verdict = asyncio.run(coach.score(request))
+        judged = coach.judgements["e"]
+        assert [j.verdict.score for j in judged] == scores and all(j.request is request for j in judged)
+        assert [j.action.rollout_logprobs for j in judged] == [[]] * len(scores)
+        assert verdict.score == 4.0 and verdict.reference["score"] == 10.0 and verdict.reference["held_out"] == held_out
+        assert all(j.verdict.reference == verdict.reference for j in judged)
+        coach_rewards(judged, [episode("e", True)], ("agreement",), bands=1)
+        if len(judged) == 10:  # each digit's agreement 1 - 2|d - 10|/10, less their mean plus the term's (-0.1 both)
+            assert [j.action.reward for j in judged] == pytest.approx([-1 + 0.2 * d for d in range(10)])
 
 
 def test_bias_term_penalizes_a_task_type_scored_above_what_its_outcomes_warrant():
@@ -158,6 +206,22 @@ def test_agreement_stop_after_the_warmup_only_and_never_when_off():
     assert agreement_stop(11, agreed(0.6), 0.5, 10) is None
     assert agreement_stop(11, agreed(0.0), 0.0, 10) is None  # off
     assert agreement_stop(11, agreed(None), 0.5, 10) is None  # nothing held out this step
+
+
+def test_several_verdicts_of_one_action_each_agree_against_their_mean():
+    # --mappa.coach.all_digits: verdicts of one referenced action (one request), beside one verdict of another.
+    first = judged("e", "a", 6.0, ref=6.0)
+    js = [first] + [Judgement(first.request, Verdict(s, "ok", version=0, reference=dict(first.verdict.reference)),
+                              Action("e", "coach", 0, [1], [2])) for s in (4.0, 2.0)] + [judged("e", "b", 5.0, ref=5.0)]
+    coach_rewards(js, [episode("e", True)], ("agreement",), bands=1)
+    # Agreements 1.0, 0.6 and 0.2 less their mean 0.6, plus the term's mean 0.7 (where a verdict no term judged
+    # sits): the best verdict of the action is paid, the worst charged, whatever the action; the lone one keeps 1.0.
+    assert [j.action.reward for j in js] == pytest.approx([1.1, 0.7, 0.3, 1.0])
+    m = coach_rewards(js, [episode("e", True)], ("format", "agreement", "outcome"), bands=1)
+    assert m["coach/term_agreement"] == pytest.approx(0.7)  # the term as the reference scored it, before baselines
+    assert [js[i].action.reward - js[i + 1].action.reward for i in (0, 1)] == pytest.approx([0.4, 0.4])
+    m = judge_metrics(js)  # the reference was asked about two actions, not four
+    assert (m["coach/reference_requests"], m["coach/reference_share"]) == (2, 1.0)
 
 
 def test_judge_metrics_held_out_agreement_reference_share_and_its_cost():
@@ -212,6 +276,9 @@ def test_stratified_draws_judge_the_rare_kind_of_action_as_often_and_keep_the_fr
     (["--mappa.coach.model", "m", "--mappa.shared_policy"], "--mappa.shared_policy is not built"),
     (["--mappa.coach.model", "m", "--mappa.colocate", "agent", "--vllm.enable_sleep"], "--vllm.enable_sleep is not"),
     (["--mappa.coach.model", "m", "--mappa.coach.reference_kind", "openai"], "needs --mappa.coach.reference_model"),
+    (["--mappa.coach.model", "m", "--mappa.coach.all_digits"], "it needs --mappa.coach.digits_only"),
+    (["--mappa.coach.model", "m", "--mappa.coach.digits_only", "--algo.advantage.is_correction_level", "token"],
+     "no importance-sampling correction can apply to it"),
 ])
 def test_a_trained_coach_is_refused_with_its_reason(flags, message):
     from openrlhf_mappa.cli.train_mappa_ray import parse_args, validate

@@ -74,6 +74,7 @@ def add_mappa_args(parser):
     g = parser.add_argument_group("MAPPA")
     add_training_args(g)
     add_coach_args(g)
+    add_trained_coach_args(g)
     add_launch_args(g)
     # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
     parser.set_defaults(**{"algo.advantage.estimator": "reinforce"})
@@ -104,10 +105,10 @@ def add_training_args(g):
                         "the most optimizer steps that agent can take (its max_actions per episode), so its "
                         "schedule ends at its last step")
     g.add_argument("--mappa.max_staleness", type=NONNEGATIVE_INT, default=None,
-                   help="with --train.async_enable: leave out (and count, agent/<name>/stale_left_out) an action one of "
-                        "whose weight versions, its own agent's or another agent's whose output it saw, is more than "
-                        "this many updates behind when its step trains (default: --train.async_queue_size, so that "
-                        "none is in steady state)")
+                   help="with --train.async_enable: leave out (and count, agent/<name>/stale_left_out) an action "
+                        "one of whose weight versions, its own agent's or another agent's whose output it saw, is more "
+                        "than this many updates behind when its step trains (default: --train.async_queue_size, so "
+                        "that none is in steady state)")
     g.add_argument("--mappa.ppo_ratio", choices=["trainer", "rollout"], default="trainer",
                    help="the old policy of PPO's ratio and clip. trainer: the actor's log-probs just before the update "
                         "(OpenRLHF's); rollout: the engine's, of the weights that sampled each action, so that the "
@@ -127,36 +128,6 @@ def add_coach_args(g):
                    help="heuristic: offline rule-based coach (demo/tests); openai: any OpenAI-compatible server; "
                         "trained: the model --mappa.coach.model in the team's cluster, trained with the agents and "
                         "anchored to a reference judge (--mappa.coach.reference_*)")
-    g.add_argument("--mappa.coach.reference_kind", choices=["heuristic", "openai"], default="heuristic",
-                   help="trained coach: the judge it is compared with (openai: --mappa.coach.reference_model at "
-                        "--mappa.coach.base_url)")
-    g.add_argument("--mappa.coach.reference_model", default=None, help="trained coach: the reference judge's model")
-    g.add_argument("--mappa.coach.reference_fraction", type=FRACTION, default=0.25,
-                   help="trained coach: the share of actions the reference judge also scores (a cost)")
-    g.add_argument("--mappa.coach.reference_draw", choices=["uniform", "stratified"], default="uniform",
-                   help="trained coach: uniform: each action drawn at --mappa.coach.reference_fraction; stratified: "
-                        "cut-off and ended actions share it equally (by the last step's counts), so the rare kind is "
-                        "judged as often as the usual one")
-    g.add_argument("--mappa.coach.held_out_fraction", type=FRACTION, default=0.2,
-                   help="trained coach: the share of the reference's verdicts kept out of its reward, to measure "
-                        "its agreement with the reference (coach/heldout_agreement)")
-    g.add_argument("--mappa.coach.terms", default="format,outcome,agreement,bias",
-                   help="trained coach: the terms of its reward, comma-separated (coach/trained.py coach_rewards)")
-    g.add_argument("--mappa.coach.agreement_bands", type=COUNT, default=5,
-                   help="trained coach: the reference's score bands (of 0-10) that share its agreement term equally, "
-                        "so a rare score weighs as much as the usual one (1: unweighted)")
-    g.add_argument("--mappa.coach.digits_only", action="store_true",
-                   help="trained coach: reply with one token sampled from the digits 0-9 alone (vLLM's "
-                        "allowed_token_ids), so every verdict is a score and the format term never fires")
-    g.add_argument("--mappa.coach.warmup_steps", type=NONNEGATIVE_INT, default=0,
-                   help="trained coach: the agents train only on verdicts of a coach with at least this many updates; "
-                        "until then it trains alone, on the agents' untrained actions (a random coach's scores are "
-                        "noise)")
-    g.add_argument("--mappa.coach.min_agreement", type=FRACTION, default=0.0,
-                   help="trained coach: stop the run when its held-out agreement with the reference falls below this "
-                        "after --mappa.coach.agreement_warmup steps (0: never)")
-    g.add_argument("--mappa.coach.agreement_warmup", type=NONNEGATIVE_INT, default=10,
-                   help="trained coach: steps before --mappa.coach.min_agreement applies (a new coach agrees little)")
     g.add_argument("--mappa.coach.mode", choices=["per_action", "hindsight", "both"], default="per_action",
                    help="per_action: one coach request per action, as the episode runs (the paper); hindsight: one "
                         "request per finished episode, scoring every action and naming the one responsible for the "
@@ -203,6 +174,44 @@ def add_coach_args(g):
     g.add_argument("--mappa.coach.score_outcome_runs", action="store_true",
                    help="with --mappa.reward outcome: still ask the coach about every action, for comparison "
                         "(logged, never trained on; default: no coach calls)")
+
+
+def add_trained_coach_args(g):
+    g.add_argument("--mappa.coach.reference_kind", choices=["heuristic", "openai"], default="heuristic",
+                   help="trained coach: the judge it is compared with (openai: --mappa.coach.reference_model at "
+                        "--mappa.coach.base_url)")
+    g.add_argument("--mappa.coach.reference_model", default=None, help="trained coach: the reference judge's model")
+    g.add_argument("--mappa.coach.reference_fraction", type=FRACTION, default=0.25,
+                   help="trained coach: the share of actions the reference judge also scores (a cost)")
+    g.add_argument("--mappa.coach.reference_draw", choices=["uniform", "stratified"], default="uniform",
+                   help="trained coach: uniform: each action drawn at --mappa.coach.reference_fraction; stratified: "
+                        "cut-off and ended actions share it equally (by the last step's counts), so the rare kind is "
+                        "judged as often as the usual one")
+    g.add_argument("--mappa.coach.held_out_fraction", type=FRACTION, default=0.2,
+                   help="trained coach: the share of the reference's verdicts kept out of its reward, to measure "
+                        "its agreement with the reference (coach/heldout_agreement)")
+    g.add_argument("--mappa.coach.terms", default="format,outcome,agreement,bias",
+                   help="trained coach: the terms of its reward, comma-separated (coach/trained.py coach_rewards)")
+    g.add_argument("--mappa.coach.agreement_bands", type=COUNT, default=5,
+                   help="trained coach: the reference's score bands (of 0-10) that share its agreement term equally, "
+                        "so a rare score weighs as much as the usual one (1: unweighted)")
+    g.add_argument("--mappa.coach.digits_only", action="store_true",
+                   help="trained coach: reply with one token sampled from the digits 0-9 alone (vLLM's "
+                        "allowed_token_ids), so every verdict is a score and the format term never fires")
+    g.add_argument("--mappa.coach.all_digits", action="store_true",
+                   help="trained coach, with --mappa.coach.digits_only: train on all ten one-digit replies to each "
+                        "action the agreement term judges, each against their mean, not on the sampled one")
+    g.add_argument("--mappa.coach.lr", type=NONNEGATIVE, default=0.0,
+                   help="trained coach: its actor's learning rate (0: --actor.adam.lr, the agents')")
+    g.add_argument("--mappa.coach.warmup_steps", type=NONNEGATIVE_INT, default=0,
+                   help="trained coach: the agents train only on verdicts of a coach with at least this many updates; "
+                        "until then it trains alone, on the agents' untrained actions (a random coach's scores are "
+                        "noise)")
+    g.add_argument("--mappa.coach.min_agreement", type=FRACTION, default=0.0,
+                   help="trained coach: stop the run when its held-out agreement with the reference falls below this "
+                        "after --mappa.coach.agreement_warmup steps (0: never)")
+    g.add_argument("--mappa.coach.agreement_warmup", type=NONNEGATIVE_INT, default=10,
+                   help="trained coach: steps before --mappa.coach.min_agreement applies (a new coach agrees little)")
 
 
 def add_launch_args(g):
@@ -560,6 +569,11 @@ def validate_trained_coach(args, topology) -> None:
         ((c.max_tokens or args.rollout.max_new_tokens) >= args.data.max_len,
          f"its reply limit (--mappa.coach.max_tokens, else --rollout.max_new_tokens) must be below --data.max_len "
          f"({args.data.max_len})"),
+        (c.all_digits and not c.digits_only, "--mappa.coach.all_digits trains on every one-digit reply: it needs "
+                                             "--mappa.coach.digits_only"),
+        (c.digits_only and args.algo.advantage.is_correction_level != "off",
+         "with --mappa.coach.digits_only, vLLM's sampling log-probs are over the ten digits and the actor's over the "
+         "vocabulary, so no importance-sampling correction can apply to it: --algo.advantage.is_correction_level off"),
     ]
     for bad, why in problems:
         if bad:
@@ -650,17 +664,17 @@ def check_this_machine(args, topology=None) -> None:
     attention = args.ds.attn_implementation
     kernel = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(attention)
     if kernel and importlib.util.find_spec(kernel) is None:
-        raise SystemExit(f"--ds.attn_implementation {attention} needs flash-attn's kernels, and the module {kernel} is "
-                         f"not installed here: install flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, "
-                         f"built for this torch and CUDA) or pass --ds.attn_implementation sdpa (more memory at long "
-                         f"contexts)")
+        raise SystemExit(f"--ds.attn_implementation {attention} needs flash-attn's kernels, and the module {kernel} "
+                         f"is not installed here: install flash-attn (`pip install flash-attn==2.8.3 "
+                         f"--no-build-isolation`, built for this torch and CUDA) or pass --ds.attn_implementation sdpa "
+                         f"(more memory at long contexts)")
     from openrlhf_mappa.placement import agent_args
 
     specs = topology.agents if topology else []  # each agent's ring: the flag, or its topology's ring_attn_size
     ring = max([agent_args(args, spec).ds.ring_attn_size for spec in specs] or [args.ds.ring_attn_size])
     if ring > 1 and importlib.util.find_spec("ring_flash_attn") is None:
-        raise SystemExit(f"--ds.ring_attn_size {ring} runs ring-flash-attn's kernels, and the module ring_flash_attn is "
-                         f"not installed here: `pip install ring_flash_attn` (it needs flash-attn)")
+        raise SystemExit(f"--ds.ring_attn_size {ring} runs ring-flash-attn's kernels, and the module ring_flash_attn "
+                         f"is not installed here: `pip install ring_flash_attn` (it needs flash-attn)")
     if ring > 1 and "flash_attention" not in attention and not cpu_mode():
         # ring_flash_attn replaces flash attention's forward: under sdpa each rank would attend to its own slice.
         raise SystemExit(f"--ds.ring_attn_size {ring} replaces flash attention's kernel, which "
@@ -748,6 +762,20 @@ def check_team(args):
     return topology
 
 
+def coach_options(args, topology) -> dict:
+    """build_coach's settings from the flags and the topology (the trained coach's under `trained`)."""
+    c = args.mappa.coach
+    return dict(template=topology.coach_template, model=c.model, base_url=c.base_url, api_key_env=c.api_key_env,
+                timeout_s=c.timeout, max_concurrency=c.max_concurrency, max_retries=c.max_retries, rpm=c.rpm,
+                structured=c.structured, format_retries=c.format_retries, max_tokens=c.max_tokens,
+                score_key=topology.score_key, review_template=topology.review_template,
+                trained=dict(reference_kind=c.reference_kind, reference_model=c.reference_model,
+                             reference_fraction=c.reference_fraction, held_out_fraction=c.held_out_fraction,
+                             terms=tuple(c.terms.split(",")), agreement_bands=c.agreement_bands,
+                             digits_only=c.digits_only, stratified=c.reference_draw == "stratified",
+                             all_digits=c.all_digits, seed=args.train.seed))
+
+
 def train(args):
     """Build every agent on the Ray cluster, train, export; returns the agents (their handles stay up)."""
     from openrlhf_mappa import resume
@@ -777,21 +805,10 @@ def train(args):
         cache_path = coach_cache_path(args)
         if cache_path:
             check_cache_file(cache_path)
-        coach_options = dict(template=topology.coach_template, model=c.model, base_url=c.base_url,
-                             api_key_env=c.api_key_env, timeout_s=c.timeout, max_concurrency=c.max_concurrency,
-                             max_retries=c.max_retries, rpm=c.rpm, structured=c.structured,
-                             format_retries=c.format_retries, max_tokens=c.max_tokens, score_key=topology.score_key,
-                             review_template=topology.review_template,
-                             trained=dict(reference_kind=c.reference_kind, reference_model=c.reference_model,
-                                          reference_fraction=c.reference_fraction,
-                                          held_out_fraction=c.held_out_fraction, terms=tuple(c.terms.split(",")),
-                                          agreement_bands=c.agreement_bands, digits_only=c.digits_only,
-                                          stratified=c.reference_draw == "stratified",
-                                          seed=args.train.seed))
         check_this_machine(args, topology)
         # An unreachable coach or a rejected key, found now rather than after the first rollout, by a coach of its
         # own: the run's opens its verdict cache, which writes.
-        probe = build_coach(c.kind, cache_path=None, **coach_options)
+        probe = build_coach(c.kind, cache_path=None, **coach_options(args, topology))
         if args.mappa.reward == "process" or c.score_outcome_runs:
             asyncio.run(probe.probe())
 
@@ -800,7 +817,7 @@ def train(args):
     with open(os.path.join(args.mappa.run_dir, "train_tasks.json"), "w", encoding="utf-8") as f:
         json.dump(chosen, f, indent=1)
     resume.apply(resume_fixes)
-    coach = build_coach(c.kind, cache_path=cache_path, **coach_options)
+    coach = build_coach(c.kind, cache_path=cache_path, **coach_options(args, topology))
     if c.mode == "both":  # the combining rule, stated where the run's log begins (coach.combine)
         print("[mappa] coach mode both: an action's score is the mean of its per-action and hindsight scores; the "
               "one that exists when the other failed (counted as coach/both_one_source); none when both failed")

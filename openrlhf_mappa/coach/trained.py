@@ -32,10 +32,11 @@ class TrainedCoach(Coach):
 
     def __init__(self, template: str, score_key: str, reference: Coach, reference_fraction: float,
                  held_out_fraction: float, terms: tuple, agreement_bands: int = 5, digits_only: bool = False,
-                 stratified: bool = False, seed: int = 0):
+                 stratified: bool = False, all_digits: bool = False, seed: int = 0):
         self.template, self.score_key, self.reference = template, score_key, reference
         self.reference_fraction, self.held_out_fraction, self.terms, self.bands, self.digits_only, self.seed = (
             reference_fraction, held_out_fraction, tuple(terms), agreement_bands, digits_only, seed)
+        self.all_digits, self.digits = all_digits, []  # digits: the token of each of 0-9 (digits_only)
         self.policy = None  # its AgentPolicy (engines, tokenizer, sync gate): attach()
         # The chance that the reference is asked about an action, by whether it was cut off: the last step's
         # strata share the fraction (stratified), or each is asked at the fraction (and in a run's first step).
@@ -52,7 +53,8 @@ class TrainedCoach(Coach):
             if split:
                 raise ValueError(f"--mappa.coach.digits_only: the coach's tokenizer does not write the digits "
                                  f"{', '.join(split)} as one token each")
-            policy.sampling = {**policy.sampling, "allowed_token_ids": [t[0] for t in ids.values()]}
+            self.digits = [t[0] for t in ids.values()]
+            policy.sampling = {**policy.sampling, "allowed_token_ids": self.digits}
         self.policy = policy
 
     def draws(self, request: CoachRequest) -> tuple:
@@ -68,23 +70,40 @@ class TrainedCoach(Coach):
         t0, prompt = time.time(), render_prompt(self.template, request)
         text, ids, too_long = self.policy.prompt_ids([{"role": "user", "content": prompt}])
         if too_long:
-            verdict = Verdict(None, "skipped", f"trained coach: prompt of {len(ids)} tokens over its budget",
-                              self.name)
+            verdicts = [Verdict(None, "skipped", f"trained coach: prompt of {len(ids)} tokens over its budget",
+                                self.name)]
         else:
-            (reply_ids, truncated, logprobs), version, version_end = await self.policy.sample(ids)
-            reply = self.policy.tokenizer.decode(reply_ids, skip_special_tokens=True)
-            score = parse_score(reply, self.score_key)
-            verdict = Verdict(score, "ok" if score is not None else "parse_error", reply[:2000], self.name,
-                              latency_s=time.time() - t0, tokens_in=len(ids), tokens_out=len(reply_ids),
-                              version=version)
-            action = Action(request.episode_id, COACH_NAME, request.position, ids, reply_ids, prompt_text=text,
-                            response_text=reply, truncated=truncated, rollout_logprobs=logprobs,
-                            versions={COACH_NAME: version}, version_end=version_end)
-            self.judgements.setdefault(request.episode_id, []).append(Judgement(request, verdict, action))
+            every = self.all_digits and asked and not held_out
+            verdicts = [self.judged(request, text, ids, *await self.policy.sample(ids), time.time() - t0,
+                                    train=not every)]
+            if every:
+                # The coach trains on every one-digit reply to an action its agreement term judges, not on the one it
+                # sampled: once it always gives one score there, a sampled reply's gradient vanishes, wrong or right.
+                verdicts += [self.judged(request, text, ids, ([digit], True, []), verdicts[0].version,
+                                         verdicts[0].version, 0.0) for digit in self.digits]
         if reference is not None:
             ref = await reference
-            verdict.reference = {"score": ref.score, "status": ref.status, "held_out": held_out, "p": p,
-                                 **{k: getattr(ref, k) for k in ("coach", "tokens_in", "tokens_out", "cached")}}
+            for verdict in verdicts:
+                verdict.reference = {"score": ref.score, "status": ref.status, "held_out": held_out, "p": p,
+                                     **{k: getattr(ref, k) for k in ("coach", "tokens_in", "tokens_out", "cached")}}
+        return verdicts[0]  # the sampled one, the agents'
+
+    def judged(self, request: CoachRequest, text: str, ids: list, generated: tuple, version: int,
+               version_end: int, latency_s: float, train: bool = True) -> Verdict:
+        """The verdict of one reply, kept (train) as a Judgement for the coach's own training."""
+        reply_ids, truncated, logprobs = generated
+        reply = self.policy.tokenizer.decode(reply_ids, skip_special_tokens=True)
+        score = parse_score(reply, self.score_key)
+        verdict = Verdict(score, "ok" if score is not None else "parse_error", reply[:2000], self.name,
+                          latency_s=latency_s, tokens_in=len(ids), tokens_out=len(reply_ids), version=version)
+        # digits_only: vLLM's log-probs are over the ten digits, the actor's over the vocabulary; the coach trains
+        # without them (no importance-sampling correction for it; --algo.advantage.is_correction_level is refused).
+        action = Action(request.episode_id, COACH_NAME, request.position, ids, reply_ids, prompt_text=text,
+                        response_text=reply, truncated=truncated,
+                        rollout_logprobs=[] if self.digits_only else logprobs,
+                        versions={COACH_NAME: version}, version_end=version_end)
+        if train:
+            self.judgements.setdefault(request.episode_id, []).append(Judgement(request, verdict, action))
         return verdict
 
     def rewarded(self, episodes: list, price_in: float = 0.0, price_out: float = 0.0) -> tuple:
@@ -92,7 +111,7 @@ class TrainedCoach(Coach):
         metrics). Those verdicts leave the pending set."""
         judged = [j for ep in episodes for j in self.judgements.pop(ep.episode_id, [])]
         if self.stratified and judged:
-            cut = [j.request.truncated_at is not None for j in judged]
+            cut = [r.truncated_at is not None for r in {id(j.request): j.request for j in judged}.values()]
             self.ask = strata_chances(self.reference_fraction, {True: sum(cut), False: len(cut) - sum(cut)})
         metrics = coach_rewards(judged, episodes, self.terms, self.bands) | judge_metrics(judged, price_in, price_out)
         return [j.action for j in judged], metrics
@@ -128,7 +147,9 @@ def coach_rewards(judgements: list, episodes: list, terms: tuple, bands: int = 5
     whitened, a verdict stands apart from the others by the terms that judged it alone: counted as 0, the verdicts
     the reference never saw (most) were all pushed one way by the rest's mean, whatever they said. A cut-off reply
     (no score to read) and an action of an episode whose environment failed (no outcome) count like any other.
-    Returns, per term, its mean over the verdicts it applied to, and how many it applied to."""
+    Several verdicts of one action (all_digits) are each rewarded against their mean, R - mean R + the sum of the
+    terms' means, so that the action's own worth (a term shared by all, as outcome) moves none of them. Returns,
+    per term, its mean over the verdicts it applied to, and how many it applied to."""
     episode_of = {ep.episode_id: ep for ep in episodes}
     valid = [j for j in judgements if j.verdict.score is not None]
     gap = bias_gaps(valid, episode_of) if "bias" in terms else {}
@@ -157,8 +178,16 @@ def coach_rewards(judgements: list, episodes: list, terms: tuple, bands: int = 5
         for t, v in parts.items():
             applied[t].append(v)
     mean = {t: sum(v) / len(v) for t, v in applied.items() if v}
+    of_action = {}
     for j, parts in parts_of:  # no term judged anything this step: no signal, left out
         j.action.reward = sum(parts.get(t, mean[t]) for t in mean) if mean else None
+        of_action.setdefault(id(j.request), []).append(j.action)
+    # Several verdicts of one action (TrainedCoach.all_digits): each against their mean, a baseline of that action's
+    # own, moved to where a verdict no term judged sits (the terms' means): a verdict is paid for beating the others.
+    for actions in (a for a in of_action.values() if len(a) > 1 and mean):
+        baseline = sum(a.reward for a in actions) / len(actions)
+        for a in actions:
+            a.reward += sum(mean.values()) - baseline
     out = {f"coach/term_{t}": mean.get(t) for t in TERMS if t in terms}
     out.update({f"coach/term_{t}_n": len(v) for t, v in applied.items() if t in terms})
     return out
@@ -206,7 +235,8 @@ def judge_metrics(judgements: list, price_in: float = 0.0, price_out: float = 0.
     scores (None when either is constant: a coach that always gives the reference's usual score agrees, and tells
     nothing), and what the reference was asked and cost. The run's coach cost is the reference's (prices per 1M
     tokens): the coach's own tokens are the cluster's time."""
-    refs = [j.verdict.reference for j in judgements if j.verdict.reference]
+    refs = list({id(j.request): j.verdict.reference for j in judgements if j.verdict.reference}.values())
+    actions = len({id(j.request) for j in judgements})  # an action may have several verdicts (all_digits)
     held = [j for j in judgements if j.verdict.reference and j.verdict.reference["held_out"]
             and j.verdict.reference["status"] == "ok"]
     agree = [0.0 if j.verdict.score is None else 1.0 - abs(j.verdict.score - j.verdict.reference["score"]) / 10
@@ -218,7 +248,7 @@ def judge_metrics(judgements: list, price_in: float = 0.0, price_out: float = 0.
     return {"coach/heldout_agreement": sum(a * w for a, w in zip(agree, weight)) / sum(weight) if agree else None,
             "coach/heldout_n": len(held), "coach/heldout_correlation": pearson(pairs),
             "coach/reference_requests": len(refs),
-            "coach/reference_share": len(refs) / len(judgements) if judgements else None,
+            "coach/reference_share": len(refs) / actions if actions else None,
             "coach/parse_error_rate": (sum(j.verdict.score is None for j in judgements) / len(judgements)
                                        if judgements else None),
             "coach/reference_tokens_in": tokens_in, "coach/reference_tokens_out": tokens_out,
