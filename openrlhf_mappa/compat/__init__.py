@@ -104,6 +104,7 @@ WATCHED = {
     "vllm.model_executor.layers.utils": ("vllm_cpu_weight_update",),
     "vllm.platforms.cpu": ("hybrid_engine", "vllm_cpu_uniproc"),
     "deepspeed.runtime.zero.partition_parameters": ("zero3_gloo_allgather",),
+    "bitsandbytes.nn.modules": ("bnb_cpu_training",),
 }
 
 
