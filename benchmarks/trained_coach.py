@@ -1,20 +1,21 @@
 """A trained coach against the judge it learns from, side by side in one run on this machine: the demo's relay team
 (three tiny agents from scratch, examples/scripts/train_mappa_tiny_cpu.sh's settings) coached first by the heuristic
 coach alone ("reference"), then by a random-init tiny coach model trained with the team (--mappa.coach.kind trained),
-the heuristic coach its reference judge on --reference-fraction of the actions ("trained"). Both runs start from the
-same agents' weights and seed. Prints, per run: the success rate, the steps to 0.8 success (mean over 3 steps), the
+the heuristic coach its reference judge on --reference-fraction of the actions ("trained"), and, to tell what the coach
+adds, paid by the reference on those draws alone ("reference-share"). All runs start from the same agents' weights
+and seed. Prints, per run: the success rate, the steps to 0.8 success (mean over 3 steps), the
 reference's requests, and for the trained coach its parse-error rate, held-out agreement with the reference and the
 correlation of the two scores there, over the first and the last 5 steps.
 
     .venv/bin/python benchmarks/trained_coach.py [--steps 60] [--reference-fraction 0.25] [train_mappa_ray flags]
 
-Extra flags go to both runs (the later of a repeated flag wins). The coach is sent a short prompt (the agent's goal
+Extra flags go to every run (the later of a repeated flag wins). The coach is sent a short prompt (the agent's goal
 and reply: COACH_TEMPLATE) instead of relay.yaml's, which would make its training 5x the team's here, and replies with
 one digit (--mappa.coach.digits_only), trained on its format and agreement terms (the relay's outcome is the whole
 team's, at odds with an action's own score), on every digit where the reference judged (--mappa.coach.all_digits), at
 a fifth of the agents' learning rate (--mappa.coach.lr 1e-3); the reference draws are stratified by cut-off and ended
-actions, and the agents train on its verdicts from its 9th update (--mappa.coach.warmup_steps 8). COACH_FLAGS, to try
-others.
+actions, the agents train on its verdicts from its 9th update (--mappa.coach.warmup_steps 8) and are paid the
+reference's score where it judged (--mappa.coach.pay_reference). COACH_FLAGS, to try others.
 """
 
 import argparse
@@ -31,10 +32,11 @@ from async_training import summary  # noqa: E402  (success rate, episodes to 0.8
 COACH_TEMPLATE = "Goal: {ground_truth}\nReply: {agent_output}"
 COACH_FLAGS = ["--mappa.coach.digits_only", "--mappa.coach.all_digits", "--mappa.coach.lr", "1e-3",
                "--mappa.coach.terms", "format,agreement", "--mappa.coach.warmup_steps", "8",
-               "--mappa.coach.reference_draw", "stratified", "--mappa.coach.on_failure", "neutral"]
+               "--mappa.coach.reference_draw", "stratified", "--mappa.coach.on_failure", "neutral",
+               "--mappa.coach.pay_reference"]
 
 
-def run(out: str, model: str, coach_model: str, steps: int, fraction: float, trained: bool, extra: list) -> list:
+def run(out: str, model: str, coach_model: str, steps: int, fraction: float, mode: str, extra: list) -> list:
     import ray
     import yaml
 
@@ -45,9 +47,15 @@ def run(out: str, model: str, coach_model: str, steps: int, fraction: float, tra
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "relay.yaml"), "w") as f:
         yaml.safe_dump(topology, f)
-    coach = (["--mappa.coach.kind", "trained", "--mappa.coach.model", coach_model,
-              "--mappa.coach.reference_fraction", str(fraction), *COACH_FLAGS]
-             if trained else ["--mappa.coach.kind", "heuristic"])
+    coach = ["--mappa.coach.kind", "heuristic"]
+    if mode != "reference":
+        coach = ["--mappa.coach.kind", "trained", "--mappa.coach.model", coach_model,
+                 "--mappa.coach.reference_fraction", str(fraction), *COACH_FLAGS]
+    if mode == "reference-share":
+        # The reference on the trained run's draws alone: the agents are paid its score, the coach's never (its
+        # warm-up outlasts the run), and they train in batches of 8, about what that leaves of each one's 32.
+        coach += ["--mappa.coach.warmup_steps", str(steps + 1),
+                  "--train.batch_size", "8", "--train.micro_batch_size", "8"]
     args = parse_args([
         "--mappa.topology", os.path.join(out, "relay.yaml"), "--mappa.model", model,
         "--mappa.train_truncated", "--mappa.run_dir", os.path.join(out, "run"),
@@ -85,7 +93,8 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--reference-fraction", type=float, default=0.25)
     p.add_argument("--out", default=os.path.join(REPO, "runs", "bench-trained-coach"))
-    p.add_argument("--modes", default="reference,trained", help="which runs, e.g. trained alone to repeat it")
+    p.add_argument("--modes", default="reference,trained,reference-share",
+                   help="which runs, e.g. trained alone to repeat it")
     a, extra = p.parse_known_args()
     os.environ.setdefault("MAPPA_CPU_NUM_GPUS", "8")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -100,24 +109,22 @@ def main():
     for mode in a.modes.split(","):
         out = os.path.join(a.out, mode)
         subprocess.run(["rm", "-rf", out], check=True)
-        metrics = run(out, models["tiny-model"], models["tiny-coach"], a.steps, a.reference_fraction,
-                      mode == "trained", extra)
+        metrics = run(out, models["tiny-model"], models["tiny-coach"], a.steps, a.reference_fraction, mode, extra)
         s = summary(metrics)
         reached = s["episodes to 0.8"] and s["episodes to 0.8"] // 32
         results[mode] = {"success first 3": s["success first 3"], "success last 3": s["success last 3"],
-                         "steps to 0.8": reached, **coach_summary(metrics, mode == "trained")}
+                         "steps to 0.8": reached, **coach_summary(metrics, mode != "reference")}
     print(f"relay, {a.steps} steps of 32 episodes, reference fraction {a.reference_fraction:g} {' '.join(extra)}")
     print(f"{'':26}" + "".join(f"{mode:>12}" for mode in results))
     for key in dict.fromkeys(k for r in results.values() for k in r):
         cells = [results[mode].get(key) for mode in results]
         print(f"{key:26}" + "".join(f"{c:>12.3f}" if isinstance(c, float) else f"{str(c):>12}" for c in cells))
-    if {"reference", "trained"} <= set(results):
-        r, t = results["reference"], results["trained"]
+    for mode in (m for m in results if m != "reference" and "reference" in results):
+        r, t = results["reference"], results[mode]
         if r["steps to 0.8"] and t["steps to 0.8"]:
-            print(f"steps to 0.8, trained / reference: {t['steps to 0.8'] / r['steps to 0.8']:.2f} (goal <= 1.5)")
-        print(f"reference requests, trained / reference: {t['reference requests'] / r['reference requests']:.2f} "
+            print(f"steps to 0.8, {mode} / reference: {t['steps to 0.8'] / r['steps to 0.8']:.2f} (goal <= 1.5)")
+        print(f"reference requests, {mode} / reference: {t['reference requests'] / r['reference requests']:.2f} "
               f"(goal <= 0.30)")
-
 
 if __name__ == "__main__":
     main()

@@ -128,9 +128,10 @@ def test_digits_only_samples_one_digit_token_and_the_coach_replies_with_one_toke
 
 def test_all_digits_trains_on_every_one_digit_reply_where_the_agreement_term_judges(tiny_model):
     """--mappa.coach.all_digits through TrainedCoach.score: an action the agreement term will judge gives the coach
-    ten actions of its own, one per digit, and the agents the sampled verdict; a held-out action gives the sampled
-    one. With digits_only no action carries vLLM's log-probs (over the digits, not the vocabulary). The engine is a
-    stand-in that replies 4 (a real vLLM engine serves the coach in the e2e test below)."""
+    ten actions of its own, one per digit, and the agents the sampled verdict (the reference's, held out or not,
+    with pay_reference); a held-out action gives the coach the sampled one alone. With digits_only no action
+    carries vLLM's log-probs (over the digits, not the vocabulary). The engine is a stand-in that replies 4 (a real
+    vLLM engine serves the coach in the e2e test below)."""
     import asyncio
     from types import SimpleNamespace
 
@@ -149,15 +150,20 @@ def test_all_digits_trains_on_every_one_digit_reply_where_the_agreement_term_jud
 
     engine = SimpleNamespace(generate=SimpleNamespace(remote=generate))
     request = CoachRequest("e", "a", 0, "role", "task", "math", "in", "7", "", ground_truth="Required reply: \\d+")
-    for held_out, scores in ((0.0, [float(d) for d in range(10)]), (1.0, [4.0])):
+    every = [float(d) for d in range(10)]
+    for held_out, pay, scores in ((0.0, False, every), (1.0, False, [4.0]), (0.0, True, every), (1.0, True, [4.0])):
         coach = TrainedCoach("{agent_output}", "PROCESS_SCORE", HeuristicCoach(), 1.0, held_out, ("agreement",),
-                             digits_only=True, all_digits=True)
+                             digits_only=True, all_digits=True, pay_reference=pay)
         coach.attach(AgentPolicy([engine], tokenizer, 1, 256))
         verdict = asyncio.run(coach.score(request))
         judged = coach.judgements["e"]
         assert [j.verdict.score for j in judged] == scores and all(j.request is request for j in judged)
         assert [j.action.rollout_logprobs for j in judged] == [[]] * len(scores)
-        assert verdict.score == 4.0 and verdict.reference["score"] == 10.0 and verdict.reference["held_out"] == held_out
+        # --mappa.coach.pay_reference: the agents get the reference's 10 (no coach version: never stale), the
+        # coach still trains on its own verdicts; otherwise the agents get the coach's sampled 4, of version 0.
+        paid = (10.0, None, "heuristic") if pay else (4.0, 0, "trained")
+        assert (verdict.score, verdict.version, verdict.coach) == paid
+        assert verdict.reference["score"] == 10.0 and verdict.reference["held_out"] == held_out
         assert all(j.verdict.reference == verdict.reference for j in judged)
         coach_rewards(judged, [episode("e", True)], ("agreement",), bands=1)
         if len(judged) == 10:  # each digit's agreement 1 - 2|d - 10|/10, less their mean plus the term's (-0.1 both)

@@ -201,6 +201,9 @@ def add_trained_coach_args(g):
     g.add_argument("--mappa.coach.all_digits", action="store_true",
                    help="trained coach, with --mappa.coach.digits_only: train on all ten one-digit replies to each "
                         "action the agreement term judges, each against their mean, not on the sampled one")
+    g.add_argument("--mappa.coach.pay_reference", action="store_true",
+                   help="trained coach: where its reference judge scored an action, the agents are paid that score "
+                        "(the coach still trains on its own verdict there); elsewhere the coach's")
     g.add_argument("--mappa.coach.lr", type=NONNEGATIVE, default=0.0,
                    help="trained coach: its actor's learning rate (0: --actor.adam.lr, the agents')")
     g.add_argument("--mappa.coach.warmup_steps", type=NONNEGATIVE_INT, default=0,
@@ -773,7 +776,7 @@ def coach_options(args, topology) -> dict:
                              reference_fraction=c.reference_fraction, held_out_fraction=c.held_out_fraction,
                              terms=tuple(c.terms.split(",")), agreement_bands=c.agreement_bands,
                              digits_only=c.digits_only, stratified=c.reference_draw == "stratified",
-                             all_digits=c.all_digits, seed=args.train.seed))
+                             all_digits=c.all_digits, pay_reference=c.pay_reference, seed=args.train.seed))
 
 
 def train(args):

@@ -8,7 +8,7 @@ kind) scores a sampled fraction of the actions; a share of those is held out to 
 import asyncio
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from openrlhf_mappa.coach.audit import pearson
 from openrlhf_mappa.coach.base import Coach, CoachRequest, parse_score, render_prompt
@@ -32,8 +32,9 @@ class TrainedCoach(Coach):
 
     def __init__(self, template: str, score_key: str, reference: Coach, reference_fraction: float,
                  held_out_fraction: float, terms: tuple, agreement_bands: int = 5, digits_only: bool = False,
-                 stratified: bool = False, all_digits: bool = False, seed: int = 0):
+                 stratified: bool = False, all_digits: bool = False, pay_reference: bool = False, seed: int = 0):
         self.template, self.score_key, self.reference = template, score_key, reference
+        self.pay_reference = pay_reference  # the agents are paid the reference's score where it judged
         self.reference_fraction, self.held_out_fraction, self.terms, self.bands, self.digits_only, self.seed = (
             reference_fraction, held_out_fraction, tuple(terms), agreement_bands, digits_only, seed)
         self.all_digits, self.digits = all_digits, []  # digits: the token of each of 0-9 (digits_only)
@@ -86,6 +87,12 @@ class TrainedCoach(Coach):
             for verdict in verdicts:
                 verdict.reference = {"score": ref.score, "status": ref.status, "held_out": held_out, "p": p,
                                      **{k: getattr(ref, k) for k in ("coach", "tokens_in", "tokens_out", "cached")}}
+            if self.pay_reference and ref.status == "ok":
+                # The agents get the better judge's score where it was paid for; no coach version: never stale.
+                mine = verdicts[0]
+                said = mine.status if mine.score is None else mine.score
+                why = f"the reference's score; the trained coach (version {mine.version}) said {said}"
+                return replace(mine, score=ref.score, status="ok", coach=ref.coach, version=None, rationale=why)
         return verdicts[0]  # the sampled one, the agents'
 
     def judged(self, request: CoachRequest, text: str, ids: list, generated: tuple, version: int,
