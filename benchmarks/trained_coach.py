@@ -55,7 +55,7 @@ def run(out: str, model: str, coach_model: str, steps: int, fraction: float, mod
         # The reference on the trained run's draws alone: the agents are paid its score, the coach's never (its
         # warm-up outlasts the run), and they train in batches of 8, about what that leaves of each one's 32.
         coach += ["--mappa.coach.warmup_steps", str(steps + 1),
-                  "--train.batch_size", "8", "--train.micro_batch_size", "8"]
+                  "--train.batch_size", "8", "--train.micro_batch_size", "8", "--rollout.micro_batch_size", "8"]
     args = parse_args([
         "--mappa.topology", os.path.join(out, "relay.yaml"), "--mappa.model", model,
         "--mappa.train_truncated", "--mappa.run_dir", os.path.join(out, "run"),
