@@ -126,5 +126,6 @@ def main():
         print(f"reference requests, {mode} / reference: {t['reference requests'] / r['reference requests']:.2f} "
               f"(goal <= 0.30)")
 
+
 if __name__ == "__main__":
     main()
