@@ -22,6 +22,8 @@ import torch
 from conftest import submit_script
 from openrlhf_mappa.cli.train_mappa_ray import parse_args, schedule_steps
 from openrlhf_mappa.coach import parse_score
+from openrlhf_mappa.envs.base import HistoryEntry
+from openrlhf_mappa.rewards import compute_advantages
 from openrlhf_mappa.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,21 +164,59 @@ def stated_limits(text: str) -> set:
     return {int(n.replace(",", "")) for n in re.findall(r"at most ([\d,]+) tokens", text)}
 
 
-def view_of(topology, spec) -> str:
-    """What an agent's {history} effectively shows of the agents before it (the chain)."""
-    if "{history}" not in spec.prompt:
-        return "nothing"
+def view_of(topology, spec, workdir: Path) -> str:
+    """What an agent's prompt effectively shows of the agents before it (the chain): the environment's own
+    observe(), on a history where each earlier agent replied twice (a code agent's code ran each time), each part
+    marked."""
+    env = topology.make_env({"id": "t", "prompt": "the task", "answer": str(workdir / "no-task")}, str(workdir / "ws"))
     earlier = topology.agents[: topology.agents.index(spec)]
-    shown = [a for a in earlier if spec.view.agents == "all" or a.name in spec.view.agents]
-    code = spec.view.tool_output and any(a.runs_code for a in shown)
-    return (", ".join(a.name for a in shown) + f": {spec.view.actions} replies"
-            + ", thinking removed" * spec.view.strip_thinking + ", with their code output" * code)
+    for other in earlier:
+        for turn in (0, 1):
+            ran = f"F{turn}-{other.name}" if other.runs_code else ""
+            env.history.append(HistoryEntry(other.name, turn, f"<think>R{turn}-{other.name}</think>A{turn}-{other.name}",
+                                            ran))
+    prompt = "".join(m["content"] for m in env.observe(spec, 0))
+    shown = [a.name for a in earlier if f"A1-{a.name}" in prompt]
+    if not shown:
+        return "nothing"
+    replies = "all" if all(f"A0-{a}" in prompt for a in shown) else "last"
+    thinking = ", thinking removed" * all(f"R1-{a}" not in prompt for a in shown)
+    code = ", with their code output" * any(f"F1-{a}" in prompt for a in shown)
+    return f"{', '.join(shown)}: {replies} replies{thinking}{code}"
+
+
+def turn_rule_of(topology, workdir: Path) -> str:
+    """When a code agent's turn ends, by the environment's own step(): on a reply whose code ran and saved the
+    agent's files, or only on a reply without code."""
+    env = topology.make_env({"id": "t", "prompt": "the task", "answer": str(workdir / "no-task")}, str(workdir / "ws"))
+    agent = next(a for a in topology.agents if a.runs_code)
+    files = getattr(env, "contract", {}).get(agent.name, [])
+    code = "\n".join(f"open({f!r}, 'w').write('x')" for f in files) or "print(1)"
+    if env.step(agent, 0, f"Saving.\n```python\n{code}\n```").done:
+        return "on files saved"
+    return "on a reply without code" if env.step(agent, 1, "Done: the files are saved.").done else "never"
+
+
+def whitening_of(args) -> str:
+    """Over what the advantages are whitened, by rewards.compute_advantages on two agents' batches with the
+    recipe's scope: each agent's returns to mean 0 on their own, or only the team's together."""
+    from types import SimpleNamespace
+
+    def batch(rewards):
+        return SimpleNamespace(rewards=torch.tensor(rewards), kl=torch.zeros(len(rewards), 2),
+                               action_mask=torch.ones(len(rewards), 2, dtype=torch.bool))
+
+    batches = {"a": [batch([1.0, 3.0])], "b": [batch([10.0, 20.0])]}
+    compute_advantages(batches, 0.0, args.mappa.norm_scope, args.algo.advantage.gamma,
+                       std_norm=not args.algo.advantage.no_std_norm)
+    own_means = [abs(float(b[0].advantages.mean())) for b in batches.values()]
+    return "each agent's batch" if max(own_means) < 1e-6 else "the team's batches together"
 
 
 # ---------------------------------------------------------------- rendering a recipe
 
 
-def render(args, topology, rows_in_task_file: int, coach_facts: dict, prompt_facts: dict) -> dict:
+def render(args, topology, rows_in_task_file: int, coach_facts: dict, prompt_facts: dict, workdir: Path) -> dict:
     """The settings that decide what trains, as the launcher reads them (`args` from train_mappa_ray's parser);
     `rows_in_task_file`: rows of the authors' training file (not committed here), of which --data.max_samples
     are used; the criteria of the coach and the agents' prompts as the facts of those tables that hold."""
@@ -187,7 +227,7 @@ def render(args, topology, rows_in_task_file: int, coach_facts: dict, prompt_fac
         "estimator": a.algo.advantage.estimator, "gamma": a.algo.advantage.gamma,
         "kl coefficient": a.algo.kl.init_coef, "kl estimator": a.algo.kl.estimator,
         "kl in the reward": not a.algo.kl.use_loss,
-        "advantage whitening": a.mappa.norm_scope, "reward": a.mappa.reward,
+        "advantage whitening": whitening_of(a), "reward": a.mappa.reward,
         "loss aggregation": a.actor.loss_agg_mode, "policy clip": tuple(a.actor.eps_clip_low_high),
         "lr": a.actor.adam.lr, "lr scheduler": a.actor.lr_scheduler, "lr warm-up ratio": a.actor.lr_warmup_ratio,
         "min lr ratio": a.actor.min_lr_ratio, "adam betas": tuple(a.actor.adam.betas),
@@ -200,7 +240,7 @@ def render(args, topology, rows_in_task_file: int, coach_facts: dict, prompt_fac
         "generation length": a.rollout.max_new_tokens, "prompt length": a.data.max_len - a.rollout.max_new_tokens,
         "truncated actions trained": a.mappa.train_truncated,
         "reward scale": topology.reward_scale,
-        "turns end": "on files saved" if topology.env_kwargs.get("end_turn_on_files") else "on a reply without code",
+        "turns end": turn_rule_of(topology, workdir / "turns"),
         "code timeout (s)": topology.env_kwargs.get(
             "code_timeout_s", inspect.signature(topology.env_class()).parameters["code_timeout_s"].default),
         "score key": topology.score_key,
@@ -216,7 +256,7 @@ def render(args, topology, rows_in_task_file: int, coach_facts: dict, prompt_fac
         out[f"model/{spec.name}"] = a.mappa.model or spec.model
         out[f"actions per episode/{spec.name}"] = spec.max_actions
         out[f"runs code/{spec.name}"] = spec.runs_code
-        out[f"view/{spec.name}"] = view_of(topology, spec)
+        out[f"view/{spec.name}"] = view_of(topology, spec, workdir / spec.name)
         out[f"generation length/{spec.name}"] = spec.max_new_tokens or a.rollout.max_new_tokens
         out[f"prompt: stated output limit/{spec.name}"] = stated_limits(spec.prompt)
         out[f"prompt facts/{spec.name}"] = facts(spec.prompt, prompt_facts[spec.name])
@@ -249,7 +289,8 @@ def common(script: str) -> dict:
         "kl coefficient": Authors(0.01, f"{script} init_kl_coef=0.01"),
         "kl estimator": Authors("k1", f"{script} use_kl_estimator_k3=False"),
         "kl in the reward": Authors(True, f"{script} use_kl_loss=False"),
-        "advantage whitening": Authors("agent", "marti/trainers/ppo/ (REINFORCE++ whitening of each agent's buffer)"),
+        "advantage whitening": Authors("each agent's batch", "marti/trainers/ppo/ (REINFORCE++ whitening of each agent's "
+                                       "buffer)"),
         "reward": Authors("process", f"{MCY} reward_process_weight: 1.0"),
         "loss aggregation": Authors(*LOSS),
         "policy clip": Authors((0.2, 0.2), f"{DEFAULTS} eps_clip: 0.2, clip_eps_high: 0.2"),
@@ -351,9 +392,9 @@ def render_recipe(name: str, tmp_path, script: Path = None, topology=None) -> di
     args = parse_args(submitted(script or SCRIPTS / script_name, tmp_path))
     topology = topology or load_topology(str(ROOT / args.mappa.topology))
     if name == "mathchat":
-        return render(args, topology, rows, MATHCHAT_COACH, MATHCHAT_PROMPTS)
+        return render(args, topology, rows, MATHCHAT_COACH, MATHCHAT_PROMPTS, tmp_path)
     prompts = {name: {**facts_of, **DSBENCH_PROMPT_EXTRA} for name, facts_of in DSBENCH_PROMPTS.items()}
-    return render(args, topology, rows, DSBENCH_COACH, prompts)
+    return render(args, topology, rows, DSBENCH_COACH, prompts, tmp_path)
 
 
 def departures(rendered: dict, table: dict) -> list:
