@@ -227,8 +227,11 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
             (response_ids, truncated, logprobs), version, version_end = next(generated)
             # Its weight versions: its own agent's, and each other agent's that acted in an earlier round, whose
             # output its input can hold (as that action recorded its own; a view hiding an agent still counts it).
-            versions = {a.agent: a.versions[a.agent] for a in episode.actions
-                        if a.agent != spec.name and a.round < round_}
+            # An agent that acted more than once counts at its oldest version: the input is as stale as that.
+            versions = {}
+            for a in episode.actions:
+                if a.agent != spec.name and a.round < round_:
+                    versions[a.agent] = min(versions.get(a.agent, a.versions[a.agent]), a.versions[a.agent])
             response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
             result = last[spec.name] = await asyncio.to_thread(call, "step", env.step, spec, turn, response_text)
             action = Action(

@@ -256,6 +256,30 @@ def test_each_action_records_its_agents_weight_versions(tokenizer, tmp_path):
     assert json.loads(episode.to_json())["actions"][4]["versions"] == {"debater_a": 4, "debater_b": 7, "judge": 1}
 
 
+def test_an_agent_that_acted_twice_counts_at_its_oldest_version(tokenizer, tmp_path):
+    # A sync of debater_a's weights lands between its two rounds: its second reply is made by version 5, its first
+    # by 4. The judge saw both, so its action is as stale as the older one: it records debater_a at 4 (issue 51:
+    # the newest, 5, understated how far behind the judge's input was).
+    topology = load_topology(f"{REPO}/examples/configs/debate.yaml", model_override="tiny")
+    script = Script(tokenizer, {
+        "debater_a": ["A0: \\boxed{12}.", "A1: \\boxed{10}."], "debater_b": ["B0: \\boxed{10}.", "B1: \\boxed{10}."],
+        "judge": ["\\boxed{10}"],
+    })  # fmt: skip
+    gate = script.policies["debater_a"].gate
+    gate.version = 4
+    generate = script.policies["debater_a"].generate
+
+    async def then_sync(prompt_ids):
+        out = await generate(prompt_ids)
+        gate.version += 1  # the trainer's sync, after this generation and before the next round's
+        return out
+
+    script.policies["debater_a"].generate = then_sync
+    episode, _ = play(topology, script, tmp_path)
+    assert [(a.agent, a.versions.get("debater_a")) for a in episode.actions] == [
+        ("debater_a", 4), ("debater_b", None), ("debater_a", 5), ("debater_b", 4), ("judge", 4)]
+
+
 def test_a_weight_sync_waits_for_generations_in_flight_unless_partial():
     # The gate between an agent's generations (the rollout's event loop) and its weight syncs (a trainer thread):
     # a sync waits for the generation in flight, and a generation asked for meanwhile waits for the sync, so each is
