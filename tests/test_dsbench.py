@@ -12,11 +12,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
+from sklearn import metrics
+from sklearn.preprocessing import MultiLabelBinarizer
 
 from conftest import MAPPA
 from openrlhf_mappa.coach import CoachRequest
 from openrlhf_mappa.coach.heuristic import HeuristicCoach
-from openrlhf_mappa.envs.dsbench import DSBenchEnv, metric_value, relative_score, score_submission
+from openrlhf_mappa.envs.dsbench import (METRICS, DSBenchEnv, detect_data_type, metric_value, relative_score,
+                                        score_submission)
 from openrlhf_mappa.envs.dsbench_tasks import import_tasks, infer_metric
 from openrlhf_mappa.envs.base import load_tasks
 from openrlhf_mappa.topology import load_topology
@@ -79,11 +83,131 @@ def test_metric_is_read_from_kaggle_descriptions():
     assert infer_metric("Evaluation: the Root Mean Squared Logarithmic Error. The RMSLE is")[0] == "rmsle"
     assert infer_metric("Evaluation  Submissions are scored on the root mean squared error.")[0] == "rmse"
     assert infer_metric("Evaluation Submissions are evaluated using the macro F1 score.")[0] == "f1_macro"
-    assert infer_metric("Evaluation Submissions are scored on the log loss")[0] is None  # named, unsupported
-    assert infer_metric("Evaluation Submissions are evaluated on SMAPE between forecasts")[0] is None
+    assert infer_metric("Evaluation Submissions are scored on the log loss")[0] == "log_loss"
+    assert infer_metric("Evaluation Submissions are evaluated on SMAPE between forecasts")[0] == "smape"
+    assert infer_metric("Evaluation Submissions are scored on Cohen's kappa")[0] is None  # named, unsupported
     # words that merely contain a metric's letters do not count
     assert infer_metric("Evaluation: the process is scored by accuracy")[0] == "accuracy"
     assert infer_metric("Evaluation\nMicrosoft scores the area under the ROC curve")[0] == "roc_auc"
+    # no heading (nlp-getting-started), or an "Evaluation" that is another word's (learning-agency-lab's)
+    assert infer_metric("Welcome! " * 300 + "Submissions are evaluated using F1 between the predicted")[0] == "f1"
+    essay = "Automated Writing Evaluation (AWE) systems score essays. " + "Words. " * 300
+    assert infer_metric(essay + "**Evaluation** Submissions are scored on the quadratic weighted kappa")[0] == "qwk"
+
+
+# Every metric against scikit-learn's or scipy's own function on random data; the three no library has (SMAPE,
+# MAP@3, the word Jaccard) against hand-computed values above and below, the Jaccard also against scikit-learn's
+# per-sample set Jaccard.
+def random_case(metric: str, rng, n=300) -> tuple:
+    """(truth, a good prediction) of the kind the metric scores, as one-column frames (three for log loss)."""
+    if metric in ("roc_auc", "gini", "log_loss"):
+        y = rng.integers(0, 2, n)
+        p = np.clip(0.3 * y + rng.uniform(0, 0.7, n), 0.01, 0.99)
+        if metric == "log_loss":  # three classes, one-hot answers, rows of probabilities
+            y = rng.integers(0, 3, n)
+            probs = rng.dirichlet(np.ones(3), n) + 2 * np.eye(3)[y]
+            return pd.DataFrame(np.eye(3)[y]), pd.DataFrame(probs / probs.sum(axis=1, keepdims=True))
+    elif metric in ("accuracy", "f1", "f1_macro", "f1_micro", "qwk"):
+        y = rng.integers(1, 7, n) if metric == "qwk" else rng.integers(0, 2 if metric == "f1" else 4, n)
+        p = np.where(rng.random(n) < 0.6, y, rng.permutation(y))
+    elif metric == "jaccard":
+        words = ["so", "happy", "Today", "bad", "day", "yes", "it", "was"]
+        y = [" ".join(rng.choice(words, rng.integers(1, 5))) for _ in range(n)]
+        p = [" ".join(rng.choice(words, rng.integers(1, 5))) for _ in range(n)]
+    else:  # regression: positive values (RMSLE takes logs)
+        y = rng.uniform(1, 100, n)
+        p = np.abs(y + rng.normal(0, 10, n))
+    return one_col(y), one_col(p)
+
+
+def kaggle_gini(y, p) -> float:
+    """The normalized Gini of Kaggle's porto-seguro forum code: cumulative share of positives by prediction."""
+    def gini(actual, pred):
+        order = np.argsort(-pred, kind="stable")
+        cum = np.cumsum(actual[order]) / actual.sum()
+        return (cum.sum() - (len(actual) + 1) / 2) / len(actual)
+    return gini(y, p) / gini(y, y)
+
+
+LIBRARY = {  # metric -> its value computed by scikit-learn / scipy (or Kaggle's published formula)
+    "accuracy": lambda y, p: metrics.accuracy_score(y, p),
+    "f1": lambda y, p: metrics.f1_score(y, p),
+    "f1_macro": lambda y, p: metrics.f1_score(y, p, average="macro"),
+    "f1_micro": lambda y, p: metrics.f1_score(y, p, average="micro"),
+    "qwk": lambda y, p: metrics.cohen_kappa_score(y, p, weights="quadratic"),  # every rating 1-6 occurs
+    "roc_auc": lambda y, p: metrics.roc_auc_score(y, p),
+    "gini": kaggle_gini,
+    "log_loss": lambda y, p: metrics.log_loss(y.argmax(axis=1), p),
+    "rmse": lambda y, p: metrics.root_mean_squared_error(y, p),
+    "rmsle": lambda y, p: metrics.root_mean_squared_log_error(y, p),
+    "mae": lambda y, p: metrics.mean_absolute_error(y, p),
+    "medae": lambda y, p: metrics.median_absolute_error(y, p),
+    "r2": lambda y, p: metrics.r2_score(y, p),
+    "pearson": lambda y, p: stats.pearsonr(y, p).statistic,
+    "spearman": lambda y, p: stats.spearmanr(y, p).statistic,
+    "jaccard": lambda y, p: metrics.jaccard_score(*word_sets(y, p), average="samples", zero_division=1.0),
+}
+
+
+def word_sets(y, p):
+    sets = [[set(t.lower().split()) for t in texts] for texts in (y, p)]
+    binarizer = MultiLabelBinarizer().fit(sets[0] + sets[1])
+    return binarizer.transform(sets[0]), binarizer.transform(sets[1])
+
+
+@pytest.mark.parametrize("metric", sorted(LIBRARY))
+def test_every_metric_equals_the_librarys_on_random_data(metric):
+    truth, pred = random_case(metric, np.random.default_rng(0))
+    y, p = (truth.to_numpy(), pred.to_numpy()) if metric == "log_loss" else (truth["target"].to_numpy(),
+                                                                            pred["target"].to_numpy())
+    expected = LIBRARY[metric](y, p)
+    assert 0.05 < abs(expected) < 100  # a real value, not a degenerate 0 or 1
+    assert metric_value(metric, truth, pred) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "metric, truth, pred, expected",
+    [
+        ("smape", [100, 0, 50], [50, 0, 150], 100 * (50 / 75 + 0 + 100 / 100) / 3),  # both 0: that row counts 0
+        ("map3", ["a", "b", "c", "d"], ["a b c", "c b", "a b c", "a b c"], (1 + 1 / 2 + 1 / 3 + 0) / 4),
+        ("map3", ["a"], ["b a a"], 1 / 2),  # a repeated guess counts once, at its first place
+        ("jaccard", ["It was, yes", "bad"], ["it WAS", " "], (1 / 4 + 0) / 2),  # lower case; "was," is not "was"
+        ("qwk", [1, 2, 4], [1, 4, 4], 2 / 3),  # ratings 1..4, 3 given by nobody (see below)
+        ("gini", [0, 1, 0, 1], [0.1, 0.9, 0.2, 0.8], 1.0),
+        ("medae", [1, 2, 3, 4, 5], [1, 2, 13, 4, 0], 0.0),  # |errors| 0, 0, 10, 0, 5: the median is 0
+        ("pearson", [1, 2, 3], [5, 5, 5], 0.0),  # a constant prediction: scipy's nan, here 0
+        ("log_loss", [0, 1], [0.5, 0.5], np.log(2)),
+    ],
+)
+def test_new_metrics_match_hand_computed_values(metric, truth, pred, expected):
+    """The quadratic kappa by hand, over ratings 1..4 (Kaggle's N x N): pairs (1,1) (2,4) (4,4), weights
+    (i-j)^2 / 9, observed sum 4/9; E = outer(truth counts (1,1,0,1), prediction counts (1,0,0,2)) / 3, weighted
+    sum 12/9; so 1 - 4/12. scikit-learn's default, over the given ratings 1, 2, 4 only, says 0.8."""
+    assert metric_value(metric, one_col(truth), one_col(pred)) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("metric", sorted(METRICS))
+def test_each_metric_rewards_the_better_prediction(metric):
+    """The direction: the true answers score the metric's perfect value, a good prediction scores between it and a
+    constant one (the importer's baseline), so DSBench's relative score orders them 0 < good < 1."""
+    rng = np.random.default_rng(1)
+    if metric == "map3":  # guesses: the truth first, second or absent
+        truth = one_col(rng.choice(list("abcde"), 200))
+        good = one_col([f"{t} x y" if rng.random() < 0.5 else f"x {t}" for t in truth["target"]])
+    elif metric == "smape":
+        truth, good = random_case("rmse", rng)
+    else:
+        truth, good = random_case(metric, rng)
+    constant = good.copy()
+    for col in constant.columns:
+        constant[col] = good[col].mean() if METRICS[metric].numeric else good[col].mode().iloc[0]
+    perfect, good_value, baseline = (metric_value(metric, truth, pred) for pred in (truth, good, constant))
+    assert perfect == pytest.approx(METRICS[metric].perfect, abs=1e-9)
+    if METRICS[metric].higher_is_better:
+        assert baseline < good_value < perfect
+    else:
+        assert baseline > good_value > perfect
+    assert 0 < relative_score(good_value, baseline, METRICS[metric].perfect) < 1
 
 
 # ---------------------------------------------------------------- scripted agents, real code
@@ -381,13 +505,13 @@ def fake_dsbench(root: Path, task_id="toy-task", with_answers=True, prompt="Eval
 def test_importer_reads_the_official_layout_and_names_what_is_missing(tmp_path):
     root = tmp_path / "DSBench"
     rows = [fake_dsbench(root), fake_dsbench(root, "no-answers", with_answers=False),
-            fake_dsbench(root, "logloss", prompt="Evaluation\nSubmissions are scored on the log loss.")]  # fmt: skip
+            fake_dsbench(root, "kappa", prompt="Evaluation\nSubmissions are scored on Cohen's kappa.")]  # fmt: skip
     (tmp_path / "meta.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tasks, skipped = import_tasks(str(root), str(tmp_path / "meta.json"), str(tmp_path / "out"))
     assert [t["id"] for t in tasks] == ["toy-task"]
     assert len(skipped) == 2
     assert skipped[0].startswith("no-answers: missing file(s): ") and "answers/no-answers/test_answer.csv" in skipped[0]
-    assert skipped[1].startswith("logloss: metric not supported (read from 'log loss')")
+    assert skipped[1].startswith("kappa: metric not supported (read from 'kappa')")
     meta = json.load(open(tmp_path / "out" / "toy-task" / "task.json"))
     # MAE read from the prompt; baseline: the training mean 25 predicted for 50 and 70 -> MAE 35; best: perfect 0
     assert meta["metric"] == "mae" and meta["baseline"] == pytest.approx(35.0) and meta["best"] == 0.0
@@ -398,19 +522,156 @@ def test_importer_reads_the_official_layout_and_names_what_is_missing(tmp_path):
     assert result["metric"] == pytest.approx(5.0) and result["relative_score"] == pytest.approx(30 / 35)
 
 
-@pytest.mark.skipif(not (BENCH / "dsbench_modeling_eval.json").exists(), reason=f"mappa-bench data not found under {BENCH}")
+needs_bench = pytest.mark.skipif(not (BENCH / "dsbench_modeling_eval.json").exists(),
+                                 reason=f"mappa-bench data not found under {BENCH}")
+
+
+@needs_bench
 def test_importer_on_the_real_metadata_names_the_missing_data(tmp_path):
     """The real metadata without the DSBench CSVs (users download those): every task is skipped, each
     with the file it lacks, and nothing crashes."""
     tasks, skipped = import_tasks(str(tmp_path), str(BENCH / "dsbench_modeling_eval.json"), str(tmp_path / "out"))
     assert tasks == [] and len(skipped) == 8
     assert all("missing file(s): " + str(tmp_path / "data_resplit") in s for s in skipped)
-    # the metric of 56 of the 72 rows is read from their descriptions; the other 16 name unsupported ones
-    rows = [json.loads(x) for name in ("train", "eval") for x in open(BENCH / f"dsbench_modeling_{name}.json")]
-    metrics = {r["metadata"]["task_id"]: infer_metric(r["prompt"])[0] for r in rows}
-    assert sum(m is not None for m in metrics.values()) == 56
-    assert metrics["titanic"] == "accuracy" and metrics["bike-sharing-demand"] == "rmsle"
-    assert metrics["microsoft-malware-prediction"] == "roc_auc" and metrics["playground-series-s3e10"] is None
+
+
+# The authors' 72 tasks (mappa-bench's metadata) over tiny synthetic CSVs in DSBench's layout (the real CSVs are
+# DSBench's download). The answers are of each task's kind: class names where DSBench's are, whatever its
+# metadata's data_type says (3 of them say regression).
+TEXT_ANSWERS = {
+    "tabular-playground-series-feb-2022": ["Streptococcus_pneumoniae", "Enterococcus_hirae", "Escherichia_coli"],
+    "playground-series-s4e6": ["Graduate", "Dropout", "Enrolled"],
+    "playground-series-s4e2": ["Normal_Weight", "Obesity_Type_I", "Insufficient_Weight"],
+    "playground-series-s3e22": ["lived", "died", "euthanized"],
+    "playground-series-s3e13": ["Dengue", "Malaria", "Lyme_disease"],
+    "tweet-sentiment-extraction": ["so happy today", "bad", "it was, yes"],
+}
+RATINGS = {"playground-series-s3e5", "learning-agency-lab-automated-essay-scoring-2", "liverpool-ion-switching"}
+ONE_HOT = {"lmsys-chatbot-arena": ["winner_model_a", "winner_model_b", "winner_tie"]}
+STRING_LABEL_TASKS = ["tabular-playground-series-feb-2022", "playground-series-s4e6", "playground-series-s4e2"]
+
+
+def synthetic_answers(task_id: str, data_type: str, n: int, rng) -> pd.DataFrame:
+    if task_id in ONE_HOT:
+        return pd.DataFrame(np.eye(3, dtype=int)[rng.integers(0, 3, n)], columns=ONE_HOT[task_id])
+    if task_id in TEXT_ANSWERS:
+        values = rng.choice(TEXT_ANSWERS[task_id], n)
+    elif task_id in RATINGS:
+        values = rng.integers(1, 7, n)
+    elif data_type == "classification":
+        values = rng.integers(0, 2, n)
+    else:
+        values = rng.uniform(1, 100, n).round(3)
+    return pd.DataFrame({"target": values})
+
+
+def authors_layout(root: Path) -> dict:
+    """DSBench's layout under root for every row of the authors' two metadata files, 20 training and 10 test
+    rows a task; returns {"train" | "eval": the metadata file}. tests/test_fidelity.py counts what imports."""
+    rng = np.random.default_rng(0)
+    metadata = {split: BENCH / f"dsbench_modeling_{split}.json" for split in ("train", "eval")}
+    for path in metadata.values():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            meta = json.loads(line)["metadata"]
+            answers = synthetic_answers(meta["task_id"], meta["data_type"], 30, rng)
+            rows = pd.concat([pd.DataFrame({"id": np.arange(30), "x": rng.normal(size=30)}), answers], axis=1)
+            data, answer_dir = root / "data_resplit" / meta["task_id"], root / "answers" / meta["task_id"]
+            data.mkdir(parents=True)
+            answer_dir.mkdir(parents=True)
+            rows.iloc[:20].to_csv(data / "train.csv", index=False)
+            test = rows.iloc[20:]
+            test[["id", "x"]].to_csv(data / "test.csv", index=False)
+            test[["id", *answers.columns]].to_csv(answer_dir / "test_answer.csv", index=False)
+            test[["id", *answers.columns]].assign(**{c: 0 for c in answers.columns}).to_csv(
+                data / "sample_submission.csv", index=False)
+    return metadata
+
+
+@pytest.fixture(scope="module")
+def authors_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("DSBench")
+    return root, authors_layout(root)
+
+
+# The 16 the importer skipped before (metric not implemented, or not found in the description).
+NEWLY_SCORED = {
+    "porto-seguro-safe-driver-prediction": "gini", "playground-series-s3e5": "qwk",
+    "tabular-playground-series-jan-2022": "smape", "us-patent-phrase-to-phrase-matching": "pearson",
+    "playground-series-s3e13": "map3", "demand-forecasting-kernels-only": "smape",
+    "google-quest-challenge": "spearman", "learning-agency-lab-automated-essay-scoring-2": "qwk",
+    "nlp-getting-started": "f1", "playground-series-s3e22": "f1_micro", "playground-series-s3e19": "smape",
+    "tabular-playground-series-sep-2022": "smape", "tweet-sentiment-extraction": "jaccard",
+    "playground-series-s3e10": "log_loss", "lmsys-chatbot-arena": "log_loss", "playground-series-s3e25": "medae",
+}
+
+
+@needs_bench
+def test_every_task_of_the_authors_imports_and_scores(authors_data, tmp_path):
+    """All 64 training and 8 eval tasks of the authors' metadata import, none skipped, each with the metric its
+    description names; their answers, submitted, are valid and score that metric's perfect value."""
+    root, metadata = authors_data
+    tasks = {}
+    for split, path in metadata.items():
+        tasks[split], skipped = import_tasks(str(root), str(path), str(tmp_path / split))
+        assert skipped == []
+    assert len(tasks["train"]) == 64 and len(tasks["eval"]) == 8
+    metric_of = {}
+    for task in tasks["train"] + tasks["eval"]:
+        meta = json.load(open(os.path.join(task["answer"], "task.json")))
+        metric_of[task["id"]] = meta["metric"]
+        result = score_submission(task["answer"], os.path.join(task["answer"], "answers", "test_answer.csv"))
+        assert result["valid"] and result["task_type"] == task["type"] == meta["data_type"], result
+        assert result["metric"] == pytest.approx(METRICS[meta["metric"]].perfect, abs=1e-9), task["id"]
+    assert {t: metric_of[t] for t in NEWLY_SCORED} == NEWLY_SCORED
+    assert metric_of["titanic"] == "accuracy" and metric_of["bike-sharing-demand"] == "rmsle"
+    assert metric_of["microsoft-malware-prediction"] == "roc_auc"
+    assert metric_of["liverpool-ion-switching"] == "f1_macro"
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ([0.0, 1.0, 1.0], "classification"),  # within {0, 1}
+        ([True, False, True], "classification"),
+        ([2.5, 7.5, 2.5], "classification"),  # two distinct values
+        ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "classification"),  # integers, at most 10 distinct
+        (list(range(11)), "regression"),
+        ([0.5, 1.5, 2.5], "regression"),
+        (["Graduate", "Dropout", "Enrolled"], "classification"),  # text (the authors' rule says regression)
+    ],
+)
+def test_the_data_type_comes_from_the_answers(values, expected):
+    assert detect_data_type(pd.DataFrame({"target": values})) == expected
+
+
+@needs_bench
+@pytest.mark.parametrize("task_id", STRING_LABEL_TASKS)
+def test_a_string_label_task_scores_as_classification(authors_data, task_id, tmp_path):
+    """DSBench's metadata call these three regression; their answers are class names. A valid submission scores
+    as classification (accuracy, also the coach's figure), and the episode's outcome and coach evidence come out:
+    before, the regression figures read 'Graduate' as a number and the episode failed."""
+    root, metadata = authors_data
+    rows = [json.loads(x) for path in metadata.values() for x in path.read_text(encoding="utf-8").splitlines()]
+    (row,) = [r for r in rows if r["metadata"]["task_id"] == task_id]
+    assert row["metadata"]["data_type"] == "regression"
+    (tmp_path / "one.json").write_text(json.dumps(row) + "\n")
+    (task,), _ = import_tasks(str(root), str(tmp_path / "one.json"), str(tmp_path / "out"))
+    assert task["type"] == "classification"
+
+    topology = load_topology(str(DSBENCH_YAML))
+    env = topology.make_env(task, str(tmp_path / "ws"))
+    truth = pd.read_csv(os.path.join(task["answer"], "answers", "test_answer.csv"))
+    guess = truth.assign(target=np.where(truth.index % 2 == 0, truth["target"], TEXT_ANSWERS[task_id][0]))
+    guess.to_csv(tmp_path / "ws" / "submission.csv", index=False)
+    accuracy = float(np.mean(guess["target"] == truth["target"]))
+    assert 0.5 <= accuracy < 1
+    out = env.outcome()
+    assert out["success"] and out["status"] == "ok" and env.task_type == out["task_type"] == "classification"
+    assert out["metric_name"] == "accuracy" and out["metric"] == accuracy
+    assert out["figures"] == {"accuracy": accuracy}
+    evidence = env.coach_ground_truth(topology.agents[-1])
+    assert f"Submission check: valid; accuracy = {accuracy:.6g}" in evidence
+    assert f"Submission figures: accuracy = {accuracy:.4g}" in evidence
 
 
 def test_cli_score(pack, tmp_path):

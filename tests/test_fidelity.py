@@ -8,11 +8,13 @@ Also: the loss aggregation the scripts pass reproduces the authors' per-sequence
 code), each agent's learning-rate schedule follows the authors' formula, and the prompts state the limits
 the flags set."""
 
+import functools
 import inspect
 import json
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,9 +22,12 @@ import pytest
 import torch
 
 from conftest import submit_script
+from test_dsbench import BENCH, authors_layout
 from openrlhf_mappa.cli.train_mappa_ray import parse_args, schedule_steps
 from openrlhf_mappa.coach import parse_score
+from openrlhf_mappa.envs import dsbench
 from openrlhf_mappa.envs.base import HistoryEntry
+from openrlhf_mappa.envs.dsbench_tasks import import_tasks
 from openrlhf_mappa.rewards import compute_advantages
 from openrlhf_mappa.topology import load_topology
 
@@ -351,6 +356,7 @@ AUTHORS = {
     "dsbench": {
         **common(DS),
         "tasks": Authors(64, f"{DS} dsbench_modeling_train.json (64 tasks), max_samples=400000"),
+        "eval tasks": Authors(8, f"{DS} eval data: dsbench_modeling_eval.json (8 held-out tasks)"),
         "episodes": Authors(30, f"{DS} num_episodes=30"),
         "rollout batch": Authors(16, f"{DS} rollout_batch_size=16"),
         "rollout micro-batch": Authors(4, f"{DS} micro_rollout_batch_size=4", ours=2, readme="batches, epochs"),
@@ -383,7 +389,19 @@ for spec_name, table in DSBENCH_PROMPTS.items():
         set(table) | DSBENCH_PROMPT_GAPS, f"{DSW} {spec_name}_prompt",
         ours=set(table) | set(DSBENCH_PROMPT_EXTRA), readme="agents' prompts")
 
-RECIPES = {"mathchat": ("train_mappa_mathchat.sh", 933), "dsbench": ("train_mappa_dsbench.sh", 64)}
+RECIPES = {"mathchat": ("train_mappa_mathchat.sh", 933), "dsbench": ("train_mappa_dsbench.sh", None)}
+
+
+@functools.cache
+def dsbench_tasks_imported() -> dict:
+    """DSBench's task counts, {"train", "eval"}: what `mappa dsbench import` makes of the authors' metadata (over
+    synthetic CSVs in DSBench's layout), so that a task the importer skips fails the comparison."""
+    if not (BENCH / "dsbench_modeling_train.json").exists():
+        pytest.skip(f"mappa-bench data not found under {BENCH}")
+    with tempfile.TemporaryDirectory() as tmp:
+        metadata = authors_layout(Path(tmp) / "DSBench")
+        return {split: len(import_tasks(f"{tmp}/DSBench", str(path), f"{tmp}/{split}")[0])
+                for split, path in metadata.items()}
 
 
 def render_recipe(name: str, tmp_path, script: Path = None, topology=None) -> dict:
@@ -394,7 +412,8 @@ def render_recipe(name: str, tmp_path, script: Path = None, topology=None) -> di
     if name == "mathchat":
         return render(args, topology, rows, MATHCHAT_COACH, MATHCHAT_PROMPTS, tmp_path)
     prompts = {name: {**facts_of, **DSBENCH_PROMPT_EXTRA} for name, facts_of in DSBENCH_PROMPTS.items()}
-    return render(args, topology, rows, DSBENCH_COACH, prompts, tmp_path)
+    tasks = dsbench_tasks_imported()
+    return {**render(args, topology, tasks["train"], DSBENCH_COACH, prompts, tmp_path), "eval tasks": tasks["eval"]}
 
 
 def departures(rendered: dict, table: dict) -> list:
@@ -560,6 +579,20 @@ def test_a_flag_added_to_the_script_fails_the_pins(flag, tmp_path):
     changed = flag_changes(recipe_flags("mathchat", tmp_path, script), json.loads(PINS.read_text())["mathchat"])
     name = flag.split()[0][2:]
     assert [c for c in changed if c.startswith(f"{name}:")] != [], changed
+
+
+def test_a_dsbench_task_the_importer_skips_fails_the_comparison(monkeypatch, tmp_path):
+    """Without SMAPE (4 training tasks) and MedAE (1 eval task) the importer skips 5 of the authors' 72 tasks."""
+    monkeypatch.delitem(dsbench.METRICS, "smape")
+    monkeypatch.delitem(dsbench.METRICS, "medae")
+    dsbench_tasks_imported.cache_clear()
+    try:
+        found = departures(render_recipe("dsbench", tmp_path), AUTHORS["dsbench"])
+    finally:
+        dsbench_tasks_imported.cache_clear()
+    assert [f for f in found if "tasks:" in f] == [
+        "tasks: 60 against the authors' " + AUTHORS["dsbench"]["tasks"].source,
+        "eval tasks: 7 against the authors' " + AUTHORS["dsbench"]["eval tasks"].source]
 
 
 def test_the_prompts_state_the_limits_the_flags_set(tmp_path):

@@ -11,11 +11,15 @@ submission is a status in the outcome, never an exception.
 import json
 import os
 import shutil
-from typing import Optional
+from functools import partial
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import pandas as pd
-from sklearn.metrics import f1_score, roc_auc_score
+from scipy.stats import pearsonr, spearmanr
+from sklearn.metrics import (cohen_kappa_score, f1_score, log_loss, mean_absolute_error,
+                             median_absolute_error, r2_score, roc_auc_score, root_mean_squared_error,
+                             root_mean_squared_log_error)
 
 from openrlhf_mappa.envs.base import MultiAgentEnv
 
@@ -27,26 +31,88 @@ DEFAULT_CONTRACT = {"data_engineer": ["X_train.pkl", "y_train.pkl", "X_test.pkl"
 
 
 # ---------------------------------------------------------------- metrics
-# y: true values, p: predictions, both 1-D arrays. A task with several target columns scores the mean of
-# the per-column metric (Kaggle's "mean column-wise" convention).
-def rmse(y, p):
-    return float(np.sqrt(np.mean((y - p) ** 2)))
+# y: true values, p: predictions, both 1-D arrays (2-D for a metric not `per_column`). A task with several target
+# columns scores the mean of the per-column metric (Kaggle's "mean column-wise" convention). scikit-learn and scipy
+# compute every metric they have; the few written here (SMAPE, MAP@3, word Jaccard) are the competitions' formulas.
+class Metric(NamedTuple):
+    fn: Callable
+    higher_is_better: bool
+    numeric: bool  # predictions must be numbers (else labels, compared as numbers when both sides are numeric)
+    perfect: float
+    per_column: bool = True
 
 
-def mae(y, p):
-    return float(np.mean(np.abs(y - p)))
+def correlation(statistic, y, p) -> float:
+    """scipy's Pearson or Spearman statistic; 0 where a side is constant (scipy: nan): a constant ranks nothing."""
+    return 0.0 if np.ptp(y) == 0 or np.ptp(p) == 0 else float(statistic(y, p).statistic)
 
 
-# name -> (function, higher is better, predictions must be numbers, perfect value)
+def quadratic_kappa(y, p) -> float:
+    """Quadratic weighted kappa over every rating from the lowest to the highest given (Kaggle's N x N matrix),
+    so that a rating nobody gave still counts in the distance; ratings must be integers."""
+    ratings = np.concatenate([y, p]).astype(float)  # a label that is not a number is a ValueError here
+    if not np.array_equal(ratings, np.round(ratings)):
+        raise ValueError("quadratic weighted kappa needs integer ratings")
+    return float(cohen_kappa_score(y, p, weights="quadratic", labels=np.arange(ratings.min(), ratings.max() + 1)))
+
+
+def smape(y, p) -> float:
+    """Kaggle's SMAPE in percent, 0 for a row where both values are 0 (neither library has it)."""
+    mean_size = (np.abs(y) + np.abs(p)) / 2
+    ratio = np.divide(np.abs(p - y), mean_size, out=np.zeros(len(y)), where=mean_size != 0)
+    return float(100 * np.mean(ratio))
+
+
+def map_at_3(y, p) -> float:
+    """Kaggle's MAP@3 with one true label a row: 1/k when the first of the (space-separated) guesses to match is
+    the k-th of the first 3, else 0."""
+    scores = []
+    for truth, guesses in zip(y, p):
+        top = str(guesses).split()[:3]
+        scores.append(1 / (top.index(str(truth)) + 1) if str(truth) in top else 0.0)
+    return float(np.mean(scores))
+
+
+def word_jaccard(y, p) -> float:
+    """tweet-sentiment-extraction's word-level Jaccard (lower case, split on whitespace), the mean over rows; two
+    texts without words agree."""
+    scores = []
+    for truth, pred in zip(y, p):
+        a, b = set(str(truth).lower().split()), set(str(pred).lower().split())
+        scores.append(len(a & b) / len(a | b) if a | b else 1.0)
+    return float(np.mean(scores))
+
+
+def class_log_loss(y, p) -> float:
+    """Log loss over a row's columns: one column is the positive class's probability (labels 0/1), several are
+    one probability per class against one-hot answers (lmsys). Rows are rescaled to sum to 1, as Kaggle's scorer
+    (scikit-learn's "eps=auto" log_loss of its day) did; scikit-learn clips to the float precision."""
+    if y.shape[1] == 1:
+        return float(log_loss(y[:, 0], p[:, 0], labels=[0, 1]))
+    return float(log_loss(y.argmax(axis=1), p / p.sum(axis=1, keepdims=True), labels=np.arange(y.shape[1])))
+
+
 METRICS = {
-    "accuracy": (lambda y, p: float(np.mean(y == p)), True, False, 1.0),
-    "f1": (lambda y, p, pos_label=1: float(f1_score(y, p, average="binary", pos_label=pos_label)), True, False, 1.0),
-    "f1_macro": (lambda y, p: float(f1_score(y, p, average="macro")), True, False, 1.0),
-    "roc_auc": (lambda y, p: float(roc_auc_score(y, p)), True, True, 1.0),
-    "rmse": (rmse, False, True, 0.0),
-    "rmsle": (lambda y, p: float(np.sqrt(np.mean((np.log1p(p) - np.log1p(y)) ** 2))), False, True, 0.0),
-    "mae": (mae, False, True, 0.0),
-    "r2": (lambda y, p: float(1.0 - np.sum((y - p) ** 2) / np.sum((y - np.mean(y)) ** 2)), True, True, 1.0),
+    # by hand: scikit-learn refuses a probability where a label is due; Kaggle counts it as a wrong label
+    "accuracy": Metric(lambda y, p: np.mean(y == p), True, False, 1.0),
+    "f1": Metric(partial(f1_score, average="binary"), True, False, 1.0),  # the task's pos_label, else 1
+    "f1_macro": Metric(partial(f1_score, average="macro"), True, False, 1.0),
+    "f1_micro": Metric(partial(f1_score, average="micro"), True, False, 1.0),
+    "qwk": Metric(quadratic_kappa, True, False, 1.0),
+    "map3": Metric(map_at_3, True, False, 1.0),
+    "jaccard": Metric(word_jaccard, True, False, 1.0),
+    "roc_auc": Metric(roc_auc_score, True, True, 1.0),
+    # normalized Gini: Kaggle's forum formula where no two predictions tie (it breaks ties by row order)
+    "gini": Metric(lambda y, p: 2 * roc_auc_score(y, p) - 1, True, True, 1.0),
+    "log_loss": Metric(class_log_loss, False, True, 0.0, per_column=False),
+    "rmse": Metric(root_mean_squared_error, False, True, 0.0),
+    "rmsle": Metric(root_mean_squared_log_error, False, True, 0.0),
+    "mae": Metric(mean_absolute_error, False, True, 0.0),
+    "medae": Metric(median_absolute_error, False, True, 0.0),
+    "smape": Metric(smape, False, True, 0.0),
+    "r2": Metric(r2_score, True, True, 1.0),
+    "pearson": Metric(partial(correlation, pearsonr), True, True, 1.0),
+    "spearman": Metric(partial(correlation, spearmanr), True, True, 1.0),
 }
 
 
@@ -59,19 +125,21 @@ def relative_score(pred: float, baseline: float, best: float) -> Optional[float]
 
 
 def metric_value(name: str, truth: pd.DataFrame, pred: pd.DataFrame, pos_label=None) -> float:
-    """The task metric, the mean over target columns. Labels compare as numbers when both sides are numeric (a
-    predicted 1.0 equals a true 1), else as strings."""
-    fn, _, numeric, _ = METRICS[name]
+    """The task metric: the mean over target columns, or one value over them all (log loss). Labels compare as
+    numbers when both sides are numeric (a predicted 1.0 equals a true 1), else as strings."""
+    metric = METRICS[name]
+    if not metric.per_column:
+        return float(metric.fn(truth.to_numpy(dtype=float), pred.to_numpy(dtype=float)))
     kwargs = {"pos_label": pos_label} if name == "f1" and pos_label is not None else {}
     values = []
     for col in truth.columns:
         y, p = truth[col], pred[col]
         yn, pn = pd.to_numeric(y, errors="coerce"), pd.to_numeric(p, errors="coerce")
-        if numeric or (yn.notna().all() and pn.notna().all()):
+        if metric.numeric or (yn.notna().all() and pn.notna().all()):
             y, p = yn, pn
         else:
             y, p = y.astype(str), p.astype(str)
-        values.append(fn(y.to_numpy(), p.to_numpy(), **kwargs))
+        values.append(metric.fn(y.to_numpy(), p.to_numpy(), **kwargs))
     return float(np.mean(values))
 
 
@@ -104,7 +172,7 @@ def score_submission(task_dir: str, submission: str) -> dict:
     ids, targets = meta["id_column"], list(meta["target_columns"])
     out = {"valid": False, "status": "ok", "metric_name": meta["metric"], "metric": None,
            "baseline": meta["baseline"], "best": meta["best"], "relative_score": None,
-           "task_type": meta["data_type"]}
+           "task_type": meta["data_type"]}  # until the answers are read
 
     def invalid(status, error):
         return dict(out, status=status, error=error)
@@ -113,6 +181,9 @@ def score_submission(task_dir: str, submission: str) -> dict:
         truth = pd.read_csv(os.path.join(task_dir, ANSWER_FILE), dtype={ids: str})
     except (OSError, ValueError) as e:
         raise ValueError(f"{task_dir}: unreadable {ANSWER_FILE}: {e}") from None
+    if any(c not in truth.columns for c in [ids] + targets):
+        raise ValueError(f"{task_dir}: {ANSWER_FILE} lacks column(s) of {[ids] + targets}")
+    out["task_type"] = detect_data_type(truth[targets])
     if not os.path.isfile(submission):
         return invalid("missing_file", f"no {os.path.basename(submission)} was written")
     try:
@@ -129,7 +200,7 @@ def score_submission(task_dir: str, submission: str) -> dict:
         return invalid("wrong_ids", f"the {ids} values must be the test set's, each once; e.g. unknown: {unknown}")
     sub = sub.set_index(ids).loc[truth[ids], targets]
     truth = truth.set_index(ids)[targets]
-    numeric = METRICS[meta["metric"]][2]
+    numeric = METRICS[meta["metric"]].numeric
     values = sub.apply(pd.to_numeric, errors="coerce") if numeric else sub
     missing = int(sub.isna().sum().sum())
     if missing:
@@ -140,20 +211,38 @@ def score_submission(task_dir: str, submission: str) -> dict:
         return invalid("negative_values", "RMSLE needs predictions >= 0")
     try:
         metric = metric_value(meta["metric"], truth, values, meta.get("pos_label"))
-    except ValueError as e:  # e.g. f1 with labels that do not fit the task's pos_label
+    except (ValueError, TypeError) as e:  # e.g. f1 with labels that do not fit the task's pos_label
         return invalid("metric_error", f"{meta['metric']} could not be computed: {e}")
-    return dict(out, valid=True, metric=metric, figures=coach_figures(meta, truth, values),
+    figures = coach_figures(out["task_type"], meta["metric"], truth, values)
+    return dict(out, valid=True, metric=metric, figures=figures,
                 relative_score=relative_score(metric, meta["baseline"], meta["best"]))
 
 
-def coach_figures(meta: dict, truth: pd.DataFrame, pred: pd.DataFrame) -> dict:
+def detect_data_type(truth: pd.DataFrame) -> str:
+    """The task's type from its answers, as the authors' detect_data_type (ground_truth_utils.py) reads the first
+    target column: values within {0, 1}, two distinct values, or integers with at most 10 distinct values are
+    classification, other numbers regression. Labels that are not numbers are classification here (theirs fall
+    through to regression and then score nothing), whatever DSBench's metadata says."""
+    values = truth.iloc[:, 0].dropna()
+    distinct = set(values.unique())
+    if not pd.api.types.is_numeric_dtype(values) or distinct <= {0, 1} or len(distinct) == 2:
+        return "classification"
+    if pd.api.types.is_integer_dtype(values) and len(distinct) <= 10:
+        return "classification"
+    return "regression"
+
+
+def coach_figures(data_type: str, metric: str, truth: pd.DataFrame, pred: pd.DataFrame) -> dict:
     """The figures besides the metric that the authors' coach grades by (their ground_truth_utils.py): accuracy
     for labels; for regression RMSE, MAE and RMSE as a percentage of the target's range and interquartile range.
     Aggregates only: no answer reaches the coach."""
-    if meta["data_type"] != "regression":
-        return {} if METRICS[meta["metric"]][2] else {"accuracy": metric_value("accuracy", truth, pred)}
-    y, p = truth.to_numpy(dtype=float).ravel(), pred.to_numpy(dtype=float).ravel()
-    figures = {"rmse": rmse(y, p), "mae": mae(y, p)}
+    if data_type != "regression":
+        return {} if METRICS[metric].numeric else {"accuracy": metric_value("accuracy", truth, pred)}
+    y = truth.apply(pd.to_numeric, errors="coerce").to_numpy(dtype=float).ravel()
+    p = pred.apply(pd.to_numeric, errors="coerce").to_numpy(dtype=float).ravel()
+    if not (np.isfinite(y).all() and np.isfinite(p).all()):
+        return {}  # labels scored as labels (say macro F1 on integer classes): no error to size
+    figures = {"rmse": root_mean_squared_error(y, p), "mae": mean_absolute_error(y, p)}
     spread = {"range": np.ptp(y), "iqr": np.subtract(*np.percentile(y, [75, 25]))}
     figures.update({f"rmse_pct_of_{k}": 100 * figures["rmse"] / v for k, v in spread.items() if v > 0})
     return figures

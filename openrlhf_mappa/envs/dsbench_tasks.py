@@ -16,27 +16,40 @@ import re
 # First match wins, so the more specific names come first; None marks a metric named but not implemented.
 METRIC_PATTERNS = [
     (r"log(arithmic)? error|RMSLE", "rmsle"),
-    (r"log ?loss|logarithmic loss|cross.?entropy", None),
+    (r"log ?loss|logarithmic loss|cross.?entropy", "log_loss"),
     (r"root mean squared? error|RMSE", "rmse"),
-    (r"median absolute|MedAE", None),
+    (r"median absolute|MedAE", "medae"),
     (r"mean absolute error|\bMAE\b", "mae"),
-    (r"SMAPE|gini|kappa|pearson|spearman|jaccard|\bmicro\b", None),
+    (r"SMAPE", "smape"),
+    (r"gini", "gini"),
+    (r"quadratic weighted kappa|\bQWK\b", "qwk"),
+    (r"kappa", None),  # unweighted or linear: not implemented
+    (r"pearson", "pearson"),
+    (r"spearman", "spearman"),
+    (r"jaccard", "jaccard"),
+    (r"\bMAP@3\b|\bMPA@3\b", "map3"),  # Kaggle's s3e13 page writes MPA@3
     (r"\bROC\b|\bAUC\b", "roc_auc"),
+    (r"micro.{0,20}F1|F1.{0,20}micro", "f1_micro"),
     (r"macro.{0,20}F1|F1.{0,20}macro", "f1_macro"),
     (r"\bF1\b|F-score", "f1"),
     (r"accuracy", "accuracy"),
     (r"\bR2\b|R\^2|R²|coefficient of determination", "r2"),
 ]
+# Where a description states its metric: a heading, or the sentence itself where a page has no heading
+# (nlp-getting-started), or one whose first "Evaluation" is another word's (learning-agency-lab's "Automated
+# Writing Evaluation").
+METRIC_ANCHOR = r"Evaluation|Metric|[Ss]ubmissions (are|will be) (evaluated|scored)"
 
 
 def infer_metric(prompt: str):
-    """(metric or None, the phrase it was read from) from a Kaggle description's evaluation text."""
-    at = min([i for i in (prompt.find("Evaluation"), prompt.find("Metric")) if i >= 0], default=0)
-    text = prompt[at : at + 1500]
-    for pattern, metric in METRIC_PATTERNS:
-        m = re.search(pattern, text, re.IGNORECASE)
-        if m:
-            return metric, m.group(0)
+    """(metric or None, the phrase it was read from) from a Kaggle description's evaluation text: the 1,500
+    characters from each anchor in turn, the first that names a metric."""
+    starts = [m.start() for m in re.finditer(METRIC_ANCHOR, prompt)] or [0]
+    for at in starts:
+        for pattern, metric in METRIC_PATTERNS:
+            m = re.search(pattern, prompt[at : at + 1500], re.IGNORECASE)
+            if m:
+                return metric, m.group(0)
     return None, "no metric named in the description"
 
 
@@ -48,7 +61,7 @@ def constant_baseline(metric: str, train: pd.DataFrame, truth: pd.DataFrame, pos
 
     pred = pd.DataFrame(index=truth.index)
     for col in truth.columns:
-        if METRICS[metric][2]:  # numbers (ROC-AUC included: a constant probability scores 0.5)
+        if METRICS[metric].numeric:  # numbers (ROC-AUC included: a constant probability scores 0.5)
             pred[col] = pd.to_numeric(train[col], errors="coerce").mean()
         else:
             pred[col] = train[col].mode().iloc[0]
@@ -65,8 +78,8 @@ def _relocate(data_root: str, path: str) -> str:
 
 def import_tasks(data_root: str, metadata_path: str, out_dir: str) -> tuple:
     """Write out_dir/<task_id>/ and out_dir/tasks.jsonl; return (task rows, [skip reasons]). Metadata rows (as in
-    DSBench's dsbench_modeling_*.json): {prompt, metadata: {task_id, data_type, train_file, test_file, answer_dir,
-    url, and optionally metric, baseline, best, pos_label}}."""
+    DSBench's dsbench_modeling_*.json): {prompt, metadata: {task_id, train_file, test_file, answer_dir, url, and
+    optionally metric, baseline, best, pos_label}}; their data_type is not read (the answers decide it)."""
     with open(metadata_path, encoding="utf-8") as f:
         text = f.read()
     try:  # JSON Lines, as mappa-bench ships it, or one JSON list
@@ -97,15 +110,13 @@ def import_tasks(data_root: str, metadata_path: str, out_dir: str) -> tuple:
 def _import_one(data_root: str, row: dict, meta: dict, out_dir: str) -> dict:
     import pandas as pd
 
-    from openrlhf_mappa.envs.dsbench import ANSWER_FILE, METRICS
+    from openrlhf_mappa.envs.dsbench import ANSWER_FILE, METRICS, detect_data_type
 
-    for key in ("task_id", "data_type", "train_file", "test_file", "answer_dir"):
+    for key in ("task_id", "train_file", "test_file", "answer_dir"):
         if not meta.get(key):
             raise ValueError(f"metadata has no {key!r}")
     if not re.fullmatch(r"[\w.-]+", meta["task_id"]) or meta["task_id"].startswith("."):
         raise ValueError(f"task_id {meta['task_id']!r} cannot be a directory name")
-    if meta["data_type"] not in ("regression", "classification"):
-        raise ValueError(f"data_type {meta['data_type']!r} is neither regression nor classification")
     data_dir = os.path.dirname(_relocate(data_root, meta["test_file"]))
     sources = {
         "train.csv": _relocate(data_root, meta["train_file"]),
@@ -125,6 +136,7 @@ def _import_one(data_root: str, row: dict, meta: dict, out_dir: str) -> dict:
     if not targets or any(c not in truth.columns for c in columns):
         raise ValueError(f"test_answer.csv columns {list(truth.columns)} do not cover the submission's {columns}")
     truth = truth[targets]
+    data_type = detect_data_type(truth)  # the metadata's data_type is not read: 3 string-label tasks say regression
     baseline = meta.get("baseline")
     if baseline is None:
         train_columns = pd.read_csv(sources["train.csv"], nrows=0).columns
@@ -133,7 +145,7 @@ def _import_one(data_root: str, row: dict, meta: dict, out_dir: str) -> dict:
                              "add 'baseline' to the metadata")
         train = pd.read_csv(sources["train.csv"], usecols=targets)
         baseline = constant_baseline(metric, train, truth, meta.get("pos_label"))
-    best = meta.get("best", METRICS[metric][3])
+    best = meta.get("best", METRICS[metric].perfect)
 
     task_dir = os.path.abspath(os.path.join(out_dir, meta["task_id"]))
     os.makedirs(os.path.join(task_dir, "answers"), exist_ok=True)
@@ -142,14 +154,14 @@ def _import_one(data_root: str, row: dict, meta: dict, out_dir: str) -> dict:
         if os.path.lexists(link):
             os.remove(link)
         os.symlink(os.path.abspath(src), link)
-    task_json = {"task_id": meta["task_id"], "data_type": meta["data_type"], "metric": metric, "id_column": id_column,
+    task_json = {"task_id": meta["task_id"], "data_type": data_type, "metric": metric, "id_column": id_column,
                  "target_columns": targets, "baseline": float(baseline), "best": float(best),
                  "url": meta.get("url", "")}
     if meta.get("pos_label") is not None:
         task_json["pos_label"] = meta["pos_label"]
     with open(os.path.join(task_dir, "task.json"), "w", encoding="utf-8") as f:
         json.dump(task_json, f, indent=1)
-    return {"id": meta["task_id"], "prompt": row["prompt"], "answer": task_dir, "type": meta["data_type"]}
+    return {"id": meta["task_id"], "prompt": row["prompt"], "answer": task_dir, "type": data_type}
 
 
 # ---------------------------------------------------------------- the offline pack
