@@ -79,23 +79,38 @@ class AgentPolicy:
     gate: SyncGate = field(default_factory=SyncGate)  # its trainer's: generations vs weight syncs, and the version
     _next: itertools.count = field(default_factory=itertools.count)
 
-    def prompt_ids(self, messages: list) -> tuple:
-        """(text, ids, too_long): the messages chat-templated, and whether they exceed max_len - max_new_tokens."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def prompt_ids(self, messages: list, keep_reasoning: bool = False) -> tuple:
+        """(text, ids, too_long): the messages chat-templated, and whether they exceed max_len - max_new_tokens.
+        keep_reasoning: each assistant message as written, <think> included, whatever the template drops."""
+        shown = messages
+        if keep_reasoning:
+            # The template renders a marker in place of each reply (nothing in it to drop), then the reply goes
+            # back: the agent reads its earlier actions as it generated them, as the authors' raw-text prompts.
+            nonce = uuid.uuid4().hex
+            shown = [dict(m, content=f"<reply {i} {nonce}>") if m["role"] == "assistant" else m
+                     for i, m in enumerate(messages)]
+        text = self.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
+        for message, marked in zip(messages, shown):
+            if message is not marked:
+                if text.count(marked["content"]) != 1:
+                    raise ValueError(f"the chat template of {self.tokenizer.name_or_path} does not show an earlier "
+                                     f"reply as written, so its reasoning cannot be kept: set keep_reasoning: false "
+                                     f"in the topology")
+                text = text.replace(marked["content"], message["content"])
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return text, ids, len(ids) > self.max_len - self.max_new_tokens
 
-    def shorten(self, observe, entries: int) -> tuple:
+    def shorten(self, observe, entries: int, keep_reasoning: bool = False) -> tuple:
         """For a prompt too long in full: (text, ids, too_long, k) of observe(k) for the fewest oldest history
         entries k left out that fits; when even k = entries is too long, that prompt, too_long True. A binary
         search over k: at most 1 + ceil(log2(entries)) tokenizations."""
-        best = self.prompt_ids(observe(entries))
+        best = self.prompt_ids(observe(entries), keep_reasoning)
         if best[2]:
             return (*best, entries)
         lo, hi = 0, entries  # observe(lo) is too long, observe(hi) fits
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            found = self.prompt_ids(observe(mid))
+            found = self.prompt_ids(observe(mid), keep_reasoning)
             lo, hi, best = (mid, hi, best) if found[2] else (lo, mid, found)
         return (*best, hi)
 
@@ -209,7 +224,8 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
             return
         # The round's agents all see the history as it was before the round: they generate concurrently, and
         # step in the order next_agents gave.
-        prompts = [fit_prompt(env, call, policies[spec.name], spec, turns[spec.name], can_omit) for spec in agents]
+        prompts = [fit_prompt(env, call, policies[spec.name], spec, turns[spec.name], can_omit, topology.keep_reasoning)
+                   for spec in agents]
         generations = (policies[spec.name].sample(p[1]) for spec, p in zip(agents, prompts) if not p[2])
         generated = iter(await asyncio.gather(*generations))
         last = {}
@@ -266,12 +282,13 @@ def check_round(env_name: str, topology, agents) -> None:
                          f"topology's AgentSpecs (env.topology.agents), each at most once per round")
 
 
-def fit_prompt(env, call, policy: AgentPolicy, spec, turn: int, can_omit: bool) -> tuple:
+def fit_prompt(env, call, policy: AgentPolicy, spec, turn: int, can_omit: bool, keep_reasoning: bool) -> tuple:
     """(text, ids, too_long, omitted): the agent's prompt, its oldest history left out as far as needed (where the
     env's observe() can leave it out: `can_omit`)."""
-    prompt_text, prompt_ids, too_long = policy.prompt_ids(call("observe", env.observe, spec, turn))
+    prompt_text, prompt_ids, too_long = policy.prompt_ids(call("observe", env.observe, spec, turn), keep_reasoning)
     if too_long and can_omit:
-        return policy.shorten(lambda k: call("observe", env.observe, spec, turn, omit=k), len(env.history))
+        return policy.shorten(lambda k: call("observe", env.observe, spec, turn, omit=k), len(env.history),
+                              keep_reasoning)
     return prompt_text, prompt_ids, too_long, 0
 
 

@@ -129,6 +129,10 @@ class Topology:
     coach_stages: list = field(default_factory=list)  # coach_templates' stages in order; empty: coach_template
     max_episode_actions: Optional[int] = None  # None: the max_actions summed; past it, stopped as a failure
     review_template: Optional[str] = None  # hindsight prompt (fields: coach.REVIEW_FIELDS); None: the default
+    problem_suffix: str = ""  # appended to every task's text, as the agents, the coach and evaluation see it
+    # An agent's own earlier replies as generated, <think> included (the authors'); False: as its chat template
+    # renders them (Qwen3's drops the reasoning of turns before the last user message).
+    keep_reasoning: bool = True
 
     def check_coach_template(self, path: str, kind: str, mode: str, scored: bool = True) -> None:
         """Refuse a missing coach_template where a coach is sent it: an openai coach asked per action (mode
@@ -173,7 +177,7 @@ class Topology:
 MISSING_COACH_TEMPLATE = ("'coach_template' is missing or empty; it must be a non-empty string (or give "
                           "coach_templates)")
 TOPOLOGY_KEYS = ("name", "env", "agents", "coach_template", "coach_templates", "env_kwargs", "score_key",
-                 "reward_scale", "max_episode_actions", "review_template")
+                 "reward_scale", "max_episode_actions", "review_template", "problem_suffix", "keep_reasoning")
 AGENT_KEYS = tuple(f.name for f in dataclasses.fields(AgentSpec) if f.name != "lr")  # lr: the trained coach's
 
 
@@ -267,8 +271,22 @@ def _parse_team_keys(raw: dict, fail) -> dict:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         fail(f"'max_episode_actions' must be an integer >= 1 or left out (the sum of the agents' max_actions), "
              f"got {limit!r}")
+    suffix = raw.get("problem_suffix", "")
+    if not isinstance(suffix, str):
+        fail(f"'problem_suffix' must be a string (text added after every task), got {suffix!r}")
+    # In a double-quoted YAML string "\boxed" is a backspace and "oxed": refuse control characters other than
+    # newlines and tabs, which no prompt means to send.
+    odd = sorted({c for c in suffix if ord(c) < 32 and c not in "\n\t"})
+    if odd:
+        fail(f"'problem_suffix' holds the control character(s) {', '.join(map(repr, odd))}; in a double-quoted "
+             f"YAML string a backslash is written \\\\ (\"\\\\boxed{{}}\")")
+    keep_reasoning = raw.get("keep_reasoning", True)
+    if not isinstance(keep_reasoning, bool):
+        fail(f"'keep_reasoning' must be true (an agent's earlier replies as generated, reasoning included) or "
+             f"false (as its chat template renders them), got {keep_reasoning!r}")
     return dict(env=raw["env"], coach_template=raw.get("coach_template"), env_kwargs=env_kwargs, score_key=score_key,
-                reward_scale=float(reward_scale), max_episode_actions=limit, review_template=review_template)
+                reward_scale=float(reward_scale), max_episode_actions=limit, review_template=review_template,
+                problem_suffix=suffix, keep_reasoning=keep_reasoning)
 
 
 def _parse_agents(rows, env_cls: type, model_override: Optional[str], fail) -> list:

@@ -5,7 +5,10 @@ It scores by rule: the number of distinct characters in the agent's output (betw
 A hindsight review (the default review template's `=== Action i of n: agent A, ...` blocks) is answered
 with a JSON review: each action scored by `review_score` of its block, the lowest-scored one held
 responsible; with "hindsight" in `mute` it answers prose instead. `delay_s` makes every answer slow, like a
-real LLM coach. Used by the MAPPA end-to-end tests and by benchmarks/coach_latency.py.
+real LLM coach. `reasoning` makes it a reasoning model that ignores any response_format: that text comes first
+in a <think> block of the reply (Qwen3, DeepSeek-R1 served plainly), or in the message's separate
+`reasoning_content` with `reasoning_field` (vLLM's reasoning parser). Used by the MAPPA end-to-end tests and by
+benchmarks/coach_latency.py.
 """
 
 import json
@@ -38,7 +41,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         prompt = body["messages"][0]["content"]  # the original prompt, also on a format re-prompt
-        self.server.requests.append({"prompt": prompt, "authorization": self.headers.get("Authorization")})
+        self.server.requests.append({"prompt": prompt, "authorization": self.headers.get("Authorization"),
+                                     "body": body})
         time.sleep(self.server.delay_s)
         agent = prompt.split("AGENT=", 1)[1].split("\n", 1)[0] if "AGENT=" in prompt else None
         if ACTION_BLOCK.search(prompt):
@@ -48,9 +52,14 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             output = prompt.split("OUTPUT<<", 1)[1].split(">>OUTPUT", 1)[0]
             content = f"Looks fine.\nPROCESS_SCORE: {len(set(output)) % 11}"
+        message = {"role": "assistant", "content": content}
+        if self.server.reasoning is not None and self.server.reasoning_field:
+            message["reasoning_content"] = self.server.reasoning
+        elif self.server.reasoning is not None:
+            message["content"] = f"<think>\n{self.server.reasoning}\n</think>\n\n{content}"
         reply = {
             "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
         }
         data = json.dumps(reply).encode()
@@ -65,10 +74,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class CoachServer:
-    def __init__(self, delay_s: float = 0.0, mute=()):
+    def __init__(self, delay_s: float = 0.0, mute=(), reasoning: str = None, reasoning_field: bool = False):
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self.httpd.daemon_threads = True
         self.httpd.delay_s, self.httpd.mute, self.httpd.requests = delay_s, set(mute), []
+        self.httpd.reasoning, self.httpd.reasoning_field = reasoning, reasoning_field
 
     @property
     def base_url(self):

@@ -529,6 +529,45 @@ def test_shipped_rubrics_invent_no_score(server, topology_file):
     assert (v.status, v.score) == ("ok", 6.0)
 
 
+@pytest.mark.parametrize("recipe, model", [("train_mappa_mathchat.sh", "gemini-2.5-flash"),
+                                           ("train_mappa_dsbench.sh", "gemini-2.5-pro")])
+@pytest.mark.parametrize("reasoning_field", [False, True])
+def test_the_recipes_coach_scores_the_verdict_after_a_reasoning_coachs_thinking(recipe, model, reasoning_field,
+                                                                                 tmp_path):
+    """The GPU scripts' coach (run for real; their flags through the real parser and coach_options), pointed at a
+    reasoning coach on 127.0.0.1 that ignores any schema and weighs a score of 9 in its reasoning: the verdict
+    after the reasoning is the score (4), and a reply whose only score line is in its reasoning is a parse error,
+    never 9. The reasoning comes in a <think> block of the reply, or apart (`reasoning_content`). The request
+    is free text (no response_format) at temperature 0, to the authors' coach model by default."""
+    from coach_server import COACH_TEMPLATE, CoachServer
+    from conftest import REPO, submit_script
+    from openrlhf_mappa.cli.train_mappa_ray import coach_options, parse_args
+    from openrlhf_mappa.topology import load_topology
+
+    thinking = "The code runs, so PROCESS_SCORE: 9 at first sight; but it never checks the answer."
+    with CoachServer(mute={"silent"}, reasoning=thinking, reasoning_field=reasoning_field) as server:
+        submitted, _ = submit_script(os.path.join(REPO, "examples", "scripts", recipe), tmp_path,
+                                     MAPPA_COACH_BASE_URL=server.base_url, MAPPA_COACH_MODEL="")
+        args = parse_args(submitted[submitted.index("openrlhf_mappa.cli.train_mappa_ray") + 1:])
+        options = coach_options(args, load_topology(os.path.join(REPO, args.mappa.topology)))
+        options["template"] = COACH_TEMPLATE  # the rule server's, which says whom to mute and what to score
+        requests = [make_request(agent="verifier", agent_output="abcd"), make_request(agent="silent")]
+
+        async def run():
+            coach = build_coach(args.mappa.coach.kind, **options)
+            try:
+                return await asyncio.gather(*(coach.score(r) for r in requests))
+            finally:
+                await coach.aclose()
+
+        scored, unscored = asyncio.run(run())
+    assert (scored.status, scored.score) == ("ok", 4.0)  # "abcd": 4 distinct characters, the rule server's score
+    assert (unscored.status, unscored.score) == ("parse_error", None)
+    assert len(server.requests) == 1 + 1 + args.mappa.coach.format_retries  # the silent one re-prompted, in vain
+    bodies = [r["body"] for r in server.requests]
+    assert [("response_format" in b, b["temperature"], b["model"]) for b in bodies] == [(False, 0, model)] * 4
+
+
 def test_build_coach_errors():
     with pytest.raises(ValueError, match="--mappa.coach.model"):
         build_coach("openai", base_url="http://x/v1", template=TEMPLATE)
@@ -617,7 +656,7 @@ class ScriptedPolicy:
 
     sample = AgentPolicy.sample  # generate() behind the gate, as the real one
 
-    def prompt_ids(self, messages):
+    def prompt_ids(self, messages, keep_reasoning=False):
         return messages[-1]["content"], [1, 2, 3], False
 
     async def generate(self, prompt_ids):

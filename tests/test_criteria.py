@@ -149,7 +149,7 @@ class Replies:
 
     sample = AgentPolicy.sample  # generate() behind the gate, as the real one
 
-    def prompt_ids(self, messages):
+    def prompt_ids(self, messages, keep_reasoning=False):
         return messages[-1]["content"], [1, 2, 3], False
 
     async def generate(self, prompt_ids):

@@ -24,7 +24,7 @@ import torch
 from conftest import submit_script
 from test_dsbench import BENCH, authors_layout
 from openrlhf_mappa.cli.train_mappa_ray import parse_args, schedule_steps
-from openrlhf_mappa.coach import parse_score
+from openrlhf_mappa.coach import CoachRequest, parse_score, render_prompt
 from openrlhf_mappa.envs import dsbench
 from openrlhf_mappa.envs.base import HistoryEntry
 from openrlhf_mappa.envs.dsbench_tasks import import_tasks
@@ -218,6 +218,18 @@ def whitening_of(args) -> str:
     return "each agent's batch" if max(own_means) < 1e-6 else "the team's batches together"
 
 
+def problem_suffixes(topology) -> dict:
+    """What follows a task's problem where it is shown, rendered: in every agent's first prompt ("agents"; one
+    value if all agree) and the coach's prompt ("coach")."""
+    with tempfile.TemporaryDirectory() as workspace:
+        env = topology.make_env({"id": "0", "prompt": "PROBLEM", "answer": workspace, "type": ""}, workspace)
+        agents = {env.observe(spec, 0)[-1]["content"].split("PROBLEM", 1)[1] for spec in topology.agents}
+        coach = render_prompt(topology.coach_template, CoachRequest("e", "a", 0, "r", env.task_text, "", "", "", ""))
+    suffix = env.task_text.removeprefix("PROBLEM")
+    return {"agents": suffix if all(a.startswith(suffix) for a in agents) else sorted(agents),
+            "coach": suffix if "PROBLEM" + suffix in coach else coach}
+
+
 # ---------------------------------------------------------------- rendering a recipe
 
 
@@ -254,6 +266,9 @@ def render(args, topology, rows_in_task_file: int, coach_facts: dict, prompt_fac
                                                                         topology.score_key),
         "coach: stated output limit": stated_limits(topology.coach_template),
         "coach criteria": facts(topology.coach_template, coach_facts),
+        "coach model": a.mappa.coach.model, "coach reply format": a.mappa.coach.structured,
+        "earlier reasoning in an agent's later prompts": "kept" if topology.keep_reasoning else "the template's",
+        **{f"problem suffix/{who}": text for who, text in problem_suffixes(topology).items()},
     }
     for spec in topology.agents:
         out[f"schedule length/{spec.name}"] = steps[spec.name]
@@ -269,7 +284,7 @@ def render(args, topology, rows_in_task_file: int, coach_facts: dict, prompt_fac
 
 
 def submitted(script: Path, tmp_path) -> list:
-    argv, _ = submit_script(script, tmp_path)
+    argv, _ = submit_script(script, tmp_path, MAPPA_COACH_BASE_URL="", MAPPA_COACH_MODEL="")  # the scripts' own coach
     return argv[argv.index("openrlhf_mappa.cli.train_mappa_ray") + 1:]
 
 
@@ -282,6 +297,8 @@ DS, DSY, DSW = "scripts/run_train_dsbench.sh", "marti/cli/configs/dsbench_ds_pip
 DEFAULTS, ACTOR = "marti/cli/configs/default.yaml", "marti/trainers/ppo/actor.py"
 BASE = "marti/controllers/base_controller.py"
 STEP = "marti/worlds/steps/mcp_step.py (a step without a tool call is done)"
+COACH = "marti/verifiers/coach/external_coach.py"
+SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 LOSS = ("seq-mean-token-mean", f"{DEFAULTS} token_level_loss: true, per micro-batch of micro_train_batch_size=1 "
         f"({MC}); DeepSpeed averages the micro-batches: a mean of per-sequence token means")
 
@@ -318,6 +335,10 @@ def common(script: str) -> dict:
         "score key": Authors("PROCESS_SCORE", f"{MCY}, {DSY} coach_prompt_template"),
         "reward of 'PROCESS_SCORE: 4 / ANSWER_CORRECT: 1'": Authors(
             4.0, "marti/worlds/workflows/coach_utils.py: the process score only (outcome weight 0.0)"),
+        "coach reply format": Authors("off", f"{COACH} L547-567: free text, no response schema"),
+        "earlier reasoning in an agent's later prompts": Authors(
+            "kept", "marti/worlds/workflows/coach_utils.py L340-347, marti/worlds/steps/mcp_step.py: raw text"),
+        "problem suffix/coach": Authors(SUFFIX, f"{DEFAULTS} L193 prompt suffix, {BASE} L441-446"),
     }
 
 
@@ -331,6 +352,8 @@ AUTHORS = {
     "mathchat": {
         **common(MC),
         "tasks": Authors(512, f"{MC} max_samples=512 of AIME_1983_2024.json (933 rows), random_sample_train"),
+        "coach model": Authors("gemini-2.5-flash", f"{MCY} L43"),
+        "problem suffix/agents": Authors(SUFFIX, f"{DEFAULTS} L193 prompt suffix, marti/dataset/prompts_loader.py"),
         "episodes": Authors(8, f"{MC} num_episodes=8"),
         "rollout batch": Authors(32, f"{MC} rollout_batch_size=32"),
         "rollout micro-batch": Authors(8, f"{MC} micro_rollout_batch_size=8", ours=2, readme="batches, epochs"),
@@ -357,6 +380,10 @@ AUTHORS = {
         **common(DS),
         "tasks": Authors(64, f"{DS} dsbench_modeling_train.json (64 tasks), max_samples=400000"),
         "eval tasks": Authors(8, f"{DS} eval data: dsbench_modeling_eval.json (8 held-out tasks)"),
+        "coach model": Authors("gemini-2.5-pro", f"{DS} L320"),
+        "problem suffix/agents": Authors("", f"{DSW} L363-375: the cleaned task text, no suffix"),
+        "problem suffix/coach": Authors(SUFFIX, f"{DEFAULTS} L193 prompt suffix, {BASE} L488-490", ours="",
+                                        readme="agents' prompts"),
         "episodes": Authors(30, f"{DS} num_episodes=30"),
         "rollout batch": Authors(16, f"{DS} rollout_batch_size=16"),
         "rollout micro-batch": Authors(4, f"{DS} micro_rollout_batch_size=4", ours=2, readme="batches, epochs"),
@@ -493,6 +520,11 @@ MUTATIONS = [
     ("dsbench", "topology", "  - name: modeler\n    model: Qwen/Qwen3-4B", "  - name: modeler\n    model: Qwen/Qwen3-8B",
      "model/modeler"),
     ("dsbench", "script", "--data.max_len 32768", "--data.max_len 40960", "prompt length"),
+    ("mathchat", "script", "--mappa.coach.structured off \\", "--mappa.coach.structured auto \\", "coach reply format"),
+    ("dsbench", "script", "MAPPA_COACH_MODEL:-gemini-2.5-pro", "MAPPA_COACH_MODEL:-gpt-4o", "coach model"),
+    ("mathchat", "topology", "problem_suffix: ", "# problem_suffix: ", "problem suffix/agents"),
+    ("mathchat", "topology", "env: mathchat\n", "env: mathchat\nkeep_reasoning: false\n",
+     "earlier reasoning in an agent's later prompts"),
 ]
 
 

@@ -93,6 +93,14 @@ CORPUS = [
     ('{"score": 7.5, "rationale": "PROCESS_SCORE: 2"}', 7.5),  # a JSON verdict is judged by its "score" alone
     ('```json\n```json\n{"score": 8}\n```\n```', None),  # nested fences: not one JSON object
     ('Here is my verdict:\n```json\n{"score": 8}\n```', None),  # prose around JSON: neither JSON nor a key line
+    # a reasoning coach: only the verdict after its <think> block counts, never a score weighed inside it
+    ("<think>\nAt first sight PROCESS_SCORE: 9.\n</think>\n\nThe code never ran.\nPROCESS_SCORE: 4", 4.0),
+    ("<think>\nPROCESS_SCORE: 9 seems fair.\n</think>\n\nThe action is sound.", None),  # its only line is thought
+    ("<think>\nPROCESS_SCORE: 9, or PROCESS_SCORE: 6\n</think>\n7", 7.0),
+    ("Weighing it: PROCESS_SCORE: 9?\n</think>\nPROCESS_SCORE: 5", 5.0),  # the template opened <think> itself
+    ("<think>\nPROCESS_SCORE: 9 at first sight, but", None),  # cut off inside its reasoning: no verdict
+    ('<think>\n{"score": 9}\n</think>\n{"rationale": "no check", "score": 3}', 3.0),
+    ("<think>a</think>\nPROCESS_SCORE: 2\n<think>b</think>\nPROCESS_SCORE: 8", 8.0),  # after the last block
 ]
 
 
@@ -160,6 +168,9 @@ REVIEWS = [
     ("PROCESS_SCORE: 7", None),
     ("7", None),
     ("", None),
+    # a reasoning coach's review: the JSON after its <think> block
+    ("<think>\nAction 2 broke the chain.\n</think>\n\n" + review(entries(7, 2, 9), responsible=2), ([7.0, 2.0, 9.0], 1)),
+    ("<think>\n" + review(entries(7, 2, 9)) + "\n</think>\nAction 2 broke it.", None),
 ]
 
 

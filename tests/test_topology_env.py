@@ -18,7 +18,7 @@ from openrlhf_mappa.episode import Verdict
 from openrlhf_mappa.evaluation import behaviour_metrics
 from openrlhf_mappa.rollout import AgentPolicy, SyncGate, run_episode
 from openrlhf_mappa.sandbox import extract_code, run_python
-from openrlhf_mappa.topology import AgentSpec, load_topology
+from openrlhf_mappa.topology import AgentSpec, Topology, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 MATHCHAT_YAML = ROOT / "examples" / "configs" / "mathchat.yaml"
@@ -72,6 +72,21 @@ def test_score_key_is_read_and_a_template_without_it_is_warned_about(tmp_path, c
     assert f"{path}: coach_template never names the score key GRADE" in caplog.text
 
 
+def test_problem_suffix_ends_every_task_and_a_backslash_slip_is_refused(tmp_path):
+    """The suffix follows the task's prompt wherever the task is shown (env.task_text: the agents' {task}, the
+    coach's); none by default. In a double-quoted YAML (or JSON) string \\b is a backspace: refused, with the fix."""
+    assert load_topology(write_topology(tmp_path)).problem_suffix == ""
+    topology = load_topology(write_topology(tmp_path, problem_suffix="\n\nBox it: \\boxed{}."))
+    env = topology.make_env({"id": "1", "prompt": "What is 2 + 2?", "answer": "4"}, str(tmp_path / "ws"))
+    assert env.task_text == "What is 2 + 2?\n\nBox it: \\boxed{}."
+    assert env.observe(topology.agents[0], 0)[-1]["content"].startswith("Solve: What is 2 + 2?\n\nBox it: \\boxed{}.")
+    path = tmp_path / "topo.yaml"
+    path.write_text(path.read_text().replace("\\\\boxed", "\\boxed"))  # "\boxed": a backspace, then "oxed"
+    with pytest.raises(ValueError, match=r"'problem_suffix' holds the control character\(s\) '\\x08'; in a "
+                                         r"double-quoted YAML string a backslash is written \\\\"):
+        load_topology(str(path))
+
+
 def test_model_override_replaces_every_model(tmp_path):
     topo = load_topology(str(MATHCHAT_YAML), model_override="tiny/model")
     assert {a.model for a in topo.agents} == {"tiny/model"}
@@ -105,6 +120,8 @@ def test_model_override_replaces_every_model(tmp_path):
         ({"score_key": "SCORE:"}, "'score_key' must be a word"),
         ({"score_key": 7}, "'score_key' must be a word"),
         ({"score_key": ""}, "'score_key' must be a word"),
+        ({"problem_suffix": ["Please reason step by step."]}, "'problem_suffix' must be a string (text added after"),
+        ({"keep_reasoning": "yes"}, "'keep_reasoning' must be true (an agent's earlier replies as generated, reasoning"),
         # views: agents act once each, in order, so a view names only agents listed before it
         ({"agents": [dict(GOOD_AGENT, view="previous")]}, "agent 'solver': view: 'previous' names nobody: this is the first"),
         ({"agents": [GOOD_AGENT, dict(CHECKER, view=["solvr"])]}, "view: unknown agent 'solvr'; the agents are solver, checker"),
@@ -457,7 +474,8 @@ def test_scripted_mathchat_episode_wrong_or_missing_answer(tmp_path):
 
 def test_observe_with_system_message(tmp_path):
     agent = AgentSpec(name="a", model="m", role="r", prompt="Q: {task}\nH: {history}", system="Be brief.")
-    env = MultiAgentEnv(topology=None, task={"prompt": "2+2?", "answer": "4"}, workspace=str(tmp_path))
+    env = MultiAgentEnv(topology=Topology("t", "mathchat", [agent], None), task={"prompt": "2+2?", "answer": "4"},
+                        workspace=str(tmp_path))
     assert env.observe(agent, 0) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Q: 2+2?\nH: (nothing yet)"},
@@ -554,7 +572,7 @@ def test_shorten_finds_the_fewest_entries_to_leave_out(tiny_model, tmp_path):
     policy = AgentPolicy(engines=[], tokenizer=tokenizer, max_new_tokens=10, max_len=length[5] + 10)
     calls = []
     measure = policy.prompt_ids
-    policy.prompt_ids = lambda messages: calls.append(1) or measure(messages)
+    policy.prompt_ids = lambda messages, keep_reasoning: calls.append(1) or measure(messages, keep_reasoning)
     text, ids, too_long, k = policy.shorten(functools.partial(env.observe, agent, 0), len(env.history))
     assert (too_long, k, len(ids)) == (False, 5, length[5]) and len(calls) <= 1 + 4  # 1 + ceil(log2 9)
     assert text == tokenizer.apply_chat_template(env.observe(agent, 0, 5), tokenize=False, add_generation_prompt=True)
@@ -614,7 +632,7 @@ def test_the_coach_sees_exactly_the_prompt_the_agent_saw(tiny_model, tmp_path):
     replies["problem_solver"] = ["3 boxes of 4 apples is 12; eating 2 leaves 10. " + "Check. " * 300]
     # The Code Executor's budget cannot hold the Solver's long draft: it is left out, with a marker.
     episode, given, requests = play_mathchat(tmp_path, tokenizer, replies,
-                                             {"problem_solver": 4096, "code_executor": 1000, "verifier": 4096})  # fmt: skip
+                                             {"problem_solver": 4096, "code_executor": 1072, "verifier": 4096})  # fmt: skip
     assert [(a.agent, a.turn, a.prompt_truncated) for a in episode.actions] == [
         ("problem_solver", 0, False), ("code_executor", 0, True), ("code_executor", 1, True), ("verifier", 0, False)]  # fmt: skip
     for action, request, (name, ids) in zip(episode.actions, requests, given):
@@ -659,7 +677,8 @@ def test_an_env_whose_observe_takes_no_omit_still_works(tiny_model, tmp_path):
                                              {"problem_solver": 4096, "code_executor": 4096, "verifier": 200},
                                              env_class=OwnObserve)  # fmt: skip
     assert [a.agent for a in episode.actions] == ["problem_solver", "code_executor", "code_executor"]
-    assert requests[2].agent_input.startswith(f"<|im_start|>user\ncode_executor: {TASK['prompt']}\n### problem_solver")
+    task = TASK["prompt"] + "\n\nPlease reason step by step, and put your final answer within \\boxed{}."  # mathchat.yaml's
+    assert requests[2].agent_input.startswith(f"<|im_start|>user\ncode_executor: {task}\n### problem_solver")
     assert [s["agent"] for s in episode.skipped_actions] == ["verifier"]
 
 
@@ -712,7 +731,7 @@ class CannedPolicy:
 
     sample = AgentPolicy.sample  # generate() behind the gate, as the real one
 
-    def prompt_ids(self, messages):
+    def prompt_ids(self, messages, keep_reasoning=False):
         return messages[-1]["content"], [1, 2, 3], False
 
     async def generate(self, prompt_ids):

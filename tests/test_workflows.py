@@ -3,6 +3,7 @@ through the real rollout (run_episode) with scripted engines: no model generates
 The loop-until-agreement example is the README's, run verbatim in test_readme_example.py."""
 
 import asyncio
+import dataclasses
 import functools
 import json
 
@@ -11,7 +12,7 @@ import pytest
 from openrlhf_mappa.coach import render_prompt
 from openrlhf_mappa.envs.base import MultiAgentEnv
 from openrlhf_mappa.envs.mathchat import MathChatEnv, extract_boxed, grade
-from openrlhf_mappa.evaluation import summarize
+from openrlhf_mappa.evaluation import evaluate, summarize
 from openrlhf_mappa.rollout import AgentPolicy, run_episode
 from openrlhf_mappa.topology import load_topology
 from conftest import REPO
@@ -83,6 +84,83 @@ def test_the_default_is_the_chain_one_agent_per_round(tokenizer, tmp_path):
     assert episode.success and episode.action_limit == ""
     assert [(r.round, r.position) for r in requests] == [(0, 0), (1, 1), (2, 2), (3, 3)]
     assert [json.loads(episode.to_json())["actions"][i]["round"] for i in range(4)] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- the authors' prompts (MathChat)
+
+AUTHORS_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+# No Qwen3 tokenizer is available offline here: this template, written for the test, drops the reasoning of an
+# assistant turn before the last user message as Qwen3's does, and renders the rest as ChatML.
+DROPS_REASONING = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}{%- set content = m['content'] %}"
+    "{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CODER_FIRST = ("<think>\nThree boxes of four apples make twelve; two are eaten.\n</think>\n\n"
+               "```python\nprint(3 * 4 - 2)\n```")
+
+
+def qwen3_like_tokenizer():
+    from openrlhf_mappa.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = DROPS_REASONING
+    return tokenizer
+
+
+@pytest.mark.parametrize("keep_reasoning", [True, False])
+def test_mathchat_prompts_carry_the_authors_suffix_and_the_agents_earlier_reasoning(tmp_path, keep_reasoning):
+    """mathchat.yaml, through the real rollout and a template that drops earlier reasoning: every agent's prompt
+    and the coach's {task} end the problem with the authors' suffix; the Code Executor's second prompt shows its
+    first action as generated, <think> included (the authors' raw text), unless keep_reasoning: false (the
+    template's rendering, the behaviour before)."""
+    shipped = load_topology(f"{REPO}/examples/configs/mathchat.yaml", model_override="tiny")
+    assert shipped.keep_reasoning is True and shipped.problem_suffix == AUTHORS_SUFFIX
+    tokenizer = qwen3_like_tokenizer()
+    script = Script(tokenizer, {
+        "problem_solver": ["3 boxes of 4 apples is 12; eating 2 leaves 10."],
+        "code_executor": [CODER_FIRST, "The program printed 10."],
+        "verifier": ["\\boxed{10}"],
+    })  # fmt: skip
+    topology = dataclasses.replace(shipped, keep_reasoning=keep_reasoning)
+    episode, requests = play(topology, script, tmp_path)
+    problem = TASK["prompt"] + AUTHORS_SUFFIX
+    assert [problem in a.prompt_text for a in episode.actions] == [True] * 4
+    assert [r.task for r in requests] == [problem] * 4
+    assert all(problem in render_prompt(topology.coach_template, r) for r in requests)
+    earlier = f"<|im_start|>assistant\n{CODER_FIRST}<|im_end|>\n<|im_start|>user\n#### Output of the code\nstdout:\n10"
+    dropped = earlier.replace(CODER_FIRST, CODER_FIRST.split("\n\n", 1)[1])
+    second = episode.actions[2]
+    assert (second.agent, second.turn) == ("code_executor", 1)
+    assert (earlier in second.prompt_text, dropped in second.prompt_text) == (keep_reasoning, not keep_reasoning)
+    assert second.prompt_ids == tokenizer(second.prompt_text, add_special_tokens=False)["input_ids"]
+
+
+def test_eval_prompts_carry_the_authors_suffix(tmp_path):
+    """Evaluation renders its tasks through the same topology and environment: the suffix is there too."""
+    topology = load_topology(f"{REPO}/examples/configs/mathchat.yaml", model_override="tiny")
+    script = Script(qwen3_like_tokenizer(), {"problem_solver": ["12 - 2 = 10."], "code_executor": ["It is 10."],
+                                             "verifier": ["\\boxed{10}"]})
+    (episode,) = asyncio.run(evaluate(topology, [dict(TASK, type="")], script.policies, 1, str(tmp_path)))
+    assert [TASK["prompt"] + AUTHORS_SUFFIX in a.prompt_text for a in episode.actions] == [True] * 3
+
+
+def test_a_template_that_hides_earlier_replies_cannot_keep_their_reasoning():
+    tokenizer = qwen3_like_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
+                               "{% endfor %}")
+    policy = AgentPolicy(engines=[], tokenizer=tokenizer, max_new_tokens=8, max_len=4096)
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": CODER_FIRST},
+                {"role": "user", "content": "10"}]
+    assert policy.prompt_ids(messages)[0] == "q10"  # the template's own rendering
+    with pytest.raises(ValueError, match="does not show an earlier reply as written.*keep_reasoning: false"):
+        policy.prompt_ids(messages, keep_reasoning=True)
 
 
 # ---------------------------------------------------------------- debate

@@ -15,8 +15,11 @@
 # (DIR holds data_resplit/ and answers/; metadata rows as in mappa-bench's dsbench_modeling_*.json; tasks
 # whose files are missing or whose metric is not implemented are skipped and named). Offline, without DSBench:
 #   mappa dsbench make-pack data/dsbench-offline   and   MAPPA_TRAIN_DATA=$PWD/data/dsbench-offline/tasks.jsonl
-# The coach is any OpenAI-compatible endpoint (see train_mappa_mathchat.sh):
-#   export MAPPA_COACH_BASE_URL=... MAPPA_COACH_MODEL=... OPENAI_API_KEY=...
+# The coach is the authors': Gemini 2.5 Pro (thinking, temperature 0, free text) through Google's
+# OpenAI-compatible endpoint (export GEMINI_API_KEY=...), up to 300 s a request: a thinking coach on 16K-token
+# actions can take minutes, and a timed-out verdict leaves its action out. Another endpoint, or the open-weight
+# Qwen3-32B under vllm serve: MAPPA_COACH_BASE_URL, MAPPA_COACH_MODEL, MAPPA_COACH_API_KEY_ENV (see
+# train_mappa_mathchat.sh).
 # As the authors' scripts/run_train_dsbench.sh: 2 samples per task, train batch 16. Chosen here: prompts up to
 # 16K tokens (data.max_len = 16K prompt + 16K generation; theirs allows 24K prompts).
 set -euo pipefail
@@ -46,9 +49,11 @@ ray job submit --address="http://127.0.0.1:8265" \
    --mappa.topology examples/configs/dsbench.yaml \
    --mappa.reward process \
    --mappa.coach.kind openai \
-   --mappa.coach.base_url "${MAPPA_COACH_BASE_URL:?set MAPPA_COACH_BASE_URL}" \
-   --mappa.coach.model "${MAPPA_COACH_MODEL:?set MAPPA_COACH_MODEL}" \
-   --mappa.coach.api_key_env OPENAI_API_KEY \
+   --mappa.coach.base_url "${MAPPA_COACH_BASE_URL:-https://generativelanguage.googleapis.com/v1beta/openai/}" \
+   --mappa.coach.model "${MAPPA_COACH_MODEL:-gemini-2.5-pro}" \
+   --mappa.coach.api_key_env "${MAPPA_COACH_API_KEY_ENV:-GEMINI_API_KEY}" \
+   --mappa.coach.structured off \
+   --mappa.coach.timeout 300 \
    --mappa.run_dir "$OUT/run" \
    --data.prompt_dataset "${MAPPA_TRAIN_DATA:-$PWD/data/dsbench/tasks.jsonl}" \
    --mappa.colocate "$COLOCATE" $SLEEP \

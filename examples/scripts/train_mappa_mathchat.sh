@@ -15,9 +15,13 @@
 # `mappa plan` with these flags (plus --mappa.gpus N --mappa.gpu_memory_gib G) prints where everything goes
 # and its memory per phase, and the launch checks the same.
 #
-# The coach is any OpenAI-compatible endpoint:
-#   export MAPPA_COACH_BASE_URL=https://api.openai.com/v1 MAPPA_COACH_MODEL=gpt-4o-mini OPENAI_API_KEY=...
-# or an open-weight model served locally:  vllm serve Qwen/Qwen3-32B --port 8001
+# The coach is the authors': Gemini 2.5 Flash (thinking) at temperature 0, through Google's OpenAI-compatible
+# endpoint: export GEMINI_API_KEY=... It answers in free text (--mappa.coach.structured off: no JSON schema is
+# sent), the verdict after its reasoning: only the line `PROCESS_SCORE: <n>` is a score. Up to 300 s a request
+# (a thinking coach's long replies; the authors set no limit). Any other OpenAI-compatible endpoint:
+#   export MAPPA_COACH_BASE_URL=https://api.openai.com/v1 MAPPA_COACH_MODEL=gpt-4o-mini
+#   export MAPPA_COACH_API_KEY_ENV=OPENAI_API_KEY OPENAI_API_KEY=...
+# or the open-weight alternative, served locally:  vllm serve Qwen/Qwen3-32B --port 8001
 #   export MAPPA_COACH_BASE_URL=http://localhost:8001/v1 MAPPA_COACH_MODEL=Qwen/Qwen3-32B
 # Training data: a JSON list / JSONL of {"prompt", "answer"} rows, e.g. AIME problems.
 set -euo pipefail
@@ -49,9 +53,11 @@ ray job submit --address="http://127.0.0.1:8265" \
    --mappa.topology examples/configs/mathchat.yaml \
    --mappa.reward process \
    --mappa.coach.kind openai \
-   --mappa.coach.base_url "${MAPPA_COACH_BASE_URL:?set MAPPA_COACH_BASE_URL}" \
-   --mappa.coach.model "${MAPPA_COACH_MODEL:?set MAPPA_COACH_MODEL}" \
-   --mappa.coach.api_key_env OPENAI_API_KEY \
+   --mappa.coach.base_url "${MAPPA_COACH_BASE_URL:-https://generativelanguage.googleapis.com/v1beta/openai/}" \
+   --mappa.coach.model "${MAPPA_COACH_MODEL:-gemini-2.5-flash}" \
+   --mappa.coach.api_key_env "${MAPPA_COACH_API_KEY_ENV:-GEMINI_API_KEY}" \
+   --mappa.coach.structured off \
+   --mappa.coach.timeout 300 \
    --mappa.run_dir "$OUT/run" \
    --data.prompt_dataset "${MAPPA_TRAIN_DATA:-$PWD/data/AIME_1983_2024.json}" \
    --data.max_samples 512 \

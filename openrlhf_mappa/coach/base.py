@@ -120,11 +120,19 @@ _SCORE_LINE = (
 _BARE_NUMBER = re.compile(r"[*_`]*" + _NUM + r"[*_`]*" + _OUT_OF_10 + r"[*_`]*\.?")
 
 
+def after_thinking(text: str) -> str:
+    """A reasoning coach's verdict: what follows its last </think>. The reasoning itself is never read, for it
+    weighs scores it may not give; a reply cut off inside <think> has no verdict (what precedes the tag)."""
+    text = text or ""
+    return text.rpartition("</think>")[2] if "</think>" in text else text.partition("<think>")[0]
+
+
 def parse_score(text: str, key: str) -> Optional[float]:
     """The coach's score in [0, 10], else None: a JSON reply's "score" alone; else the `KEY: n` lines
     (case-insensitive, markdown allowed; two different values are no score), or a reply that is just a number.
-    A score out of range is no score, never a reason to look for another number."""
-    text = (text or "").strip()
+    A score out of range is no score, never a reason to look for another number. Only the verdict counts: the
+    text after a <think> block (after_thinking)."""
+    text = after_thinking(text).strip()
     fenced = re.fullmatch(r"```[ \t]*(?:json)?\s*(.*?)\s*```", text, re.DOTALL | re.IGNORECASE)
     body = fenced.group(1) if fenced else text
     if body.startswith("{"):
@@ -179,7 +187,7 @@ def parse_review(text: str, n: int) -> Optional[tuple]:
     """(scores in action order, index of the responsible action, rationale) from a hindsight reply, else None.
     The JSON "actions" must match the n actions one to one (ids 1..n once each, scores in [0, 10]) and
     "responsible" be one of the ids: anything else is no review at all, never a partial one or a guess."""
-    text = (text or "").strip()
+    text = after_thinking(text).strip()
     fenced = re.fullmatch(r"```[ \t]*(?:json)?\s*(.*?)\s*```", text, re.DOTALL | re.IGNORECASE)
     try:
         reply = json.loads(fenced.group(1) if fenced else text)

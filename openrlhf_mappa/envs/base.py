@@ -78,8 +78,8 @@ class MultiAgentEnv:
 
     @property
     def task_text(self) -> str:
-        """The task as the prompts' {task} and the coach see it."""
-        return self.task["prompt"]
+        """The task as the prompts' {task} and the coach see it: its prompt and the topology's problem_suffix."""
+        return self.task["prompt"] + self.topology.problem_suffix
 
     def next_agents(self, turns: dict, last: dict) -> list:
         """The AgentSpecs of the next round ([] ends the episode). `turns`: name -> actions so far; `last`: the
@@ -99,7 +99,8 @@ class MultiAgentEnv:
 
     def observe(self, agent: AgentSpec, turn: int, omit: int = 0) -> list[dict]:
         """The agent's system message, its prompt ({task}, and {history}: what its view selects of the other
-        agents' actions), then its own earlier actions as chat turns. `omit=k` leaves out the k oldest entries
+        agents' actions), then its own earlier actions as chat turns (the rollout renders them as generated, reasoning
+        included, unless the topology sets keep_reasoning: false). `omit=k` leaves out the k oldest entries
         (other agents' first) with a marker; the system message, prompt and task are never cut."""
         view, shows_history = agent.view, "{history}" in agent.prompt
         others = [e for e in self.history if shows_history and e.agent != agent.name
