@@ -78,6 +78,7 @@ class Verdict:
     source: str = "per_action"
     version: Optional[int] = None  # --mappa.coach.kind trained: the coach's weight version that gave it
     reference: Optional[dict] = None  # trained coach: its reference judge's verdict on the action, where asked
+    answer_correct: Optional[int] = None  # the reply's ANSWER_CORRECT line, 1 or 0 (coach.parse_answer_correct)
 
     def __post_init__(self):
         if self.status not in VERDICT_STATUSES:

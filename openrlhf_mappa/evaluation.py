@@ -1,12 +1,16 @@
-"""Evaluation: the team plays held-out tasks with no coach and no training; pass@1 accuracy, DSBench scores and
-behaviour metrics per agent. Used by MappaTrainer.evaluate (every --eval.steps) and `mappa eval`, both through
-the training rollout, so an evaluated episode is exactly a training episode minus the coach.
+"""Evaluation: the team plays held-out tasks with no training; pass@1 accuracy, DSBench scores and behaviour
+metrics per agent. Used by MappaTrainer.evaluate (every --eval.steps) and `mappa eval`, both through the training
+rollout, so an evaluated episode is exactly a training episode. Its accuracy has two graders: the environment's
+(`accuracy`; MathChat: math-verify) and, where a coach was asked, the authors' (`accuracy_coach`, coach_graded).
 """
 
 import os
+import re
 import statistics
+import unicodedata
 
 from openrlhf_mappa.coach import Coach, CoachRequest
+from openrlhf_mappa.coach.audit import coach_step_metrics
 from openrlhf_mappa.envs.base import load_tasks
 from openrlhf_mappa.episode import Verdict
 from openrlhf_mappa.rollout import rollout
@@ -31,11 +35,64 @@ def load_eval_sets(paths: list, limit: int = 0) -> dict:
     return {os.path.splitext(os.path.basename(p))[0]: load_tasks(p)[: limit or None] for p in paths}
 
 
+def train_overlap(train_tasks: list, eval_tasks: list) -> list:
+    """The ids of the eval tasks that are training problems too: the same text (case, spaces and `$` aside), or
+    the same AIME problem, known by its AoPS URL or its year, part and number (rows of one problem differ in
+    wording between files, and their ids are numbered per file, so ids alone say nothing)."""
+    seen = {key for task in train_tasks for key in problem_keys(task)}
+    return [task["id"] for task in eval_tasks if problem_keys(task) & seen]
+
+
+_AOPS = re.compile(r"(\d{4})_AIME_(?:(I{1,2})_)?Problems/Problem_(\d+)")
+
+
+def problem_keys(task: dict) -> set:
+    text = re.sub(r"[\s$]+", "", unicodedata.normalize("NFKC", str(task.get("prompt", ""))).lower())
+    keys = {("text", text)}
+    url = _AOPS.search(str(task.get("url") or ""))
+    if url:
+        keys.add(("aime", int(url[1]), url[2], int(url[3])))
+    elif isinstance(task.get("year"), int) and isinstance(task.get("problem_number"), int):
+        keys.add(("aime", task["year"], task.get("part"), task["problem_number"]))
+    return keys
+
+
 async def evaluate(topology, tasks: list, policies: dict, n_samples: int, workspace_root: str, step: int = 0,
-                   progress=None) -> list:
-    """n_samples episodes per task, all at once; returns the episodes, task-major. progress: see rollout."""
+                   progress=None, coach: Coach = None) -> list:
+    """n_samples episodes per task, all at once; returns the episodes, task-major. progress: see rollout.
+    coach: asked about every action, per action, for the authors' grader (coach_graded); None: no coach."""
     episodes = [t for t in tasks for _ in range(n_samples)]
-    return await rollout(topology, episodes, policies, NoCoach(), workspace_root, step, progress=progress)
+    return await rollout(topology, episodes, policies, coach or NoCoach(), workspace_root, step, progress=progress)
+
+
+def coach_cost(episodes: list, price_in: float = 0.0, price_out: float = 0.0) -> dict:
+    """The grading coach's requests, tokens, failed fraction and cost (with prices, USD per 1M tokens) over an
+    evaluation's episodes: its summary's coach/ keys; {} when no coach was asked."""
+    m = coach_step_metrics(episodes, price_in, price_out)
+    if not m["coach/requests"]:
+        return {}
+    keys = ("coach/requests", "coach/failure_fraction", "coach/tokens_in", "coach/tokens_out", "coach/cost_usd")
+    return {k: m[k] for k in keys if k in m}
+
+
+def coach_graded(episode) -> tuple:
+    """(accuracy, how) of one episode by the authors' grader (multi_agent_world_async.evaluate_samples, with
+    mathchat_workflow_with_coach.py and coach_utils.py): the coach's ANSWER_CORRECT (1/0) on the final agent's last
+    action; where its reply has none, that verdict's raw 0-10 score (so their mean can pass 1); 0.0 when the final
+    agent never acted. None when the coach gave no verdict there (it failed, or none was asked): left out of the
+    mean and counted, never an invented grade (their coach never fails: it falls back to 5.0)."""
+    finals = [a for a in episode.actions if a.coach_request.get("is_final_agent")]
+    if not finals:
+        return 0.0, "no_final_action"
+    verdict = finals[-1].verdict
+    if verdict is None or verdict.status != "ok":
+        return None, "ungraded"
+    if verdict.answer_correct is not None:
+        return float(verdict.answer_correct), "answer_correct"
+    return verdict.score, "score_fallback"
+
+
+GRADED_BY = ("answer_correct", "score_fallback", "no_final_action", "ungraded")
 
 
 def _mean(values):
@@ -70,19 +127,28 @@ def behaviour_metrics(episodes: list, agent_names: list) -> dict:
 def summarize(episodes: list, agent_names: list, tasks: list) -> tuple:
     """(summary, problems). accuracy: the mean over problems of pass@1 (mean success over its samples). DSBench
     outcomes add relative_score (an invalid submission counts 0, as DSBench's paper), each task metric's mean
-    over valid submissions, and success rate and relative score per task type."""
+    over valid submissions, and success rate and relative score per task type. Where a coach graded the episodes,
+    accuracy_coach is the same mean by the authors' grader (coach_graded), with accuracy_coach/<how> counts."""
     by_task = {}
     for ep in episodes:
         by_task.setdefault(ep.task_id, []).append(ep)
+    # A coach graded this evaluation (not NoCoach): some verdict is not `skipped`.
+    graded = any(a.verdict and a.verdict.status != "skipped" for ep in episodes for a in ep.actions)
     problems = []
     for task in tasks:
         samples = by_task.get(task["id"], [])
         problems.append({"id": task["id"], "type": task.get("type", ""), "reference": task["answer"],
                          "pass1": _mean([float(ep.success) for ep in samples]),
                          "samples": [ep.outcome for ep in samples]})
+        if graded:
+            problems[-1]["pass1_coach"] = _mean([coach_graded(ep)[0] for ep in samples])
     outcomes = [ep.outcome for ep in episodes]
     summary = {"accuracy": _mean([p["pass1"] for p in problems]), "n_problems": len(problems),
                "n_samples": len(episodes) // max(1, len(problems))}
+    if graded:  # the authors' grader, beside the environment's; how each episode was graded, counted
+        summary["accuracy_coach"] = _mean([p["pass1_coach"] for p in problems])
+        hows = [coach_graded(ep)[1] for ep in episodes]
+        summary.update({f"accuracy_coach/{how}": hows.count(how) for how in GRADED_BY})
     if any("answered" in o for o in outcomes):
         summary["answered_rate"] = _mean([float(bool(o.get("answered"))) for o in outcomes])
     if any(ep.action_limit for ep in episodes):  # stopped by a limit (rollout.run_episode): failures, counted

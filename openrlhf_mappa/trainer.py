@@ -23,7 +23,7 @@ from openrlhf_mappa import resume, rewards
 from openrlhf_mappa.coach import trained
 from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, coach_step_metrics
 from openrlhf_mappa.console import console, step_line
-from openrlhf_mappa.evaluation import NoCoach, evaluate, format_table, summarize
+from openrlhf_mappa.evaluation import NoCoach, coach_cost, evaluate, format_table, summarize, train_overlap
 from openrlhf_mappa.health import RunStopped, env_failures, untrained_reasons
 from openrlhf_mappa.launch import distinct, owners
 from openrlhf_mappa.rollout import AgentPolicy, rollout
@@ -46,6 +46,12 @@ class MappaTrainer:
         # --mappa.coach.score_outcome_runs asks it all the same, for a comparison that is logged, never trained on.
         self.scored = self.mappa.reward == "process" or self.mappa.coach.score_outcome_runs
         self.rollout_coach = coach if self.scored else NoCoach("outcome baseline: not scored")
+        # Evaluation's grader (the authors' accuracy: evaluation.coach_graded) is the rollouts' coach, its cost
+        # counted; for a trained coach its reference judge, lest the coach's eval verdicts become its training.
+        self.eval_coach = coach.reference if self.coach_agent else self.rollout_coach
+        if self.eval_coach.template is None:  # a hindsight-only coach: no per-action prompt to grade with
+            self.eval_coach = NoCoach("evaluation: the coach has no per-action prompt (coach_template)")
+        self.eval_overlap = {name: len(train_overlap(tasks, ts)) for name, ts in self.eval_sets.items()}
         self.bias_audit = BiasAudit(self.mappa.coach.bias_threshold, self.mappa.coach.bias_window)
         self.coach_cost_usd = 0.0
         # The coach template in use (an index into topology.coach_stages) and the first step it scored.
@@ -375,17 +381,22 @@ class MappaTrainer:
         self.coach.template = self.topology.coach_stages[index].template
 
     def evaluate(self, step: int):
-        """Every --eval.dataset, n samples per task at --eval.temperature, on the current weights: a line per dataset
-        in eval.jsonl (read by `mappa report`), the per-problem results in eval/, and the loggers' eval/ namespace."""
-        ev, names = self.args.eval, [ag.spec.name for ag in self.agents]
+        """Every --eval.dataset, n samples per task at --eval.temperature, on the current weights, graded by the
+        environment and by the coach (eval_coach): a line per dataset in eval.jsonl (read by `mappa report` and
+        `mappa paper-table`), the per-problem results in eval/, and the loggers' eval/ namespace."""
+        ev, names, c = self.args.eval, [ag.spec.name for ag in self.agents], self.mappa.coach
         for dataset, tasks in self.eval_sets.items():
             workspace = os.path.join(self.run_dir, "workspaces", f"eval-{dataset}")
             total = len(tasks) * ev.n_samples_per_prompt
             with self.engines_awake(), tqdm(total=total, desc=f"evaluation {dataset}", unit="episode", leave=False,
                                             file=console.err) as bar:
                 episodes = self.wait_for(evaluate(self.topology, tasks, self.eval_policies, ev.n_samples_per_prompt,
-                                                  workspace, step, bar.update))
+                                                  workspace, step, bar.update, self.eval_coach))
             summary, problems = summarize(episodes, names, tasks)
+            summary.update(coach_cost(episodes, c.price_in, c.price_out))  # counted in the run's total cost too
+            self.coach_cost_usd += summary.get("coach/cost_usd", 0.0)
+            if self.eval_overlap.get(dataset):  # allowed by --mappa.allow_eval_overlap: on every record of it
+                summary["train_overlap"] = self.eval_overlap[dataset]
             self.out.evaluation(step, dataset, summary, problems)
             tqdm.write(f"[mappa] evaluation after step {step}\n{format_table({dataset: summary})}", file=console.err)
 

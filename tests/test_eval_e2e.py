@@ -93,3 +93,7 @@ def assert_shared_policy_group_norm_run(run_dir):
             assert all(s["success"] == grade(s["answer"], p["reference"]) for s in p["samples"])
             assert p["pass1"] == sum(s["success"] for s in p["samples"]) / 2
         assert e["accuracy"] == sum(p["pass1"] for p in detail["problems"]) / 2 and e["agent/verifier/num_actions"] == 4
+        # Graded by the coach too (the run's heuristic one: no ANSWER_CORRECT, so its score, the authors' fallback);
+        # the eval set is the training file, allowed by --mappa.allow_eval_overlap and counted.
+        assert (e["train_overlap"], e["coach/requests"], e["accuracy_coach/score_fallback"]) == (2, 8, 4)
+        assert e["accuracy_coach"] == sum(p["pass1_coach"] for p in detail["problems"]) / 2

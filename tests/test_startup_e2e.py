@@ -48,9 +48,11 @@ def shared_policy_argv(tmp_path, tiny_model, *flags) -> list:
 @pytest.mark.e2e
 def test_start_up_killed_then_restarted_past_stale_locks(tmp_path, tiny_model):
     # Run 2 is also the baselines' run: one shared policy for both roles, GRPO-style group normalization, evaluation
-    # before and after training (checked in test_eval_e2e.assert_shared_policy_group_norm_run).
+    # before and after training (checked in test_eval_e2e.assert_shared_policy_group_norm_run), on the training tasks
+    # themselves: allowed by --mappa.allow_eval_overlap (the launcher refuses an eval set of training problems).
     argv = shared_policy_argv(tmp_path, tiny_model, "--mappa.startup_warn_s", "10", "--mappa.startup_timeout_s", "300",
                               "--mappa.norm_scope", "group", "--eval.dataset", str(tmp_path / "tasks.jsonl"),
+                              "--mappa.allow_eval_overlap",
                               "--eval.n_samples_per_prompt", "2", "--actor.adam.lr", "1e-2", "--actor.lr_warmup_ratio", "0")
     cmd = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv]
     run_id = str(tmp_path)

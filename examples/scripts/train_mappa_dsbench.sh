@@ -10,8 +10,10 @@
 # per phase, and the launch checks the same. The policy loss weighs every sequence the same, as the authors'
 # (--actor.loss_agg_mode seq-mean-token-mean; see train_mappa_mathchat.sh).
 #
-# Tasks: the paper trains on DSBench's 64 modeling tasks. Download DSBench's data yourself, then
-#   mappa dsbench import --data-root DIR --metadata dsbench_modeling_train.json --out data/dsbench
+# Tasks: the paper trains on DSBench's 64 modeling tasks and evaluates on 8 (before the first step and every 2
+# steps, 4 samples each at T 0.6, as the authors). Download DSBench's data yourself, then
+#   mappa dsbench import --data-root DIR --metadata data/dsbench_modeling_train.json --out data/dsbench
+#   mappa dsbench import --data-root DIR --metadata data/dsbench_modeling_eval.json --out data/dsbench-eval
 # (DIR holds data_resplit/ and answers/; metadata rows as in mappa-bench's dsbench_modeling_*.json; tasks
 # whose files are missing or whose metric is not implemented are skipped and named). Offline, without DSBench:
 #   mappa dsbench make-pack data/dsbench-offline   and   MAPPA_TRAIN_DATA=$PWD/data/dsbench-offline/tasks.jsonl
@@ -41,6 +43,12 @@ echo "[mappa] this recipe needs $NEED GPUs in the Ray cluster: $AGENTS agents, -
 # model for every agent; one step of each component, weight syncs, sleep, threads, host memory; a few minutes).
 ENTRY=(openrlhf_mappa.cli.train_mappa_ray)
 [ -z "${MAPPA_DOCTOR:-}" ] || ENTRY=(openrlhf_mappa.cli.mappa doctor --mappa.model "$MAPPA_DOCTOR")
+# The paper's tasks (README, Data): imported from the authors' metadata in MAPPA_DATA (default $PWD/data), which is
+# refused when missing or not theirs (SHA-256). MAPPA_TRAIN_DATA, MAPPA_EVAL_DATA (absolute paths): your own.
+DATA=${MAPPA_DATA:-$PWD/data}
+source examples/scripts/paper_data.sh  # run from the checkout, as --mappa.topology below
+[ -n "${MAPPA_TRAIN_DATA:-}" ] || imported "$PWD/data/dsbench/tasks.jsonl" "$DATA/dsbench_modeling_train.json"
+[ -n "${MAPPA_EVAL_DATA:-}" ] || imported "$PWD/data/dsbench-eval/tasks.jsonl" "$DATA/dsbench_modeling_eval.json"
 set -x
 
 ray job submit --address="http://127.0.0.1:8265" \
@@ -56,6 +64,10 @@ ray job submit --address="http://127.0.0.1:8265" \
    --mappa.coach.timeout 300 \
    --mappa.run_dir "$OUT/run" \
    --data.prompt_dataset "${MAPPA_TRAIN_DATA:-$PWD/data/dsbench/tasks.jsonl}" \
+   --eval.dataset "${MAPPA_EVAL_DATA:-$PWD/data/dsbench-eval/tasks.jsonl}" \
+   --eval.steps 2 \
+   --eval.n_samples_per_prompt 4 \
+   --eval.temperature 0.6 \
    --mappa.colocate "$COLOCATE" $SLEEP \
    --actor.num_gpus_per_node "$ACTOR_GPUS" \
    --ref.num_gpus_per_node "$REF_GPUS" \

@@ -23,7 +23,10 @@
 #   export MAPPA_COACH_API_KEY_ENV=OPENAI_API_KEY OPENAI_API_KEY=...
 # or the open-weight alternative, served locally:  vllm serve Qwen/Qwen3-32B --port 8001
 #   export MAPPA_COACH_BASE_URL=http://localhost:8001/v1 MAPPA_COACH_MODEL=Qwen/Qwen3-32B
-# Training data: a JSON list / JSONL of {"prompt", "answer"} rows, e.g. AIME problems.
+# Training data: a JSON list / JSONL of {"prompt", "answer"} rows: the paper's 512 of AIME 1983-2024 (seed 42).
+# Evaluated as the authors: before the first step and every 4 steps, on AIME 2025 (30 problems) and amc_eval_32,
+# 4 samples each at T 0.6 (their 2 per engine x 2 engines), graded by math-verify and by the coach's ANSWER_CORRECT
+# (`mappa paper-table $OUT/run` writes the paper's table).
 set -euo pipefail
 
 # Absolute paths: `ray job submit` runs the job in a temporary copy of working_dir, where relative outputs
@@ -45,6 +48,12 @@ echo "[mappa] this recipe needs $NEED GPUs in the Ray cluster: $AGENTS agents, -
 # model for every agent; one step of each component, weight syncs, sleep, threads, host memory; a few minutes).
 ENTRY=(openrlhf_mappa.cli.train_mappa_ray)
 [ -z "${MAPPA_DOCTOR:-}" ] || ENTRY=(openrlhf_mappa.cli.mappa doctor --mappa.model "$MAPPA_DOCTOR")
+# The paper's data (README, Data): the authors' files in MAPPA_DATA (default $PWD/data), refused when missing or
+# not theirs (SHA-256). MAPPA_TRAIN_DATA, MAPPA_EVAL_DATA (absolute paths; eval files comma-separated): your own.
+DATA=${MAPPA_DATA:-$PWD/data}
+source examples/scripts/paper_data.sh  # run from the checkout, as --mappa.topology below
+[ -n "${MAPPA_TRAIN_DATA:-}" ] || paper_data "$DATA" AIME_1983_2024.json
+[ -n "${MAPPA_EVAL_DATA:-}" ] || paper_data "$DATA" aime_2025.json amc_eval_32.json
 set -x
 
 ray job submit --address="http://127.0.0.1:8265" \
@@ -59,8 +68,12 @@ ray job submit --address="http://127.0.0.1:8265" \
    --mappa.coach.structured off \
    --mappa.coach.timeout 300 \
    --mappa.run_dir "$OUT/run" \
-   --data.prompt_dataset "${MAPPA_TRAIN_DATA:-$PWD/data/AIME_1983_2024.json}" \
+   --data.prompt_dataset "${MAPPA_TRAIN_DATA:-$DATA/AIME_1983_2024.json}" \
    --data.max_samples 512 \
+   --eval.dataset "${MAPPA_EVAL_DATA:-$DATA/aime_2025.json,$DATA/amc_eval_32.json}" \
+   --eval.steps 4 \
+   --eval.n_samples_per_prompt 4 \
+   --eval.temperature 0.6 \
    --mappa.colocate "$COLOCATE" $SLEEP \
    --actor.num_gpus_per_node "$ACTOR_GPUS" \
    --ref.num_gpus_per_node "$REF_GPUS" \

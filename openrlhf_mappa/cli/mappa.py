@@ -1,5 +1,5 @@
-"""The `mappa` command: project tools (`mappa plan`, `mappa doctor`, `mappa eval`, `mappa report`, `mappa tiny-model`,
-`mappa merge-lora`, `mappa coach score`, `mappa sandbox run`, `mappa dsbench make-pack|import|score`)."""
+"""The `mappa` command: project tools (`mappa plan`, `mappa doctor`, `mappa eval`, `mappa report`, `mappa paper-table`,
+`mappa tiny-model`, `mappa merge-lora`, `mappa coach score`, `mappa sandbox run`, `mappa dsbench make-pack|import|score`)."""
 
 import json
 import os
@@ -46,6 +46,14 @@ def main(argv=None):
             if args.out:
                 out_file(args.out, "--out")
             print(write_report(*args.run_dirs, out=args.out))
+    elif args.command == "paper-table":
+        from openrlhf_mappa import paper_table
+
+        with refusals("mappa paper-table:"):
+            if args.out:
+                out_file(args.out + ".md", "--out")
+            text, paths = paper_table.write(args.run_dirs, args.out)
+        print(f"{text}\n{paths[0]}\n{paths[1]}")
 
 
 def build_parser():
@@ -106,6 +114,11 @@ def build_parser():
                    help="a run's --mappa.run_dir (metrics.jsonl, episodes.jsonl, eval.jsonl); several: overlaid")
     p.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html; several runs: the first's "
                    "compare.html)")
+    p = sub.add_parser("paper-table", help="the paper's table from runs' eval.jsonl: each eval set's first (step 0) "
+                       "and last evaluation side by side; MathChat's accuracy under both graders, DSBench's success "
+                       "rate and metrics; Markdown and JSON")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's --mappa.run_dir (its eval.jsonl)")
+    p.add_argument("--out", help="write OUT.md and OUT.json (default: the first RUN_DIR's paper_table.md, .json)")
     return parser, eval_parser, score_parser
 
 
@@ -131,6 +144,16 @@ def add_eval_parser(sub):
     p.add_argument("--gpu-memory-utilization", type=ranged(float, 0, 1, above=True), default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--coach-model", help="also grade with this coach (the topology's coach prompt and score key, at "
+                   "--coach-base-url): accuracy_coach, the authors' grader (its ANSWER_CORRECT line on the final "
+                   "agent's last action, else its score), beside the environment's accuracy")
+    p.add_argument("--coach-base-url", help="the coach's OpenAI-compatible endpoint, e.g. http://localhost:8001/v1")
+    p.add_argument("--coach-api-key-env", default="OPENAI_API_KEY")
+    p.add_argument("--coach-structured", choices=["auto", "json_schema", "off"], default="off",
+                   help="off (default): free text, as the authors' coach, so it can write its ANSWER_CORRECT line "
+                        "(a JSON schema leaves room for the score alone)")
+    p.add_argument("--coach-price-in", type=NONNEGATIVE, default=0.0, help="USD per 1M prompt tokens: coach/cost_usd")
+    p.add_argument("--coach-price-out", type=NONNEGATIVE, default=0.0, help="USD per 1M completion tokens")
     return p
 
 
@@ -337,13 +360,32 @@ def eval_inputs(parser, args):
         out_file(args.out, "--out")
         if args.workspace:
             not_a_directory(args.workspace)
-    return topology, models, adapters, datasets
+        coach = eval_coach(parser, args, topology)
+    return topology, models, adapters, datasets, coach
+
+
+def eval_coach(parser, args, topology):
+    """`mappa eval`'s grading coach (--coach-model), probed before any engine starts; None without one."""
+    import asyncio
+
+    from openrlhf_mappa.coach import build_coach
+
+    if bool(args.coach_model) != bool(args.coach_base_url):
+        parser.error("--coach-model and --coach-base-url go together (the coach that grades the episodes)")
+    if not args.coach_model:
+        return None
+    topology.check_coach_template(args.topology, "openai", "per_action")
+    make = lambda: build_coach("openai", template=topology.coach_template, model=args.coach_model,
+                               base_url=args.coach_base_url, api_key_env=args.coach_api_key_env,
+                               structured=args.coach_structured, score_key=topology.score_key)
+    asyncio.run(make().probe())  # by a coach of its own: an HTTP session belongs to the event loop it ran on
+    return make()
 
 
 def eval_main(parser, args):
     """Team evaluation on vLLM engines (one group per distinct model, so agents sharing a base model share
     engines), through the training rollout minus the coach; see evaluation.py."""
-    topology, models, adapters, datasets = eval_inputs(parser, args)
+    topology, models, adapters, datasets, coach = eval_inputs(parser, args)
 
     import asyncio
     import tempfile
@@ -352,7 +394,7 @@ def eval_main(parser, args):
     from openrlhf.trainer.ray import create_vllm_engines
     from transformers import AutoTokenizer
 
-    from openrlhf_mappa.evaluation import evaluate, format_table, summarize
+    from openrlhf_mappa.evaluation import coach_cost, evaluate, format_table, summarize
     from openrlhf_mappa.rollout import AgentPolicy
 
     if not ray.is_initialized():
@@ -374,15 +416,23 @@ def eval_main(parser, args):
                                        adapter=spec.name if spec.name in adapters else None)
                 for spec in topology.agents}
     workspace = args.workspace or tempfile.mkdtemp(prefix="mappa-eval-")
+
+    async def every_dataset():  # one event loop: the coach's HTTP session belongs to the loop it first ran on
+        played = {dataset: await evaluate(topology, tasks, policies, args.n_samples, os.path.join(workspace, dataset),
+                                          coach=coach) for dataset, tasks in datasets.items()}
+        if coach:
+            await coach.aclose()
+        return played
+
     results, summaries = {}, {}
     with open(args.out + ".episodes.jsonl", "w", encoding="utf-8") as f:
-        for dataset, tasks in datasets.items():
-            episodes = asyncio.run(evaluate(topology, tasks, policies, args.n_samples,
-                                            os.path.join(workspace, dataset)))
+        for dataset, episodes in asyncio.run(every_dataset()).items():
             f.writelines(ep.to_json() + "\n" for ep in episodes)
-            summary, problems = summarize(episodes, list(models), tasks)
+            summary, problems = summarize(episodes, list(models), datasets[dataset])
+            summary.update(coach_cost(episodes, args.coach_price_in, args.coach_price_out))
             results[dataset], summaries[dataset] = {"summary": summary, "problems": problems}, summary
-    settings = {k: getattr(args, k) for k in ("n_samples", "temperature", "top_p", "max_new_tokens", "max_len", "seed")}
+    settings = {k: getattr(args, k) for k in ("n_samples", "temperature", "top_p", "max_new_tokens", "max_len", "seed",
+                                              "coach_model", "coach_structured")}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump({"models": models, "adapters": {n: a["dir"] for n, a in adapters.items()}, "settings": settings,
                    "datasets": results}, f, indent=1)

@@ -121,6 +121,10 @@ def add_training_args(g):
                         "environment (such an episode is a counted failure and trains nothing)")
     g.add_argument("--mappa.run_dir", default="./runs/mappa",
                    help="metrics.jsonl, episodes.jsonl and code workspaces")
+    g.add_argument("--mappa.allow_eval_overlap", action="store_true",
+                   help="evaluate on an --eval.dataset that shares problems with the training tasks (refused by "
+                        "default: it inflates the trained team's score); warned, and counted as train_overlap in "
+                        "eval.jsonl")
 
 
 def add_coach_args(g):
@@ -706,6 +710,26 @@ def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:
     return [tasks[i] for i in sorted(picked.tolist())]
 
 
+def check_eval_overlap(args, tasks: list, eval_sets: dict) -> None:
+    """Refuse (or, with --mappa.allow_eval_overlap, warn about) eval sets that hold training problems: a trained
+    team's score on problems it trained on is no held-out result, and nothing in eval.jsonl would show it."""
+    from openrlhf_mappa.evaluation import train_overlap
+
+    shared = {name: train_overlap(tasks, eval_tasks) for name, eval_tasks in eval_sets.items()}
+    said = [f"{name}: {len(ids)} of its {len(eval_sets[name])} problems (ids {', '.join(map(str, ids[:8]))}"
+            f"{', ...' if len(ids) > 8 else ''})" for name, ids in shared.items() if ids]
+    if not said:
+        return
+    what = (f"--eval.dataset shares problems with the {len(tasks)} training tasks of {args.data.prompt_dataset} "
+            f"(--data.max_samples {args.data.max_samples}, --train.seed {args.train.seed}), by problem text or AIME "
+            f"year/part/number: " + "; ".join(said))
+    if not args.mappa.allow_eval_overlap:
+        raise ValueError(f"{what}. Evaluate on held-out problems (the paper's aime_2025.json, amc_eval_32.json), or "
+                         "pass --mappa.allow_eval_overlap to measure them anyway (counted as train_overlap)")
+    print(f"[mappa] WARNING: {what}; their scores are not held-out results (train_overlap in eval.jsonl)",
+          file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def output_to(log_path: str):
     """This process's stdout and stderr into `log_path` at the file-descriptor level, where Ray's, vLLM's and
@@ -798,6 +822,7 @@ def train(args):
                              f"{args.rollout.batch_size}")
         eval_sets = load_eval_sets([p for p in (args.eval.dataset or "").split(",") if p])
         topology.check_env(tasks + [t for ts in eval_sets.values() for t in ts], args.mappa.topology)
+        check_eval_overlap(args, tasks, eval_sets)
         for flag, path in (("--mappa.run_dir", args.mappa.run_dir), ("--ckpt.path", args.ckpt.path)):
             if os.path.exists(path) and not os.path.isdir(path):
                 raise ValueError(f"{flag} {path}: exists and is not a directory")

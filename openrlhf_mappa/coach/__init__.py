@@ -5,7 +5,8 @@ the team's cluster that trains with the agents, anchored to one of the others: c
 
 from openrlhf_mappa.coach.base import (  # noqa: F401 (the package's API)
     COACH_MODES, DEFAULT_REVIEW_TEMPLATE, DEFAULT_SCORE_KEY, PROMPT_FIELDS, REVIEW_FIELDS, SCORE_KEY_RE, Coach,
-    CoachRequest, combine, judge_episode, parse_review, parse_score, render_prompt, render_review_prompt,
+    CoachRequest, combine, judge_episode, parse_answer_correct, parse_review, parse_score, render_prompt,
+    render_review_prompt,
 )
 
 COACH_KINDS = ("heuristic", "openai", "trained")

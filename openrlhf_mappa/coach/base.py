@@ -154,6 +154,20 @@ def parse_score(text: str, key: str) -> Optional[float]:
     return score if 0.0 <= score <= 10.0 else None
 
 
+# The authors' MathChat coach also states whether the Verifier's answer equals the reference: `ANSWER_CORRECT: 1|0`
+# (their in-loop accuracy). Read as strictly as the score: its own key line only, 0 or 1, one value; a reasoning
+# coach's <think> block is not its verdict. Never a reward: evaluation's coach-graded accuracy (evaluation.py).
+ANSWER_KEY = "ANSWER_CORRECT"
+_ANSWER_LINE = re.compile(_SCORE_LINE.replace("{key}", ANSWER_KEY), re.IGNORECASE | re.MULTILINE)
+
+
+def parse_answer_correct(text: str) -> Optional[int]:
+    """1 or 0 from the reply's `ANSWER_CORRECT: <1|0>` lines (after_thinking), else None (absent, another
+    number, or two different values)."""
+    values = {float(n) for n in _ANSWER_LINE.findall(after_thinking(text))}
+    return int(values.pop()) if len(values) == 1 and values <= {0.0, 1.0} else None
+
+
 def render_review_prompt(template: str, requests: list, outcome: dict) -> str:
     """Fill a hindsight template (fields REVIEW_FIELDS) with a finished episode, its actions numbered from 1."""
     parts = []
@@ -221,7 +235,8 @@ def combine(per_action: Verdict, hindsight: Verdict) -> Verdict:
             else "per-action only (the hindsight review failed)" if per_action.status == "ok"
             else "hindsight only (the per-action verdict failed)")
     return Verdict(sum(scores) / len(scores), "ok", f"{rule}: per-action {per_action.score}, hindsight "
-                   f"{hindsight.score}", per_action.coach, cached=per_action.cached and hindsight.cached, source="both")
+                   f"{hindsight.score}", per_action.coach, cached=per_action.cached and hindsight.cached, source="both",
+                   answer_correct=per_action.answer_correct)
 
 
 async def judge_episode(coach: Coach, mode: str, requests: list, outcome: dict, pending: list) -> tuple:

@@ -23,7 +23,8 @@ import aiohttp
 import yarl
 
 from openrlhf_mappa.coach.base import (DEFAULT_REVIEW_TEMPLATE, DEFAULT_SCORE_KEY, SCORE_KEY_RE, Coach, CoachRequest,
-                                       parse_review, parse_score, render_prompt, render_review_prompt)
+                                       parse_answer_correct, parse_review, parse_score, render_prompt,
+                                       render_review_prompt)
 from openrlhf_mappa.coach.cache import VerdictCache
 from openrlhf_mappa.episode import Review, Verdict
 
@@ -129,7 +130,8 @@ class OpenAICoach(Coach):
                 return dataclasses.replace(hit, cached=True)
             score, text, status, tally = await self.ask(prompt, lambda t: parse_score(t, self.score_key),
                                                         VERDICT_SCHEMA, self.reprompt, "valid score in [0, 10]")
-            verdict = Verdict(score=score, status=status, rationale=text, coach=self.name, **tally)
+            verdict = Verdict(score=score, status=status, rationale=text, coach=self.name, **tally,
+                              answer_correct=parse_answer_correct(text) if status == "ok" else None)
             if verdict.status == "ok":
                 self.cache.put(key, verdict)
             return verdict
