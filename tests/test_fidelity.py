@@ -254,6 +254,9 @@ def render(args, topology, rows_in_task_file: int, coach_facts: dict, prompt_fac
         "rollout micro-batch": a.rollout.micro_batch_size, "train batch": a.train.batch_size,
         "train micro-batch": a.train.micro_batch_size, "epochs": a.train.max_epochs,
         "temperature": a.rollout.temperature, "top_p": a.rollout.top_p,
+        "eval sets": sorted(Path(p).name for p in (a.eval.dataset or "").split(",") if p),
+        "eval every (steps)": a.eval.steps, "eval samples": a.eval.n_samples_per_prompt,
+        "eval temperature": a.eval.temperature,
         "generation length": a.rollout.max_new_tokens, "prompt length": a.data.max_len - a.rollout.max_new_tokens,
         "truncated actions trained": a.mappa.train_truncated,
         "reward scale": topology.reward_scale,
@@ -332,6 +335,9 @@ def common(script: str) -> dict:
         "top_p": Authors(1.0, f"{script} top_p=1.0"),
         "truncated actions trained": Authors(False, f"{script} mask_truncated_completions=True"),
         "turns end": Authors("on a reply without code", STEP),
+        "eval samples": Authors(4, f"{script}: 2 samples on each of 2 vLLM engines "
+                                   "(marti/worlds/multi_agent_world_async.py L327-351)"),
+        "eval temperature": Authors(0.6, f"{script}: eval temperature 0.6"),
         "score key": Authors("PROCESS_SCORE", f"{MCY}, {DSY} coach_prompt_template"),
         "reward of 'PROCESS_SCORE: 4 / ANSWER_CORRECT: 1'": Authors(
             4.0, "marti/worlds/workflows/coach_utils.py: the process score only (outcome weight 0.0)"),
@@ -353,6 +359,8 @@ AUTHORS = {
         **common(MC),
         "tasks": Authors(512, f"{MC} max_samples=512 of AIME_1983_2024.json (933 rows), random_sample_train"),
         "coach model": Authors("gemini-2.5-flash", f"{MCY} L43"),
+        "eval sets": Authors(["aime_2025.json", "amc_eval_32.json"], f"{MC} L265-273 eval datasets"),
+        "eval every (steps)": Authors(4, f"{MC} L265-273: step 0, then every 4 steps"),
         "problem suffix/agents": Authors(SUFFIX, f"{DEFAULTS} L193 prompt suffix, marti/dataset/prompts_loader.py"),
         "episodes": Authors(8, f"{MC} num_episodes=8"),
         "rollout batch": Authors(32, f"{MC} rollout_batch_size=32"),
@@ -381,6 +389,9 @@ AUTHORS = {
         "tasks": Authors(64, f"{DS} dsbench_modeling_train.json (64 tasks), max_samples=400000"),
         "eval tasks": Authors(8, f"{DS} eval data: dsbench_modeling_eval.json (8 held-out tasks)"),
         "coach model": Authors("gemini-2.5-pro", f"{DS} L320"),
+        "eval sets": Authors(["tasks.jsonl"], f"{DS} dsbench_modeling_eval.json (8 tasks; ours: imported to "
+                                             "data/dsbench-eval/tasks.jsonl)"),
+        "eval every (steps)": Authors(2, f"{DS}: step 0, then every 2 steps"),
         "problem suffix/agents": Authors("", f"{DSW} L363-375: the cleaned task text, no suffix"),
         "problem suffix/coach": Authors(SUFFIX, f"{DEFAULTS} L193 prompt suffix, {BASE} L488-490", ours="",
                                         readme="agents' prompts"),
