@@ -1,5 +1,6 @@
-"""The `mappa` command: project tools (`mappa plan`, `mappa doctor`, `mappa eval`, `mappa report`, `mappa paper-table`,
-`mappa tiny-model`, `mappa merge-lora`, `mappa coach score`, `mappa sandbox run`, `mappa dsbench make-pack|import|score`)."""
+"""The `mappa` command: project tools (`mappa check`, `mappa plan`, `mappa doctor`, `mappa eval`, `mappa report`,
+`mappa paper-table`, `mappa tiny-model`, `mappa merge-lora`, `mappa coach score`, `mappa sandbox run`,
+`mappa dsbench make-pack|import|score`)."""
 
 import json
 import os
@@ -19,6 +20,8 @@ def main(argv=None):
         sys.exit(plan_main(argv[1:]))
     if argv[:1] == ["doctor"]:
         sys.exit(doctor_main(argv[1:]))
+    if argv[:1] == ["check"]:
+        sys.exit(check_main(argv[1:]))
     parser, eval_parser, score_parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "eval":
@@ -70,6 +73,11 @@ def build_parser():
     sub.add_parser("doctor", help="the cluster self-check before a long job: takes the training command's flags, "
                    "with --mappa.model a small model; starts the team as planned, runs one step of each component and "
                    "checks weight syncs, sleep, threads and host memory; a table of checks, exit 1 on a failure")
+
+    sub.add_parser("check", help="the dry run: every check the launcher runs before Ray starts (topology, flags, "
+                   "models, task and eval files, the environment on each task type, resume, this machine's packages, "
+                   "the plan where --mappa.gpus/--mappa.gpu_memory_gib are given, the coach scoring one test action), "
+                   "as a table; takes train_mappa_ray's flags; exit 1 on a failure; starts no Ray")
 
     eval_parser = add_eval_parser(sub)
 
@@ -292,6 +300,36 @@ def plan_main(argv) -> int:
     print("Give --mappa.gpu_memory_gib G (one GPU's memory in GiB, as `nvidia-smi --query-gpu=memory.total "
           "--format=csv` reports it; an 80 GB card: 79.6) for each GPU's memory per phase and the memory check")
     return 0
+
+
+def check_main(argv) -> int:
+    """`mappa check`: the launch's checks (Preflight), each whose inputs passed, as a table of what each found or
+    why it failed; exit 1 on a failure. No Ray, no model weights: seconds, plus the coach's one reply."""
+    import time
+
+    from openrlhf_mappa.cli.train_mappa_ray import Preflight, parse_args
+
+    args = parse_args(argv, prog="mappa check")
+    pre, failed, rows = Preflight(args, score_one=True), [], []
+    for what, method, needs in Preflight.STEPS:
+        blocked = [step for step in needs if step in failed]
+        if blocked:
+            failed.append(method)
+            rows.append(("-", what, f"not run: it needs {', '.join(blocked)}", ""))
+            continue
+        t0 = time.time()
+        try:
+            said = getattr(pre, method)() or ""
+            rows.append(("ok", what, said, f"{time.time() - t0:.1f} s"))
+        except (ValueError, OSError, AssertionError, ImportError, SystemExit) as e:
+            failed.append(method)
+            rows.append(("FAILED", what, str(e).removeprefix("[mappa] "), f"{time.time() - t0:.1f} s"))
+    width = max(len(what) for _, what, _, _ in rows)
+    for verdict, what, said, took in rows:
+        print(f"{verdict:<6}  {what:<{width}}  {took:>7}  {said}")
+    print(f"\nmappa check: {len(rows) - len(failed)} of {len(rows)} checks passed"
+          + (f"; fix the failed ones before launching" if failed else "; nothing found that would stop the launch"))
+    return 1 if failed else 0
 
 
 def doctor_main(argv) -> int:

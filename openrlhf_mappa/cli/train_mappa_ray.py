@@ -770,9 +770,9 @@ def coach_cache_path(args):
     return None if cache == "none" else cache
 
 
-def check_team(args):
+def check_team(args, plan: bool = True):
     """The team's checks before Ray (train, `mappa doctor`): the topology, the flags against it, every agent's
-    model and LoRA settings, and the plan where the cluster is given."""
+    model and LoRA settings, and the plan where the cluster is given (unless `plan` is False)."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.topology import check_lora, check_model, load_topology
 
@@ -784,9 +784,111 @@ def check_team(args):
         label = "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}"
         check_model(spec.model, label)
         check_lora(spec, label)
-    if args.mappa.gpus or args.mappa.gpu_memory_gib:  # the cluster as given: the plan, before Ray starts
+    if plan and (args.mappa.gpus or args.mappa.gpu_memory_gib):  # the cluster as given: the plan, before Ray starts
         placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib)
     return topology
+
+
+class Preflight:
+    """Every check a launch runs before Ray starts, in order. `train` runs them all and stops at the first refusal;
+    `mappa check` (the dry run) runs each whose inputs passed and prints a table. A step reads what the earlier ones
+    found, and may return a line saying what it found."""
+
+    STEPS = (  # (what it checks, its method, the steps whose results it reads)
+        ("topology, flags, models", "team", ()),
+        ("training tasks", "training_tasks", ()),
+        ("eval sets", "eval_files", ()),
+        ("environment on each task type", "environment", ("team", "training_tasks", "eval_files")),
+        ("run directory, resume", "run_dir", ("team", "training_tasks")),
+        ("this machine's packages", "machine", ("team",)),
+        ("GPU and memory plan", "plan", ("team",)),
+        ("coach", "coach", ("team",)),
+    )
+
+    def __init__(self, args, score_one: bool = False):
+        self.args, self.score_one = args, score_one  # score_one: the coach also scores one action (the dry run)
+
+    def run(self) -> None:
+        for _, method, _ in self.STEPS:
+            getattr(self, method)()
+
+    def team(self):
+        self.topology = check_team(self.args, plan=False)
+        return f"{len(self.topology.agents)} agents: " + ", ".join(a.name for a in self.topology.agents)
+
+    def training_tasks(self):
+        from openrlhf_mappa.envs.base import load_tasks
+
+        args = self.args
+        self.all_tasks = load_tasks(args.data.prompt_dataset)
+        self.tasks = choose_train_tasks(self.all_tasks, args.data.max_samples, args.train.seed)
+        if len(self.tasks) < args.rollout.batch_size:
+            raise SystemExit(f"{args.data.prompt_dataset}: {len(self.tasks)} tasks, fewer than --rollout.batch_size "
+                             f"{args.rollout.batch_size}")
+        return f"{len(self.tasks)} of the {len(self.all_tasks)} in {args.data.prompt_dataset}"
+
+    def eval_files(self):
+        from openrlhf_mappa.evaluation import load_eval_sets
+
+        self.eval_sets = load_eval_sets([p for p in (self.args.eval.dataset or "").split(",") if p])
+        return ", ".join(f"{name}: {len(ts)}" for name, ts in self.eval_sets.items()) or "none (no --eval.dataset)"
+
+    def environment(self):
+        self.topology.check_env(self.tasks + [t for ts in self.eval_sets.values() for t in ts], self.args.mappa.topology)
+        check_eval_overlap(self.args, self.tasks, self.eval_sets)
+        return f"env {self.topology.env!r} built on the first task of each type; no eval problem in training"
+
+    def run_dir(self):
+        from openrlhf_mappa import resume
+
+        args = self.args
+        for flag, path in (("--mappa.run_dir", args.mappa.run_dir), ("--ckpt.path", args.ckpt.path)):
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise ValueError(f"{flag} {path}: exists and is not a directory")
+        # A resumed run must train on the same tasks (resume.check_resume), so the chosen ids go into the run dir.
+        self.chosen = {"source": os.path.abspath(args.data.prompt_dataset), "seed": args.train.seed,
+                       "total": len(self.all_tasks), "max_samples": args.data.max_samples,
+                       "ids": [t["id"] for t in self.tasks]}
+        self.start, self.resume_fixes = resume.check_resume(args, self.topology, self.chosen["ids"])
+        return f"resumes at step {self.start}" if self.start else "starts at step 0"
+
+    def machine(self):
+        from openrlhf_mappa.coach.cache import check_cache_file
+
+        self.cache_path = coach_cache_path(self.args)
+        if self.cache_path:
+            check_cache_file(self.cache_path)
+        check_this_machine(self.args, self.topology)
+
+    def plan(self):
+        from openrlhf_mappa import placement
+
+        gpus, gib = self.args.mappa.gpus, self.args.mappa.gpu_memory_gib
+        if not (gpus or gib):  # the launcher checks the Ray cluster's own nodes once it is up
+            return "not checked here: give --mappa.gpus N --mappa.gpu_memory_gib G (`mappa plan` prints it)"
+        placement.check(self.args, self.topology, gpus, gib)
+        return f"fits: {placement.make_plan(self.args, self.topology, gib).need} GPUs" + (f" of {gpus}" if gpus else "")
+
+    def coach(self):
+        """An unreachable coach or a rejected key, found now rather than after the first rollout, by a coach of its
+        own (the run's opens its verdict cache, which writes); the dry run also has it score one action."""
+        from openrlhf_mappa.coach import CoachRequest, build_coach
+
+        c = self.args.mappa.coach
+        probe = build_coach(c.kind, cache_path=None, **coach_options(self.args, self.topology))
+        if not (self.args.mappa.reward == "process" or c.score_outcome_runs):
+            return "not asked (--mappa.reward outcome)"
+        asyncio.run(probe.probe())
+        if not self.score_one:
+            return None
+        first = self.topology.agents[0]
+        request = CoachRequest(episode_id="dry-run", agent=first.name, turn=0, role=first.role, task="What is 2 + 2?",
+                               task_type="", agent_input="What is 2 + 2?", agent_output="2 + 2 = 4.", feedback="")
+        verdict = asyncio.run(probe.score(request))
+        if verdict.score is None:
+            raise ValueError(f"coach {c.kind} {c.model or ''} answered a test action without a score "
+                             f"({verdict.status}): {verdict.rationale[:300]!r}")
+        return f"{c.kind} {c.model or ''}: scored a test action {verdict.score:g} in {verdict.latency_s:.1f} s"
 
 
 def coach_options(args, topology) -> dict:
@@ -807,44 +909,19 @@ def train(args):
     """Build every agent on the Ray cluster, train, export; returns the agents (their handles stay up)."""
     from openrlhf_mappa import resume
     from openrlhf_mappa.coach import build_coach
-    from openrlhf_mappa.coach.cache import check_cache_file
-    from openrlhf_mappa.envs.base import load_tasks
-    from openrlhf_mappa.evaluation import load_eval_sets
 
     # Every check comes first: a refused launch leaves the run directory and the checkpoints as they were.
-    c = args.mappa.coach
+    c, pre = args.mappa.coach, Preflight(args)
     with refusals():
-        topology = check_team(args)
-        all_tasks = load_tasks(args.data.prompt_dataset)
-        tasks = choose_train_tasks(all_tasks, args.data.max_samples, args.train.seed)
-        if len(tasks) < args.rollout.batch_size:
-            raise SystemExit(f"{args.data.prompt_dataset}: {len(tasks)} tasks, fewer than --rollout.batch_size "
-                             f"{args.rollout.batch_size}")
-        eval_sets = load_eval_sets([p for p in (args.eval.dataset or "").split(",") if p])
-        topology.check_env(tasks + [t for ts in eval_sets.values() for t in ts], args.mappa.topology)
-        check_eval_overlap(args, tasks, eval_sets)
-        for flag, path in (("--mappa.run_dir", args.mappa.run_dir), ("--ckpt.path", args.ckpt.path)):
-            if os.path.exists(path) and not os.path.isdir(path):
-                raise ValueError(f"{flag} {path}: exists and is not a directory")
-        # A resumed run must train on the same tasks (resume.check_resume), so the chosen ids go into the run dir.
-        chosen = {"source": os.path.abspath(args.data.prompt_dataset), "seed": args.train.seed, "total": len(all_tasks),
-                  "max_samples": args.data.max_samples, "ids": [t["id"] for t in tasks]}
-        start, resume_fixes = resume.check_resume(args, topology, chosen["ids"])
-        cache_path = coach_cache_path(args)
-        if cache_path:
-            check_cache_file(cache_path)
-        check_this_machine(args, topology)
-        # An unreachable coach or a rejected key, found now rather than after the first rollout, by a coach of its
-        # own: the run's opens its verdict cache, which writes.
-        probe = build_coach(c.kind, cache_path=None, **coach_options(args, topology))
-        if args.mappa.reward == "process" or c.score_outcome_runs:
-            asyncio.run(probe.probe())
+        pre.run()
+    topology, tasks, eval_sets, chosen, start, cache_path = (pre.topology, pre.tasks, pre.eval_sets, pre.chosen,
+                                                             pre.start, pre.cache_path)
 
     # Every check passed: from here on, the launch writes.
     os.makedirs(args.mappa.run_dir, exist_ok=True)
     with open(os.path.join(args.mappa.run_dir, "train_tasks.json"), "w", encoding="utf-8") as f:
         json.dump(chosen, f, indent=1)
-    resume.apply(resume_fixes)
+    resume.apply(pre.resume_fixes)
     coach = build_coach(c.kind, cache_path=cache_path, **coach_options(args, topology))
     if c.mode == "both":  # the combining rule, stated where the run's log begins (coach.combine)
         print("[mappa] coach mode both: an action's score is the mean of its per-action and hindsight scores; the "
