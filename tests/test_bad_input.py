@@ -202,6 +202,21 @@ LAUNCHER = [
     case("env module raising at import", [], "env 'raisingenv:Env': importing module 'raisingenv' raised RuntimeError: "
          "set MY_ENV_HOME first", files={"raisingenv.py": "raise RuntimeError('set MY_ENV_HOME first')\n",
                                          "t.yaml": topology(env="raisingenv:Env")}),
+    # coach flags that the coach kind asked for does not read: the run would silently train on another coach
+    case("coach URL and model without a coach kind", ["--mappa.coach.base_url", "http://127.0.0.1:9/v1",
+                                                      "--mappa.coach.model", "m"],
+         "--mappa.coach.model, --mappa.coach.base_url: read by the openai and trained coaches only, and "
+         "--mappa.coach.kind is heuristic (the default: the offline rule-based demo coach), which would score every "
+         "action while ignoring them: use --mappa.coach.kind openai (an OpenAI-compatible server) or "
+         "--mappa.coach.kind trained"),
+    case("coach timeout without an LLM coach", ["--mappa.coach.timeout", "300"],
+         "--mappa.coach.timeout: read by the openai and trained coaches only"),
+    case("trained-coach flags without kind trained", ["--mappa.coach.digits_only", "--mappa.coach.lr", "1e-5"],
+         "--mappa.coach.digits_only, --mappa.coach.lr: read by the trained coach only, and --mappa.coach.kind is "
+         "heuristic (the default: the offline rule-based demo coach), which would score every action while ignoring "
+         "them: use --mappa.coach.kind trained (a coach model trained with the team), or drop them"),
+    case("trained-coach flag with kind openai", [*OPENAI, "--mappa.coach.pay_reference"],
+         "--mappa.coach.pay_reference: read by the trained coach only, and --mappa.coach.kind is openai"),
     # the coach's cache
     case("coach cache not SQLite", [*OPENAI, "--mappa.coach.cache", "notes.txt"],
          "coach cache notes.txt: not an SQLite database", files={"notes.txt": "my notes\n"}),
@@ -316,6 +331,9 @@ TOOLS = [
          "mappa plan: error: argument --mappa.gpu_memory_gib: 81559 is out of range", code=2),
     tool("plan negative GPUs", ["plan", *GOOD, "--mappa.gpus", "-1", "--mappa.gpu_memory_gib", "80"],
          "mappa plan: error: argument --mappa.gpus: -1 is out of range: expected an integer >= 1", code=2),
+    tool("plan with a coach URL and no coach kind", ["plan", *GOOD, "--mappa.coach.base_url", "http://x:8001/v1",
+                                                     "--mappa.gpus", "8", "--mappa.gpu_memory_gib", "80"],
+         "--mappa.coach.base_url: read by the openai and trained coaches only"),
     tool("plan zero GPUs", ["plan", *GOOD, "--mappa.gpus", "0", "--mappa.gpu_memory_gib", "80"],
          "argument --mappa.gpus: 0 is out of range", code=2),
 ]  # fmt: skip

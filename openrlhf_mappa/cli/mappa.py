@@ -227,13 +227,19 @@ def plan_main(argv) -> int:
     """`mappa plan`: the launch's plan and check without a cluster, on this machine's GPUs unless given; with no
     GPU memory known, the counts are checked (as the launcher does) and the least GPU memory needed is said."""
     from openrlhf_mappa import placement
-    from openrlhf_mappa.cli.train_mappa_ray import parse_args, validate
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.cli.train_mappa_ray import accepted, parse_args, validate
+    from openrlhf_mappa.topology import check_model, load_topology
 
     args = parse_args(argv, prog="mappa plan")
     with refusals("mappa plan:"):
         topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
         validate(args, topology)
+        # A hub id resolved as the launcher does: one out of reach is refused at once, not "fits" after minutes of
+        # retries. A directory needs only its config.json here (tests/fixtures hold no weights or tokenizer).
+        for spec in placement.trainee_specs(args, topology):
+            label = "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}"
+            if not os.path.isdir(spec.model):
+                check_model(spec.model, label if spec in topology.agents else "--mappa.coach.model")
     gpus, gib = args.mappa.gpus, args.mappa.gpu_memory_gib
     if gpus is None or gib is None:
         found = placement.detect_gpus()
@@ -248,7 +254,7 @@ def plan_main(argv) -> int:
           f"{placement.PLACEMENTS[args.mappa.colocate]}\n")
     print(placement.format_plan(plan, gpus))
     try:
-        placement.check(args, topology, gpus, gib)
+        placement.check(args, topology, gpus, gib, allowed=accepted(topology))
     except ValueError as e:
         print(f"\nREFUSED: {e}")
         return 1

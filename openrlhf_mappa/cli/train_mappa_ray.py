@@ -546,8 +546,39 @@ def validate(args, topology):
                          "coach)")
     scored = args.mappa.reward == "process" or coach.score_outcome_runs  # as MappaTrainer.scored
     topology.check_coach_template(args.mappa.topology, coach.kind, coach.mode, scored)
+    validate_coach_kind(args)
     if coach.kind == "trained":
         validate_trained_coach(args, topology)
+
+
+# The coach flags an LLM coach reads (openai, and trained: its own model and its reference judge's server). Given to
+# a kind that does not read them, a flag changes nothing, silently: a coach URL without --mappa.coach.kind openai
+# would train on the offline heuristic coach, the default.
+LLM_COACH_FLAGS = ("model", "base_url", "api_key_env", "timeout", "max_concurrency", "max_retries", "rpm", "structured",
+                   "max_tokens", "format_retries", "price_in", "price_out")
+
+
+def validate_coach_kind(args) -> None:
+    """Refuse a coach flag, off its default, that --mappa.coach.kind does not read, naming the kind that does."""
+    c = args.mappa.coach
+    coach_flags, trained_flags = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_coach_args(coach_flags)
+    add_trained_coach_args(trained_flags)
+    readers = {**{key: ("openai", "trained") for key in LLM_COACH_FLAGS},
+               **{a.dest.rpartition(".")[2]: ("trained",) for a in trained_flags._actions if a.dest != "help"}}
+    defaults = {**vars(coach_flags.parse_args([])), **vars(trained_flags.parse_args([]))}
+    defaults = {dest.rpartition(".")[2]: value for dest, value in defaults.items()}
+    given = [key for key, kinds in readers.items() if c.kind not in kinds and getattr(c, key) != defaults[key]]
+    if not given:
+        return
+    kinds = [k for k in ("openai", "trained") if all(k in readers[key] for key in given)]  # a kind reading them all
+    what = {"heuristic": "the default: the offline rule-based demo coach", "openai": "an OpenAI-compatible server",
+            "trained": "a coach model trained with the team"}
+    fix = " or ".join(f"--mappa.coach.kind {k} ({what[k]})" for k in kinds)
+    them = "them" if len(given) > 1 else "it"
+    raise SystemExit(f"{', '.join('--mappa.coach.' + key for key in given)}: read by the {' and '.join(kinds)} "
+                     f"coach{'es' * (len(kinds) > 1)} only, and --mappa.coach.kind is {c.kind} ({what[c.kind]}), "
+                     f"which would score every action while ignoring {them}: use {fix}, or drop {them}")
 
 
 def validate_trained_coach(args, topology) -> None:
@@ -761,8 +792,22 @@ def check_team(args):
         check_model(spec.model, label)
         check_lora(spec, label)
     if args.mappa.gpus or args.mappa.gpu_memory_gib:  # the cluster as given: the plan, before Ray starts
-        placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib)
+        placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib, allowed=accepted(topology))
     return topology
+
+
+def accepted(topology):
+    """Whether validate accepts changed flags: the plan names only changes the same command would then take
+    (placement.check's `allowed`)."""
+
+    def allowed(args) -> bool:
+        try:
+            validate(args, topology)
+        except (SystemExit, ValueError):
+            return False
+        return True
+
+    return allowed
 
 
 def coach_options(args, topology) -> dict:
@@ -890,7 +935,7 @@ def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> l
     startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s, models)
     startup.start()
     try:
-        agents = build_agents(args, topology, max_steps, startup)
+        agents = build_agents(args, topology, max_steps, startup, accepted(topology))
     except KeyboardInterrupt:
         if not startup.reason:
             raise
