@@ -575,3 +575,26 @@ def test_a_step_that_trains_nothing_says_why_and_a_run_that_never_trains_stops(t
         "1 of its 1 actions left over by the batch rule, less than one --train.batch_size (4) batch: lower "
         "--train.batch_size, or raise --rollout.batch_size")
 
+
+
+def test_help_shows_each_default_and_lists_the_refused_flags_apart():
+    # --help once listed the 58 refused OpenRLHF flags among the usable ones, with no default shown anywhere, and
+    # `mappa doctor --help` said `usage: train_mappa_ray`.
+    from openrlhf_mappa.cli.train_mappa_ray import REFUSED
+
+    env = dict(os.environ, COLUMNS="1000")  # argparse wraps at the terminal's width: one line per flag here
+    help_of = lambda *argv: subprocess.run([sys.executable, "-m", *argv, "--help"], capture_output=True, text=True,
+                                           env=env, timeout=120)
+    train = help_of("openrlhf_mappa.cli.train_mappa_ray")
+    assert train.returncode == 0 and train.stdout.startswith("usage: train_mappa_ray --mappa.topology YAML")
+    usable, refused = train.stdout.split("OpenRLHF's flags that MAPPA refuses (given, each stops the launch), and why:")
+    flags = lambda text: {line.split()[0] for line in text.splitlines() if line.startswith("  --")}
+    assert {f"--{flag}" for flag in REFUSED} <= flags(refused) and not flags(refused) & flags(usable)
+    assert "--critic.num_nodes CRITIC.NUM_NODES\n" in refused
+    assert "MAPPA has no critic: its advantages are REINFORCE++ return-to-go (rewards.py) (default: 1)\n" in refused
+    assert "seconds per coach request (default: 60.0)\n" in usable
+    assert "--ckpt.max_num CKPT.MAX_NUM\n                        OpenRLHF's (train_ppo_ray) (default: 3)\n" in usable
+    for tool in ("doctor", "plan"):
+        own = help_of("openrlhf_mappa.cli.mappa", tool)
+        assert own.returncode == 0 and own.stdout.startswith(f"usage: mappa {tool} --mappa.topology YAML"), own.stdout
+        assert "train_mappa_ray" not in own.stdout.split("\n\n")[0]

@@ -44,9 +44,9 @@ def refusal(args, topology, gpus, gib=80.0) -> str:
     return str(e.value)
 
 
-def script_flags(tmp_path, script, **env) -> tuple:
-    """(flags, printed) of a GPU script run for real, with `ray` on PATH recording its submission: the one
-    stand-in, for the GPU cluster that cannot exist here (as in test_launch.py)."""
+def script_flags(tmp_path, script, *extra, **env) -> tuple:
+    """(flags, printed) of a GPU script run for real with `extra` flags, with `ray` on PATH recording its submission:
+    the one stand-in, for the GPU cluster that cannot exist here (as in test_launch.py)."""
     stub = tmp_path / "bin" / "ray"
     stub.parent.mkdir(exist_ok=True)
     stub.write_text(f"#!/bin/sh\n{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" "
@@ -54,8 +54,8 @@ def script_flags(tmp_path, script, **env) -> tuple:
     stub.chmod(0o755)
     env = dict(os.environ, PATH=f"{stub.parent}{os.pathsep}{os.environ['PATH']}", MAPPA_COACH_BASE_URL="http://coach/v1",
                MAPPA_COACH_MODEL="coach", **env)
-    proc = subprocess.run(["bash", str(ROOT / "examples" / "scripts" / script)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "scripts" / script), *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     submitted = json.loads((tmp_path / "submitted.json").read_text())
     return submitted[submitted.index("openrlhf_mappa.cli.train_mappa_ray") + 1:], proc.stdout
@@ -720,3 +720,13 @@ def test_mappa_plan_refuses_a_hub_it_cannot_reach_at_once(tmp_path):
     env["HF_HUB_OFFLINE"] = "1"
     offline = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert offline.returncode == 1 and "is not in the Hugging Face cache" in offline.stderr, offline.stderr
+
+
+@pytest.mark.parametrize("script", ["train_mappa_mathchat.sh", "train_mappa_dsbench.sh"])
+def test_the_gpu_scripts_pass_extra_flags_on(tmp_path, script):
+    # The README's way without flash-attn is --ds.attn_implementation sdpa: the scripts once took no extra flags, so
+    # it meant editing the script. The later flag wins in argparse.
+    argv, _ = script_flags(tmp_path, script, "--ds.attn_implementation", "sdpa", "--ckpt.max_num", "2")
+    assert argv[-4:] == ["--ds.attn_implementation", "sdpa", "--ckpt.max_num", "2"]
+    args, _ = planned(argv)
+    assert (args.ds.attn_implementation, args.ckpt.max_num) == ("sdpa", 2)

@@ -356,19 +356,25 @@ UPSTREAM_RANGES = {
 }
 
 
+def refusal_of(action):
+    """Why MAPPA refuses an upstream flag; None for one it honours, its own, and --help."""
+    name = action.option_strings[0].lstrip("-") if action.option_strings else ""
+    verdict = UPSTREAM_FLAGS.get(name, "refused: not classified for this openrlhf release")
+    if not name or name.startswith("mappa.") or action.dest == "help" or verdict == "honoured":
+        return None
+    return verdict.removeprefix("refused: ")
+
+
 def refuse_ignored_flags(parser, raw) -> None:
     """Stop when a refused flag has a value other than its default. `raw`: the namespace before upstream's
     checks, which change some values (e.g. --vllm.enable_sleep back to False)."""
     plain = lambda v: list(v) if isinstance(v, tuple) else v  # nargs flags: a list given, a tuple as default
     refused = {}  # dest -> message (--x.nesterov and --x.no_nesterov share one)
     for action in parser._actions:
-        name = action.option_strings[0].lstrip("-")
-        verdict = UPSTREAM_FLAGS.get(name, "refused: not classified for this openrlhf release")
-        if name.startswith("mappa.") or action.dest == "help" or verdict == "honoured":
-            continue
-        value = getattr(raw, action.dest)
-        if plain(value) != plain(action.default):
-            refused.setdefault(action.dest, f"--{name} {value!r}: {verdict.removeprefix('refused: ')}")
+        why = refusal_of(action)
+        value = getattr(raw, action.dest, None)
+        if why is not None and plain(value) != plain(action.default):
+            refused.setdefault(action.dest, f"{action.option_strings[0]} {value!r}: {why}")
     if refused:
         raise SystemExit("[mappa] OpenRLHF flags that MAPPA does not honour (refused rather than silently ignored):\n  "
                          + "\n  ".join(refused.values()))
@@ -445,12 +451,31 @@ def upstream_cli():
     return get_parser, validate_upstream, hierarchize
 
 
-def parse_args(argv=None, prog: str = "train_mappa_ray"):
+def help_apart(parser) -> None:
+    """--help: each flag's default, and OpenRLHF's flags that MAPPA refuses listed apart, each with its reason."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    refused = parser.add_argument_group("OpenRLHF's flags that MAPPA refuses (given, each stops the launch), and why")
+    for group in parser._action_groups[:-1]:
+        for action in list(group._group_actions):
+            why = refusal_of(action)
+            if why is not None:
+                group._group_actions.remove(action)
+                refused._group_actions.append(action)
+                action.help = why
+            elif action.option_strings and not action.help:  # argparse shows no default without a help text
+                action.help = "OpenRLHF's (train_ppo_ray)"
+
+
+def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None):
     """OpenRLHF's flags and checks (upstream_cli) with MAPPA's, numbers range-checked as parsed (UPSTREAM_RANGES)
-    and refused flags before upstream's checks change any value. `prog`: the command an argparse error names."""
+    and refused flags before upstream's checks change any value. `prog`: the command an argparse error and --help
+    name; `description`: what its --help says it does."""
     get_parser, validate_upstream, hierarchize = upstream_cli()
     parser = get_parser()
     add_mappa_args(parser)
+    help_apart(parser)
+    parser.description = description or "Train a MAPPA team: OpenRLHF's flags and --mappa.*"
+    parser.usage = "%(prog)s --mappa.topology YAML [OpenRLHF's flags] [--mappa.* flags]"  # not 230 lines of them
     parser.prog, parser.error = prog, types.MethodType(Parser.error, parser)
     parser.help_command = "python -m openrlhf_mappa.cli.train_mappa_ray --help" if prog == "train_mappa_ray" else None
     ranged_flags = {a.option_strings[0].lstrip("-"): a for a in parser._actions if a.option_strings}
