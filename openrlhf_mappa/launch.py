@@ -4,7 +4,6 @@ views of the result the loop and the health checks use (owners, components)."""
 
 import copy
 import dataclasses
-import os
 import types
 from dataclasses import dataclass
 
@@ -21,21 +20,28 @@ def gpu_nodes() -> list:
     return sorted([n for n in nodes if n[1]], key=lambda n: -n[1])
 
 
-def host_memory(nodes: list) -> list:
-    """Each node's host memory in GiB, read on that node (the launcher's may be a CPU head of other size)."""
+def on_each_node(read, nodes: list) -> list:
+    """read() run on each of the (Ray node id, GPUs) `nodes`: what that node has, where the launcher's own node
+    may be a CPU head of another size."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    read = ray.remote(num_cpus=0)(placement.host_memory_gib)
-    return ray.get([read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    task = ray.remote(num_cpus=0)(read)
+    return ray.get([task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
                     for node_id, _ in nodes])
 
 
-def check_placement(args, topology) -> tuple:
+def host_memory(nodes: list) -> list:
+    """Each node's host memory in GiB, read on that node."""
+    return on_each_node(placement.host_memory_gib, nodes)
+
+
+def check_placement(args, topology, allowed=lambda a: True) -> tuple:
     """Before any actor exists: the plan (placement.py) against the Ray cluster's nodes and their GPUs, logical
     or real, and their memory where known (the lower of --mappa.gpu_memory_gib and what this process's GPU
     reports) and the host memory of a node (--mappa.host_memory_gib, else each node's own). Printed when it fits;
     refused, with the smallest change that would fit, when not: Ray itself would wait forever, silently, for
-    GPUs that never come. Returns (the plan, gpu_nodes())."""
+    GPUs that never come (`allowed`: placement.check's). Sets --mappa.actor_threads where 0 (actor_threads).
+    Returns (the plan, gpu_nodes())."""
     nodes = gpu_nodes()
     gpus = [n for _, n in nodes]
     # The card's memory as the CUDA driver reports it where this process sees a GPU (an "80 GB" card: 79.6 GiB),
@@ -46,10 +52,12 @@ def check_placement(args, topology) -> tuple:
         args.mappa.host_memory_gib = args.mappa.host_memory_gib or host_memory(nodes)
     args.mappa.gpus_per_node = args.mappa.gpus_per_node or max(gpus + [1])
     try:
-        plan = placement.check(args, topology, gpus, gib)
+        plan = placement.check(args, topology, gpus, gib, allowed=allowed)
     except ValueError as e:
         raise SystemExit(f"[mappa] {e}\n(On CPU, MAPPA_CPU_NUM_GPUS sets a local cluster's logical GPUs.)") from None
     memory = "" if gib else " (GPU memory not known here: give --mappa.gpu_memory_gib to check it too)"
+    args.mappa.actor_threads = args.mappa.actor_threads or actor_threads(on_each_node(placement.usable_cores, nodes),
+                                                                         gpus)
     # A topology's per-agent value wins over the flag (agent_args): said here, so a flag that changes nothing
     # for that agent is no surprise.
     flag = lambda group, name: getattr(getattr(args, group), name)
@@ -59,7 +67,7 @@ def check_placement(args, topology) -> tuple:
                  if getattr(spec, key) and getattr(spec, key) != flag(group, name)]
     names = "".join(f"node {k}: Ray node {node_id}, {n} GPUs\n" for k, (node_id, n) in enumerate(nodes))
     print(f"[mappa] placement plan for {sum(gpus)} GPUs{memory}:\n{placement.format_plan(plan, gpus)}\n{names}"
-          f"{''.join(overrides)}actor and reference processes: {actor_threads(args)} OpenMP threads each "
+          f"{''.join(overrides)}actor and reference processes: {args.mappa.actor_threads} OpenMP threads each "
           f"(--mappa.actor_threads)", file=console.out, flush=True)
     return plan, nodes
 
@@ -75,10 +83,11 @@ def pinned_groups(plan, nodes: list) -> dict:
             for key, on in plan.place([n for _, n in nodes]).items()}
 
 
-def actor_threads(args) -> int:
-    """OpenMP threads per actor and reference process: --mappa.actor_threads, else this node's cores over its GPUs
-    (at most one of a GPU's actor ranks trains at a time). Nodes are taken to be alike."""
-    return args.mappa.actor_threads or max(1, (os.cpu_count() or 1) // (args.mappa.gpus_per_node or 1))
+def actor_threads(cores: list, gpus: list) -> int:
+    """OpenMP threads per actor and reference process where --mappa.actor_threads is 0: the fewest over the GPU
+    nodes of a node's usable cores (placement.usable_cores, read on that node) over its GPUs. At most one of a
+    GPU's actor ranks trains at a time; a CPU head node's cores, or a container's host's, are none of theirs."""
+    return max(1, min((c // g for c, g in zip(cores, gpus)), default=1))
 
 
 @dataclass
@@ -168,10 +177,10 @@ def start_engines(args, topology, per_agent: list, pg_of, share: float, startup)
     return engines
 
 
-def build_agents(args, topology, max_steps: dict, startup) -> list:
+def build_agents(args, topology, max_steps: dict, startup, allowed=lambda a: True) -> list:
     """Every trainee's engines, actor and reference groups, initialised, and its AgentTrainer. `startup` (a
     StartupWatchdog) is told which agent is being created and, per component, a ref that is ready once that
-    one is up.
+    one is up. `allowed`: placement.check's, for the changes named when the plan does not fit.
 
     Each GPU set of the plan has a placement group, its bundles on the plan's nodes (pinned_groups). Colocated
     (--mappa.colocate), an agent's actor rank i, reference rank i and engine i share bundle i of one: the
@@ -185,10 +194,10 @@ def build_agents(args, topology, max_steps: dict, startup) -> list:
 
     from openrlhf_mappa.agent_trainer import AdapterOff, AgentTrainer, LoraActor
 
-    plan, nodes = check_placement(args, topology)
+    plan, nodes = check_placement(args, topology, allowed)
     # Ray gives an actor of less than one CPU (every colocated one) OMP_NUM_THREADS=1, which leaves torch's CPU ops
     # and DeepSpeed's CPU Adam (--ds.adam_offload: the optimizer step of billions of parameters) on one core.
-    threads = {"env_vars": {"OMP_NUM_THREADS": str(actor_threads(args))}}
+    threads = {"env_vars": {"OMP_NUM_THREADS": str(args.mappa.actor_threads)}}
     threaded = lambda cls: types.SimpleNamespace(options=lambda **kw: cls.options(runtime_env=threads, **kw))
     per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
     colocate = args.mappa.colocate

@@ -680,11 +680,12 @@ def trim(args, topology, gpus, gpu_gib, sizes, settings: list, savings: list) ->
     return kept
 
 
-def fewest_gpus(args, topology, gpu_gib: float, sizes: dict):
+def fewest_gpus(args, topology, gpu_gib: float, sizes: dict, allowed=lambda a: True):
     """(GPUs, flags) of the smallest layout that fits (None: no count up to 16), over each placement and ring-attention
     size, with the flags as given or the memory savings it needs (a tie keeps the smaller ring, then the one without
     sleep). On GPUs of their own: one engine per agent, the fewest actor and reference GPUs and the smallest
-    tensor-parallel size that hold the model; colocated, the fewest GPUs per agent that hold one rank of each."""
+    tensor-parallel size that hold the model; colocated, the fewest GPUs per agent that hold one rank of each.
+    `allowed`: whether the launcher accepts the flags of a layout (check)."""
     kl = has_reference(args, topology)
     tp_sizes = (1,) if any(spec.lora for spec in topology.agents) else (1, 2, 4, 8)  # a LoRA pool's engines: TP 1
     found = []
@@ -715,13 +716,16 @@ def fewest_gpus(args, topology, gpu_gib: float, sizes: dict):
                 else:
                     if fits(with_changes(args, savings + moves), topology, None, gpu_gib, sizes):
                         kept = trim(args, topology, None, gpu_gib, sizes, moves, savings) + moves
-                        found.append((make_plan(with_changes(args, kept), topology).need, flags(args, kept)))
+                        if allowed(with_changes(args, kept)):
+                            found.append((make_plan(with_changes(args, kept), topology).need, flags(args, kept)))
     return min(found, key=lambda f: f[0], default=None)
 
 
-def check(args, topology, gpus, gpu_gib: float = None, sizes: dict = None) -> Plan:
+def check(args, topology, gpus, gpu_gib: float = None, sizes: dict = None, allowed=lambda a: True) -> Plan:
     """The plan, or ValueError naming what does not fit and the smallest change that would. `gpus`: the
-    cluster's count (in nodes of --mappa.gpus_per_node), or each node's (Ray's)."""
+    cluster's count (in nodes of --mappa.gpus_per_node), or each node's (Ray's). `allowed`: whether the launcher
+    accepts changed flags (train_mappa_ray.accepted), so that no change named is one it would then refuse (sleep
+    for a trained coach, colocation under async)."""
     plan = make_plan(args, topology, gpu_gib, sizes)
     problems = plan.problems(gpus)
     if not problems:
@@ -732,8 +736,9 @@ def check(args, topology, gpus, gpu_gib: float = None, sizes: dict = None) -> Pl
     fixes = []
     for change, savings in single_changes(args, topology, memory_known=gpu_gib is not None):
         if fits(with_changes(args, change + savings), topology, gpus, gpu_gib, sizes):
-            fix = flags(args, change + trim(args, topology, gpus, gpu_gib, sizes, change, savings))
-            fixes += [fix] * (fix not in fixes)
+            settings = change + trim(args, topology, gpus, gpu_gib, sizes, change, savings)
+            fix = flags(args, settings)
+            fixes += [fix] * (fix not in fixes and allowed(with_changes(args, settings)))
             if len(fixes) == 3:
                 break
     if fixes:
@@ -745,12 +750,13 @@ def check(args, topology, gpus, gpu_gib: float = None, sizes: dict = None) -> Pl
                      f"GPUs per node (--mappa.gpus_per_node, with more nodes)")
     elif gpu_gib is None:  # colocation: the placements that share more GPUs than the one asked for
         modes = {"none": ["agent", "team"], "agent": ["team"], "team": []}[args.mappa.colocate]
+        modes = [m for m in modes if allowed(with_changes(args, colocation(args, topology, m)))]
         shared = f", or colocation ({' or '.join(f'--mappa.colocate {m}' for m in modes)} --vllm.enable_sleep " \
                  f"--ds.enable_sleep)" if modes else ""
         lines.append(f"Smallest change that fits: a cluster of {plan.need} GPUs, or fewer GPUs per agent "
                      f"(--actor.num_gpus_per_node, --ref.num_gpus_per_node, --vllm.num_engines){shared}")
     else:
-        fewest = fewest_gpus(args, topology, gpu_gib, sizes)
+        fewest = fewest_gpus(args, topology, gpu_gib, sizes, allowed)
         if fewest is None:
             lines.append("No layout fits: some model does not fit even 16 GPUs of this size with every memory "
                          "saving on, on GPUs of its own or colocated")
@@ -855,6 +861,20 @@ def host_memory_gib(available: bool = False) -> float:
     except OSError:
         pass
     return total / GIB
+
+
+def usable_cores(cgroup: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may use: its CPU affinity, within its container's CPU quota (cgroup v2 cpu.max,
+    "QUOTA PERIOD" or "max PERIOD"), where os.cpu_count() counts every core of the host."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        with open(os.path.join(cgroup, "cpu.max")) as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):  # no cgroup v2 here: the affinity alone
+        pass
+    return cores
 
 
 def detect_gpus():

@@ -40,8 +40,11 @@ def full_scale(key: str):
 
 
 def agent_charts(rows: list, agents: list, prefix: str = "") -> list:
-    """One chart per AGENT_CURVES metric, a line per agent."""
-    return [chart(f"{prefix}agent/*/{k}", [series(rows, f"agent/{a}/{k}", a) for a in agents], full_scale(k))
+    """One chart per AGENT_CURVES metric, a line per agent. No KL line for an agent whose β (kl_coef) was 0 at every
+    step: with no reference model its KL is logged as 0, measured against nothing."""
+    kl_measured = lambda a: any(r.get(f"agent/{a}/kl_coef", 1) for r in rows)  # a row without kl_coef: not known
+    return [chart(f"{prefix}agent/*/{k}", [series(rows, f"agent/{a}/{k}", a) for a in agents
+                                           if k != "kl" or kl_measured(a)], full_scale(k))
             for k in AGENT_CURVES]
 
 

@@ -6,7 +6,8 @@ episodes, kill its supervisor). Run as root, every run gets (sandbox_launcher.py
 sandbox"): a private mount namespace chrooted into a tmpfs with read-only system directories and Python
 installation and only its own workspace writable; a uid of its own (2**30 + launcher pid) owning the workspace,
 so it cannot signal or ptrace other processes; fresh network (no loopback), pid and IPC namespaces, so all its
-processes die with the run; an allow-listed environment (no secrets); and limits on wall-clock time (the whole
+processes die with the run; an allow-listed environment (no secrets, no GPU: CUDA_VISIBLE_DEVICES empty unless
+MAPPA_SANDBOX_GPUS names some); and limits on wall-clock time (the whole
 process tree is killed), CPU time, memory, file size and process count. Memory is capped with RLIMIT_DATA, not
 RLIMIT_AS: AS counts address space that threads and allocators only reserve, so an AS cap rejects ordinary code.
 
@@ -111,6 +112,9 @@ def _launch(code: str, workspace: str, timeout_s: float, max_output_chars: int, 
         f.write(code)
     env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith("MAPPA_")}
     env = {k: v for k, v in env.items() if not any(m in k.upper() for m in SECRET_MARKERS)} | SANDBOX_ENV
+    # No GPU unless MAPPA_SANDBOX_GPUS names some (as CUDA_VISIBLE_DEVICES would): with no CUDA_VISIBLE_DEVICES the
+    # code would see every GPU of the node, where the run's engines and actors hold them.
+    env["CUDA_VISIBLE_DEVICES"] = os.environ.get("MAPPA_SANDBOX_GPUS", "")
     report_r, report_w = os.pipe()
     with tempfile.TemporaryDirectory(prefix="mappa_sandbox_root_") as new_root:
         config = dict(

@@ -202,6 +202,21 @@ LAUNCHER = [
     case("env module raising at import", [], "env 'raisingenv:Env': importing module 'raisingenv' raised RuntimeError: "
          "set MY_ENV_HOME first", files={"raisingenv.py": "raise RuntimeError('set MY_ENV_HOME first')\n",
                                          "t.yaml": topology(env="raisingenv:Env")}),
+    # coach flags that the coach kind asked for does not read: the run would silently train on another coach
+    case("coach URL and model without a coach kind", ["--mappa.coach.base_url", "http://127.0.0.1:9/v1",
+                                                      "--mappa.coach.model", "m"],
+         "--mappa.coach.model, --mappa.coach.base_url: read by the openai and trained coaches only, and "
+         "--mappa.coach.kind is heuristic (the default: the offline rule-based demo coach), which would score every "
+         "action while ignoring them: use --mappa.coach.kind openai (an OpenAI-compatible server) or "
+         "--mappa.coach.kind trained"),
+    case("coach timeout without an LLM coach", ["--mappa.coach.timeout", "300"],
+         "--mappa.coach.timeout: read by the openai and trained coaches only"),
+    case("trained-coach flags without kind trained", ["--mappa.coach.digits_only", "--mappa.coach.lr", "1e-5"],
+         "--mappa.coach.digits_only, --mappa.coach.lr: read by the trained coach only, and --mappa.coach.kind is "
+         "heuristic (the default: the offline rule-based demo coach), which would score every action while ignoring "
+         "them: use --mappa.coach.kind trained (a coach model trained with the team), or drop them"),
+    case("trained-coach flag with kind openai", [*OPENAI, "--mappa.coach.pay_reference"],
+         "--mappa.coach.pay_reference: read by the trained coach only, and --mappa.coach.kind is openai"),
     # the coach's cache
     case("coach cache not SQLite", [*OPENAI, "--mappa.coach.cache", "notes.txt"],
          "coach cache notes.txt: not an SQLite database", files={"notes.txt": "my notes\n"}),
@@ -316,6 +331,9 @@ TOOLS = [
          "mappa plan: error: argument --mappa.gpu_memory_gib: 81559 is out of range", code=2),
     tool("plan negative GPUs", ["plan", *GOOD, "--mappa.gpus", "-1", "--mappa.gpu_memory_gib", "80"],
          "mappa plan: error: argument --mappa.gpus: -1 is out of range: expected an integer >= 1", code=2),
+    tool("plan with a coach URL and no coach kind", ["plan", *GOOD, "--mappa.coach.base_url", "http://x:8001/v1",
+                                                     "--mappa.gpus", "8", "--mappa.gpu_memory_gib", "80"],
+         "--mappa.coach.base_url: read by the openai and trained coaches only"),
     tool("plan zero GPUs", ["plan", *GOOD, "--mappa.gpus", "0", "--mappa.gpu_memory_gib", "80"],
          "argument --mappa.gpus: 0 is out of range", code=2),
 ]  # fmt: skip
@@ -557,3 +575,26 @@ def test_a_step_that_trains_nothing_says_why_and_a_run_that_never_trains_stops(t
         "1 of its 1 actions left over by the batch rule, less than one --train.batch_size (4) batch: lower "
         "--train.batch_size, or raise --rollout.batch_size")
 
+
+
+def test_help_shows_each_default_and_lists_the_refused_flags_apart():
+    # --help once listed the 58 refused OpenRLHF flags among the usable ones, with no default shown anywhere, and
+    # `mappa doctor --help` said `usage: train_mappa_ray`.
+    from openrlhf_mappa.cli.train_mappa_ray import REFUSED
+
+    env = dict(os.environ, COLUMNS="1000")  # argparse wraps at the terminal's width: one line per flag here
+    help_of = lambda *argv: subprocess.run([sys.executable, "-m", *argv, "--help"], capture_output=True, text=True,
+                                           env=env, timeout=120)
+    train = help_of("openrlhf_mappa.cli.train_mappa_ray")
+    assert train.returncode == 0 and train.stdout.startswith("usage: train_mappa_ray --mappa.topology YAML")
+    usable, refused = train.stdout.split("OpenRLHF's flags that MAPPA refuses (given, each stops the launch), and why:")
+    flags = lambda text: {line.split()[0] for line in text.splitlines() if line.startswith("  --")}
+    assert {f"--{flag}" for flag in REFUSED} <= flags(refused) and not flags(refused) & flags(usable)
+    assert "--critic.num_nodes CRITIC.NUM_NODES\n" in refused
+    assert "MAPPA has no critic: its advantages are REINFORCE++ return-to-go (rewards.py) (default: 1)\n" in refused
+    assert "seconds per coach request (default: 60.0)\n" in usable
+    assert "--ckpt.max_num CKPT.MAX_NUM\n                        OpenRLHF's (train_ppo_ray) (default: 3)\n" in usable
+    for tool in ("doctor", "plan"):
+        own = help_of("openrlhf_mappa.cli.mappa", tool)
+        assert own.returncode == 0 and own.stdout.startswith(f"usage: mappa {tool} --mappa.topology YAML"), own.stdout
+        assert "train_mappa_ray" not in own.stdout.split("\n\n")[0]

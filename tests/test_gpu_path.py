@@ -325,6 +325,33 @@ def test_doctor_tells_a_sync_that_arrived_from_one_that_did_not_or_crossed():
     assert not sync_verdicts(before_q, far, quantized=["b"])["b"][0]
 
 
+
+def test_the_doctors_sync_bound_is_the_noise_floor_it_measured_before_the_step():
+    # On GPU, vLLM and transformers differ on identical weights: up to 0.32 nats on one token (vllm#18352), more
+    # than the fixed 0.02 the doctor once required, so it failed a healthy cluster. Numbers shaped so: 8 probe
+    # tokens, engines off by 0.3 on one token before the step (the same weights) and by 0.28 after it.
+    noisy = lambda xs, at, by: [x + by * (i == at) for i, x in enumerate(xs)]
+    a0, b0 = [-1.0, -2.0, -0.5, -3.0, -1.5, -0.7, -2.2, -0.9], [-2.0, -1.0, -1.5, -0.2, -0.8, -2.5, -1.1, -0.4]
+    a1, b1 = [x - 0.6 * (-1) ** i for i, x in enumerate(a0)], [x + 0.5 * (-1) ** i for i, x in enumerate(b0)]
+    before = {"actor": {"a": a0, "b": b0}, "engines": {"a": [noisy(a0, 2, 0.3)], "b": [noisy(b0, 5, -0.1)]}}
+    after = {"actor": {"a": a1, "b": b1}, "engines": {"a": [noisy(a1, 2, 0.28)], "b": [noisy(b1, 5, -0.15)]}}
+    verdicts = sync_verdicts(before, after)
+    assert {n: ok for n, (ok, _) in verdicts.items()} == {"a": True, "b": True}, verdicts
+    assert "bound 0.6000: 2 x 0.3000 on the same weights before the step" in verdicts["a"][1]
+    # b's floor is 0.1: its 0.15 after the step is within 2 x 0.1; 0.25 is not.
+    assert not sync_verdicts(before, dict(after, engines={"a": after["engines"]["a"], "b": [noisy(b1, 5, -0.25)]}))[
+        "b"][0]
+    # An engine left behind (a's start weights, with its noise) is within the floor of nothing it should hold.
+    stale = sync_verdicts(before, dict(after, engines={"a": [noisy(a0, 2, 0.3)], "b": after["engines"]["b"]}))["a"]
+    assert not stale[0] and "an engine is nearer its actor's old weights" in stale[1], stale
+    # Crossed: a's engine holds b's new weights (with the noise), whatever the floor.
+    crossed = sync_verdicts(before, dict(after, engines={"a": [noisy(b1, 2, 0.28)], "b": after["engines"]["b"]}))["a"]
+    assert not crossed[0] and crossed[1].endswith("holds the weights of b"), crossed
+    # The floor is measured per agent, not assumed: with a quiet start (no gap), a's 0.28 fails as before.
+    quiet = dict(before, engines={"a": [a0], "b": before["engines"]["b"]})
+    assert not sync_verdicts(quiet, after)["a"][0]
+
+
 TOKEN_BUDGET_RANK = """
 import json, sys
 from types import SimpleNamespace
@@ -389,3 +416,133 @@ def test_token_budgets_give_every_rank_the_same_micro_batches_and_train_all_of_a
     assert long["optimizer_steps"] == short["optimizer_steps"] == 16 // 8  # one per train batch
     upstream, _ = ranks(a)  # upstream's plan for the same actions: one train batch a step, half left out
     assert len(sum(upstream["micro_batches"], [])) == len(lengths[0]) // executor.max_actions
+
+
+# ---------------------------------------------------------------- the doctor's sleep and offload checks
+# Stand-ins for what needs a GPU: the CUDA driver's memory query (torch's, patched to read the GPU of the process
+# asking) and what sleep and offload do to that GPU's memory. Everything else is the real code: the doctor's
+# sleep_checks, OpenRLHF's RayActorGroup.async_run_method and batch_vllm_engine_call, and Ray's calling shape
+# (handle.method.remote() runs apart from the caller, ray.get waits; patched to threads and futures).
+GIB = 2**30
+
+
+class Process:
+    """A Ray actor process holding one GPU: `used` GiB of its `total`."""
+
+    def __init__(self, total: float, used: float):
+        self.total, self.used = total, used
+
+
+class EngineProcess(Process):
+    def __init__(self, total, util):
+        super().__init__(total, 1.0 + util * total)  # its CUDA context, and its share: weights and KV cache
+        self.share = util * total
+
+    def sleep(self):  # level 1: weights to host memory, the KV cache dropped
+        self.used = 1.0
+
+    def wake_up(self):
+        self.used = 1.0 + self.share
+
+
+class ActorRank(Process):
+    """One DeepSpeed rank: reload_states and offload_states end in a barrier over the agent's ranks, as
+    OpenRLHF's deepspeed_utils do (dist.barrier(); here 3 s instead of the process group's 60 minutes)."""
+
+    def __init__(self, total, states, barrier):
+        super().__init__(total, 10.0)
+        self.states, self.barrier = states, barrier
+
+    def reload_states(self):
+        self.used += self.states
+        self.barrier.wait()
+
+    def offload_states(self):
+        self.used -= self.states
+        self.barrier.wait()
+
+
+class Handle:
+    """A Ray actor handle's shape: `.method.remote(...)` and `.__ray_call__.remote(fn)` run in a thread of their own,
+    on the actor's process (whose GPU the memory query then reads); the result is a future for ray.get."""
+
+    def __init__(self, process, pool, local):
+        self._process, self._pool, self._local = process, pool, local
+
+    def __getattr__(self, name):
+        method = (lambda fn: fn(self._process)) if name == "__ray_call__" else getattr(self._process, name)
+
+        def run(*args, **kwargs):
+            self._local.process = self._process
+            return method(*args, **kwargs)
+
+        return SimpleNamespace(remote=lambda *args, **kwargs: self._pool.submit(run, *args, **kwargs))
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    """(handle(process), the pool): Ray calls on threads, and each process's GPU memory as torch's query reads it."""
+    import openrlhf.trainer.ray.launcher  # noqa: F401 (imported before torch claims a GPU: CPU mode's patches apply)
+    import openrlhf.trainer.ray.vllm_engine  # noqa: F401
+    import ray
+    import torch
+
+    local = threading.local()
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+    got = lambda refs, timeout=None: ([r.result(timeout=10) for r in refs] if isinstance(refs, list)
+                                      else refs.result(timeout=10))
+    monkeypatch.setattr(ray, "get", got)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    gpu = lambda: SimpleNamespace(mem_get_info=lambda: ((local.process.total - local.process.used) * GIB,
+                                                        local.process.total * GIB))
+    monkeypatch.setattr(torch, "get_device_module", lambda device=None: gpu())
+    yield lambda process: Handle(process, pool, local)
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def doctor_agent(handle, engine, ranks):
+    from openrlhf.trainer.ray.launcher import RayActorGroup
+
+    group = RayActorGroup.__new__(RayActorGroup)  # the real class and its async_run_method; no Ray actors
+    group._actor_handlers = [handle(r) for r in ranks]
+    model = os.path.join(REPO, "tests", "fixtures", "qwen3-4b")
+    return SimpleNamespace(spec=SimpleNamespace(name="solver", model=model), engines=[handle(engine)], actor=group,
+                           args=SimpleNamespace(actor=SimpleNamespace(num_gpus_per_node=len(ranks))))
+
+
+def doctor_args(vllm_sleep: bool, ds_sleep: bool, gpu_gib=None):
+    return SimpleNamespace(vllm=SimpleNamespace(enable_sleep=vllm_sleep, gpu_memory_utilization=0.6),
+                           ds=SimpleNamespace(enable_sleep=ds_sleep, adam_offload=False),
+                           actor=SimpleNamespace(num_nodes=1), mappa=SimpleNamespace(gpu_memory_gib=gpu_gib))
+
+
+def test_the_doctors_sleep_check_reads_the_gpu_size_in_the_engine_not_the_driver(cluster):
+    # F3: under `ray job submit` on a CPU-only head node the driver sees no GPU, and without --mappa.gpu_memory_gib
+    # the check once computed 0.5 x 0.6 x None: a TypeError after every other check, and no table.
+    from openrlhf_mappa.doctor import sleep_checks
+
+    engine = EngineProcess(total=139.8, util=0.6)  # an H200 as the CUDA driver reports it
+    agent = doctor_agent(cluster, engine, [ActorRank(139.8, 0.0, threading.Barrier(1))])
+    (row,) = sleep_checks(doctor_args(vllm_sleep=True, ds_sleep=False), [agent])
+    assert row[:3] == ("sleep frees memory", "solver", True), row
+    assert "83.9 GiB freed (at least 41.9 expected of its 139.8 GiB GPU)" in row[3], row
+    engine.sleep = lambda: None  # an engine whose sleep frees nothing fails it
+    (row,) = sleep_checks(doctor_args(vllm_sleep=True, ds_sleep=False), [agent])
+    assert row[2] is False and "0.0 GiB freed" in row[3], row
+
+
+def test_the_doctors_offload_check_calls_every_actor_rank(cluster):
+    # F2: reload_states and offload_states end in a barrier over the agent's ranks; called on rank 0 alone, rank 0
+    # waited there for ranks that were never called (60 minutes on a cluster; the barrier's 3 s here).
+    from openrlhf_mappa.doctor import sleep_checks
+
+    states = 14 * placement.model_size(placement.read_config(os.path.join(REPO, "tests", "fixtures", "qwen3-4b")
+                                                             )).params / 2 / GIB  # gradients and Adam, 2 ranks
+    barrier = threading.Barrier(2, timeout=3)
+    ranks = [ActorRank(79.6, states, barrier) for _ in range(2)]
+    agent = doctor_agent(cluster, EngineProcess(79.6, 0.6), ranks)
+    (row,) = sleep_checks(doctor_args(vllm_sleep=False, ds_sleep=True, gpu_gib=79.6), [agent])
+    assert row[:3] == ("offload frees memory", "solver", True), row
+    assert f"actor rank 0: {states:.1f} GiB freed (gradients and Adam states: {states:.1f})" in row[3], row
+    assert [r.used for r in ranks] == [10.0, 10.0]  # every rank reloaded and offloaded again

@@ -44,9 +44,9 @@ def refusal(args, topology, gpus, gib=80.0) -> str:
     return str(e.value)
 
 
-def script_flags(tmp_path, script, **env) -> tuple:
-    """(flags, printed) of a GPU script run for real, with `ray` on PATH recording its submission: the one
-    stand-in, for the GPU cluster that cannot exist here (as in test_launch.py)."""
+def script_flags(tmp_path, script, *extra, **env) -> tuple:
+    """(flags, printed) of a GPU script run for real with `extra` flags, with `ray` on PATH recording its submission:
+    the one stand-in, for the GPU cluster that cannot exist here (as in test_launch.py)."""
     stub = tmp_path / "bin" / "ray"
     stub.parent.mkdir(exist_ok=True)
     stub.write_text(f"#!/bin/sh\n{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" "
@@ -54,8 +54,8 @@ def script_flags(tmp_path, script, **env) -> tuple:
     stub.chmod(0o755)
     env = dict(os.environ, PATH=f"{stub.parent}{os.pathsep}{os.environ['PATH']}", MAPPA_COACH_BASE_URL="http://coach/v1",
                MAPPA_COACH_MODEL="coach", MAPPA_SKIP_DATA_CHECK="1", **env)  # the paper's data is not here
-    proc = subprocess.run(["bash", str(ROOT / "examples" / "scripts" / script)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "scripts" / script), *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     submitted = json.loads((tmp_path / "submitted.json").read_text())
     return submitted[submitted.index("openrlhf_mappa.cli.train_mappa_ray") + 1:], proc.stdout
@@ -663,3 +663,70 @@ def test_tensor_parallelism_splits_the_linear_layers_and_needs_zero_2(tmp_path):
     with pytest.raises(SystemExit, match=r"agent 'verifier': tensor parallelism \(2\) is DeepSpeed's AutoTP, which "
                                          r"trains with ZeRO stages 0-2 only .*: pass --ds.zero_stage 2"):
         validate(args, topology)
+
+
+def test_actor_threads_come_from_each_gpu_nodes_usable_cores(tmp_path):
+    # F8: the threads once came from the launcher's os.cpu_count() over --mappa.gpus_per_node: a CPU head node's
+    # cores, or every core of a container's host (224 / 8 = 28 threads per process against a 32-CPU quota).
+    from openrlhf_mappa.launch import actor_threads
+
+    affinity = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text("100000 100000\n")  # a container's quota: one CPU
+    assert placement.usable_cores(str(tmp_path)) == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")  # no quota: the CPUs this process may run on
+    assert placement.usable_cores(str(tmp_path)) == affinity
+    assert placement.usable_cores(str(tmp_path / "no-cgroup-v2")) == affinity
+    # Each GPU node's own cores over its own GPUs, the fewest of them: 32 over 8 GPUs, 64 over 4.
+    assert actor_threads([32, 64], [8, 4]) == 4
+    assert actor_threads([4], [8]) == 1  # never 0 threads
+
+
+def test_mappa_plan_names_no_change_that_the_same_command_refuses():
+    # A trained coach's engines judge after the team's engines sleep, so --vllm.enable_sleep is refused with it; the
+    # plan once named sleep (and colocation, which brings it) as the smallest change for such a team. Each change it
+    # names now, applied, is a command that plans and fits.
+    mappa = [sys.executable, "-m", "openrlhf_mappa.cli.mappa", "plan"]
+    trained = [*RECIPE, "--mappa.model", str(QWEN3_4B), "--mappa.coach.kind", "trained", "--mappa.coach.model",
+               str(QWEN3_4B), "--mappa.gpu_memory_gib", "79.6"]
+    for colocate in ("none", "agent", "team"):
+        proc = subprocess.run(mappa + trained + ["--mappa.colocate", colocate, "--mappa.gpus", "8"],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 1 and "REFUSED: the plan does not fit 8 x 79.6 GiB GPUs" in proc.stdout, proc.stdout
+        change = proc.stdout.split("Smallest change that fits: ", 1)[1].splitlines()[0]
+        assert "sleep" not in change, (colocate, change)
+        need, flags = change.split("needs at least ")[1].split(" GPUs of 79.6 GiB: ")
+        fixed = subprocess.run(mappa + trained + ["--mappa.colocate", colocate, "--mappa.gpus", need,
+                                                  *flags.split(";")[0].split()],
+                               capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert fixed.returncode == 0 and f"fits: {need} of {need} GPUs" in fixed.stdout, (change, fixed.stdout[-3000:])
+
+
+def test_mappa_plan_refuses_a_hub_it_cannot_reach_at_once(tmp_path):
+    # With a hub id and no hub, `mappa plan` once retried for minutes, then said "fits" with no memory estimated;
+    # the launcher refuses the same id in one request. The hub here: a port nothing listens on.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf"))  # an empty cache
+    argv = [sys.executable, "-m", "openrlhf_mappa.cli.mappa", "plan", *RECIPE, "--mappa.model", "Qwen/Qwen3-4B",
+            "--mappa.gpus", "8", "--mappa.gpu_memory_gib", "79.6"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (f"mappa plan: --mappa.model: model 'Qwen/Qwen3-4B' is not a local directory (relative to {ROOT}), "
+            f"and the Hugging Face hub (http://127.0.0.1:{port}) could not be reached") in proc.stderr, proc.stderr
+    env["HF_HUB_OFFLINE"] = "1"
+    offline = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert offline.returncode == 1 and "is not in the Hugging Face cache" in offline.stderr, offline.stderr
+
+
+@pytest.mark.parametrize("script", ["train_mappa_mathchat.sh", "train_mappa_dsbench.sh"])
+def test_the_gpu_scripts_pass_extra_flags_on(tmp_path, script):
+    # The README's way without flash-attn is --ds.attn_implementation sdpa: the scripts once took no extra flags, so
+    # it meant editing the script. The later flag wins in argparse.
+    argv, _ = script_flags(tmp_path, script, "--ds.attn_implementation", "sdpa", "--ckpt.max_num", "2")
+    assert argv[-4:] == ["--ds.attn_implementation", "sdpa", "--ckpt.max_num", "2"]
+    args, _ = planned(argv)
+    assert (args.ds.attn_implementation, args.ckpt.max_num) == ("sdpa", 2)

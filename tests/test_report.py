@@ -42,6 +42,19 @@ def test_reading_tolerates_a_cut_off_last_line_and_names_a_broken_one(tmp_path, 
         report.load_run(str(tmp_path / "missing"))
 
 
+def test_no_kl_chart_at_beta_0(tmp_path):
+    # At β = 0 an agent has no reference model and its KL is logged as 0 every step: the report once drew that flat
+    # line as a KL curve; docs/reference.md says the chart appears only with β > 0.
+    rows = [metrics_row(s, **{"agent/solver/kl": 0.0, "agent/solver/kl_coef": 0.0}) for s in (1, 2)]
+    write_jsonl(tmp_path / "metrics.jsonl", rows)
+    titles = [c["title"] for c in report.load_run(str(tmp_path))["sections"]["training"]]
+    assert "agent/*/kl" not in titles and "agent/*/coach_score" in titles
+    rows[1]["agent/solver/kl_coef"] = 0.01  # β > 0 (an adaptive KL controller may start it anywhere): drawn
+    rows[1]["agent/solver/kl"] = 0.002
+    write_jsonl(tmp_path / "metrics.jsonl", rows)
+    curves = {c["title"]: c["series"] for c in report.load_run(str(tmp_path))["sections"]["training"]}
+    assert curves["agent/*/kl"] == [{"name": "solver", "points": [[1, 0.0], [2, 0.002]]}]
+
 def test_eval_curves_per_dataset(tmp_path):
     write_jsonl(tmp_path / "metrics.jsonl", [metrics_row(1)])
     rows = [{"step": s, "dataset": d, "accuracy": acc, "n_problems": 32, "n_samples": 4, "answered_rate": 1.0}

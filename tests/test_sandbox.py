@@ -120,6 +120,17 @@ def test_environment_secrets_are_not_visible(ws, monkeypatch):
     assert "OMP_NUM_THREADS" in run("import os; print(sorted(os.environ))", ws).stdout
 
 
+def test_the_code_sees_no_gpu_unless_the_user_gives_it_some(ws, monkeypatch):
+    # Without CUDA_VISIBLE_DEVICES in its environment, CUDA shows a process every GPU of the node: the driver's,
+    # where the run's engines and actors are. The code's own environment says so, printed by the code itself.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the driver's own, which the code must not inherit either
+    monkeypatch.delenv("MAPPA_SANDBOX_GPUS", raising=False)
+    show = "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+    assert run(show, ws).stdout == "''\n"
+    monkeypatch.setenv("MAPPA_SANDBOX_GPUS", "1")  # opted in: this GPU
+    assert run(show, ws).stdout == "'1'\n"
+
+
 @root_only
 def test_reading_and_writing_outside_the_workspace(ws, tmp_path):
     (tmp_path / "answers.txt").write_text("42")  # e.g. a task's reference answers, next to the workspace

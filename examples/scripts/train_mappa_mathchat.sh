@@ -102,4 +102,5 @@ ray job submit --address="http://127.0.0.1:8265" \
    --ckpt.save_hf \
    --ckpt.path "$OUT/ckpt" \
    --ckpt.output_dir "$OUT/hf" \
-   --logger.tensorboard_dir "$OUT/tensorboard"
+   --logger.tensorboard_dir "$OUT/tensorboard" \
+   "$@"

@@ -14,6 +14,16 @@ from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE, NO
 # the launcher does: its message alone, no traceback (MAPPA_TRACEBACK=1 shows one), exit 1 (argparse's: 2).
 
 
+# `mappa plan` and `mappa doctor` take train_mappa_ray's flags (parse_args): their help, in `mappa --help` and theirs.
+PLAN_HELP = ("which GPU holds which agent's actor, reference and engines, and the memory each needs per phase; takes "
+             "train_mappa_ray's flags, the cluster as --mappa.gpus N --mappa.gpu_memory_gib G (default: this "
+             "machine's GPUs; with no GPU here and no --mappa.gpu_memory_gib: the GPU counts, and the least GPU memory "
+             "the plan needs); exit 1 when it does not fit")
+DOCTOR_HELP = ("the cluster self-check before a long job: takes the training command's flags, with --mappa.model a "
+               "small model; starts the team as planned, runs one step of each component and checks weight syncs, "
+               "sleep, threads and host memory; a table of checks, exit 1 on a failure")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:  # its flags are train_mappa_ray's, which argparse cannot pass through a subparser
@@ -64,15 +74,8 @@ def build_parser():
     parser = Parser(prog="mappa", description="openrlhf_mappa tools")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("plan", help="which GPU holds which agent's actor, reference and engines, and the memory each "
-                   "needs per phase; takes train_mappa_ray's flags, the cluster as --mappa.gpus N "
-                   "--mappa.gpu_memory_gib G (default: this machine's GPUs; with no GPU here and no "
-                   "--mappa.gpu_memory_gib: the GPU counts, and the least GPU memory the plan needs); exit 1 when "
-                   "it does not fit")
-
-    sub.add_parser("doctor", help="the cluster self-check before a long job: takes the training command's flags, "
-                   "with --mappa.model a small model; starts the team as planned, runs one step of each component and "
-                   "checks weight syncs, sleep, threads and host memory; a table of checks, exit 1 on a failure")
+    sub.add_parser("plan", help=PLAN_HELP)
+    sub.add_parser("doctor", help=DOCTOR_HELP)
 
     sub.add_parser("check", help="the dry run: every check the launcher runs before Ray starts (topology, flags, "
                    "models, task and eval files, the environment on each task type, resume, this machine's packages, "
@@ -258,13 +261,19 @@ def plan_main(argv) -> int:
     """`mappa plan`: the launch's plan and check without a cluster, on this machine's GPUs unless given; with no
     GPU memory known, the counts are checked (as the launcher does) and the least GPU memory needed is said."""
     from openrlhf_mappa import placement
-    from openrlhf_mappa.cli.train_mappa_ray import parse_args, validate
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.cli.train_mappa_ray import accepted, parse_args, validate
+    from openrlhf_mappa.topology import check_model, load_topology
 
-    args = parse_args(argv, prog="mappa plan")
+    args = parse_args(argv, prog="mappa plan", description=PLAN_HELP)
     with refusals("mappa plan:"):
         topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
         validate(args, topology)
+        # A hub id resolved as the launcher does: one out of reach is refused at once, not "fits" after minutes of
+        # retries. A directory needs only its config.json here (tests/fixtures hold no weights or tokenizer).
+        for spec in placement.trainee_specs(args, topology):
+            label = "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}"
+            if not os.path.isdir(spec.model):
+                check_model(spec.model, label if spec in topology.agents else "--mappa.coach.model")
     gpus, gib = args.mappa.gpus, args.mappa.gpu_memory_gib
     if gpus is None or gib is None:
         found = placement.detect_gpus()
@@ -279,7 +288,7 @@ def plan_main(argv) -> int:
           f"{placement.PLACEMENTS[args.mappa.colocate]}\n")
     print(placement.format_plan(plan, gpus))
     try:
-        placement.check(args, topology, gpus, gib)
+        placement.check(args, topology, gpus, gib, allowed=accepted(topology))
     except ValueError as e:
         print(f"\nREFUSED: {e}")
         return 1
@@ -338,7 +347,7 @@ def doctor_main(argv) -> int:
 
     from openrlhf_mappa.cli.train_mappa_ray import check_team, check_this_machine, output_to, parse_args
 
-    args = parse_args(argv)
+    args = parse_args(argv, prog="mappa doctor", description=DOCTOR_HELP)
     with refusals():
         topology = check_team(args)
         check_this_machine(args, topology)

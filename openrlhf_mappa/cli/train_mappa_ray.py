@@ -360,19 +360,25 @@ UPSTREAM_RANGES = {
 }
 
 
+def refusal_of(action):
+    """Why MAPPA refuses an upstream flag; None for one it honours, its own, and --help."""
+    name = action.option_strings[0].lstrip("-") if action.option_strings else ""
+    verdict = UPSTREAM_FLAGS.get(name, "refused: not classified for this openrlhf release")
+    if not name or name.startswith("mappa.") or action.dest == "help" or verdict == "honoured":
+        return None
+    return verdict.removeprefix("refused: ")
+
+
 def refuse_ignored_flags(parser, raw) -> None:
     """Stop when a refused flag has a value other than its default. `raw`: the namespace before upstream's
     checks, which change some values (e.g. --vllm.enable_sleep back to False)."""
     plain = lambda v: list(v) if isinstance(v, tuple) else v  # nargs flags: a list given, a tuple as default
     refused = {}  # dest -> message (--x.nesterov and --x.no_nesterov share one)
     for action in parser._actions:
-        name = action.option_strings[0].lstrip("-")
-        verdict = UPSTREAM_FLAGS.get(name, "refused: not classified for this openrlhf release")
-        if name.startswith("mappa.") or action.dest == "help" or verdict == "honoured":
-            continue
-        value = getattr(raw, action.dest)
-        if plain(value) != plain(action.default):
-            refused.setdefault(action.dest, f"--{name} {value!r}: {verdict.removeprefix('refused: ')}")
+        why = refusal_of(action)
+        value = getattr(raw, action.dest, None)
+        if why is not None and plain(value) != plain(action.default):
+            refused.setdefault(action.dest, f"{action.option_strings[0]} {value!r}: {why}")
     if refused:
         raise SystemExit("[mappa] OpenRLHF flags that MAPPA does not honour (refused rather than silently ignored):\n  "
                          + "\n  ".join(refused.values()))
@@ -449,12 +455,31 @@ def upstream_cli():
     return get_parser, validate_upstream, hierarchize
 
 
-def parse_args(argv=None, prog: str = "train_mappa_ray"):
+def help_apart(parser) -> None:
+    """--help: each flag's default, and OpenRLHF's flags that MAPPA refuses listed apart, each with its reason."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    refused = parser.add_argument_group("OpenRLHF's flags that MAPPA refuses (given, each stops the launch), and why")
+    for group in parser._action_groups[:-1]:
+        for action in list(group._group_actions):
+            why = refusal_of(action)
+            if why is not None:
+                group._group_actions.remove(action)
+                refused._group_actions.append(action)
+                action.help = why
+            elif action.option_strings and not action.help:  # argparse shows no default without a help text
+                action.help = "OpenRLHF's (train_ppo_ray)"
+
+
+def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None):
     """OpenRLHF's flags and checks (upstream_cli) with MAPPA's, numbers range-checked as parsed (UPSTREAM_RANGES)
-    and refused flags before upstream's checks change any value. `prog`: the command an argparse error names."""
+    and refused flags before upstream's checks change any value. `prog`: the command an argparse error and --help
+    name; `description`: what its --help says it does."""
     get_parser, validate_upstream, hierarchize = upstream_cli()
     parser = get_parser()
     add_mappa_args(parser)
+    help_apart(parser)
+    parser.description = description or "Train a MAPPA team: OpenRLHF's flags and --mappa.*"
+    parser.usage = "%(prog)s --mappa.topology YAML [OpenRLHF's flags] [--mappa.* flags]"  # not 230 lines of them
     parser.prog, parser.error = prog, types.MethodType(Parser.error, parser)
     parser.help_command = "python -m openrlhf_mappa.cli.train_mappa_ray --help" if prog == "train_mappa_ray" else None
     ranged_flags = {a.option_strings[0].lstrip("-"): a for a in parser._actions if a.option_strings}
@@ -550,8 +575,39 @@ def validate(args, topology):
                          "coach)")
     scored = args.mappa.reward == "process" or coach.score_outcome_runs  # as MappaTrainer.scored
     topology.check_coach_template(args.mappa.topology, coach.kind, coach.mode, scored)
+    validate_coach_kind(args)
     if coach.kind == "trained":
         validate_trained_coach(args, topology)
+
+
+# The coach flags an LLM coach reads (openai, and trained: its own model and its reference judge's server). Given to
+# a kind that does not read them, a flag changes nothing, silently: a coach URL without --mappa.coach.kind openai
+# would train on the offline heuristic coach, the default.
+LLM_COACH_FLAGS = ("model", "base_url", "api_key_env", "timeout", "max_concurrency", "max_retries", "rpm", "structured",
+                   "max_tokens", "format_retries", "price_in", "price_out")
+
+
+def validate_coach_kind(args) -> None:
+    """Refuse a coach flag, off its default, that --mappa.coach.kind does not read, naming the kind that does."""
+    c = args.mappa.coach
+    coach_flags, trained_flags = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_coach_args(coach_flags)
+    add_trained_coach_args(trained_flags)
+    readers = {**{key: ("openai", "trained") for key in LLM_COACH_FLAGS},
+               **{a.dest.rpartition(".")[2]: ("trained",) for a in trained_flags._actions if a.dest != "help"}}
+    defaults = {**vars(coach_flags.parse_args([])), **vars(trained_flags.parse_args([]))}
+    defaults = {dest.rpartition(".")[2]: value for dest, value in defaults.items()}
+    given = [key for key, kinds in readers.items() if c.kind not in kinds and getattr(c, key) != defaults[key]]
+    if not given:
+        return
+    kinds = [k for k in ("openai", "trained") if all(k in readers[key] for key in given)]  # a kind reading them all
+    what = {"heuristic": "the default: the offline rule-based demo coach", "openai": "an OpenAI-compatible server",
+            "trained": "a coach model trained with the team"}
+    fix = " or ".join(f"--mappa.coach.kind {k} ({what[k]})" for k in kinds)
+    them = "them" if len(given) > 1 else "it"
+    raise SystemExit(f"{', '.join('--mappa.coach.' + key for key in given)}: read by the {' and '.join(kinds)} "
+                     f"coach{'es' * (len(kinds) > 1)} only, and --mappa.coach.kind is {c.kind} ({what[c.kind]}), "
+                     f"which would score every action while ignoring {them}: use {fix}, or drop {them}")
 
 
 def validate_trained_coach(args, topology) -> None:
@@ -785,8 +841,22 @@ def check_team(args, plan: bool = True):
         check_model(spec.model, label)
         check_lora(spec, label)
     if plan and (args.mappa.gpus or args.mappa.gpu_memory_gib):  # the cluster as given: the plan, before Ray starts
-        placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib)
+        placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib, allowed=accepted(topology))
     return topology
+
+
+def accepted(topology):
+    """Whether validate accepts changed flags: the plan names only changes the same command would then take
+    (placement.check's `allowed`)."""
+
+    def allowed(args) -> bool:
+        try:
+            validate(args, topology)
+        except (SystemExit, ValueError):
+            return False
+        return True
+
+    return allowed
 
 
 class Preflight:
@@ -866,7 +936,7 @@ class Preflight:
         gpus, gib = self.args.mappa.gpus, self.args.mappa.gpu_memory_gib
         if not (gpus or gib):  # the launcher checks the Ray cluster's own nodes once it is up
             return "not checked here: give --mappa.gpus N --mappa.gpu_memory_gib G (`mappa plan` prints it)"
-        placement.check(self.args, self.topology, gpus, gib)
+        placement.check(self.args, self.topology, gpus, gib, allowed=accepted(self.topology))
         return f"fits: {placement.make_plan(self.args, self.topology, gib).need} GPUs" + (f" of {gpus}" if gpus else "")
 
     def coach(self):
@@ -992,7 +1062,7 @@ def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> l
     startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s, models)
     startup.start()
     try:
-        agents = build_agents(args, topology, max_steps, startup)
+        agents = build_agents(args, topology, max_steps, startup, accepted(topology))
     except KeyboardInterrupt:
         if not startup.reason:
             raise
