@@ -143,6 +143,9 @@ class Action:
     verdict: Optional[Verdict] = None  # the verdict it trains on (see --mappa.coach.mode)
     verdict_parts: dict = field(default_factory=dict)  # mode "both": {"per_action", "hindsight"} verdicts combined
     reward: Optional[float] = None  # the scalar reward this action trained on (None: left out)
+    # In its agent's batch at zero loss (--mappa.batch_semantics authors): truncated (its reward, if any, is still
+    # in the whitening statistics) or unscored; its advantage is 0.
+    zero_loss: bool = False
     advantage: Optional[float] = None  # mean normalized advantage over its tokens
     # Each response token's log-prob as vLLM sampled it (after temperature and top-p): what the trainer's
     # log-probs are compared with (mismatch metrics, --algo.advantage.is_correction_*). Empty: not asked.

@@ -185,13 +185,13 @@ def load_team(trainees: list, step: int, saved: dict) -> None:
 
 def driver_state(ckpt_path: str, run_dir: str, step: int, window: int) -> tuple:
     """(coach cost so far, the coach template in use as {name, since_step} or None, {step: episodes}, the marker's
-    per-agent state: `kl_coef`, `versions`) as the team checkpoint of `step` left them: the episodes of the bias
-    audit's last `window` steps refill its window, whose warnings and the figures a coach is shown
-    (--mappa.coach.show_bias) would otherwise restart from nothing."""
+    per-agent state: `kl_coef`, `versions`, `optimizer_steps`) as the team checkpoint of `step` left them: the
+    episodes of the bias audit's last `window` steps refill its window, whose warnings and the figures a coach is
+    shown (--mappa.coach.show_bias) would otherwise restart from nothing."""
     marker = json.load(open(os.path.join(ckpt_path, CHECKPOINT_MARKER)))
     path, by_step = os.path.join(run_dir, "episodes.jsonl"), {}
     for _, ep in read_jsonl(path) if os.path.exists(path) else []:
         if step - window < ep["step"] <= step:
             by_step.setdefault(ep["step"], []).append(Episode.from_record(ep))
-    agents = {key: marker[key] for key in ("kl_coef", "versions") if key in marker}
+    agents = {key: marker[key] for key in ("kl_coef", "versions", "optimizer_steps") if key in marker}
     return marker.get("coach_cost_usd", 0.0), marker.get("coach_template"), by_step, agents

@@ -15,8 +15,16 @@ The outcome baseline pays R = s · o · 1[success], o = --mappa.outcome_score (1
 as the authors), so with the same s the same β·KL costs the same share of R in both modes; so do the
 coach-failure fallbacks (R = s · neutral_score, or the outcome R). s is applied first, where R is assigned:
 standardize_by_task_type is scale-equivariant and group_normalize scale-invariant, so what s changes is only
-the weight of R against β·KL. An action cut off at the token limit gets no R at all (left out, as the authors'
+the weight of R against β·KL. An action cut off at the token limit trains at zero loss (as the authors'
 mask_truncated_completions) unless train_truncated is set.
+
+Batch semantics (--mappa.batch_semantics). "authors" (default): a truncated or unscored action stays in its
+agent's batch as a zero-loss row (advantage 0 on every token, its action mask kept), so OpenRLHF's actor gives it
+no policy gradient yet counts it in the seq-mean-token-mean denominator, and the batch rule counts whole batches
+over all of an agent's actions: the authors' trainer masks truncated completions out of the loss inside a fixed
+batch, so every agent takes the same optimizer steps. A truncated action keeps its R in the whitening statistics,
+as theirs; an unscored one has no R, so its row is left out of them. "usable": both leave the batch before the
+batch rule (fewer optimizer steps, the schedule never reaching its end).
 
 Dynamic filtering (--algo.dynamic_filtering_enable, as OpenRLHF's, per agent and task) leaves out every action of
 a group (step, task, agent) whose mean score u on [0, 1] (the coach's score / 10; the outcome, 0 or 1, in outcome
@@ -48,11 +56,13 @@ REWARD_MODES = ("process", "outcome")
 # advantages whitened over the whole team's batches instead of each agent's).
 NORM_SCOPES = {"agent": (False, False), "global": (False, True), "group": (True, False)}
 FAILURE_POLICIES = ("skip", "outcome", "neutral")
+BATCH_SEMANTICS = ("authors", "usable")
 
 
 def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip", neutral_score: float = 5.0,
                    scale: float = 1.0, train_truncated: bool = False, standardize_task_type: bool = False,
-                   norm_scope: str = "agent", outcome_score: float = 10.0, filter_range: tuple = None) -> dict:
+                   norm_scope: str = "agent", outcome_score: float = 10.0, filter_range: tuple = None,
+                   batch_semantics: str = "authors") -> dict:
     """Set every `action.reward` (R, module docstring), then dynamic_filter (`filter_range`), standardize_by_task_type
     and group_normalize where asked; returns how many actions train, and why the others do not or what they fell
     back on.
@@ -60,7 +70,8 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
     In process mode a failed verdict is left out ("skip"), paid the outcome, or paid s · neutral_score (the
     authors' silent 5.0 made explicit); it keeps its failed status. A truncated action (its score judges text
     that never ended; unless train_truncated), a stale one and every action of an episode whose environment raised
-    are left out.
+    are left out; with batch_semantics "authors" a truncated or unscored action is a zero-loss row instead
+    (`zero_loss`), a truncated one with its reward (module docstring). Either way it is not `trainable`.
     """
     if mode not in REWARD_MODES:
         raise ValueError(f"unknown reward mode {mode!r}; expected one of {REWARD_MODES}")
@@ -68,38 +79,39 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
         raise ValueError(f"unknown coach failure policy {on_failure!r}; expected one of {FAILURE_POLICIES}")
     if norm_scope not in NORM_SCOPES:
         raise ValueError(f"unknown normalization scope {norm_scope!r}; expected one of {tuple(NORM_SCOPES)}")
+    if batch_semantics not in BATCH_SEMANTICS:
+        raise ValueError(f"unknown batch semantics {batch_semantics!r}; expected one of {BATCH_SEMANTICS}")
 
-    trainable, left_out_by_status, fallback, truncated_by_agent, stale_by_agent = 0, {}, 0, {}, {}
+    zero_loss = batch_semantics == "authors"
+    left_out_by_status, fallback, truncated_by_agent, stale_by_agent = {}, 0, {}, {}
     u = {}  # id(action) -> its score on [0, 1], for dynamic_filter
     for episode in episodes:
         outcome_R = scale * outcome_score * float(episode.success)
         for action in episode.actions:
-            verdict = action.verdict
+            verdict, action.reward, action.zero_loss = action.verdict, None, False
             if episode.env_error:  # counted per episode: no outcome, and its feedback is untrusted
-                action.reward = None
                 continue
             if action.stale:  # its weights too many updates old (async training: trainer.mark_stale)
-                action.reward = None
                 stale_by_agent[action.agent] = stale_by_agent.get(action.agent, 0) + 1
                 continue
-            if action.truncated and not train_truncated:
-                action.reward = None
+            cut = action.truncated and not train_truncated
+            if cut:
                 truncated_by_agent[action.agent] = truncated_by_agent.get(action.agent, 0) + 1
-                continue
+                if not zero_loss:
+                    continue
             if mode == "outcome":
                 action.reward, u[id(action)] = outcome_R, float(episode.success)
             elif verdict is not None and verdict.status == "ok" and verdict.score is not None:
                 action.reward, u[id(action)] = scale * float(verdict.score), float(verdict.score) / 10
             elif on_failure == "outcome":
-                action.reward, u[id(action)], fallback = outcome_R, float(episode.success), fallback + 1
+                action.reward, u[id(action)], fallback = outcome_R, float(episode.success), fallback + (not cut)
             elif on_failure == "neutral":
-                action.reward, u[id(action)], fallback = scale * float(neutral_score), neutral_score / 10, fallback + 1
-            else:
-                action.reward = None
+                action.reward, u[id(action)] = scale * float(neutral_score), neutral_score / 10
+                fallback += not cut
+            elif not cut:
                 status = verdict.status if verdict is not None else "missing"
                 left_out_by_status[status] = left_out_by_status.get(status, 0) + 1
-                continue
-            trainable += 1
+            action.zero_loss = zero_loss and (cut or action.reward is None)
 
     filtered = dynamic_filter(episodes, u, filter_range) if filter_range is not None else {}
     if standardize_task_type and mode == "process":
@@ -107,7 +119,7 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
     per_prompt_R, _ = NORM_SCOPES[norm_scope]
     if per_prompt_R:
         group_normalize(episodes)
-    trainable -= sum(n for n, _, _ in filtered.values())
+    trainable = sum(a.reward is not None and not a.zero_loss for ep in episodes for a in ep.actions)
     return {"trainable": trainable, "left_out": sum(left_out_by_status.values()),
             "left_out_by_status": left_out_by_status, "fallback": fallback, "truncated_left_out": truncated_by_agent,
             "filtered": filtered, "stale_left_out": stale_by_agent}
@@ -148,7 +160,7 @@ def dynamic_filter(episodes: list[Episode], u: dict, score_range: tuple) -> dict
             out[agent] = (n, kept + 1, total + 1)
             continue
         for a in acts:
-            a.reward, a.filtered = None, True
+            a.reward, a.filtered, a.zero_loss = None, True, False
         out[agent] = (n + len(acts), kept, total + 1)
     return out
 
@@ -201,15 +213,17 @@ def group_normalize(episodes: list[Episode], eps: float = 1e-9) -> None:
 
 
 def batch_rule(actions: list, train, step: int) -> tuple:
-    """(kept, dropped count): a whole number of global train batches B = train.batch_size of an agent's actions.
+    """(kept, dropped count): a whole number of global train batches B = train.batch_size of an agent's actions
+    that fill its batch: those with a reward and the zero-loss rows (assign_rewards).
 
     DeepSpeed's gradient accumulation is fixed by B, and data-parallel ranks with unequal micro-batch counts
     deadlock in all-reduce. So an agent whose action count varies (a Code Executor acting once or twice) trains on
-    floor(n / B) * B of its actions, drawn with a RNG seeded by train.seed and the step, and skips the update when
+    floor(n / B) * B of its n actions, drawn with a RNG seeded by train.seed and the step, and skips the update when
     n < B. Dropped actions are counted in the metrics."""
-    keep = (len(actions) // train.batch_size) * train.batch_size
-    picked = random.Random(train.seed * 1000003 + step).sample(actions, keep) if keep else []
-    return picked, len(actions) - keep
+    rows = [a for a in actions if a.reward is not None or a.zero_loss]
+    keep = (len(rows) // train.batch_size) * train.batch_size
+    picked = random.Random(train.seed * 1000003 + step).sample(rows, keep) if keep else []
+    return picked, len(rows) - keep
 
 
 def experience_of(action):
@@ -221,7 +235,7 @@ def experience_of(action):
     seq = action.prompt_ids + action.response_ids
     action_mask = torch.zeros(len(seq), dtype=torch.bool)
     action_mask[len(action.prompt_ids) :] = True
-    reward = torch.tensor([action.reward], dtype=torch.float32)
+    reward = torch.tensor([action.reward if action.reward is not None else 0.0], dtype=torch.float32)  # unscored
     rollout_log_probs = None
     if len(action.rollout_logprobs) == len(action.response_ids):
         rollout_log_probs = torch.zeros(1, len(seq) - 1)
@@ -296,10 +310,12 @@ def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1
 
 
 def compute_advantages(batches_by_agent: dict[str, list], kl_coef, scope: str = "agent", gamma: float = 1.0,
-                       std_norm: bool = True) -> dict:
+                       std_norm: bool = True, actions: dict = None) -> dict:
     """Set `.returns` (G) and `.advantages` (whitened G) on every batch (`.rewards`, `.kl`, `.action_mask`, as
     OpenRLHF's Experience); returns, per agent, each row's mean advantage over its action tokens. `kl_coef`: β, or
-    {agent: β} (each agent's KL controller).
+    {agent: β} (each agent's KL controller). `actions`: {agent: the actions its rows are, by OpenRLHF's
+    `exp.index`}, where some are zero-loss rows: their advantages are 0, and an unscored one's returns stay out of
+    the whitening statistics (module docstring).
 
     "agent" and "group" whiten each agent's batches together (the authors' code; "group" after group_normalize,
     as the authors' group_norm, unlike upstream OpenRLHF's), "global" all agents' (the paper's wording).
@@ -307,6 +323,7 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef, scope: str = 
     if scope not in NORM_SCOPES:
         raise ValueError(f"unknown normalization scope {scope!r}; expected one of {tuple(NORM_SCOPES)}")
 
+    rows = {}  # id(batch) -> (its rows in the whitening statistics, its rows that train), each (B,)
     for name, batches in batches_by_agent.items():
         beta = kl_coef[name] if isinstance(kl_coef, dict) else kl_coef
         for b in batches:
@@ -314,13 +331,18 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef, scope: str = 
             b.returns = returns_to_go(r_BA, b.action_mask, gamma)
             if isinstance(getattr(b, "info", None), dict):
                 b.info["return"] = r_BA.sum(dim=1)  # as upstream's (with γ = 1: G at the first action token)
+            of = [actions[name][i] for i in b.index] if actions and name in actions else []
+            everyone = torch.ones(b.action_mask.size(0), dtype=torch.bool)
+            rows[id(b)] = (torch.tensor([a.reward is not None for a in of]) if of else everyone,
+                           torch.tensor([not a.zero_loss for a in of]) if of else everyone)
 
     _, over_team = NORM_SCOPES[scope]
     groups = [sum(batches_by_agent.values(), [])] if over_team else list(batches_by_agent.values())
     for batches in groups:
-        advantages = whiten([b.returns for b in batches], [b.action_mask for b in batches], std_norm=std_norm)
+        in_stats = [b.action_mask.bool() & rows[id(b)][0].to(b.action_mask.device).unsqueeze(1) for b in batches]
+        advantages = whiten([b.returns for b in batches], in_stats, std_norm=std_norm)
         for b, adv_BA in zip(batches, advantages):
-            b.advantages = adv_BA
+            b.advantages = torch.where(rows[id(b)][1].to(adv_BA.device).unsqueeze(1), adv_BA, 0.0)
     mean_A = lambda b: ((b.advantages * b.action_mask).sum(1) / b.action_mask.sum(1).clamp(min=1)).tolist()
     return {name: sum((mean_A(b) for b in batches), []) for name, batches in batches_by_agent.items()}
 

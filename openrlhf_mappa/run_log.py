@@ -82,6 +82,11 @@ def step_metrics(args, topology, agents, owner, episodes, batches, status, dropp
             continue
         m[p + "trained_actions"] = sum(len(exp.sequences) for exp in batches.get(name, []))
         m[p + "dropped_for_batching"] = dropped[name]
+        # Rows in its batch at zero loss (--mappa.batch_semantics authors: truncated or unscored; advantage 0).
+        m[p + "zero_loss_rows"] = sum(a.zero_loss and a.advantage is not None
+                                      for ep in episodes for a in ep.actions if owner[a.agent] == name)
+        if name in counts.get("optimizer_steps", {}):  # since the run started, as MappaTrainer counts them
+            m[p + "optimizer_steps"] = counts["optimizer_steps"][name]
         m[p + "updated"] = int(name in status)
         m[p + "kl_coef"] = kl_coef[name]
         if args.train.async_enable and counts["staleness"].get(name):  # in updates of its own weights

@@ -33,7 +33,8 @@ SWITCH_NAMESPACES = ("step", "agent/<agent>/<metric>", "outcome/success_rate", "
 # The per-agent keys a step logs (run_log.step_metrics, evaluation.behaviour_metrics; tests/test_criteria.py
 # checks them): a rule on any other agent key would never fire.
 AGENT_METRICS = tuple(
-    "coach_score outcome_success truncated_left_out trained_actions dropped_for_batching updated kl kl_coef "
+    "coach_score outcome_success truncated_left_out trained_actions dropped_for_batching zero_loss_rows "
+    "optimizer_steps updated kl kl_coef "
     "policy_loss logprob_mismatch_abs logprob_mismatch_kl filtered_actions dynamic_filtering_pass_rate "
     "staleness_mean staleness_max stale_left_out "
     "actor_lr actor_grad_norm ppo_clip_ratio num_actions action_length tool_use_rate tool_error_rate "

@@ -54,6 +54,7 @@ class MappaTrainer:
         self.eval_overlap = {name: len(train_overlap(tasks, ts)) for name, ts in self.eval_sets.items()}
         self.bias_audit = BiasAudit(self.mappa.coach.bias_threshold, self.mappa.coach.bias_window)
         self.coach_cost_usd = 0.0
+        self.optimizer_steps = {ag.spec.name: 0 for ag in self.trainees}  # each actor's, since the run started
         # The coach template in use (an index into topology.coach_stages) and the first step it scored.
         self.stage, self.stage_since, self.stage_waits_noted = 0, 1, set()
         # Steps in a row in which no agent trained, and the message that stops the run (--mappa.max_untrained_steps).
@@ -90,6 +91,7 @@ class MappaTrainer:
         self.coach_cost_usd, stage, episodes_by_step, saved = resume.driver_state(
             self.args.ckpt.path, self.run_dir, step, self.bias_audit.window.maxlen)
         resume.load_team(self.trainees, step, saved)
+        self.optimizer_steps.update(saved.get("optimizer_steps", {}))
         if stage:  # its name was checked against the topology by resume.check_resume
             self.set_stage([s.name for s in self.topology.coach_stages].index(stage["name"]), stage["since_step"])
             print(f"[mappa] coach criteria: resuming with coach template {stage['name']!r} (in use since step "
@@ -247,7 +249,8 @@ class MappaTrainer:
         status = {name: m["status"] for name, m in made.items() if "status" in m}
         dropped = {name: m["dropped"] for name, m in made.items()}
         agents = owners(self.agents)  # the trainees but a trained coach
-        untrained = untrained_reasons([ag for ag in agents if ag.spec.name not in batches], self.owner,
+        learned = {name for name, m in made.items() if any(not a.zero_loss for a in m["kept"])}  # a row with a loss
+        untrained = untrained_reasons([ag for ag in agents if ag.spec.name not in learned], self.owner,
                                       episodes, dropped, self.mappa.train_truncated)
         for name, why in untrained.items():
             tqdm.write(f"[mappa] step {step}: agent {name!r} trained on nothing: {why}", file=console.err)
@@ -261,8 +264,10 @@ class MappaTrainer:
         self.out.episodes(episodes)
         self.out.syncs(step, self.trainees)
         counts = rewards.merge_counts([m["counts"] for m in made.values()])
+        self.count_optimizer_steps(made)
         metrics = step_metrics(self.args, self.topology, self.agents + self.trainees[len(agents) :], self.owner,
-                               episodes, batches, status, dropped, {**counts, "staleness": lags}, kl_coef)
+                               episodes, batches, status, dropped,
+                               {**counts, "staleness": lags, "optimizer_steps": self.optimizer_steps}, kl_coef)
         metrics.update(coach_metrics)
         if self.coach_agent:  # the safeguard: a trained coach's agreement with its reference, held out
             self.stalled = self.stalled or trained.agreement_stop(step, metrics, c.min_agreement, c.agreement_warmup)
@@ -301,8 +306,9 @@ class MappaTrainer:
                 counts = rewards.assign_rewards(
                     own, self.mappa.reward, c.on_failure, c.neutral_score, self.topology.reward_scale,
                     self.mappa.train_truncated, c.standardize_task_type, self.mappa.norm_scope,
-                    self.mappa.outcome_score, algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None)
-            kept, dropped = rewards.batch_rule([a for a in mine if a.reward is not None], self.args.train, step)
+                    self.mappa.outcome_score, algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None,
+                    self.mappa.batch_semantics)
+            kept, dropped = rewards.batch_rule(mine, self.args.train, step)
             batch = rewards.experiences(ag.trainer.experience_maker, kept) if kept else []
             return {"counts": counts, "kept": kept, "dropped": dropped, "batch": batch, "coach_wait": t0 - t_start,
                     "experience": time.time() - t0, "terms": terms}
@@ -310,7 +316,8 @@ class MappaTrainer:
         def advantages(made: dict) -> None:  # each trained action's record shows its row's mean advantage
             batches = {name: m["batch"] for name, m in made.items() if m["batch"]}
             advantage_of = rewards.compute_advantages(batches, kl_coef, self.mappa.norm_scope, algo.advantage.gamma,
-                                                      std_norm=not algo.advantage.no_std_norm)
+                                                      std_norm=not algo.advantage.no_std_norm,
+                                                      actions={name: made[name]["kept"] for name in batches})
             for name, advantage_B in advantage_of.items():
                 # Each row's action, by upstream's index into the rows given: token budgets regroup them.
                 rows = [i for exp in batches[name] for i in exp.index]
@@ -340,6 +347,19 @@ class MappaTrainer:
         made = self.per_agent(prepare, self.trainees)
         advantages(made)
         return self.per_agent(lambda ag: train(ag, made[ag.spec.name]), self.trainees)
+
+    def count_optimizer_steps(self, made: dict) -> None:
+        """Add the optimizer steps of each agent's update to its count (agent/<name>/optimizer_steps). OpenRLHF's
+        actor steps once per --train.batch_size rows, per epoch; with --train.dynamic_batch_enable its replay buffer
+        takes at most a full rollout's rows per epoch (rollout batch x samples per prompt)."""
+        train, rollout = self.args.train, self.args.rollout
+        for name, m in made.items():
+            if "status" not in m:  # no update
+                continue
+            steps = len(m["kept"]) // train.batch_size
+            if train.dynamic_batch_enable:
+                steps = min(steps, rollout.batch_size * rollout.n_samples_per_prompt // train.batch_size)
+            self.optimizer_steps[name] += steps * train.max_epochs
 
     def verdicts_in(self, name: str, episodes: list, complete) -> None:
         """Wait until every verdict on agent `name`'s actions of the step is in; the rollout's error if it failed."""
@@ -404,7 +424,8 @@ class MappaTrainer:
         """Every agent's checkpoint, then the team's marker with the driver's state that resume() reads back."""
         state = {"step": step, "coach_cost_usd": self.coach_cost_usd,
                  "kl_coef": {ag.spec.name: ag.trainer.kl_ctl.value for ag in self.trainees},  # adaptive KL moves it
-                 "versions": {ag.spec.name: ag.trainer.gate.version for ag in self.trainees}}
+                 "versions": {ag.spec.name: ag.trainer.gate.version for ag in self.trainees},
+                 "optimizer_steps": self.optimizer_steps}
         if self.topology.coach_stages:  # the template in use for the next step
             name = self.topology.coach_stages[self.stage].name
             state["coach_template"] = {"name": name, "since_step": self.stage_since}

@@ -250,17 +250,18 @@ def record_experiences(path: str):
 def assert_rows_are_their_actions(steps: list, episodes: list, tokenizer, first_step: int = 1) -> dict:
     """Every row an agent trained on (`steps` as record_experiences saved them, the first of step `first_step`) is one
     of that agent's own actions of that step in episodes.jsonl, token for token (its prompt's ids, its decoded reply),
-    each action at most once, and trained on that action's own values: the row's reward is the action's reward, and
-    the advantage recorded for the action is the row's mean advantage over its tokens, and the row's rollout log-probs
-    (on its action tokens) are the ones vLLM sampled that action with. An action that trained no row recorded no
-    advantage. Returns {(step, agent): [(episode index, action index) of each row, in row order]}."""
+    each action at most once, and trained on that action's own values: the row's reward is the action's reward (0 for
+    an unscored zero-loss row, whose action has none), and the advantage recorded for the action is the row's mean
+    advantage over its tokens (0 for a zero-loss row), and the row's rollout log-probs (on its action tokens) are the
+    ones vLLM sampled that action with. An action that trained no row recorded no advantage.
+    Returns {(step, agent): [(episode index, action index) of each row, in row order]}."""
     trained = {}
     for step, by_agent in enumerate(steps, first_step):
         for name, batches in by_agent.items():
             own, rows = {}, trained.setdefault((step, name), [])
             for i, ep in enumerate(episodes):
                 for j, a in enumerate(ep["actions"]):
-                    if ep["step"] == step and a["agent"] == name and a["reward"] is not None:
+                    if ep["step"] == step and a["agent"] == name and (a["reward"] is not None or a["zero_loss"]):
                         key = (tuple(tokenizer(a["prompt_text"], add_special_tokens=False)["input_ids"]), a["response_text"])
                         own.setdefault(key, []).append((i, j))  # token-identical actions: interchangeable
             for b in batches:
@@ -276,7 +277,9 @@ def assert_rows_are_their_actions(steps: list, episodes: list, tokenizer, first_
                     assert own.get((prompt, reply)), f"step {step}: {name} trained on a row that is none of its actions left"
                     i, j = own[(prompt, reply)].pop(0)
                     a = episodes[i]["actions"][j]
-                    assert reward == pytest.approx(a["reward"], abs=1e-6), (step, name, i, j, reward, a["reward"])
+                    expected = a["reward"] if a["reward"] is not None else 0.0  # an unscored zero-loss row: 0
+                    assert reward == pytest.approx(expected, abs=1e-6), (step, name, i, j, reward, a["reward"])
+                    assert not a["zero_loss"] or adv == 0.0, (step, name, i, j, adv)  # no loss, no gradient
                     assert a["advantage"] == pytest.approx(adv, abs=1e-5), (step, name, i, j, a["advantage"], adv)
                     assert sampled == pytest.approx(a["rollout_logprobs"], abs=1e-4), (step, name, i, j)  # 4 decimals
                     rows.append((i, j))

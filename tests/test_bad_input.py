@@ -548,7 +548,10 @@ def test_an_environment_raising_in_one_episode_neither_stops_nor_corrupts_the_ru
 def test_a_step_that_trains_nothing_says_why_and_a_run_that_never_trains_stops(tmp_path, monkeypatch, capsys):
     # Catches the old trainer, which logged 0 trained actions for every agent and went on without a word.
     tasks = [{"id": f"t{i}", "prompt": "What is 1 + 1?", "answer": "2", "type": ""} for i in range(4)]
-    trainer = scripted_trainer(tmp_path, tasks, monkeypatch, "--train.batch_size", "4", policy=CutOffPolicy)
+    # usable: the cut-off actions leave the batch (by default they are zero-loss rows, which need Ray actors here;
+    # tests/test_trainer_units.py checks that such a batch alone counts as trained on nothing)
+    trainer = scripted_trainer(tmp_path, tasks, monkeypatch, "--train.batch_size", "4", "--mappa.batch_semantics",
+                               "usable", policy=CutOffPolicy)
     with pytest.raises(RuntimeError, match="no agent trained") as stopped:  # trainer.RunStopped
         trainer.fit()
     out = capsys.readouterr().out

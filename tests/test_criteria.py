@@ -112,7 +112,7 @@ def test_the_rule_metrics_are_the_per_agent_keys_a_step_logs():
                             action_log_probs=torch.zeros(1, 2), rollout_log_probs=torch.zeros(1, 2))
     status = {"coder": {"policy_loss": 0.1, "actor_lr": 1e-6, "actor_grad_norm": 1.0, "ppo_clip_ratio": 0.0}}
     counts = {"left_out": 0, "fallback": 0, "truncated_left_out": {}, "filtered": {"coder": (0, 1, 1)},
-              "staleness": {"coder": [1]}, "stale_left_out": {}}
+              "staleness": {"coder": [1]}, "stale_left_out": {}, "optimizer_steps": {"coder": 1}}
     logged = step_metrics(args, SimpleNamespace(reward_scale=1.0), agents, {"coder": "coder"}, episodes, {"coder": [batch]},
                           status, {"coder": 0}, counts, {"coder": 0.01})
     assert {k.split("/")[2] for k in logged if k.startswith("agent/coder/")} == set(AGENT_METRICS)
@@ -200,7 +200,8 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
         # Step 2's checkpoint came after step 2's switch, and records the template in use from step 3.
         assert json.load(open(tmp_path / "ckpt" / CHECKPOINT_MARKER)) == {
             "step": 2, "coach_cost_usd": 0.0, "coach_template": {"name": "quality", "since_step": 3},
-            "kl_coef": {"solver": 0.02, "coder": 0.0}, "versions": {"solver": 2, "coder": 2}}  # fmt: skip
+            "kl_coef": {"solver": 0.02, "coder": 0.0}, "versions": {"solver": 2, "coder": 2},
+            "optimizer_steps": {"solver": 2, "coder": 2}}  # fmt: skip
         assert list(figures) == [2] and "(the last 2 training steps, 8 scored actions)" in figures[2]
         prompts = [r["prompt"].split("\n", 1)[0] for r in server.requests]
         assert prompts == ["RELIABILITY"] * 8 + ["QUALITY"] * 8  # 2 episodes x 2 actions per step, steps 1-4
@@ -229,6 +230,8 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
     assert [(r["step"], r["coach/template_stage"]) for r in rows] == [(1, 0), (2, 0), (3, 1), (4, 1), (5, 2)]
     # each step's rewards used the coefficient before its update: 0 at step 1, then the one saved and resumed
     assert [r["agent/solver/kl_coef"] for r in rows] == [0.0, 0.01, 0.02, 0.02, 0.02]
+    # one optimizer step a step (2 rows, batches of 2), counted on from the checkpoint's after the resume
+    assert [r["agent/solver/optimizer_steps"] for r in rows] == [1, 2, 3, 4, 5]
     # The report marks the first step of each new template on its charts and in its header.
     data = report.load_run(str(tmp_path / "run"))
     assert data["template_switches"] == [{"step": 3, "stage": 1}, {"step": 5, "stage": 2}]

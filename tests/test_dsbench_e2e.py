@@ -8,8 +8,8 @@ fields in every episode.
 It trains on the default path (no --mappa.train_truncated): the agents' model is the tiny one made to end its
 replies on its own (ending_model), so its actions are not cut off at the token limit and train. Asserted from
 episodes.jsonl: every action that ended and was scored trains on its score (DSBench's scale 1), each agent on a
-whole number of batches of them, its advantages ordered as its rewards; the cut-off ones (if any) are left out
-and counted. From episodes.jsonl and the sync log (syncs.jsonl): step t + 1's rollout overlapped step t's
+whole number of batches of its actions, its advantages ordered as its rewards; the cut-off ones (if any) are
+zero-loss rows of those batches (advantage 0) and counted. From episodes.jsonl and the sync log (syncs.jsonl): step t + 1's rollout overlapped step t's
 training; every action's own weight version is the one its agent's engines had while its episode ran; none more
 than the staleness bound behind trained; the correction ran (its vLLM KL and filter ratio logged)."""
 
@@ -135,20 +135,24 @@ def test_dsbench_mappa_run_trains_on_replies_that_ended(tmp_path, tiny_model):
 
 def assert_trained_on_scores(m: dict, episodes: list) -> int:
     """One step's metrics `m` and its episodes on the default path: an action that ended on its own trains on its
-    score; one cut off at the token limit is left out and counted. Each agent trains on whole batches
-    (--train.batch_size 2) of the rest. Returns how many actions trained."""
+    score; one cut off at the token limit is a zero-loss row (--mappa.batch_semantics authors: its score in the
+    whitening statistics, advantage 0) and counted. Each agent trains on whole batches (--train.batch_size 2) of all
+    its actions. Returns how many actions trained with a loss."""
     ended = 0
     for name in AGENTS:
         own = [a for ep in episodes for a in ep["actions"] if a["agent"] == name]
         trainable = [a for a in own if not a["truncated"]]
         assert m[f"agent/{name}/coach_score"] == pytest.approx(sum(a["verdict"]["score"] for a in own) / len(own))
-        assert all(a["reward"] == a["verdict"]["score"] for a in trainable)  # DSBench's reward_scale 1
-        assert all(a["reward"] is None and a["advantage"] is None for a in own if a["truncated"])
+        assert all(a["reward"] == a["verdict"]["score"] for a in own)  # DSBench's reward_scale 1, cut-off ones too
+        assert [a["zero_loss"] for a in own] == [a["truncated"] for a in own]
         assert m[f"agent/{name}/truncated_left_out"] == len(own) - len(trainable)
-        assert m[f"agent/{name}/trained_actions"] == len(trainable) // 2 * 2
-        assert m[f"agent/{name}/updated"] == int(len(trainable) >= 2)
-        trained = [a for a in trainable if a["advantage"] is not None]
-        assert len(trained) == m[f"agent/{name}/trained_actions"]
+        assert m[f"agent/{name}/trained_actions"] == len(own) // 2 * 2
+        assert m[f"agent/{name}/updated"] == int(len(own) >= 2)
+        rows = [a for a in own if a["advantage"] is not None]
+        assert len(rows) == m[f"agent/{name}/trained_actions"]
+        assert m[f"agent/{name}/zero_loss_rows"] == sum(a["zero_loss"] for a in rows)
+        assert all(a["advantage"] == 0.0 for a in rows if a["zero_loss"])
+        trained = [a for a in rows if not a["zero_loss"]]
         for a in trained:  # KL 0: each row's return is its reward, whitened over the agent's batch
             for b in trained:
                 assert (a["reward"] > b["reward"]) == (a["advantage"] > b["advantage"] + 1e-6), name

@@ -259,6 +259,7 @@ def render(args, topology, rows_in_task_file: int, coach_facts: dict, prompt_fac
         "eval temperature": a.eval.temperature,
         "generation length": a.rollout.max_new_tokens, "prompt length": a.data.max_len - a.rollout.max_new_tokens,
         "truncated actions trained": a.mappa.train_truncated,
+        "batch semantics": a.mappa.batch_semantics,  # its behaviour: tests/test_batch_semantics.py
         "reward scale": topology.reward_scale,
         "turns end": turn_rule_of(topology, workdir / "turns"),
         "code timeout (s)": topology.env_kwargs.get(
@@ -334,6 +335,8 @@ def common(script: str) -> dict:
         "temperature": Authors(1.0, f"{script} temperature=1.0"),
         "top_p": Authors(1.0, f"{script} top_p=1.0"),
         "truncated actions trained": Authors(False, f"{script} mask_truncated_completions=True"),
+        "batch semantics": Authors("authors", "marti/trainers/ppo/trainer.py L302-331 (masked inside the batch), "
+                                              "multi_agent_controller.py filter_agents_data (counts every sample)"),
         "turns end": Authors("on a reply without code", STEP),
         "eval samples": Authors(4, f"{script}: 2 samples on each of 2 vLLM engines "
                                    "(marti/worlds/multi_agent_world_async.py L327-351)"),
@@ -483,8 +486,8 @@ def readme_fidelity_table() -> str:
 
 # What differs in how the code works rather than in a setting: (the README fidelity row that says so, what).
 BEHAVIOUR = [
-    ("truncated actions", "the authors mask them from the loss but keep them in the whitening statistics and the "
-                          "gradient-averaging denominator; here they are left out entirely"),
+    ("truncated actions", "zero-loss rows of the batch as the authors' (--mappa.batch_semantics authors); an unscored "
+                          "action, which the authors never have (a silent 5.0), is one too, outside the whitening"),
     ("KL, normalization scope", "OpenRLHF's k1 KL is clamped to +-10 (openrlhf/models/utils.py); the authors whiten "
                                 "per data-parallel rank, here over each agent's whole batch"),
     ("code execution", "code blocks are joined and run as one program; the authors' SandboxFusion tool runs each"),
@@ -512,6 +515,8 @@ MUTATIONS = [
     ("mathchat", "script", "   --mappa.reward process \\\n",
      "   --mappa.reward process --mappa.lr_horizon max_actions \\\n", "schedule length/code_executor"),
     ("mathchat", "script", "--rollout.micro_batch_size 2", "--rollout.micro_batch_size 8", "rollout micro-batch"),
+    ("mathchat", "script", "   --mappa.reward process \\\n",
+     "   --mappa.reward process --mappa.batch_semantics usable \\\n", "batch semantics"),
     ("mathchat", "topology", "reward_scale: 0.1", "reward_scale: 1.0", "reward scale"),
     ("mathchat", "topology", "    max_actions: 2\n", "    max_actions: 5\n", "actions per episode/code_executor"),
     ("mathchat", "topology", "  Be strict in scoring",

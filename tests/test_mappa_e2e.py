@@ -120,6 +120,9 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
         *TINY_RUN_FLAGS,
         "--algo.kl.init_coef", str(BETA),  # after TINY_RUN_FLAGS' 0: the later flag wins
         "--algo.kl.estimator", "k1",
+        # "mute"'s unscored actions leave the batch, so it never trains (by default they are zero-loss rows:
+        # tests/test_batch_semantics.py, test_trainer_units.py)
+        "--mappa.batch_semantics", "usable",
         "--algo.advantage.is_correction_level", "token",  # OpenRLHF's correction, on vLLM's own log-probs
         "--train.async_enable", "--train.partial_rollout_enable",  # step 2 generated beside step 1; syncs pause
         "--ref.num_gpus_per_node", "1",

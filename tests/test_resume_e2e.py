@@ -184,7 +184,8 @@ def test_team_on_shared_gpus_stopped_by_a_dead_engine_resumes_with_weights_logs_
     assert sorted(ep["step"] for ep in episodes) == [1] * 4 + [2] * 4 + [3] * 4
     assert json.loads(marker.read_text()) == {"step": 3, "coach_cost_usd": 0.0,
                                               "coach_template": {"name": "later", "since_step": 2},
-                                              "kl_coef": {n: 0.0 for n in AGENTS}, "versions": {n: 3 for n in AGENTS}}
+                                              "kl_coef": {n: 0.0 for n in AGENTS}, "versions": {n: 3 for n in AGENTS},
+                                              "optimizer_steps": {n: 3 for n in AGENTS}}  # one a step, resumed
     # The weight syncs, one per agent and step, cut back to the checkpoint at the resume: the versions run on.
     syncs = [json.loads(line) for line in open(run_dir / "syncs.jsonl")]
     assert sorted((s["agent"], s["step"], s["version"]) for s in syncs) == [(n, k, k) for n in sorted(AGENTS) for k in (1, 2, 3)]

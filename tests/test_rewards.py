@@ -114,6 +114,8 @@ def test_outcome_mode_pays_every_action_the_episode_outcome():
 
 def test_truncated_actions_are_left_out_and_counted_per_agent():
     # Catches the old behaviour: an action cut off at the token limit trained on its full score (or outcome).
+    # Default (--mappa.batch_semantics authors): zero-loss rows, the truncated ones with their reward (whitening);
+    # tests/test_batch_semantics.py follows them into the batch and the loss.
     def episodes():
         return [Episode("e0", "t0", outcome={"success": True}, actions=[
             Action("e0", "solver", 0, [1], [2], truncated=True, verdict=ok(9.0), reward=3.0),  # stale reward cleared
@@ -124,12 +126,18 @@ def test_truncated_actions_are_left_out_and_counted_per_agent():
     for mode, kept in (("process", 4.0), ("outcome", 10.0)):
         eps = episodes()
         counts = assign_rewards(eps, mode, on_failure="neutral")
+        assert [a.zero_loss for a in eps[0].actions] == [True, False, True]
+        assert [a.reward for a in eps[0].actions] == ([9.0, 4.0, 5.0] if mode == "process" else [10.0] * 3)
+        assert counts["truncated_left_out"] == {"solver": 1, "executor": 1}
+        assert (counts["trainable"], counts["left_out"], counts["fallback"]) == (1, 0, 0)
+        eps = episodes()
+        counts = assign_rewards(eps, mode, on_failure="neutral", batch_semantics="usable")
         assert [a.reward for a in eps[0].actions] == [None, kept, None]  # even a fallback does not revive it
         assert counts["truncated_left_out"] == {"solver": 1, "executor": 1}
         assert (counts["trainable"], counts["left_out"], counts["fallback"]) == (1, 0, 0)  # not coach failures
     eps = episodes()
     counts = assign_rewards(eps, "process", train_truncated=True)  # --mappa.train_truncated: as before
-    assert [a.reward for a in eps[0].actions] == [9.0, 4.0, None]
+    assert [a.reward for a in eps[0].actions] == [9.0, 4.0, None] and eps[0].actions[2].zero_loss  # unscored
     assert counts["truncated_left_out"] == {} and counts["left_out_by_status"] == {"timeout": 1}
 
 

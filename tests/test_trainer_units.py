@@ -48,7 +48,8 @@ def train_with(batch_size, seed=0):
 
 
 def executor_actions(turns_per_episode):
-    return [Action(f"ep{e}", "code_executor", t, [1], [2]) for e, n in enumerate(turns_per_episode) for t in range(n)]
+    return [Action(f"ep{e}", "code_executor", t, [1], [2], reward=1.0) for e, n in enumerate(turns_per_episode)
+            for t in range(n)]
 
 
 def test_batch_rule_keeps_whole_train_batches_of_a_varying_agent():
@@ -326,29 +327,59 @@ class ByTaskCoach(Coach):
         return Verdict(score=float(len(request.task) % 11), status="ok", coach=self.name)
 
 
-def test_a_step_in_which_one_agent_has_no_batch_trains_the_others_alone(tmp_path):
-    # The default path (no --mappa.train_truncated): every reply of the problem solver is cut off at the token limit,
-    # so it has nothing to train: no batch, no train_step, metrics that say so. The others train on their own actions,
-    # each row on its action's reward, each action recording its row's mean advantage. All of the driver runs for
-    # real but the agents' Ray side (conftest.StandIn) and their engines (scripted replies).
+def truncated_solver_step(tmp_path, *flags) -> tuple:
+    """One step of a MathChat team whose problem solver's every reply is cut off at the token limit, all of the
+    driver for real but the agents' Ray side (conftest.StandIn) and their engines (scripted replies): (the step's
+    metrics, its episodes' actions as episodes.jsonl records them, the agents' stand-ins)."""
     topology, policies, _ = scripted_mathchat(truncated_solver=True)
     tasks = [{"id": "1", "prompt": "What is 2 + 2?", "answer": "4"}, {"id": "2", "prompt": "What is 12 + 30?", "answer": "42"}]
     args = parse_args(["--mappa.topology", MATHCHAT_YAML, "--mappa.run_dir", str(tmp_path / "run"), "--ckpt.path",
                        str(tmp_path / "ckpt"), "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "1",
                        "--train.batch_size", "2", "--data.max_len", "256", "--actor.num_gpus_per_node", "1",
-                       "--vllm.num_engines", "1", "--train.micro_batch_size", "1"])  # fmt: skip
+                       "--vllm.num_engines", "1", "--train.micro_batch_size", "1", *flags])  # fmt: skip
     agents = stand_in_team(args, topology)
     trainer = MappaTrainer(args, topology, agents, ByTaskCoach(), tasks, args.mappa.run_dir)
     trainer.policies = policies
     m = trainer.train_step(1, tasks)
+    episodes = [json.loads(line) for line in open(tmp_path / "run" / "episodes.jsonl")]
+    return m, [a for ep in episodes for a in ep["actions"]], [ag.trainer for ag in agents]
 
-    solver, executor, verifier = (ag.trainer for ag in agents)
+
+def test_truncated_actions_train_at_zero_loss_in_their_agents_batch(tmp_path, monkeypatch, capsys):
+    # Catches the old batch (now --mappa.batch_semantics usable): the solver's cut-off actions left its batch, so it
+    # took no optimizer step. By default they are its batch, at zero loss: each row's advantage is 0 on every action
+    # token, with its action mask kept (OpenRLHF counts it in the loss denominator), and its action records its reward.
+    from openrlhf_mappa.console import console as run_console
+
+    monkeypatch.setattr(run_console, "err", sys.stdout)  # captured
+    m, actions, (solver, executor, verifier) = truncated_solver_step(tmp_path)
+    # A batch of zero-loss rows alone learns nothing: the console says so (and --mappa.max_untrained_steps counts it).
+    assert "[mappa] step 1: agent 'problem_solver' trained on nothing: 2 of its 2 actions cut off" in capsys.readouterr().out
+    ((step, rows),) = solver.trained
+    own = [a for a in actions if a["agent"] == "problem_solver"]
+    assert step == 1 and len(rows) == 2 == len(own) and all(a["zero_loss"] and a["advantage"] == 0.0 for a in own)
+    for e in rows:
+        (a,) = [a for a in own if a["prompt_text"] == e.prompts[0]]
+        assert e.rewards.item() == pytest.approx(a["reward"]) == 0.1 * (len(a["coach_request"]["task"]) % 11)
+        assert e.action_mask.sum() == 8 and torch.equal(e.advantages, torch.zeros_like(e.advantages))
+    assert (m["agent/problem_solver/updated"], m["agent/problem_solver/trained_actions"]) == (1, 2)
+    assert (m["agent/problem_solver/zero_loss_rows"], m["agent/problem_solver/truncated_left_out"]) == (2, 2)
+    # One optimizer step each (2 rows, batches of 2); the others' rows train as before.
+    assert [m[f"agent/{n}/optimizer_steps"] for n in ("problem_solver", "code_executor", "verifier")] == [1, 1, 1]
+    assert (m["agent/verifier/zero_loss_rows"], len(verifier.trained), len(executor.trained)) == (0, 1, 1)
+
+
+def test_a_step_in_which_one_agent_has_no_batch_trains_the_others_alone(tmp_path):
+    # --mappa.batch_semantics usable (the behaviour before; no --mappa.train_truncated): every reply of the problem
+    # solver is cut off at the token limit, so it has nothing to train: no batch, no train_step, metrics that say so.
+    # The others train on their own actions, each row on its action's reward, each action recording its row's mean
+    # advantage.
+    m, actions, (solver, executor, verifier) = truncated_solver_step(tmp_path, "--mappa.batch_semantics", "usable")
     assert solver.trained == []
     assert (m["agent/problem_solver/updated"], m["agent/problem_solver/trained_actions"]) == (0, 0)
     assert (m["agent/problem_solver/truncated_left_out"], m["agent/problem_solver/dropped_for_batching"]) == (2, 0)
     assert not {"agent/problem_solver/kl", "agent/problem_solver/policy_loss"} & set(m)
-    episodes = [json.loads(line) for line in open(tmp_path / "run" / "episodes.jsonl")]
-    actions = [a for ep in episodes for a in ep["actions"]]
+    assert (m["agent/problem_solver/optimizer_steps"], m["agent/problem_solver/zero_loss_rows"]) == (0, 0)
     assert all(a["reward"] is None and a["advantage"] is None for a in actions if a["agent"] == "problem_solver")
     for name, stand_in in (("code_executor", executor), ("verifier", verifier)):
         assert (m[f"agent/{name}/updated"], m[f"agent/{name}/trained_actions"], m[f"agent/{name}/kl"]) == (1, 2, 0.0)

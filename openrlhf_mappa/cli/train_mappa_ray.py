@@ -97,8 +97,14 @@ def add_training_args(g):
     g.add_argument("--mappa.shared_policy", action="store_true",
                    help="baseline: one policy (the first agent's model) plays and trains every role")
     g.add_argument("--mappa.train_truncated", action="store_true",
-                   help="also train actions cut off at the token limit (default: left out, as the authors' "
-                        "mask_truncated_completions; counted in agent/<name>/truncated_left_out)")
+                   help="also train actions cut off at the token limit (default: zero loss, as the authors' "
+                        "mask_truncated_completions, see --mappa.batch_semantics; counted in "
+                        "agent/<name>/truncated_left_out)")
+    g.add_argument("--mappa.batch_semantics", choices=["authors", "usable"], default="authors",
+                   help="authors: an agent's truncated and unscored actions stay in its batch at zero loss (the "
+                        "authors' trainer), so it takes an optimizer step per train batch of all its actions and its "
+                        "schedule ends where it should (agent/<name>/zero_loss_rows, optimizer_steps); usable: they "
+                        "leave the batch first, so it takes fewer steps")
     g.add_argument("--mappa.lr_horizon", choices=["authors", "max_actions"], default="authors",
                    help="each agent's learning-rate schedule length. authors: episodes x tasks x samples per prompt "
                         "/ train batch x epochs, the same for every agent (their base_controller.py); max_actions: "
