@@ -130,7 +130,8 @@ def submit_script(script, tmp_path, **env) -> tuple:
     """Run a GPU launch script for real under bash, with one stand-in: `ray` on PATH records the submission instead
     of sending it to a GPU cluster, which cannot exist here. Returns (the arguments `ray` got, the finished
     process); `env` adds environment variables (the coach's URL and model have defaults; the paper's data files are
-    not checked unless MAPPA_SKIP_DATA_CHECK is given as "0": examples/scripts/paper_data.sh)."""
+    not checked unless MAPPA_SKIP_DATA_CHECK is given as "0": examples/scripts/paper_data.sh; the dry run, which
+    needs the recipe's models and coach, is skipped: tests/test_check.py runs it)."""
     stub = tmp_path / "bin" / "ray"
     stub.parent.mkdir(exist_ok=True)
     stub.write_text(f"#!/bin/sh\n{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\" "
@@ -138,7 +139,7 @@ def submit_script(script, tmp_path, **env) -> tuple:
     stub.chmod(0o755)
     env = dict(os.environ, PATH=f"{stub.parent}{os.pathsep}{os.environ['PATH']}", **{
         "MAPPA_COACH_BASE_URL": "http://coach:8001/v1", "MAPPA_COACH_MODEL": "Qwen/Qwen3-32B",
-        "MAPPA_SKIP_DATA_CHECK": "1", **env})
+        "MAPPA_SKIP_DATA_CHECK": "1", "MAPPA_SKIP_CHECK": "1", **env})
     proc = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads((tmp_path / "submitted.json").read_text()), proc

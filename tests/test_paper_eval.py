@@ -248,7 +248,8 @@ def run_script(script, tmp_path, **env):
     stub.write_text(f"#!/bin/sh\necho submitted > {tmp_path / 'submitted'}\n")
     stub.chmod(0o755)
     env = dict(os.environ, PATH=f"{stub.parent}{os.pathsep}{os.environ['PATH']}", MAPPA_COACH_BASE_URL="http://c/v1",
-               MAPPA_COACH_MODEL="c", MAPPA_SKIP_DATA_CHECK="0", **env)
+               MAPPA_COACH_MODEL="c", MAPPA_SKIP_DATA_CHECK="0", MAPPA_SKIP_CHECK="1",
+               **env)
     proc = subprocess.run(["bash", os.path.join(SCRIPTS, script)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=60)
     return proc, (tmp_path / "submitted").exists()

@@ -49,11 +49,7 @@ DATA=${MAPPA_DATA:-$PWD/data}
 source examples/scripts/paper_data.sh  # run from the checkout, as --mappa.topology below
 [ -n "${MAPPA_TRAIN_DATA:-}" ] || imported "$PWD/data/dsbench/tasks.jsonl" "$DATA/dsbench_modeling_train.json"
 [ -n "${MAPPA_EVAL_DATA:-}" ] || imported "$PWD/data/dsbench-eval/tasks.jsonl" "$DATA/dsbench_modeling_eval.json"
-set -x
-
-ray job submit --address="http://127.0.0.1:8265" \
-   --runtime-env-json='{"working_dir": "."}' \
-   -- python3 -m "${ENTRY[@]}" \
+FLAGS=(
    --mappa.topology examples/configs/dsbench.yaml \
    --mappa.reward process \
    --mappa.coach.kind openai \
@@ -98,3 +94,12 @@ ray job submit --address="http://127.0.0.1:8265" \
    --ckpt.output_dir "$OUT/hf" \
    --logger.tensorboard_dir "$OUT/tensorboard" \
    "$@"
+)
+# The dry run first: every check the launch runs before Ray starts, and the coach scoring one test action
+# (`mappa check`, seconds); MAPPA_SKIP_CHECK=1 skips it.
+[ -n "${MAPPA_SKIP_CHECK:-}" ] || python3 -m openrlhf_mappa.cli.mappa check "${FLAGS[@]}" || exit 1
+set -x
+
+ray job submit --address="http://127.0.0.1:8265" \
+   --runtime-env-json='{"working_dir": "."}' \
+   -- python3 -m "${ENTRY[@]}" "${FLAGS[@]}"

@@ -54,11 +54,7 @@ DATA=${MAPPA_DATA:-$PWD/data}
 source examples/scripts/paper_data.sh  # run from the checkout, as --mappa.topology below
 [ -n "${MAPPA_TRAIN_DATA:-}" ] || paper_data "$DATA" AIME_1983_2024.json
 [ -n "${MAPPA_EVAL_DATA:-}" ] || paper_data "$DATA" aime_2025.json amc_eval_32.json
-set -x
-
-ray job submit --address="http://127.0.0.1:8265" \
-   --runtime-env-json='{"working_dir": "."}' \
-   -- python3 -m "${ENTRY[@]}" \
+FLAGS=(
    --mappa.topology examples/configs/mathchat.yaml \
    --mappa.reward process \
    --mappa.coach.kind openai \
@@ -104,3 +100,12 @@ ray job submit --address="http://127.0.0.1:8265" \
    --ckpt.output_dir "$OUT/hf" \
    --logger.tensorboard_dir "$OUT/tensorboard" \
    "$@"
+)
+# The dry run first: every check the launch runs before Ray starts, and the coach scoring one test action
+# (`mappa check`, seconds); MAPPA_SKIP_CHECK=1 skips it.
+[ -n "${MAPPA_SKIP_CHECK:-}" ] || python3 -m openrlhf_mappa.cli.mappa check "${FLAGS[@]}" || exit 1
+set -x
+
+ray job submit --address="http://127.0.0.1:8265" \
+   --runtime-env-json='{"working_dir": "."}' \
+   -- python3 -m "${ENTRY[@]}" "${FLAGS[@]}"
