@@ -293,7 +293,8 @@ class MappaTrainer:
             name, terms = ag.spec.name, {}
             if ag is self.coach_agent:  # its verdicts' own actions, once all are in, rewarded by its terms
                 concurrent.futures.wait([complete])
-                t0, (mine, terms) = time.time(), self.coach.rewarded(episodes, c.price_in, c.price_out)
+                t0, (mine, terms) = time.time(), self.coach.rewarded(episodes, c.price_in, c.price_out,
+                                                                     ag.trainer.gate.version, self.bound)
                 counts = {**rewards.merge_counts([]), "trainable": sum(a.reward is not None for a in mine)}
             else:
                 self.verdicts_in(name, episodes, complete)

@@ -367,3 +367,27 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
     end = load_file(final / "coach" / "model.safetensors")
     moved = [k for k in start if not torch.equal(start[k].float(), end[k].float())]
     assert len(moved) > len(start) // 2, moved  # the coach trained
+
+
+def test_the_coach_never_trains_on_its_own_verdicts_the_agents_drop_as_stale():
+    # Issue 51: under async training the agents left out verdicts more than the bound behind (stale_verdicts), while
+    # the coach trained on those same actions. Its own actions now meet the same bound: at version 5 with bound 0,
+    # its version-4 verdict trains neither the agents nor the coach.
+    from openrlhf_mappa.coach.heuristic import HeuristicCoach
+    from openrlhf_mappa.episode import COACH_NAME
+
+    coach = TrainedCoach("{agent_output}", "PROCESS_SCORE", HeuristicCoach(), reference_fraction=0.0,
+                         held_out_fraction=0.0, terms=("format",))
+    judgements = []
+    for i, version in enumerate((5, 4)):
+        request = CoachRequest(f"e{i}", "solver", 0, "role", "task", "math", "input", "output", "")
+        verdict = Verdict(7.0, "ok", version=version)
+        action = Action(f"e{i}", COACH_NAME, 0, [1], [2], versions={COACH_NAME: version})
+        agent_action = Action(f"e{i}", "solver", 0, [1], [2])
+        agent_action.verdict = verdict
+        judgements.append((Judgement(request, verdict, action), agent_action))
+    coach.judgements = {j.request.episode_id: [j] for j, _ in judgements}
+    episodes = [Episode(f"e{i}", "t", "math", [agent]) for i, (_, agent) in enumerate(judgements)]
+    actions, metrics = coach.rewarded(episodes, now=5, most=0)
+    assert [a.reward for a in actions] == [1.0, None] and metrics["coach/stale_left_out"] == 1
+    assert stale_verdicts([agent for _, agent in judgements], now=5, most=0) == 1  # the agents drop the same one

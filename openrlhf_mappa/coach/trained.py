@@ -113,14 +113,21 @@ class TrainedCoach(Coach):
             self.judgements.setdefault(request.episode_id, []).append(Judgement(request, verdict, action))
         return verdict
 
-    def rewarded(self, episodes: list, price_in: float = 0.0, price_out: float = 0.0) -> tuple:
+    def rewarded(self, episodes: list, price_in: float = 0.0, price_out: float = 0.0, now: int = 0,
+                 most: float = float("inf")) -> tuple:
         """(the coach's actions of these episodes' verdicts, each with its reward R; the step's term and judge
-        metrics). Those verdicts leave the pending set."""
+        metrics). Those verdicts leave the pending set. An action of the coach more than `most` updates behind
+        its version `now` gets no R (stale, counted): the agents drop such verdicts (stale_verdicts), and the coach
+        must not train on what they would not."""
         judged = [j for ep in episodes for j in self.judgements.pop(ep.episode_id, [])]
         if self.stratified and judged:
             cut = [r.truncated_at is not None for r in {id(j.request): j.request for j in judged}.values()]
             self.ask = strata_chances(self.reference_fraction, {True: sum(cut), False: len(cut) - sum(cut)})
         metrics = coach_rewards(judged, episodes, self.terms, self.bands) | judge_metrics(judged, price_in, price_out)
+        stale = [j.action for j in judged if now - j.action.versions[COACH_NAME] > most]
+        for action in stale:
+            action.reward, action.stale = None, True
+        metrics["coach/stale_left_out"] = len(stale)
         return [j.action for j in judged], metrics
 
     async def probe(self) -> None:
