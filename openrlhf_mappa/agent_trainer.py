@@ -4,6 +4,7 @@ to its AgentTrainer, whose train_step is OpenRLHF's own. LoRA agents share their
 sync the adapter alone, in PEFT format. Its own module because OpenRLHF's trainer loads DeepSpeed and vLLM.
 """
 
+import asyncio
 import functools
 import json
 import os
@@ -153,6 +154,28 @@ class PoolEngine(RolloutRayActor.__ray_actor_class__):
         self.adapters[name] = LoRARequest(name, lora_id, path)
         await self.llm.add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
         await self.llm.reset_prefix_cache()
+
+    # vLLM's pause is a state, not a count: two agents of the pool syncing at once (partial rollouts, the trainer's
+    # threads) would each pause and resume these engines, and the first to finish would lift the other's pause in
+    # the middle of its sync. Engines pause at the first pauser and resume at the last; the lock keeps a second
+    # pauser from going on before the first pause is done. (Ray runs an async actor's calls on one event loop.)
+    pausers = 0
+
+    @functools.cached_property
+    def pause_lock(self):
+        return asyncio.Lock()
+
+    async def pause_generation(self):
+        async with self.pause_lock:
+            self.pausers += 1
+            if self.pausers == 1:
+                await super().pause_generation()
+
+    async def resume_generation(self):
+        async with self.pause_lock:
+            self.pausers -= 1
+            if self.pausers == 0:
+                await super().resume_generation()
 
     async def generate_as(self, name: str, prompt_token_ids, sampling_params):
         """upstream's generate, with adapter `name`."""

@@ -13,6 +13,10 @@ k = key/value heads x head dim, TP an engine's tensor-parallel size:
   logits: b*s*V x 10 training (fp32 logits, their fp32 gradient, a bf16 copy), x 6 in a forward pass.
   ring attention (--ds.ring_attn_size r) gives each rank s/r of a sequence's tokens, so activations and logits
       divide by r.
+  token budgets (--train.dynamic_batch_enable, packed on GPUs) replace b*s/r by a micro-batch's tokens on a rank,
+      max(B*r*TP, s)/r for budget B: --train.max_tokens_per_gpu in training, --rollout.max_tokens_per_gpu in the
+      experience forwards (upstream's split fills a ring x tensor-parallel group to B per GPU; a longer action
+      goes alone).
   ZeRO-3 gathers two layers' weights at a time; the sync gathers the embedding, V*h*2 (and a CUDA IPC copy).
   a vLLM engine: --vllm.gpu_memory_utilization x the GPU, less weights 2P/TP and an activation reserve (8192
       batched tokens, logits of 256 sequences), is KV cache, 2*L*k*2 / TP bytes per token.
@@ -219,14 +223,21 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     and has no reference group (its actor, adapter off) and no engines of its own (its pool's)."""
     s, h, L, V = a.data.max_len, size.hidden, size.layers, size.vocab
     token_layer = size.layer_act + (size.heads * s * 4 if a.ds.attn_implementation == "eager" else 0)  # + scores
-    t = s / a.ds.ring_attn_size  # a sequence's tokens on one rank
+    ring, tp = a.ds.ring_attn_size, a.ds.tensor_parallel_size
+    t = s / ring  # a sequence's tokens on one rank
 
-    def forward(b: int) -> dict:  # no gradients: one layer's activations at a time, then the logits
-        return {"activations": b * t * token_layer / GIB, "logits": b * t * V * 6 / GIB}
+    def micro_tokens(micro: int, budget) -> float:
+        """A micro-batch's tokens on one rank: `micro` sequences, or with token budgets (packed on GPUs: validate)
+        what upstream's split puts in one, the budget on each GPU of a ring x tensor-parallel group, or one longer
+        action alone."""
+        return max(budget * ring * tp, s) / ring if a.train.dynamic_batch_enable else micro * t
+
+    def forward(n: float) -> dict:  # n tokens, no gradients: one layer's activations at a time, then the logits
+        return {"activations": n * token_layer / GIB, "logits": n * V * 6 / GIB}
 
     zero3 = a.ds.zero_stage == 3
     gathered = {"ZeRO-3 gathered layers": 2 * size.layer_params * 2 / GIB} if zero3 else {}
-    P, D, tp = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node, a.ds.tensor_parallel_size
+    P, D = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node
     linear = size.layers * sum(i * o for i, o in size.linear_shapes().values())
     # AutoTP: a rank holds 1/tp of every linear layer, and ZeRO shards its states over the D/tp data-parallel ranks.
     P, Z = P - linear + linear / tp, D / tp
@@ -241,9 +252,9 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     offloads = a.ds.enable_sleep and not a.ds.adam_offload  # OpenRLHF's offload skips an actor whose Adam is on CPU
     if offloads:  # asleep, its states wait in pinned host memory
         host = dict(states)
-    b = a.train.micro_batch_size
-    stored = (b * t * h * 2 * L + b * t * token_layer if a.actor.gradient_checkpointing_enable
-              else b * t * token_layer * L)
+    n, n_exp = (micro_tokens(a.train.micro_batch_size, a.train.max_tokens_per_gpu),
+                micro_tokens(a.rollout.micro_batch_size, a.rollout.max_tokens_per_gpu))
+    stored = n * h * 2 * L + n * token_layer if a.actor.gradient_checkpointing_enable else n * token_layer * L
     largest = V * h * 2 / GIB  # the embedding, the largest tensor the sync gathers
     ipc = a.mappa.colocate != "none" and a.vllm.sync_backend == "nccl"  # OpenRLHF's colocated sync: CUDA IPC
     base = 2 * P
@@ -251,8 +262,8 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
         base -= linear * (2 - 0.5 - 1 / 64)
     weights = {"weights": shard(base, 3) / GIB, **({"adapter": shard(2 * trained, 3) / GIB} if lora else {})}
     actor = Group(name, "actor", D, 1, {**weights, **({} if offloads else states), "CUDA context": CONTEXT_GIB}, {
-        "experience": {**forward(a.rollout.micro_batch_size), **gathered},
-        "train": {**(states if offloads else {}), "activations": stored / GIB, "logits": b * t * V * 10 / GIB,
+        "experience": {**forward(n_exp), **gathered},
+        "train": {**(states if offloads else {}), "activations": stored / GIB, "logits": n * V * 10 / GIB,
                   **gathered},
         "sync": {} if lora else {**({"gathered embedding": largest} if zero3 else {}),
                                  **({"its CUDA IPC copy": largest} if ipc else {})},
@@ -269,6 +280,9 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     if tp > 1:
         actor.notes.append(f"tensor parallelism (DeepSpeed AutoTP): every linear layer split over {tp} ranks, ZeRO-"
                            f"{a.ds.zero_stage} over {Z:.0f} data-parallel ranks; activations counted whole")
+    if a.train.dynamic_batch_enable:
+        actor.notes.append(f"token budgets: a micro-batch holds {n:.0f} tokens on a rank in training, {n_exp:.0f} in "
+                           f"the experience forwards (--train/--rollout.max_tokens_per_gpu)")
     if a.ds.ring_attn_size > 1:
         actor.notes.append(f"ring attention: its ranks in rings of {a.ds.ring_attn_size}, each holding {t:.0f} of a "
                            f"sequence's {s} tokens (the reference's too)")
@@ -284,7 +298,7 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
         weights = 2 * P / (R if zero3 else 1) / GIB
         groups.append(Group(name, "reference", R, 1, {"weights": 0.0 if a.ref.offload else weights,
                                                       "CUDA context": CONTEXT_GIB}, {
-            "experience": {**forward(a.rollout.micro_batch_size), **(gathered if zero3 or a.ref.offload else {})}},
+            "experience": {**forward(n_exp), **(gathered if zero3 or a.ref.offload else {})}},
             host={**({"weights": weights} if a.ref.offload else {}), "process": HOST_PROCESS_GIB}))
     return groups if lora else groups + [engine_group(a, name, size, gpu_gib)]
 
@@ -607,6 +621,10 @@ def memory_flags(args) -> list:
     out += [("actor", "gradient_checkpointing_enable", True), ("ds", "zero_stage", 3), ("train", "micro_batch_size", 1),
             ("rollout", "micro_batch_size", 1), *[("ref", "offload", True)] * (args.algo.kl.init_coef > 0),
             ("ds", "adam_offload", True)]
+    if args.train.dynamic_batch_enable:  # as a micro-batch of 1 without budgets: one --data.max_len action
+        longest = args.data.max_len
+        out += [(part, "max_tokens_per_gpu", longest) for part in ("train", "rollout")
+                if (getattr(args, part).max_tokens_per_gpu or 0) > longest]
     return [(s, k, v) for s, k, v in out if getattr(getattr(args, s), k) != v]
 
 

@@ -154,6 +154,11 @@ LAUNCHER = [
     case("an agent never trains", ["--train.batch_size", "4"],
          "agent 'solver' takes at most 2 actions a step (--rollout.batch_size x --rollout.n_samples_per_prompt x its "
          "actions per episode), fewer than --train.batch_size (4): it would never train"),
+    case("lora pool, async, prefix caching", ["--train.async_enable", "--vllm.enable_prefix_caching"],
+         "agents solver declare lora: with --train.async_enable their pool's engines keep generating while an adapter "
+         "reloads, so --vllm.enable_prefix_caching could serve an agent KV cache computed with its old adapter (vLLM "
+         "keys it by adapter name): drop --vllm.enable_prefix_caching, or train synchronously",
+         files={"t.yaml": topology(agent="    lora: {rank: 8}\n")}),
     # topology and task files
     case("duplicate agent key", [], "t.yaml: line 10: duplicate key 'max_actions' (first on line 9)",
          files={"t.yaml": topology(agent="    max_actions: 1\n    max_actions: 2\n")}),

@@ -5,6 +5,7 @@ and HF exports rotated once a team checkpoint exists, the plan's refusal naming 
 asked for, and `mappa doctor`'s verdict on a weight sync. (Team engines starting one agent at a time: test_colocation_e2e.py; host memory in the
 plan: test_placement.py; actor threads and the doctor on a cluster: test_user_install.py.)"""
 
+import asyncio
 import concurrent.futures
 import http.server
 import importlib.util
@@ -133,6 +134,113 @@ def test_flash_attention_without_flash_attn_ring_attention_and_gloo_colocated_on
     assert proc.returncode == 1 and proc.stderr.strip() == (
         "--vllm.sync_backend gloo with --mappa.colocate agent cannot sync weights on GPUs: drop --vllm.sync_backend "
         "gloo (nccl, the default, passes them by CUDA IPC); gloo is for CPU-only machines"), proc.stderr[-2000:]
+
+
+def test_token_budgets_without_packing_and_packing_without_flash_attention_are_refused_on_gpus(monkeypatch):
+    # F4: upstream's budget split balances the sum of lengths; padded, a micro-batch costs count x longest (3.3x a
+    # 32K budget in the review's draw). Under sdpa, transformers masks a packed row with a dense T x T mask.
+    from openrlhf_mappa import compat
+    from openrlhf_mappa.cli.train_mappa_ray import validate
+
+    topology = load_topology(MATHCHAT)
+    base = ["--mappa.topology", MATHCHAT, "--data.prompt_dataset", "x.jsonl", "--vllm.num_engines", "1",
+            "--rollout.max_new_tokens", "512"]
+    budgets, sdpa = ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "32768"], \
+        ["--ds.attn_implementation", "sdpa"]
+    gpu_refusals = [(budgets + sdpa, "--train.dynamic_batch_enable without --ds.packing_samples (agent "
+                                     "'problem_solver'): on GPUs a padded micro-batch costs its count x its longest "
+                                     "action, which the budget (--train.max_tokens_per_gpu 32768) does not bound: pass "
+                                     "--ds.packing_samples, with --ds.attn_implementation flash_attention_2"),
+                    (budgets, "--train.dynamic_batch_enable without --ds.packing_samples"),
+                    (budgets + sdpa + ["--ds.packing_samples"], "--ds.packing_samples under --ds.attn_implementation "
+                     "sdpa (agent 'problem_solver'): transformers masks each packed micro-batch with a dense tokens x "
+                     "tokens mask on GPUs (1 GiB at 32K tokens), which the plan does not count: pass "
+                     "--ds.attn_implementation flash_attention_2"),
+                    (sdpa + ["--ds.packing_samples"], "--ds.packing_samples under --ds.attn_implementation sdpa")]
+    for flags, _ in gpu_refusals:  # CPU mode: the CPU tests train with padded budgets under sdpa (no flash-attn)
+        validate(parse_args(base + flags), topology)
+    monkeypatch.setattr(compat, "_cpu_mode", False)  # what a CUDA build of torch decides
+    for flags, message in gpu_refusals:
+        with pytest.raises(SystemExit) as refused:
+            validate(parse_args(base + flags), topology)
+        assert str(refused.value).startswith(message), flags
+    validate(parse_args(base + budgets + ["--ds.packing_samples"]), topology)  # packed, flash attention: passes
+    validate(parse_args(base + sdpa), topology)  # padded micro-batches of --train.micro_batch_size: passes
+    # A ring packs its agent's micro-batches under flash attention (check_this_machine refuses it under sdpa).
+    ring = ["--ds.ring_attn_size", "2", "--actor.num_gpus_per_node", "2", "--train.batch_size", "8"]
+    validate(parse_args(base + budgets + ring), topology)
+
+
+class PausableLLM:
+    """Stands in for the vLLM engine inside a PoolEngine (an AsyncLLM needs a model loaded, and on GPU a GPU: none
+    runs in a unit test; tests/test_lora_e2e.py runs real pools on CPU). Its pause is a state, not a count, as vLLM
+    0.29's (v1/engine/core.py); a pause takes a moment (the step in flight). It records its calls, and whether it
+    was paused when each adapter load began and ended; the first agent's load lasts until `load_waits_for`."""
+
+    def __init__(self, load_waits_for: threading.Event):
+        self.paused, self.calls, self.loads = False, [], []
+        self.pausing, self.load_waits_for = threading.Event(), load_waits_for
+
+    async def pause_generation(self, mode=None):
+        self.calls.append("pause")
+        self.pausing.set()
+        await asyncio.sleep(0.2)
+        self.paused = True
+
+    async def resume_generation(self):
+        self.calls.append("resume")
+        self.paused = False
+
+    async def add_lora(self, request):
+        self.loads.append((request.lora_name, "begins", self.paused))
+        for _ in range(500):  # at most 5 s
+            if request.lora_name != "a" or self.load_waits_for.is_set():
+                break
+            await asyncio.sleep(0.01)
+        self.loads.append((request.lora_name, "ends", self.paused))
+
+    async def reset_prefix_cache(self):
+        return True
+
+
+def test_two_agents_of_one_pool_syncing_at_once_keep_its_engines_paused():
+    # F5: with partial rollouts each agent's sync pauses its engines, loads its adapter and resumes them
+    # (AgentTrainer.broadcast_to_vllm), and two agents of one pool sync at once in the trainer's threads. Agent b's
+    # sync starts while a's pause is under way and ends while a's adapter still loads: the engine must stay paused
+    # through both loads, paused once and resumed once. The PoolEngine's own methods run on one event loop thread,
+    # as Ray runs an async actor's calls; only the vLLM engine inside is a stand-in.
+    from openrlhf_mappa.agent_trainer import PoolEngine
+
+    b_done = threading.Event()
+    engine = object.__new__(PoolEngine.__ray_actor_class__)  # its __init__ would start vLLM
+    engine.llm = llm = PausableLLM(load_waits_for=b_done)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    call = lambda coroutine: asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=30)
+
+    def sync(name: str):
+        call(engine.pause_generation())
+        try:
+            call(engine.load_adapter(name, {"adapter_config.json": b"{}"}))
+        finally:
+            call(engine.resume_generation())
+
+    def second():
+        llm.pausing.wait(timeout=10)
+        sync("b")
+        b_done.set()
+
+    try:
+        threads = [threading.Thread(target=sync, args=("a",)), threading.Thread(target=second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+    assert b_done.is_set() and llm.loads[-1][:2] == ("a", "ends")  # b's sync ended before a's load did
+    assert [paused for *_, paused in llm.loads] == [True] * 4, llm.loads
+    assert llm.calls == ["pause", "resume"] and not llm.paused
 
 
 def test_refused_plan_names_a_placement_other_than_the_one_asked_for():

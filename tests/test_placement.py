@@ -133,6 +133,31 @@ def test_estimates_agree_with_a_hand_computation():
     assert f"KV cache {kv_gib:.1f} GiB = {kv_tokens} tokens = {kv_tokens // S} sequences of {S}" in placement.format_plan(plan)
 
 
+def test_token_budgets_bound_a_micro_batch_in_the_plan():
+    # With --train.dynamic_batch_enable upstream's split fills a micro-batch to the budget, whatever
+    # --train/--rollout.micro_batch_size say: packed (as GPUs require), a rank's activations and logits are the
+    # budget's tokens, 65536 in training and 49152 in the experience forwards; an action longer than the budget
+    # goes alone (S tokens).
+    budgets = ["--train.dynamic_batch_enable", "--ds.packing_samples", "--train.max_tokens_per_gpu", "65536",
+               "--rollout.max_tokens_per_gpu", "49152"]
+    args, topology = recipe(QWEN3_4B, *budgets)
+    held = (2 * P + 2 * P + 12 * P) / 2 / GIB + 1
+    train = lambda n: held + (n * H * 2 * L + n * TOKEN_LAYER) / GIB + n * V * 10 / GIB + GATHERED
+    forward = lambda n: n * TOKEN_LAYER / GIB + n * V * 6 / GIB + GATHERED
+    small = ["--train.max_tokens_per_gpu", "8192", "--rollout.max_tokens_per_gpu", "8192"]
+    for extra, n_train, n_exp in (([], 65536, 49152), (["--ds.ring_attn_size", "2"], 65536, 49152), (small, S, S)):
+        plan = placement.make_plan(recipe(QWEN3_4B, *budgets, *extra)[0], topology, 80.0)
+        slot = {g.label(0): [(g, 0)] for g in plan.groups() if g.agent == "verifier"}
+        actor = slot["verifier actor rank 0/2"]
+        assert plan.peak(actor, "train") == pytest.approx(train(n_train), rel=1e-9), extra
+        assert plan.peak(actor, "experience") == pytest.approx(held + forward(n_exp), rel=1e-9), extra
+        assert plan.peak(slot["verifier reference rank 0/2"], "experience") == pytest.approx(
+            2 * P / 2 / GIB + 1 + forward(n_exp), rel=1e-9)
+    assert round(train(65536), 1) == 142.2  # 92.7 GiB of them logits: refused on 80 GiB, naming the budget
+    assert refusal(args, topology, gpus=18).splitlines()[-1].startswith(
+        "Smallest change that fits: --train.max_tokens_per_gpu 28672 (others: ")
+
+
 def test_colocated_per_agent_estimates_agree_with_a_hand_computation():
     # Each agent's actor rank i, reference rank i and engine i on its GPU i, with sleep; Adam on the GPU, so
     # that --ds.enable_sleep has states to move.

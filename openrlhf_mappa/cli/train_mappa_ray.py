@@ -505,10 +505,10 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
     # Upstream's dynamic-filtering check demands a reward model or an agent function: MAPPA's coach scores, and
     # validate() checks the rest of it.
     filtering, args.algo.dynamic_filtering_enable = args.algo.dynamic_filtering_enable, False
-    # Upstream turns --ds.packing_samples on with token budgets (to go faster) and ring attention, and flash
-    # attention with packing. Budgets work on padded batches too, and transformers masks packed sequences by their
-    # position ids under sdpa (a CPU): MAPPA keeps both as given, packing for an agent with ring attention
-    # (placement.agent_args; check_this_machine refuses ring attention on GPUs without flash attention).
+    # Upstream turns --ds.packing_samples on with token budgets and ring attention, and flash attention with
+    # packing. MAPPA keeps both as given (a CPU trains padded budgets under sdpa), packing for an agent with ring
+    # attention (placement.agent_args); on GPUs validate_packing refuses budgets without packing and packing
+    # without flash attention, and check_this_machine ring attention without it.
     packing, attention = args.ds.packing_samples, args.ds.attn_implementation
     with refusals():  # upstream validates with assert
         validate_upstream(args)
@@ -576,6 +576,13 @@ def validate(args, topology):
     if lora and args.vllm.tensor_parallel_size > 1:
         raise SystemExit(f"agents {', '.join(lora)} declare lora: their pool's engines take one GPU each "
                          f"(--vllm.tensor_parallel_size 1; tensor-parallel LoRA engines are not built)")
+    if lora and args.train.async_enable and args.vllm.enable_prefix_caching:
+        # Under async a pool's engines keep serving while an adapter reloads: vLLM's prefix-cache reset then does
+        # nothing (other requests hold blocks), and the cache is keyed by the adapter's name, which a reload keeps.
+        raise SystemExit(f"agents {', '.join(lora)} declare lora: with --train.async_enable their pool's engines keep "
+                         f"generating while an adapter reloads, so --vllm.enable_prefix_caching could serve an agent "
+                         f"KV cache computed with its old adapter (vLLM keys it by adapter name): drop "
+                         f"--vllm.enable_prefix_caching, or train synchronously (no --train.async_enable)")
     if coach.score_outcome_runs and args.mappa.reward != "outcome":
         raise SystemExit("--mappa.coach.score_outcome_runs is for --mappa.reward outcome (process runs always ask the "
                          "coach)")
@@ -653,11 +660,14 @@ def validate_parallel(args, trainees: list) -> None:
     """Each agent's train batch is split over its data-parallel ranks (a topology may give an agent its own GPU
     count) in micro-batches. The ranks of one ring or tensor-parallel group share theirs (upstream's
     duplicate_actors): an agent's GPUs hold whole groups, and its data-parallel ranks are its GPUs / group size."""
+    from openrlhf_mappa.compat import cpu_mode
     from openrlhf_mappa.placement import agent_args
 
     for spec in trainees:
         a = agent_args(args, spec)
         ring, tp = a.ds.ring_attn_size, a.ds.tensor_parallel_size
+        if not cpu_mode():  # a CPU's tiny models train with padded budgets under sdpa (no flash-attn on CPUs)
+            validate_packing(a, spec)
         if tp > 1 and a.ds.zero_stage == 3:
             raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) is DeepSpeed's AutoTP, which trains with "
                              f"ZeRO stages 0-2 only (under ZeRO-3 transformers refuses to load the model): pass "
@@ -688,6 +698,25 @@ def validate_parallel(args, trainees: list) -> None:
                 raise SystemExit(f"agent {spec.name!r}: --train.batch_size ({args.train.batch_size}) must be a "
                                  f"multiple of --{flag} ({micro}) x its {ranks} data-parallel actor ranks ({where}) = "
                                  f"{micro * ranks}, so that every rank gets whole micro-batches")
+
+
+def validate_packing(a, spec) -> None:
+    """On GPUs, token budgets need packing, and packing flash attention (agent `spec`'s args `a`). OpenRLHF's budget
+    split balances the sum of lengths: padded, a micro-batch costs its count x its longest action, several times the
+    budget with long and short actions mixed. Under sdpa or eager, transformers masks a packed row with a dense
+    tokens x tokens mask. The plan (placement.py) counts neither."""
+    attention, budget = a.ds.attn_implementation, a.train.max_tokens_per_gpu
+    if a.train.dynamic_batch_enable and not a.ds.packing_samples:
+        raise SystemExit(f"--train.dynamic_batch_enable without --ds.packing_samples (agent {spec.name!r}): on GPUs a "
+                         f"padded micro-batch costs its count x its longest action, which the budget "
+                         f"(--train.max_tokens_per_gpu {budget}) does not bound: pass --ds.packing_samples, with "
+                         f"--ds.attn_implementation flash_attention_2")
+    if a.ds.packing_samples and "flash_attention" not in attention and a.ds.ring_attn_size == 1:  # a ring's: later
+        raise SystemExit(f"--ds.packing_samples under --ds.attn_implementation {attention} (agent {spec.name!r}): "
+                         f"transformers masks each packed micro-batch with a dense tokens x tokens mask on GPUs (1 GiB "
+                         f"at 32K tokens), which the plan does not count: pass --ds.attn_implementation "
+                         f"flash_attention_2 (flash-attn installed), or drop --ds.packing_samples (and token budgets, "
+                         f"which need it)")
 
 
 def validate_algo(args) -> None:
