@@ -218,26 +218,29 @@ class Group:
         return f"{self.agent} {self.kind} rank {i}/{self.gpus}"
 
 
+def micro_tokens(a, micro: int, budget) -> float:
+    """A micro-batch's tokens on one rank (`a` an agent's args): `micro` sequences of --data.max_len over its ring,
+    or with token budgets (packed on GPUs: train_mappa_ray.validate_packing) what upstream's split puts in one, the
+    budget on each GPU of a ring x tensor-parallel group, or one longer action alone."""
+    ring, s = a.ds.ring_attn_size, a.data.max_len
+    if a.train.dynamic_batch_enable:
+        return max(budget * ring * a.ds.tensor_parallel_size, s) / ring
+    return micro * s / ring
+
+
 def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -> list:
     """One agent's groups (`a` its args), by the module docstring's model. A LoRA agent trains its adapter only
     and has no reference group (its actor, adapter off) and no engines of its own (its pool's)."""
     s, h, L, V = a.data.max_len, size.hidden, size.layers, size.vocab
     token_layer = size.layer_act + (size.heads * s * 4 if a.ds.attn_implementation == "eager" else 0)  # + scores
-    ring, tp = a.ds.ring_attn_size, a.ds.tensor_parallel_size
-    t = s / ring  # a sequence's tokens on one rank
-
-    def micro_tokens(micro: int, budget) -> float:
-        """A micro-batch's tokens on one rank: `micro` sequences, or with token budgets (packed on GPUs: validate)
-        what upstream's split puts in one, the budget on each GPU of a ring x tensor-parallel group, or one longer
-        action alone."""
-        return max(budget * ring * tp, s) / ring if a.train.dynamic_batch_enable else micro * t
+    t = s / a.ds.ring_attn_size  # a sequence's tokens on one rank
 
     def forward(n: float) -> dict:  # n tokens, no gradients: one layer's activations at a time, then the logits
         return {"activations": n * token_layer / GIB, "logits": n * V * 6 / GIB}
 
     zero3 = a.ds.zero_stage == 3
     gathered = {"ZeRO-3 gathered layers": 2 * size.layer_params * 2 / GIB} if zero3 else {}
-    P, D = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node
+    P, D, tp = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node, a.ds.tensor_parallel_size
     linear = size.layers * sum(i * o for i, o in size.linear_shapes().values())
     # AutoTP: a rank holds 1/tp of every linear layer, and ZeRO shards its states over the D/tp data-parallel ranks.
     P, Z = P - linear + linear / tp, D / tp
@@ -252,8 +255,8 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     offloads = a.ds.enable_sleep and not a.ds.adam_offload  # OpenRLHF's offload skips an actor whose Adam is on CPU
     if offloads:  # asleep, its states wait in pinned host memory
         host = dict(states)
-    n, n_exp = (micro_tokens(a.train.micro_batch_size, a.train.max_tokens_per_gpu),
-                micro_tokens(a.rollout.micro_batch_size, a.rollout.max_tokens_per_gpu))
+    n = micro_tokens(a, a.train.micro_batch_size, a.train.max_tokens_per_gpu)
+    n_exp = micro_tokens(a, a.rollout.micro_batch_size, a.rollout.max_tokens_per_gpu)
     stored = n * h * 2 * L + n * token_layer if a.actor.gradient_checkpointing_enable else n * token_layer * L
     largest = V * h * 2 / GIB  # the embedding, the largest tensor the sync gathers
     ipc = a.mappa.colocate != "none" and a.vllm.sync_backend == "nccl"  # OpenRLHF's colocated sync: CUDA IPC
