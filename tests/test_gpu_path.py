@@ -29,6 +29,7 @@ from openrlhf_mappa.resume import rotate_checkpoints
 from openrlhf_mappa.trainer import MappaTrainer
 
 MATHCHAT = os.path.join(REPO, "examples", "configs", "mathchat.yaml")
+QWEN3_4B = os.path.join(REPO, "tests", "fixtures", "qwen3-4b")  # config.json from Qwen3-4B's published architecture
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -120,8 +121,8 @@ def test_flash_attention_without_flash_attn_ring_attention_and_gloo_colocated_on
     check_this_machine(qlora)
     real = importlib.util.find_spec
     with mock.patch("importlib.util.find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)):
-        with pytest.raises(SystemExit, match=r"--ds.load_in_4bit quantizes with bitsandbytes, and it is not installed "
-                                             r"here: `pip install bitsandbytes`"):
+        with pytest.raises(SystemExit, match=r"--ds.load_in_4bit quantizes with bitsandbytes, and the module "
+                                             r"bitsandbytes is not installed here: `pip install bitsandbytes`"):
             check_this_machine(qlora)
     colocated = base + ["--ds.attn_implementation", "sdpa", "--mappa.colocate", "agent", "--vllm.sync_backend", "gloo"]
     check_this_machine(parse_args(colocated))  # CPU mode: gloo is how a colocated team syncs here
@@ -546,3 +547,45 @@ def test_the_doctors_offload_check_calls_every_actor_rank(cluster):
     assert row[:3] == ("offload frees memory", "solver", True), row
     assert f"actor rank 0: {states:.1f} GiB freed (gradients and Adam states: {states:.1f})" in row[3], row
     assert [r.used for r in ranks] == [10.0, 10.0]  # every rank reloaded and offloaded again
+
+
+# ---------------------------------------------------------------- the kernels on every GPU node (F7)
+def test_each_gpu_node_imports_the_kernels_the_flags_need_and_the_launcher_names_a_node_that_cannot(tmp_path,
+                                                                                                      monkeypatch):
+    # F7: the flags' kernels were looked for in the launcher's Python only (find_spec): a GPU node without
+    # flash-attn, or with a wheel built for another torch (found, then failing to import), failed in every actor.
+    from openrlhf_mappa import launch
+
+    args = parse_args(["--mappa.topology", MATHCHAT, "--mappa.model", str(QWEN3_4B), "--data.prompt_dataset", "x.jsonl",
+                       "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1"])
+    # (OpenRLHF's default attention, flash_attention_2)
+    topology = load_topology(MATHCHAT, model_override=args.mappa.model)
+    needed = placement.needed_modules(args, topology)
+    assert list(needed) == ["flash_attn"]
+    # The task each GPU node runs, run for real on this machine (no flash-attn here): its cores and what fails.
+    assert placement.node_check(list(needed)) == (placement.usable_cores(), {"flash_attn": "is not installed"})
+    (tmp_path / "kernel_for_another_torch").mkdir()  # found by find_spec, failing to import: a mismatched wheel
+    (tmp_path / "kernel_for_another_torch" / "__init__.py").write_text(
+        "raise ImportError('undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    assert placement.broken_modules(["kernel_for_another_torch", "json"]) == {
+        "kernel_for_another_torch": "fails to import (ImportError: undefined symbol: _ZN3c104cuda9SetDeviceEi)"}
+
+    # The launcher, on two 8-GPU nodes whose tasks report back (the Ray cluster and its tasks are stand-ins: the
+    # per-node results are given); node 1 has no flash-attn.
+    nodes = [{"NodeID": f"n{k}", "Alive": True, "Resources": {"GPU": 8.0, "CPU": 32.0}} for k in range(2)]
+    monkeypatch.setattr(launch.ray, "nodes", lambda: nodes)
+    asked, results = [], [(32, {}), (32, {"flash_attn": "is not installed"})]
+    monkeypatch.setattr(launch, "on_each_node", lambda read, on, *a, gpus=0: asked.append((read, on, a)) or results)
+    with pytest.raises(SystemExit) as refused:
+        launch.check_placement(args, topology)
+    assert asked == [(placement.node_check, [("n0", 8), ("n1", 8)], (["flash_attn"],))]  # one task per node
+    assert str(refused.value) == (
+        "[mappa] --ds.attn_implementation flash_attention_2 needs flash-attn's kernels, and the module flash_attn is "
+        "not installed on node 1 (Ray node n1): install flash-attn (`pip install flash-attn==2.8.3 "
+        "--no-build-isolation`, built for the torch and CUDA there) or pass --ds.attn_implementation sdpa (more "
+        "memory at long contexts)")
+    results[1] = (16, {})  # every node has it: the plan stands, and the threads are each node's own cores'
+    plan, _ = launch.check_placement(args, topology)
+    assert args.mappa.actor_threads == 2  # 16 cores over 8 GPUs, the fewer of the two nodes
