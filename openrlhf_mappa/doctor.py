@@ -1,7 +1,9 @@
 """`mappa doctor`: the cluster self-check before a long job. With the training command's flags and a small model
 (--mappa.model), it builds the launch's placement, engines and actors, runs one step of each and checks what CPU
 tests cannot: each agent's weights reach its own engines only, sleep frees GPU memory, a LoRA reload shows in
-generation, thread counts, host memory. A table; exit 1 on any failure.
+generation, thread counts, host memory; before them, the plan of the recipe's own models on this cluster and
+DeepSpeed's CPU Adam on each GPU node (the coach's one request comes from the cli, before Ray). A table; exit 1
+on any failure.
 
 Each agent trains one step on a text of its own at lr 1e-2 (constant, no warm-up), so its weights are visibly its
 own: in bf16, the recipe's 1e-6 would move nothing an engine's log-probs could show.
