@@ -1,12 +1,15 @@
 """`mappa doctor`: the cluster self-check before a long job. With the training command's flags and a small model
 (--mappa.model), it builds the launch's placement, engines and actors, runs one step of each and checks what CPU
 tests cannot: each agent's weights reach its own engines only, sleep frees GPU memory, a LoRA reload shows in
-generation, thread counts, host memory. A table; exit 1 on any failure.
+generation, thread counts, host memory; before them, the plan of the recipe's own models on this cluster and
+DeepSpeed's CPU Adam on each GPU node (the coach's one request comes from the cli, before Ray). A table; exit 1
+on any failure.
 
 Each agent trains one step on a text of its own at lr 1e-2 (constant, no warm-up), so its weights are visibly its
 own: in bf16, the recipe's 1e-6 would move nothing an engine's log-probs could show.
 """
 
+import copy
 import os
 import time
 
@@ -207,6 +210,46 @@ def sleep_checks(args, trainees) -> list:
     return rows
 
 
+def cpu_adam() -> tuple:
+    """On one GPU node, with a GPU as an actor has: (ok, detail) for DeepSpeed's CPU Adam (--ds.adam_offload).
+    Unless DeepSpeed was installed with it (DS_BUILD_CPU_ADAM=1), DeepSpeed compiles it on first use, in every
+    actor, and refuses a system CUDA toolkit whose version differs from torch's (compat.toolkit_problem): found
+    here, before any actor, and built once into the extensions cache the actors then load from."""
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    from openrlhf_mappa.compat import toolkit_problem
+
+    prebuilt = bool(installed_ops.get("cpu_adam"))
+    problem = None if prebuilt else toolkit_problem()
+    if problem:
+        return False, f"{problem}; or drop --ds.adam_offload"
+    t0 = time.time()
+    try:
+        CPUAdamBuilder().load()
+    except Exception as e:  # any failure of a C++ build: the compiler's, ninja's, a link error
+        return False, (f"DeepSpeed's cpu_adam op did not build or load: {type(e).__name__}: {str(e)[-300:]} (the "
+                       f"build's output is in the doctor's log): fix the build, or install DeepSpeed with "
+                       f"DS_BUILD_CPU_ADAM=1 (built with it), or drop --ds.adam_offload")
+    took = time.time() - t0
+    return True, ("prebuilt in DeepSpeed, loads" if prebuilt else
+                  f"not prebuilt: compiled on first use, or loaded from torch's extensions cache, in {took:.0f} s; "
+                  f"the actors load it from there")
+
+
+def recipe_plan(args, recipe, allowed) -> tuple:
+    """The row for the plan of the recipe's own models (the topology's, where --mappa.model gave every agent the
+    small one), checked as the launch would check it against this cluster's nodes (launch.check_placement)."""
+    from openrlhf_mappa.launch import check_placement
+
+    models = ", ".join(sorted({spec.model for spec in recipe.agents}))
+    try:
+        plan, nodes = check_placement(copy.deepcopy(args), recipe, allowed)
+    except SystemExit as e:
+        return "recipe's plan", "-", False, f"{models}: " + str(e.code).removeprefix("[mappa] ").replace("\n", "; ")
+    return "recipe's plan", "-", True, f"{models}: fits {plan.need} of the cluster's {sum(n for _, n in nodes)} GPUs"
+
+
 def format_rows(rows: list) -> str:
     mark = {True: "ok", False: "FAIL", None: "skipped"}
     lines = [f"{'check':<22}{'agent':<18}{'result':<9}detail"]
@@ -215,17 +258,26 @@ def format_rows(rows: list) -> str:
     return "\n".join(lines + [f"\n[mappa] doctor: {len(rows)} checks, {failed} failed"])
 
 
-def doctor(args, topology) -> int:
-    """Start the team as the launch would, run the checks, print the table; 1 on any failure."""
+def doctor(args, topology, rows=(), recipe=None, allowed=lambda a: True) -> int:
+    """Start the team as the launch would, run the checks, print the table; 1 on any failure. `rows`: checks made
+    before Ray (the coach's one request); `recipe`: the topology with its own models, planned on this cluster
+    (`allowed`: placement.check's for it)."""
     from openrlhf_mappa.console import console
     from openrlhf_mappa.health import StartupWatchdog
-    from openrlhf_mappa.launch import build_agents, owners
+    from openrlhf_mappa.launch import build_agents, gpu_nodes, on_each_node, owners
 
     # One step at a visible learning rate (the module docstring); nothing is saved.
     args.actor.adam.lr, args.actor.lr_warmup_ratio, args.actor.lr_scheduler = 1e-2, 0.0, "constant"
     args.ckpt.load_enable, args.ckpt.save_steps = False, -1
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    rows = list(rows) + ([recipe_plan(args, recipe, allowed)] if recipe else [])
+    if args.ds.adam_offload:  # before any actor: each would compile it, or fail to (and with it the doctor)
+        verdicts = on_each_node(cpu_adam, gpu_nodes(), gpus=1)
+        rows += [("CPU Adam", f"node {k}", ok, detail) for k, (ok, detail) in enumerate(verdicts)]
+        if not all(ok for ok, _ in verdicts):
+            print(format_rows(rows), file=console.out, flush=True)
+            return 1
     startup = StartupWatchdog(args.mappa.startup_warn_s, args.mappa.startup_timeout_s,
                               [a.model for a in topology.agents])
     startup.start()
@@ -233,7 +285,7 @@ def doctor(args, topology) -> int:
         agents = build_agents(args, topology, {s.name: 1 for s in placement.trainee_specs(args, topology)}, startup)
     finally:
         startup.done.set()
-    rows = [("placement", "-", True, f"{len(owners(agents))} agents' engines and actors started, as planned")]
+    rows.append(("placement", "-", True, f"{len(owners(agents))} agents' engines and actors started, as planned"))
     rows += run_checks(args, topology, agents)
     print(format_rows(rows), file=console.out, flush=True)
     return 1 if any(ok is False for *_, ok, _ in rows) else 0

@@ -20,13 +20,13 @@ def gpu_nodes() -> list:
     return sorted([n for n in nodes if n[1]], key=lambda n: -n[1])
 
 
-def on_each_node(read, nodes: list) -> list:
-    """read() run on each of the (Ray node id, GPUs) `nodes`: what that node has, where the launcher's own node
-    may be a CPU head of another size."""
+def on_each_node(read, nodes: list, *args, gpus: int = 0) -> list:
+    """read(*args) run on each of the (Ray node id, GPUs) `nodes`: what that node has, where the launcher's own node
+    may be a CPU head of another size. `gpus`: what the task holds there (1: it sees a GPU, as an actor does)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    task = ray.remote(num_cpus=0)(read)
-    return ray.get([task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    task = ray.remote(num_cpus=0, num_gpus=gpus)(read)
+    return ray.get([task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(*args)
                     for node_id, _ in nodes])
 
 
@@ -41,6 +41,7 @@ def check_placement(args, topology, allowed=lambda a: True) -> tuple:
     reports) and the host memory of a node (--mappa.host_memory_gib, else each node's own). Printed when it fits;
     refused, with the smallest change that would fit, when not: Ray itself would wait forever, silently, for
     GPUs that never come (`allowed`: placement.check's). Sets --mappa.actor_threads where 0 (actor_threads).
+    Refuses a GPU node that cannot import a kernel the flags need (placement.needed_modules), naming it.
     Returns (the plan, gpu_nodes())."""
     nodes = gpu_nodes()
     gpus = [n for _, n in nodes]
@@ -56,8 +57,16 @@ def check_placement(args, topology, allowed=lambda a: True) -> tuple:
     except ValueError as e:
         raise SystemExit(f"[mappa] {e}\n(On CPU, MAPPA_CPU_NUM_GPUS sets a local cluster's logical GPUs.)") from None
     memory = "" if gib else " (GPU memory not known here: give --mappa.gpu_memory_gib to check it too)"
-    args.mappa.actor_threads = args.mappa.actor_threads or actor_threads(on_each_node(placement.usable_cores, nodes),
-                                                                         gpus)
+    # One task per GPU node: its cores, and the kernels the flags need imported there (the launcher's node may be
+    # a CPU head, or hold another Python than the workers).
+    needed = placement.needed_modules(args, topology)
+    cores, broken = zip(*on_each_node(placement.node_check, nodes, list(needed))) if nodes else ((), ())
+    refusals = []
+    for k, ((node_id, _), found) in enumerate(zip(nodes, broken)):
+        refusals += placement.module_refusals(needed, found, f"on node {k} (Ray node {node_id})")
+    if refusals:
+        raise SystemExit("[mappa] " + "\n".join(refusals))
+    args.mappa.actor_threads = args.mappa.actor_threads or actor_threads(list(cores), gpus)
     # A topology's per-agent value wins over the flag (agent_args): said here, so a flag that changes nothing
     # for that agent is no surprise.
     flag = lambda group, name: getattr(getattr(args, group), name)

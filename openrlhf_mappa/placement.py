@@ -24,9 +24,12 @@ k = key/value heads x head dim, TP an engine's tensor-parallel size:
 """
 
 import copy
+import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 GIB = 2**30
@@ -896,6 +899,54 @@ def usable_cores(cgroup: str = "/sys/fs/cgroup") -> int:
     except (OSError, ValueError):  # no cgroup v2 here: the affinity alone
         pass
     return cores
+
+
+def ring_size(args, topology=None) -> int:
+    """The largest ring of ring attention over the agents: the flag, or an agent's topology ring_attn_size."""
+    specs = topology.agents if topology else []
+    return max([agent_args(args, spec).ds.ring_attn_size for spec in specs] or [args.ds.ring_attn_size])
+
+
+def needed_modules(args, topology=None) -> dict:
+    """{module: (what needs it, the fix)} for the kernels the flags need: flash attention's, ring attention's, QLoRA's.
+    OpenRLHF imports without them (patches/flash_attn_stub.py), so a missing one fails only in every actor, minutes
+    in: checked on the launcher's machine (cli.check_this_machine) and on every GPU node (launch.check_placement)."""
+    attention, out = args.ds.attn_implementation, {}
+    kernel = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(attention)
+    if kernel:
+        out[kernel] = (f"--ds.attn_implementation {attention} needs flash-attn's kernels",
+                       "install flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, built for the torch "
+                       "and CUDA there) or pass --ds.attn_implementation sdpa (more memory at long contexts)")
+    ring = ring_size(args, topology)
+    if ring > 1:
+        out["ring_flash_attn"] = (f"--ds.ring_attn_size {ring} runs ring-flash-attn's kernels",
+                                  "`pip install ring_flash_attn` (it needs flash-attn)")
+    if args.ds.load_in_4bit:
+        out["bitsandbytes"] = ("--ds.load_in_4bit quantizes with bitsandbytes",
+                               "`pip install bitsandbytes` (OpenRLHF lists it)")
+    return out
+
+
+def broken_modules(modules) -> dict:
+    """{module: why} for each of `modules` this Python cannot import. A found module is imported for real, in a
+    subprocess (no kernels loaded here): a flash-attn wheel built for another torch is found, then fails to import."""
+    out = {m: "is not installed" for m in modules if importlib.util.find_spec(m) is None}
+    for m in [m for m in modules if m not in out]:
+        proc = subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True, text=True, timeout=600)
+        if proc.returncode:
+            out[m] = f"fails to import ({(proc.stderr.strip().splitlines() or ['no message'])[-1][:300]})"
+    return out
+
+
+def module_refusals(needed: dict, broken: dict, where: str) -> list:
+    """The refusal for each of `broken`'s modules (broken_modules) on the machine `where` names."""
+    return [f"{needed[m][0]}, and the module {m} {why} {where}: {needed[m][1]}" for m, why in broken.items()]
+
+
+def node_check(modules) -> tuple:
+    """Run on each GPU node (launch.check_placement, one Ray task per node): (its usable cores, {module: why} for
+    each of `modules` that fails to import there)."""
+    return usable_cores(), broken_modules(modules)
 
 
 def detect_gpus():

@@ -11,6 +11,7 @@ import http.server
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from openrlhf_mappa.resume import rotate_checkpoints
 from openrlhf_mappa.trainer import MappaTrainer
 
 MATHCHAT = os.path.join(REPO, "examples", "configs", "mathchat.yaml")
+QWEN3_4B = os.path.join(REPO, "tests", "fixtures", "qwen3-4b")  # config.json from Qwen3-4B's published architecture
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -121,8 +123,8 @@ def test_flash_attention_without_flash_attn_ring_attention_and_gloo_colocated_on
     check_this_machine(qlora)
     real = importlib.util.find_spec
     with mock.patch("importlib.util.find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)):
-        with pytest.raises(SystemExit, match=r"--ds.load_in_4bit quantizes with bitsandbytes, and it is not installed "
-                                             r"here: `pip install bitsandbytes`"):
+        with pytest.raises(SystemExit, match=r"--ds.load_in_4bit quantizes with bitsandbytes, and the module "
+                                             r"bitsandbytes is not installed here: `pip install bitsandbytes`"):
             check_this_machine(qlora)
     colocated = base + ["--ds.attn_implementation", "sdpa", "--mappa.colocate", "agent", "--vllm.sync_backend", "gloo"]
     check_this_machine(parse_args(colocated))  # CPU mode: gloo is how a colocated team syncs here
@@ -654,3 +656,130 @@ def test_the_doctors_offload_check_calls_every_actor_rank(cluster):
     assert row[:3] == ("offload frees memory", "solver", True), row
     assert f"actor rank 0: {states:.1f} GiB freed (gradients and Adam states: {states:.1f})" in row[3], row
     assert [r.used for r in ranks] == [10.0, 10.0]  # every rank reloaded and offloaded again
+
+
+# ---------------------------------------------------------------- the kernels on every GPU node (F7)
+def test_each_gpu_node_imports_the_kernels_the_flags_need_and_the_launcher_names_a_node_that_cannot(tmp_path,
+                                                                                                      monkeypatch):
+    # F7: the flags' kernels were looked for in the launcher's Python only (find_spec): a GPU node without
+    # flash-attn, or with a wheel built for another torch (found, then failing to import), failed in every actor.
+    from openrlhf_mappa import launch
+
+    args = parse_args(["--mappa.topology", MATHCHAT, "--mappa.model", str(QWEN3_4B), "--data.prompt_dataset", "x.jsonl",
+                       "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1"])
+    # (OpenRLHF's default attention, flash_attention_2)
+    topology = load_topology(MATHCHAT, model_override=args.mappa.model)
+    needed = placement.needed_modules(args, topology)
+    assert list(needed) == ["flash_attn"]
+    # The task each GPU node runs, run for real on this machine (no flash-attn here): its cores and what fails.
+    assert placement.node_check(list(needed)) == (placement.usable_cores(), {"flash_attn": "is not installed"})
+    (tmp_path / "kernel_for_another_torch").mkdir()  # found by find_spec, failing to import: a mismatched wheel
+    (tmp_path / "kernel_for_another_torch" / "__init__.py").write_text(
+        "raise ImportError('undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    assert placement.broken_modules(["kernel_for_another_torch", "json"]) == {
+        "kernel_for_another_torch": "fails to import (ImportError: undefined symbol: _ZN3c104cuda9SetDeviceEi)"}
+
+    # The launcher, on two 8-GPU nodes whose tasks report back (the Ray cluster and its tasks are stand-ins: the
+    # per-node results are given); node 1 has no flash-attn.
+    nodes = [{"NodeID": f"n{k}", "Alive": True, "Resources": {"GPU": 8.0, "CPU": 32.0}} for k in range(2)]
+    monkeypatch.setattr(launch.ray, "nodes", lambda: nodes)
+    asked, results = [], [(32, {}), (32, {"flash_attn": "is not installed"})]
+    monkeypatch.setattr(launch, "on_each_node", lambda read, on, *a, gpus=0: asked.append((read, on, a)) or results)
+    with pytest.raises(SystemExit) as refused:
+        launch.check_placement(args, topology)
+    assert asked == [(placement.node_check, [("n0", 8), ("n1", 8)], (["flash_attn"],))]  # one task per node
+    assert str(refused.value) == (
+        "[mappa] --ds.attn_implementation flash_attention_2 needs flash-attn's kernels, and the module flash_attn is "
+        "not installed on node 1 (Ray node n1): install flash-attn (`pip install flash-attn==2.8.3 "
+        "--no-build-isolation`, built for the torch and CUDA there) or pass --ds.attn_implementation sdpa (more "
+        "memory at long contexts)")
+    results[1] = (16, {})  # every node has it: the plan stands, and the threads are each node's own cores'
+    plan, _ = launch.check_placement(args, topology)
+    assert args.mappa.actor_threads == 2  # 16 cores over 8 GPUs, the fewer of the two nodes
+
+
+# ---------------------------------------------------------------- the doctor: CPU Adam (F9), the recipe, the coach
+def test_the_doctors_cpu_adam_row_builds_the_op_and_names_a_system_cuda_that_is_not_torchs(tmp_path, monkeypatch):
+    # F9: --ds.adam_offload runs DeepSpeed's CPU Adam, which DeepSpeed compiles on first use (it is not prebuilt in
+    # the pinned wheel, nor here: `installed_ops`), and refuses to compile against a system CUDA whose version is
+    # not torch's: each actor failed at start-up. The doctor's row, per GPU node, before any actor.
+    import deepspeed.ops.op_builder.builder as builder
+    import torch
+    from deepspeed.git_version_info import installed_ops
+
+    from openrlhf_mappa.doctor import cpu_adam
+
+    assert not installed_ops["cpu_adam"] and torch.version.cuda is None  # this machine: a CPU torch, not prebuilt
+    # The build, for real on this machine, with a compiler that fails (a real build here takes 9 minutes on 2
+    # busy cores; it passed, once, outside the suite): the row fails with the build's error and the fixes.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setenv("CXX", "false")
+    ok, detail = cpu_adam()
+    assert ok is False and detail.startswith("DeepSpeed's cpu_adam op did not build or load: CalledProcessError: "
+                                             "Command '['false', '--version']' returned non-zero exit status 1."), detail
+    assert detail.endswith("or install DeepSpeed with DS_BUILD_CPU_ADAM=1 (built with it), or drop --ds.adam_offload")
+    # A CUDA torch against another major version of nvcc (the two version probes stand in: no CUDA here): DeepSpeed's
+    # own rule refuses it, and the row says so before any build.
+    monkeypatch.delenv("DS_SKIP_CUDA_CHECK", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(builder, "installed_cuda_version", lambda name="": (13, 0))
+    assert cpu_adam() == (False, "the system's CUDA 13.0 (nvcc in CUDA_HOME) is not torch's 12.8, and DeepSpeed "
+                                 "compiles its ops only against a matching one: set CUDA_HOME to a CUDA 12 toolkit "
+                                 "(or install one); or drop --ds.adam_offload")
+
+
+def test_the_doctor_plans_the_recipes_own_models_on_the_cluster(monkeypatch):
+    # The doctor runs every agent on a small model (--mappa.model), so it planned the small model only: a recipe
+    # whose own models do not fit the cluster passed. Its row: the launcher's check_placement on the recipe's
+    # topology. Ray's cluster is a stand-in: two 8-GPU nodes, each node's task run here, in this process.
+    from openrlhf_mappa import launch
+    from openrlhf_mappa.cli.train_mappa_ray import accepted
+    from openrlhf_mappa.doctor import recipe_plan
+
+    nodes = [{"NodeID": f"n{k}", "Alive": True, "Resources": {"GPU": 8.0}} for k in range(2)]
+    monkeypatch.setattr(launch.ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(launch, "on_each_node", lambda read, on, *a, gpus=0: [read(*a) for _ in on])
+    args = parse_args(["--mappa.topology", MATHCHAT, "--mappa.model", str(QWEN3_4B), "--data.prompt_dataset", "x.jsonl",
+                       "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1",
+                       "--ds.attn_implementation", "sdpa", "--mappa.gpu_memory_gib", "79.6",
+                       "--mappa.host_memory_gib", "2000"])
+    small = load_topology(MATHCHAT, model_override=str(QWEN3_4B))
+    check, agent, ok, detail = recipe_plan(args, small, accepted(small))
+    assert (check, agent, ok) == ("recipe's plan", "-", True) and detail == f"{QWEN3_4B}: fits 9 of the cluster's 16 GPUs"
+    big = os.path.join(REPO, "tests", "fixtures", "qwen3-32b")  # the recipe's own: 32B on one GPU per actor
+    recipe = load_topology(MATHCHAT, model_override=big)
+    check, agent, ok, detail = recipe_plan(args, recipe, accepted(recipe))
+    assert ok is False and detail.startswith(f"{big}: the plan does not fit 16 x 79.6 GiB GPUs"), detail
+    assert "GPU 0 (problem_solver actor" in detail and "\n" not in detail  # the refusal, on one line of the table
+    assert args.mappa.model == str(QWEN3_4B) and args.mappa.actor_threads == 0  # the doctor's own args untouched
+
+
+def test_the_doctor_sends_the_coach_one_request(tmp_path):
+    # The doctor never contacted the coach; its row is `mappa check`'s request (Preflight.coach): one test action
+    # scored, by a real OpenAI-compatible server on 127.0.0.1, or the reason it was not.
+    from coach_server import CoachServer
+
+    from openrlhf_mappa.cli.mappa import coach_row
+
+    import yaml
+
+    raw = yaml.safe_load(open(MATHCHAT))
+    raw["coach_template"] = "AGENT={agent}\nOUTPUT<<{agent_output}>>OUTPUT\nPROCESS_SCORE: <0-10>"  # the rule server's
+    topology_file = tmp_path / "topology.yaml"
+    topology_file.write_text(yaml.safe_dump(raw))
+    flags = lambda url: ["--mappa.topology", str(topology_file), "--mappa.model", str(QWEN3_4B),
+                         "--data.prompt_dataset", "x.jsonl", "--mappa.coach.kind", "openai", "--mappa.coach.base_url",
+                         url, "--mappa.coach.model", "rule", "--mappa.coach.max_retries", "0"]
+    topology = load_topology(str(topology_file), model_override=str(QWEN3_4B))
+    with CoachServer() as server:
+        check, agent, ok, detail = coach_row(parse_args(flags(server.base_url)), topology)
+        scored = [r for r in server.requests if "OUTPUT<<2 + 2 = 4.>>OUTPUT" in r["prompt"]]
+    assert (check, ok) == ("coach", True) and detail.startswith("openai rule: scored a test action 6 in "), detail
+    assert len(scored) == 1  # one request: "2 + 2 = 4." has 6 distinct characters, the rule's score
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    check, agent, ok, detail = coach_row(parse_args(flags(closed)), topology)
+    assert (check, ok) == ("coach", False) and closed in detail, detail

@@ -20,8 +20,9 @@ PLAN_HELP = ("which GPU holds which agent's actor, reference and engines, and th
              "machine's GPUs; with no GPU here and no --mappa.gpu_memory_gib: the GPU counts, and the least GPU memory "
              "the plan needs); exit 1 when it does not fit")
 DOCTOR_HELP = ("the cluster self-check before a long job: takes the training command's flags, with --mappa.model a "
-               "small model; starts the team as planned, runs one step of each component and checks weight syncs, "
-               "sleep, threads and host memory; a table of checks, exit 1 on a failure")
+               "small model; sends the coach one request, plans the recipe's own models on the cluster, starts the team "
+               "as planned, runs one step of each component and checks weight syncs, sleep, threads, host memory and "
+               "(with --ds.adam_offload) DeepSpeed's CPU Adam on each node; a table of checks, exit 1 on a failure")
 
 
 def main(argv=None):
@@ -342,15 +343,19 @@ def check_main(argv) -> int:
 
 
 def doctor_main(argv) -> int:
-    """`mappa doctor`: the launch's checks, then the cluster's (doctor.py); Ray's output into <run_dir>/doctor.log."""
+    """`mappa doctor`: the launch's checks, the coach's one request, then the cluster's (doctor.py), with the plan of
+    the recipe's own models; Ray's output into <run_dir>/doctor.log."""
     import contextlib
 
-    from openrlhf_mappa.cli.train_mappa_ray import check_team, check_this_machine, output_to, parse_args
+    from openrlhf_mappa.cli.train_mappa_ray import accepted, check_team, check_this_machine, output_to, parse_args
 
     args = parse_args(argv, prog="mappa doctor", description=DOCTOR_HELP)
     with refusals():
         topology = check_team(args)
         check_this_machine(args, topology)
+    rows = [coach_row(args, topology)]
+    recipe, skipped = recipe_team(args)
+    rows += [("recipe's plan", "-", None, f"skipped: {skipped}")] if skipped else []
     os.makedirs(args.mappa.run_dir, exist_ok=True)
     log = os.path.join(args.mappa.run_dir, "doctor.log")
     if not args.mappa.verbose:
@@ -360,9 +365,38 @@ def doctor_main(argv) -> int:
 
         from openrlhf_mappa.doctor import doctor
 
-        failed = doctor(args, topology)
+        failed = doctor(args, topology, rows, recipe, accepted(recipe) if recipe else None)
         ray.shutdown()  # Ray prints its workers' last lines as it shuts down: into the log too
     return failed
+
+
+def coach_row(args, topology) -> tuple:
+    """The doctor's row for the coach: `mappa check`'s request (Preflight.coach), one test action scored."""
+    from openrlhf_mappa.cli.train_mappa_ray import Preflight
+
+    pre = Preflight(args, score_one=True)
+    pre.topology = topology
+    try:
+        return "coach", "-", True, pre.coach() or ""
+    except (ValueError, OSError, ImportError, SystemExit) as e:  # as `mappa check` reports a failed check
+        return "coach", "-", False, str(e).removeprefix("[mappa] ")
+
+
+def recipe_team(args) -> tuple:
+    """(the topology with its own models, why it is not planned): with --mappa.model the doctor's team runs the
+    small model, and the recipe's models are planned on the cluster too (doctor.recipe_plan). None without
+    --mappa.model: the team's plan is the recipe's."""
+    from openrlhf_mappa.topology import check_model, load_topology
+
+    if not args.mappa.model:
+        return None, None
+    recipe = load_topology(args.mappa.topology)
+    try:
+        for spec in recipe.agents:
+            check_model(spec.model, f"{args.mappa.topology}: agent {spec.name!r}")
+    except (ValueError, SystemExit) as e:  # the launch itself refuses it before Ray, in seconds
+        return None, str(e).removeprefix("[mappa] ")
+    return recipe, None
 
 
 def eval_inputs(parser, args):

@@ -755,33 +755,19 @@ def validate_algo(args) -> None:
 
 def check_this_machine(args, topology=None) -> None:
     """What the flags need of the machines the run starts on, not of the plan (`mappa plan` may run elsewhere)."""
-    # OpenRLHF imports without flash-attn (patches/flash_attn_stub.py), but flash attention needs its kernels, and
-    # ring attention ring-flash-attn's: refused here, not in every actor minutes later.
+    from openrlhf_mappa import placement
     from openrlhf_mappa.compat import cpu_mode
 
-    attention = args.ds.attn_implementation
-    kernel = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(attention)
-    if kernel and importlib.util.find_spec(kernel) is None:
-        raise SystemExit(f"--ds.attn_implementation {attention} needs flash-attn's kernels, and the module {kernel} "
-                         f"is not installed here: install flash-attn (`pip install flash-attn==2.8.3 "
-                         f"--no-build-isolation`, built for this torch and CUDA) or pass --ds.attn_implementation sdpa "
-                         f"(more memory at long contexts)")
-    from openrlhf_mappa.placement import agent_args
-
-    specs = topology.agents if topology else []  # each agent's ring: the flag, or its topology's ring_attn_size
-    ring = max([agent_args(args, spec).ds.ring_attn_size for spec in specs] or [args.ds.ring_attn_size])
-    if ring > 1 and importlib.util.find_spec("ring_flash_attn") is None:
-        raise SystemExit(f"--ds.ring_attn_size {ring} runs ring-flash-attn's kernels, and the module ring_flash_attn "
-                         f"is not installed here: `pip install ring_flash_attn` (it needs flash-attn)")
+    needed = placement.needed_modules(args, topology)
+    refusals = placement.module_refusals(needed, placement.broken_modules(needed), "here")
+    if refusals:
+        raise SystemExit("\n".join(refusals))
+    attention, ring = args.ds.attn_implementation, placement.ring_size(args, topology)
     if ring > 1 and "flash_attention" not in attention and not cpu_mode():
         # ring_flash_attn replaces flash attention's forward: under sdpa each rank would attend to its own slice.
         raise SystemExit(f"--ds.ring_attn_size {ring} replaces flash attention's kernel, which "
                          f"--ds.attn_implementation {attention} does not use: pass --ds.attn_implementation "
                          f"flash_attention_2")
-    if args.ds.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
-        raise SystemExit("--ds.load_in_4bit quantizes with bitsandbytes, and it is not installed here: "
-                         "`pip install bitsandbytes` (OpenRLHF lists it)")
-
     if args.mappa.colocate != "none" and args.vllm.sync_backend == "gloo" and not cpu_mode():
         # With gloo, OpenRLHF builds a PyNccl group between an actor rank and the engine on its own GPU, which NCCL
         # refuses (ppo_actor.py, distributed_util.py); nccl passes a colocated actor's weights by CUDA IPC.

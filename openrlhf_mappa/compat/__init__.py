@@ -46,6 +46,29 @@ def torch_build() -> tuple:
     return scope.get("cuda"), scope.get("hip")
 
 
+def toolkit_problem():
+    """Why DeepSpeed would refuse to compile its CPU ops that link CUDA (cpu_adam, for --ds.adam_offload) here: a
+    CUDA torch with no CUDA toolkit (nvcc), or with one whose version is not torch's beyond the minor versions
+    DeepSpeed accepts (its own assert_no_cuda_mismatch). None where it would compile, or where torch has no CUDA
+    (the op is built for CPU). For the doctor (doctor.cpu_adam); here, as the one module that names CUDA."""
+    cuda = torch_build()[0]
+    if not cuda:
+        return None
+    import torch.utils.cpp_extension
+    from deepspeed.ops.op_builder import builder
+
+    try:
+        builder.assert_no_cuda_mismatch("cpu_adam")
+    except builder.CUDAMismatchException:
+        system = ".".join(map(str, builder.installed_cuda_version()))
+        return (f"the system's CUDA {system} (nvcc in {torch.utils.cpp_extension.CUDA_HOME or 'CUDA_HOME'}) is not "
+                f"torch's {cuda}, and DeepSpeed compiles its ops only against a matching one: set CUDA_HOME to a CUDA "
+                f"{cuda.split('.')[0]} toolkit (or install one)")
+    except builder.MissingCUDAException as e:
+        return f"no CUDA toolkit to compile with ({e}): install CUDA {cuda}'s nvcc and set CUDA_HOME"
+    return None
+
+
 def refuse_outside_cpu_mode(patch_module: str) -> None:
     """Called at the top of every patch module that changes device or attention code. Outside CPU mode such a
     module arrives only by unpickling (Ray ships a driver's classes by value) as patched code about to run on
