@@ -20,9 +20,9 @@ PLAN_HELP = ("which GPU holds which agent's actor, reference and engines, and th
              "machine's GPUs; with no GPU here and no --mappa.gpu_memory_gib: the GPU counts, and the least GPU memory "
              "the plan needs); exit 1 when it does not fit")
 DOCTOR_HELP = ("the cluster self-check before a long job: takes the training command's flags, with --mappa.model a "
-               "small model; sends the coach one request, plans the recipe's own models on the cluster, starts the team "
-               "as planned, runs one step of each component and checks weight syncs, sleep, threads, host memory and "
-               "(with --ds.adam_offload) DeepSpeed's CPU Adam on each node; a table of checks, exit 1 on a failure")
+               "small model; sends the coach one request, plans the recipe's own models on the cluster, starts the "
+               "team as planned, runs one step of each component and checks weight syncs, sleep, threads, host memory "
+               "and (with --ds.adam_offload) DeepSpeed's CPU Adam on each node; a table of checks, exit 1 on a failure")
 
 
 def main(argv=None):

@@ -925,7 +925,8 @@ class Preflight:
         return ", ".join(f"{name}: {len(ts)}" for name, ts in self.eval_sets.items()) or "none (no --eval.dataset)"
 
     def environment(self):
-        self.topology.check_env(self.tasks + [t for ts in self.eval_sets.values() for t in ts], self.args.mappa.topology)
+        every_task = self.tasks + [t for ts in self.eval_sets.values() for t in ts]
+        self.topology.check_env(every_task, self.args.mappa.topology)
         check_eval_overlap(self.args, self.tasks, self.eval_sets)
         return f"env {self.topology.env!r} built on the first task of each type; no eval problem in training"
 
