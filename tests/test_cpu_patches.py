@@ -493,7 +493,8 @@ def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
     topology["agents"][1]["max_new_tokens"] = 64  # a per-agent value that wins over the flag: printed
     (tmp_path / "t.yaml").write_text(json.dumps(topology))  # YAML is a superset of JSON
     flags = ["--mappa.topology", str(tmp_path / "t.yaml"), "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1",
-             "--algo.kl.init_coef", "0", "--rollout.batch_size", "2", "--train.batch_size", "2"]
+             "--algo.kl.init_coef", "0", "--rollout.batch_size", "2", "--train.batch_size", "2",
+             "--ds.attn_implementation", "sdpa"]  # as every CPU run: flash-attn's kernels are on no node here
     ray_cli, port = os.path.join(os.path.dirname(sys.executable), "ray"), free_port()
     common = ["--block", "--num-gpus", "1", "--num-cpus", "2", f"--dashboard-agent-listen-port={free_port()}",
               "--disable-usage-stats"]

@@ -124,7 +124,8 @@ class TrainedCoach(Coach):
             cut = [r.truncated_at is not None for r in {id(j.request): j.request for j in judged}.values()]
             self.ask = strata_chances(self.reference_fraction, {True: sum(cut), False: len(cut) - sum(cut)})
         metrics = coach_rewards(judged, episodes, self.terms, self.bands) | judge_metrics(judged, price_in, price_out)
-        stale = [j.action for j in judged if now - j.action.versions[COACH_NAME] > most]
+        versions = [(j.action, j.action.versions.get(COACH_NAME)) for j in judged]  # None: not recorded
+        stale = [action for action, version in versions if version is not None and now - version > most]
         for action in stale:
             action.reward, action.stale = None, True
         metrics["coach/stale_left_out"] = len(stale)
