@@ -159,13 +159,12 @@ class PoolEngine(RolloutRayActor.__ray_actor_class__):
     # threads) would each pause and resume these engines, and the first to finish would lift the other's pause in
     # the middle of its sync. Engines pause at the first pauser and resume at the last; the lock keeps a second
     # pauser from going on before the first pause is done. (Ray runs an async actor's calls on one event loop.)
-    pausers = 0
-
-    @functools.cached_property
-    def pause_lock(self):
-        return asyncio.Lock()
+    # Made on first use, as `adapters`: Ray pickles the actor class, and a lock (or functools.cached_property's own,
+    # on Python 3.11) cannot be pickled.
+    pausers, pause_lock = 0, None
 
     async def pause_generation(self):
+        self.pause_lock = self.pause_lock or asyncio.Lock()
         async with self.pause_lock:
             self.pausers += 1
             if self.pausers == 1:

@@ -211,8 +211,11 @@ def test_two_agents_of_one_pool_syncing_at_once_keep_its_engines_paused():
     # sync starts while a's pause is under way and ends while a's adapter still loads: the engine must stay paused
     # through both loads, paused once and resumed once. The PoolEngine's own methods run on one event loop thread,
     # as Ray runs an async actor's calls; only the vLLM engine inside is a stand-in.
+    import ray.cloudpickle
+
     from openrlhf_mappa.agent_trainer import PoolEngine
 
+    ray.cloudpickle.dumps(PoolEngine)  # Ray must still be able to ship the actor class (a lock in it cannot be)
     b_done = threading.Event()
     engine = object.__new__(PoolEngine.__ray_actor_class__)  # its __init__ would start vLLM
     engine.llm = llm = PausableLLM(load_waits_for=b_done)
