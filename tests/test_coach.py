@@ -11,11 +11,12 @@ import socket
 import sqlite3
 import threading
 import time
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from openrlhf_mappa.coach import CoachRequest, build_coach, render_prompt
+from openrlhf_mappa.coach import CoachRequest, build_coach, openai_compat, render_prompt
 from openrlhf_mappa.coach.cache import VerdictCache
 from openrlhf_mappa.episode import Verdict
 from openrlhf_mappa.rollout import AgentPolicy
@@ -291,15 +292,25 @@ def test_openai_structured_output_forced_and_refused_is_api_error(server):
     assert v.score == 5.0 and "response_format" not in server.seen[-1]["body"]
 
 
-def test_openai_concurrency_and_rate_limits(server):
+def test_openai_concurrency_and_rate_limits(server, monkeypatch):
     server.reply, server.delay_s = {"content": "PROCESS_SCORE: 1"}, 0.2
     verdicts = score_all(server.url, [make_request(turn=i) for i in range(6)], max_concurrency=2)
     assert all(v.status == "ok" for v in verdicts) and server.max_in_flight == 2
     server.seen.clear()
     server.delay_s = 0.0
-    score_all(server.url, [make_request(turn=i) for i in range(4)], rpm=300)  # one start every 0.2 s
-    starts = sorted(r["t"] for r in server.seen)
-    assert starts[-1] - starts[0] >= 0.55
+    # The pacing read on a clock held still, its waits recorded rather than slept: each start takes the next slot,
+    # 60/rpm = 0.2 s after the one before, whatever this machine's speed (no duration is measured).
+    waits, sleep = [], asyncio.sleep
+    clock = types.SimpleNamespace(monotonic=lambda: 1000.0, perf_counter=time.perf_counter, time=time.time)
+
+    async def recorded(delay, *args):
+        waits.append(delay)
+        await sleep(0)
+
+    monkeypatch.setattr(openai_compat, "time", clock)
+    monkeypatch.setattr(openai_compat, "asyncio", types.SimpleNamespace(**dict(vars(asyncio), sleep=recorded)))
+    score_all(server.url, [make_request(turn=i) for i in range(4)], rpm=300)
+    assert sorted(waits) == pytest.approx([0.0, 0.2, 0.4, 0.6]) and len(server.seen) == 4
 
 
 def test_openai_mixed_faults_never_invent_a_score(server):
@@ -375,16 +386,24 @@ def test_verdict_cache_never_stores_failures(server, tmp_path):
 
 
 def test_verdict_cache_reaches_disk_while_the_run_goes_on(server, tmp_path):
-    # Verdicts are written in batches: without any close, a verdict is on disk within FLUSH_S seconds, so a
-    # run killed hard afterwards keeps it.
-    from openrlhf_mappa.coach.cache import FLUSH_S
-
+    # Verdicts are written in batches: without any close, a verdict reaches the disk by the flush scheduled FLUSH_S
+    # seconds after it, so a run killed hard afterwards keeps it.
     server.reply, path = {"content": "PROCESS_SCORE: 6"}, str(tmp_path / "cache.sqlite")
 
     async def run():
         coach = make_coach(server.url, cache_path=path)
+        # Awaits the flush the event loop schedules FLUSH_S after the verdict, then its write on the writer thread.
+        scheduled, flush = asyncio.get_running_loop().create_future(), coach.cache.flush
+
+        def first_flush_noted():
+            write = flush()
+            if not scheduled.done():
+                scheduled.set_result(write)
+            return write
+
+        coach.cache.flush = first_flush_noted
         await coach.score(make_request())
-        await asyncio.sleep(FLUSH_S + 0.5)
+        await asyncio.wrap_future(await asyncio.wait_for(scheduled, 60))
         rows = sqlite3.connect(path).execute("SELECT verdict FROM verdicts").fetchall()
         await coach.aclose()
         return rows

@@ -172,6 +172,7 @@ RAY_PROBE = """
 """
 
 
+@pytest.mark.e2e  # starts Ray (tests/README.md: every such test is e2e)
 def test_cpu_mode_off_ray_init_adds_no_gpus():
     f = facts_of(run_child(RAY_PROBE.format(extra=""), MAPPA_CPU_MODE="0", MAPPA_CPU_NUM_GPUS="3"))
     assert f["patches"] == ["ray_logical_gpus"]  # the wrapper is there (lazy) but passes through
@@ -179,12 +180,14 @@ def test_cpu_mode_off_ray_init_adds_no_gpus():
     assert f["kv_cache"] is None
 
 
+@pytest.mark.e2e  # starts Ray (tests/README.md: every such test is e2e)
 def test_cpu_mode_on_ray_init_gets_logical_gpus():
     f = facts_of(run_child(RAY_PROBE.format(extra=""), MAPPA_CPU_MODE="1", MAPPA_CPU_NUM_GPUS="3"))
     assert f["gpus"] == 3.0
     assert f["kv_cache"] == "1"
 
 
+@pytest.mark.e2e  # starts Ray (tests/README.md: every such test is e2e)
 def test_cpu_mode_on_ray_init_keeps_explicit_num_gpus():
     f = facts_of(run_child(RAY_PROBE.format(extra=", num_gpus=1"), MAPPA_CPU_MODE="1", MAPPA_CPU_NUM_GPUS="3"))
     assert f["gpus"] == 1.0
@@ -482,6 +485,7 @@ def test_ring_attention_on_two_ranks_matches_one_forward(tiny_model):
 # In a child process like the activation tests: a Ray driver left in the pytest process can crash it at exit.
 
 
+@pytest.mark.e2e  # starts Ray (tests/README.md: every such test is e2e)
 def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
     # Two nodes of 1 logical GPU each, as a user starts them (`ray start --head`, then `ray start --address` on the
     # other node; here both on 127.0.0.1). Two agents x (actor + engine) need 4 GPUs: refused. One shared policy
