@@ -2,8 +2,9 @@
 (against a hub on 127.0.0.1, a stand-in for huggingface.co, which cannot be reached here), flash-attn and the sync
 backend refused where they cannot work, the experience forwards of agents on GPUs of their own at once, checkpoints
 and HF exports rotated once a team checkpoint exists, the plan's refusal naming a placement other than the one
-asked for, and `mappa doctor`'s verdict on a weight sync. (Team engines starting one agent at a time: test_colocation_e2e.py; host memory in the
-plan: test_placement.py; actor threads and the doctor on a cluster: test_user_install.py.)"""
+asked for, and `mappa doctor`'s verdict on a weight sync. (Team engines starting one agent at a time:
+test_resume_e2e.py; host memory in the plan: test_placement.py; actor threads and the doctor on a cluster:
+test_user_install.py.)"""
 
 import asyncio
 import concurrent.futures
@@ -15,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from types import SimpleNamespace
 from unittest import mock
 
@@ -378,24 +378,28 @@ def test_ppo_ratio_rollout_trains_against_the_log_probs_of_the_weights_that_samp
 @pytest.mark.parametrize("scope", ["agent", "global"])
 def test_an_agent_trains_as_soon_as_its_own_verdicts_are_in(scope):
     # Agent c's verdict is still coming (the rollout's future not done): a and b update meanwhile, and c's verdict
-    # comes only once they have. A step that waited for every verdict first would never let them (the wait below
-    # times out, and c's update would come first or alone). With --mappa.norm_scope global the advantages need every
-    # agent's batch: nobody updates before c's verdict.
+    # comes only once they have. A step that waited for every verdict first would never let them. With
+    # --mappa.norm_scope global the advantages need every agent's batch: nobody updates before c's verdict. The
+    # team's agents in turn (a, b, then c): once a's and b's experiences are made, the step's next look at the
+    # rollout's future is c's wait, and what had trained by then is the step's doing alone, not a race.
     from openrlhf_mappa.episode import Verdict
 
-    episodes, trained = one_action_each(), []
+    episodes, trained, made_for = one_action_each(), [], []
     episodes[0].actions[2].verdict = None
-    trainer = team_trainer("none", lambda n, exps: exps, trained=trained)
+    trainer = team_trainer("team", lambda n, exps: (made_for.append(n), exps)[1], trained=trained)
     trainer.mappa.norm_scope = scope
-    complete = concurrent.futures.Future()
+    waiting = threading.Event()
 
-    def coach():  # c's verdict, once a and b have updated (or after a while): who had updated then
-        # 60 s: beside another test worker, a and b's first updates once took over 5 s (3 failures in 5 runs with a
-        # 5 s wait, the cause not traced); a step that waits for every verdict never gets there however long.
-        deadline = time.time() + (60 if scope == "agent" else 1)
-        while len(trained) < 2 and time.time() < deadline:
-            time.sleep(0.01)
-        before = sorted(trained)
+    class Rollout(concurrent.futures.Future):
+        def done(self):  # asked after a's and b's experiences are made: the step waits on c's verdict
+            if made_for == ["a", "b"]:
+                waiting.set()
+            return super().done()
+
+    complete = Rollout()
+
+    def coach():  # c's verdict, once the step waits on it: who had updated then (None: it never waited on it)
+        before = sorted(trained) if waiting.wait(60) else None
         episodes[0].actions[2].verdict = Verdict(3.0, "ok")
         complete.set_result(episodes)
         return before
