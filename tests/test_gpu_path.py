@@ -2,8 +2,9 @@
 (against a hub on 127.0.0.1, a stand-in for huggingface.co, which cannot be reached here), flash-attn and the sync
 backend refused where they cannot work, the experience forwards of agents on GPUs of their own at once, checkpoints
 and HF exports rotated once a team checkpoint exists, the plan's refusal naming a placement other than the one
-asked for, and `mappa doctor`'s verdict on a weight sync. (Team engines starting one agent at a time: test_colocation_e2e.py; host memory in the
-plan: test_placement.py; actor threads and the doctor on a cluster: test_user_install.py.)"""
+asked for, and `mappa doctor`'s verdicts: on a weight sync, and the doctor failed by each of its checks alone. (Team
+engines starting one agent at a time: test_resume_e2e.py; host memory in the plan: test_placement.py; actor threads
+and the doctor on a cluster: test_user_install.py.)"""
 
 import asyncio
 import concurrent.futures
@@ -15,13 +16,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, two_agent_mathchat
 from openrlhf_mappa import placement
 from openrlhf_mappa.placement import agent_args
 from openrlhf_mappa.cli.train_mappa_ray import check_this_machine, parse_args
@@ -378,24 +378,28 @@ def test_ppo_ratio_rollout_trains_against_the_log_probs_of_the_weights_that_samp
 @pytest.mark.parametrize("scope", ["agent", "global"])
 def test_an_agent_trains_as_soon_as_its_own_verdicts_are_in(scope):
     # Agent c's verdict is still coming (the rollout's future not done): a and b update meanwhile, and c's verdict
-    # comes only once they have. A step that waited for every verdict first would never let them (the wait below
-    # times out, and c's update would come first or alone). With --mappa.norm_scope global the advantages need every
-    # agent's batch: nobody updates before c's verdict.
+    # comes only once they have. A step that waited for every verdict first would never let them. With
+    # --mappa.norm_scope global the advantages need every agent's batch: nobody updates before c's verdict. The
+    # team's agents in turn (a, b, then c): once a's and b's experiences are made, the step's next look at the
+    # rollout's future is c's wait, and what had trained by then is the step's doing alone, not a race.
     from openrlhf_mappa.episode import Verdict
 
-    episodes, trained = one_action_each(), []
+    episodes, trained, made_for = one_action_each(), [], []
     episodes[0].actions[2].verdict = None
-    trainer = team_trainer("none", lambda n, exps: exps, trained=trained)
+    trainer = team_trainer("team", lambda n, exps: (made_for.append(n), exps)[1], trained=trained)
     trainer.mappa.norm_scope = scope
-    complete = concurrent.futures.Future()
+    waiting = threading.Event()
 
-    def coach():  # c's verdict, once a and b have updated (or after a while): who had updated then
-        # 60 s: beside another test worker, a and b's first updates once took over 5 s (3 failures in 5 runs with a
-        # 5 s wait, the cause not traced); a step that waits for every verdict never gets there however long.
-        deadline = time.time() + (60 if scope == "agent" else 1)
-        while len(trained) < 2 and time.time() < deadline:
-            time.sleep(0.01)
-        before = sorted(trained)
+    class Rollout(concurrent.futures.Future):
+        def done(self):  # asked after a's and b's experiences are made: the step waits on c's verdict
+            if made_for == ["a", "b"]:
+                waiting.set()
+            return super().done()
+
+    complete = Rollout()
+
+    def coach():  # c's verdict, once the step waits on it: who had updated then (None: it never waited on it)
+        before = sorted(trained) if waiting.wait(60) else None
         episodes[0].actions[2].verdict = Verdict(3.0, "ok")
         complete.set_result(episodes)
         return before
@@ -531,7 +535,7 @@ def test_token_budgets_give_every_rank_the_same_micro_batches_and_train_all_of_a
     assert len(sum(upstream["micro_batches"], [])) == len(lengths[0]) // executor.max_actions
 
 
-# ---------------------------------------------------------------- the doctor's sleep and offload checks
+# ---------------------------------------------------------------- the doctor's sleep and offload checks, its verdict
 # Stand-ins for what needs a GPU: the CUDA driver's memory query (torch's, patched to read the GPU of the process
 # asking) and what sleep and offload do to that GPU's memory. Everything else is the real code: the doctor's
 # sleep_checks, OpenRLHF's RayActorGroup.async_run_method and batch_vllm_engine_call, and Ray's calling shape
@@ -556,6 +560,12 @@ class EngineProcess(Process):
 
     def wake_up(self):
         self.used = 1.0 + self.share
+
+    def generate(self, ids, params):  # what the doctor's "generate" row reads: the tokens sampled
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * params.max_tokens)])
+
+    def generate_as(self, adapter, ids, params):  # a LoRA agent's request, with its adapter
+        return self.generate(ids, params)
 
 
 class ActorRank(Process):
@@ -614,13 +624,15 @@ def cluster(monkeypatch):
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def doctor_agent(handle, engine, ranks):
+def doctor_agent(handle, engine, ranks, name="solver", adapter=None):
     from openrlhf.trainer.ray.launcher import RayActorGroup
 
     group = RayActorGroup.__new__(RayActorGroup)  # the real class and its async_run_method; no Ray actors
     group._actor_handlers = [handle(r) for r in ranks]
     model = os.path.join(REPO, "tests", "fixtures", "qwen3-4b")
-    return SimpleNamespace(spec=SimpleNamespace(name="solver", model=model), engines=[handle(engine)], actor=group,
+    return SimpleNamespace(spec=SimpleNamespace(name=name, model=model), engines=[handle(engine)], actor=group,
+                           ref=None, trainer=SimpleNamespace(adapter=adapter),
+                           tokenizer=lambda text: {"input_ids": [1, 2, 3]},
                            args=SimpleNamespace(actor=SimpleNamespace(num_gpus_per_node=len(ranks))))
 
 
@@ -659,6 +671,75 @@ def test_the_doctors_offload_check_calls_every_actor_rank(cluster):
     assert row[:3] == ("offload frees memory", "solver", True), row
     assert f"actor rank 0: {states:.1f} GiB freed (gradients and Adam states: {states:.1f})" in row[3], row
     assert [r.used for r in ranks] == [10.0, 10.0]  # every rank reloaded and offloaded again
+
+
+S, V = "problem_solver", "verifier"  # conftest's two_agent_mathchat
+S0, V0 = [-1.0, -2.0, -0.5, -3.0], [-2.0, -1.0, -1.5, -0.2]  # their actors' log-probs of the probe before the step
+
+
+@pytest.mark.parametrize("fault", [None, "sync", "crossed", "nearer", "host memory", "sleep"])
+def test_each_of_the_doctors_checks_alone_fails_the_doctor(cluster, monkeypatch, tmp_path, fault):
+    # A check that always passed would go unseen unless a case fails on it alone. Each case breaks one thing: every
+    # other check passes, the doctor exits 1 and its table fails that check's row alone. Stand-ins for what
+    # needs GPUs and a Ray cluster: the processes and their GPU memory (the fixture), the team started (build_agents),
+    # the probe's log-probs (numbers as a GPU run gives them) and the one training step. The rest is the doctor's own.
+    import io
+
+    import ray
+    import torch
+
+    from openrlhf_mappa import doctor, launch
+    from openrlhf_mappa.console import console
+    from test_user_install import doctor_rows
+
+    row, why = {None: (None, None),  # the row that fails, and a part of its detail
+                "sync": (("weights synced", S), "engines vs its actor 0.4000 nats (max; bound 0.2000"),
+                "crossed": (("weights synced", S), "holds the weights of verifier"),
+                "nearer": (("weights synced", S), "an engine is nearer its actor's old weights"),
+                "host memory": (("host memory", "node 0"), " of 8.0 GiB (2 GPUs)"),
+                "sleep": (("sleep frees memory", S), "engine 0: 0.0 GiB freed")}[fault]
+    topology, tasks = two_agent_mathchat(tmp_path, 1)
+    args = parse_args(["--mappa.topology", topology, "--mappa.model", QWEN3_4B, "--data.prompt_dataset", tasks,
+                       "--mappa.colocate", "agent", "--vllm.enable_sleep", "--vllm.num_engines", "1",
+                       "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0", "--mappa.gpu_memory_gib", "79.6",
+                       "--mappa.host_memory_gib", "8" if fault == "host memory" else "1024",
+                       "--mappa.actor_threads", str(torch.get_num_threads())])
+    args.ds.load_in_4bit = fault == "nearer"  # QLoRA agents: 4-bit bases in the actors, the bf16 one in the engines
+    engines = {n: EngineProcess(79.6, args.vllm.gpu_memory_utilization) for n in (S, V)}
+    if fault == "sleep":
+        engines[S].sleep = lambda: None  # the solver's engine frees nothing when it sleeps
+    agents = [doctor_agent(cluster, engines[n], [ActorRank(79.6, 0.0, threading.Barrier(1))], n,
+                           n if args.ds.load_in_4bit else None) for n in (S, V)]
+
+    shift = lambda xs, by: [x + b for x, b in zip(xs, by)]
+    s1, v1 = shift(S0, [-0.4] * 4), shift(V0, [-0.4] * 4)  # each actor after its step
+    # Each engine 0.1 off its actor on one token (the kernels' noise, measured before the step): the bound is 0.2.
+    before = {"actor": {S: S0, V: V0}, "engines": {S: [shift(S0, [0.1, 0, 0, 0])], V: [shift(V0, [0, 0, 0.1, 0])]}}
+    after = {"actor": {S: s1, V: v1}, "engines": {S: [shift(s1, [0.1, 0, 0, 0])], V: [shift(v1, [0, 0, 0.1, 0])]}}
+    if fault == "sync":  # the solver's engine got all of its new weights but the last token's: 0.4 off there
+        after["engines"][S] = [shift(s1, [0.1, 0, 0, 0.4])]
+    elif fault == "crossed":  # the verifier's step took it within 0.04 nats of the solver's; the solver's engine got it
+        after["actor"][V] = shift(s1, [0.04] * 4)
+        after["engines"] = {S: [after["actor"][V]], V: [shift(s1, [0.06] * 4)]}
+    elif fault == "nearer":  # the bases 0.3 apart on one token (bound 0.02 + 1.5 x 0.3); the solver's engine a quarter
+        off = [0, 0, 0, 0.3]  # of the way to its new weights: within the bound of them, and nearer the old
+        after.update(base={S: S0, V: V0}, engine_base={S: shift(S0, off), V: shift(V0, off)},
+                     engines={S: [shift(S0, [-0.1] * 4)], V: [shift(v1, off)]})
+    after["engine"] = {n: e[0] for n, e in after["engines"].items()}
+    probes = iter([before, after])
+    monkeypatch.setattr(doctor, "probe", lambda agents: next(probes))
+    monkeypatch.setattr(doctor, "train_one_step", lambda ag, args: {"timing/ppo_train": 0.0, "timing/broadcast": 0.0})
+    monkeypatch.setattr(launch, "build_agents", lambda *a: agents)
+    monkeypatch.setattr(launch, "gpu_nodes", lambda: [("n0", 8)])
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # as the launch sets it in each actor
+    monkeypatch.setattr(console, "out", io.StringIO())
+    code = doctor.doctor(args, load_topology(topology, model_override=args.mappa.model))
+    table = console.out.getvalue()
+    rows = doctor_rows(table)
+    assert {key for key, (result, _) in rows.items() if result == "FAIL"} == ({row} if row else set()), table
+    assert code == (1 if row else 0) and f"checks, {1 if row else 0} failed" in table, table
+    assert why is None or why in rows[row][1], rows[row]
 
 
 # ---------------------------------------------------------------- the kernels on every GPU node (F7)
