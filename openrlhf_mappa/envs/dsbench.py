@@ -3,10 +3,10 @@
 its turns end on a reply without code (the authors' rule), or with `end_turn_on_files` once its files exist.
 
 A task row names its task directory as "answer" (satisfying `load_tasks` without an answer in a prompt): task.json,
-the public CSVs copied into the workspace (`workspace_files`: as the authors' sandbox, or all three kept), and the
-hidden answers/test_answer.csv, read only by the scorer. The
-coach gets the contract state and the submission's score, never the answers. A broken task directory or a bad
-submission is a status in the outcome, never an exception.
+the public CSVs copied into the workspace (`workspace_files`: stateless, the authors' sandbox, or persistent), and
+the hidden answers/test_answer.csv, read only by the scorer. The coach gets the contract state and the submission's
+score, never the answers. A broken task directory or a bad submission is a status in the outcome, never an
+exception.
 """
 
 import json
