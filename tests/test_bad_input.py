@@ -194,6 +194,11 @@ LAUNCHER = [
     case("env_kwargs sandbox_url not a URL", [],
          "env_kwargs sandbox_url must be the http(s) URL of a SandboxFusion service, "
          "got 'localhost:8080'", files={"t.yaml": topology(top="env_kwargs: {sandbox_url: 'localhost:8080'}\n")}),
+    case("dsbench workspace_files unknown", [],  # a contract for its one agent: the value is all that is wrong
+         "env 'dsbench' (env_kwargs: workspace_files, contract) cannot start task '1', the first of type '': "
+         "ValueError: env_kwargs workspace_files must be one of stateless, persistent, got 'stateful'",
+         files={"t.yaml": topology(env="dsbench", top="env_kwargs: {workspace_files: stateful, contract: {solver: "
+                                                      "[a.pkl]}}\n")}),
     case("relay goal missing", [], "ValueError: relay env: env_kwargs.goals has no goal for agent(s) ['solver']",
          files={"t.yaml": topology(env="relay", top="env_kwargs: {goals: {other: x}}\n")}),
     case("relay goal not a regex", [], "relay env: env_kwargs.goals['solver'] is not a regular expression: '[a-z'",

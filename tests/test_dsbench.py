@@ -19,8 +19,8 @@ from sklearn.preprocessing import MultiLabelBinarizer
 from conftest import MAPPA
 from openrlhf_mappa.coach import CoachRequest
 from openrlhf_mappa.coach.heuristic import HeuristicCoach
-from openrlhf_mappa.envs.dsbench import (METRICS, DSBenchEnv, detect_data_type, metric_value, relative_score,
-                                        score_submission)
+from openrlhf_mappa.envs.dsbench import (METRICS, PUBLIC_FILES, DSBenchEnv, detect_data_type, metric_value,
+                                        relative_score, score_submission)
 from openrlhf_mappa.envs.dsbench_tasks import import_tasks, infer_metric
 from openrlhf_mappa.envs.base import load_tasks
 from openrlhf_mappa.topology import load_topology
@@ -276,13 +276,16 @@ def play(env, replies: dict, coach=None, agents=None) -> dict:
 
 
 @pytest.mark.parametrize("task_id", ["sk-diabetes", "sk-breast-cancer"])
-@pytest.mark.parametrize("end_turn_on_files", [False, True])
-def test_scripted_team_passes_all_three_stages(pack, tmp_path, task_id, end_turn_on_files):
+# the settings of dsbench.yaml (the authors') and of dsbench_own_rubric.yaml
+@pytest.mark.parametrize("end_turn_on_files, workspace_files", [(False, "stateless"), (True, "persistent")])
+def test_scripted_team_passes_all_three_stages(pack, tmp_path, task_id, end_turn_on_files, workspace_files):
     task = pack[task_id]
     topology = load_topology(str(DSBENCH_YAML))
-    topology.env_kwargs = dict(topology.env_kwargs, end_turn_on_files=end_turn_on_files)
+    topology.env_kwargs = dict(topology.env_kwargs, end_turn_on_files=end_turn_on_files,
+                               workspace_files=workspace_files)
     env = topology.make_env(task, str(tmp_path / "ws"))
-    assert sorted(os.listdir(tmp_path / "ws")) == ["sample_submission.csv", "test.csv", "train.csv"]
+    task_files = ["test.csv", "train.csv"] if workspace_files == "stateless" else sorted(PUBLIC_FILES)
+    assert sorted(os.listdir(tmp_path / "ws")) == task_files
     meta = json.load(open(os.path.join(task["answer"], "task.json")))
     scores = play(env, closing(scripted_replies(task["type"], meta["metric"])), HeuristicCoach())
     out = env.outcome()
@@ -297,6 +300,53 @@ def test_scripted_team_passes_all_three_stages(pack, tmp_path, task_id, end_turn
     assert [h.agent for h in env.history] == [a for a in agents for _ in range(per_agent)]
     assert "test_answer.csv" not in str(sorted(os.listdir(tmp_path / "ws")))  # hidden answers stay hidden
     assert min(scores.values()) >= 7.0, scores
+    # the hand-offs are pickles, which the authors' stateless sandbox carries from agent to agent
+    assert sorted(os.listdir(tmp_path / "ws")) == sorted(task_files + [*env.contract["data_engineer"], "model.pkl",
+                                                                       "submission.csv"])
+
+
+# A code run that writes what agents' code does: a CSV, a text file, a directory (catboost writes one), each kind the
+# authors' workflow carries, and it overwrites train.csv and deletes test.csv.
+LISTING = 'import os\nprint(sorted(f for f in os.listdir() if not f.startswith("_mappa_code_")))  # (the code itself)'
+WRITES = f"""```python
+{LISTING}
+os.mkdir("catboost_info")
+open("catboost_info/log.txt", "w").write("x")
+for name in ("features.csv", "notes.txt", "X.pkl", "scaler.joblib", "a.npy", "b.npz", "submission.csv",
+             "predictions.csv"):
+    open(name, "w").write("x")
+open("train.csv", "w").write("overwritten")
+os.remove("test.csv")
+{LISTING}
+```"""
+WRITTEN = ["X.pkl", "a.npy", "b.npz", "catboost_info", "features.csv", "notes.txt", "predictions.csv", "scaler.joblib",
+           "submission.csv"]
+CARRIED = ["X.pkl", "a.npy", "b.npz", "predictions.csv", "scaler.joblib", "submission.csv"]
+
+
+@pytest.mark.parametrize("workspace_files", ["stateless", "persistent"])
+def test_what_the_next_code_run_finds(pack, tmp_path, workspace_files):
+    """stateless (dsbench.yaml): the authors' SandboxFusion starts every code run from the uploaded train.csv and
+    test.csv and the files their workflow fetched after earlier runs (pickles, joblib and numpy files, the
+    Analyst's submission.csv / predictions.csv); persistent (ours before) keeps what a run left, and
+    sample_submission.csv."""
+    task = pack["sk-diabetes"]
+    topology = load_topology(str(DSBENCH_YAML))
+    topology.env_kwargs = dict(topology.env_kwargs, workspace_files=workspace_files)
+    ws, (engineer, modeler, _) = tmp_path / "ws", topology.agents
+    env = topology.make_env(task, str(ws))
+    start = ["test.csv", "train.csv"] if workspace_files == "stateless" else sorted(PUBLIC_FILES)
+    assert sorted(os.listdir(ws)) == start
+    result = env.step(engineer, 0, WRITES)
+    assert result.feedback.stdout == f"{start}\n{sorted(set(start + WRITTEN) - {'test.csv'})}\n"  # saw all it wrote
+    look = env.step(modeler, 0, f"```python\n{LISTING}\n```")
+    if workspace_files == "stateless":
+        assert look.feedback.stdout == f"{sorted(CARRIED + ['test.csv', 'train.csv'])}\n"
+        for name in ("train.csv", "test.csv"):  # restored as the task gives them
+            assert (ws / name).read_bytes() == (Path(task["answer"]) / name).read_bytes()
+    else:
+        assert look.feedback.stdout == f"{sorted(set(start + WRITTEN) - {'test.csv'})}\n"
+        assert (ws / "train.csv").read_text() == "overwritten"
 
 
 def test_missing_upstream_artifact_is_blamed_upstream(pack, tmp_path):

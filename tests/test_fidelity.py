@@ -202,6 +202,26 @@ def turn_rule_of(topology, workdir: Path) -> str:
     return "on a reply without code" if env.step(agent, 1, "Done: the files are saved.").done else "never"
 
 
+def workspace_of(topology, workdir: Path) -> str:
+    """What a code agent's code finds in the workspace, by the environment's own step() on a one-row task: the task's
+    files at the start, and which of the files a code run wrote (or overwrote: train.csv) the next run finds."""
+    task_dir = workdir / "task"
+    (task_dir / "answers").mkdir(parents=True)
+    for name in ("train.csv", "test.csv", "sample_submission.csv", "answers/test_answer.csv"):
+        (task_dir / name).write_text("id,target\n1,0\n")
+    (task_dir / "task.json").write_text(json.dumps({"task_id": "t", "data_type": "classification", "metric": "accuracy",
+                                                    "id_column": "id", "target_columns": ["target"], "baseline": 0.5,
+                                                    "best": 1.0}))
+    env = topology.make_env({"id": "t", "prompt": "the task", "answer": str(task_dir)}, str(workdir / "ws"))
+    start = sorted(os.listdir(workdir / "ws"))
+    written = ["train.csv", "notes.txt", "features.csv", "X.pkl", "m.joblib", "a.npy", "b.npz", "submission.csv",
+               "predictions.csv"]
+    code = "\n".join(f"open({f!r}, 'w').write('x')" for f in written)
+    env.step(next(a for a in topology.agents if a.runs_code), 0, f"```python\n{code}\n```")
+    kept = [f for f in written if (workdir / "ws" / f).exists() and (workdir / "ws" / f).read_text() == "x"]
+    return f"starts with {', '.join(start)}; the next code run finds {', '.join(kept)} as the run left them"
+
+
 def whitening_of(args) -> str:
     """Over what the advantages are whitened, by rewards.compute_advantages on two agents' batches with the
     recipe's scope: each agent's returns to mean 0 on their own, or only the team's together."""
@@ -405,6 +425,11 @@ AUTHORS = {
         "prompt length": Authors(24576, f"{DS} prompt_max_len=24576", ours=16384, readme="batches, epochs"),
         "reward scale": Authors(1.0, "marti/worlds/workflows/dsbench_processor.py (raw 0-10)"),
         "code timeout (s)": Authors(60, f"{DSY} code_interpreter timeout: 60", ours=120, readme="code execution"),
+        "workspace files": Authors("starts with test.csv, train.csv; the next code run finds X.pkl, m.joblib, a.npy, "
+                                   "b.npz, submission.csv, predictions.csv as the run left them",
+                                   f"{DSW} L215-265 (train.csv, test.csv uploaded for every code run of a stateless "
+                                   "sandbox), L488-493, L658-663 (*.pkl, *.joblib, *.npy, *.npz fetched after it), "
+                                   "L863-866 (the Analyst's submission.csv, predictions.csv)"),
         "coach: stated output limit": Authors(set(), f"{DSY} (no length criterion)"),
         **per_agent(DSBENCH_AGENTS, "schedule length", [240] * 3, f"{BASE} load_dataset: 30 x (64 x 2 // 16 x 1)"),
         **per_agent(DSBENCH_AGENTS, "warm-up steps", [8] * 3, f"{ACTOR} ceil(240 x 0.03)"),
@@ -454,7 +479,8 @@ def render_recipe(name: str, tmp_path, script: Path = None, topology=None) -> di
         return render(args, topology, rows, MATHCHAT_COACH, MATHCHAT_PROMPTS, tmp_path)
     prompts = {name: {**facts_of, **DSBENCH_PROMPT_EXTRA} for name, facts_of in DSBENCH_PROMPTS.items()}
     tasks = dsbench_tasks_imported()
-    return {**render(args, topology, tasks["train"], DSBENCH_COACH, prompts, tmp_path), "eval tasks": tasks["eval"]}
+    return {**render(args, topology, tasks["train"], DSBENCH_COACH, prompts, tmp_path), "eval tasks": tasks["eval"],
+            "workspace files": workspace_of(topology, tmp_path / "workspace")}
 
 
 def departures(rendered: dict, table: dict) -> list:
@@ -527,6 +553,7 @@ MUTATIONS = [
      "view: {agents: [code_executor], actions: last, tool_output: false}", "view/verifier"),
     ("mathchat", "topology", "  code_timeout_s: 10", "  code_timeout_s: 30", "code timeout (s)"),  # a documented value
     ("dsbench", "topology", "  end_turn_on_files: false", "  end_turn_on_files: true", "turns end"),
+    ("dsbench", "topology", "  workspace_files: stateless", "  workspace_files: persistent", "workspace files"),
     ("dsbench", "topology", "[data_engineer, modeler], actions: last, strip_thinking: true, tool_output: false}",
      "[data_engineer, modeler], actions: last, strip_thinking: true}", "view/analyst"),
     ("dsbench", "topology", "0.65 to 0.75: 6;", "0.65 to 0.75: 7;", "coach criteria"),
@@ -664,6 +691,7 @@ def test_the_earlier_rubrics_stay_as_named_alternatives(name):
     assert [a.max_actions for a in own.agents] == [a.max_actions for a in shipped.agents]
     if name.startswith("dsbench"):
         assert own.env_kwargs["end_turn_on_files"] and not shipped.env_kwargs["end_turn_on_files"]
+        assert (own.env_kwargs["workspace_files"], shipped.env_kwargs["workspace_files"]) == ("persistent", "stateless")
 
 
 # ---------------------------------------------------------------- loss aggregation (item 2 of issue 26)

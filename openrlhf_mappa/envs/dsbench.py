@@ -3,14 +3,16 @@
 its turns end on a reply without code (the authors' rule), or with `end_turn_on_files` once its files exist.
 
 A task row names its task directory as "answer" (satisfying `load_tasks` without an answer in a prompt): task.json,
-the public CSVs copied into every workspace, and the hidden answers/test_answer.csv, read only by the scorer. The
-coach gets the contract state and the submission's score, never the answers. A broken task directory or a bad
-submission is a status in the outcome, never an exception.
+the public CSVs copied into the workspace (`workspace_files`: stateless, the authors' sandbox, or persistent), and
+the hidden answers/test_answer.csv, read only by the scorer. The coach gets the contract state and the submission's
+score, never the answers. A broken task directory or a bad submission is a status in the outcome, never an
+exception.
 """
 
 import json
 import os
 import shutil
+from fnmatch import fnmatchcase
 from functools import partial
 from typing import Callable, NamedTuple, Optional
 
@@ -24,6 +26,9 @@ from sklearn.metrics import (cohen_kappa_score, f1_score, log_loss, mean_absolut
 from openrlhf_mappa.envs.base import MultiAgentEnv
 
 PUBLIC_FILES = ("train.csv", "test.csv", "sample_submission.csv")
+UPLOADED = ("train.csv", "test.csv")  # what the authors upload for every code run (no sample_submission.csv)
+CARRIED = ("*.pkl", "*.joblib", "*.npy", "*.npz", "submission.csv", "predictions.csv")  # what their workflow fetches
+WORKSPACE_FILES = ("stateless", "persistent")
 ANSWER_FILE = os.path.join("answers", "test_answer.csv")
 SUBMISSION = "submission.csv"
 DEFAULT_CONTRACT = {"data_engineer": ["X_train.pkl", "y_train.pkl", "X_test.pkl"], "modeler": ["model.pkl"],
@@ -253,8 +258,12 @@ class DSBenchEnv(MultiAgentEnv):
     task_type = ""  # set per task: "regression" or "classification"
 
     def __init__(self, topology, task: dict, workspace: str, code_timeout_s: float = 120.0, contract: dict = None,
-                 end_turn_on_files: bool = False):
+                 end_turn_on_files: bool = False, workspace_files: str = "persistent"):
         super().__init__(topology, task, workspace, code_timeout_s)
+        if workspace_files not in WORKSPACE_FILES:
+            raise ValueError(f"env_kwargs workspace_files must be one of {', '.join(WORKSPACE_FILES)}, "
+                             f"got {workspace_files!r}")
+        self.stateless = workspace_files == "stateless"
         self.contract = DEFAULT_CONTRACT if contract is None else contract
         self.end_turn_on_files = end_turn_on_files
         names = [a.name for a in topology.agents]
@@ -265,16 +274,40 @@ class DSBenchEnv(MultiAgentEnv):
         self.task_type = task.get("type") or ""
         # A broken task must not end the run: the episode still plays out and its outcome says why.
         self.task_error = None
+        self.copied = {}  # task file -> (inode, size, mtime) of its copy: how a changed one is told
         try:
             self.task_type = load_task_dir(self.task_dir)["data_type"]
             os.makedirs(workspace, exist_ok=True)
-            for name in PUBLIC_FILES:
-                shutil.copyfile(os.path.join(self.task_dir, name), os.path.join(workspace, name))
+            self.copy_task_files()
         except (OSError, ValueError) as e:
             self.task_error = str(e)
 
+    def copy_task_files(self):
+        """Copy the task's files into the workspace, again where a code run removed or changed one."""
+        for name in UPLOADED if self.stateless else PUBLIC_FILES:
+            path = os.path.join(self.workspace, name)
+            st = os.lstat(path) if os.path.lexists(path) else None
+            if st and self.copied.get(name) == (st.st_ino, st.st_size, st.st_mtime_ns):
+                continue
+            if st:
+                os.remove(path)  # not written through: it may be a link the code made
+            shutil.copyfile(os.path.join(self.task_dir, name), path)
+            st = os.lstat(path)
+            self.copied[name] = (st.st_ino, st.st_size, st.st_mtime_ns)
+
     def step(self, agent, turn: int, response: str):
         result = super().step(agent, turn, response)
+        if self.stateless and result.feedback.ran and not self.task_error:
+            # The authors' SandboxFusion is stateless: each code run starts from the uploaded train.csv and test.csv
+            # and the files their workflow fetched after earlier runs (dsbench_workflow.py L215-265, L488-493,
+            # L658-663, L863-866); whatever else a run wrote is gone by the next one.
+            for name in os.listdir(self.workspace):
+                path = os.path.join(self.workspace, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                elif name not in UPLOADED and not any(fnmatchcase(name, p) for p in CARRIED):
+                    os.remove(path)
+            self.copy_task_files()
         own = self.contract.get(agent.name)
         if self.end_turn_on_files and result.feedback.ran and own and not self.missing(own):
             result.done = True  # its files exist: the next agent starts
