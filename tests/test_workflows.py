@@ -358,6 +358,46 @@ def test_an_agent_that_acted_twice_counts_at_its_oldest_version(tokenizer, tmp_p
         ("debater_a", 4), ("debater_b", None), ("debater_a", 5), ("debater_b", 4), ("judge", 4)]
 
 
+def test_versions_when_syncs_land_between_rounds_and_mid_generation(tokenizer, tmp_path):
+    # Weight syncs through the real gates, from threads as the trainer's, while debater_a's first generation is held
+    # open: first debater_b's (waiting, as without partial rollouts, for its round-0 generation to leave the gate),
+    # so it lands between b's rounds; then debater_a's, partial (wait=False), in the middle of that generation. The
+    # engines are Script's stand-ins (no model: what counts is the order, and an engine held open until a sync lands).
+    topology = load_topology(f"{REPO}/examples/configs/debate.yaml", model_override="tiny")
+    script = Script(tokenizer, {
+        "debater_a": ["A0: \\boxed{12}.", "A1: \\boxed{10}."], "debater_b": ["B0: \\boxed{10}.", "B1: \\boxed{10}."],
+        "judge": ["\\boxed{10}"],
+    })  # fmt: skip
+    a, b = (script.policies[name] for name in ("debater_a", "debater_b"))
+    a_generate, b_generate, b_returned = a.generate, b.generate, asyncio.Event()
+
+    def sync(gate, wait):  # the trainer's sync; no weights behind this gate, only its versions
+        with gate.sync(wait=wait):
+            pass
+
+    async def b_round_0_returns(prompt_ids):
+        out = await b_generate(prompt_ids)
+        b_returned.set()  # it entered the gate at version 0
+        return out
+
+    async def a_held_open(prompt_ids):
+        if not a.gate.log:  # its first generation, until both syncs have landed
+            await asyncio.wait_for(b_returned.wait(), 30)
+            await asyncio.wait_for(asyncio.to_thread(sync, b.gate, True), 30)
+            await asyncio.wait_for(asyncio.to_thread(sync, a.gate, False), 30)
+        return await a_generate(prompt_ids)
+
+    a.generate, b.generate = a_held_open, b_round_0_returns
+    episode, _ = play(topology, script, tmp_path)
+    # An action's own version is its agent's at the START of its generation (A0: 0, though it ended on 1), and
+    # every other agent's is the one that agent's actions recorded (their oldest), not its gate's now (both at 1).
+    assert [(x.agent, x.versions, x.version_end) for x in episode.actions] == [
+        ("debater_a", {"debater_a": 0}, 1), ("debater_b", {"debater_b": 0}, 0),
+        ("debater_a", {"debater_a": 1, "debater_b": 0}, 1), ("debater_b", {"debater_a": 0, "debater_b": 1}, 1),
+        ("judge", {"debater_a": 0, "debater_b": 0, "judge": 0}, 0)]  # fmt: skip
+    assert (a.gate.version, b.gate.version, [s["version"] for s in a.gate.log + b.gate.log]) == (1, 1, [1, 1])
+
+
 def test_a_weight_sync_waits_for_generations_in_flight_unless_partial():
     # The gate between an agent's generations (the rollout's event loop) and its weight syncs (a trainer thread):
     # a sync waits for the generation in flight, and a generation asked for meanwhile waits for the sync, so each is
