@@ -166,6 +166,8 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
 
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
+    syncs = [s for s in map(json.loads, open(run_dir / "syncs.jsonl")) if s["agent"] == "solver"]
+    assert [(s["step"], s["version"]) for s in syncs] == [(1, 1), (2, 2)]  # one sync per update, one version each
     checked = assert_documented_episodes(str(run_dir / "episodes.jsonl"))  # the documented record
     assert checked["episode"] == 8 and checked["verdict"] == checked["action"]
     steps = torch.load(tensors_path)  # the real experience tensors of every step: only the solver's
@@ -224,9 +226,18 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
         assert not len(fresh) or (fresh.abs().mean() < 0.05 and fresh.abs().max() < 0.5), (step, fresh.abs().mean())
         assert (step == 1) == (not len(stale)) and (step == 1 or stale.abs().mean() > 0.05), (step, lag)
         assert m["agent/solver/staleness_max"] == max(lag) and m["agent/solver/stale_left_out"] == 0
-        # partial rollouts: a sync paused the engine (vLLM's pause_generation, for real) rather than waiting; an
-        # action in flight across one would end on a later version than it began.
-        assert all(episodes[i]["actions"][j]["version_end"] >= step - 1 - k for (i, j), k in zip(rows[step, "solver"], lag))
+        # partial rollouts: a sync pauses the engine (vLLM's pause_generation, for real) rather than waiting, so an
+        # action in flight across one would end on a later version than it began (test_workflows makes that case;
+        # here both steps' episodes ended before the first sync, measured). The solver's versions, its two actions'
+        # starts and ends in order, lie within its syncs (syncs.jsonl) from those ended before the episode began to
+        # those begun before its agents were done; "mute", acting after both, records the solver's older start.
+        for ep in mine:
+            first, second, after = ep["actions"]
+            seen = [v for a in (first, second) for v in (a["versions"]["solver"], a["version_end"])]
+            began, done = ep["timings"]["start"], ep["timings"]["start"] + ep["timings"]["rollout_s"]
+            ended_before, begun_before = (sum(s[k] < t for s in syncs) for k, t in (("end", began), ("start", done)))
+            assert ended_before <= seen[0] and seen == sorted(seen) and seen[-1] <= begun_before, (step, seen)
+            assert after["versions"]["solver"] == seen[0] and set(after["versions"]) == set(AGENTS), after["versions"]
         d_N = torch.cat(d_BA)
         assert m["agent/solver/logprob_mismatch_abs"] == pytest.approx(d_N.abs().mean().item(), abs=1e-6)
         assert m["agent/solver/logprob_mismatch_kl"] == pytest.approx((d_N.exp() - 1 - d_N).mean().item(), abs=1e-6)

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -358,42 +359,117 @@ def test_an_agent_that_acted_twice_counts_at_its_oldest_version(tokenizer, tmp_p
         ("debater_a", 4), ("debater_b", None), ("debater_a", 5), ("debater_b", 4), ("judge", 4)]
 
 
-def test_a_weight_sync_waits_for_generations_in_flight_unless_partial():
-    # The gate between an agent's generations (the rollout's event loop) and its weight syncs (a trainer thread):
-    # a sync waits for the generation in flight, and a generation asked for meanwhile waits for the sync, so each is
-    # made by one version. With partial rollouts (wait=False) the sync lands at once: the generation in flight ends
-    # on the next version (its version_end), as a paused vLLM engine's would.
+def test_versions_when_syncs_land_between_rounds_and_mid_generation(tokenizer, tmp_path):
+    # Weight syncs through the real gates, from threads as the trainer's, while debater_a's first generation is held
+    # open: first debater_b's (waiting, as without partial rollouts, for its round-0 generation to leave the gate),
+    # so it lands between b's rounds; then debater_a's, partial (wait=False), in the middle of that generation. The
+    # engines are Script's stand-ins (no model: what counts is the order, and an engine held open until a sync lands).
+    topology = load_topology(f"{REPO}/examples/configs/debate.yaml", model_override="tiny")
+    script = Script(tokenizer, {
+        "debater_a": ["A0: \\boxed{12}.", "A1: \\boxed{10}."], "debater_b": ["B0: \\boxed{10}.", "B1: \\boxed{10}."],
+        "judge": ["\\boxed{10}"],
+    })  # fmt: skip
+    a, b = (script.policies[name] for name in ("debater_a", "debater_b"))
+    a_generate, b_generate, b_returned = a.generate, b.generate, asyncio.Event()
+
+    def sync(gate, wait):  # the trainer's sync; no weights behind this gate, only its versions
+        with gate.sync(wait=wait):
+            pass
+
+    async def b_round_0_returns(prompt_ids):
+        out = await b_generate(prompt_ids)
+        b_returned.set()  # it entered the gate at version 0
+        return out
+
+    async def a_held_open(prompt_ids):
+        if not a.gate.log:  # its first generation, until both syncs have landed
+            await asyncio.wait_for(b_returned.wait(), 30)
+            await asyncio.wait_for(asyncio.to_thread(sync, b.gate, True), 30)
+            await asyncio.wait_for(asyncio.to_thread(sync, a.gate, False), 30)
+        return await a_generate(prompt_ids)
+
+    a.generate, b.generate = a_held_open, b_round_0_returns
+    episode, _ = play(topology, script, tmp_path)
+    # An action's own version is its agent's at the START of its generation (A0: 0, though it ended on 1), and
+    # every other agent's is the one that agent's actions recorded (their oldest), not its gate's now (both at 1).
+    assert [(x.agent, x.versions, x.version_end) for x in episode.actions] == [
+        ("debater_a", {"debater_a": 0}, 1), ("debater_b", {"debater_b": 0}, 0),
+        ("debater_a", {"debater_a": 1, "debater_b": 0}, 1), ("debater_b", {"debater_a": 0, "debater_b": 1}, 1),
+        ("judge", {"debater_a": 0, "debater_b": 0, "judge": 0}, 0)]  # fmt: skip
+    assert (a.gate.version, b.gate.version, [s["version"] for s in a.gate.log + b.gate.log]) == (1, 1, [1, 1])
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_weight_sync_waits_for_generations_in_flight_unless_partial(partial, monkeypatch):
+    # The real AgentTrainer.broadcast_to_vllm (conftest's StandIn replaces it elsewhere) in a trainer thread, while a
+    # generation through AgentPolicy.sample and the trainer's gate is in flight on the rollout's event loop. Without
+    # partial rollouts the sync waits for it and holds a new one back until it ends; with them it pauses the engines,
+    # sends and resumes while that generation runs on, which ends on the new version. Stand-ins: the engines and the
+    # actor group (what send_weights sends through) are recorders and ray.get passes their values on: no vLLM or
+    # DeepSpeed runs, the point is the order of the calls against a generation held open until the sync has moved.
     import threading
-    import time
 
-    from openrlhf_mappa.rollout import SyncGate
+    import ray
 
-    async def scenario(wait):
-        gate = SyncGate()
-        start = await gate.enter()
+    from openrlhf_mappa.agent_trainer import AgentTrainer
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args
 
-        def syncing():
-            with gate.sync(wait=wait):
-                time.sleep(0.2)
+    partial_flag = ["--train.partial_rollout_enable"] if partial else []
+    args = parse_args(["--mappa.topology", "t.yaml", "--train.async_enable", *partial_flag])
+    calls, moved = [], threading.Event()
 
-        sync = threading.Thread(target=syncing)
-        sync.start()
-        while not gate.syncing:
-            await asyncio.sleep(0.001)
-        waiter = asyncio.ensure_future(gate.enter())  # a generation asked for while the sync is pending or running
-        deadline = time.time() + (0.5 if wait else 10)  # wait: the sync cannot begin; partial: it ends in 0.2 s
-        while gate.version == 0 and time.time() < deadline:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)  # a held-back generation polls the gate every 10 ms
-        in_flight_saw, held_back = gate.version, not waiter.done()
-        end = gate.leave()  # the first generation ends
-        second = await waiter
-        gate.leave()
-        await asyncio.to_thread(sync.join)
-        return start, in_flight_saw, held_back, end, second, [r["version"] for r in gate.log]
+    class Recorder:  # an engine (each method's .remote) and the actor group (async_run_method): logs the gate's state
+        def __getattr__(self, method):
+            return SimpleNamespace(remote=lambda *a, **kw: log(method))
 
-    # wait: no sync while the generation is in flight; the one asked for meanwhile starts on version 1.
-    assert asyncio.run(scenario(wait=True)) == (0, 0, True, 0, 1, [1])
-    # partial: the sync lands while the generation is in flight, which ends on version 1; the new one was held back
-    # only for the sync itself.
-    assert asyncio.run(scenario(wait=False)) == (0, 1, False, 1, 1, [1])
+        def async_run_method(self, method_name):
+            return [log(method_name)]
+
+    def log(what):
+        calls.append((what, gate.version, gate.active))
+        moved.set()
+
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    trainer = AgentTrainer(SimpleNamespace(args=args), Recorder(), None, [Recorder()], None)
+    gate, sync = trainer.gate, threading.Thread(target=trainer.broadcast_to_vllm)
+    # Where a sync starts to wait is in no record: the gate's own wait_for is logged there, and still does the wait.
+    wait_for = gate.cond.wait_for
+
+    def logged_wait_for(predicate):
+        log("sync waits")
+        return wait_for(predicate)
+
+    gate.cond.wait_for = logged_wait_for
+    policy = AgentPolicy(engines=[], tokenizer=None, max_new_tokens=8, max_len=64, gate=gate)
+    held_back = []
+
+    async def generate(prompt_ids):
+        log(f"generation {prompt_ids[0]} starts")
+        if prompt_ids == [1]:  # held open until the sync has waited or sent (partial: until it has ended)
+            sync.start()
+            if partial:
+                await asyncio.to_thread(sync.join, 30)
+            else:
+                assert await asyncio.to_thread(moved.wait, 30), "the sync neither waited nor sent"
+                held_back.append(asyncio.ensure_future(policy.sample([2])))  # asked for while the sync is pending
+                await asyncio.sleep(0)  # one pass of the loop: it asks the gate once
+            log("generation 1 ends")
+        return [7], False, [-0.5]
+
+    policy.generate = generate
+
+    async def scenario():
+        first = await policy.sample([1])
+        return [first] + [await asyncio.wait_for(g, 30) for g in held_back]
+
+    results = asyncio.run(scenario())
+    sync.join(timeout=30)
+    assert not sync.is_alive() and [s["version"] for s in gate.log] == [1] and gate.version == 1  # one sync, one more
+    if partial:  # (what, the gate's version, generations in the gate): paused, sent, resumed, then generation 1 ends
+        assert calls == [("generation 1 starts", 0, 1), ("pause_generation", 0, 1), ("broadcast_to_vllm", 0, 1),
+                         ("resume_generation", 0, 1), ("generation 1 ends", 1, 1)]
+        assert [r[1:] for r in results] == [(0, 1)]  # begun on version 0, ended on 1
+    else:  # the sync waited for generation 1 to leave the gate; generation 2, asked for meanwhile, began after it
+        assert calls == [("generation 1 starts", 0, 1), ("sync waits", 0, 1), ("generation 1 ends", 0, 1),
+                         ("broadcast_to_vllm", 0, 0), ("generation 2 starts", 1, 1)]
+        assert [r[1:] for r in results] == [(0, 0), (1, 1)]
