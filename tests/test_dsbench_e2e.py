@@ -181,7 +181,8 @@ def assert_async(episodes: list, syncs: list, metrics: list, bound: int = 1):
                                                                                    for s in mine), (ep["step"], a["agent"])
             assert a["version_end"] == v  # no partial rollout: a sync waits for the generation in flight
             earlier = [b for b in ep["actions"][:k] if b["agent"] != a["agent"] and b["round"] < a["round"]]
-            assert {b["agent"]: b["versions"][b["agent"]] for b in earlier} == {
+            # reversed: an agent that acted twice counts at its oldest version (rollout.py's rule)
+            assert {b["agent"]: b["versions"][b["agent"]] for b in reversed(earlier)} == {
                 j: u for j, u in a["versions"].items() if j != a["agent"]}
     stale = 0
     for m in metrics:
