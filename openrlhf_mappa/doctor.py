@@ -55,10 +55,10 @@ def probe(agents, text: str = PROBE) -> dict:
         if adapter:  # and the base it trains on, with the adapter off: its reference (when β > 0)
             base = ray.get(ag.actor.async_run_method_batch(**dict(forward, method_name="forward_base")))[0][0]
             out.setdefault("base", {})[ag.spec.name] = base.float().tolist()
-        ray.get([h.__ray_call__.remote(temperature, t) for h, t in zip(ag.actor._actor_handlers, was)])
             g = ray.get(ag.engines[0].generate.remote(ids, params))  # alone: no LoRA request batched with it
             out.setdefault("engine_base", {})[ag.spec.name] = [d[t].logprob
                                                                for t, d in zip(ids[1:], g.prompt_logprobs[1:])]
+        ray.get([h.__ray_call__.remote(temperature, t) for h, t in zip(ag.actor._actor_handlers, was)])
     return out
 
 
