@@ -279,7 +279,8 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
         assert m["agent/solver/logprob_mismatch_kl"] == pytest.approx((d_N.exp() - 1 - d_N).mean().item(), abs=1e-6)
         # OpenRLHF's correction, recomputed over the step's action tokens (--algo.advantage.is_correction_level
         # token, its default band [0.5, 5] in mask mode): vllm_kl is vLLM's log-probs minus the actor's, and a token
-        # is filtered where their ratio (the actor's over vLLM's) leaves the band.
+        # is filtered where their ratio (the actor's over vLLM's) leaves the band (measured: 0.104 and none at step 1,
+        # 0.279 and 1 token in 6 at step 2, one update behind).
         assert m["agent/solver/vllm_kl"] == pytest.approx(-d_N.mean().item(), abs=1e-5), (step, -d_N.mean())
         filtered_N = (d_N.exp() < 0.5) | (d_N.exp() > 5)
         assert m["agent/solver/is_filter_ratio"] == pytest.approx(filtered_N.float().mean().item(), abs=1e-6)
@@ -321,6 +322,7 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
         assert step == 2 or len(initial) == 8, (step, len(initial))
         if initial:
             sampled_N, raw_N = (torch.cat(d).abs() for d in zip(*initial))
+            # measured: 0.0015 and 0.0055 nats from the recomputed ones, 0.11-0.13 from the raw ones
             assert sampled_N.mean() < 0.01 and sampled_N.max() < 0.05, (step, sampled_N.mean(), sampled_N.max())
             assert raw_N.mean() > 0.05, (step, raw_N.mean())
         kl_abs = torch.cat([b["kl"][b["action_mask"].bool()].abs().flatten() for b in s["solver"]])
@@ -396,12 +398,13 @@ def test_tensor_parallel_agent_trains_on_split_layers_fed_alike(tmp_path, tiny_m
         assert gap.max() < 0.05 and gap.mean() < 0.01, (gap.max(), gap.mean())
     # --mappa.ppo_ratio rollout: PPO's old log-probs are vLLM's, so upstream's ppo_kl (old minus new over the action
     # tokens; new is the experience's own, as the step's one optimizer step comes after both micro-batches) is vLLM's
-    # minus the actor's: top-p's renormalization, 0.1 nats. With the actor's as old (trainer, the default) it is 0.
+    # minus the actor's: top-p's renormalization, 0.104 nats measured. With the actor's as old (trainer, the
+    # default) it is 0.
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     for step, m in enumerate(metrics, 1):
         d_N = torch.cat([(b["rollout_log_probs"].float() - b["action_log_probs"].float())[b["action_mask"].bool()]
                          for b in steps[step - 1]["problem_solver"]])
-        assert d_N.mean() > 0.05 and m["agent/problem_solver/ppo_kl"] == pytest.approx(d_N.mean().item(), abs=2e-3)
+        assert d_N.mean() > 0.05 and m["agent/problem_solver/ppo_kl"] == pytest.approx(d_N.mean().item(), abs=1e-4)
 
 
 @pytest.mark.e2e  # it starts a Ray cluster
