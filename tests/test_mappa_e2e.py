@@ -186,6 +186,15 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
     from test_openrlhf_cpu_e2e import hf_probe_logprobs
 
     init = {n: hf_probe_logprobs(models[n], probe) for n in AGENTS}
+    # Each actor rank, on its own (the probe's actor runs at temperature 1, as vLLM's prompt log-probs): its log-probs
+    # are a plain forward's of the agent's export, and it holds its own ZeRO-3 partition of it.
+    for n in AGENTS:
+        final = hf_probe_logprobs(str(tmp_path / "final" / n), probe)
+        for r, lp in enumerate(result["actor_ranks"][n]):
+            gap = (torch.tensor(lp) - final).abs()
+            assert gap.max() < 0.05 and gap.mean() < 0.01, (n, r, gap.max(), gap.mean())
+        assert_ranks_hold_their_parts(result["q_proj"][n], str(tmp_path / "final" / n))
+    assert len(result["q_proj"]["solver"]) == 2
     for n in AGENTS:
         others = [o for o in AGENTS if o != n]
         report = {k: round((engine[n] - v[k]).abs().max().item(), 4) for k, v in (("actor", actor), ("init", init)) for k in [n]}
@@ -196,15 +205,6 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
             assert (engine[n] - actor[o]).abs().mean() > 0.1, (n, o)
     # coached: trained, its weights moved away from the initial model
     assert (actor["solver"] - init["solver"]).abs().mean() > 0.1
-    # Each actor rank, on its own (the probe's actor runs at temperature 1, as vLLM's prompt log-probs): its log-probs
-    # are a plain forward's of the agent's export, and it holds its own ZeRO-3 partition of it.
-    for n in AGENTS:
-        final = hf_probe_logprobs(str(tmp_path / "final" / n), probe)
-        for r, lp in enumerate(result["actor_ranks"][n]):
-            gap = (torch.tensor(lp) - final).abs()
-            assert gap.max() < 0.05 and gap.mean() < 0.01, (n, r, gap.max(), gap.mean())
-        assert_ranks_hold_their_parts(result["q_proj"][n], str(tmp_path / "final" / n))
-    assert len(result["q_proj"]["solver"]) == 2
     # "mute" never had a score: no experience, not updated
     assert (actor["mute"] - init["mute"]).abs().max() < 0.02
     processes = json.load(open(run_dir / "processes.json"))
