@@ -46,6 +46,10 @@ def probe(agents, text: str = PROBE) -> dict:
         ranks = len(ag.actor._actor_handlers)  # one copy per data-parallel rank
         forward = dict(method_name="forward", sequences=[seq] * ranks, attention_mask=[torch.ones_like(seq)] * ranks,
                        action_mask=[torch.ones(1, len(ids) - 1, dtype=torch.bool)] * ranks)
+        # vLLM's prompt log-probs are the raw model's, while the actor divides its logits by --rollout.temperature:
+        # the actor is probed at temperature 1 (else at 0.7 a synced engine would seem to hold other weights)
+        temperature = lambda self, t=1.0: (self.actor.temperature, setattr(self.actor, "temperature", t))[0]
+        was = ray.get([h.__ray_call__.remote(temperature) for h in ag.actor._actor_handlers])
         per_rank = [r[0].float().tolist() for r in ray.get(ag.actor.async_run_method_batch(**forward))]
         out["actor"][ag.spec.name], out["actor_ranks"][ag.spec.name] = per_rank[0], per_rank
         if adapter:  # and the base it trains on, with the adapter off: its reference (when β > 0)
@@ -54,6 +58,7 @@ def probe(agents, text: str = PROBE) -> dict:
             g = ray.get(ag.engines[0].generate.remote(ids, params))  # alone: no LoRA request batched with it
             out.setdefault("engine_base", {})[ag.spec.name] = [d[t].logprob
                                                                for t, d in zip(ids[1:], g.prompt_logprobs[1:])]
+        ray.get([h.__ray_call__.remote(temperature, t) for h, t in zip(ag.actor._actor_handlers, was)])
     return out
 
 
