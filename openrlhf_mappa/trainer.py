@@ -352,14 +352,17 @@ class MappaTrainer:
     def count_optimizer_steps(self, made: dict) -> None:
         """Add the optimizer steps of each agent's update to its count (agent/<name>/optimizer_steps). OpenRLHF's
         actor steps once per --train.batch_size rows, per epoch; with --train.dynamic_batch_enable its replay buffer
-        takes at most a full rollout's rows per epoch (rollout batch x samples per prompt)."""
+        takes at most the rows it was planned for per epoch: rollout batch x samples per prompt x the agent's most
+        actions an episode (launch.actor_args)."""
         train, rollout = self.args.train, self.args.rollout
+        specs = {ag.spec.name: ag.spec for ag in self.trainees}
         for name, m in made.items():
             if "status" not in m:  # no update
                 continue
             steps = len(m["kept"]) // train.batch_size
             if train.dynamic_batch_enable:
-                steps = min(steps, rollout.batch_size * rollout.n_samples_per_prompt // train.batch_size)
+                most = self.topology.most_actions(specs[name], self.mappa.shared_policy)
+                steps = min(steps, rollout.batch_size * rollout.n_samples_per_prompt * most // train.batch_size)
             self.optimizer_steps[name] += steps * train.max_epochs
 
     def verdicts_in(self, name: str, episodes: list, complete) -> None:

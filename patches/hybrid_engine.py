@@ -14,9 +14,11 @@ are no-ops; an actor's sync backend is gloo (the broadcast over patches/gloo_wei
 colocation). Since nothing on CPU would fail if these calls came in the wrong order, with MAPPA_CALL_LOG set each
 engine's start-up (`__init__`: vLLM's profiling) / sleep / wake_up / generate and each actor's offload / reload /
 training appends a JSON line to that file as it begins and another as it ends (pid, a call id, which model; the
-end line its start and end time), from the process that runs it. Appended by every process to one file, the
-lines' order is the order things happened in, whatever each process's clock says: a test checks from it the
-order a GPU needs (tests/test_colocation_e2e.py) and which calls were in flight together.
+end line its start and end time, and a training's the actor's plan of micro-batches under token budgets), from the
+process that runs it. Appended by every process to one file, the lines' order is the order things happened in,
+whatever each process's clock says: a test checks from it the order a GPU needs (tests/test_resume_e2e.py) and
+which calls were in flight together, and that the actor planned to train every row it was given
+(tests/test_debate_e2e.py).
 """
 
 import functools
@@ -55,13 +57,13 @@ def logged_async(method, event: str):
     return wrapper
 
 
-def logged(method, event: str, model_of):
+def logged(method, event: str, model_of, extra=lambda self: {}):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         call, t0 = next(_calls), time.time()
         log_call(event, model_of(self), call, begin=True)
         out = method(self, *args, **kwargs)
-        log_call(event, model_of(self), call, t0=t0, t1=time.time())
+        log_call(event, model_of(self), call, t0=t0, t1=time.time(), **extra(self))
         return out
 
     return wrapper
@@ -84,7 +86,18 @@ def apply(module):
     actor = module.PolicyModelActor.__ray_metadata__.modified_class
     actor.offload_states = logged(lambda self: None, "offload", model)
     actor.reload_states = logged(lambda self: None, "reload", model)
-    actor.fit = logged(actor.fit, "train", model)
+    # Token budgets: the train call's end line carries the actor's own plan, the rows of each micro-batch (by their
+    # lengths) as upstream's setup_dynamic_batch split them and ppo_train then trained them, so that a test can
+    # find every row of the agent's batch in it: an actor planning for fewer rows trains part of them.
+    setup = module.NaiveReplayBuffer.setup_dynamic_batch
+
+    def planned(self, strategy):
+        setup(self, strategy)
+        self.plan = [[int(self.items[i].total_length) for i in mb] for mb in self.dynamic_indices]
+
+    module.NaiveReplayBuffer.setup_dynamic_batch = planned
+    plan = lambda self: {"plan": getattr(self.trainer.replay_buffer, "plan", None)}
+    actor.fit = logged(actor.fit, "train", model, plan)
     init = module.ActorPPOTrainer.__init__
 
     @functools.wraps(init)

@@ -447,14 +447,16 @@ def hybrid_engine_timeline(call_log: str, processes_json: str) -> dict:
     rank from a reload of its DeepSpeed states to the next offload, `train`, `generate`, `sleep` and `init` (an
     engine's start-up) spans of the calls themselves. A span is (first, last) line number in the log: appended by
     every process to one file, the lines' order is the order of events, no clock needed. A span still open at the
-    log's end runs to infinity."""
+    log's end runs to infinity. And `plans`, one per training that ended: the actor's micro-batches under token
+    budgets, each the lengths of its rows (None without budgets)."""
     names = {pid: key.split("/")[0] for key, pid in json.load(open(processes_json)).items()}
     out, begun, opened = {}, {}, {}
     kinds = {"wake_up": "awake", "sleep": "awake", "reload": "loaded", "offload": "loaded"}
     calls = {"train": "train", "generate": "generate", "sleep": "sleep", "__init__": "init"}
     for n, c in enumerate(json.loads(line) for line in open(call_log)):
         pid, event, kind = c["pid"], c["event"], kinds.get(c["event"])
-        agent = out.setdefault(names[pid], {k: [] for k in ("awake", "loaded", "train", "generate", "init", "sleep")})
+        agent = out.setdefault(names[pid], {k: [] for k in ("awake", "loaded", "train", "generate", "init", "sleep",
+                                                            "plans")})
         if c.get("begin"):
             begun[pid, c["call"]] = (names[pid], event, n)
             if event in ("wake_up", "reload"):  # a second wake_up (the KV cache after the weights) extends the span
@@ -463,6 +465,8 @@ def hybrid_engine_timeline(call_log: str, processes_json: str) -> dict:
         first = begun.pop((pid, c["call"]))[2]
         if event in calls:
             agent[calls[event]].append((first, n))
+        if event == "train":
+            agent["plans"].append(c["plan"])
         if event in ("sleep", "offload") and (pid, kind) in opened:
             agent[kind].append((opened.pop((pid, kind)), n))
     for name, event, first in begun.values():  # calls that never ended

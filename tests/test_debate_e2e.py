@@ -14,12 +14,16 @@ the row's mean advantage recorded for that action, and every action with a rewar
 debater trained both of its rounds' actions of every episode. With token budgets (--train.dynamic_batch_enable,
 1,000 tokens), each agent's experiences came in as many micro-batches as OpenRLHF's first-fit count of their lengths.
 
-From the hybrid engine's call log (patches/hybrid_engine.py, see test_colocation_e2e; in the log's order of
+From the hybrid engine's call log (patches/hybrid_engine.py, see test_resume_e2e; in the log's order of
 events, not by any clock): no agent's engine was awake while its own actor trained, no actor was loaded while
-any engine generated, and the agents, on GPUs of their own, were in training at the same time. After the sync
-each agent's engine holds its actor's weights, which moved.
+any engine generated, and the agents, on GPUs of their own, were in training at the same time. Each actor's own
+plan under the budget (upstream's setup_dynamic_batch, its train line in the log) holds every row of its agent's
+batch once, each train batch in its first-fit count of micro-batches, and the optimizer steps the metrics count
+(a debater's actor planned for one action an episode would train half its rows). After the sync each agent's
+engine holds its actor's weights, which moved.
 """
 
+import itertools
 import json
 import os
 import re
@@ -139,6 +143,18 @@ def test_debate_pipeline_trains_every_round_of_every_agent_on_its_own(tmp_path, 
     # On GPUs of their own, the agents trained at once: one agent's training began (its line in the log) before
     # another's ended, and the other's began before the first's ended.
     assert overlaps(trains[:1], trains[1:]), trains
+    # What each actor trained, from its own plan (the metrics count the rows handed over, trained or not): every row
+    # of its batch in one micro-batch; each train batch of 4 rows (the script's --train.batch_size), whole, in as
+    # many micro-batches as the first-fit count of its lengths; one optimizer step per train batch.
+    for name in AGENTS:
+        (plan,) = timeline[name]["plans"]
+        assert plan is not None and sorted(sum(plan, [])) == sorted(lengths[name]), (name, plan, lengths[name])
+        ends = list(itertools.accumulate(map(len, plan)))  # rows planned up to each micro-batch's end
+        assert set(range(4, len(lengths[name]) + 1, 4)) <= set(ends), (name, plan)
+        for start in range(0, len(lengths[name]), 4):
+            batch = [mb for mb, end in zip(plan, ends) if start < end <= start + 4]
+            assert len(batch) == get_minimum_num_micro_batch_size(sum(batch, []), BUDGET, 1, 1), (name, plan)
+        assert metrics[f"agent/{name}/optimizer_steps"] == len(lengths[name]) // 4, name
 
     from test_openrlhf_cpu_e2e import hf_probe_logprobs
 
