@@ -364,8 +364,9 @@ def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path,
     _, default = built()
     _, flagged = built("--mappa.coach.reference_fraction", "0.6", "--mappa.coach.held_out_fraction", "0.5",
                        "--train.seed", "7")
-    assert [default.draws(r)[:2] for r in requests] == drawn(42, 0.25, 0.2)
-    assert [flagged.draws(r)[:2] for r in requests] == drawn(7, 0.6, 0.5) != drawn(42, 0.6, 0.5)
+    differ = lambda coach, expected: [r.episode_id for r, e in zip(requests, expected) if coach.draws(r)[:2] != e]
+    assert differ(default, drawn(42, 0.25, 0.2)) == [] and differ(flagged, drawn(7, 0.6, 0.5)) == []
+    assert differ(flagged, drawn(42, 0.6, 0.5))  # the seed chooses which actions
 
     # --mappa.coach.reference_draw stratified: after a step of 9 cut-off actions and 1 ended one, the ended kind is
     # asked surely and the cut-off at 1.5 / 9 (the fraction's 2.5 of 10); uniform draws keep the fraction.
@@ -447,12 +448,18 @@ def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path,
 @pytest.mark.e2e
 def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model):
     """The relay team, 3 steps of 2 tasks x 2 samples, coached by a random-init tiny model on a logical GPU of its
-    own (actor and engine), the heuristic coach its reference on half the actions. From the run's records: every
-    verdict carries the coach's weight version (step t's: t - 1, one update a step), the reference judged exactly the
-    actions its draws chose, each term of the coach's reward is logged and recomputed from the verdicts, the coach
-    trained every step, and its exported weights differ from the ones it started with."""
+    own (actor and engine), the heuristic coach its reference on half the actions, trained asynchronously with
+    partial rollouts (step 2 is generated and judged beside step 1) and --mappa.max_staleness 0. From the run's
+    records: the reference judged exactly the actions its draws chose; each term of the coach's reward and its
+    held-out agreement are recomputed from the verdicts; every verdict's coach version lies between the coach's
+    versions when its step's rollout began and when it trained, and an action is left out exactly when its own
+    or its coach's version is behind at that step's training (syncs.jsonl), for the agents and for the coach alike,
+    the step's staleness metrics and trained rows recomputed; its exported weights differ from the ones it
+    started with."""
     import torch
     from safetensors.torch import load_file
+
+    from openrlhf_mappa.coach.audit import pearson
 
     run_dir, final = tmp_path / "run", tmp_path / "final"
     argv = ["--mappa.topology", os.path.join(REPO, "examples", "configs", "relay.yaml"), "--mappa.model", tiny_model,
@@ -463,6 +470,9 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
             "--mappa.coach.kind", "trained", "--mappa.coach.model", tiny_model, "--mappa.coach.max_tokens", "6",
             "--mappa.coach.reference_fraction", "0.5", "--mappa.coach.held_out_fraction", "0.25",
             "--mappa.coach.on_failure", "neutral",  # the agents train on the steps a random coach gives no score
+            # Issue 51: a trained coach never ran asynchronously. Bound 0: a verdict one coach update old is left out
+            # by the agents and by the coach (its own action), so both sides of the rule are exercised.
+            "--train.async_enable", "--train.partial_rollout_enable", "--mappa.max_staleness", "0",
             "--ckpt.path", str(tmp_path / "ckpt"), "--ckpt.output_dir", str(final)]  # fmt: skip
     proc = run_training([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], tmp_path / "train",
                         timeout=1200, cwd=tmp_path, env=local_cluster_env(8))
@@ -471,25 +481,31 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
 
     episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    syncs = [json.loads(line) for line in open(run_dir / "syncs.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2, 3] and len(episodes) == 12
+    # Each trainee's version when step `step` trained: the syncs of the steps before (each update ends with one).
+    now = lambda agent, step: sum(s["agent"] == agent and s["step"] < step for s in syncs)
     coach = TrainedCoach("", "PROCESS_SCORE", None, 0.5, 0.25, (), seed=42)
+    held_out_n, coach_stale = 0, 0
     for m in metrics:
         step = m["step"]
         acted = [(ep, a) for ep in episodes if ep["step"] == step for a in ep["actions"]]
         verdicts = [a["verdict"] for _, a in acted]
         assert len(verdicts) == 12 and {v["coach"] for v in verdicts} == {"trained"}
-        assert {v["version"] for v in verdicts} == {step - 1}  # the coach's weights that judged: one update a step
         for ep, a in acted:  # the reference was asked about the actions drawn for it, and only those
             request = CoachRequest(ep["episode_id"], a["agent"], a["turn"], "", "", "", "", "", "")
             asked, held_out, _ = coach.draws(request)
             assert (a["verdict"]["reference"] is not None) == asked
             if asked:
                 assert a["verdict"]["reference"]["held_out"] == held_out and a["verdict"]["reference"]["status"] == "ok"
+                assert a["verdict"]["reference"]["p"] == 0.5  # uniform draws
         refs = [v["reference"] for v in verdicts if v["reference"]]
         assert m["coach/reference_requests"] == len(refs) and m["coach/reference_share"] == len(refs) / 12
         # Each term, recomputed from the verdicts (a trained coach's rationale is its reply): format +1, or -3 plus
         # half the reply's share of digits; agreement on the referenced, not held out ones, each weighted by
-        # n / (B n_b) for the reference's score band (5 bands of width 2 by default).
+        # n / (B n_b) for the reference's score band (5 bands of width 2 by default); outcome on the final
+        # agent's valid verdicts, 1 - 2|s/10 - success|. The coach's stale verdicts count too (it never trains
+        # on them, but they judged the same actions).
         valid = [v for v in verdicts if v["score"] is not None]
         digits = lambda text: sum(ch.isdigit() for ch in text) / max(1, len(text))
         formats = [1.0 if v["score"] is not None else -3 + digits(v["rationale"]) / 2 for v in verdicts]
@@ -502,14 +518,51 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
         assert m["coach/term_agreement_n"] == len(agree)
         assert m["coach/term_agreement"] == (pytest.approx(sum(agree) / len(agree)) if agree else None)
         finals = [1 - 2 * abs(a["verdict"]["score"] / 10 - ep["outcome"]["success"]) for ep, a in acted
-                  if a["agent"] == "code" and a["verdict"]["score"] is not None]
+                  if a["agent"] == "code" and a["verdict"]["score"] is not None and not ep["env_error"]]
         assert m["coach/term_outcome_n"] == len(finals)
-        assert m["coach/term_bias_n"] == 0 and "coach/term_bias" in m  # the relay has one task type
+        assert m["coach/term_outcome"] == (pytest.approx(sum(finals) / len(finals)) if finals else None)
+        assert m["coach/term_bias_n"] == 0 and m["coach/term_bias"] is None  # the relay has one task type
         assert m["coach/parse_error_rate"] == pytest.approx(1 - len(valid) / 12)
-        assert "coach/heldout_agreement" in m
-        assert (m["agent/coach/trained_actions"], m["agent/coach/updated"]) == (12, 1)  # every verdict, each step
-    syncs = [json.loads(line) for line in open(run_dir / "syncs.jsonl")]
-    assert sorted(s["version"] for s in syncs if s["agent"] == "coach") == [1, 2, 3]
+        # Held-out agreement: 1 - |s - s_ref|/10 (0 for a reply with no score), each weighted 1/p.
+        held = [v for v in verdicts if v["reference"] and v["reference"]["held_out"]]
+        weights = [1 / v["reference"]["p"] for v in held]
+        agreed = [0.0 if v["score"] is None else 1 - abs(v["score"] - v["reference"]["score"]) / 10 for v in held]
+        assert m["coach/heldout_n"] == len(held)
+        assert m["coach/heldout_agreement"] == (
+            pytest.approx(sum(a * w for a, w in zip(agreed, weights)) / sum(weights)) if held else None)
+        scored = [(v["score"], v["reference"]["score"]) for v in held if v["score"] is not None]
+        correlation = pearson(scored)  # None where undefined: fewer than 2 pairs, or a constant side
+        assert m["coach/heldout_correlation"] == (None if correlation is None else pytest.approx(correlation))
+        held_out_n += len(held)
+
+        # Async: step t's rollout began once step t - 2 had trained, so each verdict's coach version lies between
+        # the coach's version then and at step t's training (its syncs before step t).
+        lo, hi = now("coach", step - 1), now("coach", step)
+        assert all(lo <= v["version"] <= hi for v in verdicts), (step, lo, hi, [v["version"] for v in verdicts])
+        # Bound 0: an action is left out when any version it records (its own agent's, or one whose output it
+        # saw) or its verdict's coach version is behind that trainee's version at the step's training.
+        fresh = {}
+        for ep, a in acted:
+            behind = max([now(name, step) - v for name, v in a["versions"].items()] + [0])
+            coach_behind = now("coach", step) - a["verdict"]["version"]
+            assert a["stale"] == (behind > 0 or coach_behind > 0), (step, a["agent"], a["versions"], a["verdict"])
+            assert not a["stale"] or a["reward"] is None
+            fresh.setdefault(a["agent"], []).append(not a["stale"])
+            coach_stale += coach_behind > 0
+            fresh.setdefault("coach", []).append(coach_behind == 0)
+        for name, kept in fresh.items():  # a train batch of 4: floor(n / 4) * 4 of the n fresh rows train
+            p = f"agent/{name}/"
+            assert (m[p + "trained_actions"], m[p + "updated"]) == (sum(kept) // 4 * 4, int(sum(kept) >= 4)), name
+            if name == "coach":
+                assert m["coach/stale_left_out"] == len(kept) - sum(kept)
+                continue
+            lag = [now(name, step) - a["versions"][name] for _, a in acted if a["agent"] == name]
+            assert (m[p + "staleness_max"], m[p + "stale_left_out"]) == (max(lag), len(kept) - sum(kept)), name
+            assert m[p + "staleness_mean"] == pytest.approx(sum(lag) / len(lag))
+    # Step 2's rollout began with step 1's, before any update: its first verdicts are one coach version behind.
+    assert coach_stale > 0 and held_out_n > 0
+    updates = sum(m["agent/coach/updated"] for m in metrics)
+    assert sorted(s["version"] for s in syncs if s["agent"] == "coach") == list(range(1, updates + 1))
     start = load_file(os.path.join(tiny_model, "model.safetensors"))
     end = load_file(final / "coach" / "model.safetensors")
     moved = [k for k in start if not torch.equal(start[k].float(), end[k].float())]
