@@ -20,7 +20,6 @@ import ray
 from tqdm import tqdm
 
 from openrlhf_mappa import resume, rewards
-from openrlhf_mappa.coach import trained
 from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, coach_step_metrics
 from openrlhf_mappa.console import console, step_line
 from openrlhf_mappa.evaluation import NoCoach, coach_cost, evaluate, format_table, summarize, train_overlap
@@ -270,7 +269,7 @@ class MappaTrainer:
                                {**counts, "staleness": lags, "optimizer_steps": self.optimizer_steps}, kl_coef)
         metrics.update(coach_metrics)
         if self.coach_agent:  # the safeguard: a trained coach's agreement with its reference, held out
-            self.stalled = self.stalled or trained.agreement_stop(step, metrics, c.min_agreement, c.agreement_warmup)
+            self.stalled = self.stalled or self.coach.agreement_stop(step, metrics)
         # The agents' phases overlap (each starts when its verdicts are in): each phase's time is the slowest
         # agent's, or on the team's shared GPUs, where they take turns, the sum of all.
         total = sum if self.mappa.colocate == "team" else lambda ts: max(ts, default=0.0)
@@ -288,13 +287,15 @@ class MappaTrainer:
         as soon as its own verdicts are in, so that only the last waits on the last ones; with --mappa.norm_scope
         global, whose advantages are whitened over the whole team's batches, all experiences come first."""
         algo, c, t_start = self.args.algo, self.mappa.coach, time.time()
+        # A trained coach's version before its update of this step: the agents and the coach judge its verdicts'
+        # staleness by the same one (read later in an agent's thread, it could be the one that update made).
+        coach_now = self.coach_agent.trainer.gate.version if self.coach_agent else None
 
         def prepare(ag) -> dict:
             name, terms = ag.spec.name, {}
             if ag is self.coach_agent:  # its verdicts' own actions, once all are in, rewarded by its terms
                 concurrent.futures.wait([complete])
-                t0, (mine, terms) = time.time(), self.coach.rewarded(episodes, c.price_in, c.price_out,
-                                                                     ag.trainer.gate.version, self.bound)
+                t0, (mine, terms) = time.time(), self.coach.rewarded(episodes, coach_now, self.bound)
                 counts = {**rewards.merge_counts([]), "trainable": sum(a.reward is not None for a in mine)}
             else:
                 self.verdicts_in(name, episodes, complete)
@@ -303,7 +304,7 @@ class MappaTrainer:
                        for ep in episodes]  # the same Action objects: rewards land on the step's records
                 mine = [a for ep in own for a in ep.actions]
                 if self.coach_agent:  # never a verdict from a coach more than the bound behind
-                    trained.stale_verdicts(mine, self.coach_agent.trainer.gate.version, self.bound, c.warmup_steps)
+                    self.coach.stale_verdicts(mine, coach_now, self.bound)
                 counts = rewards.assign_rewards(
                     own, self.mappa.reward, c.on_failure, c.neutral_score, self.topology.reward_scale,
                     self.mappa.train_truncated, c.standardize_task_type, self.mappa.norm_scope,

@@ -12,20 +12,19 @@ import pytest
 from conftest import REPO, TINY_RUN_FLAGS, local_cluster_env, run_training
 from openrlhf_mappa.coach import CoachRequest
 from openrlhf_mappa.coach.base import parse_score
-from openrlhf_mappa.coach.trained import (Judgement, TrainedCoach, agreement_stop, coach_rewards, judge_metrics,
-                                          stale_verdicts, strata_chances)
+from openrlhf_mappa.coach.trained import Judgement, TrainedCoach, coach_rewards, judge_metrics, strata_chances
 from openrlhf_mappa.episode import Action, Episode, Verdict
 
 
 def judged(episode_id, agent, score, final=False, task_type="math", ref=None, held_out=False, ref_status="ok",
-           reply="x"):
+           reply="x", p=0.25):
     """A Judgement of `agent`'s action in `episode_id` with the coach's `score` (None: no valid score) and the
-    reference's `ref` (None: not asked)."""
+    reference's `ref` (None: not asked), whose action was drawn for the reference with chance `p`."""
     request = CoachRequest(episode_id, agent, 0, "role", "task", task_type, "in", "out", "", is_final_agent=final)
     verdict = Verdict(score, "ok" if score is not None else "parse_error", version=0)
     if ref is not None:
         verdict.reference = {"score": ref if ref_status == "ok" else None, "status": ref_status, "held_out": held_out,
-                             "p": 0.25,
+                             "p": p,
                              "coach": "heuristic", "tokens_in": 100, "tokens_out": 10, "cached": False}
     return Judgement(request, verdict, Action(episode_id, "coach", 0, [1], [2], response_text=reply))
 
@@ -84,6 +83,11 @@ def test_agreement_bands_give_a_rare_reference_score_the_weight_of_the_usual_one
     assert sum(j.action.reward for j in js) == pytest.approx(1.0)  # against 2.3 unweighted
     coach_rewards(js, [episode("e", True)], ("agreement",), bands=1)
     assert [j.action.reward for j in js] == pytest.approx([0.9] * 3 + [-0.4])
+    # A held-out verdict is neither paid by the term nor counted in a band (counted, [6, 8) would hold 2 of 5 and
+    # weigh 5/4 each): it gets the term's mean, (1.8 - 0.8) / 4.
+    js.append(judged("e", "h", 0.0, ref=7.0, held_out=True))
+    coach_rewards(js, [episode("e", True)], ("agreement",), bands=5)
+    assert [j.action.reward for j in js] == pytest.approx([0.9 * 2 / 3] * 3 + [-0.4 * 2, 0.25])
     # One band present: every weight is 1, as unweighted. A score of exactly 10 is in the top band.
     js = [judged("e", "a", 10.0, ref=10.0), judged("e", "b", 6.0, ref=10.0)]
     coach_rewards(js, [episode("e", True)], ("agreement",), bands=5)
@@ -192,26 +196,34 @@ def test_reward_is_the_sum_of_the_enabled_terms():
 
 
 def test_agents_never_train_on_a_verdict_from_a_coach_older_than_the_bound():
-    actions = [Action("e", "a", i, [], []) for i in range(4)]
-    for a, version in zip(actions, (5, 4, 3, None)):  # None: a frozen coach's verdict
+    actions = [Action("e", "a", i, [], []) for i in range(5)]
+    for a, version in zip(actions, (5, 4, 3, 2, None)):  # None: a frozen coach's verdict
         a.verdict = Verdict(5.0, "ok", version=version)
-    assert stale_verdicts(actions, now=5, most=1) == 1
-    assert [a.stale for a in actions] == [False, False, True, False]
+    # One update behind is within a bound of 1, two are not (an off-by-one either way moves one of them), and the
+    # same verdicts against a bound of 2 keep the third.
+    for most, stale in ((1, [False, False, True, True, False]), (2, [False, False, False, True, False])):
+        for a in actions:
+            a.stale = False
+        assert TrainedCoach("", "PROCESS_SCORE", None, 0.25, 0.2, ()).stale_verdicts(actions, 5, most) == sum(stale)
+        assert [a.stale for a in actions] == stale
     # In the coach's warm-up (--mappa.coach.warmup_steps 5): a verdict of a coach with fewer than 5 updates too.
     for a in actions:
         a.stale = False
-    assert stale_verdicts(actions, now=5, most=1, warmup=5) == 2
-    assert [a.stale for a in actions] == [False, True, True, False]
+    coach = TrainedCoach("", "PROCESS_SCORE", None, 0.25, 0.2, (), warmup_steps=5)
+    assert coach.stale_verdicts(actions, 5, 9) == 3
+    assert [a.stale for a in actions] == [False, True, True, True, False]
 
 
 def test_agreement_stop_after_the_warmup_only_and_never_when_off():
     agreed = lambda x: {"coach/heldout_agreement": x}
-    assert agreement_stop(11, agreed(0.4), 0.5, 10).startswith("step 11: the trained coach's agreement")
-    assert "fell to 0.400, below --mappa.coach.min_agreement 0.5" in agreement_stop(11, agreed(0.4), 0.5, 10)
-    assert agreement_stop(10, agreed(0.4), 0.5, 10) is None  # still warming up
-    assert agreement_stop(11, agreed(0.6), 0.5, 10) is None
-    assert agreement_stop(11, agreed(0.0), 0.0, 10) is None  # off
-    assert agreement_stop(11, agreed(None), 0.5, 10) is None  # nothing held out this step
+    stop = lambda least, warmup: TrainedCoach("", "PROCESS_SCORE", None, 0.25, 0.2, (), min_agreement=least,
+                                              agreement_warmup=warmup).agreement_stop
+    assert stop(0.5, 10)(11, agreed(0.4)).startswith("step 11: the trained coach's agreement")
+    assert "fell to 0.400, below --mappa.coach.min_agreement 0.5" in stop(0.5, 10)(11, agreed(0.4))
+    assert stop(0.5, 10)(10, agreed(0.4)) is None  # still warming up
+    assert stop(0.5, 10)(11, agreed(0.6)) is None
+    assert stop(0.0, 10)(11, agreed(0.0)) is None  # off
+    assert stop(0.5, 10)(11, agreed(None)) is None  # nothing held out this step
 
 
 def test_several_verdicts_of_one_action_each_agree_against_their_mean():
@@ -246,6 +258,10 @@ def test_judge_metrics_held_out_agreement_reference_share_and_its_cost():
     assert judge_metrics(constant)["coach/heldout_agreement"] == pytest.approx(0.75)
     assert judge_metrics(constant)["coach/heldout_correlation"] is None
     assert m["coach/cost_usd"] == pytest.approx((300 * 1.0 + 30 * 2.0) / 1e6)
+    # Each held-out verdict weighs 1/p, p the chance its action was drawn (stratified draws): one drawn surely
+    # (agreement 1.0) beside one drawn at 0.25 (agreement 0.5), which stands for four such actions.
+    mixed = [judged("e", "a", 6.0, ref=6.0, held_out=True, p=1.0), judged("e", "b", 1.0, ref=6.0, held_out=True)]
+    assert judge_metrics(mixed)["coach/heldout_agreement"] == pytest.approx((1.0 + 4 * 0.5) / 5)
 
 
 def test_reference_draws_are_fixed_per_action_and_hold_the_fraction():
@@ -297,15 +313,153 @@ def test_a_trained_coach_is_refused_with_its_reason(flags, message):
         validate(args, load_topology(topology))
 
 
+def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path, tiny_model, monkeypatch):
+    """Issue 51: the trained coach as a training job builds it (parse_args, validate, coach_options, build_coach:
+    train_mappa_ray.train's own calls), every --mappa.coach.* flag it reads set off its default, against the default
+    build: each flag changes what the coach does. Its engine is a stand-in that replies 4 (a unit test starts no
+    vLLM; the e2e test below runs a real one); its reference judge is a real HTTP server on 127.0.0.1."""
+    import argparse
+    import asyncio
+    import random
+    from types import SimpleNamespace
+
+    import yaml
+    from transformers import AutoTokenizer
+
+    from coach_server import COACH_TEMPLATE, CoachServer
+    from openrlhf_mappa.cli.train_mappa_ray import add_trained_coach_args, coach_options, parse_args, validate
+    from openrlhf_mappa.coach import build_coach
+    from openrlhf_mappa.placement import agent_args, trainee_specs
+    from openrlhf_mappa.rollout import AgentPolicy
+    from openrlhf_mappa.topology import load_topology
+
+    relay = yaml.safe_load(open(os.path.join(REPO, "examples", "configs", "relay.yaml")))
+    path = tmp_path / "relay.yaml"  # the rule server reads the agent's output from its template's markers
+    path.write_text(yaml.safe_dump({**relay, "coach_template": COACH_TEMPLATE + "\nPROCESS_SCORE: <0-10>"}))
+    topology, tokenizer, sampled_from = load_topology(str(path)), AutoTokenizer.from_pretrained(tiny_model), []
+
+    async def generate(ids, params):
+        sampled_from.append(params.allowed_token_ids)
+        token = tokenizer.encode("4", add_special_tokens=False)
+        step = [{token[0]: SimpleNamespace(logprob=-0.5)}]
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=token, logprobs=step, finish_reason="length")])
+
+    engine, given = SimpleNamespace(generate=SimpleNamespace(remote=generate)), set()
+
+    def built(*flags):
+        given.update(f for f in flags if f.startswith("--mappa.coach."))
+        args = parse_args(["--mappa.topology", str(path), "--data.prompt_dataset", "x.jsonl", *TINY_RUN_FLAGS,
+                           "--mappa.coach.kind", "trained", "--mappa.coach.model", tiny_model, *flags])
+        validate(args, topology)
+        coach = build_coach(args.mappa.coach.kind, cache_path=None, **coach_options(args, topology))
+        coach.attach(AgentPolicy([engine], tokenizer, 1, 256))
+        return args, coach
+
+    # --mappa.coach.reference_fraction, held_out_fraction and --train.seed: each action's two draws (TrainedCoach.draws)
+    # from a RNG seeded by the run's seed and the action, asked below the fraction, then held out below the share.
+    requests = [CoachRequest(f"e{i}", "item", 0, "", "", "", "", "", "") for i in range(400)]
+    drawn = lambda seed, fraction, share: [
+        (rng.random() < fraction, rng.random() < share)
+        for rng in (random.Random(f"{seed}/{r.episode_id}/item/0") for r in requests)]
+    _, default = built()
+    _, flagged = built("--mappa.coach.reference_fraction", "0.6", "--mappa.coach.held_out_fraction", "0.5",
+                       "--train.seed", "7")
+    differ = lambda coach, expected: [r.episode_id for r, e in zip(requests, expected) if coach.draws(r)[:2] != e]
+    assert differ(default, drawn(42, 0.25, 0.2)) == [] and differ(flagged, drawn(7, 0.6, 0.5)) == []
+    assert differ(flagged, drawn(42, 0.6, 0.5))  # the seed chooses which actions
+
+    # --mappa.coach.reference_draw stratified: after a step of 9 cut-off actions and 1 ended one, the ended kind is
+    # asked surely and the cut-off at 1.5 / 9 (the fraction's 2.5 of 10); uniform draws keep the fraction.
+    _, stratified = built("--mappa.coach.reference_draw", "stratified")
+    for coach in (default, stratified):
+        for i in range(10):
+            j = judged(f"s{i}", "item", 5.0)
+            j.request.truncated_at = 16 if i else None
+            coach.judgements[f"s{i}"] = [j]
+        coach.rewarded([episode(f"s{i}", False) for i in range(10)])
+    ended, cut = (CoachRequest("n", "item", 0, "", "", "", "", "", "", truncated_at=t) for t in (None, 16))
+    assert (default.draws(ended)[2], default.draws(cut)[2]) == (0.25, 0.25)
+    assert (stratified.draws(ended)[2], stratified.draws(cut)[2]) == pytest.approx((1.0, 1.5 / 9))
+
+    # --mappa.coach.terms and agreement_bands: four verdicts of 0 on one task's actions, the first the final agent's
+    # (success: outcome -1), the reference's scores 0.5 (3x) and 7. Default: format 1, outcome -1 (the others at its
+    # mean), agreement 0.9 and -0.4 weighted 2/3 and 2 in 5 bands. format,agreement in 1 band: 1 + 0.9 or 1 - 0.4.
+    for flags, terms, expected in (((), ALL, [0.6] * 3 + [-0.8]),
+                                   (("--mappa.coach.terms", "format,agreement", "--mappa.coach.agreement_bands", "1"),
+                                    ("format", "agreement"), [1.9] * 3 + [0.6])):
+        _, coach = built(*flags)
+        js = [judged("t", "code", 0.0, final=True, ref=0.5)] + [judged("t", a, 0.0, ref=r)
+                                                                 for a, r in (("b", 0.5), ("c", 0.5), ("d", 7.0))]
+        coach.judgements["t"] = js
+        mine, metrics = coach.rewarded([episode("t", True)])
+        assert [a.reward for a in mine] == pytest.approx(expected)
+        assert {k for k in metrics if k.startswith("coach/term_")} == {f"coach/term_{t}{n}" for t in terms
+                                                                        for n in ("", "_n")}
+
+    # The reference judge (--mappa.coach.reference_kind openai, reference_model, base_url, api_key_env), what it is
+    # paid (price_in, price_out), digits_only, all_digits and pay_reference, on one action drawn for the reference:
+    # the rule server scores "abc" 3, at 10 prompt and 5 completion tokens.
+    monkeypatch.setenv("JUDGE_KEY", "sk-judge")
+    request = CoachRequest("a", "item", 0, "role", "task", "math", "in", "abc", "", ground_truth="Required reply: x")
+    with CoachServer() as server:
+        asked = ("--mappa.coach.reference_fraction", "1", "--mappa.coach.held_out_fraction", "0")
+        for flags in ((), ("--mappa.coach.reference_kind", "openai", "--mappa.coach.reference_model", "judge",
+                           "--mappa.coach.base_url", server.base_url, "--mappa.coach.api_key_env", "JUDGE_KEY",
+                           "--mappa.coach.price_in", "1", "--mappa.coach.price_out", "2", "--mappa.coach.digits_only",
+                           "--mappa.coach.all_digits", "--mappa.coach.pay_reference")):
+            _, coach = built(*asked, *flags)
+            verdict = asyncio.run(coach.score(request))
+            judgements, (_, metrics) = len(coach.judgements["a"]), coach.rewarded([episode("a", True)])
+            if not flags:  # the heuristic reference; the agents get the coach's 4, sampled from any token; one verdict
+                assert (verdict.score, verdict.version, verdict.reference["coach"]) == (4.0, 0, "heuristic")
+                assert (sampled_from[-1], judgements, metrics["coach/cost_usd"], server.requests) == (None, 1, 0.0, [])
+                continue
+            assert verdict.reference["coach"] == "openai:judge" and len(server.requests) == 1
+            assert server.requests[0]["body"]["model"] == "judge"
+            assert server.requests[0]["authorization"] == "Bearer sk-judge"
+            assert (verdict.score, verdict.version, verdict.coach) == (3.0, None, "openai:judge")  # pay_reference
+            assert len(set(sampled_from[-1])) == 10  # digits_only: sampled from the ten digits alone
+            assert judgements == 10  # all_digits: it trains on every one-digit reply to a referenced action
+            assert metrics["coach/cost_usd"] == pytest.approx((10 * 1 + 5 * 2) / 1e6)
+
+    # --mappa.coach.warmup_steps 2: the agents leave out the verdicts of a coach with fewer than 2 updates, however
+    # fresh. min_agreement and agreement_warmup: the run stops on held-out agreement 0.6 < 0.7 after step 3 only.
+    _, warm = built("--mappa.coach.warmup_steps", "2", "--mappa.coach.min_agreement", "0.7",
+                    "--mappa.coach.agreement_warmup", "3")
+    actions = [Action("e", "item", i, [], [], verdict=Verdict(5.0, "ok", version=v)) for i, v in enumerate((0, 1, 2))]
+    assert default.stale_verdicts(actions, 2, 5) == 0 and warm.stale_verdicts(actions, 2, 5) == 2
+    assert [a.stale for a in actions] == [True, True, False]
+    agreed = {"coach/heldout_agreement": 0.6}
+    assert warm.agreement_stop(3, agreed) is None and "below --mappa.coach.min_agreement 0.7" in warm.agreement_stop(
+        4, agreed)
+    assert default.agreement_stop(11, {"coach/heldout_agreement": 0.0}) is None  # 0: never
+
+    # --mappa.coach.model, lr and max_tokens reach the launcher: the coach's own trainee spec and actor settings.
+    args, _ = built("--mappa.coach.lr", "1e-3", "--mappa.coach.max_tokens", "6")
+    spec = trainee_specs(args, topology)[-1]
+    assert (spec.name, spec.model, spec.max_new_tokens, agent_args(args, spec).actor.adam.lr) == (
+        "coach", tiny_model, 6, 1e-3)
+    # Every flag add_trained_coach_args defines is set above: a new one needs a case here.
+    parser = argparse.ArgumentParser()
+    add_trained_coach_args(parser)
+    assert {a.option_strings[0] for a in parser._actions if a.dest != "help"} <= given
+
+
 @pytest.mark.e2e
 def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model):
     """The relay team, 3 steps of 2 tasks x 2 samples, coached by a random-init tiny model on a logical GPU of its
-    own (actor and engine), the heuristic coach its reference on half the actions. From the run's records: every
-    verdict carries the coach's weight version (step t's: t - 1, one update a step), the reference judged exactly the
-    actions its draws chose, each term of the coach's reward is logged and recomputed from the verdicts, the coach
-    trained every step, and its exported weights differ from the ones it started with."""
+    own (actor and engine), the heuristic coach its reference on half the actions, trained asynchronously with
+    partial rollouts (step 2 is generated and judged beside step 1) and --mappa.max_staleness 0. From the run's
+    records: the reference judged exactly the actions its draws chose; each term of the coach's reward and its
+    held-out agreement are recomputed from the verdicts; every verdict's coach version lies between the coach's
+    versions when its step's rollout began and when it trained, and an action is left out exactly when its own
+    or its coach's version is behind at that step's training (syncs.jsonl), for the agents and for the coach alike,
+    the step's staleness metrics and trained rows recomputed; its exported weights differ from the ones it
+    started with."""
     import torch
     from safetensors.torch import load_file
+
+    from openrlhf_mappa.coach.audit import pearson
 
     run_dir, final = tmp_path / "run", tmp_path / "final"
     argv = ["--mappa.topology", os.path.join(REPO, "examples", "configs", "relay.yaml"), "--mappa.model", tiny_model,
@@ -316,6 +470,9 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
             "--mappa.coach.kind", "trained", "--mappa.coach.model", tiny_model, "--mappa.coach.max_tokens", "6",
             "--mappa.coach.reference_fraction", "0.5", "--mappa.coach.held_out_fraction", "0.25",
             "--mappa.coach.on_failure", "neutral",  # the agents train on the steps a random coach gives no score
+            # Issue 51: a trained coach never ran asynchronously. Bound 0: a verdict one coach update old is left out
+            # by the agents and by the coach (its own action), so both sides of the rule are exercised.
+            "--train.async_enable", "--train.partial_rollout_enable", "--mappa.max_staleness", "0",
             "--ckpt.path", str(tmp_path / "ckpt"), "--ckpt.output_dir", str(final)]  # fmt: skip
     proc = run_training([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv], tmp_path / "train",
                         timeout=1200, cwd=tmp_path, env=local_cluster_env(8))
@@ -324,25 +481,31 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
 
     episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    syncs = [json.loads(line) for line in open(run_dir / "syncs.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2, 3] and len(episodes) == 12
+    # Each trainee's version when step `step` trained: the syncs of the steps before (each update ends with one).
+    now = lambda agent, step: sum(s["agent"] == agent and s["step"] < step for s in syncs)
     coach = TrainedCoach("", "PROCESS_SCORE", None, 0.5, 0.25, (), seed=42)
+    held_out_n, coach_stale = 0, 0
     for m in metrics:
         step = m["step"]
         acted = [(ep, a) for ep in episodes if ep["step"] == step for a in ep["actions"]]
         verdicts = [a["verdict"] for _, a in acted]
         assert len(verdicts) == 12 and {v["coach"] for v in verdicts} == {"trained"}
-        assert {v["version"] for v in verdicts} == {step - 1}  # the coach's weights that judged: one update a step
         for ep, a in acted:  # the reference was asked about the actions drawn for it, and only those
             request = CoachRequest(ep["episode_id"], a["agent"], a["turn"], "", "", "", "", "", "")
             asked, held_out, _ = coach.draws(request)
             assert (a["verdict"]["reference"] is not None) == asked
             if asked:
                 assert a["verdict"]["reference"]["held_out"] == held_out and a["verdict"]["reference"]["status"] == "ok"
+                assert a["verdict"]["reference"]["p"] == 0.5  # uniform draws
         refs = [v["reference"] for v in verdicts if v["reference"]]
         assert m["coach/reference_requests"] == len(refs) and m["coach/reference_share"] == len(refs) / 12
         # Each term, recomputed from the verdicts (a trained coach's rationale is its reply): format +1, or -3 plus
         # half the reply's share of digits; agreement on the referenced, not held out ones, each weighted by
-        # n / (B n_b) for the reference's score band (5 bands of width 2 by default).
+        # n / (B n_b) for the reference's score band (5 bands of width 2 by default); outcome on the final
+        # agent's valid verdicts, 1 - 2|s/10 - success|. The coach's stale verdicts count too (it never trains
+        # on them, but they judged the same actions).
         valid = [v for v in verdicts if v["score"] is not None]
         digits = lambda text: sum(ch.isdigit() for ch in text) / max(1, len(text))
         formats = [1.0 if v["score"] is not None else -3 + digits(v["rationale"]) / 2 for v in verdicts]
@@ -355,14 +518,51 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
         assert m["coach/term_agreement_n"] == len(agree)
         assert m["coach/term_agreement"] == (pytest.approx(sum(agree) / len(agree)) if agree else None)
         finals = [1 - 2 * abs(a["verdict"]["score"] / 10 - ep["outcome"]["success"]) for ep, a in acted
-                  if a["agent"] == "code" and a["verdict"]["score"] is not None]
+                  if a["agent"] == "code" and a["verdict"]["score"] is not None and not ep["env_error"]]
         assert m["coach/term_outcome_n"] == len(finals)
-        assert m["coach/term_bias_n"] == 0 and "coach/term_bias" in m  # the relay has one task type
+        assert m["coach/term_outcome"] == (pytest.approx(sum(finals) / len(finals)) if finals else None)
+        assert m["coach/term_bias_n"] == 0 and m["coach/term_bias"] is None  # the relay has one task type
         assert m["coach/parse_error_rate"] == pytest.approx(1 - len(valid) / 12)
-        assert "coach/heldout_agreement" in m
-        assert (m["agent/coach/trained_actions"], m["agent/coach/updated"]) == (12, 1)  # every verdict, each step
-    syncs = [json.loads(line) for line in open(run_dir / "syncs.jsonl")]
-    assert sorted(s["version"] for s in syncs if s["agent"] == "coach") == [1, 2, 3]
+        # Held-out agreement: 1 - |s - s_ref|/10 (0 for a reply with no score), each weighted 1/p.
+        held = [v for v in verdicts if v["reference"] and v["reference"]["held_out"]]
+        weights = [1 / v["reference"]["p"] for v in held]
+        agreed = [0.0 if v["score"] is None else 1 - abs(v["score"] - v["reference"]["score"]) / 10 for v in held]
+        assert m["coach/heldout_n"] == len(held)
+        assert m["coach/heldout_agreement"] == (
+            pytest.approx(sum(a * w for a, w in zip(agreed, weights)) / sum(weights)) if held else None)
+        scored = [(v["score"], v["reference"]["score"]) for v in held if v["score"] is not None]
+        correlation = pearson(scored)  # None where undefined: fewer than 2 pairs, or a constant side
+        assert m["coach/heldout_correlation"] == (None if correlation is None else pytest.approx(correlation))
+        held_out_n += len(held)
+
+        # Async: step t's rollout began once step t - 2 had trained, so each verdict's coach version lies between
+        # the coach's version then and at step t's training (its syncs before step t).
+        lo, hi = now("coach", step - 1), now("coach", step)
+        assert all(lo <= v["version"] <= hi for v in verdicts), (step, lo, hi, [v["version"] for v in verdicts])
+        # Bound 0: an action is left out when any version it records (its own agent's, or one whose output it
+        # saw) or its verdict's coach version is behind that trainee's version at the step's training.
+        fresh = {}
+        for ep, a in acted:
+            behind = max([now(name, step) - v for name, v in a["versions"].items()] + [0])
+            coach_behind = now("coach", step) - a["verdict"]["version"]
+            assert a["stale"] == (behind > 0 or coach_behind > 0), (step, a["agent"], a["versions"], a["verdict"])
+            assert not a["stale"] or a["reward"] is None
+            fresh.setdefault(a["agent"], []).append(not a["stale"])
+            coach_stale += coach_behind > 0
+            fresh.setdefault("coach", []).append(coach_behind == 0)
+        for name, kept in fresh.items():  # a train batch of 4: floor(n / 4) * 4 of the n fresh rows train
+            p = f"agent/{name}/"
+            assert (m[p + "trained_actions"], m[p + "updated"]) == (sum(kept) // 4 * 4, int(sum(kept) >= 4)), name
+            if name == "coach":
+                assert m["coach/stale_left_out"] == len(kept) - sum(kept)
+                continue
+            lag = [now(name, step) - a["versions"][name] for _, a in acted if a["agent"] == name]
+            assert (m[p + "staleness_max"], m[p + "stale_left_out"]) == (max(lag), len(kept) - sum(kept)), name
+            assert m[p + "staleness_mean"] == pytest.approx(sum(lag) / len(lag))
+    # Step 2's rollout began with step 1's, before any update: its first verdicts are one coach version behind.
+    assert coach_stale > 0 and held_out_n > 0
+    updates = sum(m["agent/coach/updated"] for m in metrics)
+    assert sorted(s["version"] for s in syncs if s["agent"] == "coach") == list(range(1, updates + 1))
     start = load_file(os.path.join(tiny_model, "model.safetensors"))
     end = load_file(final / "coach" / "model.safetensors")
     moved = [k for k in start if not torch.equal(start[k].float(), end[k].float())]
@@ -390,4 +590,4 @@ def test_the_coach_never_trains_on_its_own_verdicts_the_agents_drop_as_stale():
     episodes = [Episode(f"e{i}", "t", "math", [agent]) for i, (_, agent) in enumerate(judgements)]
     actions, metrics = coach.rewarded(episodes, now=5, most=0)
     assert [a.reward for a in actions] == [1.0, None] and metrics["coach/stale_left_out"] == 1
-    assert stale_verdicts([agent for _, agent in judgements], now=5, most=0) == 1  # the agents drop the same one
+    assert coach.stale_verdicts([agent for _, agent in judgements], 5, 0) == 1  # the agents drop the same one

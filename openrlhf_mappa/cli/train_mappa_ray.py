@@ -994,7 +994,9 @@ def coach_options(args, topology) -> dict:
                              reference_fraction=c.reference_fraction, held_out_fraction=c.held_out_fraction,
                              terms=tuple(c.terms.split(",")), agreement_bands=c.agreement_bands,
                              digits_only=c.digits_only, stratified=c.reference_draw == "stratified",
-                             all_digits=c.all_digits, pay_reference=c.pay_reference, seed=args.train.seed))
+                             all_digits=c.all_digits, pay_reference=c.pay_reference, seed=args.train.seed,
+                             warmup_steps=c.warmup_steps, min_agreement=c.min_agreement,
+                             agreement_warmup=c.agreement_warmup, price_in=c.price_in, price_out=c.price_out))
 
 
 def train(args):

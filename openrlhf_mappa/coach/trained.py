@@ -32,8 +32,14 @@ class TrainedCoach(Coach):
 
     def __init__(self, template: str, score_key: str, reference: Coach, reference_fraction: float,
                  held_out_fraction: float, terms: tuple, agreement_bands: int = 5, digits_only: bool = False,
-                 stratified: bool = False, all_digits: bool = False, pay_reference: bool = False, seed: int = 0):
+                 stratified: bool = False, all_digits: bool = False, pay_reference: bool = False, seed: int = 0,
+                 warmup_steps: int = 0, min_agreement: float = 0.0, agreement_warmup: int = 10,
+                 price_in: float = 0.0, price_out: float = 0.0):
         self.template, self.score_key, self.reference = template, score_key, reference
+        # The driver's rules for it (trainer.py): which of its verdicts the agents train on, when its drift stops
+        # the run, and the reference's prices (USD per 1M tokens), all from its flags (cli coach_options).
+        self.warmup_steps, self.min_agreement, self.agreement_warmup = warmup_steps, min_agreement, agreement_warmup
+        self.price_in, self.price_out = price_in, price_out
         self.pay_reference = pay_reference  # the agents are paid the reference's score where it judged
         self.reference_fraction, self.held_out_fraction, self.terms, self.bands, self.digits_only, self.seed = (
             reference_fraction, held_out_fraction, tuple(terms), agreement_bands, digits_only, seed)
@@ -113,8 +119,7 @@ class TrainedCoach(Coach):
             self.judgements.setdefault(request.episode_id, []).append(Judgement(request, verdict, action))
         return verdict
 
-    def rewarded(self, episodes: list, price_in: float = 0.0, price_out: float = 0.0, now: int = 0,
-                 most: float = float("inf")) -> tuple:
+    def rewarded(self, episodes: list, now: int = 0, most: float = float("inf")) -> tuple:
         """(the coach's actions of these episodes' verdicts, each with its reward R; the step's term and judge
         metrics). Those verdicts leave the pending set. An action of the coach more than `most` updates behind
         its version `now` gets no R (stale, counted): the agents drop such verdicts (stale_verdicts), and the coach
@@ -123,13 +128,37 @@ class TrainedCoach(Coach):
         if self.stratified and judged:
             cut = [r.truncated_at is not None for r in {id(j.request): j.request for j in judged}.values()]
             self.ask = strata_chances(self.reference_fraction, {True: sum(cut), False: len(cut) - sum(cut)})
-        metrics = coach_rewards(judged, episodes, self.terms, self.bands) | judge_metrics(judged, price_in, price_out)
+        metrics = (coach_rewards(judged, episodes, self.terms, self.bands)
+                   | judge_metrics(judged, self.price_in, self.price_out))
         versions = [(j.action, j.action.versions.get(COACH_NAME)) for j in judged]  # None: not recorded
         stale = [action for action, version in versions if version is not None and now - version > most]
         for action in stale:
             action.reward, action.stale = None, True
         metrics["coach/stale_left_out"] = len(stale)
         return [j.action for j in judged], metrics
+
+    def stale_verdicts(self, actions: list, now: int, most: int) -> int:
+        """Mark `stale` (left out) every action whose verdict came from this coach more than `most` updates behind
+        its version `now`, or from one with fewer than warmup_steps updates (--mappa.coach.warmup_steps): agents
+        never train on an old coach's judgement, nor on a new one's that its reference has not shaped yet. Returns
+        how many."""
+        n = 0
+        for a in actions:
+            v = None if a.verdict is None else a.verdict.version
+            if v is not None and (now - v > most or v < self.warmup_steps):
+                a.stale, n = True, n + 1
+        return n
+
+    def agreement_stop(self, step: int, metrics: dict):
+        """The reason to stop the run, or None: after agreement_warmup steps, the step's held-out agreement with the
+        reference below min_agreement (--mappa.coach.min_agreement; 0: never): the coach drifted from the judge it
+        is anchored to."""
+        agreement, least = metrics.get("coach/heldout_agreement"), self.min_agreement
+        if least > 0 and step > self.agreement_warmup and agreement is not None and agreement < least:
+            return (f"step {step}: the trained coach's agreement with its reference judge on held-out actions fell "
+                    f"to {agreement:.3f}, below --mappa.coach.min_agreement {least:g}: its verdicts drifted from the "
+                    f"reference (collusion with the agents, or a reward it learned to game)")
+        return None
 
     async def probe(self) -> None:
         await self.reference.probe()
@@ -268,27 +297,3 @@ def judge_metrics(judgements: list, price_in: float = 0.0, price_out: float = 0.
                                        if judgements else None),
             "coach/reference_tokens_in": tokens_in, "coach/reference_tokens_out": tokens_out,
             "coach/cost_usd": (tokens_in * price_in + tokens_out * price_out) / 1e6}
-
-
-def stale_verdicts(actions: list, now: int, most: int, warmup: int = 0) -> int:
-    """Mark `stale` (left out) every action whose verdict came from a trained coach more than `most` updates
-    behind its version `now`, or from one with fewer than `warmup` updates (--mappa.coach.warmup_steps): agents
-    never train on an old coach's judgement, nor on a new one's that its reference has not shaped yet. Returns
-    how many."""
-    n = 0
-    for a in actions:
-        v = None if a.verdict is None else a.verdict.version
-        if v is not None and (now - v > most or v < warmup):
-            a.stale, n = True, n + 1
-    return n
-
-
-def agreement_stop(step: int, metrics: dict, least: float, warmup: int):
-    """The reason to stop the run, or None: after `warmup` steps, the step's held-out agreement with the reference
-    below `least` (--mappa.coach.min_agreement; 0: never): the coach drifted from the judge it is anchored to."""
-    agreement = metrics.get("coach/heldout_agreement")
-    if least > 0 and step > warmup and agreement is not None and agreement < least:
-        return (f"step {step}: the trained coach's agreement with its reference judge on held-out actions fell to "
-                f"{agreement:.3f}, below --mappa.coach.min_agreement {least:g}: its verdicts drifted from the "
-                f"reference (collusion with the agents, or a reward it learned to game)")
-    return None
