@@ -103,6 +103,8 @@ class MappaTrainer:
         every = self.args.eval.steps
         with self.loop_running():
             if start_step == 0:
+                # Each LoRA adapter's first load into its pool (launch.build_agents): its version 1, made by no step.
+                self.out.syncs(0, self.trainees)
                 self.evaluate(0)  # the untrained models: the baseline every later evaluation compares with
             steps = tqdm(total=total, initial=start_step, desc="MAPPA steps", file=console.err)
             t_step = time.time()

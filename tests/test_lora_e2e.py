@@ -131,8 +131,11 @@ def test_three_lora_agents_share_one_base_and_one_engine_pool(tmp_path, tiny_mod
 @pytest.mark.e2e
 def test_qlora_agents_train_adapters_on_a_4bit_base_and_resume(tmp_path, tiny_model):
     """--ds.load_in_4bit (QLoRA) for real on CPU: bitsandbytes' nf4 base under OpenRLHF's actor, ZeRO-3 (quantity on 2
-    ranks), the pool's engine serving the bf16 base. A 2-step run, then the same command with 2 more episodes resumes
-    it from DeepSpeed's checkpoint (whose quantization constants upstream's strict load refuses)."""
+    ranks), the pool's engine serving the bf16 base. A 3-step run, then the same command with 3 more steps resumes
+    it from DeepSpeed's checkpoint (whose quantization constants upstream's strict load refuses). Both train
+    asynchronously with partial rollouts and a queue of 2: the rollout runs up to 2 steps ahead on the one pool while
+    its three agents train and sync their adapters (each sync pausing the pool), so each adapter's version must be
+    that agent's own, and an action 2 updates old still trains."""
     topology = yaml.safe_load(open(os.path.join(REPO, "examples", "configs", "relay.yaml")))
     for agent in topology["agents"]:
         agent["model"] = tiny_model
@@ -143,8 +146,9 @@ def test_qlora_agents_train_adapters_on_a_4bit_base_and_resume(tmp_path, tiny_mo
     argv = [
         "--mappa.topology", str(tmp_path / "topology.yaml"),
         "--data.prompt_dataset", os.path.join(REPO, "examples", "data", "relay_train.jsonl"),
-        "--data.max_samples", "4", "--mappa.run_dir", str(run_dir), *TINY_RUN_FLAGS, "--ds.load_in_4bit",
+        "--data.max_samples", "6", "--mappa.run_dir", str(run_dir), *TINY_RUN_FLAGS, "--ds.load_in_4bit",
         "--actor.adam.lr", "5e-2", "--actor.lr_warmup_ratio", "0",
+        "--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "2",
         "--ckpt.save_steps", "1", "--ckpt.load_enable", "--ckpt.path", str(ckpt), "--ckpt.output_dir", str(final),
     ]  # fmt: skip
     env = local_cluster_env(5)
@@ -156,9 +160,10 @@ def test_qlora_agents_train_adapters_on_a_4bit_base_and_resume(tmp_path, tiny_mo
                             env=env)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     start1, end1, start2, end2 = (json.load(open(paths[k])) for k in ("start1", "end1", "start2", "end2"))
-    assert "resuming after step 2" in open(tmp_path / "train2.out").read() and start2["start"] == 2
+    assert "resuming after step 3" in open(tmp_path / "train2.out").read() and start2["start"] == 3
 
     from openrlhf_mappa.doctor import SAME, sync_verdicts
+    from test_dsbench_e2e import assert_async
     from test_openrlhf_cpu_e2e import hf_probe_logprobs
 
     t = torch.tensor
@@ -188,7 +193,15 @@ def test_qlora_agents_train_adapters_on_a_4bit_base_and_resume(tmp_path, tiny_mo
 
     bf16_mib = 2 * sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters()) / 2**20
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    # From the records: step t + 2's rollout began before step t's syncs ended, in each run; every action's adapter
+    # version is one the pool had loaded for its own agent while it ran; at most 2 behind, the logged staleness.
+    episodes = [json.loads(line) for line in open(run_dir / "episodes.jsonl")]
+    syncs = [json.loads(line) for line in open(run_dir / "syncs.jsonl")]
+    # one sync per agent and step, and its adapter's first load into the pool (step 0), whose version 1 the actions
+    # of step 1 carry: "synced before step t trains" is then the syncs of the steps before t
+    assert sorted((s["step"], s["agent"]) for s in syncs) == sorted((k, n) for k in range(7) for n in AGENTS)
+    assert_async(episodes, syncs, metrics, AGENTS, queue=2, partial=True, runs=((1, 3), (4, 6)))
     for m in metrics:
         for n in AGENTS:
             assert m[f"agent/{n}/updated"] == 1 and m[f"agent/{n}/trained_actions"] == 4
