@@ -399,14 +399,16 @@ def test_versions_when_syncs_land_between_rounds_and_mid_generation(tokenizer, t
     assert (a.gate.version, b.gate.version, [s["version"] for s in a.gate.log + b.gate.log]) == (1, 1, [1, 1])
 
 
+@pytest.mark.parametrize("adapter", [None, "a"])
 @pytest.mark.parametrize("partial", [False, True])
-def test_a_weight_sync_waits_for_generations_in_flight_unless_partial(partial, monkeypatch):
+def test_a_weight_sync_waits_for_generations_in_flight_unless_partial(partial, adapter, monkeypatch):
     # The real AgentTrainer.broadcast_to_vllm (conftest's StandIn replaces it elsewhere) in a trainer thread, while a
     # generation through AgentPolicy.sample and the trainer's gate is in flight on the rollout's event loop. Without
     # partial rollouts the sync waits for it and holds a new one back until it ends; with them it pauses the engines,
     # sends and resumes while that generation runs on, which ends on the new version. Stand-ins: the engines and the
     # actor group (what send_weights sends through) are recorders and ray.get passes their values on: no vLLM or
     # DeepSpeed runs, the point is the order of the calls against a generation held open until the sync has moved.
+    # A LoRA agent (adapter "a") sends its adapter's files to its pool's engines instead of every weight.
     import threading
 
     import ray
@@ -423,14 +425,15 @@ def test_a_weight_sync_waits_for_generations_in_flight_unless_partial(partial, m
             return SimpleNamespace(remote=lambda *a, **kw: log(method))
 
         def async_run_method(self, method_name):
-            return [log(method_name)]
+            log(method_name)
+            return [({"adapter_model.safetensors": b"x"}, 10)] if method_name == "adapter_files" else [None]
 
     def log(what):
         calls.append((what, gate.version, gate.active))
         moved.set()
 
     monkeypatch.setattr(ray, "get", lambda refs: refs)
-    trainer = AgentTrainer(SimpleNamespace(args=args), Recorder(), None, [Recorder()], None)
+    trainer = AgentTrainer(SimpleNamespace(args=args), Recorder(), None, [Recorder()], None, adapter=adapter)
     gate, sync = trainer.gate, threading.Thread(target=trainer.broadcast_to_vllm)
     # Where a sync starts to wait is in no record: the gate's own wait_for is logged there, and still does the wait.
     wait_for = gate.cond.wait_for
@@ -464,6 +467,11 @@ def test_a_weight_sync_waits_for_generations_in_flight_unless_partial(partial, m
 
     results = asyncio.run(scenario())
     sync.join(timeout=30)
+    if adapter:  # what a LoRA sync sends in place of upstream's broadcast, at the same point
+        sent = [c for c in calls if c[0] in ("adapter_files", "load_adapter")]
+        assert [c[0] for c in sent] == ["adapter_files", "load_adapter"] and sent[0][1:] == sent[1][1:]
+        i = calls.index(sent[0])
+        calls[i:i + 2] = [("broadcast_to_vllm", *sent[0][1:])]
     assert not sync.is_alive() and [s["version"] for s in gate.log] == [1] and gate.version == 1  # one sync, one more
     if partial:  # (what, the gate's version, generations in the gate): paused, sent, resumed, then generation 1 ends
         assert calls == [("generation 1 starts", 0, 1), ("pause_generation", 0, 1), ("broadcast_to_vllm", 0, 1),
