@@ -317,14 +317,20 @@ def test_a_view_may_name_a_later_agent_only_outside_the_chain(tmp_path):
 # ---------------------------------------------------------------- weight versions (async training)
 
 
-def test_each_action_records_its_agents_weight_versions(tokenizer, tmp_path):
-    # Each agent's engines at another version: an action records its own agent's, and the version each agent of an
-    # earlier round acted with; never a same-round agent's (generated at the same time, not in its input).
+def debate_round_trip(tokenizer):
+    """The debate topology with scripted replies: two rounds of both debaters, then the judge."""
     topology = load_topology(f"{REPO}/examples/configs/debate.yaml", model_override="tiny")
     script = Script(tokenizer, {
         "debater_a": ["A0: \\boxed{12}.", "A1: \\boxed{10}."], "debater_b": ["B0: \\boxed{10}.", "B1: \\boxed{10}."],
         "judge": ["\\boxed{10}"],
     })  # fmt: skip
+    return topology, script
+
+
+def test_each_action_records_its_agents_weight_versions(tokenizer, tmp_path):
+    # Each agent's engines at another version: an action records its own agent's, and the version each agent of an
+    # earlier round acted with; never a same-round agent's (generated at the same time, not in its input).
+    topology, script = debate_round_trip(tokenizer)
     for name, version in (("debater_a", 4), ("debater_b", 7), ("judge", 1)):
         script.policies[name].gate.version = version
     episode, _ = play(topology, script, tmp_path)
@@ -339,11 +345,7 @@ def test_an_agent_that_acted_twice_counts_at_its_oldest_version(tokenizer, tmp_p
     # A sync of debater_a's weights lands between its two rounds: its second reply is made by version 5, its first
     # by 4. The judge saw both, so its action is as stale as the older one: it records debater_a at 4 (issue 51:
     # the newest, 5, understated how far behind the judge's input was).
-    topology = load_topology(f"{REPO}/examples/configs/debate.yaml", model_override="tiny")
-    script = Script(tokenizer, {
-        "debater_a": ["A0: \\boxed{12}.", "A1: \\boxed{10}."], "debater_b": ["B0: \\boxed{10}.", "B1: \\boxed{10}."],
-        "judge": ["\\boxed{10}"],
-    })  # fmt: skip
+    topology, script = debate_round_trip(tokenizer)
     gate = script.policies["debater_a"].gate
     gate.version = 4
     generate = script.policies["debater_a"].generate
@@ -364,11 +366,7 @@ def test_versions_when_syncs_land_between_rounds_and_mid_generation(tokenizer, t
     # open: first debater_b's (waiting, as without partial rollouts, for its round-0 generation to leave the gate),
     # so it lands between b's rounds; then debater_a's, partial (wait=False), in the middle of that generation. The
     # engines are Script's stand-ins (no model: what counts is the order, and an engine held open until a sync lands).
-    topology = load_topology(f"{REPO}/examples/configs/debate.yaml", model_override="tiny")
-    script = Script(tokenizer, {
-        "debater_a": ["A0: \\boxed{12}.", "A1: \\boxed{10}."], "debater_b": ["B0: \\boxed{10}.", "B1: \\boxed{10}."],
-        "judge": ["\\boxed{10}"],
-    })  # fmt: skip
+    topology, script = debate_round_trip(tokenizer)
     a, b = (script.policies[name] for name in ("debater_a", "debater_b"))
     a_generate, b_generate, b_returned = a.generate, b.generate, asyncio.Event()
 
