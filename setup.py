@@ -33,7 +33,7 @@ setup(
     install_requires=[
         "openrlhf[vllm]==0.11.2", "torch", "transformers", "tokenizers", "huggingface-hub", "ray[default]", "einops",
         "tqdm", "aiohttp", "yarl", "pyyaml", "numpy", "pandas", "scikit-learn", "math-verify", "deepspeed", "peft",
-        "safetensors", "scipy",
+        "safetensors", "scipy", "matplotlib",
     ],
     entry_points={"console_scripts": ["mappa=openrlhf_mappa.cli.mappa:main"]},
     cmdclass={"build_py": BuildPyWithPth},

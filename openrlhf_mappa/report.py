@@ -1,15 +1,18 @@
 """`mappa report RUN_DIR [RUN_DIR ...]`: one self-contained HTML page about training runs, readable from file://.
 
 It shows a run directory's metrics.jsonl (curves per agent, coach verdicts, the coach-bias audit), eval.jsonl and
-episodes.jsonl (a trajectory viewer); several runs share each chart, one line style per run. Nothing is fetched
-(inline SVG drawn by a few lines of JS). Agent output is untrusted: all data travels as JSON in a script block
-with every `<` escaped, and the page shows it through textContent only.
+episodes.jsonl (a trajectory viewer); several runs share each chart, one line style per run. Nothing is fetched:
+the curves are matplotlib's SVG, inlined. Agent output is untrusted: the viewer's data travels as JSON in a script
+block with every `<` escaped and the page shows it through textContent only; the charts' text is SVG-escaped.
 """
 
 import html
+import io
 import json
 import math
 import os
+import re
+import xml.etree.ElementTree as ET
 
 from openrlhf_mappa.episode import VERDICT_STATUSES, read_jsonl
 
@@ -18,6 +21,15 @@ MAX_TEXT = 4000  # characters kept of each text shown in the viewer (the middle 
 AGENT_CURVES = ("coach_score", "outcome_success", "kl", "action_length", "tool_use_rate", "tool_error_rate",
                 "code_error_rate", "truncated_rate", "answer_format_rate")
 EVAL_FIELDS = ("step", "dataset", "n_problems", "n_samples")  # eval.jsonl keys that are not curves
+LINE_STYLES = (("solid", "-"), ("dashed", "--"), ("dotted", ":"), ("dash-dotted", "-."))  # one per run
+# Text as SVG <text> (small files; tick labels a test can read); no mathtext, so a "$" in a name is text; axes
+# ending at round ticks; every point kept (no path simplification); a fixed hash salt and, in draw, no
+# metadata, so the same runs give the same page.
+STYLE = {"svg.fonttype": "none", "svg.hashsalt": "mappa", "text.parse_math": False, "path.simplify": False,
+         "axes.autolimit_mode": "round_numbers", "axes.xmargin": 0, "axes.ymargin": 0, "font.size": 8,
+         "font.sans-serif": ["DejaVu Sans"], "axes.titlelocation": "left", "axes.titleweight": "bold",
+         "axes.grid": True, "grid.color": "#e4e4e4"}
+SVG_NS = "http://www.w3.org/2000/svg"
 
 
 def series(rows: list, key: str, name: str) -> dict:
@@ -167,19 +179,90 @@ def combine(runs: list, labels: list) -> dict:
                 into["series"] += [dict(s, run=i) for s in c["series"]]
         sections[name] = list(merged.values())
     head = ("run_dir", "steps", "agents", "episodes_total", "bias_warning_steps", "template_switches")
-    return {"runs": [dict({k: r[k] for k in head}, label=label) for r, label in zip(runs, labels)],
+    headers = [dict({k: r[k] for k in head}, label=label, line=LINE_STYLES[i % len(LINE_STYLES)][0])
+               for i, (r, label) in enumerate(zip(runs, labels))]
+    return {"runs": headers,
             "episodes_total": sum(r["episodes_total"] for r in runs),
             "episodes": [dict(ep, run=i) for i, r in enumerate(runs) for ep in r["episodes"]], "sections": sections}
+
+
+def draw(c: dict, runs: list, gid: str) -> str:
+    """One chart as SVG: each series a line coloured by its name (an agent keeps its colour across runs),
+    styled by its run, a dot per point; each coach template switch a dashed grey line; the legend below."""
+    import matplotlib  # here: the launcher and `mappa paper-table` import this module and never draw
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    many = len(runs) > 1
+    names = list(dict.fromkeys(s["name"] for s in c["series"]))
+    steps = [p[0] for s in c["series"] for p in s["points"]]
+    values = [p[1] for s in c["series"] for p in s["points"]]
+    marks = {}  # gid: (attributes of its <g>, hover titles of its points or of the line)
+    lines, labels = [], []
+    with matplotlib.rc_context(STYLE):
+        fig = Figure(figsize=(4.4, 2.3 + 0.14 * math.ceil(len(c["series"]) / 2)), layout="constrained")
+        ax = fig.add_subplot(title=c["title"], xlabel="step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        for k, s in enumerate(c["series"]):
+            label = (runs[s["run"]]["label"] + ": " if many else "") + s["name"]
+            (line,) = ax.plot(*zip(*s["points"]), color=f"C{names.index(s['name']) % 10}", marker="o",
+                              linestyle=LINE_STYLES[s["run"] % len(LINE_STYLES)][1], gid=f"{gid}s{k}",
+                              markersize=3 if len(s["points"]) > 30 else 5, clip_on=False)
+            marks[line.get_gid()] = ({"class": "series", "data-series": s["name"], "data-run": str(s["run"])},
+                                     [f"{label}, step {x}: {y:.3g}" for x, y in s["points"]])
+            lines.append(line)
+            labels.append(label)
+        if c["scale"]:
+            ax.update_datalim([(steps[0], c["scale"][0]), (steps[0], c["scale"][1])])
+        elif min(values) == max(values):  # a constant series: an axis from 0 to its value (to 1 when it is 0)
+            ax.update_datalim([(steps[0], 0), (steps[0], 0 if values[0] else 1)])
+        if min(steps) == max(steps):  # one step: a step either side, not a hundredth of one
+            ax.set_xlim(max(0, steps[0] - 1), steps[0] + 1)
+        for r, run in enumerate(runs):
+            shown = [w for w in run["template_switches"] if min(steps) <= w["step"] <= max(steps)]
+            for k, w in enumerate(shown):
+                line = ax.axvline(w["step"], color="#888", linestyle=(0, (4, 3)), lw=1, gid=f"{gid}r{r}w{k}")
+                title = f"coach template stage {w['stage']} from step {w['step']}"
+                marks[line.get_gid()] = ({"class": "switch"}, [(run["label"] + ": " if many else "") + title])
+        fig.legend(lines, labels, loc="outside lower center", ncols=2, frameon=False)
+        svg = io.StringIO()
+        fig.savefig(svg, format="svg", metadata={"Creator": None, "Date": None, "Format": None, "Type": None})
+    return annotate(svg.getvalue(), marks)
+
+
+def annotate(svg: str, marks: dict) -> str:
+    """matplotlib's SVG with what a reader hovers and a test reads: the <g> of each series or switch named
+    (class, series, run) and given a <title> per point (a series' dots, in order) or for the whole (a switch)."""
+    ET.register_namespace("", SVG_NS)  # written back as matplotlib wrote it: <svg xmlns=...>, xlink:href
+    ET.register_namespace("xlink", "http://www.w3.org/1999/xlink")
+    root = ET.fromstring(svg)
+    for g in list(root.iter(f"{{{SVG_NS}}}g")):
+        if g.get("id") in marks:
+            attributes, titles = marks[g.get("id")]
+            g.attrib.update(attributes)
+            for target, title in zip(list(g.iter(f"{{{SVG_NS}}}use")) or [g], titles):
+                ET.SubElement(target, f"{{{SVG_NS}}}title").text = title
+    return ET.tostring(root, encoding="unicode")
+
+
+def section(name: str, charts, runs: list) -> str:
+    """A section's charts as HTML figures, or the line that says why it has none."""
+    if charts is None:
+        return "<p>no evaluation in this run (no eval.jsonl)</p>"
+    figures = [f'<figure class="chart" data-title="{html.escape(c["title"])}">{draw(c, runs, f"{name}{i}")}'
+               "</figure>" for i, c in enumerate(charts)]
+    return "".join(figures) or "<p>no data in this run</p>"
 
 
 def render(data: dict) -> str:
     # NaN/Infinity are not JSON: they become null. Every "<" is escaped so no agent text can close the script
     # block or open a comment in it; ASCII-only JSON also carries a lone surrogate that UTF-8 could not encode.
     data = json.loads(json.dumps(data), parse_constant=lambda _: None)
-    payload = json.dumps(data).replace("<", "\\u003c")
-    title = html.escape("MAPPA run " + " vs ".join(r["run_dir"] for r in data["runs"]))
-    before, after = TEMPLATE.split("__DATA__")  # the payload is never searched for a placeholder
-    return before.replace("__TITLE__", title) + payload + after
+    parts = {name: section(name, charts, data["runs"]) for name, charts in data.pop("sections").items()}
+    parts["DATA"] = json.dumps(data).replace("<", "\\u003c")
+    parts["TITLE"] = html.escape("MAPPA run " + " vs ".join(r["run_dir"] for r in data["runs"]))
+    # One pass: no chart's or payload's text is ever searched for a placeholder.
+    return re.sub(r"__(\w+)__", lambda m: parts[m.group(1)], TEMPLATE)
 
 
 def write_report(*run_dirs: str, out: str = None) -> str:
@@ -201,8 +284,7 @@ TEMPLATE = """<!DOCTYPE html>
 <style>
 body { font: 14px sans-serif; margin: 1em 2em; color: #222; }
 .charts { display: flex; flex-wrap: wrap; gap: 1em; }
-figure.chart { margin: 0; } .legend { max-width: 420px; font-size: 12px; }
-.legend .item { margin-right: 1em; white-space: nowrap; display: inline-block; } .legend svg { margin-right: 3px; }
+figure.chart { margin: 0; }
 #header .run { margin-bottom: 0.5em; }
 #viewer { display: flex; gap: 1em; align-items: flex-start; }
 #episodes { list-style: none; padding: 0; margin: 0; width: 28em; max-height: 80vh; overflow-y: auto; }
@@ -215,10 +297,10 @@ pre { white-space: pre-wrap; word-break: break-all; background: #fff8; padding: 
 <body>
 <h1>MAPPA training report</h1>
 <div id="header"></div>
-<h2>Training curves</h2><div id="training" class="charts"></div>
-<h2>Coach verdicts</h2><div id="coach" class="charts"></div>
-<h2>Coach-bias audit</h2><p id="bias-warning"></p><div id="bias" class="charts"></div>
-<h2>Evaluation</h2><div id="eval" class="charts"></div>
+<h2>Training curves</h2><div id="training" class="charts">__training__</div>
+<h2>Coach verdicts</h2><div id="coach" class="charts">__coach__</div>
+<h2>Coach-bias audit</h2><p id="bias-warning"></p><div id="bias" class="charts">__bias__</div>
+<h2>Evaluation</h2><div id="eval" class="charts">__eval__</div>
 <h2>Trajectories</h2>
 <p id="episodes-note"></p>
 <p><span id="f-run-box" hidden>run <select id="f-run"><option value="">all</option></select></span>
@@ -230,107 +312,26 @@ outcome <select id="f-ok"><option value="">all</option><option value="true">succ
 <script>
 "use strict";
 const D = JSON.parse(document.getElementById("data").textContent);
-const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
-const DASHES = [["solid", ""], ["dashed", "6 3"], ["dotted", "2 2"], ["dash-dotted", "8 3 2 3"]];  // one per run
 const fmt = v => (v == null ? "-" : String(+(+v).toPrecision(3)));
 
 // Data only ever becomes text (textContent) or an attribute value, never markup.
-function fill(e, attrs, text) {
+function el(tag, attrs, text) {
+  const e = document.createElement(tag);
   for (const k in attrs || {}) e.setAttribute(k, attrs[k]);
   if (text != null) e.textContent = text;
   return e;
-}
-const el = (tag, attrs, text) => fill(document.createElement(tag), attrs, text);
-const svg = (parent, tag, attrs, text) =>
-  parent.appendChild(fill(document.createElementNS("http://www.w3.org/2000/svg", tag), attrs, text));
-
-// Round tick values (1, 2 or 5 × 10^k apart, about n of them) from lo to hi. `outward`: the first and last
-// tick enclose [lo, hi] and become the axis ends; otherwise only ticks inside [lo, hi] (steps: integers).
-function ticks(lo, hi, n, outward) {
-  const raw = (hi - lo) / n, mag = Math.pow(10, Math.floor(Math.log10(raw)));
-  let step = [1, 2, 5, 10].map(m => m * mag).find(x => x >= raw * 0.999);
-  if (!outward) step = Math.max(1, Math.round(step));
-  const e = outward ? 1e-9 : -1e-9;  // a bound within rounding error of a tick is that tick
-  const a = (outward ? Math.floor : Math.ceil)(lo / step + e), b = (outward ? Math.ceil : Math.floor)(hi / step - e);
-  const out = [];
-  for (let i = a; i <= b; i++) out.push(+(i * step).toPrecision(12));
-  return out;
-}
-
-// One chart: each series [[step, value], ...] a polyline over shared axes with ticks and light gridlines,
-// a dot per point whose hover title gives the value, and a legend. A line's colour is its name (an agent
-// keeps its colour across runs), its dash pattern its run.
-function chart(c) {
-  const W = 420, H = 240, L = 48, R = 14, T = 24, B = 34, many = D.runs.length > 1;
-  const pts = c.series.flatMap(s => s.points);
-  let x0 = Math.min(...pts.map(p => p[0])), x1 = Math.max(...pts.map(p => p[0]));
-  let y0 = Math.min(...pts.map(p => p[1])), y1 = Math.max(...pts.map(p => p[1]));
-  if (c.scale) { y0 = Math.min(y0, c.scale[0]); y1 = Math.max(y1, c.scale[1]); }
-  if (x0 === x1) { x0 = Math.max(0, x0 - 1); x1 += 1; }
-  // A constant series sits on an axis from 0 to its value (0 to 1 when it is 0), not on an invented range.
-  if (y0 === y1) { y0 = Math.min(0, y0); y1 = Math.max(0, y1) || 1; }
-  const yt = ticks(y0, y1, 5, true), xt = ticks(x0, x1, 6, false);
-  y0 = yt[0]; y1 = yt[yt.length - 1];
-  const X = x => (L + (x - x0) / (x1 - x0) * (W - L - R)).toFixed(1);
-  const Y = y => (H - B - (y - y0) / (y1 - y0) * (H - T - B)).toFixed(1);
-  const fig = el("figure", {class: "chart", "data-title": c.title});
-  const s = svg(fig, "svg", {width: W, height: H});
-  svg(s, "text", {x: L, y: 14, "font-weight": "bold"}, c.title);
-  for (const v of yt) {
-    svg(s, "line", {class: "grid", x1: L, x2: W - R, y1: Y(v), y2: Y(v), stroke: "#e4e4e4"});
-    svg(s, "text", {class: "tick y", x: L - 5, y: +Y(v) + 4, "text-anchor": "end", "font-size": 11}, fmt(v));
-  }
-  for (const v of xt) {
-    svg(s, "line", {class: "grid", x1: X(v), x2: X(v), y1: T, y2: H - B, stroke: "#f0f0f0"});
-    svg(s, "line", {x1: X(v), x2: X(v), y1: H - B, y2: H - B + 4, stroke: "#888"});
-    svg(s, "text", {class: "tick x", x: X(v), y: H - B + 16, "text-anchor": "middle", "font-size": 11}, fmt(v));
-  }
-  svg(s, "polyline", {class: "axis", points: `${L},${T} ${L},${H - B} ${W - R},${H - B}`, fill: "none",
-                      stroke: "#888"});
-  svg(s, "text", {x: W - R, y: H - 4, "text-anchor": "end", "font-size": 11, fill: "#555"}, "step");
-  for (const r of D.runs)
-    for (const w of r.template_switches.filter(w => w.step >= x0 && w.step <= x1)) {
-      const line = svg(s, "line", {class: "switch", x1: X(w.step), x2: X(w.step), y1: T, y2: H - B, stroke: "#888",
-                                   "stroke-dasharray": "4 3"});
-      svg(line, "title", {}, `${many ? r.label + ": " : ""}coach template stage ${w.stage} from step ${w.step}`);
-    }
-  const names = [...new Set(c.series.map(ser => ser.name))];
-  const legend = el("div", {class: "legend"});
-  for (const ser of c.series) {
-    const color = COLORS[names.indexOf(ser.name) % COLORS.length], dash = DASHES[ser.run % DASHES.length][1];
-    const name = (many ? D.runs[ser.run].label + ": " : "") + ser.name;
-    svg(s, "polyline", {class: "series", "data-series": ser.name, "data-run": ser.run, fill: "none", stroke: color,
-                        "stroke-width": 1.5, "stroke-dasharray": dash,
-                        points: ser.points.map(p => X(p[0]) + "," + Y(p[1])).join(" ")});
-    for (const p of ser.points) {
-      const dot = svg(s, "circle", {cx: X(p[0]), cy: Y(p[1]), r: ser.points.length > 30 ? 1.5 : 2.5, fill: color});
-      svg(dot, "title", {}, `${name}, step ${p[0]}: ${fmt(p[1])}`);
-    }
-    const item = legend.appendChild(el("span", {class: "item"}, " " + name));
-    const key = svg(item, "svg", {width: 22, height: 8});
-    svg(key, "line", {x1: 0, x2: 22, y1: 4, y2: 4, stroke: color, "stroke-width": 2, "stroke-dasharray": dash});
-    item.prepend(key);
-  }
-  fig.append(legend);
-  return fig;
 }
 
 for (const r of D.runs) {
   const steps = r.steps.length ? `${r.steps.length} (${r.steps[0]} to ${r.steps[r.steps.length - 1]})` : "none";
   const box = document.getElementById("header").appendChild(el("div", {class: "run"}));
-  if (D.runs.length > 1) box.append(el("b", {}, `${r.label} (${DASHES[D.runs.indexOf(r) % DASHES.length][0]} lines)`));
+  if (D.runs.length > 1) box.append(el("b", {}, `${r.label} (${r.line} lines)`));
   for (const [k, v] of [["run directory", r.run_dir], ["steps", steps], ["episodes", r.episodes_total],
                         ["agents", r.agents.join(", ")]])
     box.append(el("div", {}, `${k}: ${v}`));
   if (r.template_switches.length)  // dashed lines on the charts
     box.append(el("div", {}, "coach criteria switches: " +
                              r.template_switches.map(w => `stage ${w.stage} from step ${w.step}`).join(", ")));
-}
-for (const [name, charts] of Object.entries(D.sections)) {
-  const box = document.getElementById(name);
-  if (charts === null) box.append(el("p", {}, "no evaluation in this run (no eval.jsonl)"));
-  else if (!charts.length) box.append(el("p", {}, "no data in this run"));
-  else for (const c of charts) box.append(chart(c));
 }
 const warned = D.runs.filter(r => r.bias_warning_steps.length);
 document.getElementById("bias-warning").textContent = warned.length

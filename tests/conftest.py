@@ -427,12 +427,12 @@ def render_report_dom(html_path: str) -> Node:
 
 
 def assert_report_renders(html_path: str, agents, steps: int, episodes: int) -> Node:
-    """`mappa report`'s page, rendered: every agent's action-length curve has a point per logged step, the
+    """`mappa report`'s page, rendered: every agent's action-length curve has a dot per logged step, the
     viewer lists the episodes and shows the newest one's actions with their coach verdicts. Returns the DOM."""
     dom = render_report_dom(html_path)
     charts = {f.attrs["data-title"]: f for f in dom.find_all("figure", "chart")}
-    lines = {p.attrs["data-series"]: p.attrs["points"].split() for p in charts["agent/*/action_length"].find_all("polyline", "series")}
-    assert {a: len(lines.get(a, [])) for a in agents} == {a: steps for a in agents}
+    dots = {g.attrs["data-series"]: g.find_all("use") for g in charts["agent/*/action_length"].find_all("g", "series")}
+    assert {a: len(dots.get(a, [])) for a in agents} == {a: steps for a in agents}
     assert len(dom.find_all("li", "episode")) == episodes
     cards = dom.find_all("div", "action")
     assert cards and all(c.find_all("div", "score") and c.find_all("pre", "rationale") for c in cards)

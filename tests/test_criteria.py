@@ -240,7 +240,7 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
     dom = render_report_dom(str(out))
     assert "coach criteria switches: stage 1 from step 3, stage 2 from step 5" in dom.text()
     chart = next(f for f in dom.find_all("figure", "chart") if f.attrs["data-title"] == "agent/*/code_error_rate")
-    assert [line.find_all("title")[0].text() for line in chart.find_all("line", "switch")] == [
+    assert [line.find_all("title")[0].text() for line in chart.find_all("g", "switch")] == [
         "coach template stage 1 from step 3", "coach template stage 2 from step 5"]  # fmt: skip
 
 

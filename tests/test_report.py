@@ -73,13 +73,19 @@ def test_agent_text_cannot_break_out_of_the_page(tmp_path):
     episodes = [{"episode_id": f"e{i}", "task_id": "t", "step": 1, "outcome": {"success": True, "metric": float("inf")},
                  "actions": [dict(action, response_text=HOSTILE + "\ud800" if i == 249 else "x" * 10_000)]} for i in range(250)]  # fmt: skip
     write_jsonl(tmp_path / "episodes.jsonl", episodes)
+    # In the charts' text too (a title, a legend); a "$" is text, not matplotlib's mathtext.
+    write_jsonl(tmp_path / "eval.jsonl", [{"step": 1, "dataset": HOSTILE + " $\\frac$", HOSTILE: 0.5}])
     page = open(report.write_report(str(tmp_path)), encoding="utf-8").read()  # a lone surrogate is written, too
     assert "<img" not in page and "<!--" not in page and page.count("</script>") == 2  # the page's own two blocks
+    # escaped in the eval chart's figure and SVG titles, its series' name, its dot's title and its legend
+    assert page.count("&lt;/script&gt;&lt;img src=x") == 5
+    # No date or version: the same runs give the same page.
+    assert "<metadata" not in page and open(report.write_report(str(tmp_path)), encoding="utf-8").read() == page
     payload = page[page.index('id="data">') + len('id="data">') : page.index("</script>")]
     data = json.loads(payload)  # valid JSON: NaN and Infinity became null
     assert data["episodes_total"] == 250 and len(data["episodes"]) == report.MAX_EPISODES
     assert data["episodes"][-1]["actions"][0]["response"] == HOSTILE + "\ud800" and data["episodes"][-1]["task"] == HOSTILE
-    assert data["episodes"][0]["outcome"]["metric"] is None and "agent/*/kl" not in str(data["sections"])
+    assert data["episodes"][0]["outcome"]["metric"] is None and 'data-title="agent/*/kl"' not in page
     clipped = data["episodes"][0]["actions"][0]["response"]
     assert len(clipped) < 4100 and "[... 6000 characters cut ...]" in clipped
 
@@ -138,7 +144,8 @@ def test_report_renders_in_chromium(tmp_path):
 
     dom = assert_report_renders(str(out), agents, steps=3, episodes=12)
     charts = {f.attrs["data-title"]: f for f in dom.find_all("figure", "chart")}
-    points = {(t, p.attrs["data-series"]): len(p.attrs["points"].split()) for t, f in charts.items() for p in f.find_all("polyline", "series")}
+    points = {(t, g.attrs["data-series"]): len(g.find_all("use"))
+              for t, f in charts.items() for g in f.find_all("g", "series")}
     for a in agents:
         assert points["agent/*/coach_score", a] == points["agent/*/tool_use_rate", a] == 3
         assert points[f"{a}: mean coach score per task type", "math"] == 3
@@ -146,7 +153,15 @@ def test_report_renders_in_chromium(tmp_path):
     assert points["final agent's coach score vs outcome", "mean score on success"] == 2  # step 1: no success
     assert points["amc_eval_32 (32 problems x 4 samples)", "accuracy"] == 2
     assert points["amc_eval_32: agent/*/answer_format_rate", "verifier"] == 2  # behaviour on the eval set, per agent
-    assert len(charts["agent/*/coach_score"].find_all("circle")) == 9  # a hover dot per point
+    # The values drawn are the logged ones (the dots' positions read back through the axes' ticks), each dot's
+    # hover title gives its value.
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    coach = {g.attrs["data-series"]: g for g in charts["agent/*/coach_score"].find_all("g", "series")}
+    for a in agents:
+        logged = [(r["step"], r[f"agent/{a}/coach_score"]) for r in rows]
+        assert drawn(charts["agent/*/coach_score"])[a, "0"] == pytest.approx(sum(logged, ()), abs=1e-4)
+        assert [t.text() for t in coach[a].find_all("title")] == [f"{a}, step {s}: {v:.3g}" for s, v in logged]
+    assert drawn(charts["amc_eval_32 (32 problems x 4 samples)"])["accuracy", "0"] == pytest.approx((1, 0.1, 3, 0.3))
 
     # The newest episode is shown: the hostile reply as text, the coder's tool run, the verifier's failed verdict.
     cards = {c.attrs["data-agent"]: c for c in dom.find_all("div", "action")}
@@ -161,8 +176,27 @@ def test_report_renders_in_chromium(tmp_path):
     assert "no coach-bias warning" in dom.text()
 
 
+def ticks(figure, axis) -> list:
+    """(label, position) of each tick matplotlib drew on a chart's axis ("x" or "y")."""
+    groups = [g for g in figure.find_all("g") if re.fullmatch(axis + r"tick_\d+", g.attrs.get("id", ""))]
+    return [(g.find_all("text")[0].text(), float(g.find_all("use")[0].attrs[axis])) for g in groups]
+
+
 def tick_labels(figure, axis) -> list:
-    return [t.text() for t in figure.find_all("text", "tick") if axis in t.attrs["class"].split()]
+    return [label for label, _ in ticks(figure, axis)]
+
+
+def from_position(figure, axis, position) -> float:
+    """An SVG coordinate on a chart's axis as the value it stands for, through the axis' first and last ticks."""
+    (first, at_first), *_, (last, at_last) = ticks(figure, axis)
+    return float(first) + (position - at_first) * (float(last) - float(first)) / (at_last - at_first)
+
+
+def drawn(figure) -> dict:
+    """Each series of a chart by (name, run): its dots' (step, value, step, value, ...), read from their positions."""
+    return {(g.attrs["data-series"], g.attrs["data-run"]): tuple(from_position(figure, axis, float(u.attrs[axis]))
+                                                               for u in g.find_all("use") for axis in ("x", "y"))
+            for g in figure.find_all("g", "series")}
 
 
 def test_report_screenshot_has_ticks_and_opens_with_success_and_coach_scores(tmp_path):
@@ -182,11 +216,12 @@ def test_report_screenshot_has_ticks_and_opens_with_success_and_coach_scores(tmp
     charts = dom.find_all("figure", "chart")
     # It opens with the success rate, then each agent's coach score, on their whole scales.
     assert [c.attrs["data-title"] for c in charts[:2]] == ["outcome/success_rate", "agent/*/coach_score"]
-    assert tick_labels(charts[0], "y") == ["0", "0.2", "0.4", "0.6", "0.8", "1"]
+    assert tick_labels(charts[0], "y") == ["0.0", "0.2", "0.4", "0.6", "0.8", "1.0"]
     assert tick_labels(charts[1], "y") == ["0", "2", "4", "6", "8", "10"]
     assert tick_labels(charts[0], "x") == ["1", "2", "3"]  # one per step
-    assert {p.attrs["data-series"] for p in charts[1].find_all("polyline", "series")} == set(agents)
-    assert all(len(c.find_all("line", "grid")) >= 4 for c in charts)  # light gridlines at the ticks
+    assert {g.attrs["data-series"] for g in charts[1].find_all("g", "series")} == set(agents)
+    grid = [[p for p in c.find_all("path") if "stroke: #e4e4e4" in p.attrs.get("style", "")] for c in charts]
+    assert all(len(lines) >= 4 for lines in grid)  # light gridlines at the ticks
     # A constant series (every action the same length each step) gets an axis from 0 to its value.
     lengths = {json.loads(line)["agent/solver/action_length"] for line in open(run_dir / "metrics.jsonl")}
     assert len(lengths) == 1
@@ -207,19 +242,22 @@ def test_two_runs_overlay(tmp_path):
     # Self-contained: outside its data (agent text, shown as text only) the page fetches nothing.
     page = open(proc.stdout.strip(), encoding="utf-8").read()
     page = re.sub(r'<script type="application/json" id="data">.*?</script>', "", page, flags=re.S)
-    assert "function chart(" in page and not re.search(r"<(link|img|iframe)|src=|href=|url\(|import ", page)
+    # The charts are matplotlib's SVG inline, their references (a dot's shape, a clip path) within the page.
+    assert page.count("<svg") == page.count('<figure class="chart"') > 0
+    assert not re.search(r'<(link|img|iframe)|src=|href="[^#]|url\([^#]|import ', page)
     dom = render_report_dom(proc.stdout.strip())
     charts = {f.attrs["data-title"]: f for f in dom.find_all("figure", "chart")}
     for title in ("outcome/success_rate", "agent/*/coach_score", "coach verdicts by status"):
-        lines = charts[title].find_all("polyline", "series")
+        lines = charts[title].find_all("g", "series")
         points = {}
-        for p in lines:
-            points.setdefault(p.attrs["data-run"], []).append(len(p.attrs["points"].split()))
+        for g in lines:
+            points.setdefault(g.attrs["data-run"], []).append(len(g.find_all("use")))
         assert set(points["0"]) == {3} and set(points["1"]) == {2}, (title, points)  # each run's own steps
-        # One line style per run, a legend entry per run and series.
-        assert {p.attrs["stroke-dasharray"] for p in lines if p.attrs["data-run"] == "0"} == {""}
-        assert "" not in {p.attrs["stroke-dasharray"] for p in lines if p.attrs["data-run"] == "1"}
-    legend = [i.text().strip() for i in charts["agent/*/coach_score"].find_all("span", "item")]
+        # One line style per run (solid, then dashed), a legend entry per run and series.
+        dashed = {g.attrs["data-run"]: "stroke-dasharray" in g.find_all("path")[0].attrs["style"] for g in lines}
+        assert dashed == {"0": False, "1": True}
+    legend = next(g for g in charts["agent/*/coach_score"].find_all("g") if g.attrs.get("id") == "legend_1")
+    legend = [t.text() for t in legend.find_all("text")]
     assert legend == [f"{run}/run: {a}" for run in ("process", "outcome") for a in agents]
     # Both runs in the header; the viewer lists every episode of both, labelled, with a run filter.
     assert "process/run (solid lines)" in dom.text() and "outcome/run (dashed lines)" in dom.text()
@@ -236,7 +274,8 @@ def test_report_shows_the_hindsight_review_and_both_verdicts(tmp_path):
     report.write_report(str(run_dir), out=str(out))
     dom = assert_report_renders(str(out), agents, steps=3, episodes=12)
     charts = {f.attrs["data-title"]: f for f in dom.find_all("figure", "chart")}
-    points = {(t, p.attrs["data-series"]): p.attrs["points"].split() for t, f in charts.items() for p in f.find_all("polyline", "series")}
+    points = {(t, g.attrs["data-series"]): g.find_all("use") for t, f in charts.items()
+              for g in f.find_all("g", "series")}
     assert len(points["coach requests per step", "requests"]) == len(points["hindsight reviews by status", "ok"]) == 3
     # The newest episode solved its task: the heuristic coach holds its last action (the verifier's) responsible.
     assert dom.find_all("div", "review")[0].text().startswith("hindsight review (heuristic): action 3 held responsible")
