@@ -224,7 +224,7 @@ def draw(c: dict, runs: list, gid: str) -> str:
                 line = ax.axvline(w["step"], color="#888", linestyle=(0, (4, 3)), lw=1, gid=f"{gid}r{r}w{k}")
                 title = f"coach template stage {w['stage']} from step {w['step']}"
                 marks[line.get_gid()] = ({"class": "switch"}, [(run["label"] + ": " if many else "") + title])
-        fig.legend(lines, labels, loc="outside lower center", ncols=2, frameon=False)
+        fig.legend(lines, labels, loc="outside lower center", ncols=2, frameon=False, handlelength=4)
         svg = io.StringIO()
         fig.savefig(svg, format="svg", metadata={"Creator": None, "Date": None, "Format": None, "Type": None})
     return annotate(svg.getvalue(), marks)
