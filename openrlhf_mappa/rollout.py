@@ -265,8 +265,8 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
                 feedback=result.feedback.as_text(),
                 ground_truth=call("coach_ground_truth", env.coach_ground_truth, spec),
                 env_grade=call("judge", env.judge, spec, response_text, result.feedback, truncated_at),
-                is_final_agent=spec is topology.agents[-1], runs_code=spec.runs_code, truncated_at=truncated_at,
-                round=action.round, position=action.position,
+                is_final_agent=spec is topology.agents[-1], runs_code=spec.runs_code,
+                truncated_at=truncated_at, round=action.round, position=action.position,
                 **({"coach_bias": coach_bias} if coach_bias is not None else {}),
             )
             episode.actions.append(action)

@@ -108,9 +108,9 @@ def step_metrics(args, topology, agents, owner, episodes, batches, status, dropp
 
 
 def behaviour_metrics(episodes: list, agent_names: list) -> dict:
-    """`agent/<name>/<metric>`: how each agent acts, whatever it is rewarded for. action_length in response tokens;
-    tool_error_rate over all actions, code_error_rate over those whose code ran; prompt_truncated counts prompts
-    that left history out, prompt_too_long_skipped actions not taken (Episode.skipped_actions);
+    """`agent/<name>/<metric>`: how each agent acts, whatever it is rewarded for. action_length in response
+    tokens; tool_error_rate over all actions, code_error_rate over those whose code ran; prompt_truncated
+    counts prompts that left history out, prompt_too_long_skipped actions not taken (Episode.skipped_actions);
     answer_format_rate only for agents that owe a final answer (MultiAgentEnv.answer_formatted)."""
     m = {}
     for name in agent_names:
@@ -125,7 +125,8 @@ def behaviour_metrics(episodes: list, agent_names: list) -> dict:
         m[p + "code_error_rate"] = sum(a.feedback.error for a in ran) / len(ran) if ran else None
         m[p + "truncated_rate"] = sum(a.truncated for a in acts) / len(acts) if acts else None
         m[p + "prompt_truncated"] = sum(a.prompt_truncated for a in acts)
-        m[p + "prompt_too_long_skipped"] = sum(s["agent"] == name for ep in episodes for s in ep.skipped_actions)
+        skipped = [s for ep in episodes for s in ep.skipped_actions if s["agent"] == name]
+        m[p + "prompt_too_long_skipped"] = len(skipped)
         if owed:
             m[p + "answer_format_rate"] = sum(owed) / len(owed)
     return m

@@ -16,7 +16,7 @@ _NUMBER_RE = re.compile(r"\d")
 class HeuristicCoach(Coach):
     """Rule-based coach: no LLM, no network, same request -> same verdict. The first rule that applies fires:
 
-    0. the environment's own grade of the action (`MultiAgentEnv.judge`, the request's `env_grade`): MathChat's
+    0. the environment's grade of the action (`MultiAgentEnv.judge`, the request's `env_grade`): MathChat's
        answer rule, DSBench's file contract, the relay's reply rule (see those environments).
     1. tool feedback: an error (Traceback, `XxxError:`, timeout, non-zero exit) -> 2; clean with output -> 7,
        clean without output -> 5.

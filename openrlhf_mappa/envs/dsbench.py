@@ -331,10 +331,11 @@ class DSBenchEnv(MultiAgentEnv):
         return {"success": check.pop("valid"), **check, "missing_files": missing}
 
     def judge(self, agent, response: str, feedback, truncated_at) -> tuple:
-        """The contract rule, from the workspace right after the action, so a missing artifact costs the agent that
-        had to make it: an earlier agent's file missing too -> 5 (not this agent's fault); its own files missing
-        -> 1 after an error or without code, 3 after a clean run; an invalid submission -> 3; files present after
-        an error -> 5; else 7, + 2 x the relative score (capped at 1) of a valid submission."""
+        """The contract rule, from the workspace right after the action, so that a missing artifact costs the
+        agent that had to make it: an earlier agent's file missing too -> 5 (not this agent's fault); its own
+        files missing -> 1 after an error or without code, 3 after a clean run; an invalid submission -> 3;
+        files present after an error -> 5; else 7, + 2 x the relative score (at most 1) of a valid
+        submission."""
         names = [a.name for a in self.topology.agents]
         upstream = [f for a in names[: names.index(agent.name)] for f in self.contract.get(a, [])]
         own = self.contract.get(agent.name, [])
@@ -351,7 +352,8 @@ class DSBenchEnv(MultiAgentEnv):
             return 5.0, "contract rule: its files exist but this action's code failed", False
         if check:  # the relative score is None only when the task has best == baseline
             rel = check["relative_score"] or 0.0
-            return 7.0 + 2.0 * min(1.0, rel), f"contract rule: valid submission, relative score {rel:.3f}", False
+            why = f"contract rule: valid submission, relative score {rel:.3f}"
+            return 7.0 + 2.0 * min(1.0, rel), why, False
         return 7.0, "contract rule: its files are saved", False
 
     def coach_ground_truth(self, agent) -> Optional[str]:

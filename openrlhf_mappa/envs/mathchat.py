@@ -1,7 +1,7 @@
 """MathChat (examples/configs/mathchat.yaml): a Problem Solver, a Code Executor and a Verifier, in that order.
 The default `MultiAgentEnv` already runs the Code Executor's Python; success is the last agent's final
-`\\boxed{}` answer equal to the task's answer (`grade`), which also grades that agent's actions for the offline coach
-(`judge`).
+`\\boxed{}` answer equal to the task's answer (`grade`), which also grades that agent's actions for the
+offline coach (`judge`).
 """
 
 import re
