@@ -11,10 +11,10 @@ The task is a chain in which credit assignment matters: with --chain 2, the upst
 then the downstream agent (which sees the upstream reply) must write a lowercase letter; --chain 3 puts a
 middle agent between them that must write an uppercase letter. The episode succeeds only if every agent did,
 so no agent can repair an earlier mistake. The coach judges each agent's own reply against its own goal (the
-heuristic coach's pattern rule; in hindsight mode the same rules over the whole episode, which also name the
-first action that broke its goal); the outcome baseline pays every action the joint result, so each agent's
-good replies go unrewarded whenever another agent failed. A random-init byte-level tiny model writes a digit
-in ~13% and a lowercase letter in ~31% of its 4-token replies.
+environment's pattern rule, `ChainEnv.judge`, which the heuristic coach takes; in hindsight mode the same rule
+over the whole episode, which also names the first action that broke its goal); the outcome baseline pays every
+action the joint result, so each agent's good replies go unrewarded whenever another agent failed. A random-init
+byte-level tiny model writes a digit in ~13% and a lowercase letter in ~31% of its 4-token replies.
 
 Success is smoothed by a trailing mean over --window steps; a run's "steps to threshold" is the first step
 whose trailing mean reaches --threshold. A run stops as soon as that happens (the rest of the run cannot
@@ -47,7 +47,6 @@ from typing import Optional
 
 import yaml
 
-from openrlhf_mappa.coach.heuristic import PATTERN_PREFIX
 from openrlhf_mappa.envs.base import MultiAgentEnv
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
@@ -63,7 +62,7 @@ FLAGS = {"process": ["--mappa.reward", "process"], "outcome": ["--mappa.reward",
 
 class ChainEnv(MultiAgentEnv):
     """Each agent acts once; success = every agent's reply matches its own pattern (env_kwargs `goals`).
-    The coach gets the agent's own pattern as ground truth, so it can judge each action on its own."""
+    Each action is graded against its own agent's pattern, so the coach can judge each action on its own."""
 
     task_type = "chain"
 
@@ -72,7 +71,14 @@ class ChainEnv(MultiAgentEnv):
         self.goals = goals
 
     def coach_ground_truth(self, agent) -> str:
-        return PATTERN_PREFIX + self.goals[agent.name]
+        return self.goals[agent.name]
+
+    def judge(self, agent, response, feedback, truncated_at) -> tuple:
+        """The pattern rule: 10 if the reply contains a match of the agent's pattern, else 0."""
+        pattern = self.goals[agent.name]
+        if re.search(pattern, response):
+            return 10.0, f"pattern rule: the output matches {pattern!r}", False
+        return 0.0, f"pattern rule: the output does not match {pattern!r}", True
 
     def outcome(self) -> dict:
         replies = {entry.agent: entry.response for entry in self.history}
@@ -110,7 +116,7 @@ def write_setup(out: str, seed: int, goals: dict, num_tasks: int) -> tuple:
         "env": "credit_assignment:ChainEnv",
         "env_kwargs": {"goals": goals},
         "agents": agents,
-        # Read only by an LLM coach; the heuristic coach checks the pattern it is given as ground truth.
+        # Read only by an LLM coach; the heuristic coach takes the environment's grade (ChainEnv.judge).
         "coach_template": "Agent {agent} ({role}) was given:\n{agent_input}\nIt replied:\n{agent_output}\n"
         "Its reply must contain a match of this pattern: {ground_truth}\n"
         "Reply PROCESS_SCORE: 10 if it does, else PROCESS_SCORE: 0.",

@@ -100,30 +100,6 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
-def behaviour_metrics(episodes: list, agent_names: list) -> dict:
-    """`agent/<name>/<metric>`: how each agent acts, whatever it is rewarded for. action_length in response tokens;
-    tool_error_rate over all actions, code_error_rate over those whose code ran; prompt_truncated counts prompts
-    that left history out, prompt_too_long_skipped actions not taken (Episode.skipped_actions);
-    answer_format_rate only for agents that owe a final answer (MultiAgentEnv.answer_formatted)."""
-    m = {}
-    for name in agent_names:
-        acts = [a for ep in episodes for a in ep.actions if a.agent == name]
-        ran = [a for a in acts if a.feedback.ran]
-        owed = [a.formatted for a in acts if a.formatted is not None]
-        p = f"agent/{name}/"
-        m[p + "num_actions"] = len(acts)
-        m[p + "action_length"] = _mean([len(a.response_ids) for a in acts])
-        m[p + "tool_use_rate"] = len(ran) / len(acts) if acts else None
-        m[p + "tool_error_rate"] = sum(a.feedback.error for a in acts) / len(acts) if acts else None
-        m[p + "code_error_rate"] = sum(a.feedback.error for a in ran) / len(ran) if ran else None
-        m[p + "truncated_rate"] = sum(a.truncated for a in acts) / len(acts) if acts else None
-        m[p + "prompt_truncated"] = sum(a.prompt_truncated for a in acts)
-        m[p + "prompt_too_long_skipped"] = sum(s["agent"] == name for ep in episodes for s in ep.skipped_actions)
-        if owed:
-            m[p + "answer_format_rate"] = sum(owed) / len(owed)
-    return m
-
-
 def summarize(episodes: list, agent_names: list, tasks: list) -> tuple:
     """(summary, problems). accuracy: the mean over problems of pass@1 (mean success over its samples). DSBench
     outcomes add relative_score (an invalid submission counts 0, as DSBench's paper), each task metric's mean
@@ -163,6 +139,9 @@ def summarize(episodes: list, agent_names: list, tasks: list) -> tuple:
             typed = [ep for ep in episodes if ep.task_type == task_type]
             summary[f"{task_type}/success_rate"] = _mean([float(ep.success) for ep in typed])
             summary[f"{task_type}/relative_score"] = _mean([ep.outcome.get("relative_score") or 0.0 for ep in typed])
+    # Here, not at the top: run_log loads torch, and the flag checks import this module before torch is due.
+    from openrlhf_mappa.run_log import behaviour_metrics
+
     summary.update(behaviour_metrics(episodes, agent_names))
     return summary, problems
 

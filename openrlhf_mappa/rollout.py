@@ -259,13 +259,15 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
                 versions={**versions, spec.name: version}, version_end=version_end,
             )
             # coach_bias is kept with the action only when shown, so that re-scoring sends the prompt it saw.
+            truncated_at = policy.max_new_tokens if truncated else None
             action.coach_request = dict(
                 role=spec.role, task=call("task_text", getattr, env, "task_text"), task_type=episode.task_type,
                 feedback=result.feedback.as_text(),
                 ground_truth=call("coach_ground_truth", env.coach_ground_truth, spec),
+                env_grade=call("judge", env.judge, spec, response_text, result.feedback, truncated_at),
                 is_final_agent=spec is topology.agents[-1], runs_code=spec.runs_code,
-                truncated_at=policy.max_new_tokens if truncated else None, round=action.round,
-                position=action.position, **({"coach_bias": coach_bias} if coach_bias is not None else {}),
+                truncated_at=truncated_at, round=action.round, position=action.position,
+                **({"coach_bias": coach_bias} if coach_bias is not None else {}),
             )
             episode.actions.append(action)
             yield CoachRequest(episode.episode_id, spec.name, turn, agent_input=prompt_text,

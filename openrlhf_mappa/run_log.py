@@ -1,6 +1,7 @@
 """What a run leaves in its run directory and its loggers: metrics.jsonl (and wandb, tensorboard), episodes.jsonl,
-syncs.jsonl, eval.jsonl and eval/, all read back by `mappa report` and resume.py; and each step's metrics
-(step_metrics), assembled from the step's episodes and the agents' updates."""
+syncs.jsonl, eval.jsonl and eval/, all read back by `mappa report` and resume.py; each step's metrics
+(step_metrics), assembled from the step's episodes and the agents' updates; and how each agent acts
+(behaviour_metrics), which evaluations report too."""
 
 import json
 import os
@@ -8,7 +9,6 @@ import os
 import torch
 
 from openrlhf_mappa import rewards
-from openrlhf_mappa.evaluation import behaviour_metrics
 
 
 class RunLog:
@@ -104,4 +104,29 @@ def step_metrics(args, topology, agents, owner, episodes, batches, status, dropp
             m.update({p + k: v for k, v in rewards.logprob_mismatch(batches[name]).items()})
             if not args.algo.kl.use_loss:  # else the KL is the loss term, in upstream's status
                 m[p + "kl"] = torch.cat([exp.info["kl"] for exp in batches[name]]).mean().item()
+    return m
+
+
+def behaviour_metrics(episodes: list, agent_names: list) -> dict:
+    """`agent/<name>/<metric>`: how each agent acts, whatever it is rewarded for. action_length in response
+    tokens; tool_error_rate over all actions, code_error_rate over those whose code ran; prompt_truncated
+    counts prompts that left history out, prompt_too_long_skipped actions not taken (Episode.skipped_actions);
+    answer_format_rate only for agents that owe a final answer (MultiAgentEnv.answer_formatted)."""
+    m = {}
+    for name in agent_names:
+        acts = [a for ep in episodes for a in ep.actions if a.agent == name]
+        ran = [a for a in acts if a.feedback.ran]
+        owed = [a.formatted for a in acts if a.formatted is not None]
+        p = f"agent/{name}/"
+        m[p + "num_actions"] = len(acts)
+        m[p + "action_length"] = sum(len(a.response_ids) for a in acts) / len(acts) if acts else None
+        m[p + "tool_use_rate"] = len(ran) / len(acts) if acts else None
+        m[p + "tool_error_rate"] = sum(a.feedback.error for a in acts) / len(acts) if acts else None
+        m[p + "code_error_rate"] = sum(a.feedback.error for a in ran) / len(ran) if ran else None
+        m[p + "truncated_rate"] = sum(a.truncated for a in acts) / len(acts) if acts else None
+        m[p + "prompt_truncated"] = sum(a.prompt_truncated for a in acts)
+        skipped = [s for ep in episodes for s in ep.skipped_actions if s["agent"] == name]
+        m[p + "prompt_too_long_skipped"] = len(skipped)
+        if owed:
+            m[p + "answer_format_rate"] = sum(owed) / len(owed)
     return m

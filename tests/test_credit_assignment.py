@@ -1,6 +1,6 @@
 """The credit-assignment benchmark's pure parts (benchmarks/credit_assignment.py): the chain environment's
-success and per-agent coach ground truth (2- and 3-agent chains), the heuristic coach's verdicts and hindsight
-reviews on them, and the threshold crossing.
+success and per-agent grade (2- and 3-agent chains), the heuristic coach's verdicts and hindsight reviews on them,
+and the threshold crossing.
 No training here; the benchmark itself runs the real trainer."""
 
 import asyncio
@@ -8,6 +8,7 @@ import os
 import sys
 
 from openrlhf_mappa.coach import CoachRequest, build_coach
+from openrlhf_mappa.episode import ToolFeedback
 from openrlhf_mappa.topology import AgentSpec, Topology
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -25,7 +26,8 @@ def play(*replies, goals=GOALS, mode="per_action"):
     for agent, reply in zip(agents, replies):
         env.step(agent, 0, reply)
     coach = build_coach("heuristic")
-    requests = [CoachRequest("e", a.name, 0, a.role, "Request 0.", "chain", "", reply, "", ground_truth=env.coach_ground_truth(a))
+    requests = [CoachRequest("e", a.name, 0, a.role, "Request 0.", "chain", "", reply, "", ground_truth=env.coach_ground_truth(a),
+                             env_grade=env.judge(a, reply, ToolFeedback(), None))
                 for a, reply in zip(agents, replies)]  # fmt: skip
 
     async def judge():

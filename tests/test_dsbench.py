@@ -267,6 +267,7 @@ def play(env, replies: dict, coach=None, agents=None) -> dict:
                     episode_id="e", agent=agent.name, turn=turn, role=agent.role, task=env.task_text,
                     task_type=env.task_type, agent_input="", agent_output=reply,
                     feedback=result.feedback.as_text(), ground_truth=env.coach_ground_truth(agent),
+                    env_grade=env.judge(agent, reply, result.feedback, None),
                     is_final_agent=agent is env.topology.agents[-1], runs_code=agent.runs_code,
                 )  # fmt: skip
                 scores[agent.name] = asyncio.run(coach.score(request)).score

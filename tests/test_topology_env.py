@@ -15,8 +15,8 @@ from openrlhf_mappa.envs import load_env_class
 from openrlhf_mappa.envs.base import HistoryEntry, MultiAgentEnv, StepResult, load_tasks
 from openrlhf_mappa.envs.mathchat import MathChatEnv, answers_match, extract_boxed
 from openrlhf_mappa.episode import Verdict
-from openrlhf_mappa.evaluation import behaviour_metrics
 from openrlhf_mappa.rollout import AgentPolicy, SyncGate, run_episode
+from openrlhf_mappa.run_log import behaviour_metrics
 from openrlhf_mappa.sandbox import extract_code, run_python
 from openrlhf_mappa.topology import AgentSpec, Topology, load_topology
 
@@ -764,7 +764,8 @@ def test_relay_succeeds_only_when_every_agent_meets_its_goal(tmp_path, replies, 
     assert ep.task_type == "relay" and ep.success is success
     assert [a.coach_request["ground_truth"] for a in ep.actions] == ["Required reply: \\d{1,3}", "Required reply: [a-z]{1,8}",
                                                                      "Required reply: [A-Z]{1,4}"]  # fmt: skip
-    # the readability bonus (up to 0.9) comes on top of every score below 10
+    # the env's grade (RelayEnv.judge) reaches the coach; the readability bonus (up to 0.9) comes on top below 10
+    assert [a.coach_request["env_grade"][0] for a in ep.actions] == scores
     assert [int(a.verdict.score) for a in ep.actions] == scores
     assert "Order 1: a customer orders apples." in ep.actions[2].prompt_text and "### item" in ep.actions[2].prompt_text
 

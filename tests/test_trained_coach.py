@@ -153,7 +153,8 @@ def test_all_digits_trains_on_every_one_digit_reply_where_the_agreement_term_jud
         return SimpleNamespace(outputs=[SimpleNamespace(token_ids=token, logprobs=step, finish_reason="length")])
 
     engine = SimpleNamespace(generate=SimpleNamespace(remote=generate))
-    request = CoachRequest("e", "a", 0, "role", "task", "math", "in", "7", "", ground_truth="Required reply: \\d+")
+    request = CoachRequest("e", "a", 0, "role", "task", "math", "in", "7", "",
+                           env_grade=(10.0, "reply rule: the reply is '\\\\d+' and ended on its own", False))
     every = [float(d) for d in range(10)]
     for held_out, pay, scores in ((0.0, False, every), (1.0, False, [4.0]), (0.0, True, every), (1.0, True, [4.0])):
         coach = TrainedCoach("{agent_output}", "PROCESS_SCORE", HeuristicCoach(), 1.0, held_out, ("agreement",),

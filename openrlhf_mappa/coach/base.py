@@ -58,6 +58,7 @@ class CoachRequest:
     coach_bias: Optional[str] = None  # --mappa.coach.show_bias: BiasAudit.prompt_text(), None when not shown
     round: int = 0  # where the action stands in the episode (see Action), from 0
     position: int = 0
+    env_grade: Optional[tuple] = None  # the env's own (score, why, failed) of it (MultiAgentEnv.judge)
 
 
 class Coach:

@@ -11,7 +11,7 @@ One environment instance serves one episode (one task). The rollout (rollout.py)
         responses = <the agents' policies generate, concurrently>
         for agent, response in zip(agents, responses):
             result = last[agent.name] = env.step(agent, turn, response)   # runs tools, records history
-            <the coach scores the action, with result.feedback and env.coach_ground_truth(agent)>
+            <the coach scores the action: result.feedback, env.coach_ground_truth(agent), env.judge(...)>
             turns[agent.name] += 1
     outcome = env.outcome()                       # {"success": bool, ...metrics}, logged with the episode
 
@@ -154,6 +154,14 @@ class MultiAgentEnv:
     def coach_ground_truth(self, agent: AgentSpec) -> Optional[str]:
         """The task's "answer" for the last agent's coach, nothing for the others."""
         return self.task.get("answer") if agent.name == self.topology.agents[-1].name else None
+
+    def judge(self, agent: AgentSpec, response: str, feedback: ToolFeedback,
+              truncated_at: Optional[int]) -> Optional[tuple]:
+        """The pipeline's own grade of the action just stepped (asked right after `step`; `truncated_at`: the
+        token limit the reply was cut off at, else None): (score in [0, 10], why, whether the action failed
+        its own goal), or None to leave it to the coach. Recorded in the coach request (`env_grade`); the
+        offline heuristic coach takes it before its generic rules, for only the pipeline knows its goals."""
+        return None
 
     def history_text(self, entries: Optional[list] = None) -> str:
         """Entries (all of this episode's by default) as the {history} text of a prompt."""

@@ -330,6 +330,32 @@ class DSBenchEnv(MultiAgentEnv):
         missing = {a: m for a, files in self.contract.items() if (m := self.missing(files))}
         return {"success": check.pop("valid"), **check, "missing_files": missing}
 
+    def judge(self, agent, response: str, feedback, truncated_at) -> tuple:
+        """The contract rule, from the workspace right after the action, so that a missing artifact costs the
+        agent that had to make it: an earlier agent's file missing too -> 5 (not this agent's fault); its own
+        files missing -> 1 after an error or without code, 3 after a clean run; an invalid submission -> 3;
+        files present after an error -> 5; else 7, + 2 x the relative score (at most 1) of a valid
+        submission."""
+        names = [a.name for a in self.topology.agents]
+        upstream = [f for a in names[: names.index(agent.name)] for f in self.contract.get(a, [])]
+        own = self.contract.get(agent.name, [])
+        if self.missing(upstream) and self.missing(own):
+            return 5.0, "contract rule: an earlier agent's file is missing; not this agent's fault", False
+        if self.missing(own):
+            if feedback.error or not feedback.ran:
+                return 1.0, "contract rule: its own files are missing after an error or without code", True
+            return 3.0, "contract rule: ran cleanly but its own files are still missing", True
+        check = self.submission_check() if SUBMISSION in own else None
+        if check and not check["valid"]:
+            return 3.0, "contract rule: submission.csv is invalid", True
+        if feedback.error:  # a reply without code once the files exist closes the agent's turns: no failure
+            return 5.0, "contract rule: its files exist but this action's code failed", False
+        if check:  # the relative score is None only when the task has best == baseline
+            rel = check["relative_score"] or 0.0
+            why = f"contract rule: valid submission, relative score {rel:.3f}"
+            return 7.0 + 2.0 * min(1.0, rel), why, False
+        return 7.0, "contract rule: its files are saved", False
+
     def coach_ground_truth(self, agent) -> Optional[str]:
         """The contract state right after the action (the rollout asks just after `step`), so the coach can blame
         the agent whose file is missing; for the Analyst also the submission's check. The heuristic parses it."""

@@ -1,6 +1,7 @@
 """MathChat (examples/configs/mathchat.yaml): a Problem Solver, a Code Executor and a Verifier, in that order.
 The default `MultiAgentEnv` already runs the Code Executor's Python; success is the last agent's final
-`\\boxed{}` answer equal to the task's answer (`grade`).
+`\\boxed{}` answer equal to the task's answer (`grade`), which also grades that agent's actions for the
+offline coach (`judge`).
 """
 
 import re
@@ -25,6 +26,19 @@ class MathChatEnv(MultiAgentEnv):
     def answer_formatted(self, agent, response: str) -> Optional[bool]:
         """Only the last agent owes the team a final answer, written as \\boxed{...}."""
         return extract_boxed(response) is not None if agent is self.topology.agents[-1] else None
+
+    def judge(self, agent, response: str, feedback, truncated_at) -> Optional[tuple]:
+        """The answer rule for an agent given the task's answer (`coach_ground_truth`: the last one): its last
+        \\boxed{} right -> 10, wrong -> 2, none -> 0. A code run is left to the coach's tool rule."""
+        answer = self.coach_ground_truth(agent)
+        if answer is None or feedback.ran:
+            return None
+        boxed = extract_boxed(response)
+        if boxed is None:
+            return 0.0, "answer rule: no \\boxed{} answer", True
+        if grade(boxed, answer):
+            return 10.0, f"answer rule: \\boxed{{{boxed}}} matches the ground truth", False
+        return 2.0, f"answer rule: \\boxed{{{boxed}}} differs from the ground truth", True
 
     def outcome(self) -> dict:
         answer = self.final_answer()
