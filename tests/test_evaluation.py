@@ -12,7 +12,7 @@ from openrlhf_mappa import rewards
 from openrlhf_mappa.envs.mathchat import MathChatEnv, answers_match, grade
 from openrlhf_mappa.episode import Action, Episode, ToolFeedback
 from openrlhf_mappa.evaluation import behaviour_metrics, format_table, summarize
-from openrlhf_mappa.topology import load_topology
+from openrlhf_mappa.team import load_topology
 
 MATHCHAT_YAML = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "mathchat.yaml")
 
