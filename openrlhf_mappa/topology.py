@@ -187,7 +187,7 @@ def _number(value) -> bool:
 
 
 def _count(value) -> bool:
-    return _number(value) and isinstance(value, int) and value >= 1
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _positive(value) -> bool:
@@ -202,17 +202,13 @@ def _word(value) -> bool:
     return isinstance(value, str) and bool(AGENT_NAME_RE.fullmatch(value))
 
 
-def _flag(value) -> bool:
-    return isinstance(value, bool)
-
-
 def _modules(value) -> bool:
     names = [value] if isinstance(value, str) else value
     return isinstance(names, list) and bool(names) and all(_text(name) for name in names)
 
 
-# The schema: one table per mapping of the YAML, a row per key (key, what its value must be, its test, its
-# default), in the order the messages list the keys. REQUIRED: no default. A test of None: parsed by hand after
+# The schema: one table per mapping of the YAML, a row per key (key, what its value must be, its type or a test,
+# its default), in the order the messages list the keys. REQUIRED: no default. A test of None: parsed by hand after
 # the table (sub-mappings, cross-field rules). null is accepted, as the default, where the default is None.
 REQUIRED = object()
 WORD = "a word of letters, digits, '_' and '-'"
@@ -222,15 +218,15 @@ TOPOLOGY_SCHEMA = (
     ("agents", None, None, None),
     ("coach_template", "a non-empty string (or give coach_templates)", _text, None),
     ("coach_templates", None, None, None),
-    ("env_kwargs", "a mapping of keyword arguments for the environment", lambda v: isinstance(v, dict), None),
+    ("env_kwargs", "a mapping of keyword arguments for the environment", dict, None),
     ("score_key", "a word of letters, digits and '_' starting with a letter",
      lambda v: isinstance(v, str) and bool(SCORE_KEY_RE.fullmatch(v)), DEFAULT_SCORE_KEY),
     ("reward_scale", "a positive number (1.0: coach scores as given)", _positive, 1.0),
     ("max_episode_actions", "an integer >= 1 or left out (the sum of the agents' max_actions)", _count, None),
     ("review_template", "a non-empty string (or left out for the default hindsight prompt)", _text, None),
-    ("problem_suffix", "a string (text added after every task)", lambda v: isinstance(v, str), ""),
+    ("problem_suffix", "a string (text added after every task)", str, ""),
     ("keep_reasoning", "true (an agent's earlier replies as generated, reasoning included) or false (as its chat "
-     "template renders them)", _flag, True),
+     "template renders them)", bool, True),
 )
 OVERRIDE = "a positive integer or left out"
 AGENT_SCHEMA = (
@@ -239,8 +235,8 @@ AGENT_SCHEMA = (
     ("role", "a non-empty string", _text, REQUIRED),
     ("prompt", "a non-empty string", _text, REQUIRED),
     ("max_actions", "an integer >= 1", _count, 1),
-    ("runs_code", "true or false", _flag, False),
-    ("system", "a string", lambda v: isinstance(v, str), ""),
+    ("runs_code", "true or false", bool, False),
+    ("system", "a string", str, ""),
     ("num_gpus_per_node", OVERRIDE, _count, None),
     ("vllm_num_engines", OVERRIDE, _count, None),
     ("max_new_tokens", OVERRIDE, _count, None),
@@ -259,11 +255,14 @@ LORA_SCHEMA = (
 VIEW_SCHEMA = (
     ("agents", None, None, "all"),
     ("actions", "all or last", lambda v: v in ("all", "last"), "all"),
-    ("tool_output", "true or false", _flag, True),
-    ("strip_thinking", "true or false", _flag, False),
+    ("tool_output", "true or false", bool, True),
+    ("strip_thinking", "true or false", bool, False),
 )
-STAGE_SCHEMA = (("name", WORD, _word, REQUIRED), ("template", "a non-empty string", _text, REQUIRED),
-                ("when", None, None, None))
+STAGE_SCHEMA = (
+    ("name", WORD, _word, REQUIRED),
+    ("template", "a non-empty string", _text, REQUIRED),
+    ("when", None, None, None),
+)
 TOPOLOGY_KEYS = tuple(row[0] for row in TOPOLOGY_SCHEMA)
 AGENT_KEYS = tuple(row[0] for row in AGENT_SCHEMA)
 
@@ -277,7 +276,8 @@ def _read(raw: dict, schema: tuple, label: str, allowed: str = "allowed") -> dic
         value = raw.get(key, default)
         if value is REQUIRED or (default is REQUIRED and isinstance(value, str) and not value.strip()):
             raise ValueError(f"{label}'{key}' is missing or empty; it must be {what}")
-        if test is not None and key in raw and not (value is None and default is None) and not test(value):
+        valid = isinstance(value, test) if isinstance(test, type) else test is None or test(value)
+        if key in raw and not (value is None and default is None) and not valid:
             raise ValueError(f"{label}'{key}' must be {what}, got {value!r}")
         values[key] = value
     return values
