@@ -523,8 +523,11 @@ def test_probe_unreachable_server_raises(server):
 def test_render_prompt_fields_and_unknown_field():
     request = make_request(feedback="", ground_truth="18")
     assert render_prompt("{feedback}|{ground_truth}|{turn}", request) == "(none)|18|0"
-    with pytest.raises(ValueError, match=r"\{answer\}.*agent_output"):
-        render_prompt("Answer: {answer}", request)
+    # Fields are checked where a template is read (the topology, a tool's template file), once.
+    from openrlhf_mappa.topology import PROMPT_FIELDS, check_template
+
+    with pytest.raises(ValueError, match=r"^t.txt: unknown field \{answer\}; allowed fields: task, role,.*agent_output"):
+        check_template("Answer: {answer}", PROMPT_FIELDS, "t.txt")
 
 
 @pytest.mark.parametrize("topology_file", ["mathchat.yaml", "dsbench.yaml", "mathchat_own_rubric.yaml",
