@@ -2,7 +2,7 @@
 checked on load, so a typo fails in the first second with a message naming the file and what to fix, not an hour
 later inside a Ray worker. The bottom room: it imports nothing of the package, so the language a topology is
 written in (template fields, the score key, LoRA ranks) is defined here, and the checks that need an environment's
-class (team.load_topology) or a model's layers (cli) live above it."""
+class or a model (team.py) live above it."""
 
 import logging
 import operator
@@ -400,7 +400,7 @@ def _parse_agent(row, index: int, model_override: Optional[str]) -> AgentSpec:
     if model_override:
         row = dict(row, model=model_override)
     values = _read(row, AGENT_SCHEMA, f"{label}: ", "allowed agent keys")
-    values["model"] = os.path.expanduser(values["model"])  # the model is checked by check_model, before a run starts
+    values["model"] = os.path.expanduser(values["model"])  # checked by team.check_model, before a run starts
     check_template(values["prompt"], AGENT_PROMPT_FIELDS, f"{label}: prompt")
     del values["view"]  # checked once every agent's name is known (_parse_view)
     if values["lora"] is not None:
@@ -514,54 +514,3 @@ def _check_switch_metric(metric: str, agent_names: list, label: str) -> None:
                              f"{', '.join(AGENT_METRICS)}")
         return
     raise ValueError(f"{label}: unknown metric name {metric!r}; a rule reads one of: {', '.join(SWITCH_NAMESPACES)}")
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
-HUB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")  # org/name
-
-
-def check_model(model: str, label: str) -> None:
-    """Refuse, before any cluster starts, a model the actors could not load: a directory without config.json and
-    a tokenizer (it would fail with a misleading sentencepiece error), or not a hub id (org/name) on the hub or,
-    offline, in the cache (a typo would be looked up inside a Ray actor minutes later)."""
-    if os.path.isdir(model):
-        missing = [] if os.path.isfile(os.path.join(model, "config.json")) else ["config.json"]
-        if not any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
-            missing.append("tokenizer files (one of " + ", ".join(TOKENIZER_FILES) + ")")
-        if missing:
-            raise ValueError(f"{label}: {model} is not a Hugging Face model directory: it has no "
-                             f"{' and no '.join(missing)}")
-        return
-    where = "" if os.path.isabs(model) else f" (relative to {os.getcwd()})"
-    if not HUB_ID_RE.fullmatch(model) or os.path.isdir(model.split("/")[0]):
-        raise ValueError(f"{label}: model {model!r} is not a directory{where}; give a local model directory or a "
-                         f"Hugging Face id (org/name)")
-    from huggingface_hub import constants, errors, get_session, hf_hub_download, is_offline_mode, try_to_load_from_cache
-
-    if is_offline_mode():
-        if not isinstance(try_to_load_from_cache(model, "config.json"), str):
-            raise ValueError(f"{label}: model {model!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
-                             f"and downloads are off (HF_HUB_OFFLINE): download it first, or unset HF_HUB_OFFLINE")
-        return
-    # Resolved on the hub now, its config.json into the cache (the plan reads it): a typo, a gated model or a hub
-    # out of reach is named here, not inside every Ray actor after the cluster started.
-    try:
-        # One plain request first: hf_hub_download retries a hub out of reach for a long while before saying so.
-        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
-        hf_hub_download(model, "config.json")
-    except errors.GatedRepoError:
-        raise ValueError(f"{label}: model {model!r} is gated on the Hugging Face hub: accept its terms there and "
-                         f"export HF_TOKEN (on the head node, before `ray start`)") from None
-    except errors.RepositoryNotFoundError:
-        raise ValueError(f"{label}: model {model!r} is not a local directory{where}, nor a model on the Hugging Face "
-                         f"hub ({constants.ENDPOINT}): check the path or name (a private model needs HF_TOKEN)") \
-            from None
-    except errors.RemoteEntryNotFoundError:
-        raise ValueError(f"{label}: the hub repository {model!r} has no config.json: not a transformers "
-                         f"model") from None
-    except (errors.LocalEntryNotFoundError, errors.HTTPError, OSError) as e:
-        raise ValueError(f"{label}: model {model!r} is not a local directory{where}, and the Hugging Face hub "
-                         f"({constants.ENDPOINT}) could not be reached to fetch its config.json ({type(e).__name__}): "
-                         f"check the path, the network or HF_ENDPOINT; or download the model first and set "
-                         f"HF_HUB_OFFLINE=1") from None

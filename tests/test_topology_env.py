@@ -165,7 +165,7 @@ def test_bad_topology_messages(tmp_path, overrides, message):
 
 
 def test_lora_agents_share_a_pool_per_base_model_and_targets_are_checked(tmp_path):
-    from openrlhf_mappa.cli.train_mappa_ray import check_lora
+    from openrlhf_mappa.team import check_lora
 
     qwen3 = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3-4b")  # config.json only: no weights read
     agents = [dict(GOOD_AGENT, model=qwen3, lora={"rank": 8, "target_modules": ["q_proj", "v_proj"]}),

@@ -238,7 +238,7 @@ def out_file(path: str, flag: str) -> None:
 def merge_lora_main(args):
     """`mappa merge-lora`: the adapter, its config and its base model checked before peft and torch load."""
     from openrlhf_mappa.episode import read_record
-    from openrlhf_mappa.topology import check_model
+    from openrlhf_mappa.team import check_model
 
     with refusals("mappa merge-lora:"):
         config = os.path.join(args.adapter_dir, "adapter_config.json")
@@ -263,8 +263,7 @@ def plan_main(argv) -> int:
     GPU memory known, the counts are checked (as the launcher does) and the least GPU memory needed is said."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.cli.train_mappa_ray import accepted, parse_args, validate
-    from openrlhf_mappa.team import load_topology
-    from openrlhf_mappa.topology import check_model
+    from openrlhf_mappa.team import check_model, load_topology
 
     args = parse_args(argv, prog="mappa plan", description=PLAN_HELP)
     with refusals("mappa plan:"):
@@ -387,8 +386,7 @@ def recipe_team(args) -> tuple:
     """(the topology with its own models, why it is not planned): with --mappa.model the doctor's team runs the
     small model, and the recipe's models are planned on the cluster too (doctor.recipe_plan). None without
     --mappa.model: the team's plan is the recipe's."""
-    from openrlhf_mappa.team import load_topology
-    from openrlhf_mappa.topology import check_model
+    from openrlhf_mappa.team import check_model, load_topology
 
     if not args.mappa.model:
         return None, None
@@ -406,8 +404,7 @@ def eval_inputs(parser, args):
     adapter's config for a LoRA agent's export, dataset -> tasks)."""
     from openrlhf_mappa.episode import read_record
     from openrlhf_mappa.evaluation import load_eval_sets
-    from openrlhf_mappa.team import load_topology
-    from openrlhf_mappa.topology import check_model
+    from openrlhf_mappa.team import check_model, load_topology
 
     with refusals("mappa eval:"):
         topology = load_topology(args.topology, model_override=args.model)

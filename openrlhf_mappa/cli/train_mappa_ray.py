@@ -851,8 +851,7 @@ def check_team(args, plan: bool = True):
     """The team's checks before Ray (train, `mappa doctor`): the topology, the flags against it, every agent's
     model and LoRA settings, and the plan where the cluster is given (unless `plan` is False)."""
     from openrlhf_mappa import placement
-    from openrlhf_mappa.team import load_topology
-    from openrlhf_mappa.topology import check_model
+    from openrlhf_mappa.team import check_lora, check_model, load_topology
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
     validate(args, topology)
@@ -879,30 +878,6 @@ def accepted(topology):
         return True
 
     return allowed
-
-
-def check_lora(spec, label: str) -> None:
-    """Refuse, before any cluster starts, LoRA target modules the model lacks (peft would fail inside a Ray actor
-    minutes later): the dense families' linear layers come from config.json, another model's from a meta build."""
-    from openrlhf_mappa import placement
-
-    if spec.lora is None or spec.lora.target_modules == ("all-linear",):
-        return
-    config = placement.read_config(spec.model)
-    if config.get("model_type") in placement.DENSE_TYPES:
-        linear = sorted(placement.model_size(config).linear_shapes()) + ["lm_head"]
-    else:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.model, trust_remote_code=True),
-                                                     trust_remote_code=True)
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-    missing = [t for t in spec.lora.target_modules if t not in linear]
-    if missing:
-        raise ValueError(f"{label}: lora target_modules {missing} are not linear layers of {spec.model} "
-                         f"({config.get('model_type')}); its linear layers: {', '.join(linear)} (or all-linear)")
 
 
 class Preflight:
