@@ -34,7 +34,8 @@ def _check_chain_views(topology: Topology) -> None:
         return
     names = [a.name for a in topology.agents]
     for i, agent in enumerate(topology.agents):
-        later = [name for name in agent.view.agents if names.index(name) > i] if agent.view.agents != "all" else []
+        shown = () if agent.view.agents == "all" else agent.view.agents
+        later = [name for name in shown if names.index(name) > i]
         if later:
             raise ValueError(f"agent {agent.name!r}: view: names {later[0]!r}, which acts after it (agents act in the "
                              f"listed order)")
