@@ -276,8 +276,8 @@ def _read(raw: dict, schema: tuple, label: str, allowed: str = "allowed") -> dic
         value = raw.get(key, default)
         if value is REQUIRED or (default is REQUIRED and isinstance(value, str) and not value.strip()):
             raise ValueError(f"{label}'{key}' is missing or empty; it must be {what}")
-        valid = isinstance(value, test) if isinstance(test, type) else test is None or test(value)
-        if key in raw and not (value is None and default is None) and not valid:
+        checked = test is not None and key in raw and not (value is None and default is None)  # null: left out
+        if checked and not (isinstance(value, test) if isinstance(test, type) else test(value)):
             raise ValueError(f"{label}'{key}' must be {what}, got {value!r}")
         values[key] = value
     return values
