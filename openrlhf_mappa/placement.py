@@ -32,6 +32,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from openrlhf_mappa.topology import VLLM_LORA_RANKS, AgentSpec
+
 GIB = 2**30
 PHASES = ("rollout", "experience", "train", "sync")
 CONTEXT_GIB = 1.0
@@ -77,12 +79,11 @@ def trainee_specs(args, topology) -> list:
     role (the baseline MAPPA's separate weights are compared against). A trained coach
     (--mappa.coach.kind trained) is one more, last: its own engines and actor, as an agent's."""
     c, coach = getattr(args.mappa, "coach", None), []
-    if getattr(c, "kind", None) == "trained":  # an AgentSpec (the topology's class: topology imports this module)
+    if getattr(c, "kind", None) == "trained":
         from openrlhf_mappa.episode import COACH_NAME
 
-        spec = type(topology.agents[0])
         tokens = 1 if c.digits_only else c.max_tokens or None  # digits_only: one digit (TrainedCoach.attach)
-        coach = [spec(COACH_NAME, c.model, "the team's coach", "", max_new_tokens=tokens, lr=c.lr or None)]
+        coach = [AgentSpec(COACH_NAME, c.model, "the team's coach", "", max_new_tokens=tokens, lr=c.lr or None)]
     if not args.mappa.shared_policy:
         return topology.agents + coach
     models = {spec.model for spec in topology.agents}
@@ -339,10 +340,6 @@ def engine_group(a, name: str, size: ModelSize, gpu_gib: float, adapters: list =
                                 f"{kv:.1f} GiB of KV cache, {tokens} tokens, fewer than one --data.max_len "
                                 f"sequence ({s}); vLLM would refuse to start")
     return engines
-
-
-# The ranks vLLM's engines accept as max_lora_rank (the topology refuses a larger adapter).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def pool_max_rank(ranks: list) -> int:

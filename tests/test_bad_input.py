@@ -292,6 +292,13 @@ TOOLS = [
     tool("coach score --timeout 0", [*SCORE, "--timeout", "0"], "argument --timeout: 0 is out of range", code=2),
     tool("coach score missing template", [*SCORE, "--template", "missing.txt"],
          "mappa coach score: [Errno 2] No such file or directory: 'missing.txt'", files=EPISODES),
+    # A template file's fields are checked where it is read, as the topology's are (topology.check_template).
+    tool("coach score template with an unknown field", [*SCORE, "--template", "tpl.txt"],
+         "mappa coach score: tpl.txt: unknown field {nope}; allowed fields: task, role, agent,",
+         files={**EPISODES, "tpl.txt": "Judge {nope}. PROCESS_SCORE:"}),
+    tool("coach score review template with a coach field", [*SCORE, "--review-template", "r.txt"],
+         "mappa coach score: r.txt: unknown field {agent_output}; allowed fields: task, task_type, trajectory, outcome, "
+         "num_actions", files={**EPISODES, "r.txt": "Review {trajectory} {agent_output}"}),
     tool("coach score cache not SQLite", [*SCORE[:-1], "openai", "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
                                          "--template", "tpl.txt", "--cache", "notes.txt"],
          "mappa coach score: coach cache notes.txt: not an SQLite database",
@@ -344,6 +351,9 @@ TOOLS = [
     tool("plan with a coach URL and no coach kind", ["plan", *GOOD, "--mappa.coach.base_url", "http://x:8001/v1",
                                                      "--mappa.gpus", "8", "--mappa.gpu_memory_gib", "80"],
          "--mappa.coach.base_url: read by the openai and trained coaches only"),
+    tool("plan env_kwargs typo", ["plan", *GOOD, "--mappa.gpus", "8", "--mappa.gpu_memory_gib", "80"],
+         "mappa plan: t.yaml: env_kwargs do not fit mathchat: unknown key(s) 'code_timout_s' (did you mean "
+         "'code_timeout_s'?); MathChatEnv takes code_timeout_s,", files={"t.yaml": topology(top="env_kwargs: {code_timout_s: 5}\n")}),
     tool("plan zero GPUs", ["plan", *GOOD, "--mappa.gpus", "0", "--mappa.gpu_memory_gib", "80"],
          "argument --mappa.gpus: 0 is out of range", code=2),
 ]  # fmt: skip
@@ -502,7 +512,7 @@ def scripted_trainer(tmp_path, tasks, monkeypatch, *flags, policy=None):
     from openrlhf_mappa.cli.train_mappa_ray import parse_args
     from openrlhf_mappa.coach.heuristic import HeuristicCoach
     from openrlhf_mappa.placement import agent_args
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.team import load_topology
 
     (tmp_path / "t.yaml").write_text(topology(env="test_bad_input:FlakyEnv").replace(
         "agents:\n", "agents:\n  - {name: checker, model: model, role: checks it, prompt: '{task}'}\n"))

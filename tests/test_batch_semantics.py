@@ -14,7 +14,7 @@ from conftest import REPO, submit_script
 from openrlhf_mappa import rewards
 from openrlhf_mappa.cli.train_mappa_ray import parse_args, schedule_steps
 from openrlhf_mappa.episode import Action, Episode, Verdict
-from openrlhf_mappa.topology import load_topology
+from openrlhf_mappa.team import load_topology
 
 
 def mathchat(tmp_path):

@@ -523,8 +523,11 @@ def test_probe_unreachable_server_raises(server):
 def test_render_prompt_fields_and_unknown_field():
     request = make_request(feedback="", ground_truth="18")
     assert render_prompt("{feedback}|{ground_truth}|{turn}", request) == "(none)|18|0"
-    with pytest.raises(ValueError, match=r"\{answer\}.*agent_output"):
-        render_prompt("Answer: {answer}", request)
+    # Fields are checked where a template is read (the topology, a tool's template file), once.
+    from openrlhf_mappa.topology import PROMPT_FIELDS, check_template
+
+    with pytest.raises(ValueError, match=r"^t.txt: unknown field \{answer\}; allowed fields: task, role,.*agent_output"):
+        check_template("Answer: {answer}", PROMPT_FIELDS, "t.txt")
 
 
 @pytest.mark.parametrize("topology_file", ["mathchat.yaml", "dsbench.yaml", "mathchat_own_rubric.yaml",
@@ -533,7 +536,7 @@ def test_shipped_rubrics_invent_no_score(server, topology_file):
     """The shipped coach prompts (the authors' criteria; the earlier rubrics) through the client: a coach that
     answers prose full of numbers and the authors' outcome key alone gets no score; the authors' two-key reply
     trains on PROCESS_SCORE only (their outcome weight 0)."""
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.team import load_topology
 
     topology = load_topology(os.path.join(os.path.dirname(__file__), "..", "examples", "configs", topology_file))
     hostile = ("Files: 3 of 4 saved. Accuracy 0.85, so the cap is 9; I'd say 7/10 for the code and 3/10 for the "
@@ -561,7 +564,7 @@ def test_the_recipes_coach_scores_the_verdict_after_a_reasoning_coachs_thinking(
     from coach_server import COACH_TEMPLATE, CoachServer
     from conftest import REPO, submit_script
     from openrlhf_mappa.cli.train_mappa_ray import coach_options, parse_args
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.team import load_topology
 
     thinking = "The code runs, so PROCESS_SCORE: 9 at first sight; but it never checks the answer."
     with CoachServer(mute={"silent"}, reasoning=thinking, reasoning_field=reasoning_field) as server:
@@ -594,8 +597,7 @@ def test_build_coach_errors():
         build_coach("openai", model="m")  # no template: a coach that only reviews episodes may have none
     with pytest.raises(ValueError, match="heuristic, openai"):
         build_coach("gpt4")
-    with pytest.raises(ValueError, match="unknown field"):  # a bad template fails when the coach is built
-        build_coach("openai", model="m", base_url="http://x/v1", template="{nope}")
+    # A bad template is refused where it is read (topology.check_template: test_topology_env, test_bad_input).
 
 
 def heuristic_score(**overrides):
@@ -704,7 +706,7 @@ class ScriptedPolicy:
 def test_a_step_with_too_many_failed_verdicts_stops(server, tmp_path):
     from openrlhf_mappa.coach.audit import CoachFailure, check_failures, coach_step_metrics
     from openrlhf_mappa.rollout import rollout
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.team import load_topology
 
     (tmp_path / "t.yaml").write_text(
         "name: t\nenv: mathchat\ncoach_template: 'Output: {agent_output} PROCESS_SCORE:'\nagents:\n"
@@ -738,7 +740,7 @@ def saved_run(tmp_path):
     from coach_server import COACH_TEMPLATE
     from conftest import REPO
     from openrlhf_mappa.rollout import rollout
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.team import load_topology
 
     (tmp_path / "t.yaml").write_text(
         "name: t\nenv: mathchat\ncoach_template: 'Output: {agent_output} PROCESS_SCORE:'\nagents:\n"

@@ -511,7 +511,7 @@ def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
                 import io, json, time, ray
                 from ray.util.placement_group import placement_group_table
                 from openrlhf_mappa.cli.train_mappa_ray import parse_args
-                from openrlhf_mappa.topology import load_topology
+                from openrlhf_mappa.team import load_topology
                 from openrlhf_mappa.console import console
                 from openrlhf_mappa.launch import check_placement, gpu_nodes, host_memory, pinned_groups
                 ray.init(address="127.0.0.1:{port}")

@@ -21,7 +21,8 @@ from openrlhf_mappa import report
 from openrlhf_mappa.coach import CoachRequest, build_coach, render_prompt
 from openrlhf_mappa.coach.audit import BiasAudit
 from openrlhf_mappa.episode import Action, Episode, ToolFeedback, Verdict
-from openrlhf_mappa.topology import AGENT_METRICS, load_topology
+from openrlhf_mappa.team import load_topology
+from openrlhf_mappa.topology import AGENT_METRICS
 from openrlhf_mappa import trainer as trainer_module
 from openrlhf_mappa.cli.train_mappa_ray import parse_args
 from openrlhf_mappa.console import console as run_console

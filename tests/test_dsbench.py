@@ -23,7 +23,7 @@ from openrlhf_mappa.envs.dsbench import (METRICS, PUBLIC_FILES, DSBenchEnv, dete
                                         relative_score, score_submission)
 from openrlhf_mappa.envs.dsbench_tasks import import_tasks, infer_metric
 from openrlhf_mappa.envs.base import load_tasks
-from openrlhf_mappa.topology import load_topology
+from openrlhf_mappa.team import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 DSBENCH_YAML = ROOT / "examples" / "configs" / "dsbench.yaml"

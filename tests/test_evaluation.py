@@ -13,7 +13,7 @@ from openrlhf_mappa.envs.mathchat import MathChatEnv, answers_match, grade
 from openrlhf_mappa.episode import Action, Episode, ToolFeedback
 from openrlhf_mappa.evaluation import format_table, summarize
 from openrlhf_mappa.run_log import behaviour_metrics
-from openrlhf_mappa.topology import load_topology
+from openrlhf_mappa.team import load_topology
 
 MATHCHAT_YAML = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "mathchat.yaml")
 

@@ -29,7 +29,7 @@ from openrlhf_mappa.envs import dsbench
 from openrlhf_mappa.envs.base import HistoryEntry
 from openrlhf_mappa.envs.dsbench_tasks import import_tasks
 from openrlhf_mappa.rewards import compute_advantages
-from openrlhf_mappa.topology import load_topology
+from openrlhf_mappa.team import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "examples" / "scripts"

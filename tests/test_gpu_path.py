@@ -26,7 +26,7 @@ from openrlhf_mappa import placement
 from openrlhf_mappa.placement import agent_args
 from openrlhf_mappa.cli.train_mappa_ray import check_this_machine, parse_args
 from openrlhf_mappa.doctor import sync_verdicts
-from openrlhf_mappa.topology import load_topology
+from openrlhf_mappa.team import load_topology
 from openrlhf_mappa.resume import rotate_checkpoints
 from openrlhf_mappa.trainer import MappaTrainer
 

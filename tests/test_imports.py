@@ -26,7 +26,7 @@ RANKS = [
     ("trainer", "doctor"),
     ("health",),
     ("launch", "evaluation"),
-    ("agent_trainer", "run_log", "resume", "paper_table"),
+    ("agent_trainer", "run_log", "resume", "paper_table", "team"),
     ("rollout", "rewards", "placement", "report"),
     ("coach", "envs"),
     ("sandbox", "console"),

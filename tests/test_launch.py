@@ -23,7 +23,7 @@ from packaging.requirements import Requirement
 from conftest import openrlhf_copy, submit_script
 from openrlhf_mappa.cli.train_mappa_ray import UPSTREAM_FLAGS, parse_args, upstream_cli, validate
 from openrlhf_mappa import placement
-from openrlhf_mappa.topology import check_model, load_topology
+from openrlhf_mappa.team import check_model, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 MATHCHAT_YAML = ROOT / "examples" / "configs" / "mathchat.yaml"

@@ -22,7 +22,7 @@ from openrlhf_mappa.cli import train_mappa_ray
 from openrlhf_mappa.coach import build_coach, parse_answer_correct
 from openrlhf_mappa.envs.base import load_tasks
 from openrlhf_mappa.evaluation import coach_cost, evaluate, summarize, train_overlap
-from openrlhf_mappa.topology import load_topology
+from openrlhf_mappa.team import load_topology
 
 BENCH = os.environ.get("MAPPA_BENCH_DIR", os.path.join(os.path.dirname(REPO), "shared", "data", "mappa-bench"))
 SCRIPTS = os.path.join(REPO, "examples", "scripts")

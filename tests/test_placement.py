@@ -14,7 +14,7 @@ import pytest
 
 from openrlhf_mappa import placement
 from openrlhf_mappa.cli.train_mappa_ray import parse_args
-from openrlhf_mappa.topology import load_topology
+from openrlhf_mappa.team import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_4B = ROOT / "tests" / "fixtures" / "qwen3-4b"  # config.json from Qwen3-4B's published architecture

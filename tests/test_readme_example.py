@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from openrlhf_mappa.coach import render_prompt
-from openrlhf_mappa.topology import load_topology
+from openrlhf_mappa.team import load_topology
 from conftest import REPO
 
 DOCS = ("README.md", "docs/reference.md", "benchmarks/README.md", "tests/README.md")

@@ -102,7 +102,7 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3, coach_mode="per_acti
     from openrlhf_mappa.coach.audit import BiasAudit, coach_step_metrics
     from openrlhf_mappa.episode import Verdict
     from openrlhf_mappa.rollout import rollout
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.team import load_topology
     from openrlhf_mappa.run_log import RunLog, step_metrics
 
     agents = ["solver", "coder", "verifier"]

@@ -18,7 +18,8 @@ from openrlhf_mappa.episode import Verdict
 from openrlhf_mappa.rollout import AgentPolicy, SyncGate, run_episode
 from openrlhf_mappa.run_log import behaviour_metrics
 from openrlhf_mappa.sandbox import extract_code, run_python
-from openrlhf_mappa.topology import AgentSpec, Topology, load_topology
+from openrlhf_mappa.team import load_topology
+from openrlhf_mappa.topology import AgentSpec, Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 MATHCHAT_YAML = ROOT / "examples" / "configs" / "mathchat.yaml"
@@ -103,7 +104,11 @@ def test_model_override_replaces_every_model(tmp_path):
         ({"agents": [GOOD_AGENT, GOOD_AGENT]}, "agent name(s) ['solver'] used more than once"),
         ({"agents": []}, "'agents' must be a non-empty list"),
         ({"agents": [dict(GOOD_AGENT, max_actions=0)]}, "'max_actions' must be an integer >= 1, got 0"),
-        ({"agents": [dict(GOOD_AGENT, name="a b")]}, "names may only use letters, digits"),
+        ({"agents": [dict(GOOD_AGENT, name="a b")]},
+         "agent 'a b': 'name' must be a word of letters, digits, '_' and '-' (names become paths and metric keys), got 'a b'"),
+        ({"agents": [dict(GOOD_AGENT, role=" ")]}, "agent 'solver': 'role' is missing or empty; it must be a non-empty string"),
+        ({"agents": [dict(GOOD_AGENT, system=None)]}, "agent 'solver': 'system' must be a string, got None"),
+        ({"agents": [dict(GOOD_AGENT, max_actions=True)]}, "'max_actions' must be an integer >= 1, got True"),
         ({"agents": [dict(GOOD_AGENT, prompt="{task} {answer}")]}, "unknown field {answer}"),
         ({"agents": [dict(GOOD_AGENT, prompt="\\boxed{}")]}, "unknown field {}"),
         ({"agents": [dict(GOOD_AGENT, runs_code="yes")]}, "'runs_code' must be true or false"),
@@ -111,7 +116,7 @@ def test_model_override_replaces_every_model(tmp_path):
         ({"env": "no_such_pkg.mod:Env"}, "cannot import module 'no_such_pkg.mod'"),
         ({"env": "openrlhf_mappa.envs.mathchat:Nope"}, "has no class 'Nope'"),
         ({"env": "nocolon"}, "expected 'package.module:Class'"),
-        ({"coach_template": ""}, "'coach_template' is missing or empty"),
+        ({"coach_template": ""}, "'coach_template' must be a non-empty string (or give coach_templates), got ''"),
         ({"coach_template": "{task} {score}"}, "coach_template: unknown field {score}"),
         ({"review_template": "{trajectory} {agent_output}"}, "review_template: unknown field {agent_output}; allowed fields: task"),
         ({"review_template": "  "}, "'review_template' must be a non-empty string"),
@@ -134,7 +139,11 @@ def test_model_override_replaces_every_model(tmp_path):
         # LoRA adapters: a rank vLLM's engines cannot serve, and a pool whose agents need two engines
         ({"agents": [dict(GOOD_AGENT, lora={"rank": 1024})]},
          "agent 'solver': lora: rank 1024 is larger than vLLM's engines serve (max_lora_rank at most 512)"),
-        ({"agents": [dict(GOOD_AGENT, lora={"alpha": 16})]}, "agent 'solver': lora: 'rank' must be an integer >= 1, got None"),
+        ({"agents": [dict(GOOD_AGENT, lora={"alpha": 16})]}, "agent 'solver': lora: 'rank' is missing or empty; it must be an integer >= 1"),
+        ({"agents": [dict(GOOD_AGENT, lora={"rank": 0})]}, "agent 'solver': lora: 'rank' must be an integer >= 1, got 0"),
+        ({"agents": [dict(GOOD_AGENT, lora={"rank": 8, "alpha": 0})]}, "'alpha' must be a positive number (the update is scaled by alpha / rank), got 0"),
+        ({"agents": [dict(GOOD_AGENT, lora={"rank": 8, "dropout": "0.1"})]}, "lora: 'dropout' must be a number in [0, 1), got '0.1'"),
+        ({"agents": [dict(GOOD_AGENT, lora={"rank": 8, "pool": "a/b"})]}, "lora: 'pool' must be a word of letters, digits, '_' and '-', got 'a/b'"),
         ({"agents": [dict(GOOD_AGENT, lora=8)]}, "lora must be a mapping with keys rank, alpha, target_modules, dropout, pool"),
         ({"agents": [dict(GOOD_AGENT, lora={"rank": 8, "r": 8})]}, "lora: unknown key(s) ['r']; allowed: rank, alpha"),
         ({"agents": [dict(GOOD_AGENT, lora={"rank": 8, "dropout": 1.5})]}, "lora: 'dropout' must be a number in [0, 1), got 1.5"),
@@ -156,7 +165,7 @@ def test_bad_topology_messages(tmp_path, overrides, message):
 
 
 def test_lora_agents_share_a_pool_per_base_model_and_targets_are_checked(tmp_path):
-    from openrlhf_mappa.topology import check_lora
+    from openrlhf_mappa.team import check_lora
 
     qwen3 = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3-4b")  # config.json only: no weights read
     agents = [dict(GOOD_AGENT, model=qwen3, lora={"rank": 8, "target_modules": ["q_proj", "v_proj"]}),

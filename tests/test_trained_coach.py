@@ -103,7 +103,7 @@ def test_digits_only_samples_one_digit_token_and_the_coach_replies_with_one_toke
     from openrlhf_mappa.cli.train_mappa_ray import parse_args
     from openrlhf_mappa.placement import trainee_specs
     from openrlhf_mappa.rollout import AgentPolicy
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.team import load_topology
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     policy = AgentPolicy([], tokenizer, 1, 256, {"temperature": 1.0})
@@ -305,7 +305,7 @@ def test_stratified_draws_judge_the_rare_kind_of_action_as_often_and_keep_the_fr
 ])
 def test_a_trained_coach_is_refused_with_its_reason(flags, message):
     from openrlhf_mappa.cli.train_mappa_ray import parse_args, validate
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.team import load_topology
 
     topology = os.path.join(REPO, "examples", "configs", "relay.yaml")
     args = parse_args(["--mappa.topology", topology, "--data.prompt_dataset", "x.jsonl", *TINY_RUN_FLAGS,
@@ -332,7 +332,7 @@ def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path,
     from openrlhf_mappa.coach import build_coach
     from openrlhf_mappa.placement import agent_args, trainee_specs
     from openrlhf_mappa.rollout import AgentPolicy
-    from openrlhf_mappa.topology import load_topology
+    from openrlhf_mappa.team import load_topology
 
     relay = yaml.safe_load(open(os.path.join(REPO, "examples", "configs", "relay.yaml")))
     path = tmp_path / "relay.yaml"  # the rule server reads the agent's output from its template's markers

@@ -23,7 +23,7 @@ from openrlhf_mappa.coach.audit import check_failures, coach_step_metrics
 from openrlhf_mappa.envs.base import load_tasks
 from openrlhf_mappa.episode import Action, Episode, Verdict
 from openrlhf_mappa.rollout import rollout
-from openrlhf_mappa.topology import load_topology
+from openrlhf_mappa.team import load_topology
 from openrlhf_mappa.resume import apply, check_resume
 from openrlhf_mappa.resume import truncate_logs
 from openrlhf_mappa.rewards import batch_rule, experience_of

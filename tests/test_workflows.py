@@ -15,7 +15,7 @@ from openrlhf_mappa.envs.base import MultiAgentEnv
 from openrlhf_mappa.envs.mathchat import MathChatEnv, extract_boxed, grade
 from openrlhf_mappa.evaluation import evaluate, summarize
 from openrlhf_mappa.rollout import AgentPolicy, run_episode
-from openrlhf_mappa.topology import load_topology
+from openrlhf_mappa.team import load_topology
 from conftest import REPO
 from test_topology_env import RecordingCoach
 

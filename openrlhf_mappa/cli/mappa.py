@@ -238,7 +238,7 @@ def out_file(path: str, flag: str) -> None:
 def merge_lora_main(args):
     """`mappa merge-lora`: the adapter, its config and its base model checked before peft and torch load."""
     from openrlhf_mappa.episode import read_record
-    from openrlhf_mappa.topology import check_model
+    from openrlhf_mappa.team import check_model
 
     with refusals("mappa merge-lora:"):
         config = os.path.join(args.adapter_dir, "adapter_config.json")
@@ -263,7 +263,7 @@ def plan_main(argv) -> int:
     GPU memory known, the counts are checked (as the launcher does) and the least GPU memory needed is said."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.cli.train_mappa_ray import accepted, parse_args, validate
-    from openrlhf_mappa.topology import check_model, load_topology
+    from openrlhf_mappa.team import check_model, load_topology
 
     args = parse_args(argv, prog="mappa plan", description=PLAN_HELP)
     with refusals("mappa plan:"):
@@ -386,7 +386,7 @@ def recipe_team(args) -> tuple:
     """(the topology with its own models, why it is not planned): with --mappa.model the doctor's team runs the
     small model, and the recipe's models are planned on the cluster too (doctor.recipe_plan). None without
     --mappa.model: the team's plan is the recipe's."""
-    from openrlhf_mappa.topology import check_model, load_topology
+    from openrlhf_mappa.team import check_model, load_topology
 
     if not args.mappa.model:
         return None, None
@@ -404,7 +404,7 @@ def eval_inputs(parser, args):
     adapter's config for a LoRA agent's export, dataset -> tasks)."""
     from openrlhf_mappa.episode import read_record
     from openrlhf_mappa.evaluation import load_eval_sets
-    from openrlhf_mappa.topology import check_model, load_topology
+    from openrlhf_mappa.team import check_model, load_topology
 
     with refusals("mappa eval:"):
         topology = load_topology(args.topology, model_override=args.model)
@@ -554,13 +554,14 @@ def rescore_main(parser, args):
     from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, build_coach
     from openrlhf_mappa.coach import rescore
     from openrlhf_mappa.coach.audit import FAILED_STATUSES
+    from openrlhf_mappa.topology import PROMPT_FIELDS, REVIEW_FIELDS, check_template
 
     if not (args.template or args.topology) and args.kind == "openai" and args.mode != "hindsight":
         parser.error(f"coach score --mode {args.mode}: give the coach prompt with --template FILE or --topology YAML")
     with refusals("mappa coach score:"):
         topology = None
         if args.topology:
-            from openrlhf_mappa.topology import load_topology
+            from openrlhf_mappa.team import load_topology
 
             topology = load_topology(args.topology)
             if not args.template:
@@ -569,8 +570,10 @@ def rescore_main(parser, args):
         review_template = topology.review_template if topology else None
         if args.template:
             template = Path(args.template).read_text(encoding="utf-8")
+            check_template(template, PROMPT_FIELDS, args.template)
         if args.review_template:
             review_template = Path(args.review_template).read_text(encoding="utf-8")
+            check_template(review_template, REVIEW_FIELDS, args.review_template)
         options = {}
         if args.kind == "openai":
             options = dict(api_key_env=args.api_key_env, timeout_s=args.timeout, max_concurrency=args.max_concurrency,

@@ -851,7 +851,7 @@ def check_team(args, plan: bool = True):
     """The team's checks before Ray (train, `mappa doctor`): the topology, the flags against it, every agent's
     model and LoRA settings, and the plan where the cluster is given (unless `plan` is False)."""
     from openrlhf_mappa import placement
-    from openrlhf_mappa.topology import check_lora, check_model, load_topology
+    from openrlhf_mappa.team import check_lora, check_model, load_topology
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
     validate(args, topology)

@@ -4,10 +4,10 @@ both (`--mappa.coach.mode`, judge_episode). Backends: "heuristic" (offline, dete
 the team's cluster that trains with the agents, anchored to one of the others: coach/trained.py)."""
 
 from openrlhf_mappa.coach.base import (  # noqa: F401 (the package's API)
-    COACH_MODES, DEFAULT_REVIEW_TEMPLATE, DEFAULT_SCORE_KEY, PROMPT_FIELDS, REVIEW_FIELDS, SCORE_KEY_RE, Coach,
-    CoachRequest, combine, judge_episode, parse_answer_correct, parse_review, parse_score, render_prompt,
-    render_review_prompt,
+    COACH_MODES, DEFAULT_REVIEW_TEMPLATE, Coach, CoachRequest, combine, judge_episode, parse_answer_correct,
+    parse_review, parse_score, render_prompt, render_review_prompt,
 )
+from openrlhf_mappa.topology import DEFAULT_SCORE_KEY, PROMPT_FIELDS, REVIEW_FIELDS, SCORE_KEY_RE  # noqa: F401
 
 COACH_KINDS = ("heuristic", "openai", "trained")
 

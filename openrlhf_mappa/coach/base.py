@@ -9,13 +9,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from openrlhf_mappa.episode import Review, Verdict
+from openrlhf_mappa.topology import PROMPT_FIELDS
 
 COACH_MODES = ("per_action", "hindsight", "both")
-PROMPT_FIELDS = (
-    "task", "role", "agent", "turn", "round", "position", "task_type", "agent_input", "agent_output", "feedback",
-    "ground_truth", "coach_bias",
-)
-REVIEW_FIELDS = ("task", "task_type", "trajectory", "outcome", "num_actions")
 # The hindsight prompt when the topology gives no `review_template`. The reply format is fixed (parse_review).
 DEFAULT_REVIEW_TEMPLATE = """You are a coach reviewing, in hindsight, a whole episode of a team of AI agents that \
 solved a task together.
@@ -84,22 +80,16 @@ class Coach:
 
 
 def render_prompt(template: str, request: CoachRequest) -> str:
-    """Fill a coach prompt template (str.format; literal braces doubled: {{ }}). A cut-off output says so at
-    its end, whatever the template, lest the coach judge an unfinished answer as a chosen stop. The bias figures
-    go where the template names {coach_bias}, else before the whole prompt, so any template can show them."""
+    """Fill a coach prompt template (str.format; literal braces doubled: {{ }}), its fields checked where it was
+    loaded (topology.check_template). A cut-off output says so at its end, whatever the template, lest the coach
+    judge an unfinished answer as a chosen stop. The bias figures go where the template names {coach_bias}, else
+    before the whole prompt, so any template can show them."""
     fields = {name: getattr(request, name) for name in PROMPT_FIELDS} | {
         "agent_output": _shown_output(request), "feedback": request.feedback or "(none)",
         "ground_truth": request.ground_truth if request.ground_truth is not None else "(not available)",
         "coach_bias": request.coach_bias or "",
     }
-    try:
-        prompt = template.format(**fields)
-    except KeyError as e:
-        raise ValueError(f"coach prompt template names unknown field {{{e.args[0]}}}; allowed fields: "
-                         f"{', '.join(PROMPT_FIELDS)}") from None
-    except IndexError:
-        raise ValueError(f"coach prompt template has a positional field {{}}; use named ones: "
-                         f"{', '.join(PROMPT_FIELDS)}") from None
+    prompt = template.format(**fields)
     if request.coach_bias and "coach_bias" not in {name for _, name, _, _ in string.Formatter().parse(template)}:
         prompt = request.coach_bias + "\n\n" + prompt
     return prompt
@@ -108,8 +98,6 @@ def render_prompt(template: str, request: CoachRequest) -> str:
 # A score comes only from the JSON verdict's "score", a line `<KEY>: <number>`, or a reply that is just a
 # number. Prose is full of numbers that are not the score, and a guessed number trains the agents as surely
 # as a real one, so an unclear reply is a parse error that the caller re-prompts.
-DEFAULT_SCORE_KEY = "PROCESS_SCORE"  # the authors' coach prompts ask for `PROCESS_SCORE: <0-10>`
-SCORE_KEY_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _NUM = r"([-+]?\d+(?:\.\d+)?)"
 _OUT_OF_10 = r"(?:[ \t]*/[ \t]*10(?:\.0+)?(?![\d.]))?"  # 7/10, 7 / 10.0
 # After the key line's number (and an optional /10) the rest of the line is commentary ("6 - a flawless action
@@ -170,7 +158,8 @@ def parse_answer_correct(text: str) -> Optional[int]:
 
 
 def render_review_prompt(template: str, requests: list, outcome: dict) -> str:
-    """Fill a hindsight template (fields REVIEW_FIELDS) with a finished episode, its actions numbered from 1."""
+    """Fill a hindsight template (fields REVIEW_FIELDS, checked where it was loaded) with a finished episode, its
+    actions numbered from 1."""
     parts = []
     for i, r in enumerate(requests, 1):
         part = (f"=== Action {i} of {len(requests)}: agent {r.agent}, its action {r.turn + 1} ===\nRole: {r.role}\n"
@@ -181,11 +170,7 @@ def render_review_prompt(template: str, requests: list, outcome: dict) -> str:
     first = requests[0] if requests else CoachRequest("", "", 0, "", "", "", "", "", "")
     fields = {"task": first.task, "task_type": first.task_type, "trajectory": "\n\n".join(parts),
               "outcome": json.dumps(outcome, ensure_ascii=False, sort_keys=True), "num_actions": len(requests)}
-    try:
-        return template.format(**fields)
-    except (KeyError, IndexError):
-        raise ValueError(f"hindsight review template: use only the named fields {', '.join(REVIEW_FIELDS)}; "
-                         "literal braces must be doubled: {{ }}") from None
+    return template.format(**fields)
 
 
 def _shown_output(r: CoachRequest) -> str:

@@ -22,11 +22,11 @@ import time
 import aiohttp
 import yarl
 
-from openrlhf_mappa.coach.base import (DEFAULT_REVIEW_TEMPLATE, DEFAULT_SCORE_KEY, SCORE_KEY_RE, Coach, CoachRequest,
-                                       parse_answer_correct, parse_review, parse_score, render_prompt,
-                                       render_review_prompt)
+from openrlhf_mappa.coach.base import (DEFAULT_REVIEW_TEMPLATE, Coach, CoachRequest, parse_answer_correct, parse_review,
+                                       parse_score, render_prompt, render_review_prompt)
 from openrlhf_mappa.coach.cache import VerdictCache
 from openrlhf_mappa.episode import Review, Verdict
+from openrlhf_mappa.topology import DEFAULT_SCORE_KEY, SCORE_KEY_RE
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +88,7 @@ class OpenAICoach(Coach):
             raise ValueError(f"structured output mode {structured!r}: expected one of {STRUCTURED_MODES}")
         if not SCORE_KEY_RE.fullmatch(score_key or ""):
             raise ValueError(f"score key {score_key!r}: use letters, digits and '_', starting with a letter")
-        # Rendered once so a template naming an unknown field fails at startup, not in the first step.
-        if template is not None:
-            render_prompt(template, CoachRequest("", "", 0, "", "", "", "", "", ""))
         self.review_template = review_template or DEFAULT_REVIEW_TEMPLATE
-        render_review_prompt(self.review_template, [], {})
         self.model, self.template, self.name = model, template, f"openai:{model}"
         self.max_retries, self.format_retries = max_retries, format_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s

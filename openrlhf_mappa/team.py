@@ -1,0 +1,151 @@
+"""A topology as a run uses it: the YAML read and checked by topology.py, then checked against what topology (the
+bottom room) may not import: its environment's class (the env's name, the views its turn order allows, the
+env_kwargs its constructors take: load_topology, which every tool loads a topology with) and its models (a
+directory or the hub: check_model; LoRA targets: check_lora), before any cluster starts."""
+
+import difflib
+import inspect
+import os
+import re
+from typing import Optional
+
+from openrlhf_mappa import placement
+from openrlhf_mappa.envs import load_env_class
+from openrlhf_mappa.topology import AgentSpec, Topology, read_topology
+
+
+def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
+    """Read and validate a topology YAML and its environment. `model_override` replaces every agent's model
+    (tests, demos)."""
+    topology = read_topology(path, model_override)
+    try:
+        topology.env_cls = load_env_class(topology.env)
+        _check_chain_views(topology)
+        _check_env_kwargs(topology)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return topology
+
+
+def _check_chain_views(topology: Topology) -> None:
+    """Only the default workflow (MultiAgentEnv's own next_agents, a chain) fixes who acts before whom, so there
+    a view names only agents listed before it; an env with its own next_agents may let any agent see any other."""
+    if not getattr(getattr(topology.env_cls, "next_agents", None), "chain", False):
+        return
+    names = [a.name for a in topology.agents]
+    for i, agent in enumerate(topology.agents):
+        shown = () if agent.view.agents == "all" else agent.view.agents
+        later = [name for name in shown if names.index(name) > i]
+        if later:
+            raise ValueError(f"agent {agent.name!r}: view: names {later[0]!r}, which acts after it (agents act in the "
+                             f"listed order)")
+
+
+def _check_env_kwargs(topology: Topology) -> None:
+    """A misspelt env_kwargs key fails here, with the nearest key taken, in `mappa plan` too (check_env, which
+    builds the env, runs only where tasks are read, and says no more than Python's TypeError). A constructor's
+    **kwargs usually go on to super().__init__, so the keys taken are the named ones of each __init__ in the MRO up
+    to one without **kwargs; where the last **kwargs reach no further __init__ (the class reads them), any key
+    passes here."""
+    env_cls = topology.env_cls
+    accepted, readers = [], []
+    for cls in env_cls.__mro__[:-1]:  # not object
+        if "__init__" not in vars(cls):
+            continue
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # not self
+        # make_env passes topology, task and workspace by position: the first three positional parameters
+        passed = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:3]
+        accepted += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p not in passed]
+        readers.append(cls.__name__)
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    else:  # the last **kwargs go to no further __init__: its class reads them itself
+        accepted = None
+
+    def named(key: str) -> str:
+        close = difflib.get_close_matches(key, accepted, n=1)
+        return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+
+    unknown = [key for key in topology.env_kwargs if key not in accepted] if accepted is not None else []
+    if unknown:
+        through = (f" (the __init__ of {readers[0]} and, through **kwargs, of {', '.join(readers[1:])})"
+                   if readers[1:] else "")
+        raise ValueError(f"env_kwargs do not fit {topology.env}: unknown key(s) {', '.join(map(named, unknown))}; "
+                         f"{env_cls.__name__} takes {', '.join(accepted) or 'none'}{through}")
+    try:  # a required argument left out (relay's goals), a key given twice
+        inspect.signature(env_cls).bind(topology, {}, "", **topology.env_kwargs)
+    except TypeError as e:
+        raise ValueError(f"env_kwargs do not fit {topology.env}: {e}") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+HUB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")  # org/name
+
+
+def check_model(model: str, label: str) -> None:
+    """Refuse, before any cluster starts, a model the actors could not load: a directory without config.json and
+    a tokenizer (it would fail with a misleading sentencepiece error), or not a hub id (org/name) on the hub or,
+    offline, in the cache (a typo would be looked up inside a Ray actor minutes later)."""
+    if os.path.isdir(model):
+        missing = [] if os.path.isfile(os.path.join(model, "config.json")) else ["config.json"]
+        if not any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
+            missing.append("tokenizer files (one of " + ", ".join(TOKENIZER_FILES) + ")")
+        if missing:
+            raise ValueError(f"{label}: {model} is not a Hugging Face model directory: it has no "
+                             f"{' and no '.join(missing)}")
+        return
+    where = "" if os.path.isabs(model) else f" (relative to {os.getcwd()})"
+    if not HUB_ID_RE.fullmatch(model) or os.path.isdir(model.split("/")[0]):
+        raise ValueError(f"{label}: model {model!r} is not a directory{where}; give a local model directory or a "
+                         f"Hugging Face id (org/name)")
+    from huggingface_hub import constants, errors, get_session, hf_hub_download, is_offline_mode, try_to_load_from_cache
+
+    if is_offline_mode():
+        if not isinstance(try_to_load_from_cache(model, "config.json"), str):
+            raise ValueError(f"{label}: model {model!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                             f"and downloads are off (HF_HUB_OFFLINE): download it first, or unset HF_HUB_OFFLINE")
+        return
+    # Resolved on the hub now, its config.json into the cache (the plan reads it): a typo, a gated model or a hub
+    # out of reach is named here, not inside every Ray actor after the cluster started.
+    try:
+        # One plain request first: hf_hub_download retries a hub out of reach for a long while before saying so.
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        hf_hub_download(model, "config.json")
+    except errors.GatedRepoError:
+        raise ValueError(f"{label}: model {model!r} is gated on the Hugging Face hub: accept its terms there and "
+                         f"export HF_TOKEN (on the head node, before `ray start`)") from None
+    except errors.RepositoryNotFoundError:
+        raise ValueError(f"{label}: model {model!r} is not a local directory{where}, nor a model on the Hugging Face "
+                         f"hub ({constants.ENDPOINT}): check the path or name (a private model needs HF_TOKEN)") \
+            from None
+    except errors.RemoteEntryNotFoundError:
+        raise ValueError(f"{label}: the hub repository {model!r} has no config.json: not a transformers "
+                         f"model") from None
+    except (errors.LocalEntryNotFoundError, errors.HTTPError, OSError) as e:
+        raise ValueError(f"{label}: model {model!r} is not a local directory{where}, and the Hugging Face hub "
+                         f"({constants.ENDPOINT}) could not be reached to fetch its config.json ({type(e).__name__}): "
+                         f"check the path, the network or HF_ENDPOINT; or download the model first and set "
+                         f"HF_HUB_OFFLINE=1") from None
+
+
+def check_lora(spec: AgentSpec, label: str) -> None:
+    """Refuse, before any cluster starts, LoRA target modules the model lacks (peft would fail inside a Ray actor
+    minutes later): the dense families' linear layers come from config.json, another model's from a meta build."""
+    if spec.lora is None or spec.lora.target_modules == ("all-linear",):
+        return
+    config = placement.read_config(spec.model)
+    if config.get("model_type") in placement.DENSE_TYPES:
+        linear = sorted(placement.model_size(config).linear_shapes()) + ["lm_head"]
+    else:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.model, trust_remote_code=True),
+                                                     trust_remote_code=True)
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    missing = [t for t in spec.lora.target_modules if t not in linear]
+    if missing:
+        raise ValueError(f"{label}: lora target_modules {missing} are not linear layers of {spec.model} "
+                         f"({config.get('model_type')}); its linear layers: {', '.join(linear)} (or all-linear)")
