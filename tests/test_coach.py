@@ -18,6 +18,8 @@ import pytest
 
 from openrlhf_mappa.coach import CoachRequest, build_coach, openai_compat, render_prompt
 from openrlhf_mappa.coach.cache import VerdictCache
+from openrlhf_mappa.coach.heuristic import HeuristicCoach
+from openrlhf_mappa.coach.openai_compat import OpenAICoach
 from openrlhf_mappa.episode import Verdict
 from openrlhf_mappa.rollout import AgentPolicy
 
@@ -133,7 +135,8 @@ def make_request(**overrides):
 def make_coach(url, **kwargs):
     # Short backoff so retry tests take fractions of a second; the schedule itself is tested separately.
     kwargs = dict(dict(timeout_s=5.0, backoff_s=0.01, max_backoff_s=0.05, template=TEMPLATE), **kwargs)
-    return build_coach("openai", model="coach-model", base_url=url, **kwargs)
+    cache = VerdictCache(kwargs.pop("cache_path", None))  # memory, and SQLite where a path is given
+    return OpenAICoach(model="coach-model", base_url=url, cache=cache, **kwargs)
 
 
 def score_all(url, requests, **kwargs):
@@ -553,14 +556,14 @@ def test_shipped_rubrics_invent_no_score(server, topology_file):
 @pytest.mark.parametrize("reasoning_field", [False, True])
 def test_the_recipes_coach_scores_the_verdict_after_a_reasoning_coachs_thinking(recipe, model, reasoning_field,
                                                                                  tmp_path):
-    """The GPU scripts' coach (run for real; their flags through the real parser and coach_options), pointed at a
+    """The GPU scripts' coach (run for real; their flags through the real parser and build_coach), pointed at a
     reasoning coach on 127.0.0.1 that ignores any schema and weighs a score of 9 in its reasoning: the verdict
     after the reasoning is the score (4), and a reply whose only score line is in its reasoning is a parse error,
     never 9. The reasoning comes in a <think> block of the reply, or apart (`reasoning_content`). The request
     is free text (no response_format) at temperature 0, to the authors' coach model by default."""
     from coach_server import COACH_TEMPLATE, CoachServer
     from conftest import REPO, submit_script
-    from openrlhf_mappa.cli.train_mappa_ray import coach_options, parse_args
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args
     from openrlhf_mappa.topology import load_topology
 
     thinking = "The code runs, so PROCESS_SCORE: 9 at first sight; but it never checks the answer."
@@ -568,12 +571,12 @@ def test_the_recipes_coach_scores_the_verdict_after_a_reasoning_coachs_thinking(
         submitted, _ = submit_script(os.path.join(REPO, "examples", "scripts", recipe), tmp_path,
                                      MAPPA_COACH_BASE_URL=server.base_url, MAPPA_COACH_MODEL="")
         args = parse_args(submitted[submitted.index("openrlhf_mappa.cli.train_mappa_ray") + 1:])
-        options = coach_options(args, load_topology(os.path.join(REPO, args.mappa.topology)))
-        options["template"] = COACH_TEMPLATE  # the rule server's, which says whom to mute and what to score
+        topology = load_topology(os.path.join(REPO, args.mappa.topology))
         requests = [make_request(agent="verifier", agent_output="abcd"), make_request(agent="silent")]
 
-        async def run():
-            coach = build_coach(args.mappa.coach.kind, **options)
+        async def run():  # the template: the rule server's, which says whom to mute and what to score
+            coach = build_coach(args.mappa.coach, template=COACH_TEMPLATE, score_key=topology.score_key,
+                                review_template=topology.review_template)
             try:
                 return await asyncio.gather(*(coach.score(r) for r in requests))
             finally:
@@ -588,18 +591,19 @@ def test_the_recipes_coach_scores_the_verdict_after_a_reasoning_coachs_thinking(
 
 
 def test_build_coach_errors():
+    from openrlhf_mappa.cli.train_mappa_ray import coach_flags
+
+    flags = lambda **given: types.SimpleNamespace(**{**coach_flags()[0], "kind": "openai", **given})
     with pytest.raises(ValueError, match="--mappa.coach.model"):
-        build_coach("openai", base_url="http://x/v1", template=TEMPLATE)
+        build_coach(flags(base_url="http://x/v1"), template=TEMPLATE)
     with pytest.raises(ValueError, match="coach kind 'openai' needs --mappa.coach.base_url$"):
-        build_coach("openai", model="m")  # no template: a coach that only reviews episodes may have none
-    with pytest.raises(ValueError, match="heuristic, openai"):
-        build_coach("gpt4")
+        build_coach(flags(model="m"))  # no template: a coach that only reviews episodes may have none
     with pytest.raises(ValueError, match="unknown field"):  # a bad template fails when the coach is built
-        build_coach("openai", model="m", base_url="http://x/v1", template="{nope}")
+        build_coach(flags(model="m", base_url="http://x/v1"), template="{nope}")
 
 
 def heuristic_score(**overrides):
-    return asyncio.run(build_coach("heuristic").score(make_request(**overrides)))
+    return asyncio.run(HeuristicCoach().score(make_request(**overrides)))
 
 
 def test_heuristic_correct_boxed_answer_is_10():
@@ -700,7 +704,7 @@ def test_a_step_with_too_many_failed_verdicts_stops(server, tmp_path):
     tasks = [{"id": str(i), "prompt": "2 + 2?", "answer": "4"} for i in range(4)]
 
     async def run():
-        coach = build_coach("openai", model="m", base_url=server.url, template=topology.coach_template, max_retries=0)
+        coach = OpenAICoach(model="m", base_url=server.url, template=topology.coach_template, max_retries=0)
         try:
             return await rollout(topology, tasks, policies, coach, str(tmp_path / "ws"), step=1)
         finally:
@@ -734,7 +738,7 @@ def saved_run(tmp_path):
     for i, reply in enumerate(replies):  # a run's episodes.jsonl, judged by the heuristic coach
         policies = {"solver": ScriptedPolicy(reply), "verifier": ScriptedPolicy(replies[-1 - i])}
         task = [{"id": str(i), "prompt": "2 + 2?", "answer": "4"}]
-        episodes += asyncio.run(rollout(topology, task, policies, build_coach("heuristic"), str(tmp_path / "ws"), 1))
+        episodes += asyncio.run(rollout(topology, task, policies, HeuristicCoach(), str(tmp_path / "ws"), 1))
     path = tmp_path / "episodes.jsonl"
     lines = [ep.to_json() for ep in episodes]
     path.write_text("\n".join(lines) + "\n" + lines[0][:50])  # the last line cut off, as by a kill
@@ -978,7 +982,7 @@ def test_review_cache_pays_once_and_never_stores_failures(server, tmp_path):
 def test_heuristic_review_blames_the_first_action_that_broke_its_goal():
     from openrlhf_mappa.coach import judge_episode
 
-    coach = build_coach("heuristic")
+    coach = HeuristicCoach()
 
     def review(requests, success):
         return asyncio.run(judge_episode(coach, "hindsight", requests, {"success": success}, []))

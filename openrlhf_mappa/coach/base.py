@@ -10,7 +10,6 @@ from typing import Optional
 
 from openrlhf_mappa.episode import Review, Verdict
 
-COACH_MODES = ("per_action", "hindsight", "both")
 PROMPT_FIELDS = (
     "task", "role", "agent", "turn", "round", "position", "task_type", "agent_input", "agent_output", "feedback",
     "ground_truth", "coach_bias",
@@ -242,8 +241,6 @@ def combine(per_action: Verdict, hindsight: Verdict) -> Verdict:
 async def judge_episode(coach: Coach, mode: str, requests: list, outcome: dict, pending: list) -> tuple:
     """(verdicts each action trains on, per action its {"per_action", "hindsight"} parts in mode "both" else {},
     the Review or None) of a finished episode. `pending`: the per-action verdicts' awaitables, asked while it ran."""
-    if mode not in COACH_MODES:
-        raise ValueError(f"unknown coach mode {mode!r}; expected one of {', '.join(COACH_MODES)}")
     per_action = await asyncio.gather(*pending)
     if mode == "per_action" or not requests:  # an episode with no action (all skipped) has nothing to review
         return per_action, [{} for _ in per_action], None
