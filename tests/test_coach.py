@@ -752,8 +752,8 @@ def mappa_coach_score(path, out, url, *flags, env):
 
     from conftest import MAPPA
 
-    cmd = [MAPPA, "coach", "score", "--episodes", str(path), "--out", str(out), "--model", "judge-2",
-           "--base-url", url, "--structured", "off", *flags]
+    cmd = [MAPPA, "coach", "score", "--episodes", str(path), "--out", str(out), "--mappa.coach.model", "judge-2",
+           "--mappa.coach.base_url", url, "--mappa.coach.structured", "off", *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
 
 
@@ -765,12 +765,12 @@ def test_mappa_coach_score_rescores_saved_episodes(saved_run, tmp_path):
     template = ("--template", str(tmp_path / "template.txt"))
     with CoachServer(mute={"verifier"}) as server:  # scores the solver, answers garbage for the verifier
         proc = mappa_coach_score(path, out, server.base_url, *template, env=env)
-        # half the verdicts failed: at the default --max-failure-fraction 0.5 that passes, above 0.4 it does not
+        # half the verdicts failed: at the default --mappa.coach.max_failure_fraction 0.5 that passes, above 0.4 it does not
         strict = mappa_coach_score(path, tmp_path / "strict.jsonl", server.base_url, *template,
-                                   "--max-failure-fraction", "0.4", env=env)
+                                   "--mappa.coach.max_failure_fraction", "0.4", env=env)
     assert proc.returncode == 0, proc.stderr
     assert strict.returncode == 1 and (tmp_path / "strict.jsonl.summary.json").exists()
-    assert "5 of 10 verdicts failed (more than --max-failure-fraction 0.4)" in strict.stderr
+    assert "5 of 10 verdicts failed (more than --mappa.coach.max_failure_fraction 0.4)" in strict.stderr
     assert "line 6 is cut off" in proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 10
@@ -803,7 +803,7 @@ def test_mappa_coach_score_fails_when_most_verdicts_fail(saved_run, tmp_path):
     with CoachServer(mute={"solver", "verifier"}) as server:
         proc = mappa_coach_score(path, out, server.base_url, "--template", str(tmp_path / "template.txt"), env=env)
     assert proc.returncode == 1
-    assert "10 of 10 verdicts failed (more than --max-failure-fraction 0.5)" in proc.stderr
+    assert "10 of 10 verdicts failed (more than --mappa.coach.max_failure_fraction 0.5)" in proc.stderr
     first_failure = proc.stderr.split("First failure: ", 1)[1]
     assert first_failure.startswith("parse_error: ") and "no valid score in [0, 10] after 3 replies" in first_failure
     assert "I refuse to grade this." in first_failure
@@ -817,8 +817,8 @@ def test_mappa_coach_score_fails_when_most_verdicts_fail(saved_run, tmp_path):
                 "agents": [{"name": "solver", "model": "unused", "role": "r", "prompt": "{task}"}]}
     (tmp_path / "grade.yaml").write_text(json.dumps(topology))
     with CoachServer() as server:
-        by_topology = mappa_coach_score(path, out, server.base_url, "--topology", str(tmp_path / "grade.yaml"), env=env)
-        overridden = mappa_coach_score(path, out, server.base_url, "--topology", str(tmp_path / "grade.yaml"),
+        by_topology = mappa_coach_score(path, out, server.base_url, "--mappa.topology", str(tmp_path / "grade.yaml"), env=env)
+        overridden = mappa_coach_score(path, out, server.base_url, "--mappa.topology", str(tmp_path / "grade.yaml"),
                                        "--score-key", "PROCESS_SCORE", env=env)
     assert by_topology.returncode == 1 and "10 of 10 verdicts failed" in by_topology.stderr
     assert "last reply: 'Looks fine.\\nPROCESS_SCORE: " in by_topology.stderr
@@ -835,9 +835,9 @@ def test_mappa_coach_score_asks_for_coach_template_only_where_it_sends_it(saved_
     topology.write_text("name: t\nenv: mathchat\nagents:\n  - {name: solver, model: unused, role: r, prompt: '{task}'}\n")
     out = tmp_path / "rescored.jsonl"
     with CoachServer() as server:
-        hindsight = mappa_coach_score(path, out, server.base_url, "--topology", str(topology), "--mode", "hindsight",
+        hindsight = mappa_coach_score(path, out, server.base_url, "--mappa.topology", str(topology), "--mappa.coach.mode", "hindsight",
                                       env=env)
-        per_action = mappa_coach_score(path, tmp_path / "per_action.jsonl", server.base_url, "--topology",
+        per_action = mappa_coach_score(path, tmp_path / "per_action.jsonl", server.base_url, "--mappa.topology",
                                        str(topology), env=env)
         reviews = [r for r in server.requests if ACTION_BLOCK.search(r["prompt"])]
     assert hindsight.returncode == 0, hindsight.stderr
@@ -1007,7 +1007,7 @@ def test_mappa_coach_score_mode_hindsight_reviews_each_episode_once(saved_run, t
     path, _, env = saved_run  # 5 episodes of 2 actions
     out, template = tmp_path / "hindsight.jsonl", ("--template", str(tmp_path / "template.txt"))
     with CoachServer() as server:
-        proc = mappa_coach_score(path, out, server.base_url, *template, "--mode", "hindsight", env=env)
+        proc = mappa_coach_score(path, out, server.base_url, *template, "--mappa.coach.mode", "hindsight", env=env)
         prompts = [r["prompt"] for r in server.requests]
     assert proc.returncode == 0, proc.stderr
     assert len(prompts) == 5 and all("=== Action 2 of 2: agent verifier" in p for p in prompts)
@@ -1017,7 +1017,7 @@ def test_mappa_coach_score_mode_hindsight_reviews_each_episode_once(saved_run, t
         assert sorted(r["responsible"] for r in rows if r["episode_id"] == episode_id) == [False, True]
 
     with CoachServer(mute={"hindsight"}) as server:  # prose instead of a review: no action gets a score
-        proc = mappa_coach_score(path, out, server.base_url, *template, "--mode", "hindsight", env=env)
+        proc = mappa_coach_score(path, out, server.base_url, *template, "--mappa.coach.mode", "hindsight", env=env)
         assert len(server.requests) == 5 * 3  # each review re-prompted twice
     assert proc.returncode == 1 and "10 of 10 verdicts failed" in proc.stderr
     assert "no valid review of the 2 actions after 3 replies" in proc.stderr
