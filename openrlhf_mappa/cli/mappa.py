@@ -232,8 +232,8 @@ def plan_main(argv) -> int:
     """`mappa plan`: the launch's plan and check without a cluster, on this machine's GPUs unless given; with no
     GPU memory known, the counts are checked (as the launcher does) and the least GPU memory needed is said."""
     from openrlhf_mappa import placement
-    from openrlhf_mappa.cli.train_mappa_ray import accepted, parse_args, validate
-    from openrlhf_mappa.topology import check_model, load_topology
+    from openrlhf_mappa.cli.train_mappa_ray import accepted, check_models, parse_args, validate
+    from openrlhf_mappa.topology import load_topology
 
     args = parse_args(argv, prog="mappa plan", description=PLAN_HELP)
     with refusals("mappa plan:"):
@@ -241,10 +241,7 @@ def plan_main(argv) -> int:
         validate(args, topology)
         # A hub id resolved as the launcher does: one out of reach is refused at once, not "fits" after minutes of
         # retries. A directory needs only its config.json here (tests/fixtures hold no weights or tokenizer).
-        for spec in placement.trainee_specs(args, topology):
-            label = "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}"
-            if not os.path.isdir(spec.model):
-                check_model(spec.model, label if spec in topology.agents else "--mappa.coach.model")
+        check_models(args, topology, config_only=True)
     gpus, gib = args.mappa.gpus, args.mappa.gpu_memory_gib
     if gpus is None or gib is None:
         found = placement.detect_gpus()
@@ -356,14 +353,14 @@ def recipe_team(args) -> tuple:
     """(the topology with its own models, why it is not planned): with --mappa.model the doctor's team runs the
     small model, and the recipe's models are planned on the cluster too (doctor.recipe_plan). None without
     --mappa.model: the team's plan is the recipe's."""
-    from openrlhf_mappa.topology import check_model, load_topology
+    from openrlhf_mappa.cli.train_mappa_ray import check_models
+    from openrlhf_mappa.topology import load_topology
 
     if not args.mappa.model:
         return None, None
     recipe = load_topology(args.mappa.topology)
     try:
-        for spec in recipe.agents:
-            check_model(spec.model, f"{args.mappa.topology}: agent {spec.name!r}")
+        check_models(args, recipe)
     except (ValueError, SystemExit) as e:  # the launch itself refuses it before Ray, in seconds
         return None, str(e).removeprefix("[mappa] ")
     return recipe, None

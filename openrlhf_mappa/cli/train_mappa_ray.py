@@ -819,19 +819,34 @@ def check_team(args, plan: bool = True):
     """The team's checks before Ray (train, `mappa doctor`): the topology, the flags against it, every agent's
     model and LoRA settings, and the plan where the cluster is given (unless `plan` is False)."""
     from openrlhf_mappa import placement
-    from openrlhf_mappa.topology import check_lora, check_model, load_topology
+    from openrlhf_mappa.topology import load_topology
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
     validate(args, topology)
-    for spec in placement.trainee_specs(args, topology)[len(topology.agents) :]:  # a trained coach
-        check_model(spec.model, "--mappa.coach.model")
-    for spec in topology.agents:
-        label = "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}"
-        check_model(spec.model, label)
-        check_lora(spec, label)
+    check_models(args, topology)
     if plan and (args.mappa.gpus or args.mappa.gpu_memory_gib):  # the cluster as given: the plan, before Ray starts
         placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib, allowed=accepted(topology))
     return topology
+
+
+def check_models(args, topology, config_only: bool = False) -> None:
+    """Each trainee's model (every agent's, a trained coach's) found as the launch loads it, and a LoRA agent's
+    targets in it (train, `mappa doctor` and its recipe's models, `mappa plan`). `config_only` (`mappa plan`): a
+    local directory needs only the config.json the plan reads, so a hub id out of reach is what it refuses."""
+    from openrlhf_mappa.placement import trainee_specs
+    from openrlhf_mappa.topology import check_lora, check_model
+
+    for spec in trainee_specs(args, topology):
+        if spec not in topology.agents:
+            label = "--mappa.coach.model"
+        elif spec.model == args.mappa.model:
+            label = "--mappa.model"
+        else:
+            label = f"{args.mappa.topology}: agent {spec.name!r}"
+        if config_only and os.path.isdir(spec.model):
+            continue
+        check_model(spec.model, label)
+        check_lora(spec, label)
 
 
 def accepted(topology):
