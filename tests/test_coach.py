@@ -765,7 +765,7 @@ def test_mappa_coach_score_rescores_saved_episodes(saved_run, tmp_path):
     template = ("--template", str(tmp_path / "template.txt"))
     with CoachServer(mute={"verifier"}) as server:  # scores the solver, answers garbage for the verifier
         proc = mappa_coach_score(path, out, server.base_url, *template, env=env)
-        # half the verdicts failed: at the default --mappa.coach.max_failure_fraction 0.5 that passes, above 0.4 it does not
+        # half the verdicts failed: at the default --mappa.coach.max_failure_fraction 0.5 that passes, above 0.4 not
         strict = mappa_coach_score(path, tmp_path / "strict.jsonl", server.base_url, *template,
                                    "--mappa.coach.max_failure_fraction", "0.4", env=env)
     assert proc.returncode == 0, proc.stderr
@@ -817,7 +817,8 @@ def test_mappa_coach_score_fails_when_most_verdicts_fail(saved_run, tmp_path):
                 "agents": [{"name": "solver", "model": "unused", "role": "r", "prompt": "{task}"}]}
     (tmp_path / "grade.yaml").write_text(json.dumps(topology))
     with CoachServer() as server:
-        by_topology = mappa_coach_score(path, out, server.base_url, "--mappa.topology", str(tmp_path / "grade.yaml"), env=env)
+        by_topology = mappa_coach_score(path, out, server.base_url, "--mappa.topology", str(tmp_path / "grade.yaml"),
+                                        env=env)
         overridden = mappa_coach_score(path, out, server.base_url, "--mappa.topology", str(tmp_path / "grade.yaml"),
                                        "--score-key", "PROCESS_SCORE", env=env)
     assert by_topology.returncode == 1 and "10 of 10 verdicts failed" in by_topology.stderr
@@ -835,8 +836,8 @@ def test_mappa_coach_score_asks_for_coach_template_only_where_it_sends_it(saved_
     topology.write_text("name: t\nenv: mathchat\nagents:\n  - {name: solver, model: unused, role: r, prompt: '{task}'}\n")
     out = tmp_path / "rescored.jsonl"
     with CoachServer() as server:
-        hindsight = mappa_coach_score(path, out, server.base_url, "--mappa.topology", str(topology), "--mappa.coach.mode", "hindsight",
-                                      env=env)
+        hindsight = mappa_coach_score(path, out, server.base_url, "--mappa.topology", str(topology),
+                                      "--mappa.coach.mode", "hindsight", env=env)
         per_action = mappa_coach_score(path, tmp_path / "per_action.jsonl", server.base_url, "--mappa.topology",
                                        str(topology), env=env)
         reviews = [r for r in server.requests if ACTION_BLOCK.search(r["prompt"])]

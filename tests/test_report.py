@@ -113,7 +113,8 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3, coach_mode="per_acti
                    "verifier": "\\boxed{4}" if step > 1 else "maybe 5"}  # fmt: skip
         policies = {n: ScriptedPolicy(r) for n, r in replies.items()}
         tasks = [{"id": str(i), "prompt": "2 + 2?", "answer": "4"} for i in range(4)]
-        episodes = asyncio.run(rollout(topology, tasks, policies, HeuristicCoach(), str(tmp_path / "ws"), step, coach_mode=coach_mode))
+        episodes = asyncio.run(rollout(topology, tasks, policies, HeuristicCoach(), str(tmp_path / "ws"), step,
+                                       coach_mode=coach_mode))
         if step == 3:
             episodes[-1].actions[-1].verdict = Verdict(None, "parse_error", "the coach's reply had no score")
         counts = rewards.assign_rewards(episodes, "process")

@@ -7,8 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, Parser, ranged,
-                                                refusals, add_coach_args)
+from openrlhf_mappa.cli.train_mappa_ray import COUNT, NONNEGATIVE_INT, POSITIVE, Parser, add_coach_args, refusals
 
 # Every tool checks its input before its heavy imports (torch, transformers, vLLM, Ray) and refuses bad input as
 # the launcher does: its message alone, no traceback (MAPPA_TRACEBACK=1 shows one), exit 1 (argparse's: 2).

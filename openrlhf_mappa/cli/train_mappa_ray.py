@@ -309,8 +309,9 @@ REFUSED = "not used by MAPPA; see docs/reference.md#openrlhfs-flags-honoured-or-
 # The refused flags whose reason a user of OpenRLHF would not guess, by name or by family ("ds.lora": ds.lora.*).
 REFUSED_WHY = {
     "actor.model_name_or_path": "each agent's model comes from the topology (or --mappa.model)",
-    "ds.lora": "LoRA is set per agent, in the topology (agents[].lora), and its adapters are synced by MAPPA: OpenRLHF "
-               "0.11.2's run-wide LoRA syncs every weight under peft's names, which vLLM's loader rejects (OpenRLHF #1349)",
+    "ds.lora": "LoRA is set per agent, in the topology (agents[].lora), and its adapters are synced by MAPPA: "
+               "OpenRLHF 0.11.2's run-wide LoRA syncs every weight under peft's names, which vLLM's loader rejects "
+               "(OpenRLHF #1349)",
     "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
     "train.colocate_actor_ref": "MAPPA colocates an agent's actor, reference and engines together (--mappa.colocate "
                                 "agent) or not at all; the actor and reference alone are not placed together",
