@@ -620,7 +620,7 @@ def test_help_shows_each_default_and_lists_the_refused_flags_apart():
     assert f"--critic.num_nodes CRITIC.NUM_NODES\n                        {REFUSED} (default: 1)\n" in refused
     assert "seconds per coach request (default: 60.0)\n" in usable
     assert "--ckpt.max_num CKPT.MAX_NUM\n                        OpenRLHF's (train_ppo_ray) (default: 3)\n" in usable
-    for tool in ("doctor", "plan"):
+    for tool in ("doctor", "plan", "eval"):
         own = help_of("openrlhf_mappa.cli.mappa", tool)
         assert own.returncode == 0 and own.stdout.startswith(f"usage: mappa {tool} --mappa.topology YAML"), own.stdout
         assert "train_mappa_ray" not in own.stdout.split("\n\n")[0]
