@@ -71,10 +71,10 @@ def requests(n: int, tag: str):
 
 
 async def run_coach(url: str, n: int, concurrency: int, cache_dir: str) -> tuple:
-    from openrlhf_mappa.coach import build_coach
+    from openrlhf_mappa.coach.openai_compat import OpenAICoach
 
     template = "Role: {role}\nTask: {task}\nOutput: {agent_output}\nFeedback: {feedback}\nEnd with PROCESS_SCORE: <0-10>."
-    coach = build_coach("openai", model="bench", base_url=url, template=template, max_concurrency=concurrency,
+    coach = OpenAICoach(model="bench", base_url=url, template=template, max_concurrency=concurrency,
                         cache_path=os.path.join(cache_dir, "cache.sqlite"), structured="off")
     await asyncio.gather(*(coach.score(r) for r in requests(concurrency, "warm")))  # connections, imports
     batch = requests(n, "run")

@@ -116,7 +116,7 @@ def engines_on(a, model: str, pg, share: float, cls=None, **lora) -> list:
     """Engines on a placement group: engine i on bundle i of `pg`, each asking Ray for `share` of the GPU
     (placement.gpu_share; OpenRLHF's create_vllm_engines asks 0.2, one policy's share, which a team's nine
     models on one GPU would not fit). Colocated, beside actor and reference rank i; a LoRA pool's (`cls`
-    PoolEngine, `lora` vLLM's LoRA settings) on its own group when nothing is colocated."""
+    PoolEngine, `lora` vLLM's LoRA settings) on its own group when nothing is colocated, as `mappa eval`'s."""
     from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

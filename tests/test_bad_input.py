@@ -260,36 +260,48 @@ def tool(name, argv, expect, **kwargs):
     return case(name, argv, expect, tool="mappa", **kwargs)
 
 
-EVAL = ["eval", "--topology", "t.yaml", "--data", "tasks.jsonl", "--model", "model"]
-SCORE = ["coach", "score", "--episodes", "episodes.jsonl", "--out", "rescored.jsonl", "--kind", "heuristic"]
+EVAL = ["eval", "--mappa.topology", "t.yaml", "--eval.dataset", "tasks.jsonl", "--mappa.model", "model"]
+SCORE = ["coach", "score", "--episodes", "episodes.jsonl", "--out", "rescored.jsonl", "--mappa.coach.kind",
+         "heuristic"]
 EPISODES = {"episodes.jsonl": jsonl({"episode_id": "e", "actions": []})}
 ADAPTER = {"adapter/adapter_config.json": json.dumps({"base_model_name_or_path": "/no/such/base", "r": 8})}
 TOOLS = [
-    tool("eval --n-samples 0", [*EVAL, "--n-samples", "0"],
-         "mappa eval: error: argument --n-samples: 0 is out of range: expected an integer >= 1", code=2),
-    tool("eval --temperature -1", [*EVAL, "--temperature", "-1"], "argument --temperature: -1 is out of range", code=2),
+    tool("eval --eval.n_samples_per_prompt 0", [*EVAL, "--eval.n_samples_per_prompt", "0"],
+         "mappa eval: error: argument --eval.n_samples_per_prompt: 0 is out of range: expected an integer >= 1",
+         code=2),
+    tool("eval --eval.temperature -1", [*EVAL, "--eval.temperature", "-1"],
+         "argument --eval.temperature: -1 is out of range", code=2),
+    tool("eval without task files", EVAL[:3] + EVAL[5:], "mappa eval: give the task files: --eval.dataset FILE"),
+    tool("eval a coach model without an LLM coach", [*EVAL, "--mappa.coach.model", "judge"],
+         "--mappa.coach.model: read by the openai and trained coaches only, and --mappa.coach.kind is heuristic"),
     tool("eval bad topology", EVAL, "mappa eval: t.yaml: unknown key(s) ['coach_templat']",
          files={"t.yaml": topology().replace("coach_template:", "coach_templat:")}),
     tool("eval missing data", [*EVAL[:4], "missing.jsonl", *EVAL[5:]],
          "mappa eval: [Errno 2] No such file or directory: 'missing.jsonl'"),
-    tool("eval max-len below max-new-tokens", [*EVAL, "--max-len", "100"],
-         "mappa eval: error: --max-new-tokens (1024) must be below --max-len (100)", code=2),
+    tool("eval max-len below max-new-tokens", [*EVAL, "--data.max_len", "100"],
+         "--rollout.max_new_tokens (1024) must be below --data.max_len (100)"),
     tool("eval duplicate ids", [*EVAL[:4], "dup.jsonl", *EVAL[5:]], "dup.jsonl: line 1 and line 2 have the same id 'a'",
          files={"dup.jsonl": jsonl({"id": "a", "prompt": "1?", "answer": 1},
                                    {"id": "a", "prompt": "2?", "answer": 2})}),
     tool("eval --out in no directory", [*EVAL, "--out", "nodir/results.json"],
          "mappa eval: --out nodir/results.json: there is no directory"),
     tool("eval --checkpoint without the agent", [*EVAL[:5], "--checkpoint", "exports"],
-         "mappa eval: error: --checkpoint: no model for agent 'solver' at exports/solver", files={"exports/": None},
-         code=2),
+         "mappa eval: --checkpoint: no model for agent 'solver' at exports/solver", files={"exports/": None}),
+    tool("eval --checkpoint with --mappa.model", [*EVAL, "--checkpoint", "exports"],
+         "mappa eval: --mappa.model (one model for every agent) or --checkpoint (a run's exports), not both"),
     tool("coach score missing episodes", [*SCORE[:3], "missing.jsonl", *SCORE[4:]],
          "mappa coach score: [Errno 2] No such file or directory: 'missing.jsonl'"),
     tool("coach score JSON list", [*SCORE[:3], "list.jsonl", *SCORE[4:]],
          "mappa coach score: list.jsonl: line 1: a JSON list, not one record (a JSON object) per line",
          files={"list.jsonl": json.dumps([{"episode_id": "e", "actions": []}]) + "\n"}),
-    tool("coach score --max-concurrency 0", [*SCORE, "--max-concurrency", "0"],
-         "argument --max-concurrency: 0 is out of range", code=2),
-    tool("coach score --timeout 0", [*SCORE, "--timeout", "0"], "argument --timeout: 0 is out of range", code=2),
+    tool("coach score --mappa.coach.max_concurrency 0", [*SCORE, "--mappa.coach.max_concurrency", "0"],
+         "argument --mappa.coach.max_concurrency: 0 is out of range", code=2),
+    tool("coach score --mappa.coach.timeout 0", [*SCORE, "--mappa.coach.timeout", "0"],
+         "argument --mappa.coach.timeout: 0 is out of range", code=2),
+    tool("coach score a URL without an LLM coach", [*SCORE, "--mappa.coach.base_url", "http://127.0.0.1:9/v1"],
+         "--mappa.coach.base_url: read by the openai and trained coaches only", files=EPISODES),
+    tool("coach score --mappa.coach.kind trained", [*SCORE[:-1], "trained"],
+         "mappa coach score: error: --mappa.coach.kind trained: a trained coach judges inside its run only", code=2),
     tool("coach score missing template", [*SCORE, "--template", "missing.txt"],
          "mappa coach score: [Errno 2] No such file or directory: 'missing.txt'", files=EPISODES),
     # A template file's fields are checked where it is read, as the topology's are (topology.check_template).
@@ -299,8 +311,9 @@ TOOLS = [
     tool("coach score review template with a coach field", [*SCORE, "--review-template", "r.txt"],
          "mappa coach score: r.txt: unknown field {agent_output}; allowed fields: task, task_type, trajectory, outcome, "
          "num_actions", files={**EPISODES, "r.txt": "Review {trajectory} {agent_output}"}),
-    tool("coach score cache not SQLite", [*SCORE[:-1], "openai", "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
-                                         "--template", "tpl.txt", "--cache", "notes.txt"],
+    tool("coach score cache not SQLite", [*SCORE[:-1], "openai", "--mappa.coach.model", "m",
+                                         "--mappa.coach.base_url", "http://127.0.0.1:9/v1", "--template", "tpl.txt",
+                                         "--mappa.coach.cache", "notes.txt"],
          "mappa coach score: coach cache notes.txt: not an SQLite database",
          files={**EPISODES, "tpl.txt": "{agent_output} PROCESS_SCORE:", "notes.txt": "notes"}),
     tool("report metrics without step", ["report", "r"],
@@ -603,7 +616,7 @@ def test_a_step_that_trains_nothing_says_why_and_a_run_that_never_trains_stops(t
 def test_help_shows_each_default_and_lists_the_refused_flags_apart():
     # --help once listed the 58 refused OpenRLHF flags among the usable ones, with no default shown anywhere, and
     # `mappa doctor --help` said `usage: train_mappa_ray`.
-    from openrlhf_mappa.cli.train_mappa_ray import REFUSED
+    from openrlhf_mappa.cli.train_mappa_ray import REFUSED, REFUSED_WHY
 
     env = dict(os.environ, COLUMNS="1000")  # argparse wraps at the terminal's width: one line per flag here
     help_of = lambda *argv: subprocess.run([sys.executable, "-m", *argv, "--help"], capture_output=True, text=True,
@@ -612,12 +625,12 @@ def test_help_shows_each_default_and_lists_the_refused_flags_apart():
     assert train.returncode == 0 and train.stdout.startswith("usage: train_mappa_ray --mappa.topology YAML")
     usable, refused = train.stdout.split("OpenRLHF's flags that MAPPA refuses (given, each stops the launch), and why:")
     flags = lambda text: {line.split()[0] for line in text.splitlines() if line.startswith("  --")}
-    assert {f"--{flag}" for flag in REFUSED} <= flags(refused) and not flags(refused) & flags(usable)
-    assert "--critic.num_nodes CRITIC.NUM_NODES\n" in refused
-    assert "MAPPA has no critic: its advantages are REINFORCE++ return-to-go (rewards.py) (default: 1)\n" in refused
+    assert {f"--{flag}" for flag in REFUSED_WHY if flag != "ds.lora"} | {"--ds.lora.rank"} <= flags(refused)
+    assert not flags(refused) & flags(usable)
+    assert f"--critic.num_nodes CRITIC.NUM_NODES\n                        {REFUSED} (default: 1)\n" in refused
     assert "seconds per coach request (default: 60.0)\n" in usable
     assert "--ckpt.max_num CKPT.MAX_NUM\n                        OpenRLHF's (train_ppo_ray) (default: 3)\n" in usable
-    for tool in ("doctor", "plan"):
+    for tool in ("doctor", "plan", "eval"):
         own = help_of("openrlhf_mappa.cli.mappa", tool)
         assert own.returncode == 0 and own.stdout.startswith(f"usage: mappa {tool} --mappa.topology YAML"), own.stdout
         assert "train_mappa_ray" not in own.stdout.split("\n\n")[0]

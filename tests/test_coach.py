@@ -18,6 +18,8 @@ import pytest
 
 from openrlhf_mappa.coach import CoachRequest, build_coach, openai_compat, render_prompt
 from openrlhf_mappa.coach.cache import VerdictCache
+from openrlhf_mappa.coach.heuristic import HeuristicCoach
+from openrlhf_mappa.coach.openai_compat import OpenAICoach
 from openrlhf_mappa.episode import ToolFeedback, Verdict
 from openrlhf_mappa.rollout import AgentPolicy
 
@@ -133,7 +135,8 @@ def make_request(**overrides):
 def make_coach(url, **kwargs):
     # Short backoff so retry tests take fractions of a second; the schedule itself is tested separately.
     kwargs = dict(dict(timeout_s=5.0, backoff_s=0.01, max_backoff_s=0.05, template=TEMPLATE), **kwargs)
-    return build_coach("openai", model="coach-model", base_url=url, **kwargs)
+    cache = VerdictCache(kwargs.pop("cache_path", None))  # memory, and SQLite where a path is given
+    return OpenAICoach(model="coach-model", base_url=url, cache=cache, **kwargs)
 
 
 def score_all(url, requests, **kwargs):
@@ -556,14 +559,14 @@ def test_shipped_rubrics_invent_no_score(server, topology_file):
 @pytest.mark.parametrize("reasoning_field", [False, True])
 def test_the_recipes_coach_scores_the_verdict_after_a_reasoning_coachs_thinking(recipe, model, reasoning_field,
                                                                                  tmp_path):
-    """The GPU scripts' coach (run for real; their flags through the real parser and coach_options), pointed at a
+    """The GPU scripts' coach (run for real; their flags through the real parser and build_coach), pointed at a
     reasoning coach on 127.0.0.1 that ignores any schema and weighs a score of 9 in its reasoning: the verdict
     after the reasoning is the score (4), and a reply whose only score line is in its reasoning is a parse error,
     never 9. The reasoning comes in a <think> block of the reply, or apart (`reasoning_content`). The request
     is free text (no response_format) at temperature 0, to the authors' coach model by default."""
     from coach_server import COACH_TEMPLATE, CoachServer
     from conftest import REPO, submit_script
-    from openrlhf_mappa.cli.train_mappa_ray import coach_options, parse_args
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args
     from openrlhf_mappa.team import load_topology
 
     thinking = "The code runs, so PROCESS_SCORE: 9 at first sight; but it never checks the answer."
@@ -571,12 +574,12 @@ def test_the_recipes_coach_scores_the_verdict_after_a_reasoning_coachs_thinking(
         submitted, _ = submit_script(os.path.join(REPO, "examples", "scripts", recipe), tmp_path,
                                      MAPPA_COACH_BASE_URL=server.base_url, MAPPA_COACH_MODEL="")
         args = parse_args(submitted[submitted.index("openrlhf_mappa.cli.train_mappa_ray") + 1:])
-        options = coach_options(args, load_topology(os.path.join(REPO, args.mappa.topology)))
-        options["template"] = COACH_TEMPLATE  # the rule server's, which says whom to mute and what to score
+        topology = load_topology(os.path.join(REPO, args.mappa.topology))
         requests = [make_request(agent="verifier", agent_output="abcd"), make_request(agent="silent")]
 
-        async def run():
-            coach = build_coach(args.mappa.coach.kind, **options)
+        async def run():  # the template: the rule server's, which says whom to mute and what to score
+            coach = build_coach(args.mappa.coach, template=COACH_TEMPLATE, score_key=topology.score_key,
+                                review_template=topology.review_template)
             try:
                 return await asyncio.gather(*(coach.score(r) for r in requests))
             finally:
@@ -591,17 +594,18 @@ def test_the_recipes_coach_scores_the_verdict_after_a_reasoning_coachs_thinking(
 
 
 def test_build_coach_errors():
+    from openrlhf_mappa.cli.train_mappa_ray import coach_flags
+
+    flags = lambda **given: types.SimpleNamespace(**{**coach_flags()[0], "kind": "openai", **given})
     with pytest.raises(ValueError, match="--mappa.coach.model"):
-        build_coach("openai", base_url="http://x/v1", template=TEMPLATE)
+        build_coach(flags(base_url="http://x/v1"), template=TEMPLATE)
     with pytest.raises(ValueError, match="coach kind 'openai' needs --mappa.coach.base_url$"):
-        build_coach("openai", model="m")  # no template: a coach that only reviews episodes may have none
-    with pytest.raises(ValueError, match="heuristic, openai"):
-        build_coach("gpt4")
+        build_coach(flags(model="m"))  # no template: a coach that only reviews episodes may have none
     # A bad template is refused where it is read (topology.check_template: test_topology_env, test_bad_input).
 
 
 def heuristic_score(**overrides):
-    return asyncio.run(build_coach("heuristic").score(make_request(**overrides)))
+    return asyncio.run(HeuristicCoach().score(make_request(**overrides)))
 
 
 def mathchat_grade(output: str, answer: str = "18", feedback=None):
@@ -718,7 +722,7 @@ def test_a_step_with_too_many_failed_verdicts_stops(server, tmp_path):
     tasks = [{"id": str(i), "prompt": "2 + 2?", "answer": "4"} for i in range(4)]
 
     async def run():
-        coach = build_coach("openai", model="m", base_url=server.url, template=topology.coach_template, max_retries=0)
+        coach = OpenAICoach(model="m", base_url=server.url, template=topology.coach_template, max_retries=0)
         try:
             return await rollout(topology, tasks, policies, coach, str(tmp_path / "ws"), step=1)
         finally:
@@ -752,7 +756,7 @@ def saved_run(tmp_path):
     for i, reply in enumerate(replies):  # a run's episodes.jsonl, judged by the heuristic coach
         policies = {"solver": ScriptedPolicy(reply), "verifier": ScriptedPolicy(replies[-1 - i])}
         task = [{"id": str(i), "prompt": "2 + 2?", "answer": "4"}]
-        episodes += asyncio.run(rollout(topology, task, policies, build_coach("heuristic"), str(tmp_path / "ws"), 1))
+        episodes += asyncio.run(rollout(topology, task, policies, HeuristicCoach(), str(tmp_path / "ws"), 1))
     path = tmp_path / "episodes.jsonl"
     lines = [ep.to_json() for ep in episodes]
     path.write_text("\n".join(lines) + "\n" + lines[0][:50])  # the last line cut off, as by a kill
@@ -766,8 +770,8 @@ def mappa_coach_score(path, out, url, *flags, env):
 
     from conftest import MAPPA
 
-    cmd = [MAPPA, "coach", "score", "--episodes", str(path), "--out", str(out), "--model", "judge-2",
-           "--base-url", url, "--structured", "off", *flags]
+    cmd = [MAPPA, "coach", "score", "--episodes", str(path), "--out", str(out), "--mappa.coach.model", "judge-2",
+           "--mappa.coach.base_url", url, "--mappa.coach.structured", "off", *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
 
 
@@ -779,12 +783,12 @@ def test_mappa_coach_score_rescores_saved_episodes(saved_run, tmp_path):
     template = ("--template", str(tmp_path / "template.txt"))
     with CoachServer(mute={"verifier"}) as server:  # scores the solver, answers garbage for the verifier
         proc = mappa_coach_score(path, out, server.base_url, *template, env=env)
-        # half the verdicts failed: at the default --max-failure-fraction 0.5 that passes, above 0.4 it does not
+        # half the verdicts failed: at the default --mappa.coach.max_failure_fraction 0.5 that passes, above 0.4 not
         strict = mappa_coach_score(path, tmp_path / "strict.jsonl", server.base_url, *template,
-                                   "--max-failure-fraction", "0.4", env=env)
+                                   "--mappa.coach.max_failure_fraction", "0.4", env=env)
     assert proc.returncode == 0, proc.stderr
     assert strict.returncode == 1 and (tmp_path / "strict.jsonl.summary.json").exists()
-    assert "5 of 10 verdicts failed (more than --max-failure-fraction 0.4)" in strict.stderr
+    assert "5 of 10 verdicts failed (more than --mappa.coach.max_failure_fraction 0.4)" in strict.stderr
     assert "line 6 is cut off" in proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 10
@@ -817,7 +821,7 @@ def test_mappa_coach_score_fails_when_most_verdicts_fail(saved_run, tmp_path):
     with CoachServer(mute={"solver", "verifier"}) as server:
         proc = mappa_coach_score(path, out, server.base_url, "--template", str(tmp_path / "template.txt"), env=env)
     assert proc.returncode == 1
-    assert "10 of 10 verdicts failed (more than --max-failure-fraction 0.5)" in proc.stderr
+    assert "10 of 10 verdicts failed (more than --mappa.coach.max_failure_fraction 0.5)" in proc.stderr
     first_failure = proc.stderr.split("First failure: ", 1)[1]
     assert first_failure.startswith("parse_error: ") and "no valid score in [0, 10] after 3 replies" in first_failure
     assert "I refuse to grade this." in first_failure
@@ -831,8 +835,9 @@ def test_mappa_coach_score_fails_when_most_verdicts_fail(saved_run, tmp_path):
                 "agents": [{"name": "solver", "model": "unused", "role": "r", "prompt": "{task}"}]}
     (tmp_path / "grade.yaml").write_text(json.dumps(topology))
     with CoachServer() as server:
-        by_topology = mappa_coach_score(path, out, server.base_url, "--topology", str(tmp_path / "grade.yaml"), env=env)
-        overridden = mappa_coach_score(path, out, server.base_url, "--topology", str(tmp_path / "grade.yaml"),
+        by_topology = mappa_coach_score(path, out, server.base_url, "--mappa.topology", str(tmp_path / "grade.yaml"),
+                                        env=env)
+        overridden = mappa_coach_score(path, out, server.base_url, "--mappa.topology", str(tmp_path / "grade.yaml"),
                                        "--score-key", "PROCESS_SCORE", env=env)
     assert by_topology.returncode == 1 and "10 of 10 verdicts failed" in by_topology.stderr
     assert "last reply: 'Looks fine.\\nPROCESS_SCORE: " in by_topology.stderr
@@ -849,9 +854,9 @@ def test_mappa_coach_score_asks_for_coach_template_only_where_it_sends_it(saved_
     topology.write_text("name: t\nenv: mathchat\nagents:\n  - {name: solver, model: unused, role: r, prompt: '{task}'}\n")
     out = tmp_path / "rescored.jsonl"
     with CoachServer() as server:
-        hindsight = mappa_coach_score(path, out, server.base_url, "--topology", str(topology), "--mode", "hindsight",
-                                      env=env)
-        per_action = mappa_coach_score(path, tmp_path / "per_action.jsonl", server.base_url, "--topology",
+        hindsight = mappa_coach_score(path, out, server.base_url, "--mappa.topology", str(topology),
+                                      "--mappa.coach.mode", "hindsight", env=env)
+        per_action = mappa_coach_score(path, tmp_path / "per_action.jsonl", server.base_url, "--mappa.topology",
                                        str(topology), env=env)
         reviews = [r for r in server.requests if ACTION_BLOCK.search(r["prompt"])]
     assert hindsight.returncode == 0, hindsight.stderr
@@ -996,7 +1001,7 @@ def test_review_cache_pays_once_and_never_stores_failures(server, tmp_path):
 def test_heuristic_review_blames_the_first_action_that_broke_its_goal():
     from openrlhf_mappa.coach import judge_episode
 
-    coach = build_coach("heuristic")
+    coach = HeuristicCoach()
 
     def review(requests, success):
         return asyncio.run(judge_episode(coach, "hindsight", requests, {"success": success}, []))
@@ -1021,7 +1026,7 @@ def test_mappa_coach_score_mode_hindsight_reviews_each_episode_once(saved_run, t
     path, _, env = saved_run  # 5 episodes of 2 actions
     out, template = tmp_path / "hindsight.jsonl", ("--template", str(tmp_path / "template.txt"))
     with CoachServer() as server:
-        proc = mappa_coach_score(path, out, server.base_url, *template, "--mode", "hindsight", env=env)
+        proc = mappa_coach_score(path, out, server.base_url, *template, "--mappa.coach.mode", "hindsight", env=env)
         prompts = [r["prompt"] for r in server.requests]
     assert proc.returncode == 0, proc.stderr
     assert len(prompts) == 5 and all("=== Action 2 of 2: agent verifier" in p for p in prompts)
@@ -1031,7 +1036,7 @@ def test_mappa_coach_score_mode_hindsight_reviews_each_episode_once(saved_run, t
         assert sorted(r["responsible"] for r in rows if r["episode_id"] == episode_id) == [False, True]
 
     with CoachServer(mute={"hindsight"}) as server:  # prose instead of a review: no action gets a score
-        proc = mappa_coach_score(path, out, server.base_url, *template, "--mode", "hindsight", env=env)
+        proc = mappa_coach_score(path, out, server.base_url, *template, "--mappa.coach.mode", "hindsight", env=env)
         assert len(server.requests) == 5 * 3  # each review re-prompted twice
     assert proc.returncode == 1 and "10 of 10 verdicts failed" in proc.stderr
     assert "no valid review of the 2 actions after 3 replies" in proc.stderr

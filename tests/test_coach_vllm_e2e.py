@@ -18,7 +18,8 @@ import urllib.request
 
 import pytest
 
-from openrlhf_mappa.coach import CoachRequest, build_coach
+from openrlhf_mappa.coach import CoachRequest
+from openrlhf_mappa.coach.openai_compat import OpenAICoach
 
 TEMPLATE = "Judge this action of agent {agent} ({role}).\nOutput: {agent_output}\nEnd with PROCESS_SCORE: <0-10>."
 
@@ -60,7 +61,7 @@ def test_vllm_served_tiny_coach_gives_clean_parse_errors(vllm_coach_server):
                 for i in range(4)]
 
     async def score(structured):
-        coach = build_coach("openai", model="tiny-coach", base_url=vllm_coach_server, template=TEMPLATE,
+        coach = OpenAICoach(model="tiny-coach", base_url=vllm_coach_server, template=TEMPLATE,
                             structured=structured, max_tokens=48, timeout_s=120, max_retries=1, format_retries=1)
         try:
             return await asyncio.gather(*(coach.score(r) for r in requests)), coach.use_schema

@@ -7,7 +7,8 @@ import asyncio
 import os
 import sys
 
-from openrlhf_mappa.coach import CoachRequest, build_coach
+from openrlhf_mappa.coach import CoachRequest
+from openrlhf_mappa.coach.heuristic import HeuristicCoach
 from openrlhf_mappa.episode import ToolFeedback
 from openrlhf_mappa.topology import AgentSpec, Topology
 
@@ -25,7 +26,7 @@ def play(*replies, goals=GOALS, mode="per_action"):
     env = ChainEnv(topology, {"prompt": "Request 0.", "answer": "-"}, "/nonexistent", goals=goals)
     for agent, reply in zip(agents, replies):
         env.step(agent, 0, reply)
-    coach = build_coach("heuristic")
+    coach = HeuristicCoach()
     requests = [CoachRequest("e", a.name, 0, a.role, "Request 0.", "chain", "", reply, "", ground_truth=env.coach_ground_truth(a),
                              env_grade=env.judge(a, reply, ToolFeedback(), None))
                 for a, reply in zip(agents, replies)]  # fmt: skip

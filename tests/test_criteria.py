@@ -18,8 +18,10 @@ from coach_server import COACH_TEMPLATE, CoachServer
 from conftest import StandIn, render_report_dom, stand_in_team
 
 from openrlhf_mappa import report
-from openrlhf_mappa.coach import CoachRequest, build_coach, render_prompt
+from openrlhf_mappa.coach import CoachRequest, render_prompt
 from openrlhf_mappa.coach.audit import BiasAudit
+from openrlhf_mappa.coach.heuristic import HeuristicCoach
+from openrlhf_mappa.coach.openai_compat import OpenAICoach
 from openrlhf_mappa.episode import Action, Episode, ToolFeedback, Verdict
 from openrlhf_mappa.team import load_topology
 from openrlhf_mappa.topology import AGENT_METRICS
@@ -178,7 +180,7 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
     tasks = [{"id": str(i), "prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)]  # 5 steps of 2
     figures = {}  # the coach's running figures as each checkpoint saw them
     with CoachServer() as server:
-        coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
+        coach = OpenAICoach(model="m", base_url=server.base_url, template=topology.coach_template)
         first = trainer_for(topology, coach, tmp_path, tasks, on_save=lambda step: figures.setdefault(step, first.bias_audit.prompt_text()))
         script(first, solver=["2 + 2 is 4."] * 8,
                coder=[f"```python\n{code}\n```" for code in ["print(1 / 0)"] * 2 + ["print(2 + 2)"] * 6])
@@ -211,7 +213,7 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
         # The same command again: the CLI builds the coach with the first template; the trainer restores.
         assert check_resume(first.args, topology, []) == (2, [])
         assert json.load(open(tmp_path / "ckpt" / CHECKPOINT_MARKER))["coach_template"] == {"name": "quality", "since_step": 3}
-        coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
+        coach = OpenAICoach(model="m", base_url=server.base_url, template=topology.coach_template)
         second = trainer_for(topology, coach, tmp_path, tasks)
         script(second, solver=["2 + 2 is 4."] * 6, coder=["```python\nprint(2 + 2)\n```"] * 6)
         second.resume(2)
@@ -249,7 +251,7 @@ def test_a_metric_without_a_value_switches_nothing_and_says_so(tmp_path, capsys,
     monkeypatch.setattr(run_console, "out", sys.stdout)  # the captured terminal
     monkeypatch.setattr(run_console, "err", sys.stderr)
     topology = load_topology(write_topology(tmp_path))
-    trainer = trainer_for(topology, build_coach("heuristic"), tmp_path)
+    trainer = trainer_for(topology, HeuristicCoach(), tmp_path)
     for step in (1, 2):  # no code ran: the coder's code_error_rate is None
         trainer.advance_criteria(step, {"agent/coder/code_error_rate": None})
     assert trainer.stage == 0
@@ -260,7 +262,7 @@ def test_a_metric_without_a_value_switches_nothing_and_says_so(tmp_path, capsys,
 
 def test_a_resume_with_a_template_the_topology_no_longer_has_is_refused(tmp_path):
     topology = load_topology(write_topology(tmp_path))
-    trainer = trainer_for(topology, build_coach("heuristic"), tmp_path)
+    trainer = trainer_for(topology, HeuristicCoach(), tmp_path)
     agents_saved(tmp_path / "ckpt", 9)
     write_marker(str(tmp_path / "ckpt"), {"step": 9, "coach_template": {"name": "polish", "since_step": 7}})
     renamed = load_topology(write_topology(tmp_path, coach_templates=STAGES[:2]))
@@ -309,7 +311,7 @@ def test_the_coach_prompt_shows_the_bias_figures_only_when_enabled(tmp_path, mon
     tasks = [{"id": str(i), "prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(4)]  # 2 steps of 2
     with CoachServer() as server:
         for show_bias in (True, False):
-            coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
+            coach = OpenAICoach(model="m", base_url=server.base_url, template=topology.coach_template)
             trainer = trainer_for(topology, coach, tmp_path / str(show_bias), tasks, show_bias=show_bias)
             script(trainer, solver=["2 + 2 is 4."] * 4, coder=["```python\nprint(2 + 2)\n```"] * 4)
             trainer.fit()
@@ -358,7 +360,7 @@ def test_async_training_generates_the_next_step_while_the_team_trains(tmp_path, 
     tasks = [{"id": str(i), "prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]  # 3 steps of 2
     flags = ["--train.async_enable"] + (["--mappa.max_staleness", str(max_staleness)] if max_staleness is not None else [])
     with CoachServer() as server:
-        coach = build_coach("openai", model="m", base_url=server.base_url, template=topology.coach_template)
+        coach = OpenAICoach(model="m", base_url=server.base_url, template=topology.coach_template)
         trainer = trainer_for(topology, coach, tmp_path, tasks, flags=flags)
         script(trainer, solver=["2 + 2 is 4."] * 6, coder=["```python\nprint(2 + 2)\n```"] * 6)
         solver, engine = trainer.agents[0].trainer, trainer.policies["solver"]

@@ -28,9 +28,9 @@ def test_mappa_eval_over_per_agent_checkpoints(tmp_path, tiny_model):
     get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), lora).save_pretrained(adapter)
     out = tmp_path / "eval.json"
     proc = run_training(
-        [MAPPA, "eval", "--topology", topology, "--data", tasks, "--checkpoint", str(tmp_path / "final"),
-         "--n-samples", "2", "--max-new-tokens", "12", "--max-len", "512", "--enforce-eager",
-         "--gpu-memory-utilization", "0.2", "--out", str(out)],
+        [MAPPA, "eval", "--mappa.topology", topology, "--eval.dataset", tasks, "--checkpoint", str(tmp_path / "final"),
+         "--eval.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "12", "--data.max_len", "512",
+         "--vllm.enforce_eager", "--vllm.gpu_memory_utilization", "0.2", "--out", str(out)],
         tmp_path / "eval", timeout=600, cwd=tmp_path, env=local_cluster_env(2),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -21,7 +21,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from conftest import openrlhf_copy, submit_script
-from openrlhf_mappa.cli.train_mappa_ray import UPSTREAM_FLAGS, parse_args, upstream_cli, validate
+from openrlhf_mappa.cli.train_mappa_ray import HONOURED, REFUSED, REFUSED_WHY, parse_args, upstream_cli, validate
 from openrlhf_mappa import placement
 from openrlhf_mappa.team import check_model, load_topology
 
@@ -422,7 +422,7 @@ def test_upstream_main_block_is_the_one_upstream_cli_was_written_for():
     # Until openrlhf ships get_parser()/validate() (patches/openrlhf_train_ppo_ray_get_parser.patch), MAPPA
     # executes train_ppo_ray's main block from its syntax tree. Any change to that block's shape, even one the
     # checks above would let through (a new check, a flag moved), stops here: re-read it against upstream_cli's
-    # rewrites and the flag table (UPSTREAM_FLAGS), then pin the new digest.
+    # rewrites and the flag table (HONOURED, REFUSED_WHY), then pin the new digest.
     path = importlib.util.find_spec("openrlhf.cli.train_ppo_ray").origin
     main = next(n for n in ast.parse(Path(path).read_text()).body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
     digest = hashlib.sha256(ast.dump(main).encode()).hexdigest()[:16]
@@ -435,31 +435,36 @@ def upstream_options():
     return {a.option_strings[0].lstrip("-") for a in get_parser()._actions if a.dest != "help"}
 
 
-def test_every_upstream_flag_is_honoured_or_refused():
-    # An openrlhf upgrade that adds a flag fails here until the flag is classified, so it cannot be silently
-    # ignored; a flag upstream dropped leaves a stale entry, which fails too.
+def test_every_upstream_flag_is_honoured_or_refused_and_the_docs_name_each_refused_one():
+    # Every upstream flag HONOURED does not name is refused (a new one after an openrlhf upgrade too): the table of
+    # refused flags in docs/reference.md must then name it, or the family it is in; a flag upstream dropped leaves a
+    # stale entry, which fails too.
     options = upstream_options()
     assert len(options) > 150  # the whole parser was read, not a prefix of it
-    assert sorted(options - set(UPSTREAM_FLAGS)) == [], "classify these in train_mappa_ray.UPSTREAM_FLAGS"
-    assert sorted(set(UPSTREAM_FLAGS) - options) == [], "no longer in upstream's parser"
-    assert all(v == "honoured" or (v.startswith("refused: ") and len(v) > 20) for v in UPSTREAM_FLAGS.values())
-    # The reference's counts are the table's (they had drifted by 3 before this check).
+    assert sorted(set(HONOURED) - options) == [], "no longer in upstream's parser"
+    assert [key for key in REFUSED_WHY if not any(o == key or o.startswith(key + ".") for o in options)] == []
+    refused = sorted(options - set(HONOURED))
     reference = (Path(__file__).parents[1] / "docs" / "reference.md").read_text()
-    honoured = sum(v == "honoured" for v in UPSTREAM_FLAGS.values())
-    assert f"- {honoured} are **honoured**" in reference and f"- {len(UPSTREAM_FLAGS) - honoured} are **refused**" in reference
+    # The reference's counts are the table's (they had drifted by 3 before this check).
+    assert f"- {len(HONOURED)} are **honoured**" in reference and f"- {len(refused)} are **refused**" in reference
+    table = reference.split("The refused flags, by reason:")[1].split("\n\n")[1]
+    named = re.findall(r"`(--[a-z_.*]+)", table)
+    families = [n[:-1] for n in named if n.endswith("*")]  # `--critic.*`: every flag starting so
+    covered = lambda flag: f"--{flag}" in named or any(f"--{flag}".startswith(family) for family in families)
+    assert [flag for flag in refused if not covered(flag)] == [], "name these in docs/reference.md's refused table"
 
 
 @pytest.mark.parametrize("flags, reason", [
     (["--ds.lora.rank", "8"], "LoRA is set per agent, in the topology"),
     (["--vllm.sync_with_ray"], "would be named 'openrlhf'"),
-    (["--rollout.vllm_generate_batch_size", "4"], "every episode of a step to the engines at once"),
-    (["--logger.logging_steps", "10"], "MAPPA logs every step"),
-    (["--data.input_key", "question"], "prompt/answer rows"),
-    (["--data.label_key", "solution"], "prompt/answer rows"),
+    (["--rollout.vllm_generate_batch_size", "4"], REFUSED),
+    (["--logger.logging_steps", "10"], REFUSED),
+    (["--data.input_key", "question"], REFUSED),
+    (["--data.label_key", "solution"], REFUSED),
     (["--actor.model_name_or_path", "Qwen/Qwen3-4B"], "comes from the topology (or --mappa.model)"),
     (["--train.colocate_actor_ref"], "colocates an agent's actor, reference and engines together"),
     (["--algo.advantage.estimator", "gae"], "only reinforce"),
-    (["--algo.advantage.lambd", "0.9"], "GAE's lambda"),
+    (["--algo.advantage.lambd", "0.9"], "not used by MAPPA; see docs/reference.md#openrlhfs-flags-honoured-or-refused"),
 ])  # fmt: skip
 def test_refused_flags_name_their_reason(flags, reason):
     with pytest.raises(SystemExit) as e:
@@ -478,7 +483,7 @@ def test_refused_flags_at_their_default_pass_and_the_cli_refuses_before_ray(work
     write_topology(workdir)
     proc = cli(workdir, GOOD + ["--algo.advantage.lambd", "0.9", "--ds.lora.rank", "8"], "refused flags")
     assert_refused(proc, "refused flags", "--ds.lora.rank 8: LoRA is set per agent, in the topology")
-    assert "--algo.advantage.lambd 0.9: GAE's lambda: MAPPA has no critic" in proc.message and proc.returncode == 1
+    assert f"--algo.advantage.lambd 0.9: {REFUSED}" in proc.message and proc.returncode == 1
 
 
 def test_token_budgets_keep_packing_as_given():
@@ -525,40 +530,20 @@ def test_algorithm_flags_that_would_do_nothing_are_refused_before_ray(workdir):
     assert (args.algo.advantage.gamma, args.algo.dynamic_filtering_enable, args.algo.kl.use_loss) == (0.95, True, True)
 
 
-def patched_upstream(tmp_path, monkeypatch):
-    """A copy of the installed openrlhf with the upstream-candidate patch applied by `patch` (conftest.openrlhf_copy
-    asserts that it applies cleanly), and find_spec pointed at its train_ppo_ray, as a release that took the patch
-    would be installed."""
-    path = Path(openrlhf_copy(tmp_path, PATCH)) / "openrlhf" / "cli" / "train_ppo_ray.py"
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(origin=str(path)))
-    return path
-
-
 PATCH = "openrlhf_train_ppo_ray_get_parser.patch"
 
 
-def test_get_parser_patch_applies_and_its_parser_is_the_same(tmp_path, monkeypatch):
-    # That the patched module imports neither Ray nor torch for its parser and checks, and that validate() still
-    # refuses, is tests/test_upstream_patches.py's check_get_parser; here MAPPA's CLI takes the functions.
-    argvs = [
-        ["--mappa.topology", "t.yaml", "--eval.dataset", "e.jsonl", "--logger.wandb.run_name", "r"],
-        GOOD + ["--ds.ring_attn_head_stride", "1", "--actor.eps_clip", "0.3", "--rollout.micro_batch_size", "2",
-                "--logger.wandb.run_name", "r", "--data.max_len", "4096"],
-    ]
-    syntax_tree = [vars_of(parse_args(argv)) for argv in argvs]
-    patched_upstream(tmp_path, monkeypatch)
-    assert upstream_cli()[0].__module__ == "_openrlhf_train_ppo_ray"  # the importable functions are taken
-    assert [vars_of(parse_args(argv)) for argv in argvs] == syntax_tree
-    # Upstream's own checks and MAPPA's table still refuse, the same way.
-    with pytest.raises(SystemExit, match="The number of sample batches must be greater"):
-        parse_args(["--mappa.topology", "t.yaml", "--rollout.batch_size", "1", "--rollout.micro_batch_size", "4",
-                    "--actor.num_gpus_per_node", "2"])
-    with pytest.raises(SystemExit, match="--ds.lora.rank 8: LoRA is set per agent"):
-        parse_args(["--mappa.topology", "t.yaml", "--ds.lora.rank", "8"])
-
-
-def vars_of(namespace):
-    return {k: vars_of(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(namespace).items()}
+def test_get_parser_patch_gives_the_parser_upstream_cli_reads(tmp_path):
+    # The switch upstream_cli's docstring names, once the patch is released: the patched train_ppo_ray's get_parser()
+    # is the parser MAPPA reads from the syntax tree today, flag for flag and default for default. That the patched
+    # module imports neither Ray nor torch, and that its validate() still refuses, is test_upstream_patches.py's.
+    path = Path(openrlhf_copy(tmp_path, PATCH)) / "openrlhf" / "cli" / "train_ppo_ray.py"  # asserts it applies
+    spec = importlib.util.spec_from_file_location("_patched_train_ppo_ray", path)
+    patched = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patched)
+    defaults = lambda parser: {a.option_strings[0]: (a.default, a.type, a.choices) for a in parser._actions
+                               if a.dest != "logger.wandb.run_name"}  # its default: the time, to the minute
+    assert defaults(patched.get_parser()) == defaults(upstream_cli()[0]())
 
 
 def test_launch_with_the_cluster_given_refuses_a_plan_that_cannot_fit(workdir):

@@ -19,7 +19,8 @@ from test_trainer_units import MATHCHAT_YAML, model_dir
 
 from openrlhf_mappa import paper_table
 from openrlhf_mappa.cli import train_mappa_ray
-from openrlhf_mappa.coach import build_coach, parse_answer_correct
+from openrlhf_mappa.coach import parse_answer_correct
+from openrlhf_mappa.coach.openai_compat import OpenAICoach
 from openrlhf_mappa.envs.base import load_tasks
 from openrlhf_mappa.evaluation import coach_cost, evaluate, summarize, train_overlap
 from openrlhf_mappa.team import load_topology
@@ -83,7 +84,7 @@ def test_evaluation_grades_by_math_verify_and_by_the_coachs_answer_correct(rule_
     topology = load_topology(MATHCHAT_YAML, model_override="m")
     verifier = next(s for s in topology.agents if s.name == "verifier")
     template = topology.coach_template.replace("{role}", "{role}\nagent: {agent}")  # the rule server keys on it
-    coach = build_coach("openai", template=template, model="judge", base_url=rule_coach, format_retries=0,
+    coach = OpenAICoach(template=template, model="judge", base_url=rule_coach, format_retries=0,
                         max_retries=0, structured="off", score_key=topology.score_key)
     policies = {"problem_solver": ScriptedPolicy("2 + 2 is 4."), "code_executor": ScriptedPolicy("No code: 4."),
                 "verifier": ScriptedPolicy("So the answer is \\boxed{4}.")}  # fmt: skip

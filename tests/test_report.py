@@ -98,7 +98,7 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3, coach_mode="per_acti
 
     from openrlhf_mappa import rewards
     from openrlhf_mappa.cli.train_mappa_ray import parse_args
-    from openrlhf_mappa.coach import build_coach
+    from openrlhf_mappa.coach.heuristic import HeuristicCoach
     from openrlhf_mappa.coach.audit import BiasAudit, coach_step_metrics
     from openrlhf_mappa.episode import Verdict
     from openrlhf_mappa.rollout import rollout
@@ -119,7 +119,8 @@ def run_dir_from_a_real_rollout(run_dir, tmp_path, steps=3, coach_mode="per_acti
                    "verifier": "\\boxed{4}" if step > 1 else "maybe 5"}  # fmt: skip
         policies = {n: ScriptedPolicy(r) for n, r in replies.items()}
         tasks = [{"id": str(i), "prompt": "2 + 2?", "answer": "4"} for i in range(4)]
-        episodes = asyncio.run(rollout(topology, tasks, policies, build_coach("heuristic"), str(tmp_path / "ws"), step, coach_mode=coach_mode))
+        episodes = asyncio.run(rollout(topology, tasks, policies, HeuristicCoach(), str(tmp_path / "ws"), step,
+                                       coach_mode=coach_mode))
         if step == 3:
             episodes[-1].actions[-1].verdict = Verdict(None, "parse_error", "the coach's reply had no score")
         counts = rewards.assign_rewards(episodes, "process")

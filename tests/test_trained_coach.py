@@ -315,7 +315,7 @@ def test_a_trained_coach_is_refused_with_its_reason(flags, message):
 
 
 def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path, tiny_model, monkeypatch):
-    """Issue 51: the trained coach as a training job builds it (parse_args, validate, coach_options, build_coach:
+    """Issue 51: the trained coach as a training job builds it (parse_args, validate, run_coach, build_coach:
     train_mappa_ray.train's own calls), every --mappa.coach.* flag it reads set off its default, against the default
     build: each flag changes what the coach does. Its engine is a stand-in that replies 4 (a unit test starts no
     vLLM; the e2e test below runs a real one); its reference judge is a real HTTP server on 127.0.0.1."""
@@ -328,8 +328,7 @@ def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path,
     from transformers import AutoTokenizer
 
     from coach_server import COACH_TEMPLATE, CoachServer
-    from openrlhf_mappa.cli.train_mappa_ray import add_trained_coach_args, coach_options, parse_args, validate
-    from openrlhf_mappa.coach import build_coach
+    from openrlhf_mappa.cli.train_mappa_ray import add_trained_coach_args, parse_args, run_coach, validate
     from openrlhf_mappa.placement import agent_args, trainee_specs
     from openrlhf_mappa.rollout import AgentPolicy
     from openrlhf_mappa.team import load_topology
@@ -352,7 +351,7 @@ def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path,
         args = parse_args(["--mappa.topology", str(path), "--data.prompt_dataset", "x.jsonl", *TINY_RUN_FLAGS,
                            "--mappa.coach.kind", "trained", "--mappa.coach.model", tiny_model, *flags])
         validate(args, topology)
-        coach = build_coach(args.mappa.coach.kind, cache_path=None, **coach_options(args, topology))
+        coach = run_coach(args, topology)
         coach.attach(AgentPolicy([engine], tokenizer, 1, 256))
         return args, coach
 

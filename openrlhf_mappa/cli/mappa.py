@@ -7,8 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, Parser, ranged,
-                                                refusals)
+from openrlhf_mappa.cli.train_mappa_ray import COUNT, NONNEGATIVE_INT, POSITIVE, Parser, add_coach_args, refusals
 
 # Every tool checks its input before its heavy imports (torch, transformers, vLLM, Ray) and refuses bad input as
 # the launcher does: its message alone, no traceback (MAPPA_TRACEBACK=1 shows one), exit 1 (argparse's: 2).
@@ -19,6 +18,11 @@ PLAN_HELP = ("which GPU holds which agent's actor, reference and engines, and th
              "train_mappa_ray's flags, the cluster as --mappa.gpus N --mappa.gpu_memory_gib G (default: this "
              "machine's GPUs; with no GPU here and no --mappa.gpu_memory_gib: the GPU counts, and the least GPU memory "
              "the plan needs); exit 1 when it does not fit")
+EVAL_HELP = ("evaluate a team on task files: pass@1 accuracy or DSBench scores, and behaviour; takes train_mappa_ray's "
+             "flags: --mappa.topology, the task files as --eval.dataset F[,F...], --eval.n_samples_per_prompt and "
+             "--eval.temperature, --rollout.max_new_tokens and --rollout.top_p, --data.max_len, --vllm.* (engines per "
+             "distinct model), --train.seed, a grading coach as --mappa.coach.kind openai --mappa.coach.model M "
+             "--mappa.coach.base_url U; the models as --mappa.model, --checkpoint DIR or --agent-model AGENT=MODEL")
 DOCTOR_HELP = ("the cluster self-check before a long job: takes the training command's flags, with --mappa.model a "
                "small model; sends the coach one request, plans the recipe's own models on the cluster, starts the "
                "team as planned, runs one step of each component and checks weight syncs, sleep, threads, host memory "
@@ -33,11 +37,11 @@ def main(argv=None):
         sys.exit(doctor_main(argv[1:]))
     if argv[:1] == ["check"]:
         sys.exit(check_main(argv[1:]))
-    parser, eval_parser, score_parser = build_parser()
+    if argv[:1] == ["eval"]:
+        sys.exit(eval_main(argv[1:]))
+    parser, score_parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "eval":
-        eval_main(eval_parser, args)
-    elif args.command == "coach":
+    if args.command == "coach":
         rescore_main(score_parser, args)
     elif args.command == "tiny-model":
         from openrlhf_mappa.tiny_model import build_tiny_model
@@ -71,7 +75,7 @@ def main(argv=None):
 
 
 def build_parser():
-    """The tools' arguments: (the parser, eval's and coach score's, whose errors eval_main and rescore_main report)."""
+    """The tools' arguments: (the parser, coach score's, whose errors rescore_main reports)."""
     parser = Parser(prog="mappa", description="openrlhf_mappa tools")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -83,7 +87,7 @@ def build_parser():
                    "the plan where --mappa.gpus/--mappa.gpu_memory_gib are given, the coach scoring one test action), "
                    "as a table; takes train_mappa_ray's flags; exit 1 on a failure; starts no Ray")
 
-    eval_parser = add_eval_parser(sub)
+    sub.add_parser("eval", help=EVAL_HELP)
 
     p = sub.add_parser("tiny-model", help="build a tiny causal LM + byte-level tokenizer offline (for tests/demos)")
     p.add_argument("out_dir")
@@ -131,42 +135,20 @@ def build_parser():
                        "rate and metrics; Markdown and JSON")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's --mappa.run_dir (its eval.jsonl)")
     p.add_argument("--out", help="write OUT.md and OUT.json (default: the first RUN_DIR's paper_table.md, .json)")
-    return parser, eval_parser, score_parser
+    return parser, score_parser
 
 
-def add_eval_parser(sub):
-    """`mappa eval`; its parser is returned for the errors eval_main reports."""
-    p = sub.add_parser("eval", help="evaluate a team on task files: pass@1 accuracy or DSBench scores, and behaviour")
-    p.add_argument("--topology", required=True, help="topology YAML (agents, env)")
-    p.add_argument("--data", required=True, nargs="+", help="task files (JSON list or JSONL), e.g. amc_eval_32.json")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", help="one model (HF id or path) for every agent, e.g. the untrained base model")
-    g.add_argument("--checkpoint", help="a run's HF exports (--ckpt.output_dir): the model of agent A is DIR/A")
-    p.add_argument("--agent-model", action="append", default=[], metavar="AGENT=MODEL", help="one agent's model")
-    p.add_argument("--n-samples", type=COUNT, default=4, help="samples per problem; accuracy is their mean (pass@1)")
-    p.add_argument("--temperature", type=NONNEGATIVE, default=0.6)
-    p.add_argument("--top-p", type=ranged(float, 0, 1, above=True), default=1.0)
-    p.add_argument("--max-new-tokens", type=COUNT, default=1024, help="per action, unless the topology sets it")
-    p.add_argument("--max-len", type=COUNT, default=8192, help="prompt + response tokens")
-    p.add_argument("--limit", type=NONNEGATIVE_INT, default=0, help="only the first N tasks of each file (0: all)")
-    p.add_argument("--out", default="eval_results.json", help="results; the episodes go to <out>.episodes.jsonl")
-    p.add_argument("--workspace", default=None, help="code workspaces (default: a temporary directory)")
-    p.add_argument("--num-engines", type=COUNT, default=1, help="vLLM engines per distinct model")
-    p.add_argument("--tensor-parallel-size", type=COUNT, default=1)
-    p.add_argument("--gpu-memory-utilization", type=ranged(float, 0, 1, above=True), default=0.9)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--coach-model", help="also grade with this coach (the topology's coach prompt and score key, at "
-                   "--coach-base-url): accuracy_coach, the authors' grader (its ANSWER_CORRECT line on the final "
-                   "agent's last action, else its score), beside the environment's accuracy")
-    p.add_argument("--coach-base-url", help="the coach's OpenAI-compatible endpoint, e.g. http://localhost:8001/v1")
-    p.add_argument("--coach-api-key-env", default="OPENAI_API_KEY")
-    p.add_argument("--coach-structured", choices=["auto", "json_schema", "off"], default="off",
-                   help="off (default): free text, as the authors' coach, so it can write its ANSWER_CORRECT line "
-                        "(a JSON schema leaves room for the score alone)")
-    p.add_argument("--coach-price-in", type=NONNEGATIVE, default=0.0, help="USD per 1M prompt tokens: coach/cost_usd")
-    p.add_argument("--coach-price-out", type=NONNEGATIVE, default=0.0, help="USD per 1M completion tokens")
-    return p
+def add_eval_args(parser):
+    """`mappa eval`'s own flags beside train_mappa_ray's, and its defaults where the training run's have none."""
+    g = parser.add_argument_group("mappa eval")
+    g.add_argument("--checkpoint", help="a run's HF exports (--ckpt.output_dir): the model of agent A is DIR/A (not "
+                   "with --mappa.model)")
+    g.add_argument("--agent-model", action="append", default=[], metavar="AGENT=MODEL", help="one agent's model")
+    g.add_argument("--limit", type=NONNEGATIVE_INT, default=0, help="only the first N tasks of each file (0: all)")
+    g.add_argument("--out", default="eval_results.json", help="results; the episodes go to <out>.episodes.jsonl")
+    g.add_argument("--workspace", default=None, help="code workspaces (default: a temporary directory)")
+    parser.set_defaults(**{"rollout.max_new_tokens": 1024, "data.max_len": 8192, "vllm.num_engines": 1,
+                           "vllm.gpu_memory_utilization": 0.9})
 
 
 def add_coach_parser(sub):
@@ -174,32 +156,19 @@ def add_coach_parser(sub):
     p = sub.add_parser("coach", help="coach tools")
     coach_sub = p.add_subparsers(dest="coach_command", required=True)
     p = coach_sub.add_parser("score", help="re-score saved episodes with another coach or template; print the "
-                             "agreement")
+                             "agreement. Takes the training run's coach flags (--mappa.coach.*; kind default openai "
+                             "here, cache default none; those about rewards and the bias audit do nothing here)")
     p.add_argument("--episodes", required=True, help="episodes.jsonl of a run")
     p.add_argument("--out", required=True, help="one line per action with both verdicts; summary in <out>.summary.json")
-    p.add_argument("--kind", choices=["openai", "heuristic"], default="openai")
-    p.add_argument("--mode", choices=["per_action", "hindsight", "both"], default="per_action",
-                   help="per_action: one request per action; hindsight: one review per episode (its trajectory and "
-                        "outcome); both: the two combined as in training (--mappa.coach.mode)")
-    p.add_argument("--model", help="coach model at the OpenAI-compatible server")
-    p.add_argument("--base-url", help="e.g. http://localhost:8000/v1")
-    p.add_argument("--template", help="a text file with the coach prompt template (not needed with --mode hindsight)")
-    p.add_argument("--topology", help="take the coach prompt templates and score key from this topology YAML")
+    p.add_argument("--mappa.topology", help="take the coach prompt templates and score key from this topology YAML")
+    p.add_argument("--template", help="a text file with the coach prompt template (not needed with --mappa.coach.mode "
+                   "hindsight)")
     p.add_argument("--review-template", help="a text file with the hindsight prompt template (default: the "
                    "topology's review_template, else the built-in one)")
     p.add_argument("--score-key", help="a text reply states its score on the line `KEY: <n>` "
                    "(default: the topology's score_key, else PROCESS_SCORE)")
-    p.add_argument("--api-key-env", default="OPENAI_API_KEY")
-    p.add_argument("--cache", default=None, help="SQLite verdict cache to read and extend (default: none)")
-    p.add_argument("--timeout", type=POSITIVE, default=60.0)
-    p.add_argument("--max-concurrency", type=COUNT, default=32)
-    p.add_argument("--max-retries", type=NONNEGATIVE_INT, default=4)
-    p.add_argument("--rpm", type=NONNEGATIVE, default=0.0)
-    p.add_argument("--structured", choices=["auto", "json_schema", "off"], default="auto")
-    p.add_argument("--max-tokens", type=NONNEGATIVE_INT, default=0,
-                   help="coach reply token limit (0: the server's default)")
-    p.add_argument("--max-failure-fraction", type=FRACTION, default=0.5,
-                   help="exit 1 when more than this fraction of the new verdicts failed (the output is still written)")
+    add_coach_args(p)
+    p.set_defaults(**{"mappa.coach.kind": "openai"})
     return p
 
 
@@ -262,8 +231,8 @@ def plan_main(argv) -> int:
     """`mappa plan`: the launch's plan and check without a cluster, on this machine's GPUs unless given; with no
     GPU memory known, the counts are checked (as the launcher does) and the least GPU memory needed is said."""
     from openrlhf_mappa import placement
-    from openrlhf_mappa.cli.train_mappa_ray import accepted, parse_args, validate
-    from openrlhf_mappa.team import check_model, load_topology
+    from openrlhf_mappa.cli.train_mappa_ray import accepted, check_models, parse_args, validate
+    from openrlhf_mappa.team import load_topology
 
     args = parse_args(argv, prog="mappa plan", description=PLAN_HELP)
     with refusals("mappa plan:"):
@@ -271,10 +240,7 @@ def plan_main(argv) -> int:
         validate(args, topology)
         # A hub id resolved as the launcher does: one out of reach is refused at once, not "fits" after minutes of
         # retries. A directory needs only its config.json here (tests/fixtures hold no weights or tokenizer).
-        for spec in placement.trainee_specs(args, topology):
-            label = "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}"
-            if not os.path.isdir(spec.model):
-                check_model(spec.model, label if spec in topology.agents else "--mappa.coach.model")
+        check_models(args, topology, config_only=True)
     gpus, gib = args.mappa.gpus, args.mappa.gpu_memory_gib
     if gpus is None or gib is None:
         found = placement.detect_gpus()
@@ -386,186 +352,197 @@ def recipe_team(args) -> tuple:
     """(the topology with its own models, why it is not planned): with --mappa.model the doctor's team runs the
     small model, and the recipe's models are planned on the cluster too (doctor.recipe_plan). None without
     --mappa.model: the team's plan is the recipe's."""
-    from openrlhf_mappa.team import check_model, load_topology
+    from openrlhf_mappa.cli.train_mappa_ray import check_models
+    from openrlhf_mappa.team import load_topology
 
     if not args.mappa.model:
         return None, None
     recipe = load_topology(args.mappa.topology)
     try:
-        for spec in recipe.agents:
-            check_model(spec.model, f"{args.mappa.topology}: agent {spec.name!r}")
+        check_models(args, recipe)
     except (ValueError, SystemExit) as e:  # the launch itself refuses it before Ray, in seconds
         return None, str(e).removeprefix("[mappa] ")
     return recipe, None
 
 
-def eval_inputs(parser, args):
+def eval_inputs(args):
     """`mappa eval`'s every input, checked before vLLM and Ray load: (topology, agent -> model, agent -> its
-    adapter's config for a LoRA agent's export, dataset -> tasks)."""
+    adapter's config for a LoRA agent's export, dataset -> tasks, the grading coach or None)."""
+    from openrlhf_mappa.cli.train_mappa_ray import validate_token_limits
     from openrlhf_mappa.episode import read_record
     from openrlhf_mappa.evaluation import load_eval_sets
     from openrlhf_mappa.team import check_model, load_topology
 
-    with refusals("mappa eval:"):
-        topology = load_topology(args.topology, model_override=args.model)
-        models = {spec.name: spec.model for spec in topology.agents}
-        if args.checkpoint:
-            models = {name: os.path.join(args.checkpoint, name) for name in models}
-        for item in args.agent_model:
-            name, _, model = item.partition("=")
-            if name not in models or not model:
-                parser.error(f"--agent-model {item!r}: expected AGENT=MODEL with AGENT one of {', '.join(models)}")
-            models[name] = model
-        for name, model in models.items():
-            if args.checkpoint and not os.path.isdir(model):
-                parser.error(f"--checkpoint: no model for agent {name!r} at {model} (expected one HF export per agent)")
-        for spec in topology.agents:
-            if (spec.max_new_tokens or args.max_new_tokens) >= args.max_len:
-                where = (f"agent {spec.name!r}'s max_new_tokens in the topology" if spec.max_new_tokens
-                         else "--max-new-tokens")
-                parser.error(f"{where} ({spec.max_new_tokens or args.max_new_tokens}) must be below --max-len "
-                             f"({args.max_len}), which holds the prompt and the reply together")
-        # A LoRA agent's export is its adapter in PEFT format: its base model's engines serve it by the agent's name.
-        adapters = {}
-        for name, model in models.items():
-            if os.path.isfile(os.path.join(model, "adapter_config.json")):
-                adapters[name] = read_record(os.path.join(model, "adapter_config.json"), "the adapter's config")
-                adapters[name]["dir"], models[name] = model, adapters[name].get("base_model_name_or_path") or ""
-        for name, model in models.items():
-            base = f" (the base of its adapter {adapters[name]['dir']})" if name in adapters else ""
-            check_model(model, f"agent {name!r}{base}")
-        if adapters and args.tensor_parallel_size != 1:
-            parser.error("LoRA adapters are served by engines of --tensor-parallel-size 1")
-        datasets = load_eval_sets(args.data, args.limit)
-        topology.check_env([t for tasks in datasets.values() for t in tasks], args.topology)
-        out_file(args.out, "--out")
-        if args.workspace:
-            not_a_directory(args.workspace)
-        coach = eval_coach(parser, args, topology)
-    return topology, models, adapters, datasets, coach
+    topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
+    if args.mappa.model and args.checkpoint:
+        raise ValueError("--mappa.model (one model for every agent) or --checkpoint (a run's exports), not both")
+    if not args.eval.dataset:
+        raise ValueError("give the task files: --eval.dataset FILE[,FILE...] (JSON list or JSONL)")
+    models = {spec.name: spec.model for spec in topology.agents}
+    if args.checkpoint:
+        models = {name: os.path.join(args.checkpoint, name) for name in models}
+    for item in args.agent_model:
+        name, _, model = item.partition("=")
+        if name not in models or not model:
+            raise ValueError(f"--agent-model {item!r}: expected AGENT=MODEL with AGENT one of {', '.join(models)}")
+        models[name] = model
+    for name, model in models.items():
+        if args.checkpoint and not os.path.isdir(model):
+            raise ValueError(f"--checkpoint: no model for agent {name!r} at {model} (expected one HF export per agent)")
+    validate_token_limits(args, topology)
+    # A LoRA agent's export is its adapter in PEFT format: its base model's engines serve it by the agent's name.
+    adapters = {}
+    for name, model in models.items():
+        if os.path.isfile(os.path.join(model, "adapter_config.json")):
+            adapters[name] = read_record(os.path.join(model, "adapter_config.json"), "the adapter's config")
+            adapters[name]["dir"], models[name] = model, adapters[name].get("base_model_name_or_path") or ""
+    for name, model in models.items():
+        base = f" (the base of its adapter {adapters[name]['dir']})" if name in adapters else ""
+        check_model(model, f"agent {name!r}{base}")
+    if adapters and args.vllm.tensor_parallel_size != 1:
+        raise ValueError("LoRA adapters are served by engines of --vllm.tensor_parallel_size 1")
+    datasets = load_eval_sets(args.eval.dataset.split(","), args.limit)
+    topology.check_env([t for tasks in datasets.values() for t in tasks], args.mappa.topology)
+    out_file(args.out, "--out")
+    if args.workspace:
+        not_a_directory(args.workspace)
+    return topology, models, adapters, datasets, eval_coach(args, topology)
 
 
-def eval_coach(parser, args, topology):
-    """`mappa eval`'s grading coach (--coach-model), probed before any engine starts; None without one."""
+def eval_coach(args, topology):
+    """`mappa eval`'s grading coach (--mappa.coach.kind openai), probed before any engine starts; None without one."""
     import asyncio
 
-    from openrlhf_mappa.coach import build_coach
+    from openrlhf_mappa.cli.train_mappa_ray import run_coach, validate_coach_kind
 
-    if bool(args.coach_model) != bool(args.coach_base_url):
-        parser.error("--coach-model and --coach-base-url go together (the coach that grades the episodes)")
-    if not args.coach_model:
+    c = args.mappa.coach
+    if c.kind == "trained":
+        raise ValueError("--mappa.coach.kind trained judges inside its run only; grade with --mappa.coach.kind openai")
+    validate_coach_kind(args)  # a coach flag given without --mappa.coach.kind openai
+    if c.kind != "openai":
         return None
-    topology.check_coach_template(args.topology, "openai", "per_action")
-    make = lambda: build_coach("openai", template=topology.coach_template, model=args.coach_model,
-                               base_url=args.coach_base_url, api_key_env=args.coach_api_key_env,
-                               structured=args.coach_structured, score_key=topology.score_key)
-    asyncio.run(make().probe())  # by a coach of its own: an HTTP session belongs to the event loop it ran on
-    return make()
+    topology.check_coach_template(args.mappa.topology, "openai", "per_action")
+    cache = None if c.cache in (None, "none") else c.cache
+    asyncio.run(run_coach(args, topology).probe())  # by a coach of its own: its HTTP session belongs to that loop
+    return run_coach(args, topology, cache)
 
 
-def eval_main(parser, args):
+def eval_main(argv) -> int:
     """Team evaluation on vLLM engines (one group per distinct model, so agents sharing a base model share
     engines), through the training rollout minus the coach; see evaluation.py."""
-    topology, models, adapters, datasets, coach = eval_inputs(parser, args)
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args
+
+    args = parse_args(argv, prog="mappa eval", description=EVAL_HELP, add_tool_args=add_eval_args)
+    with refusals("mappa eval:"):
+        topology, models, adapters, datasets, coach = eval_inputs(args)
 
     import asyncio
     import tempfile
 
     import ray
-    from openrlhf.trainer.ray import create_vllm_engines
-    from transformers import AutoTokenizer
 
     from openrlhf_mappa.evaluation import coach_cost, evaluate, format_table, summarize
-    from openrlhf_mappa.rollout import AgentPolicy
 
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    engines, tokenizers = {}, {}
-    group = lambda name: (models[name], name in adapters)  # a base's adapters get engines of their own, with LoRA
-    for model, lora in dict.fromkeys(map(group, models)):
-        if lora:
-            served = {n: a for n, a in adapters.items() if group(n) == (model, True)}
-            engines[model, lora] = pool_engines(args, model, served)
-        else:
-            engines[model, lora] = create_vllm_engines(
-                args.num_engines, args.tensor_parallel_size, model, args.seed, False, False, args.enforce_eager,
-                args.max_len, None, args.gpu_memory_utilization, False)
-        tokenizers[model] = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
-    policies = {spec.name: AgentPolicy(engines=engines[group(spec.name)], tokenizer=tokenizers[models[spec.name]],
-                                       max_new_tokens=spec.max_new_tokens or args.max_new_tokens, max_len=args.max_len,
-                                       sampling=dict(temperature=args.temperature, top_p=args.top_p),
-                                       adapter=spec.name if spec.name in adapters else None)
-                for spec in topology.agents}
+    policies = eval_policies(args, topology, models, adapters)
     workspace = args.workspace or tempfile.mkdtemp(prefix="mappa-eval-")
+    samples = args.eval.n_samples_per_prompt
 
     async def every_dataset():  # one event loop: the coach's HTTP session belongs to the loop it first ran on
-        played = {dataset: await evaluate(topology, tasks, policies, args.n_samples, os.path.join(workspace, dataset),
+        played = {dataset: await evaluate(topology, tasks, policies, samples, os.path.join(workspace, dataset),
                                           coach=coach) for dataset, tasks in datasets.items()}
         if coach:
             await coach.aclose()
         return played
 
-    results, summaries = {}, {}
+    results, summaries, c = {}, {}, args.mappa.coach
     with open(args.out + ".episodes.jsonl", "w", encoding="utf-8") as f:
         for dataset, episodes in asyncio.run(every_dataset()).items():
             f.writelines(ep.to_json() + "\n" for ep in episodes)
             summary, problems = summarize(episodes, list(models), datasets[dataset])
-            summary.update(coach_cost(episodes, args.coach_price_in, args.coach_price_out))
+            summary.update(coach_cost(episodes, c.price_in, c.price_out))
             results[dataset], summaries[dataset] = {"summary": summary, "problems": problems}, summary
-    settings = {k: getattr(args, k) for k in ("n_samples", "temperature", "top_p", "max_new_tokens", "max_len", "seed",
-                                              "coach_model", "coach_structured")}
+    settings = {"n_samples": samples, "temperature": args.eval.temperature, "top_p": args.rollout.top_p,
+                "max_new_tokens": args.rollout.max_new_tokens, "max_len": args.data.max_len, "seed": args.train.seed,
+                "coach_model": c.model if coach else None, "coach_structured": c.structured}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump({"models": models, "adapters": {n: a["dir"] for n, a in adapters.items()}, "settings": settings,
                    "datasets": results}, f, indent=1)
     print(format_table(summaries))
     print(f"\nresults: {args.out}\nepisodes: {args.out}.episodes.jsonl")
+    return 0
 
 
-def pool_engines(args, model: str, adapters: dict) -> list:
-    """`mappa eval`'s engines for LoRA agents on one base: vLLM with LoRA, each agent's adapter (its export's
-    files, under its name) loaded, as the training run's pool serves them."""
+def eval_policies(args, topology, models: dict, adapters: dict) -> dict:
+    """Each agent's AgentPolicy on engines of its model, created as the launcher creates them: a full model's by
+    OpenRLHF's create_vllm_engines, the LoRA agents of one base on one pool (launch.engines_on, a GPU each) serving
+    each agent's adapter (its export's files) under its name."""
     import glob
 
     import ray
+    from openrlhf.trainer.ray import create_vllm_engines
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from transformers import AutoTokenizer
 
     from openrlhf_mappa.agent_trainer import PoolEngine
+    from openrlhf_mappa.launch import engines_on
     from openrlhf_mappa.placement import pool_max_rank
+    from openrlhf_mappa.rollout import AgentPolicy
 
-    pg = placement_group([{"GPU": 1, "CPU": 1}] * args.num_engines, strategy="PACK")
-    engines = [
-        PoolEngine.options(num_cpus=1, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote(
-            model=model, enforce_eager=args.enforce_eager, tensor_parallel_size=1, seed=args.seed + i,
-            max_model_len=args.max_len, dtype="bfloat16", trust_remote_code=True, num_gpus=1,
-            gpu_memory_utilization=args.gpu_memory_utilization, distributed_executor_backend="uni",
-            enable_lora=True, max_loras=len(adapters), max_lora_rank=pool_max_rank([a["r"] for a in adapters.values()]),
-        )
-        for i in range(args.num_engines)
-    ]
-    for name, adapter in adapters.items():
-        paths = glob.glob(os.path.join(adapter["dir"], "adapter_*"))
-        files = {os.path.basename(f): open(f, "rb").read() for f in paths}
-        ray.get([e.load_adapter.remote(name, files) for e in engines])
-    return engines
+    v, engines, tokenizers = args.vllm, {}, {}
+    group = lambda name: (models[name], name in adapters)  # a base's adapters get engines of their own, with LoRA
+    for model, lora in dict.fromkeys(map(group, models)):
+        if lora:
+            served = {n: a for n, a in adapters.items() if group(n) == (model, True)}
+            pg = placement_group([{"GPU": 1, "CPU": 1}] * v.num_engines, strategy="PACK")
+            engines[model, lora] = engines_on(args, model, pg, 1, PoolEngine, enable_lora=True, max_loras=len(served),
+                                              max_lora_rank=pool_max_rank([a["r"] for a in served.values()]))
+            for name, adapter in served.items():
+                paths = glob.glob(os.path.join(adapter["dir"], "adapter_*"))
+                files = {os.path.basename(f): open(f, "rb").read() for f in paths}
+                ray.get([e.load_adapter.remote(name, files) for e in engines[model, lora]])
+        else:
+            engines[model, lora] = create_vllm_engines(
+                v.num_engines, v.tensor_parallel_size, model, args.train.seed, args.train.full_determinism_enable,
+                v.enable_prefix_caching, v.enforce_eager, args.data.max_len, None, v.gpu_memory_utilization, False)
+        tokenizers[model] = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
+    sampling = dict(temperature=args.eval.temperature, top_p=args.rollout.top_p)
+    return {spec.name: AgentPolicy(engines=engines[group(spec.name)], tokenizer=tokenizers[models[spec.name]],
+                                   max_new_tokens=spec.max_new_tokens or args.rollout.max_new_tokens,
+                                   max_len=args.data.max_len, sampling=sampling,
+                                   adapter=spec.name if spec.name in adapters else None)
+            for spec in topology.agents}
 
 
 def rescore_main(parser, args):
+    from types import SimpleNamespace
+
+    from openrlhf_mappa.cli.train_mappa_ray import coach_flags, validate_coach_kind
     from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, build_coach
     from openrlhf_mappa.coach import rescore
     from openrlhf_mappa.coach.audit import FAILED_STATUSES
     from openrlhf_mappa.topology import PROMPT_FIELDS, REVIEW_FIELDS, check_template
 
-    if not (args.template or args.topology) and args.kind == "openai" and args.mode != "hindsight":
-        parser.error(f"coach score --mode {args.mode}: give the coach prompt with --template FILE or --topology YAML")
+    # The --mappa.coach.* flags as train_mappa_ray's args.mappa.coach (the trained coach's at their defaults).
+    given = {k.removeprefix("mappa.coach."): v for k, v in vars(args).items() if k.startswith("mappa.coach.")}
+    c = SimpleNamespace(**{**coach_flags()[0], **given})
+    topology_path = getattr(args, "mappa.topology")
+    if c.kind == "trained":
+        parser.error("--mappa.coach.kind trained: a trained coach judges inside its run only; re-score with openai "
+                     "or heuristic")
+    if not (args.template or topology_path) and c.kind == "openai" and c.mode != "hindsight":
+        parser.error(f"coach score --mappa.coach.mode {c.mode}: give the coach prompt with --template FILE or "
+                     f"--mappa.topology YAML")
     with refusals("mappa coach score:"):
+        validate_coach_kind(SimpleNamespace(mappa=SimpleNamespace(coach=c)))
         topology = None
-        if args.topology:
+        if topology_path:
             from openrlhf_mappa.team import load_topology
 
-            topology = load_topology(args.topology)
+            topology = load_topology(topology_path)
             if not args.template:
-                topology.check_coach_template(args.topology, args.kind, args.mode)
+                topology.check_coach_template(topology_path, c.kind, c.mode)
         template = topology.coach_template if topology else None
         review_template = topology.review_template if topology else None
         if args.template:
@@ -574,29 +551,24 @@ def rescore_main(parser, args):
         if args.review_template:
             review_template = Path(args.review_template).read_text(encoding="utf-8")
             check_template(review_template, REVIEW_FIELDS, args.review_template)
-        options = {}
-        if args.kind == "openai":
-            options = dict(api_key_env=args.api_key_env, timeout_s=args.timeout, max_concurrency=args.max_concurrency,
-                           max_retries=args.max_retries, rpm=args.rpm, structured=args.structured,
-                           max_tokens=args.max_tokens, review_template=review_template,
-                           score_key=args.score_key or (topology.score_key if topology else DEFAULT_SCORE_KEY))
-        coach = build_coach(args.kind, template=template, model=args.model, base_url=args.base_url,
-                            cache_path=args.cache, **options)
+        score_key = args.score_key or (topology.score_key if topology else DEFAULT_SCORE_KEY)
+        coach = build_coach(c, template=template, score_key=score_key, review_template=review_template,
+                            cache_path=None if c.cache in (None, "none") else c.cache)
         actions = rescore.read_actions(args.episodes)
         if not actions:
             raise ValueError(f"{args.episodes}: no actions to re-score")
         out_file(args.out, "--out")
-        rows, summary = rescore.run(actions, args.out, coach, args.mode)
+        rows, summary = rescore.run(actions, args.out, coach, c.mode)
     before = next((a["verdict"]["coach"] for _, a in actions if a.get("verdict")), "?")
     rescore.print_summary(summary, before, coach.name)
     print(f"\nboth verdicts per action: {args.out}\nsummary: {args.out}.summary.json")
     # As in training (--mappa.coach.max_failure_fraction): a re-score made mostly of failed verdicts says
     # nothing about the coach's agreement, and a script or CI job must see it as a failure, not read the table.
     failed = [r["after"] for r in rows if r["after"]["status"] in FAILED_STATUSES]
-    if len(failed) / len(rows) > args.max_failure_fraction:
+    if len(failed) / len(rows) > c.max_failure_fraction:
         first = failed[0]
         sys.exit(f"mappa coach score: {len(failed)} of {len(rows)} verdicts failed (more than "
-                 f"--max-failure-fraction {args.max_failure_fraction}). First failure: {first['status']}: "
+                 f"--mappa.coach.max_failure_fraction {c.max_failure_fraction}). First failure: {first['status']}: "
                  f"{first['rationale'][:500]}")
 
 

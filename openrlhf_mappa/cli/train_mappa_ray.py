@@ -13,6 +13,7 @@ import asyncio
 import builtins
 import contextlib
 import difflib
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -273,9 +274,9 @@ def refusals(prefix: str = "[mappa]"):
         raise SystemExit(f"{prefix} {e or type(e).__name__}") from None
 
 
-# Every flag of train_ppo_ray's parser is "honoured" (it does in MAPPA what it does in OpenRLHF) or "refused: why":
-# a refused flag off its default stops the launch instead of being silently ignored. tests/test_launch.py fails on
-# an upstream flag this table does not name (an openrlhf upgrade).
+# Every flag of train_ppo_ray's parser is honoured (it does in MAPPA what it does in OpenRLHF) or refused: a refused
+# flag off its default stops the launch instead of being silently ignored. A new upstream flag is refused until it is
+# added here; tests/test_launch.py checks that docs/reference.md's table names every refused one.
 HONOURED = """
     actor.num_nodes actor.num_gpus_per_node ref.num_nodes ref.num_gpus_per_node ref.offload
     vllm.num_engines vllm.tensor_parallel_size vllm.sync_backend vllm.enable_prefix_caching vllm.enforce_eager
@@ -304,50 +305,20 @@ HONOURED = """
     logger.wandb.key logger.wandb.org logger.wandb.group logger.wandb.project logger.wandb.run_name
     logger.tensorboard_dir
 """.split()  # data.apply_chat_template: MAPPA always renders prompts with each model's chat template
-NO_CRITIC = "MAPPA has no critic: its advantages are REINFORCE++ return-to-go (rewards.py)"
-NO_REWARD_MODEL = "MAPPA has no reward model: the coach scores every action (--mappa.coach.*)"
-OWN_TASKS = ("MAPPA reads tasks itself, JSON lists or JSONL of prompt/answer rows (--data.prompt_dataset, "
-             "--eval.dataset)")
-OWN_PROMPTS = "each agent's prompt comes from the topology, rendered with that agent's chat template"
-LORA = ("LoRA is set per agent, in the topology (agents[].lora), and its adapters are synced by MAPPA: OpenRLHF "
-        "0.11.2's run-wide LoRA syncs every weight under peft's names, which vLLM's loader rejects (OpenRLHF #1349)")
-TEXT_ONLY = "MAPPA's agents are text-only"
-REFUSED = {
-    **dict.fromkeys(("reward." + k for k in "num_nodes num_gpus_per_node offload model_name_or_path remote_url "
-                     "normalize_enable".split()), NO_REWARD_MODEL),
-    "ds.value_head_prefix": NO_REWARD_MODEL + ", and no critic",
-    "reward.clip_range": "coach scores are never clamped (rewards.token_rewards)",
-    "reward.overlong_buffer_len": "OpenRLHF's length penalties are not applied: MAPPA leaves actions cut off at the "
-                                  "token limit out of training instead (--mappa.train_truncated)",
-    "reward.overlong_penalty_factor": "applies only with --reward.overlong_buffer_len, which MAPPA refuses",
-    "reward.stop_properly_penalty_coef": "OpenRLHF's length penalties are not applied (see --mappa.train_truncated)",
-    **dict.fromkeys(("critic." + k for k in "num_nodes num_gpus_per_node model_name_or_path value_clip freezing_steps "
-                     "save_value_network optim muon.lr muon.momentum muon.ns_steps muon.nesterov muon.no_nesterov "
-                     "adam.lr adam.betas adam.eps adam.weight_decay lr_scheduler lr_warmup_ratio min_lr_ratio "
-                     "max_norm".split()), NO_CRITIC),
+REFUSED = "not used by MAPPA; see docs/reference.md#openrlhfs-flags-honoured-or-refused"
+# The refused flags whose reason a user of OpenRLHF would not guess, by name or by family ("ds.lora": ds.lora.*).
+REFUSED_WHY = {
+    "actor.model_name_or_path": "each agent's model comes from the topology (or --mappa.model)",
+    "ds.lora": "LoRA is set per agent, in the topology (agents[].lora), and its adapters are synced by MAPPA: "
+               "OpenRLHF 0.11.2's run-wide LoRA syncs every weight under peft's names, which vLLM's loader rejects "
+               "(OpenRLHF #1349)",
+    "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
     "train.colocate_actor_ref": "MAPPA colocates an agent's actor, reference and engines together (--mappa.colocate "
                                 "agent) or not at all; the actor and reference alone are not placed together",
-    "train.colocate_critic_reward": NO_CRITIC + "; " + NO_REWARD_MODEL,
     "vllm.sync_with_ray": "every agent's Ray collective sync group would be named 'openrlhf', so agents' weight "
                           "syncs would collide; use --vllm.sync_backend",
-    "rollout.vllm_generate_batch_size": "MAPPA submits every episode of a step to the engines at once",
-    "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
-    "algo.advantage.lambd": "GAE's lambda: " + NO_CRITIC,
-    **dict.fromkeys(("ds.lora." + k for k in ("rank", "alpha", "target_modules", "dropout")), LORA),
-    "actor.model_name_or_path": "each agent's model comes from the topology (or --mappa.model)",
     "train.agent_func_path": "the topology's environment drives each episode (--mappa.topology)",
-    **dict.fromkeys(("data.prompt_probs", "data.prompt_split", "eval.split", "data.input_key", "data.label_key",
-                     "data.dataloader_num_workers"), OWN_TASKS),
-    "data.input_template": OWN_PROMPTS,
-    "data.disable_fast_tokenizer": "MAPPA's rollout tokenizes with each model's default (fast) tokenizer",
-    **dict.fromkeys(("data.image_key", "data.max_images_per_prompt", "actor.freeze_visual_encoder"), TEXT_ONLY),
-    "logger.logging_steps": "MAPPA logs every step (metrics.jsonl and the loggers)",
-    "ckpt.best_metric_key": "only OpenRLHF's own trainer keeps a best checkpoint; MAPPA's evaluations go to eval.jsonl",
-    "local_rank": "DeepSpeed's launcher sets it; under Ray each actor's rank comes from Ray",
-    "use_ms": "ModelScope would patch the driver only; MAPPA's actors and engines load from the Hugging Face hub "
-              "or local directories",
 }
-UPSTREAM_FLAGS = {**dict.fromkeys(HONOURED, "honoured"), **{k: f"refused: {why}" for k, why in REFUSED.items()}}
 # The range of each honoured OpenRLHF number, given to its parser (parse_args), which takes any int or float: a 0
 # there divides by zero in upstream's own checks (--rollout.micro_batch_size), or the run trains nothing.
 UPSTREAM_RANGES = {
@@ -367,20 +338,19 @@ UPSTREAM_RANGES = {
 
 
 def refusal_of(action):
-    """Why MAPPA refuses an upstream flag; None for one it honours, its own, and --help."""
-    name = action.option_strings[0].lstrip("-") if action.option_strings else ""
-    verdict = UPSTREAM_FLAGS.get(name, "refused: not classified for this openrlhf release")
-    if not name or name.startswith("mappa.") or action.dest == "help" or verdict == "honoured":
+    """Why MAPPA refuses an action of upstream's parser; None for a flag it honours, and --help."""
+    name = action.option_strings[0].lstrip("-")
+    if action.dest == "help" or name in HONOURED:
         return None
-    return verdict.removeprefix("refused: ")
+    return next((why for key, why in REFUSED_WHY.items() if name == key or name.startswith(key + ".")), REFUSED)
 
 
-def refuse_ignored_flags(parser, raw) -> None:
-    """Stop when a refused flag has a value other than its default. `raw`: the namespace before upstream's
-    checks, which change some values (e.g. --vllm.enable_sleep back to False)."""
+def refuse_ignored_flags(upstream: list, raw) -> None:
+    """Stop when a refused flag (of `upstream`, the actions of upstream's parser) has a value other than its default.
+    `raw`: the namespace before upstream's checks, which change some values (e.g. --vllm.enable_sleep back to False)."""
     plain = lambda v: list(v) if isinstance(v, tuple) else v  # nargs flags: a list given, a tuple as default
     refused = {}  # dest -> message (--x.nesterov and --x.no_nesterov share one)
-    for action in parser._actions:
+    for action in upstream:
         why = refusal_of(action)
         value = getattr(raw, action.dest, None)
         if why is not None and plain(value) != plain(action.default):
@@ -401,9 +371,9 @@ UPSTREAM_TRAIN = "train(args)"  # where the checks end
 def upstream_cli():
     """OpenRLHF's (get_parser, validate) of train_ppo_ray, and its hierarchize; none loads torch or Ray.
 
-    Imported where train_ppo_ray has them (patches/openrlhf_train_ppo_ray_get_parser.patch); openrlhf 0.11.2
-    keeps them inline under `__main__`, so that block is read from the source and split at its parse_args():
-    importing the module would load torch, DeepSpeed and vLLM. The block may use only standard-library names."""
+    openrlhf 0.11.2 keeps them inline under `__main__`, so that block is read from the source and split at its
+    parse_args(): importing the module would load torch, DeepSpeed and vLLM. The block may use only standard-library
+    names. Once patches/openrlhf_train_ppo_ray_get_parser.patch is released upstream, import its functions instead."""
     installed = importlib.metadata.version("openrlhf")
     if installed not in OPENRLHF_FITS:
         raise SystemExit(f"[mappa] openrlhf_mappa's CLI reads openrlhf {', '.join(OPENRLHF_FITS)}'s train_ppo_ray; "
@@ -411,18 +381,11 @@ def upstream_cli():
     path = importlib.util.find_spec("openrlhf.cli.train_ppo_ray").origin  # imports only the empty packages
     with open(path, encoding="utf-8") as f:
         module = ast.parse(f.read(), path)
+    # openrlhf.utils.config run from its file: its package's __init__ loads DeepSpeed.
     config_path = os.path.join(os.path.dirname(path), "..", "utils", "config.py")
-    hierarchize = load_file_module("_openrlhf_config", config_path).hierarchize
-    if any(isinstance(n, ast.FunctionDef) and n.name == "get_parser" for n in module.body):
-        upstream = load_file_module("_openrlhf_train_ppo_ray", path)
-
-        def validate_upstream(args):
-            eval_dataset, args.eval.dataset = args.eval.dataset, None  # as the block's eval check is left out below
-            upstream.validate(args)
-            args.eval.dataset = eval_dataset
-
-        return upstream.get_parser, validate_upstream, hierarchize
-
+    spec = importlib.util.spec_from_file_location("_openrlhf_config", config_path)
+    config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(config)
     main = next(n for n in module.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
     build, checks, seen = [], [], set()
     for stmt in main.body:
@@ -458,16 +421,16 @@ def upstream_cli():
     def validate_upstream(args):
         exec(checks, dict(namespace, args=args))
 
-    return get_parser, validate_upstream, hierarchize
+    return get_parser, validate_upstream, config.hierarchize
 
 
-def help_apart(parser) -> None:
+def help_apart(parser, upstream: list) -> None:
     """--help: each flag's default, and OpenRLHF's flags that MAPPA refuses listed apart, each with its reason."""
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     refused = parser.add_argument_group("OpenRLHF's flags that MAPPA refuses (given, each stops the launch), and why")
     for group in parser._action_groups[:-1]:
         for action in list(group._group_actions):
-            why = refusal_of(action)
+            why = refusal_of(action) if action in upstream else None
             if why is not None:
                 group._group_actions.remove(action)
                 refused._group_actions.append(action)
@@ -476,14 +439,17 @@ def help_apart(parser) -> None:
                 action.help = "OpenRLHF's (train_ppo_ray)"
 
 
-def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None):
+def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None, add_tool_args=None):
     """OpenRLHF's flags and checks (upstream_cli) with MAPPA's, numbers range-checked as parsed (UPSTREAM_RANGES)
     and refused flags before upstream's checks change any value. `prog`: the command an argparse error and --help
-    name; `description`: what its --help says it does."""
+    name; `description`: what its --help says it does; `add_tool_args(parser)`: a `mappa` tool's own flags."""
     get_parser, validate_upstream, hierarchize = upstream_cli()
     parser = get_parser()
+    upstream = list(parser._actions)
     add_mappa_args(parser)
-    help_apart(parser)
+    if add_tool_args:
+        add_tool_args(parser)
+    help_apart(parser, upstream)
     parser.description = description or "Train a MAPPA team: OpenRLHF's flags and --mappa.*"
     parser.usage = "%(prog)s --mappa.topology YAML [OpenRLHF's flags] [--mappa.* flags]"  # not 230 lines of them
     parser.prog, parser.error = prog, types.MethodType(Parser.error, parser)
@@ -495,7 +461,7 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
     for name, check in UPSTREAM_RANGES.items():
         ranged_flags[name].type = check
     raw = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    refuse_ignored_flags(parser, raw)
+    refuse_ignored_flags(upstream, raw)
     args = hierarchize(raw)
     # OpenRLHF's --train.colocate_all, applied to each agent, is --mappa.colocate agent; any colocation keeps
     # colocate_all on for upstream's checks, which would otherwise turn --vllm.enable_sleep off.
@@ -517,14 +483,6 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
     return args
 
 
-def load_file_module(name, path):
-    """A module executed from its file, without its package (whose __init__ may load DeepSpeed)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def validate(args, topology):
     if not args.vllm.num_engines:
         raise SystemExit("MAPPA generates with vLLM: set --vllm.num_engines (per agent; a topology may override it)")
@@ -532,17 +490,7 @@ def validate(args, topology):
         raise SystemExit("--data.prompt_dataset: the task file (JSON list or JSONL with prompt/answer) is required")
     trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents  # as placement.trainee_specs
     validate_parallel(args, trainees)
-    # A prompt gets --data.max_len minus its agent's token limit: with no room left, every action is skipped.
-    for spec in topology.agents:
-        limit = spec.max_new_tokens or args.rollout.max_new_tokens
-        if limit is None:
-            raise SystemExit(f"--rollout.max_new_tokens is required (agent {spec.name!r} sets no max_new_tokens in the "
-                             f"topology): the token limit of one action; its prompt gets --data.max_len minus it")
-        if limit >= args.data.max_len:
-            where = (f"agent {spec.name!r}: its max_new_tokens in the topology" if spec.max_new_tokens
-                     else "--rollout.max_new_tokens")
-            raise SystemExit(f"{where} ({limit}) must be below --data.max_len ({args.data.max_len}), which holds the "
-                             f"prompt and the reply together: no prompt would fit, and every action would be skipped")
+    validate_token_limits(args, topology)
     # A step trains whole --train.batch_size batches (rewards.batch_rule): an agent with fewer actions a step would
     # never train. Under --mappa.shared_policy the one trainee trains on every role's actions.
     for spec in trainees:
@@ -593,6 +541,21 @@ def validate(args, topology):
         validate_trained_coach(args, topology)
 
 
+def validate_token_limits(args, topology) -> None:
+    """A prompt gets --data.max_len minus its agent's token limit: with no room left, every action is skipped
+    (train and `mappa eval`)."""
+    for spec in topology.agents:
+        limit = spec.max_new_tokens or args.rollout.max_new_tokens
+        if limit is None:
+            raise SystemExit(f"--rollout.max_new_tokens is required (agent {spec.name!r} sets no max_new_tokens in the "
+                             f"topology): the token limit of one action; its prompt gets --data.max_len minus it")
+        if limit >= args.data.max_len:
+            where = (f"agent {spec.name!r}: its max_new_tokens in the topology" if spec.max_new_tokens
+                     else "--rollout.max_new_tokens")
+            raise SystemExit(f"{where} ({limit}) must be below --data.max_len ({args.data.max_len}), which holds the "
+                             f"prompt and the reply together: no prompt would fit, and every action would be skipped")
+
+
 # The coach flags an LLM coach reads (openai, and trained: its own model and its reference judge's server). Given to
 # a kind that does not read them, a flag changes nothing, silently: a coach URL without --mappa.coach.kind openai
 # would train on the offline heuristic coach, the default.
@@ -600,16 +563,22 @@ LLM_COACH_FLAGS = ("model", "base_url", "api_key_env", "timeout", "max_concurren
                    "max_tokens", "format_retries", "price_in", "price_out")
 
 
+@functools.cache
+def coach_flags() -> tuple:
+    """({every --mappa.coach.* flag's last name: its default}, the trained coach's flags' names), read once from
+    their arguments (validate_coach_kind; tests build coaches from the defaults)."""
+    coach, trained = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_coach_args(coach)
+    add_trained_coach_args(trained)
+    defaults = {a.dest.rpartition(".")[2]: a.default for p in (coach, trained) for a in p._actions if a.dest != "help"}
+    return defaults, tuple(a.dest.rpartition(".")[2] for a in trained._actions if a.dest != "help")
+
+
 def validate_coach_kind(args) -> None:
     """Refuse a coach flag, off its default, that --mappa.coach.kind does not read, naming the kind that does."""
     c = args.mappa.coach
-    coach_flags, trained_flags = argparse.ArgumentParser(), argparse.ArgumentParser()
-    add_coach_args(coach_flags)
-    add_trained_coach_args(trained_flags)
-    readers = {**{key: ("openai", "trained") for key in LLM_COACH_FLAGS},
-               **{a.dest.rpartition(".")[2]: ("trained",) for a in trained_flags._actions if a.dest != "help"}}
-    defaults = {**vars(coach_flags.parse_args([])), **vars(trained_flags.parse_args([]))}
-    defaults = {dest.rpartition(".")[2]: value for dest, value in defaults.items()}
+    defaults, trained = coach_flags()
+    readers = {**{key: ("openai", "trained") for key in LLM_COACH_FLAGS}, **{key: ("trained",) for key in trained}}
     given = [key for key, kinds in readers.items() if c.kind not in kinds and getattr(c, key) != defaults[key]]
     if not given:
         return
@@ -855,15 +824,30 @@ def check_team(args, plan: bool = True):
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
     validate(args, topology)
-    for spec in placement.trainee_specs(args, topology)[len(topology.agents) :]:  # a trained coach
-        check_model(spec.model, "--mappa.coach.model")
-    for spec in topology.agents:
-        label = "--mappa.model" if args.mappa.model else f"{args.mappa.topology}: agent {spec.name!r}"
-        check_model(spec.model, label)
-        check_lora(spec, label)
+    check_models(args, topology)
     if plan and (args.mappa.gpus or args.mappa.gpu_memory_gib):  # the cluster as given: the plan, before Ray starts
         placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib, allowed=accepted(topology))
     return topology
+
+
+def check_models(args, topology, config_only: bool = False) -> None:
+    """Each trainee's model (every agent's, a trained coach's) found as the launch loads it, and a LoRA agent's
+    targets in it (train, `mappa doctor` and its recipe's models, `mappa plan`). `config_only` (`mappa plan`): a
+    local directory needs only the config.json the plan reads, so a hub id out of reach is what it refuses."""
+    from openrlhf_mappa.placement import trainee_specs
+    from openrlhf_mappa.team import check_lora, check_model
+
+    for spec in trainee_specs(args, topology):
+        if spec not in topology.agents:
+            label = "--mappa.coach.model"
+        elif spec.model == args.mappa.model:
+            label = "--mappa.model"
+        else:
+            label = f"{args.mappa.topology}: agent {spec.name!r}"
+        if config_only and os.path.isdir(spec.model):
+            continue
+        check_model(spec.model, label)
+        check_lora(spec, label)
 
 
 def accepted(topology):
@@ -964,10 +948,10 @@ class Preflight:
     def coach(self):
         """An unreachable coach or a rejected key, found now rather than after the first rollout, by a coach of its
         own (the run's opens its verdict cache, which writes); the dry run also has it score one action."""
-        from openrlhf_mappa.coach import CoachRequest, build_coach
+        from openrlhf_mappa.coach import CoachRequest
 
         c = self.args.mappa.coach
-        probe = build_coach(c.kind, cache_path=None, **coach_options(self.args, self.topology))
+        probe = run_coach(self.args, self.topology)
         if not (self.args.mappa.reward == "process" or c.score_outcome_runs):
             return "not asked (--mappa.reward outcome)"
         asyncio.run(probe.probe())
@@ -983,26 +967,17 @@ class Preflight:
         return f"{c.kind} {c.model or ''}: scored a test action {verdict.score:g} in {verdict.latency_s:.1f} s"
 
 
-def coach_options(args, topology) -> dict:
-    """build_coach's settings from the flags and the topology (the trained coach's under `trained`)."""
-    c = args.mappa.coach
-    return dict(template=topology.coach_template, model=c.model, base_url=c.base_url, api_key_env=c.api_key_env,
-                timeout_s=c.timeout, max_concurrency=c.max_concurrency, max_retries=c.max_retries, rpm=c.rpm,
-                structured=c.structured, format_retries=c.format_retries, max_tokens=c.max_tokens,
-                score_key=topology.score_key, review_template=topology.review_template,
-                trained=dict(reference_kind=c.reference_kind, reference_model=c.reference_model,
-                             reference_fraction=c.reference_fraction, held_out_fraction=c.held_out_fraction,
-                             terms=tuple(c.terms.split(",")), agreement_bands=c.agreement_bands,
-                             digits_only=c.digits_only, stratified=c.reference_draw == "stratified",
-                             all_digits=c.all_digits, pay_reference=c.pay_reference, seed=args.train.seed,
-                             warmup_steps=c.warmup_steps, min_agreement=c.min_agreement,
-                             agreement_warmup=c.agreement_warmup, price_in=c.price_in, price_out=c.price_out))
+def run_coach(args, topology, cache_path: str = None):
+    """The run's coach: its flags (--mappa.coach.*), the topology's prompts and score key, the run's seed."""
+    from openrlhf_mappa.coach import build_coach
+
+    return build_coach(args.mappa.coach, template=topology.coach_template, score_key=topology.score_key,
+                       review_template=topology.review_template, cache_path=cache_path, seed=args.train.seed)
 
 
 def train(args):
     """Build every agent on the Ray cluster, train, export; returns the agents (their handles stay up)."""
     from openrlhf_mappa import resume
-    from openrlhf_mappa.coach import build_coach
 
     # Every check comes first: a refused launch leaves the run directory and the checkpoints as they were.
     c, pre = args.mappa.coach, Preflight(args)
@@ -1016,7 +991,7 @@ def train(args):
     with open(os.path.join(args.mappa.run_dir, "train_tasks.json"), "w", encoding="utf-8") as f:
         json.dump(chosen, f, indent=1)
     resume.apply(pre.resume_fixes)
-    coach = build_coach(c.kind, cache_path=cache_path, **coach_options(args, topology))
+    coach = run_coach(args, topology, cache_path)
     if c.mode == "both":  # the combining rule, stated where the run's log begins (coach.combine)
         print("[mappa] coach mode both: an action's score is the mean of its per-action and hindsight scores; the "
               "one that exists when the other failed (counted as coach/both_one_source); none when both failed")

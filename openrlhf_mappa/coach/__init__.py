@@ -3,38 +3,45 @@ both (`--mappa.coach.mode`, judge_episode). Backends: "heuristic" (offline, dete
 "openai" (any OpenAI-compatible chat-completions server, hosted or a local vLLM) and "trained" (a coach model in
 the team's cluster that trains with the agents, anchored to one of the others: coach/trained.py)."""
 
+from types import SimpleNamespace
+
 from openrlhf_mappa.coach.base import (  # noqa: F401 (the package's API)
-    COACH_MODES, DEFAULT_REVIEW_TEMPLATE, Coach, CoachRequest, combine, judge_episode, parse_answer_correct,
-    parse_review, parse_score, render_prompt, render_review_prompt,
+    DEFAULT_REVIEW_TEMPLATE, Coach, CoachRequest, combine, judge_episode, parse_answer_correct, parse_review,
+    parse_score, render_prompt, render_review_prompt,
 )
 from openrlhf_mappa.topology import DEFAULT_SCORE_KEY, PROMPT_FIELDS, REVIEW_FIELDS, SCORE_KEY_RE  # noqa: F401
 
-COACH_KINDS = ("heuristic", "openai", "trained")
 
-
-def build_coach(kind: str, *, template: str = None, model: str = None, base_url: str = None,
-                cache_path: str = None, trained: dict = None, **options) -> Coach:
-    """A coach backend from the `--mappa.coach.*` flags; `options` go to OpenAICoach. `template` (the per-action
-    prompt) may be None for a hindsight-only coach. An LLM coach gets a verdict cache (memory, plus SQLite at
-    `cache_path`) so a rerun never pays twice; backends are imported lazily (the heuristic needs no HTTP). A trained
-    coach's `trained`: its reference judge's kind and model, and TrainedCoach's own settings."""
-    if kind == "heuristic":
+def build_coach(c, *, template: str = None, score_key: str = DEFAULT_SCORE_KEY, review_template: str = None,
+                cache_path: str = None, seed: int = 0) -> Coach:
+    """A coach backend from the `--mappa.coach.*` flags' namespace `c` (args.mappa.coach; argparse checked its
+    choices) and the topology's `template` (the per-action prompt; None for a hindsight-only coach), `score_key` and
+    `review_template`. An LLM coach gets a verdict cache (memory, plus SQLite at `cache_path`) so a rerun never pays
+    twice; backends are imported lazily (the heuristic needs no HTTP). A trained coach also takes the run's `seed`."""
+    if c.kind == "heuristic":
         from openrlhf_mappa.coach.heuristic import HeuristicCoach
 
         return HeuristicCoach()
-    if kind == "openai":
-        missing = [flag for flag, value in {"model": model, "base_url": base_url}.items() if not value]
+    if c.kind == "openai":
+        missing = [flag for flag in ("model", "base_url") if not getattr(c, flag)]
         if missing:
             raise ValueError(f"coach kind 'openai' needs {', '.join(f'--mappa.coach.{flag}' for flag in missing)}")
         from openrlhf_mappa.coach.cache import VerdictCache
         from openrlhf_mappa.coach.openai_compat import OpenAICoach
 
-        return OpenAICoach(model=model, base_url=base_url, template=template, cache=VerdictCache(cache_path), **options)
-    if kind == "trained":
-        from openrlhf_mappa.coach.trained import TrainedCoach
+        return OpenAICoach(c.model, c.base_url, template, api_key_env=c.api_key_env, timeout_s=c.timeout,
+                           max_concurrency=c.max_concurrency, max_retries=c.max_retries, rpm=c.rpm,
+                           structured=c.structured, format_retries=c.format_retries, max_tokens=c.max_tokens,
+                           score_key=score_key, cache=VerdictCache(cache_path), review_template=review_template)
+    from openrlhf_mappa.coach.trained import TrainedCoach
 
-        t = dict(trained)
-        reference = build_coach(t.pop("reference_kind"), template=template, model=t.pop("reference_model"),
-                                base_url=base_url, cache_path=cache_path, **options)
-        return TrainedCoach(template, options.get("score_key", DEFAULT_SCORE_KEY), reference, **t)
-    raise ValueError(f"unknown coach kind {kind!r}; expected one of {', '.join(COACH_KINDS)}")
+    # Its reference judge: the same flags, of the reference's kind and model.
+    judge = SimpleNamespace(**{**vars(c), "kind": c.reference_kind, "model": c.reference_model})
+    reference = build_coach(judge, template=template, score_key=score_key, review_template=review_template,
+                            cache_path=cache_path)
+    return TrainedCoach(template, score_key, reference, c.reference_fraction, c.held_out_fraction,
+                        tuple(c.terms.split(",")), agreement_bands=c.agreement_bands, digits_only=c.digits_only,
+                        stratified=c.reference_draw == "stratified", all_digits=c.all_digits,
+                        pay_reference=c.pay_reference, seed=seed, warmup_steps=c.warmup_steps,
+                        min_agreement=c.min_agreement, agreement_warmup=c.agreement_warmup, price_in=c.price_in,
+                        price_out=c.price_out)

@@ -11,7 +11,6 @@ from typing import Optional
 from openrlhf_mappa.episode import Review, Verdict
 from openrlhf_mappa.topology import PROMPT_FIELDS
 
-COACH_MODES = ("per_action", "hindsight", "both")
 # The hindsight prompt when the topology gives no `review_template`. The reply format is fixed (parse_review).
 DEFAULT_REVIEW_TEMPLATE = """You are a coach reviewing, in hindsight, a whole episode of a team of AI agents that \
 solved a task together.
@@ -228,8 +227,6 @@ def combine(per_action: Verdict, hindsight: Verdict) -> Verdict:
 async def judge_episode(coach: Coach, mode: str, requests: list, outcome: dict, pending: list) -> tuple:
     """(verdicts each action trains on, per action its {"per_action", "hindsight"} parts in mode "both" else {},
     the Review or None) of a finished episode. `pending`: the per-action verdicts' awaitables, asked while it ran."""
-    if mode not in COACH_MODES:
-        raise ValueError(f"unknown coach mode {mode!r}; expected one of {', '.join(COACH_MODES)}")
     per_action = await asyncio.gather(*pending)
     if mode == "per_action" or not requests:  # an episode with no action (all skipped) has nothing to review
         return per_action, [{} for _ in per_action], None

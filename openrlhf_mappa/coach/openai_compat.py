@@ -30,8 +30,6 @@ from openrlhf_mappa.topology import DEFAULT_SCORE_KEY, SCORE_KEY_RE
 
 logger = logging.getLogger(__name__)
 
-STRUCTURED_MODES = ("auto", "json_schema", "off")
-
 
 def _object(properties: dict) -> dict:
     return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
@@ -84,8 +82,6 @@ class OpenAICoach(Coach):
                  structured: str = "auto", format_retries: int = 2, backoff_s: float = 1.0,
                  max_backoff_s: float = 60.0, max_tokens: int = 0, score_key: str = DEFAULT_SCORE_KEY,
                  cache: VerdictCache = None, review_template: str = None):
-        if structured not in STRUCTURED_MODES:
-            raise ValueError(f"structured output mode {structured!r}: expected one of {STRUCTURED_MODES}")
         if not SCORE_KEY_RE.fullmatch(score_key or ""):
             raise ValueError(f"score key {score_key!r}: use letters, digits and '_', starting with a letter")
         self.review_template = review_template or DEFAULT_REVIEW_TEMPLATE

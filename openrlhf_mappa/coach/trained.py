@@ -37,7 +37,7 @@ class TrainedCoach(Coach):
                  price_in: float = 0.0, price_out: float = 0.0):
         self.template, self.score_key, self.reference = template, score_key, reference
         # The driver's rules for it (trainer.py): which of its verdicts the agents train on, when its drift stops
-        # the run, and the reference's prices (USD per 1M tokens), all from its flags (cli coach_options).
+        # the run, and the reference's prices (USD per 1M tokens), all from its flags (build_coach).
         self.warmup_steps, self.min_agreement, self.agreement_warmup = warmup_steps, min_agreement, agreement_warmup
         self.price_in, self.price_out = price_in, price_out
         self.pay_reference = pay_reference  # the agents are paid the reference's score where it judged
