@@ -632,8 +632,9 @@ def dsbench(args) -> int:
         return 2
     for reason in skipped:
         print(f"skipped {reason}", file=sys.stderr)
+    # A task the cleaned file lacks keeps DSBench's text, as in the authors' workflow (liverpool-ion-switching).
     raw = [t["id"] for t in tasks if "agent_prompt" not in t]
-    if cleaned is not None and raw:  # the authors' workflow falls back to the raw prompt too (liverpool-ion-switching has none)
+    if cleaned is not None and raw:
         print(f"not in the cleaned prompts, the agents see DSBench's text: {', '.join(raw)}", file=sys.stderr)
     if not tasks:
         print(f"no task imported ({len(skipped)} skipped)", file=sys.stderr)

@@ -466,10 +466,11 @@ class DSBenchEnv(MultiAgentEnv):
         figures = authors_figures(truth.iloc[:, 1], pred.iloc[:, 1], self.task_type)
         lines = [f"Data type: {self.task_type}", f"Task metric: {self.metric_name}",
                  f"Number of predictions: {len(pred)}", "Computed metrics:"]
-        for name in ("accuracy", "f1", "roc_auc", "rmse", "mae", "mse"):
+        shown = {"accuracy": "Accuracy", "f1": "F1", "roc_auc": "ROC-AUC", "rmse": "RMSE", "mae": "MAE", "mse": "MSE"}
+        for name, label in shown.items():
             if name in figures:
                 better = "higher is better, at most 1" if name in ("accuracy", "f1", "roc_auc") else "lower is better"
-                lines.append(f"  - {name.upper()}: {figures[name]:.4f} ({better})")
+                lines.append(f"  - {label}: {figures[name]:.4f} ({better})")
         if "target_range" in figures:
             f = figures
             lines += ["Target statistics (to read the RMSE by):",

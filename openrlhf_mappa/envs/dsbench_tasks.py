@@ -3,10 +3,10 @@
 Both write one task directory per task (envs/dsbench.py) and a tasks.jsonl; `make_pack` writes a small
 DSBench-style layout and runs the very importer real data goes through. With the authors' cleaned task texts
 (their data/Bench/dsbench_modeling_cleaned_prompts.json) a task's row keeps DSBench's text as its "prompt" (the
-coach's, as the authors' coach was shown it) and the cleaned one as "agent_prompt" (what the agents see). Where DSBench's files are silent
-(docs/reference.md, "DSBench pipeline"), a metric not implemented here skips the task rather than score it
-wrongly. pandas and scikit-learn (seconds to import) load only once the input has been checked, so that
-`mappa dsbench import` refuses bad input at once.
+coach's, as the authors' coach was shown it) and the cleaned one as "agent_prompt" (what the agents see).
+Where DSBench's files are silent (docs/reference.md, "DSBench pipeline"), a metric not implemented here skips the
+task rather than score it wrongly. pandas and scikit-learn (seconds to import) load only once the input has been
+checked, so that `mappa dsbench import` refuses bad input at once.
 """
 
 from __future__ import annotations
