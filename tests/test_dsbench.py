@@ -17,7 +17,7 @@ from sklearn import metrics
 from sklearn.preprocessing import MultiLabelBinarizer
 
 from conftest import MAPPA
-from openrlhf_mappa.coach import CoachRequest
+from openrlhf_mappa.coach import CoachRequest, render_prompt
 from openrlhf_mappa.coach.heuristic import HeuristicCoach
 from openrlhf_mappa.envs.dsbench import (METRICS, PUBLIC_FILES, DSBenchEnv, authors_figures, detect_data_type,
                                         metric_value, relative_score, score_submission)
@@ -677,6 +677,51 @@ def test_importer_reads_the_official_layout_and_names_what_is_missing(tmp_path):
     sub = write_sub(tmp_path / "s.csv", pd.DataFrame({"PassengerId": [6, 5], "Fare": [60.0, 50.0]}))
     result = score_submission(tasks[0]["answer"], sub)
     assert result["metric"] == pytest.approx(5.0) and result["relative_score"] == pytest.approx(30 / 35)
+
+
+RAW = "Description\nA long Kaggle page: prizes, a forum link.\n\nEvaluation\nScored by MAE."
+
+
+def first_prompts(task: dict, tmp_path) -> tuple:
+    """(the Data Engineer's first prompt, the coach's prompt) of a task under dsbench.yaml, both rendered."""
+    topology = load_topology(str(DSBENCH_YAML))
+    env = topology.make_env(task, str(tmp_path / "ws"))
+    coach = render_prompt(topology.coach_template, CoachRequest("e", "data_engineer", 0, "r", env.task_text, "", "",
+                                                                "", ""))
+    return env.observe(topology.agents[0], 0)[-1]["content"], coach
+
+
+def test_import_gives_the_agents_the_authors_cleaned_text(tmp_path):
+    """`mappa dsbench import` by default reads the authors' cleaned texts beside --metadata: the agents' {task} is
+    the cleaned text (braces kept as written), the coach's the task's own text (the authors' coach {problem}); a
+    task the file lacks keeps its own text for the agents too, as theirs does, and is named. --task-text raw writes
+    the rows of before (the raw text for both)."""
+    root = tmp_path / "DSBench"
+    rows = [fake_dsbench(root, prompt=RAW), fake_dsbench(root, "not-cleaned", prompt=RAW)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cleaned = "Task: predict the fare.\nEvaluation: MAE, lower is better.\nFormat: {PassengerId, Fare}"
+    (tmp_path / "data" / "dsbench_modeling_cleaned_prompts.json").write_text(json.dumps(
+        {"toy-task": {"cleaned_prompt": cleaned, "metric": "mae"}, "unused-task": {"cleaned_prompt": "x"}}))
+    run = [MAPPA, "dsbench", "import", "--data-root", str(root), "--metadata", str(tmp_path / "data" / "meta.json")]
+    proc = subprocess.run([*run, "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "not in the cleaned prompts, the agents see DSBench's text: not-cleaned\n"
+    tasks = {t["id"]: t for t in load_tasks(str(tmp_path / "out" / "tasks.jsonl"))}
+    agent, coach = first_prompts(tasks["toy-task"], tmp_path / "a")
+    assert f"Task:\n{cleaned}\n\nThe working directory" in agent and RAW not in agent
+    assert f"The task the team is solving:\n{RAW}\n" in coach and cleaned not in coach
+    agent, coach = first_prompts(tasks["not-cleaned"], tmp_path / "b")
+    assert f"Task:\n{RAW}\n\nThe working directory" in agent and RAW in coach
+
+    proc = subprocess.run([*run, "--out", str(tmp_path / "raw"), "--task-text", "raw"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    raw = load_tasks(str(tmp_path / "raw" / "tasks.jsonl"))
+    before, _ = import_tasks(str(root), str(tmp_path / "data" / "meta.json"), str(tmp_path / "before"))
+    assert [dict(t, answer=None) for t in raw] == [dict(t, answer=None) for t in before]
+    agent, coach = first_prompts(raw[0], tmp_path / "c")
+    assert f"Task:\n{RAW}\n\nThe working directory" in agent and RAW in coach
 
 
 needs_bench = pytest.mark.skipif(not (BENCH / "dsbench_modeling_eval.json").exists(),
