@@ -454,6 +454,7 @@ class DSBenchEnv(MultiAgentEnv):
         return "\n".join(lines)
 
     def authors_metrics_text(self) -> str:
+        """The Analyst's figures as the authors' coach reads them (evaluate_analyst_output), or their error line."""
         path = next((p for name in (SUBMISSION, "predictions.csv")
                      if os.path.isfile(p := os.path.join(self.workspace, name))), None)
         try:
@@ -466,8 +467,8 @@ class DSBenchEnv(MultiAgentEnv):
         figures = authors_figures(truth.iloc[:, 1], pred.iloc[:, 1], self.task_type)
         lines = [f"Data type: {self.task_type}", f"Task metric: {self.metric_name}",
                  f"Number of predictions: {len(pred)}", "Computed metrics:"]
-        shown = {"accuracy": "Accuracy", "f1": "F1", "roc_auc": "ROC-AUC", "rmse": "RMSE", "mae": "MAE", "mse": "MSE"}
-        for name, label in shown.items():
+        labels = {"accuracy": "Accuracy", "f1": "F1", "roc_auc": "ROC-AUC", "rmse": "RMSE", "mae": "MAE", "mse": "MSE"}
+        for name, label in labels.items():
             if name in figures:
                 better = "higher is better, at most 1" if name in ("accuracy", "f1", "roc_auc") else "lower is better"
                 lines.append(f"  - {label}: {figures[name]:.4f} ({better})")
@@ -478,6 +479,6 @@ class DSBenchEnv(MultiAgentEnv):
                       f"  - quartiles: Q25 {f['target_q25']:.2f}, median {f['target_median']:.2f}, "
                       f"Q75 {f['target_q75']:.2f}",
                       f"  - mean {f['target_mean']:.2f}, std {f['target_std']:.2f}"]
-            lines += [f"  - RMSE as % of {shown}: {f[f'rmse_pct_of_{k}']:.1f}%"
-                      for k, shown in (("range", "range"), ("iqr", "IQR")) if f"rmse_pct_of_{k}" in f]
+            lines += [f"  - RMSE as % of {label}: {f[f'rmse_pct_of_{k}']:.1f}%"
+                      for k, label in (("range", "range"), ("iqr", "IQR")) if f"rmse_pct_of_{k}" in f]
         return "\n".join(lines)
