@@ -199,6 +199,11 @@ LAUNCHER = [
          "ValueError: env_kwargs workspace_files must be one of stateless, persistent, got 'stateful'",
          files={"t.yaml": topology(env="dsbench", top="env_kwargs: {workspace_files: stateful, contract: {solver: "
                                                       "[a.pkl]}}\n")}),
+    case("dsbench coach_evidence unknown", [],
+         "env 'dsbench' (env_kwargs: coach_evidence, contract) cannot start task '1', the first of type '': "
+         "ValueError: env_kwargs coach_evidence must be one of authors, ours, got 'theirs'",
+         files={"t.yaml": topology(env="dsbench", top="env_kwargs: {coach_evidence: theirs, contract: {solver: "
+                                                      "[a.pkl]}}\n")}),
     case("relay goal missing", [], "ValueError: relay env: env_kwargs.goals has no goal for agent(s) ['solver']",
          files={"t.yaml": topology(env="relay", top="env_kwargs: {goals: {other: x}}\n")}),
     case("relay goal not a regex", [], "relay env: env_kwargs.goals['solver'] is not a regular expression: '[a-z'",
@@ -350,13 +355,30 @@ TOOLS = [
     tool("tiny-model out_dir is a file", ["tiny-model", "notes.txt"],
          "mappa tiny-model: notes.txt: exists and is not a "
          "directory", files={"notes.txt": "x"}),
+    # --task-text raw: no cleaned prompts beside these metadata files, whose own faults are what is checked
     tool("dsbench import metadata not records", ["dsbench", "import", "--data-root", ".", "--metadata", "meta.json",
-                                                 "--out", "pack"],
+                                                 "--out", "pack", "--task-text", "raw"],
          "mappa dsbench import: meta.json: entry 1 is not a task's record", files={"meta.json": "[1, 2]"}, code=2),
     tool("dsbench import data root missing", ["dsbench", "import", "--data-root", "nowhere", "--metadata", "meta.json",
-                                              "--out", "pack"],
+                                              "--out", "pack", "--task-text", "raw"],
          "mappa dsbench import: --data-root nowhere: not a directory", files={"meta.json": jsonl({"metadata": {}})},
          code=2),
+    tool("dsbench import cleaned prompts missing", ["dsbench", "import", "--data-root", ".", "--metadata",
+                                                    "data/meta.json", "--out", "pack"],
+         "mappa dsbench import: no data/dsbench_modeling_cleaned_prompts.json (looked for beside --metadata): the "
+         "agents' task text is the authors' cleaned one by default; get dsbench_modeling_cleaned_prompts.json from "
+         "https://github.com/ltjed/multiagent-coaching (data/Bench/) and put it there or pass --cleaned-prompts "
+         "PATH, or pass --task-text raw to give the agents DSBench's raw Kaggle text",
+         files={"data/meta.json": jsonl({"metadata": {}})}, code=2),
+    tool("dsbench import cleaned prompt not text", ["dsbench", "import", "--data-root", ".", "--metadata", "meta.json",
+                                                    "--out", "pack", "--cleaned-prompts", "c.json"],
+         "mappa dsbench import: c.json: entry 'toy' has no \"cleaned_prompt\" text",
+         files={"meta.json": jsonl({"metadata": {}}), "c.json": json.dumps({"toy": {"prompt": "x"}})}, code=2),
+    tool("dsbench import cleaned prompts with raw text", ["dsbench", "import", "--data-root", ".", "--metadata",
+                                                          "meta.json", "--out", "pack", "--task-text", "raw",
+                                                          "--cleaned-prompts", "c.json"],
+         "mappa dsbench import: --cleaned-prompts goes with --task-text cleaned (the default), not raw",
+         files={"meta.json": jsonl({"metadata": {}})}, code=2),
     tool("plan gpu memory in MiB", ["plan", *GOOD, "--mappa.gpus", "8", "--mappa.gpu_memory_gib", "81559"],
          "mappa plan: error: argument --mappa.gpu_memory_gib: 81559 is out of range", code=2),
     tool("plan negative GPUs", ["plan", *GOOD, "--mappa.gpus", "-1", "--mappa.gpu_memory_gib", "80"],

@@ -17,10 +17,10 @@ from sklearn import metrics
 from sklearn.preprocessing import MultiLabelBinarizer
 
 from conftest import MAPPA
-from openrlhf_mappa.coach import CoachRequest
+from openrlhf_mappa.coach import CoachRequest, render_prompt
 from openrlhf_mappa.coach.heuristic import HeuristicCoach
-from openrlhf_mappa.envs.dsbench import (METRICS, PUBLIC_FILES, DSBenchEnv, detect_data_type, metric_value,
-                                        relative_score, score_submission)
+from openrlhf_mappa.envs.dsbench import (METRICS, PUBLIC_FILES, DSBenchEnv, authors_figures, detect_data_type,
+                                        metric_value, relative_score, score_submission)
 from openrlhf_mappa.envs.dsbench_tasks import import_tasks, infer_metric
 from openrlhf_mappa.envs.base import load_tasks
 from openrlhf_mappa.team import load_topology
@@ -29,6 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DSBENCH_YAML = ROOT / "examples" / "configs" / "dsbench.yaml"
 OWN_RUBRIC_YAML = ROOT / "examples" / "configs" / "dsbench_own_rubric.yaml"
 BENCH = Path(os.environ.get("MAPPA_BENCH_DIR", ROOT.parent / "shared" / "data" / "mappa-bench"))
+
+
+def recipe(**env_kwargs):
+    """dsbench.yaml with env_kwargs changed. `coach_evidence="ours"` where the heuristic coach judges or our evidence
+    is read: its DSBench rule reads our contract state, and the recipe shows the coach the authors' evidence."""
+    topology = load_topology(str(DSBENCH_YAML))
+    topology.env_kwargs = dict(topology.env_kwargs, **env_kwargs)
+    return topology
 
 
 @pytest.fixture(scope="module")
@@ -281,9 +289,7 @@ def play(env, replies: dict, coach=None, agents=None) -> dict:
 @pytest.mark.parametrize("end_turn_on_files, workspace_files", [(False, "stateless"), (True, "persistent")])
 def test_scripted_team_passes_all_three_stages(pack, tmp_path, task_id, end_turn_on_files, workspace_files):
     task = pack[task_id]
-    topology = load_topology(str(DSBENCH_YAML))
-    topology.env_kwargs = dict(topology.env_kwargs, end_turn_on_files=end_turn_on_files,
-                               workspace_files=workspace_files)
+    topology = recipe(end_turn_on_files=end_turn_on_files, workspace_files=workspace_files, coach_evidence="ours")
     env = topology.make_env(task, str(tmp_path / "ws"))
     task_files = ["test.csv", "train.csv"] if workspace_files == "stateless" else sorted(PUBLIC_FILES)
     assert sorted(os.listdir(tmp_path / "ws")) == task_files
@@ -354,7 +360,7 @@ def test_missing_upstream_artifact_is_blamed_upstream(pack, tmp_path):
     """The Data Engineer forgets X_test.pkl: its score drops; the Analyst, who crashes on the missing
     file, is not punished for it (the plain tool rule would have given a failed run 2)."""
     task = pack["sk-diabetes"]
-    topology = load_topology(str(DSBENCH_YAML))
+    topology = recipe(coach_evidence="ours")
     good = scripted_replies("regression", "rmse")
     bad = dict(good, data_engineer=good["data_engineer"].replace('test.drop(columns=["id"]).to_pickle("X_test.pkl")', ""))
     coach = HeuristicCoach()
@@ -437,22 +443,27 @@ def test_own_rubric_hand_offs_show_the_code_output(pack, tmp_path):
 
 def test_coach_ground_truth_never_carries_the_answers(pack, tmp_path):
     task = pack["sk-wine"]
-    topology = load_topology(str(DSBENCH_YAML))
-    env = topology.make_env(task, str(tmp_path / "ws"))
     truth = pd.read_csv(os.path.join(task["answer"], "answers", "test_answer.csv"))
-    pd.DataFrame({"id": truth["id"], "target": truth["target"]}).to_csv(tmp_path / "ws" / "submission.csv", index=False)
-    text = env.coach_ground_truth(topology.agents[-1])
+    texts = {}
+    for evidence in ("ours", "authors"):
+        topology = recipe(coach_evidence=evidence)
+        env = topology.make_env(task, str(tmp_path / evidence))
+        truth.to_csv(tmp_path / evidence / "submission.csv", index=False)
+        texts[evidence] = text = env.coach_ground_truth(topology.agents[-1])
+        assert task["answer"] not in text and not any(f"\n{i},{t}\n" in text for i, t in truth.to_numpy()[:5])
+    text = texts["ours"]
     assert "Submission check: valid; accuracy = 1" in text and "relative score 1.000" in text
-    assert task["answer"] not in text and "Missing outputs (this agent's own files): none" in text
+    assert "Missing outputs (this agent's own files): none" in text
     assert "Missing inputs (files earlier agents had to save): X_train.pkl, y_train.pkl, X_test.pkl, model.pkl" in text
     assert "Submission figures: accuracy = 1\n" in text + "\n"  # what the authors' caps read, beside the metric
+    assert "  - Accuracy: 1.0000 (higher is better, at most 1)" in texts["authors"]
 
 
 def test_regression_figures_are_what_the_authors_caps_read(pack, tmp_path):
     """The Analyst's coach sees RMSE, MAE and RMSE as a share of the true target's range and IQR (the authors'
     ground_truth_utils.py), computed here by hand: every prediction 10 too high gives RMSE = MAE = 10."""
     task = pack["sk-diabetes"]
-    topology = load_topology(str(DSBENCH_YAML))
+    topology = recipe(coach_evidence="ours")
     env = topology.make_env(task, str(tmp_path / "ws"))
     truth = pd.read_csv(os.path.join(task["answer"], "answers", "test_answer.csv"))
     truth.assign(target=truth["target"] + 10).to_csv(tmp_path / "ws" / "submission.csv", index=False)
@@ -463,6 +474,102 @@ def test_regression_figures_are_what_the_authors_caps_read(pack, tmp_path):
                                      "rmse_pct_of_iqr": 1000 / (q75 - q25)})
     text = env.coach_ground_truth(topology.agents[-1])
     assert f"rmse_pct_of_range = {1000 / (y.max() - y.min()):.4g}" in text and task["answer"] not in text
+
+
+# ---------------------------------------------------------------- the authors' coach evidence
+
+
+def files_lines(title: str, names: list) -> str:
+    return "\n".join([title, *(f"  - {n}" for n in names)])
+
+
+@pytest.mark.parametrize("task_id", ["sk-diabetes", "sk-breast-cancer"])
+def test_the_recipe_shows_the_coach_the_authors_evidence(pack, tmp_path, task_id):
+    """dsbench.yaml (coach_evidence: authors), a scripted team: each action's coach is shown the files there when
+    its agent's turn began (not those its own action wrote), what each earlier agent saved, and for the Analyst the
+    raw figures of its submission against the answers (dsbench_workflow.py, ground_truth_utils.py), computed here
+    with scikit-learn: RMSE, MAE, MSE and the target's statistics, or accuracy, F1 and ROC-AUC."""
+    task = pack[task_id]
+    topology = load_topology(str(DSBENCH_YAML))
+    env = topology.make_env(task, str(tmp_path / "ws"))
+    meta = json.load(open(os.path.join(task["answer"], "task.json")))
+    evidence = {}
+    for agent, replies in zip(topology.agents, closing(scripted_replies(task["type"], meta["metric"])).values()):
+        for turn, reply in enumerate(replies):
+            env.step(agent, turn, reply)
+            evidence.setdefault(agent.name, []).append(env.coach_ground_truth(agent))
+    start, engineer = ["test.csv", "train.csv"], ["X_test.pkl", "X_train.pkl", "y_train.pkl"]
+    first = files_lines("Files available to this agent when its turn began:", start)
+    assert evidence["data_engineer"] == [f"{first}\nFiles saved by earlier agents:\n  (the first agent: no earlier "
+                                         "files)\nFigures computed against the hidden answers:\nN/A"] * 2
+    modeler = files_lines("Files available to this agent when its turn began:", sorted(start + engineer))
+    assert evidence["modeler"] == [f"{modeler}\nFiles saved by earlier agents:\n  data_engineer saved: "
+                                   f"{', '.join(engineer)}\nFigures computed against the hidden answers:\nN/A"] * 2
+    analyst = files_lines("Files available to this agent when its turn began:", sorted(start + engineer + ["model.pkl"]))
+    head = (f"{analyst}\nFiles saved by earlier agents:\n  data_engineer saved: {', '.join(engineer)}\n  modeler "
+            f"saved: model.pkl\nFigures computed against the hidden answers:\nData type: {task['type']}\nTask metric: "
+            f"{meta['metric']}\nNumber of predictions: ")
+    y = pd.read_csv(os.path.join(task["answer"], "answers", "test_answer.csv"))["target"].to_numpy()
+    p = pd.read_csv(tmp_path / "ws" / "submission.csv")["target"].to_numpy()
+    if task["type"] == "regression":
+        rmse, q25, median, q75 = metrics.root_mean_squared_error(y, p), *np.percentile(y, [25, 50, 75])
+        figures = [f"  - RMSE: {rmse:.4f} (lower is better)",
+                   f"  - MAE: {metrics.mean_absolute_error(y, p):.4f} (lower is better)",
+                   f"  - MSE: {metrics.mean_squared_error(y, p):.4f} (lower is better)",
+                   "Target statistics (to read the RMSE by):",
+                   f"  - range: {y.min():.2f} to {y.max():.2f} (range {np.ptp(y):.2f})",
+                   f"  - quartiles: Q25 {q25:.2f}, median {median:.2f}, Q75 {q75:.2f}",
+                   f"  - mean {y.mean():.2f}, std {y.std():.2f}", f"  - RMSE as % of range: {100 * rmse / np.ptp(y):.1f}%",
+                   f"  - RMSE as % of IQR: {100 * rmse / (q75 - q25):.1f}%"]
+    else:
+        rounded, better = np.round(p).astype(int), "(higher is better, at most 1)"
+        figures = [f"  - Accuracy: {metrics.accuracy_score(y, rounded):.4f} {better}",
+                   f"  - F1: {metrics.f1_score(y, rounded):.4f} {better}",
+                   f"  - ROC-AUC: {metrics.roc_auc_score(y, p):.4f} {better}"]
+    shown = "\n".join(figures)
+    assert evidence["analyst"][-1] == f"{head}{len(p)}\nComputed metrics:\n{shown}"
+    assert evidence["analyst"][0] == evidence["analyst"][-1]  # the submission its code wrote, read after the action
+
+
+def test_the_authors_evidence_when_the_analyst_has_nothing(pack, tmp_path):
+    """An Analyst whose earlier agents saved nothing: the authors' warning naming the missing critical files, and
+    their error line for a missing submission."""
+    topology = load_topology(str(DSBENCH_YAML))
+    env = topology.make_env(pack["sk-wine"], str(tmp_path / "ws"))
+    for agent in topology.agents:
+        env.step(agent, 0, "I will not write code.")
+    assert env.coach_ground_truth(topology.agents[-1]) == (
+        "Files available to this agent when its turn began:\n  - test.csv\n  - train.csv\n  Warning: critical files "
+        "missing: X_test.pkl (the preprocessed test features); model.pkl (the trained model)\nFiles saved by earlier "
+        "agents:\n  data_engineer saved: no files\n  modeler saved: no files\nFigures computed against the hidden "
+        "answers:\nERROR: no predictions found (no readable submission.csv or predictions.csv with 2 columns)")
+
+
+def test_the_authors_figures_are_scikit_learns_on_random_data():
+    """authors_figures against scikit-learn and numpy: rows paired in file order over the shorter column, "true" /
+    "false" and what is no number read as theirs read them, weighted F1 over more than two classes."""
+    rng = np.random.default_rng(0)
+    y = pd.Series(rng.uniform(0, 50, 40))
+    p = pd.Series(rng.uniform(0, 50, 45))  # 5 rows more: left out
+    got = authors_figures(y, p, "regression")
+    q = p[:40].to_numpy()
+    assert got["rmse"] == pytest.approx(metrics.root_mean_squared_error(y, q))
+    assert got["mse"] == pytest.approx(metrics.mean_squared_error(y, q))
+    assert got["mae"] == pytest.approx(metrics.mean_absolute_error(y, q))
+    assert got["target_iqr"] == pytest.approx(stats.iqr(y)) and got["target_std"] == pytest.approx(np.std(y))
+    assert got["rmse_pct_of_range"] == pytest.approx(100 * got["rmse"] / np.ptp(y))
+    labels = pd.Series(rng.integers(0, 2, 30))
+    probs = pd.Series(rng.uniform(0, 1, 30))
+    got = authors_figures(labels, probs, "classification")
+    rounded = np.round(probs).astype(int)
+    assert got == pytest.approx({"accuracy": metrics.accuracy_score(labels, rounded),
+                                 "f1": metrics.f1_score(labels, rounded), "roc_auc": metrics.roc_auc_score(labels, probs)})
+    words = pd.Series(["true", "False", "x", 1] * 5)  # 1, 0, 0 (no number), 1
+    assert authors_figures(pd.Series([1, 0, 1, 1] * 5), words, "classification")["accuracy"] == 0.75
+    three, guess = pd.Series(rng.integers(0, 3, 30)), pd.Series(rng.integers(0, 3, 30)).astype(float)
+    got = authors_figures(three, guess, "classification")
+    assert got == pytest.approx({"accuracy": metrics.accuracy_score(three, guess),
+                                 "f1": metrics.f1_score(three, guess, average="weighted")})  # no ROC-AUC: 3 classes
 
 
 # ---------------------------------------------------------------- bad inputs
@@ -571,6 +678,51 @@ def test_importer_reads_the_official_layout_and_names_what_is_missing(tmp_path):
     sub = write_sub(tmp_path / "s.csv", pd.DataFrame({"PassengerId": [6, 5], "Fare": [60.0, 50.0]}))
     result = score_submission(tasks[0]["answer"], sub)
     assert result["metric"] == pytest.approx(5.0) and result["relative_score"] == pytest.approx(30 / 35)
+
+
+RAW = "Description\nA long Kaggle page: prizes, a forum link.\n\nEvaluation\nScored by MAE."
+
+
+def first_prompts(task: dict, tmp_path) -> tuple:
+    """(the Data Engineer's first prompt, the coach's prompt) of a task under dsbench.yaml, both rendered."""
+    topology = load_topology(str(DSBENCH_YAML))
+    env = topology.make_env(task, str(tmp_path / "ws"))
+    coach = render_prompt(topology.coach_template, CoachRequest("e", "data_engineer", 0, "r", env.task_text, "", "",
+                                                                "", ""))
+    return env.observe(topology.agents[0], 0)[-1]["content"], coach
+
+
+def test_import_gives_the_agents_the_authors_cleaned_text(tmp_path):
+    """`mappa dsbench import` by default reads the authors' cleaned texts beside --metadata: the agents' {task} is
+    the cleaned text (braces kept as written), the coach's the task's own text (the authors' coach {problem}); a
+    task the file lacks keeps its own text for the agents too, as theirs does, and is named. --task-text raw writes
+    the rows of before (the raw text for both)."""
+    root = tmp_path / "DSBench"
+    rows = [fake_dsbench(root, prompt=RAW), fake_dsbench(root, "not-cleaned", prompt=RAW)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cleaned = "Task: predict the fare.\nEvaluation: MAE, lower is better.\nFormat: {PassengerId, Fare}"
+    (tmp_path / "data" / "dsbench_modeling_cleaned_prompts.json").write_text(json.dumps(
+        {"toy-task": {"cleaned_prompt": cleaned, "metric": "mae"}, "unused-task": {"cleaned_prompt": "x"}}))
+    run = [MAPPA, "dsbench", "import", "--data-root", str(root), "--metadata", str(tmp_path / "data" / "meta.json")]
+    proc = subprocess.run([*run, "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "not in the cleaned prompts, the agents see DSBench's text: not-cleaned\n"
+    tasks = {t["id"]: t for t in load_tasks(str(tmp_path / "out" / "tasks.jsonl"))}
+    agent, coach = first_prompts(tasks["toy-task"], tmp_path / "a")
+    assert f"Task:\n{cleaned}\n\nThe working directory" in agent and RAW not in agent
+    assert f"The task the team is solving:\n{RAW}\n" in coach and cleaned not in coach
+    agent, coach = first_prompts(tasks["not-cleaned"], tmp_path / "b")
+    assert f"Task:\n{RAW}\n\nThe working directory" in agent and RAW in coach
+
+    proc = subprocess.run([*run, "--out", str(tmp_path / "raw"), "--task-text", "raw"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    raw = load_tasks(str(tmp_path / "raw" / "tasks.jsonl"))
+    before, _ = import_tasks(str(root), str(tmp_path / "data" / "meta.json"), str(tmp_path / "before"))
+    assert [dict(t, answer=None) for t in raw] == [dict(t, answer=None) for t in before]
+    agent, coach = first_prompts(raw[0], tmp_path / "c")
+    assert f"Task:\n{RAW}\n\nThe working directory" in agent and RAW in coach
 
 
 needs_bench = pytest.mark.skipif(not (BENCH / "dsbench_modeling_eval.json").exists(),
@@ -709,7 +861,7 @@ def test_a_string_label_task_scores_as_classification(authors_data, task_id, tmp
     (task,), _ = import_tasks(str(root), str(tmp_path / "one.json"), str(tmp_path / "out"))
     assert task["type"] == "classification"
 
-    topology = load_topology(str(DSBENCH_YAML))
+    topology = recipe(coach_evidence="ours")
     env = topology.make_env(task, str(tmp_path / "ws"))
     truth = pd.read_csv(os.path.join(task["answer"], "answers", "test_answer.csv"))
     guess = truth.assign(target=np.where(truth.index % 2 == 0, truth["target"], TEXT_ANSWERS[task_id][0]))
@@ -723,6 +875,9 @@ def test_a_string_label_task_scores_as_classification(authors_data, task_id, tmp
     evidence = env.coach_ground_truth(topology.agents[-1])
     assert f"Submission check: valid; accuracy = {accuracy:.6g}" in evidence
     assert f"Submission figures: accuracy = {accuracy:.4g}" in evidence
+    authors = recipe().make_env(task, str(tmp_path / "authors"))  # the labels compare as text (theirs: no figure)
+    guess.to_csv(tmp_path / "authors" / "submission.csv", index=False)
+    assert f"  - Accuracy: {accuracy:.4f} (higher" in authors.coach_ground_truth(topology.agents[-1])
 
 
 def test_cli_score(pack, tmp_path):

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from conftest import submit_script
-from test_dsbench import BENCH, authors_layout
+from test_dsbench import BENCH, authors_layout, fake_dsbench
 from openrlhf_mappa.cli.train_mappa_ray import parse_args, schedule_steps
 from openrlhf_mappa.coach import CoachRequest, parse_score, render_prompt
 from openrlhf_mappa.envs import dsbench
-from openrlhf_mappa.envs.base import HistoryEntry
+from openrlhf_mappa.envs.base import HistoryEntry, load_tasks
 from openrlhf_mappa.envs.dsbench_tasks import import_tasks
 from openrlhf_mappa.rewards import compute_advantages
 from openrlhf_mappa.team import load_topology
@@ -202,17 +202,22 @@ def turn_rule_of(topology, workdir: Path) -> str:
     return "on a reply without code" if env.step(agent, 1, "Done: the files are saved.").done else "never"
 
 
-def workspace_of(topology, workdir: Path) -> str:
-    """What a code agent's code finds in the workspace, by the environment's own step() on a one-row task: the task's
-    files at the start, and which of the files a code run wrote (or overwrote: train.csv) the next run finds."""
+def one_row_env(topology, workdir: Path):
+    """The topology's environment on a one-row DSBench task (baseline 0.4321: a number only a relative score shows)."""
     task_dir = workdir / "task"
     (task_dir / "answers").mkdir(parents=True)
     for name in ("train.csv", "test.csv", "sample_submission.csv", "answers/test_answer.csv"):
         (task_dir / name).write_text("id,target\n1,0\n")
     (task_dir / "task.json").write_text(json.dumps({"task_id": "t", "data_type": "classification", "metric": "accuracy",
-                                                    "id_column": "id", "target_columns": ["target"], "baseline": 0.5,
+                                                    "id_column": "id", "target_columns": ["target"], "baseline": 0.4321,
                                                     "best": 1.0}))
-    env = topology.make_env({"id": "t", "prompt": "the task", "answer": str(task_dir)}, str(workdir / "ws"))
+    return topology.make_env({"id": "t", "prompt": "the task", "answer": str(task_dir)}, str(workdir / "ws"))
+
+
+def workspace_of(topology, workdir: Path) -> str:
+    """What a code agent's code finds in the workspace, by the environment's own step() on a one-row task: the task's
+    files at the start, and which of the files a code run wrote (or overwrote: train.csv) the next run finds."""
+    env = one_row_env(topology, workdir)
     start = sorted(os.listdir(workdir / "ws"))
     written = ["train.csv", "notes.txt", "features.csv", "X.pkl", "m.joblib", "a.npy", "b.npz", "submission.csv",
                "predictions.csv"]
@@ -220,6 +225,44 @@ def workspace_of(topology, workdir: Path) -> str:
     env.step(next(a for a in topology.agents if a.runs_code), 0, f"```python\n{code}\n```")
     kept = [f for f in written if (workdir / "ws" / f).exists() and (workdir / "ws" / f).read_text() == "x"]
     return f"starts with {', '.join(start)}; the next code run finds {', '.join(kept)} as the run left them"
+
+
+def coach_evidence_of(topology, workdir: Path) -> str:
+    """What the coach is shown, by the environment's own coach_ground_truth() on a one-row task: whether the second
+    agent's evidence lists the file its own action wrote (the workspace after the action) or not (the files when its
+    turn began), and whether the last agent's, for a perfect submission, gives the task's baseline (a relative score)
+    or F1 (the authors' raw figures)."""
+    env = one_row_env(topology, workdir)
+    agents = topology.agents
+    env.step(agents[0], 0, "```python\nopen('X_train.pkl', 'w').write('x')\n```")
+    env.step(agents[1], 0, "```python\nopen('model.pkl', 'w').write('x')\n```")
+    files = "the workspace after the action" if "model.pkl" in env.coach_ground_truth(agents[1]) else \
+        "the files when the agent's turn began"
+    env.step(agents[-1], 0, "```python\nopen('submission.csv', 'w').write('id,target\\n1,0\\n')\n```")
+    last = env.coach_ground_truth(agents[-1])
+    figures = "against the baseline" if "0.4321" in last else "raw, with F1" if re.search(r"\bF1\b", last) else "none"
+    return f"{files}; the Analyst's figures {figures}"
+
+
+def task_texts(topology, workdir: Path, argv: tuple = ()) -> dict:
+    """Which text of a task the first agent's prompt and the coach's show, rendered: a one-task DSBench layout with a
+    cleaned text beside its metadata, imported by `mappa dsbench import` (its own parser and code; `argv`: flags
+    added), then made an episode of the topology."""
+    from openrlhf_mappa.cli import mappa
+
+    row = fake_dsbench(workdir / "DSBench", prompt="KAGGLE-PAGE-TEXT\nEvaluation\nScored by MAE.")
+    (workdir / "meta.json").write_text(json.dumps(row) + "\n")
+    (workdir / "dsbench_modeling_cleaned_prompts.json").write_text(json.dumps(
+        {row["metadata"]["task_id"]: {"cleaned_prompt": "CLEANED-TASK-TEXT"}}))
+    args = mappa.build_parser()[0].parse_args(["dsbench", "import", "--data-root", str(workdir / "DSBench"), "--metadata",
+                                               str(workdir / "meta.json"), "--out", str(workdir / "out"), *argv])
+    assert mappa.dsbench(args) == 0
+    (task,) = load_tasks(str(workdir / "out" / "tasks.jsonl"))
+    env = topology.make_env(task, str(workdir / "ws"))
+    coach = render_prompt(topology.coach_template, CoachRequest("e", "a", 0, "r", env.task_text, "", "", "", ""))
+    shown = {"agents": env.observe(topology.agents[0], 0)[-1]["content"], "coach": coach}
+    return {f"task text/{who}": "cleaned" if "CLEANED-TASK-TEXT" in text else "raw" if "KAGGLE-PAGE-TEXT" in text
+            else "none" for who, text in shown.items()}
 
 
 def whitening_of(args) -> str:
@@ -425,6 +468,13 @@ AUTHORS = {
         "prompt length": Authors(24576, f"{DS} prompt_max_len=24576", ours=16384, readme="batches, epochs"),
         "reward scale": Authors(1.0, "marti/worlds/workflows/dsbench_processor.py (raw 0-10)"),
         "code timeout (s)": Authors(60, f"{DSY} code_interpreter timeout: 60", ours=120, readme="code execution"),
+        "task text/agents": Authors("cleaned", f"{DSW} L363-375 get_cleaned_prompt: their data/Bench/"
+                                               "dsbench_modeling_cleaned_prompts.json (the raw prompt where it has none)"),
+        "task text/coach": Authors("raw", f"{DSW} problem=prompt, the raw prompt, for every agent's coach"),
+        "coach evidence": Authors("the files when the agent's turn began; the Analyst's figures raw, with F1",
+                                  f"{DSW} L503-509, L673-679, L876-886 (files_available, files_from_previous_agents, "
+                                  "fixed when an agent's turn begins); marti/verifiers/dsbench/ground_truth_utils.py "
+                                  "compute_all_metrics (accuracy, F1, ROC-AUC; RMSE, MAE, MSE, target statistics)"),
         "workspace files": Authors("starts with test.csv, train.csv; the next code run finds X.pkl, m.joblib, a.npy, "
                                    "b.npz, submission.csv, predictions.csv as the run left them",
                                    f"{DSW} L215-265 (train.csv, test.csv uploaded for every code run of a stateless "
@@ -470,8 +520,9 @@ def dsbench_tasks_imported() -> dict:
                 for split, path in metadata.items()}
 
 
-def render_recipe(name: str, tmp_path, script: Path = None, topology=None) -> dict:
-    """A recipe's settings: its script as submitted, and the topology the script names (or `topology`)."""
+def render_recipe(name: str, tmp_path, script: Path = None, topology=None, import_flags: tuple = ()) -> dict:
+    """A recipe's settings: its script as submitted, the topology the script names (or `topology`), and for DSBench
+    the tasks as `mappa dsbench import` writes them by default (or with `import_flags`)."""
     script_name, rows = RECIPES[name]
     args = parse_args(submitted(script or SCRIPTS / script_name, tmp_path))
     topology = topology or load_topology(str(ROOT / args.mappa.topology))
@@ -480,7 +531,9 @@ def render_recipe(name: str, tmp_path, script: Path = None, topology=None) -> di
     prompts = {name: {**facts_of, **DSBENCH_PROMPT_EXTRA} for name, facts_of in DSBENCH_PROMPTS.items()}
     tasks = dsbench_tasks_imported()
     return {**render(args, topology, tasks["train"], DSBENCH_COACH, prompts, tmp_path), "eval tasks": tasks["eval"],
-            "workspace files": workspace_of(topology, tmp_path / "workspace")}
+            "workspace files": workspace_of(topology, tmp_path / "workspace"),
+            "coach evidence": coach_evidence_of(topology, tmp_path / "evidence"),
+            **task_texts(topology, tmp_path / "texts", import_flags)}
 
 
 def departures(rendered: dict, table: dict) -> list:
@@ -554,6 +607,7 @@ MUTATIONS = [
     ("mathchat", "topology", "  code_timeout_s: 10", "  code_timeout_s: 30", "code timeout (s)"),  # a documented value
     ("dsbench", "topology", "  end_turn_on_files: false", "  end_turn_on_files: true", "turns end"),
     ("dsbench", "topology", "  workspace_files: stateless", "  workspace_files: persistent", "workspace files"),
+    ("dsbench", "topology", "  coach_evidence: authors", "  coach_evidence: ours", "coach evidence"),
     ("dsbench", "topology", "[data_engineer, modeler], actions: last, strip_thinking: true, tool_output: false}",
      "[data_engineer, modeler], actions: last, strip_thinking: true}", "view/analyst"),
     ("dsbench", "topology", "0.65 to 0.75: 6;", "0.65 to 0.75: 7;", "coach criteria"),
@@ -670,6 +724,13 @@ def test_a_dsbench_task_the_importer_skips_fails_the_comparison(monkeypatch, tmp
         "eval tasks: 7 against the authors' " + AUTHORS["dsbench"]["eval tasks"].source]
 
 
+def test_dsbench_tasks_imported_with_the_raw_text_fail_the_comparison(tmp_path):
+    """`mappa dsbench import --task-text raw` (our task text): the agents' prompts show DSBench's text, and the
+    comparison names it."""
+    found = departures(render_recipe("dsbench", tmp_path, import_flags=("--task-text", "raw")), AUTHORS["dsbench"])
+    assert found == ["task text/agents: 'raw' against the authors' " + AUTHORS["dsbench"]["task text/agents"].source]
+
+
 def test_the_prompts_state_the_limits_the_flags_set(tmp_path):
     """The token budget the MathChat prompts and coach state is the script's --rollout.max_new_tokens; the
     replies a DSBench prompt allows are the agent's max_actions."""
@@ -692,6 +753,7 @@ def test_the_earlier_rubrics_stay_as_named_alternatives(name):
     if name.startswith("dsbench"):
         assert own.env_kwargs["end_turn_on_files"] and not shipped.env_kwargs["end_turn_on_files"]
         assert (own.env_kwargs["workspace_files"], shipped.env_kwargs["workspace_files"]) == ("persistent", "stateless")
+        assert (own.env_kwargs["coach_evidence"], shipped.env_kwargs["coach_evidence"]) == ("ours", "authors")
 
 
 # ---------------------------------------------------------------- loss aggregation (item 2 of issue 26)

@@ -121,6 +121,11 @@ def build_parser():
     q.add_argument("--data-root", required=True, help="the directory holding data_resplit/ and answers/")
     q.add_argument("--metadata", required=True, help="JSON Lines metadata, e.g. dsbench_modeling_train.json")
     q.add_argument("--out", required=True, help="output directory (task directories and tasks.jsonl)")
+    q.add_argument("--task-text", choices=["cleaned", "raw"], default="cleaned",
+                   help="what the agents' {task} shows: the authors' cleaned text (default; the coach keeps DSBench's "
+                        "text, as theirs did) or DSBench's raw Kaggle text for both")
+    q.add_argument("--cleaned-prompts", metavar="PATH", help="the authors' dsbench_modeling_cleaned_prompts.json "
+                   "(default: beside --metadata)")
     q = ds.add_parser("score", help="validate and score a submission; prints the metrics as JSON")
     q.add_argument("--task-dir", required=True)
     q.add_argument("--submission", required=True)
@@ -576,6 +581,7 @@ def dsbench(args) -> int:
     """Exit status: 0 done (a valid submission), 1 an invalid submission or nothing imported, 2 bad input."""
     from openrlhf_mappa.envs import dsbench_tasks  # pandas and scikit-learn load only where needed
 
+    cleaned = None  # the authors' cleaned task texts, for import
     try:
         if args.dsbench_command == "score":
             from openrlhf_mappa.envs.dsbench import score_submission
@@ -587,13 +593,24 @@ def dsbench(args) -> int:
             tasks, skipped = dsbench_tasks.make_pack(args.out_dir, args.seed)
             out = args.out_dir
         else:
-            tasks, skipped = dsbench_tasks.import_tasks(args.data_root, args.metadata, args.out)
+            if args.task_text == "raw" and args.cleaned_prompts:
+                raise ValueError("--cleaned-prompts goes with --task-text cleaned (the default), not raw")
+            if args.task_text == "cleaned":
+                path = args.cleaned_prompts or os.path.join(os.path.dirname(args.metadata),
+                                                            dsbench_tasks.CLEANED_PROMPTS)
+                how = "--cleaned-prompts" if args.cleaned_prompts else "looked for beside --metadata"
+                cleaned = dsbench_tasks.load_cleaned_prompts(path, how)
+            tasks, skipped = dsbench_tasks.import_tasks(args.data_root, args.metadata, args.out, cleaned)
             out = args.out
     except (OSError, ValueError) as e:
         print(f"mappa dsbench {args.dsbench_command}: {e}", file=sys.stderr)
         return 2
     for reason in skipped:
         print(f"skipped {reason}", file=sys.stderr)
+    # A task the cleaned file lacks keeps DSBench's text, as in the authors' workflow (liverpool-ion-switching).
+    raw = [t["id"] for t in tasks if "agent_prompt" not in t]
+    if cleaned is not None and raw:
+        print(f"not in the cleaned prompts, the agents see DSBench's text: {', '.join(raw)}", file=sys.stderr)
     if not tasks:
         print(f"no task imported ({len(skipped)} skipped)", file=sys.stderr)
         return 1

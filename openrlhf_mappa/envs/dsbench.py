@@ -4,11 +4,15 @@ its turns end on a reply without code (the authors' rule), or with `end_turn_on_
 
 A task row names its task directory as "answer" (satisfying `load_tasks` without an answer in a prompt): task.json,
 the public CSVs copied into the workspace (`workspace_files`: stateless, the authors' sandbox, or persistent), and
-the hidden answers/test_answer.csv, read only by the scorer. The coach gets the contract state and the submission's
-score, never the answers. A broken task directory or a bad submission is a status in the outcome, never an
-exception.
+the hidden answers/test_answer.csv, read only by the scorer. Its "prompt" is the task's text as DSBench states it
+(the coach's {task}); "agent_prompt", where `mappa dsbench import` wrote the authors' cleaned text, is what the
+agents' {task} shows instead. The coach's evidence (`coach_evidence`) is the authors' (the files when the agent's
+turn began, those earlier agents saved, the Analyst's raw metrics) or ours (the contract state after the action, the
+submission's score); never the answers. A broken task directory or a bad submission is a status in the outcome,
+never an exception.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,9 +23,9 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 import pandas as pd
 from scipy.stats import pearsonr, spearmanr
-from sklearn.metrics import (cohen_kappa_score, f1_score, log_loss, mean_absolute_error,
-                             median_absolute_error, r2_score, roc_auc_score, root_mean_squared_error,
-                             root_mean_squared_log_error)
+from sklearn.metrics import (accuracy_score, cohen_kappa_score, f1_score, log_loss, mean_absolute_error,
+                             mean_squared_error, median_absolute_error, r2_score, roc_auc_score,
+                             root_mean_squared_error, root_mean_squared_log_error)
 
 from openrlhf_mappa.envs.base import MultiAgentEnv
 
@@ -29,6 +33,7 @@ PUBLIC_FILES = ("train.csv", "test.csv", "sample_submission.csv")
 UPLOADED = ("train.csv", "test.csv")  # what the authors upload for every code run (no sample_submission.csv)
 CARRIED = ("*.pkl", "*.joblib", "*.npy", "*.npz", "submission.csv", "predictions.csv")  # what their workflow fetches
 WORKSPACE_FILES = ("stateless", "persistent")
+COACH_EVIDENCE = ("authors", "ours")
 ANSWER_FILE = os.path.join("answers", "test_answer.csv")
 SUBMISSION = "submission.csv"
 DEFAULT_CONTRACT = {"data_engineer": ["X_train.pkl", "y_train.pkl", "X_test.pkl"], "modeler": ["model.pkl"],
@@ -253,17 +258,61 @@ def coach_figures(data_type: str, metric: str, truth: pd.DataFrame, pred: pd.Dat
     return figures
 
 
+def authors_figures(truth: pd.Series, pred: pd.Series, data_type: str) -> dict:
+    """The raw figures the authors' coach is shown for the Analyst (their ground_truth_utils.py compute_all_metrics):
+    the submission's first prediction column against the answers' first target, paired row by row in file order
+    as theirs are (not by id), over the shorter of the two. Numbers as theirs read them ("true"/"false" 1/0, what
+    is no number 0). Classification: accuracy and F1 (binary, or weighted over more classes) of the rounded
+    predictions, ROC-AUC for two classes when every prediction is a probability; text labels compare as text
+    (theirs call those regression and compute nothing). Regression: RMSE, MAE, MSE and the target's statistics.
+    A figure scikit-learn refuses is left out, as theirs is."""
+    n = min(len(truth), len(pred))
+    y, p = truth.iloc[:n], pred.iloc[:n]
+    number = pd.to_numeric(p.map(lambda v: {"true": 1, "false": 0}.get(str(v).lower(), v)), errors="coerce")
+    number = number.fillna(0.0).to_numpy(dtype=float)
+    if data_type == "regression":
+        y = y.to_numpy(dtype=float)
+        mse = mean_squared_error(y, number)
+        q25, median, q75 = np.percentile(y, [25, 50, 75])
+        out = {"rmse": np.sqrt(mse), "mae": mean_absolute_error(y, number), "mse": mse, "target_min": y.min(),
+               "target_max": y.max(), "target_mean": y.mean(), "target_std": y.std(), "target_q25": q25,
+               "target_median": median, "target_q75": q75, "target_range": np.ptp(y), "target_iqr": q75 - q25}
+        out.update({f"rmse_pct_of_{k}": 100 * out["rmse"] / out[f"target_{k}"] for k in ("range", "iqr")
+                    if out[f"target_{k}"] > 0})
+        return {k: float(v) for k, v in out.items()}
+    numeric = pd.api.types.is_numeric_dtype(y)
+    if numeric:
+        y, labels = y.to_numpy().astype(int), np.round(number).astype(int)
+    else:
+        y, labels = y.astype(str).to_numpy(), p.astype(str).to_numpy()
+    binary = len(np.unique(y)) == 2
+    figures = {"accuracy": lambda: accuracy_score(y, labels),
+               "f1": lambda: f1_score(y, labels, average="binary" if binary else "weighted", zero_division=0)}
+    if numeric and binary and ((number >= 0) & (number <= 1)).all():
+        figures["roc_auc"] = lambda: roc_auc_score(y, number)
+    out = {}
+    for name, compute in figures.items():
+        try:
+            out[name] = float(compute())
+        except ValueError:  # e.g. binary F1 of labels other than 0/1
+            pass
+    return out
+
+
 # ---------------------------------------------------------------- the environment
 class DSBenchEnv(MultiAgentEnv):
     task_type = ""  # set per task: "regression" or "classification"
 
     def __init__(self, topology, task: dict, workspace: str, code_timeout_s: float = 120.0, contract: dict = None,
-                 end_turn_on_files: bool = False, workspace_files: str = "persistent"):
+                 end_turn_on_files: bool = False, workspace_files: str = "persistent", coach_evidence: str = "ours"):
         super().__init__(topology, task, workspace, code_timeout_s)
-        if workspace_files not in WORKSPACE_FILES:
-            raise ValueError(f"env_kwargs workspace_files must be one of {', '.join(WORKSPACE_FILES)}, "
-                             f"got {workspace_files!r}")
+        for key, value, allowed in (("workspace_files", workspace_files, WORKSPACE_FILES),
+                                    ("coach_evidence", coach_evidence, COACH_EVIDENCE)):
+            if value not in allowed:
+                raise ValueError(f"env_kwargs {key} must be one of {', '.join(allowed)}, got {value!r}")
         self.stateless = workspace_files == "stateless"
+        self.authors_evidence = coach_evidence == "authors"
+        self.turn_start_files = {}  # agent -> the workspace's files when its turn began (the authors' evidence)
         self.contract = DEFAULT_CONTRACT if contract is None else contract
         self.end_turn_on_files = end_turn_on_files
         names = [a.name for a in topology.agents]
@@ -276,7 +325,8 @@ class DSBenchEnv(MultiAgentEnv):
         self.task_error = None
         self.copied = {}  # task file -> (inode, size, mtime) of its copy: how a changed one is told
         try:
-            self.task_type = load_task_dir(self.task_dir)["data_type"]
+            meta = load_task_dir(self.task_dir)
+            self.task_type, self.metric_name = meta["data_type"], meta["metric"]
             os.makedirs(workspace, exist_ok=True)
             self.copy_task_files()
         except (OSError, ValueError) as e:
@@ -295,7 +345,19 @@ class DSBenchEnv(MultiAgentEnv):
             st = os.lstat(path)
             self.copied[name] = (st.st_ino, st.st_size, st.st_mtime_ns)
 
+    def observe(self, agent, turn: int, omit: int = 0) -> list:
+        """The base's messages, with {task} the agents' text: the authors' cleaned one where the import wrote it
+        ("agent_prompt"); the coach's {task} (task_text) stays the task's own text, as the authors' coach's
+        {problem} did (dsbench_workflow.py L363-375 and `problem=prompt`)."""
+        shown = self.task.get("agent_prompt")
+        if shown is None:
+            return super().observe(agent, turn, omit)
+        prompt = agent.prompt.replace("{task}", shown.replace("{", "{{").replace("}", "}}"))
+        return super().observe(dataclasses.replace(agent, prompt=prompt), turn, omit)
+
     def step(self, agent, turn: int, response: str):
+        if turn == 0:
+            self.turn_start_files[agent.name] = self.listing()
         result = super().step(agent, turn, response)
         if self.stateless and result.feedback.ran and not self.task_error:
             # The authors' SandboxFusion is stateless: each code run starts from the uploaded train.csv and test.csv
@@ -312,6 +374,9 @@ class DSBenchEnv(MultiAgentEnv):
         if self.end_turn_on_files and result.feedback.ran and own and not self.missing(own):
             result.done = True  # its files exist: the next agent starts
         return result
+
+    def listing(self) -> list:
+        return sorted(os.listdir(self.workspace)) if os.path.isdir(self.workspace) else []
 
     def missing(self, files) -> list:
         return [f for f in files if not os.path.isfile(os.path.join(self.workspace, f))]
@@ -357,12 +422,15 @@ class DSBenchEnv(MultiAgentEnv):
         return 7.0, "contract rule: its files are saved", False
 
     def coach_ground_truth(self, agent) -> Optional[str]:
-        """The contract state right after the action (the rollout asks just after `step`), so the coach can blame
-        the agent whose file is missing; for the Analyst also the submission's check. The heuristic parses it."""
+        """`ours`: the contract state right after the action (the rollout asks just after `step`), so the coach can
+        blame the agent whose file is missing; for the Analyst also the submission's check. The heuristic parses
+        it. `authors`: what the authors' coach is shown (authors_evidence)."""
+        if self.authors_evidence:
+            return self.authors_evidence_text(agent)
         names = [a.name for a in self.topology.agents]
         upstream = [f for a in names[: names.index(agent.name)] for f in self.contract.get(a, [])]
         own = self.contract.get(agent.name, [])
-        files = sorted(os.listdir(self.workspace)) if os.path.isdir(self.workspace) else []
+        files = self.listing()
         lines = [
             f"DSBench file contract: this agent must save: {', '.join(own) or '(nothing)'}",
             f"Missing inputs (files earlier agents had to save): {', '.join(self.missing(upstream)) or 'none'}",
@@ -379,4 +447,64 @@ class DSBenchEnv(MultiAgentEnv):
                     lines.append("Submission figures: " + ", ".join(f"{k} = {v:.4g}" for k, v in c["figures"].items()))
             else:
                 lines.append(f"Submission check: invalid ({c['status']}): {c['error']}")
+        return "\n".join(lines)
+
+    def authors_evidence_text(self, agent) -> str:
+        """The authors' coach evidence (dsbench_workflow.py L503-509, L673-679, L876-886): the files in the workspace
+        when this agent's turn began (for the Analyst with their warning when no X_test or model file is there),
+        the files each earlier agent saved (new by the next agent's turn), and for the agent owing submission.csv
+        the raw figures of the submission (or predictions.csv) against the hidden answers (ground_truth_utils.py
+        evaluate_analyst_output; their fallback of reading predictions out of the reply's text is not kept)."""
+        starts = dict(self.turn_start_files)
+        starts.setdefault(agent.name, self.listing())
+        names = [a.name for a in self.topology.agents if a.name in starts]
+        earlier = names[: names.index(agent.name)]
+        lines = ["Files available to this agent when its turn began:"]
+        lines += [f"  - {f}" for f in starts[agent.name]] or ["  (none)"]
+        owes_submission = SUBMISSION in self.contract.get(agent.name, [])
+        if owes_submission:
+            critical = {"X_test.pkl (the preprocessed test features)": ("x_test", "xtest"),
+                        "model.pkl (the trained model)": ("model",)}
+            absent = [what for what, marks in critical.items()
+                      if not any(m in f.lower() for f in starts[agent.name] for m in marks)]
+            if absent:
+                lines.append(f"  Warning: critical files missing: {'; '.join(absent)}")
+        lines.append("Files saved by earlier agents:")
+        for name, after in zip(earlier, names[1:]):
+            saved = sorted(set(starts[after]) - set(starts[name]))
+            lines.append(f"  {name} saved: {', '.join(saved) or 'no files'}")
+        if not earlier:
+            lines.append("  (the first agent: no earlier files)")
+        lines.append("Figures computed against the hidden answers:")
+        lines.append(self.authors_metrics_text() if owes_submission and not self.task_error else "N/A")
+        return "\n".join(lines)
+
+    def authors_metrics_text(self) -> str:
+        """The Analyst's figures as the authors' coach reads them (evaluate_analyst_output), or their error line."""
+        path = next((p for name in (SUBMISSION, "predictions.csv")
+                     if os.path.isfile(p := os.path.join(self.workspace, name))), None)
+        try:
+            pred = pd.read_csv(path) if path else None
+        except (OSError, ValueError):
+            pred = None
+        if pred is None or pred.shape[1] < 2:
+            return "ERROR: no predictions found (no readable submission.csv or predictions.csv with 2 columns)"
+        truth = pd.read_csv(os.path.join(self.task_dir, ANSWER_FILE))
+        figures = authors_figures(truth.iloc[:, 1], pred.iloc[:, 1], self.task_type)
+        lines = [f"Data type: {self.task_type}", f"Task metric: {self.metric_name}",
+                 f"Number of predictions: {len(pred)}", "Computed metrics:"]
+        labels = {"accuracy": "Accuracy", "f1": "F1", "roc_auc": "ROC-AUC", "rmse": "RMSE", "mae": "MAE", "mse": "MSE"}
+        for name, label in labels.items():
+            if name in figures:
+                better = "higher is better, at most 1" if name in ("accuracy", "f1", "roc_auc") else "lower is better"
+                lines.append(f"  - {label}: {figures[name]:.4f} ({better})")
+        if "target_range" in figures:
+            f = figures
+            lines += ["Target statistics (to read the RMSE by):",
+                      f"  - range: {f['target_min']:.2f} to {f['target_max']:.2f} (range {f['target_range']:.2f})",
+                      f"  - quartiles: Q25 {f['target_q25']:.2f}, median {f['target_median']:.2f}, "
+                      f"Q75 {f['target_q75']:.2f}",
+                      f"  - mean {f['target_mean']:.2f}, std {f['target_std']:.2f}"]
+            lines += [f"  - RMSE as % of {label}: {f[f'rmse_pct_of_{k}']:.1f}%"
+                      for k, label in (("range", "range"), ("iqr", "IQR")) if f"rmse_pct_of_{k}" in f]
         return "\n".join(lines)

@@ -1,10 +1,12 @@
 """DSBench tasks: import the official data layout, or build an offline pack from scikit-learn's bundled data.
 
 Both write one task directory per task (envs/dsbench.py) and a tasks.jsonl; `make_pack` writes a small
-DSBench-style layout and runs the very importer real data goes through. Where DSBench's files are silent
-(docs/reference.md, "DSBench pipeline"), a metric not implemented here skips the task rather than score it
-wrongly. pandas and scikit-learn (seconds to import) load only once the input has been checked, so that
-`mappa dsbench import` refuses bad input at once.
+DSBench-style layout and runs the very importer real data goes through. With the authors' cleaned task texts
+(their data/Bench/dsbench_modeling_cleaned_prompts.json) a task's row keeps DSBench's text as its "prompt" (the
+coach's, as the authors' coach was shown it) and the cleaned one as "agent_prompt" (what the agents see).
+Where DSBench's files are silent (docs/reference.md, "DSBench pipeline"), a metric not implemented here skips the
+task rather than score it wrongly. pandas and scikit-learn (seconds to import) load only once the input has been
+checked, so that `mappa dsbench import` refuses bad input at once.
 """
 
 from __future__ import annotations
@@ -39,6 +41,28 @@ METRIC_PATTERNS = [
 # (nlp-getting-started), or one whose first "Evaluation" is another word's (learning-agency-lab's "Automated
 # Writing Evaluation").
 METRIC_ANCHOR = r"Evaluation|Metric|[Ss]ubmissions (are|will be) (evaluated|scored)"
+CLEANED_PROMPTS = "dsbench_modeling_cleaned_prompts.json"
+AUTHORS_DATA = "https://github.com/ltjed/multiagent-coaching (data/Bench/)"
+
+
+def load_cleaned_prompts(path: str, how_found: str) -> dict:
+    """task id -> the authors' cleaned task text, from their {task id: {"cleaned_prompt": ...}} file; ValueError
+    naming the file, the entry and where the authors publish it otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"no {path} ({how_found}): the agents' task text is the authors' cleaned one by default; get "
+                         f"{CLEANED_PROMPTS} from {AUTHORS_DATA} and put it there or pass --cleaned-prompts PATH, "
+                         "or pass --task-text raw to give the agents DSBench's raw Kaggle text") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not the authors' cleaned prompts ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of task id -> {{\"cleaned_prompt\": text}}")
+    for task_id, entry in data.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("cleaned_prompt"), str):
+            raise ValueError(f"{path}: entry {task_id!r} has no \"cleaned_prompt\" text")
+    return {task_id: entry["cleaned_prompt"] for task_id, entry in data.items()}
 
 
 def infer_metric(prompt: str):
@@ -76,10 +100,12 @@ def _relocate(data_root: str, path: str) -> str:
     return os.path.join(data_root, path)
 
 
-def import_tasks(data_root: str, metadata_path: str, out_dir: str) -> tuple:
+def import_tasks(data_root: str, metadata_path: str, out_dir: str, cleaned: dict = None) -> tuple:
     """Write out_dir/<task_id>/ and out_dir/tasks.jsonl; return (task rows, [skip reasons]). Metadata rows (as in
     DSBench's dsbench_modeling_*.json): {prompt, metadata: {task_id, train_file, test_file, answer_dir, url, and
-    optionally metric, baseline, best, pos_label}}; their data_type is not read (the answers decide it)."""
+    optionally metric, baseline, best, pos_label}}; their data_type is not read (the answers decide it).
+    `cleaned` (load_cleaned_prompts): a task it has gets that text as its "agent_prompt"; one it lacks keeps
+    DSBench's text for the agents too, as the authors' workflow does."""
     with open(metadata_path, encoding="utf-8") as f:
         text = f.read()
     try:  # JSON Lines, as mappa-bench ships it, or one JSON list
@@ -98,9 +124,13 @@ def import_tasks(data_root: str, metadata_path: str, out_dir: str) -> tuple:
     for row in rows:
         meta = row.get("metadata") or {}
         try:
-            tasks.append(_import_one(data_root, row, meta, out_dir))
+            task = _import_one(data_root, row, meta, out_dir)
         except (OSError, ValueError) as e:
             skipped.append(f"{meta.get('task_id', '?')}: {e}")
+            continue
+        if cleaned and task["id"] in cleaned:
+            task["agent_prompt"] = cleaned[task["id"]]
+        tasks.append(task)
     if tasks:
         with open(os.path.join(out_dir, "tasks.jsonl"), "w", encoding="utf-8") as f:
             f.writelines(json.dumps(t) + "\n" for t in tasks)
