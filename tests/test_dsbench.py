@@ -32,8 +32,8 @@ BENCH = Path(os.environ.get("MAPPA_BENCH_DIR", ROOT.parent / "shared" / "data" /
 
 
 def recipe(**env_kwargs):
-    """dsbench.yaml with env_kwargs changed. `coach_evidence="ours"` where the heuristic coach judges or our evidence
-    is read: its DSBench rule reads our contract state, and the recipe shows the coach the authors' evidence."""
+    """dsbench.yaml with env_kwargs changed (`coach_evidence="ours"` where a test reads our evidence's text; the
+    heuristic coach takes DSBenchEnv.judge's grade, which reads the workspace, whatever the evidence)."""
     topology = load_topology(str(DSBENCH_YAML))
     topology.env_kwargs = dict(topology.env_kwargs, **env_kwargs)
     return topology
@@ -289,7 +289,7 @@ def play(env, replies: dict, coach=None, agents=None) -> dict:
 @pytest.mark.parametrize("end_turn_on_files, workspace_files", [(False, "stateless"), (True, "persistent")])
 def test_scripted_team_passes_all_three_stages(pack, tmp_path, task_id, end_turn_on_files, workspace_files):
     task = pack[task_id]
-    topology = recipe(end_turn_on_files=end_turn_on_files, workspace_files=workspace_files, coach_evidence="ours")
+    topology = recipe(end_turn_on_files=end_turn_on_files, workspace_files=workspace_files)
     env = topology.make_env(task, str(tmp_path / "ws"))
     task_files = ["test.csv", "train.csv"] if workspace_files == "stateless" else sorted(PUBLIC_FILES)
     assert sorted(os.listdir(tmp_path / "ws")) == task_files
@@ -360,7 +360,7 @@ def test_missing_upstream_artifact_is_blamed_upstream(pack, tmp_path):
     """The Data Engineer forgets X_test.pkl: its score drops; the Analyst, who crashes on the missing
     file, is not punished for it (the plain tool rule would have given a failed run 2)."""
     task = pack["sk-diabetes"]
-    topology = recipe(coach_evidence="ours")
+    topology = recipe()
     good = scripted_replies("regression", "rmse")
     bad = dict(good, data_engineer=good["data_engineer"].replace('test.drop(columns=["id"]).to_pickle("X_test.pkl")', ""))
     coach = HeuristicCoach()

@@ -65,8 +65,6 @@ def test_dsbench_mappa_run_trains_on_replies_that_ended(tmp_path, tiny_model):
     topology = yaml.safe_load(open(os.path.join(REPO, "examples", "configs", "dsbench.yaml")))
     for agent in topology["agents"]:
         agent["max_actions"] = 1
-    # The heuristic coach's DSBench rule reads our evidence (the contract state); the recipe shows the authors'.
-    topology["env_kwargs"]["coach_evidence"] = "ours"
     (tmp_path / "dsbench.yaml").write_text(yaml.safe_dump(topology))
 
     run_dir = tmp_path / "run"
