@@ -24,8 +24,8 @@ k = key/value heads x head dim, TP an engine's tensor-parallel size:
 """
 
 import copy
+import functools
 import importlib.util
-import json
 import math
 import os
 import subprocess
@@ -39,7 +39,6 @@ GRAPHS_GIB = 0.5  # vLLM's captured graphs, allocated outside --vllm.gpu_memory_
 HOST_PROCESS_GIB = 2.0  # host memory of one actor or engine process: Python, torch, CUDA and NCCL libraries
 DEFAULT_GPUS_PER_NODE = 8
 VLLM_BATCHED_TOKENS, VLLM_SEQS = 8192, 256
-DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 # Per-agent topology keys that win over a flag: (the key, the flag's group, its name). agent_args applies them,
@@ -133,27 +132,23 @@ def gpu_share(args, topology) -> float:
 
 @dataclass(frozen=True)
 class ModelSize:
-    """What the memory model needs of a decoder-only transformer, from its config.json."""
+    """What the memory model needs of a causal language model, from one build of it on the meta device."""
 
+    kind: str  # config.json's model_type
     params: int
-    layer_params: int
+    layer_params: int  # one decoder layer's
     hidden: int
     layers: int
     vocab: int
     heads: int
     kv_dim: int  # key/value heads x head dim
     intermediate: int
-    q_dim: int  # query heads x head dim
-
-    def linear_shapes(self) -> dict:
-        """(in, out) features of each linear layer of one decoder layer, by module name (what LoRA targets)."""
-        h, q, k, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, k), "v_proj": (h, k), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    linear_shapes: dict  # (in, out) features of each linear layer of one decoder layer, by name (what LoRA targets)
+    linear_names: tuple  # every linear layer's name: one decoder layer's, then the others' (the output head)
 
     def lora_params(self, rank: int, targets) -> int:
         """An adapter's parameters: A (rank x in) and B (out x rank) per targeted layer, in every decoder layer."""
-        shapes = self.linear_shapes()
+        shapes = self.linear_shapes
         names = shapes if "all-linear" in targets else [t for t in targets if t in shapes]
         return self.layers * sum(rank * sum(shapes[n]) for n in names)
 
@@ -162,43 +157,30 @@ class ModelSize:
         return 2 * (6 * self.hidden + 2 * self.kv_dim + 4 * self.intermediate)
 
 
-def model_size(config: dict) -> ModelSize:
-    """Parameter count of a dense Llama-family config (Llama, Mistral, Qwen2, Qwen3):
-    L x (attention + MLP + norms) + embedding (+ an untied output head) + the final norm."""
-    config = config.get("text_config") or config
-    kind = config.get("model_type")
-    if kind not in DENSE_TYPES:
-        raise ValueError(f"model_type {kind!r}: the memory model knows the dense {', '.join(DENSE_TYPES)} families")
-    h, L, V, I = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or h // heads
-    q, k = heads * head_dim, (config.get("num_key_value_heads") or heads) * head_dim
-    attention = h * q + 2 * h * k + q * h  # q, k, v, o projections
-    if kind == "qwen2":
-        attention += q + 2 * k  # q, k, v biases
-    elif config.get("attention_bias"):
-        attention += q + 2 * k + h
-    if kind == "qwen3":
-        attention += 2 * head_dim  # q_norm, k_norm
-    mlp = 3 * h * I + (2 * I + h if config.get("mlp_bias") else 0)  # gate, up, down
-    layer = attention + mlp + 2 * h  # two RMSNorms
-    params = L * layer + V * h * (1 if config.get("tie_word_embeddings", False) else 2) + h
-    return ModelSize(params, layer, h, L, V, heads, k, I, q)
+@functools.cache
+def model_size(model: str) -> ModelSize:
+    """The shapes of a model (a directory or hub id: its config.json, from the cache or fetched alone), from one
+    build on the meta device, which allocates nothing: any architecture transformers, or the model's own code,
+    builds. Its decoder layers are the module list with one entry per hidden layer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-
-def read_config(model: str) -> dict:
-    """config.json of a local model directory, or of a hub id (from the cache, else fetched alone: no weights)."""
-    if os.path.isdir(model):
-        path = os.path.join(model, "config.json")
-    else:
-        from huggingface_hub import hf_hub_download
-
-        try:
-            path = hf_hub_download(model, "config.json")
-        except Exception as e:  # offline and not cached, unknown repo, no network: no estimate, said so
-            raise ValueError(f"{model}: config.json not readable ({type(e).__name__})") from None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    linear = lambda module: {name.rpartition(".")[2]: (m.in_features, m.out_features)
+                             for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=True)
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+        text = config.get_text_config()
+        L, h, heads = text.num_hidden_layers, text.hidden_size, text.num_attention_heads
+        layer = next(m for m in built.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == L)[0]
+        kv = (getattr(text, "num_key_value_heads", None) or heads) * (getattr(text, "head_dim", None) or h // heads)
+        shapes, intermediate = linear(layer), text.intermediate_size
+    except Exception as e:  # offline and not cached, unknown repo or architecture, not a decoder: said so
+        raise ValueError(f"{model}: no shapes from a meta-device build ({type(e).__name__}: {str(e)[:200]})") from None
+    return ModelSize(text.model_type, sum(p.numel() for p in built.parameters()),
+                     sum(p.numel() for p in layer.parameters()), h, L, text.vocab_size, heads, kv, intermediate,
+                     shapes, tuple(sorted(shapes)) + tuple(sorted(set(linear(built)) - set(shapes))))
 
 
 @dataclass
@@ -244,7 +226,7 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     zero3 = a.ds.zero_stage == 3
     gathered = {"ZeRO-3 gathered layers": 2 * size.layer_params * 2 / GIB} if zero3 else {}
     P, D, tp = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node, a.ds.tensor_parallel_size
-    linear = size.layers * sum(i * o for i, o in size.linear_shapes().values())
+    linear = size.layers * sum(i * o for i, o in size.linear_shapes.values())
     # AutoTP: a rank holds 1/tp of every linear layer, and ZeRO shards its states over the D/tp data-parallel ranks.
     P, Z = P - linear + linear / tp, D / tp
     trained = size.lora_params(lora.rank, lora.target_modules) if lora else P
@@ -578,8 +560,8 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
         size = (sizes or {}).get(spec.name)
         if size is None and gpu_gib is not None:  # the memory check needs the sizes; the count check does not
             try:
-                size = model_size(read_config(spec.model))
-            except (ValueError, KeyError, OSError) as e:
+                size = model_size(spec.model)
+            except ValueError as e:
                 size = f"memory not estimated: {e}"
         known[spec.name] = (spec.model, size)
         if gpu_gib is not None and isinstance(size, ModelSize):

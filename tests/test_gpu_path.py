@@ -662,8 +662,7 @@ def test_the_doctors_offload_check_calls_every_actor_rank(cluster):
     # waited there for ranks that were never called (60 minutes on a cluster; the barrier's 3 s here).
     from openrlhf_mappa.doctor import sleep_checks
 
-    states = 14 * placement.model_size(placement.read_config(os.path.join(REPO, "tests", "fixtures", "qwen3-4b")
-                                                             )).params / 2 / GIB  # gradients and Adam, 2 ranks
+    states = 14 * placement.model_size(os.path.join(REPO, "tests", "fixtures", "qwen3-4b")).params / 2 / GIB  # gradients and Adam, 2 ranks
     barrier = threading.Barrier(2, timeout=3)
     ranks = [ActorRank(79.6, states, barrier) for _ in range(2)]
     agent = doctor_agent(cluster, EngineProcess(79.6, 0.6), ranks)

@@ -186,7 +186,7 @@ def test_gpu_script_submits_absolute_paths_and_declares_its_gpus(tmp_path, scrip
                    (a.vllm_num_engines or args.vllm.num_engines) * args.vllm.tensor_parallel_size) for a in topology.agents)
     assert need == 6
     # And they fit in memory on one node of 8 GPUs of 80 GiB (Qwen3-4B's sizes from its config, test_placement.py).
-    size = placement.model_size(json.loads((ROOT / "tests" / "fixtures" / "qwen3-4b" / "config.json").read_text()))
+    size = placement.model_size(str(ROOT / "tests" / "fixtures" / "qwen3-4b"))
     assert {a.model for a in topology.agents} == {"Qwen/Qwen3-4B"}
     assert placement.check(args, topology, 8, 80.0, sizes={a.name: size for a in topology.agents}).need == need
     assert f"this recipe needs {need} GPUs in the Ray cluster" in proc.stdout
