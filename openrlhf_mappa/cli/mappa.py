@@ -17,8 +17,8 @@ from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE, NO
 # `mappa plan` and `mappa doctor` take train_mappa_ray's flags (parse_args): their help, in `mappa --help` and theirs.
 PLAN_HELP = ("which GPU holds which agent's actor, reference and engines, and the memory each needs per phase; takes "
              "train_mappa_ray's flags, the cluster as --mappa.gpus N --mappa.gpu_memory_gib G (default: this "
-             "machine's GPUs; with no GPU here and no --mappa.gpu_memory_gib: the GPU counts, and the least GPU memory "
-             "the plan needs); exit 1 when it does not fit")
+             "machine's GPUs; with no GPU here and no --mappa.gpu_memory_gib: the GPU counts); exit 1 when it does "
+             "not fit, with what to change, in order")
 DOCTOR_HELP = ("the cluster self-check before a long job: takes the training command's flags, with --mappa.model a "
                "small model; sends the coach one request, plans the recipe's own models on the cluster, starts the "
                "team as planned, runs one step of each component and checks weight syncs, sleep, threads, host memory "
@@ -260,7 +260,7 @@ def merge_lora_main(args):
 
 def plan_main(argv) -> int:
     """`mappa plan`: the launch's plan and check without a cluster, on this machine's GPUs unless given; with no
-    GPU memory known, the counts are checked (as the launcher does) and the least GPU memory needed is said."""
+    GPU memory known, the counts are checked (as the launcher does)."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.cli.train_mappa_ray import accepted, parse_args, validate
     from openrlhf_mappa.topology import check_model, load_topology
@@ -297,16 +297,7 @@ def plan_main(argv) -> int:
     if gib is not None:
         print(verdict)
         return 0
-    least, unknown = placement.least_gpu_memory(args, topology)
-    if least is None:
-        print("\nREFUSED: no GPU of up to 1024 GiB holds this plan (give --mappa.gpu_memory_gib G to see what does "
-              "not fit and the smallest change that would)")
-        return 1
     print(f"{verdict} by count; GPU memory not checked: there is no GPU on this machine and no --mappa.gpu_memory_gib")
-    if len(unknown) < len(plan.sizes):
-        print(f"It needs GPUs of at least {least:g} GiB")
-    for agent in unknown:
-        print(f"Not counted: {agent}")
     print("Give --mappa.gpu_memory_gib G (one GPU's memory in GiB, as `nvidia-smi --query-gpu=memory.total "
           "--format=csv` reports it; an 80 GB card: 79.6) for each GPU's memory per phase and the memory check")
     return 0
