@@ -459,23 +459,19 @@ class Plan:
                     out[key], free[k] = [k] * n, free[k] - n
         return {key: out[key] for key in self.sets()}  # build order
 
-    def node_of_slots(self, gpus=None) -> list:
-        """The node of each GPU slot (None: beyond the cluster)."""
-        placed = self.place(gpus)
-        return [placed[gpu_set(self.colocate, f"{g.agent}/{g.kind}")][i] for (g, i), *_ in self.slots]
-
     def nodes(self, gpus=None) -> list:
-        """Per node that holds a GPU slot: (the node, its slots, {label: GiB of host memory its processes need})."""
-        out = {}
-        for i, (slot, node) in enumerate(zip(self.slots, self.node_of_slots(gpus))):
-            if node is None:
-                continue
+        """Per node that holds a GPU slot, in order, and last None for the slots beyond the cluster: (the node, its
+        slots' indices, {label: GiB of host memory its processes need})."""
+        placed, out = self.place(gpus), {}
+        for i, slot in enumerate(self.slots):
+            first, index = slot[0]  # a slot's groups share one GPU set, so one node
+            node = placed[gpu_set(self.colocate, f"{first.agent}/{first.kind}")][index]
             indices, need = out.setdefault(node, ([], {}))
             indices.append(i)
             for g, _ in slot:
                 for label, gib in g.host.items():
                     need[f"{g.kind} {label}"] = need.get(f"{g.kind} {label}", 0.0) + gib
-        return [(k, *out[k]) for k in sorted(out)]
+        return [(k, *out[k]) for k in sorted(out, key=lambda k: (k is None, k))]
 
     def across_nodes(self, gpus=None) -> list:
         """What crosses nodes, in words: a GPU set no node has room for (an actor group or colocated set then
@@ -500,7 +496,8 @@ class Plan:
     def host_problems(self, gpus=None) -> list:
         return [f"node {k} ({len(slots)} GPUs) needs {sum(need.values()):.0f} GiB of host memory, more than its "
                 f"{self.host_of(k):g} GiB: " + ", ".join(f"{label} {gib:.0f}" for label, gib in need.items())
-                for k, slots, need in self.nodes(gpus) if self.host_of(k) and sum(need.values()) > self.host_of(k)]
+                for k, slots, need in self.nodes(gpus)
+                if k is not None and self.host_of(k) and sum(need.values()) > self.host_of(k)]
 
     def peak(self, slot: list, phase: str) -> float:
         """What the GPU holds plus what the phase adds. Engines generate at once; a GPU's experience forwards
@@ -673,7 +670,7 @@ def advice(args, topology, plan: Plan, gpus, allowed) -> list:
             if getattr(getattr(args, s), k) and accepts(with_changes(args, [(s, k, False)])):
                 out.append(f"{'or ' * bool(out)}without --{s}.{k} (host memory back for GPU memory): "
                            f"{then([(s, k, False)], count=True)[0]}")
-        most = max(sum(need.values()) for _, _, need in plan.nodes(gpus))
+        most = max(sum(need.values()) for k, _, need in plan.nodes(gpus) if k is not None)
         out.append(f"{'or ' * bool(out)}nodes with at least {math.ceil(most)} GiB of host memory, or fewer GPUs per "
                    f"node (--mappa.gpus_per_node, with more nodes)")
     return ["What to change, in this order:"] * bool(out) + [f"  {i}. {line}" for i, line in enumerate(out, 1)]
@@ -696,13 +693,12 @@ def check(args, topology, gpus, gpu_gib: float = None, sizes: dict = None, allow
 def format_plan(plan: Plan, gpus=None) -> str:
     """The table (node, GPU, what it holds, GiB per phase) and, per agent, what the numbers are made of."""
     out = [f"{'node':>4} {'GPU':>4}  {'holds':<50}" + "".join(f"{p:>11}" for p in PHASES) + "   (GiB, peak per phase)"]
-    listed = {}  # node -> its GPUs listed so far
-    for node, i in sorted(((k, i) for i, k in enumerate(plan.node_of_slots(gpus))), key=lambda x: (x[0] is None, x)):
-        slot, local = plan.slots[i], listed.get(node, 0)
-        listed[node] = local + 1
-        where = f"{node:>4} {local:>4}" if node is not None else f"{'-':>4} {'-':>4}"
-        mark = "  <- beyond the cluster's GPUs" if node is None else ""
-        out.append(f"{where}  {slot_label(slot):<50}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES) + mark)
+    for node, indices, _ in plan.nodes(gpus):
+        for local, slot in enumerate(plan.slots[i] for i in indices):
+            where = f"{node:>4} {local:>4}" if node is not None else f"{'-':>4} {'-':>4}"
+            mark = "  <- beyond the cluster's GPUs" if node is None else ""
+            out.append(f"{where}  {slot_label(slot):<50}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES)
+                       + mark)
     if not plan.slots:  # GPU memory not known: the counts only, and which of them share GPUs
         placed = plan.place(gpus)
         on = lambda nodes: "beyond the cluster" if None in nodes else (
@@ -718,7 +714,7 @@ def format_plan(plan: Plan, gpus=None) -> str:
         turns = "the largest agent's (they train and sync in turn)" if plan.colocate == "team" else "its agent's"
         out.append(f"A shared GPU holds what its models keep plus what the phase adds: every engine's in the rollout,\n"
                    f"the largest forward's in the experience phase, {turns} in train and sync")
-    for k, slots, need in plan.nodes(gpus):  # host memory: offloaded states, sleeping engines' weights
+    for k, slots, need in [node for node in plan.nodes(gpus) if node[0] is not None]:  # offloads, sleeping engines
         of = f" of its {plan.host_of(k):g}" if plan.host_of(k) else " (not checked: --mappa.host_memory_gib)"
         out.append(f"host memory, node {k} ({len(slots)} GPUs): {sum(need.values()):.1f} GiB{of}: "
                    + ", ".join(f"{label} {gib:.1f}" for label, gib in need.items()))

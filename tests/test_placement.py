@@ -204,7 +204,8 @@ def test_token_budgets_bound_a_micro_batch_in_the_plan():
             2 * P / 2 / GIB + 1 + forward(n_exp), rel=1e-9)
     assert round(train(65536), 1) == 142.2  # 92.7 GiB of them logits: refused on 80 GiB, naming the budget
     # In place of micro-batches of 1, the budget of one --data.max_len action.
-    assert advice(refusal(args, topology, gpus=18)) == ["--train.max_tokens_per_gpu 28672: at most 79.8 GiB a GPU, fits"]
+    assert advice(refusal(args, topology, gpus=18)) == [
+        "--train.max_tokens_per_gpu 28672: at most 79.8 GiB a GPU, fits"]
 
 
 def test_colocated_per_agent_estimates_agree_with_a_hand_computation():
@@ -231,7 +232,8 @@ def test_colocated_per_agent_estimates_agree_with_a_hand_computation():
 
     message = refusal(args, topology, gpus=8)
     assert "GPU 0 (problem_solver: actor, reference, vLLM engine #0) needs 86.1 GiB in the train phase" in message
-    assert advice(message) == ["--ref.offload: at most 82.3 GiB a GPU", "then --ds.adam_offload: at most 56.1 GiB a GPU, fits"]
+    assert advice(message) == ["--ref.offload: at most 82.3 GiB a GPU",
+                               "then --ds.adam_offload: at most 56.1 GiB a GPU, fits"]
 
 
 def test_team_colocation_estimates_agree_with_a_hand_computation():
@@ -291,7 +293,8 @@ def test_the_paper_recipe_fits_one_node_of_8_x_80_gib(tmp_path):
     argv, printed = script_flags(tmp_path, "train_mappa_mathchat.sh", COLOCATE="none")
     args, topology = planned(argv)
     assert "this recipe needs 18 GPUs" in printed
-    assert advice(refusal(args, topology, gpus=8)) == [CLUSTER.format(18), f"or {AGENT}: 6 GPUs, at most 66.1 GiB a GPU, fits",
+    assert advice(refusal(args, topology, gpus=8)) == [CLUSTER.format(18),
+                                                       f"or {AGENT}: 6 GPUs, at most 66.1 GiB a GPU, fits",
                                                        f"or {TEAM}: 2 GPUs, at most 88.1 GiB a GPU"]
 
     # DSBench's script (16K generation, 32K tokens) is placed alike, and fits too.
@@ -343,7 +346,8 @@ def test_three_32b_agents_without_lora_on_one_node_are_refused():
     # holds the whole 32B model (61 GiB) on one GPU, beside the actor's and reference's shards.
     assert advice(message) == [CLUSTER.format(18), f"or {AGENT}: 6 GPUs, at most 298.6 GiB a GPU",
                                f"or {TEAM.replace('0.2', '0.3')}: 2 GPUs, at most 427.6 GiB a GPU",
-                               "--ref.offload: at most 265.6 GiB a GPU", "then --ds.adam_offload: at most 73.5 GiB a GPU, fits"]
+                               "--ref.offload: at most 265.6 GiB a GPU",
+                               "then --ds.adam_offload: at most 73.5 GiB a GPU, fits"]
     args.ref.offload = args.ds.adam_offload = True
     assert placement.check(args, topology, gpus=18, gpu_gib=80.0).need == 18
     args, topology = recipe(QWEN3_32B, "--rollout.micro_batch_size", "1", "--data.max_len", "8192",
@@ -351,7 +355,8 @@ def test_three_32b_agents_without_lora_on_one_node_are_refused():
                             "--mappa.colocate", "agent", "--vllm.enable_sleep", "--ds.enable_sleep", "--ds.adam_offload")
     message = refusal(args, topology, gpus=8)
     assert "GPU 0 (problem_solver: actor, reference, vLLM engine #0) needs" in message
-    assert advice(message) == ["--ref.offload: at most 106.1 GiB a GPU", "then --ds.ring_attn_size 2: at most 106.1 GiB a GPU",
+    assert advice(message) == ["--ref.offload: at most 106.1 GiB a GPU",
+                               "then --ds.ring_attn_size 2: at most 106.1 GiB a GPU",
                                f"or {MORE_GPUS}"]
 
 
@@ -403,13 +408,15 @@ def test_a_change_that_fits_is_named_when_one_exists():
     # 3 agents x (2 actor + 2 reference + 2 engines) on 15 GPUs: the GPUs it needs, fewer per agent, or colocation
     # (the memory of each placement said); one engine fewer per agent fits.
     args, topology = recipe(QWEN3_4B, "--rollout.micro_batch_size", "1")
-    assert advice(refusal(args, topology, gpus=15)) == [CLUSTER.format(18), f"or {AGENT}: 6 GPUs, at most 86.1 GiB a GPU",
+    assert advice(refusal(args, topology, gpus=15)) == [CLUSTER.format(18),
+                                                        f"or {AGENT}: 6 GPUs, at most 86.1 GiB a GPU",
                                                         f"or {TEAM}: 2 GPUs, at most 108.1 GiB a GPU"]
     assert placement.check(placement.with_changes(args, [("vllm", "num_engines", 1)]), topology, 15, 80.0).need == 15
     # Without Adam offload nor checkpointing the actor does not fit its 2 GPUs; checkpointing alone does.
     args, topology = recipe(QWEN3_4B, "--rollout.micro_batch_size", "1")
     args.actor.gradient_checkpointing_enable = False
-    assert advice(refusal(args, topology, gpus=18)) == ["--actor.gradient_checkpointing_enable: at most 79.8 GiB a GPU, fits"]
+    assert advice(refusal(args, topology, gpus=18)) == [
+        "--actor.gradient_checkpointing_enable: at most 79.8 GiB a GPU, fits"]
 
 
 def test_mappa_plan_command():
@@ -450,8 +457,8 @@ def test_mappa_plan_without_a_gpu_checks_the_counts_and_says_the_memory_it_needs
     # Too few GPUs is refused by count alone, as at launch.
     few = subprocess.run(mappa[:-1] + ["8"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert few.returncode == 1 and "REFUSED: the plan does not fit 8 GPUs:\n  - not enough GPUs" in few.stdout
-    assert few.stdout.endswith(f"What to change, in this order:\n  1. {CLUSTER.format(18)}\n  2. or {AGENT}: 6 GPUs, fits\n"
-                               f"  3. or {TEAM}: 2 GPUs, fits\n")
+    assert few.stdout.endswith(f"What to change, in this order:\n  1. {CLUSTER.format(18)}\n"
+                               f"  2. or {AGENT}: 6 GPUs, fits\n  3. or {TEAM}: 2 GPUs, fits\n")
 
 
 # ---------------------------------------------------------------- LoRA agents (topology key `lora`)
@@ -583,10 +590,11 @@ def test_host_memory_of_the_paper_recipe_is_planned_per_node(tmp_path):
     args.mappa.host_memory_gib = 256
     message = refusal(args, topology, gpus=8, gib=79.6)
     assert f"node 0 (6 GPUs) needs {node:.0f} GiB of host memory, more than its 256 GiB" in message
-    assert advice(message) == ["without --ds.adam_offload (host memory back for GPU memory): 6 GPUs, at most 86.1 GiB a GPU",
-                               "or without --vllm.enable_sleep (host memory back for GPU memory): 6 GPUs, at most 113.9 GiB a GPU",
-                               "or nodes with at least 261 GiB of host memory, or fewer GPUs per node (--mappa.gpus_per_node, "
-                               "with more nodes)"]
+    back = "(host memory back for GPU memory): 6 GPUs, at most"
+    assert advice(message) == [f"without --ds.adam_offload {back} 86.1 GiB a GPU",
+                               f"or without --vllm.enable_sleep {back} 113.9 GiB a GPU",
+                               "or nodes with at least 261 GiB of host memory, or fewer GPUs per node "
+                               "(--mappa.gpus_per_node, with more nodes)"]
     # Nodes of 4 GPUs: node 0 holds 4 of the 6 GPUs (2 agents), node 1 the third agent's 2.
     args.mappa.gpus_per_node = 4
     assert [round(sum(n.values())) for _, _, n in placement.make_plan(args, topology, 79.6).nodes()] == [round(node * 4 / 6),
@@ -595,8 +603,8 @@ def test_host_memory_of_the_paper_recipe_is_planned_per_node(tmp_path):
     # fits gives host memory back for GPU memory, the references' weights on their GPUs again.
     args, topology = planned(argv + ["--ref.offload", "--mappa.host_memory_gib", "270"])
     assert f"needs {node + 3 * D * 2 * P / D / GIB:.0f} GiB of host memory" in refusal(args, topology, gpus=8, gib=79.6)
-    assert advice(refusal(args, topology, gpus=8, gib=79.6))[0] == ("without --ref.offload (host memory back for GPU memory): "
-                                                                   "6 GPUs, at most 66.1 GiB a GPU, fits")
+    first = advice(refusal(args, topology, gpus=8, gib=79.6))[0]
+    assert first == "without --ref.offload (host memory back for GPU memory): 6 GPUs, at most 66.1 GiB a GPU, fits"
 
 
 def test_the_plan_across_nodes(tmp_path):

@@ -425,8 +425,10 @@ def eval_inputs(parser, args):
         for name, model in models.items():
             base = f" (the base of its adapter {adapters[name]['dir']})" if name in adapters else ""
             check_model(model, f"agent {name!r}{base}")
-        if adapters and args.tensor_parallel_size != 1:
-            parser.error("LoRA adapters are served by engines of --tensor-parallel-size 1")
+        from openrlhf_mappa.cli.train_mappa_ray import lora_engines_tp
+
+        if adapters and (why := lora_engines_tp(args.tensor_parallel_size, "--tensor-parallel-size")):
+            parser.error(f"LoRA adapters ({', '.join(adapters)}): {why}")
         datasets = load_eval_sets(args.data, args.limit)
         topology.check_env([t for tasks in datasets.values() for t in tasks], args.topology)
         out_file(args.out, "--out")

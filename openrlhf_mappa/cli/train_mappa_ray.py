@@ -573,9 +573,8 @@ def validate(args, topology):
         if args.ds.param_dtype != "bf16":
             raise SystemExit(f"--ds.load_in_4bit computes in bf16 (OpenRLHF's bitsandbytes config): use "
                              f"--ds.param_dtype bf16, not {args.ds.param_dtype}")
-    if lora and args.vllm.tensor_parallel_size > 1:
-        raise SystemExit(f"agents {', '.join(lora)} declare lora: their pool's engines take one GPU each "
-                         f"(--vllm.tensor_parallel_size 1; tensor-parallel LoRA engines are not built)")
+    if lora and (why := lora_engines_tp(args.vllm.tensor_parallel_size)):
+        raise SystemExit(f"agents {', '.join(lora)} declare lora: {why}")
     if lora and args.train.async_enable and args.vllm.enable_prefix_caching:
         # Under async a pool's engines keep serving while an adapter reloads: vLLM's prefix-cache reset then does
         # nothing (other requests hold blocks), and the cache is keyed by the adapter's name, which a reload keeps.
@@ -591,6 +590,14 @@ def validate(args, topology):
     validate_coach_kind(args)
     if coach.kind == "trained":
         validate_trained_coach(args, topology)
+
+
+def lora_engines_tp(tp: int, flag: str = "--vllm.tensor_parallel_size") -> str:
+    """The rule that LoRA engines take one GPU each, for the topology's LoRA agents (validate) and exported adapters
+    (`mappa eval`, whose flag is `flag`): why `tp` breaks it, or '' where it does not."""
+    if tp == 1:
+        return ""
+    return f"their pool's engines take one GPU each ({flag} 1; tensor-parallel LoRA engines are not built)"
 
 
 # The coach flags an LLM coach reads (openai, and trained: its own model and its reference judge's server). Given to
