@@ -202,7 +202,7 @@ def sleep_checks(args, trainees) -> list:
                                                                               f"least {expect:.1f} expected of its "
                                                                               f"{total:.1f} GiB GPU)"))
         if args.ds.enable_sleep and not args.ds.adam_offload:
-            size = placement.model_size(placement.read_config(ag.spec.model))
+            size = placement.model_size(ag.spec.model)
             states = 14 * size.params / (args.actor.num_nodes * ag.args.actor.num_gpus_per_node) / placement.GIB
             # Every rank: both end in a barrier over the agent's DeepSpeed ranks, where rank 0 alone would wait out
             # the process group's 60-minute timeout (OpenRLHF's deepspeed_utils).

@@ -39,7 +39,7 @@ def check_placement(args, topology, allowed=lambda a: True) -> tuple:
     """Before any actor exists: the plan (placement.py) against the Ray cluster's nodes and their GPUs, logical
     or real, and their memory where known (the lower of --mappa.gpu_memory_gib and what this process's GPU
     reports) and the host memory of a node (--mappa.host_memory_gib, else each node's own). Printed when it fits;
-    refused, with the smallest change that would fit, when not: Ray itself would wait forever, silently, for
+    refused, with what to change, when not: Ray itself would wait forever, silently, for
     GPUs that never come (`allowed`: placement.check's). Sets --mappa.actor_threads where 0 (actor_threads).
     Refuses a GPU node that cannot import a kernel the flags need (placement.needed_modules), naming it.
     Returns (the plan, gpu_nodes())."""

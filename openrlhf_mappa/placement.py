@@ -1,7 +1,7 @@
 """The GPU plan, before any actor starts (`mappa plan`, and the same check at launch): which GPU holds which
 agent's actor, reference and vLLM engines, and each GPU's estimated peak memory in each phase of a step
 (rollout, experience, train, sync: what sleeps in each, and the placements, in docs/reference.md). A plan that
-cannot fit is refused, naming the smallest change that would.
+cannot fit is refused, listing what to change, in order (advice).
 
 Memory per GPU in bytes, at the worst case the flags allow (every action --data.max_len tokens). P parameters,
 D data-parallel ranks, b micro-batch, s = --data.max_len, h hidden, L layers, V vocabulary, I intermediate,
@@ -24,8 +24,8 @@ k = key/value heads x head dim, TP an engine's tensor-parallel size:
 """
 
 import copy
+import functools
 import importlib.util
-import json
 import math
 import os
 import subprocess
@@ -41,7 +41,6 @@ GRAPHS_GIB = 0.5  # vLLM's captured graphs, allocated outside --vllm.gpu_memory_
 HOST_PROCESS_GIB = 2.0  # host memory of one actor or engine process: Python, torch, CUDA and NCCL libraries
 DEFAULT_GPUS_PER_NODE = 8
 VLLM_BATCHED_TOKENS, VLLM_SEQS = 8192, 256
-DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 # Per-agent topology keys that win over a flag: (the key, the flag's group, its name). agent_args applies them,
@@ -134,27 +133,23 @@ def gpu_share(args, topology) -> float:
 
 @dataclass(frozen=True)
 class ModelSize:
-    """What the memory model needs of a decoder-only transformer, from its config.json."""
+    """What the memory model needs of a causal language model, from one build of it on the meta device."""
 
+    kind: str  # config.json's model_type
     params: int
-    layer_params: int
+    layer_params: int  # one decoder layer's
     hidden: int
     layers: int
     vocab: int
     heads: int
     kv_dim: int  # key/value heads x head dim
     intermediate: int
-    q_dim: int  # query heads x head dim
-
-    def linear_shapes(self) -> dict:
-        """(in, out) features of each linear layer of one decoder layer, by module name (what LoRA targets)."""
-        h, q, k, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, k), "v_proj": (h, k), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    linear_shapes: dict  # (in, out) features of each linear layer of one decoder layer, by name (what LoRA targets)
+    linear_names: tuple  # every linear layer's name: one decoder layer's, then the others' (the output head)
 
     def lora_params(self, rank: int, targets) -> int:
         """An adapter's parameters: A (rank x in) and B (out x rank) per targeted layer, in every decoder layer."""
-        shapes = self.linear_shapes()
+        shapes = self.linear_shapes
         names = shapes if "all-linear" in targets else [t for t in targets if t in shapes]
         return self.layers * sum(rank * sum(shapes[n]) for n in names)
 
@@ -163,43 +158,30 @@ class ModelSize:
         return 2 * (6 * self.hidden + 2 * self.kv_dim + 4 * self.intermediate)
 
 
-def model_size(config: dict) -> ModelSize:
-    """Parameter count of a dense Llama-family config (Llama, Mistral, Qwen2, Qwen3):
-    L x (attention + MLP + norms) + embedding (+ an untied output head) + the final norm."""
-    config = config.get("text_config") or config
-    kind = config.get("model_type")
-    if kind not in DENSE_TYPES:
-        raise ValueError(f"model_type {kind!r}: the memory model knows the dense {', '.join(DENSE_TYPES)} families")
-    h, L, V, I = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or h // heads
-    q, k = heads * head_dim, (config.get("num_key_value_heads") or heads) * head_dim
-    attention = h * q + 2 * h * k + q * h  # q, k, v, o projections
-    if kind == "qwen2":
-        attention += q + 2 * k  # q, k, v biases
-    elif config.get("attention_bias"):
-        attention += q + 2 * k + h
-    if kind == "qwen3":
-        attention += 2 * head_dim  # q_norm, k_norm
-    mlp = 3 * h * I + (2 * I + h if config.get("mlp_bias") else 0)  # gate, up, down
-    layer = attention + mlp + 2 * h  # two RMSNorms
-    params = L * layer + V * h * (1 if config.get("tie_word_embeddings", False) else 2) + h
-    return ModelSize(params, layer, h, L, V, heads, k, I, q)
+@functools.cache
+def model_size(model: str) -> ModelSize:
+    """The shapes of a model (a directory or hub id: its config.json, from the cache or fetched alone), from one
+    build on the meta device, which allocates nothing: any architecture transformers, or the model's own code,
+    builds. Its decoder layers are the module list with one entry per hidden layer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-
-def read_config(model: str) -> dict:
-    """config.json of a local model directory, or of a hub id (from the cache, else fetched alone: no weights)."""
-    if os.path.isdir(model):
-        path = os.path.join(model, "config.json")
-    else:
-        from huggingface_hub import hf_hub_download
-
-        try:
-            path = hf_hub_download(model, "config.json")
-        except Exception as e:  # offline and not cached, unknown repo, no network: no estimate, said so
-            raise ValueError(f"{model}: config.json not readable ({type(e).__name__})") from None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    linear = lambda module: {name.rpartition(".")[2]: (m.in_features, m.out_features)
+                             for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=True)
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+        text = config.get_text_config()
+        L, h, heads = text.num_hidden_layers, text.hidden_size, text.num_attention_heads
+        layer = next(m for m in built.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == L)[0]
+        kv = (getattr(text, "num_key_value_heads", None) or heads) * (getattr(text, "head_dim", None) or h // heads)
+        shapes, intermediate = linear(layer), text.intermediate_size
+    except Exception as e:  # offline and not cached, unknown repo or architecture, not a decoder: said so
+        raise ValueError(f"{model}: no shapes from a meta-device build ({type(e).__name__}: {str(e)[:200]})") from None
+    return ModelSize(text.model_type, sum(p.numel() for p in built.parameters()),
+                     sum(p.numel() for p in layer.parameters()), h, L, text.vocab_size, heads, kv, intermediate,
+                     shapes, tuple(sorted(shapes)) + tuple(sorted(set(linear(built)) - set(shapes))))
 
 
 @dataclass
@@ -245,7 +227,7 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     zero3 = a.ds.zero_stage == 3
     gathered = {"ZeRO-3 gathered layers": 2 * size.layer_params * 2 / GIB} if zero3 else {}
     P, D, tp = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node, a.ds.tensor_parallel_size
-    linear = size.layers * sum(i * o for i, o in size.linear_shapes().values())
+    linear = size.layers * sum(i * o for i, o in size.linear_shapes.values())
     # AutoTP: a rank holds 1/tp of every linear layer, and ZeRO shards its states over the D/tp data-parallel ranks.
     P, Z = P - linear + linear / tp, D / tp
     trained = size.lora_params(lora.rank, lora.target_modules) if lora else P
@@ -474,23 +456,19 @@ class Plan:
                     out[key], free[k] = [k] * n, free[k] - n
         return {key: out[key] for key in self.sets()}  # build order
 
-    def node_of_slots(self, gpus=None) -> list:
-        """The node of each GPU slot (None: beyond the cluster)."""
-        placed = self.place(gpus)
-        return [placed[gpu_set(self.colocate, f"{g.agent}/{g.kind}")][i] for (g, i), *_ in self.slots]
-
     def nodes(self, gpus=None) -> list:
-        """Per node that holds a GPU slot: (the node, its slots, {label: GiB of host memory its processes need})."""
-        out = {}
-        for i, (slot, node) in enumerate(zip(self.slots, self.node_of_slots(gpus))):
-            if node is None:
-                continue
+        """Per node that holds a GPU slot, in order, and last None for the slots beyond the cluster: (the node, its
+        slots' indices, {label: GiB of host memory its processes need})."""
+        placed, out = self.place(gpus), {}
+        for i, slot in enumerate(self.slots):
+            first, index = slot[0]  # a slot's groups share one GPU set, so one node
+            node = placed[gpu_set(self.colocate, f"{first.agent}/{first.kind}")][index]
             indices, need = out.setdefault(node, ([], {}))
             indices.append(i)
             for g, _ in slot:
                 for label, gib in g.host.items():
                     need[f"{g.kind} {label}"] = need.get(f"{g.kind} {label}", 0.0) + gib
-        return [(k, *out[k]) for k in sorted(out)]
+        return [(k, *out[k]) for k in sorted(out, key=lambda k: (k is None, k))]
 
     def across_nodes(self, gpus=None) -> list:
         """What crosses nodes, in words: a GPU set no node has room for (an actor group or colocated set then
@@ -515,7 +493,8 @@ class Plan:
     def host_problems(self, gpus=None) -> list:
         return [f"node {k} ({len(slots)} GPUs) needs {sum(need.values()):.0f} GiB of host memory, more than its "
                 f"{self.host_of(k):g} GiB: " + ", ".join(f"{label} {gib:.0f}" for label, gib in need.items())
-                for k, slots, need in self.nodes(gpus) if self.host_of(k) and sum(need.values()) > self.host_of(k)]
+                for k, slots, need in self.nodes(gpus)
+                if k is not None and self.host_of(k) and sum(need.values()) > self.host_of(k)]
 
     def peak(self, slot: list, phase: str) -> float:
         """What the GPU holds plus what the phase adds. Engines generate at once; a GPU's experience forwards
@@ -575,8 +554,8 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
         size = (sizes or {}).get(spec.name)
         if size is None and gpu_gib is not None:  # the memory check needs the sizes; the count check does not
             try:
-                size = model_size(read_config(spec.model))
-            except (ValueError, KeyError, OSError) as e:
+                size = model_size(spec.model)
+            except ValueError as e:
                 size = f"memory not estimated: {e}"
         known[spec.name] = (spec.model, size)
         if gpu_gib is not None and isinstance(size, ModelSize):
@@ -600,7 +579,7 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
 
 
 # A change is a list of settings (section, key, value), as the flags that make them: `--ds.adam_offload` for
-# True, `--vllm.num_engines 1` otherwise.
+# True, `without --ref.offload` for False, `--vllm.num_engines 1` otherwise.
 
 
 def flags(args, settings: list) -> str:
@@ -618,205 +597,105 @@ def with_changes(args, settings: list):
 
 
 def memory_flags(args) -> list:
-    """The memory savings OpenRLHF offers and MAPPA honours, not yet on, that cost no GPU; sleep first when
-    colocated (what colocation is for)."""
+    """The memory savings OpenRLHF offers and MAPPA honours, not yet on, that cost no GPU, in the order to try them:
+    sleep first when colocated (what colocation is for), Adam on CPU and ring attention last. Whether the launcher
+    takes one (a ring's ranks must divide the agent's GPUs and batches) is advice's `accepts`."""
+    micro = [("train", "micro_batch_size", 1), ("rollout", "micro_batch_size", 1)]
+    if args.train.dynamic_batch_enable:  # budgets replace the counts: one --data.max_len action, as a micro-batch of 1
+        micro = [(part, "max_tokens_per_gpu", args.data.max_len) for part in ("train", "rollout")
+                 if (getattr(args, part).max_tokens_per_gpu or 0) > args.data.max_len]
     out = [("vllm", "enable_sleep", True), ("ds", "enable_sleep", True)] * (args.mappa.colocate != "none")
-    out += [("actor", "gradient_checkpointing_enable", True), ("ds", "zero_stage", 3), ("train", "micro_batch_size", 1),
-            ("rollout", "micro_batch_size", 1), *[("ref", "offload", True)] * (args.algo.kl.init_coef > 0),
-            ("ds", "adam_offload", True)]
-    if args.train.dynamic_batch_enable:  # as a micro-batch of 1 without budgets: one --data.max_len action
-        longest = args.data.max_len
-        out += [(part, "max_tokens_per_gpu", longest) for part in ("train", "rollout")
-                if (getattr(args, part).max_tokens_per_gpu or 0) > longest]
+    # Last, a ring of twice the ranks on the same GPUs (each holds half of a sequence's activations and logits):
+    # it needs ring-flash-attn's kernels and halves the data-parallel ranks.
+    out += [("actor", "gradient_checkpointing_enable", True), ("ds", "zero_stage", 3), *micro,
+            *[("ref", "offload", True)] * (args.algo.kl.init_coef > 0), ("ds", "adam_offload", True),
+            ("ds", "ring_attn_size", 2 * args.ds.ring_attn_size)]
     return [(s, k, v) for s, k, v in out if getattr(getattr(args, s), k) != v]
 
 
 def colocation(args, topology, mode: str) -> list:
     """The settings of a placement: colocated, sleep on; a team's engines, all awake in the rollout, split the
-    GPU share the flags give one engine, and an engine leaving the team's GPUs takes the whole share back."""
-    out = [("mappa", "colocate", mode)] + [(s, "enable_sleep", True) for s in ("vllm", "ds") if mode != "none"]
-    n = len(trainee_specs(args, topology))
-    if (mode == "team") != (args.mappa.colocate == "team"):
-        share = args.vllm.gpu_memory_utilization * (1 / n if mode == "team" else n)
-        out.append(("vllm", "gpu_memory_utilization", min(math.floor(share * 100 + 1e-9) / 100, 0.9)))
+    GPU share the flags give one engine."""
+    out = [("mappa", "colocate", mode)] + [(s, "enable_sleep", True) for s in ("vllm", "ds")]
+    if mode == "team":
+        share = args.vllm.gpu_memory_utilization / len(trainee_specs(args, topology))
+        out.append(("vllm", "gpu_memory_utilization", math.floor(share * 100 + 1e-9) / 100))
     return out
 
 
-def has_reference(args, topology) -> bool:
-    """Some trainee has a reference group: β > 0 and not every agent LoRA (whose reference is its own base)."""
-    return args.algo.kl.init_coef > 0 and any(spec.lora is None for spec in trainee_specs(args, topology))
+def advice(args, topology, plan: Plan, gpus, allowed) -> list:
+    """What to change where the plan does not fit, as a numbered list, each change one the launcher accepts
+    (`allowed`, its own validation, and the placement's): for too few GPUs, the GPUs it needs or a placement that
+    shares them; for GPU memory, the savings not yet on, each applied on top of those above it with the peak it
+    leaves, down to the first that fits, else more GPUs; for host memory, the offloads back on the GPUs, or other
+    nodes. No layout is searched: how many more GPUs hold a model is no formula (ZeRO divides the states, a ring
+    the activations and logits, tensor parallelism an engine's weights), so `mappa plan` checks each count asked."""
+    accepts = lambda a: allowed(a) and not colocation_problems(a, topology)
+    sizes, out = {name: size for name, (_, size) in plan.sizes.items()}, []
 
+    def then(settings: list, count: bool) -> tuple:
+        """The plan with these settings in words (its GPUs where `count`, its largest GPU peak), and whether it
+        fits: wholly where `count`, else its GPU memory."""
+        changed = make_plan(with_changes(args, settings), topology, plan.gpu_gib, sizes)
+        fits = not (changed.problems(gpus) if count else changed.unfit_kinds())
+        most = max((changed.peak(slot, phase) for slot in changed.slots for phase in PHASES), default=0.0)
+        said = [f"{changed.need} GPUs"] * count + ([f"at most {most:.1f} GiB a GPU"] if changed.slots else [])
+        return ", ".join(said + ["fits"] * fits), fits
 
-def single_changes(args, topology, memory_known: bool) -> list:
-    """(settings, savings) changes of one flag or placement, smallest first (the order in docs/reference.md);
-    the savings are trimmed to those the plan needs. Another placement is proposed only where its memory can be
-    checked: it changes what every GPU holds."""
-    kl = has_reference(args, topology)
-    modes = ("agent", "team", "none") if memory_known else ()
-    placements = {mode: colocation(args, topology, mode) for mode in modes if mode != args.mappa.colocate}
-    out = [[saving] for saving in memory_flags(args)]
-    # host memory back for GPU memory: Adam and the reference's weights on the GPUs, engines awake
-    out += [[(s, k, False)] for s, k in (("ds", "adam_offload"), ("ref", "offload"), ("vllm", "enable_sleep"))
-            if getattr(getattr(args, s), k)]
-    out += [[("vllm", "num_engines", n)] for n in range(args.vllm.num_engines - 1, 0, -1)]
-    out += [[("ref", "num_gpus_per_node", n)] for n in range(args.ref.num_gpus_per_node - 1, 0, -1)] * kl
-    out += [[("actor", "num_gpus_per_node", n)] for n in range(args.actor.num_gpus_per_node - 1, 0, -1)]
-    out += placements.values()
-    out += [[("actor", "num_gpus_per_node", n)] for n in range(args.actor.num_gpus_per_node + 1, 17)]
-    out += [[("ref", "num_gpus_per_node", n)] for n in range(args.ref.num_gpus_per_node + 1, 9)] * kl
-    # A sequence split over the ranks of a ring, on at least as many GPUs
-    for ring in [r for r in (2, 4, 8) if memory_known and r > args.ds.ring_attn_size]:
-        whole = lambda n: math.ceil(n / ring) * ring
-        out.append([("ds", "ring_attn_size", ring), ("actor", "num_gpus_per_node", whole(args.actor.num_gpus_per_node)),
-                    *[("ref", "num_gpus_per_node", whole(args.ref.num_gpus_per_node))] * kl])
-    out += [[("vllm", "tensor_parallel_size", n)] for n in (2, 4, 8) if n > args.vllm.tensor_parallel_size]
-    out = [(change, []) for change in out]
-    if len(memory_flags(args)) > 1:
-        out.append(([], memory_flags(args)))
-    return out + [(p, memory_flags(with_changes(args, p))) for mode, p in placements.items() if mode != "none"]
-
-
-def batch_fits(args, topology) -> bool:
-    """train.batch_size splits into whole micro-batches on every trainee's actor ranks (validate's rule)."""
-    micro = (args.train.micro_batch_size, args.rollout.micro_batch_size)
-    for spec in trainee_specs(args, topology):
-        a = agent_args(args, spec)
-        group, gpus = a.ds.ring_attn_size * a.ds.tensor_parallel_size, a.actor.num_nodes * a.actor.num_gpus_per_node
-        if gpus % group or any(args.train.batch_size % (m * gpus // group) for m in micro):  # a group shares them
-            return False
-    return True
-
-
-def fits(args, topology, gpus, gpu_gib, sizes) -> bool:
-    return batch_fits(args, topology) and not make_plan(args, topology, gpu_gib, sizes).problems(gpus)
-
-
-def trim(args, topology, gpus, gpu_gib, sizes, settings: list, savings: list) -> list:
-    """The savings that the plan with these settings still needs: each dropped that it fits without."""
-    kept = list(savings)
-    for saving in savings:
-        rest = [s for s in kept if s != saving]
-        if fits(with_changes(args, settings + rest), topology, gpus, gpu_gib, sizes):
-            kept = rest
-    return kept
-
-
-def fewest_gpus(args, topology, gpu_gib: float, sizes: dict, allowed=lambda a: True):
-    """(GPUs, flags) of the smallest layout that fits (None: no count up to 16), over each placement and ring-attention
-    size, with the flags as given or the memory savings it needs (a tie keeps the smaller ring, then the one without
-    sleep). On GPUs of their own: one engine per agent, the fewest actor and reference GPUs and the smallest
-    tensor-parallel size that hold the model; colocated, the fewest GPUs per agent that hold one rank of each.
-    `allowed`: whether the launcher accepts the flags of a layout (check)."""
-    kl = has_reference(args, topology)
-    tp_sizes = (1,) if any(spec.lora for spec in topology.agents) else (1, 2, 4, 8)  # a LoRA pool's engines: TP 1
-    found = []
-    for ring in sorted({args.ds.ring_attn_size, 2, 4, 8}):  # an agent's GPU counts are whole rings
-        counts = range(ring, 17, ring)
-        for savings in ([], memory_flags(args)):
-            for mode in ("none", "agent", "team"):
-                moves = colocation(args, topology, mode) + [("ds", "ring_attn_size", ring)]
-                if mode == "none":  # each component's count in turn, smallest first; the rest as far as found
-                    moves.append(("vllm", "num_engines", 1))
-                    steps = [({"actor"}, [("actor", "num_gpus_per_node")], counts)]
-                    steps += [({"reference"}, [("ref", "num_gpus_per_node")], counts)] * kl
-                    steps += [({"vllm"}, [("vllm", "tensor_parallel_size")], tp_sizes)]
-                else:  # one rank of each per GPU: the three counts together
-                    moves.append(("vllm", "tensor_parallel_size", 1))
-                    keys = [("actor", "num_gpus_per_node"), *[("ref", "num_gpus_per_node")] * kl,
-                            ("vllm", "num_engines")]
-                    steps = [({"actor", "reference", "vllm"}, keys, counts)]
-                for kinds, keys, options in steps:
-                    for n in options:
-                        step = [(s, k, n) for s, k in keys]
-                        a = with_changes(args, savings + moves + step)
-                        if batch_fits(a, topology) and not make_plan(a, topology, gpu_gib, sizes).unfit_kinds() & kinds:
-                            moves += step
-                            break
-                    else:
-                        break  # no count fits this component: try again with the memory savings
-                else:
-                    if fits(with_changes(args, savings + moves), topology, None, gpu_gib, sizes):
-                        kept = trim(args, topology, None, gpu_gib, sizes, moves, savings) + moves
-                        if allowed(with_changes(args, kept)):
-                            found.append((make_plan(with_changes(args, kept), topology).need, flags(args, kept)))
-    return min(found, key=lambda f: f[0], default=None)
+    if gpus is not None and plan.need > total(gpus):
+        out.append(f"a cluster of {plan.need} GPUs, or fewer GPUs per agent (--actor.num_gpus_per_node, "
+                   f"--ref.num_gpus_per_node, --vllm.num_engines)")
+        for mode in ("agent", "team")[("none", "agent", "team").index(plan.colocate):]:
+            shared = colocation(args, topology, mode)
+            if accepts(with_changes(args, shared)):
+                out.append(f"or {flags(args, shared)}: {then(shared, count=True)[0]}")
+    if plan.unfit_kinds():
+        applied, fits = [], False
+        for saving in memory_flags(args):
+            if fits or not accepts(with_changes(args, applied + [saving])):
+                continue
+            said, fits = then(applied + [saving], count=False)
+            out.append(f"{'then ' * bool(applied)}{flags(args, [saving])}: {said}")
+            applied.append(saving)
+        if not fits:
+            out.append(f"{'or ' * bool(out)}more GPUs: more actor and reference ranks shard ZeRO's states "
+                       f"(--actor.num_gpus_per_node, --ref.num_gpus_per_node), a ring of r ranks holds 1/r of each "
+                       f"sequence's activations and logits (--ds.ring_attn_size r), tensor-parallel engines split "
+                       f"their weights (--vllm.tensor_parallel_size); `mappa plan` checks each count")
+    if plan.host_problems(gpus):
+        for s, k in (("ref", "offload"), ("ds", "adam_offload"), ("vllm", "enable_sleep")):
+            if getattr(getattr(args, s), k) and accepts(with_changes(args, [(s, k, False)])):
+                out.append(f"{'or ' * bool(out)}without --{s}.{k} (host memory back for GPU memory): "
+                           f"{then([(s, k, False)], count=True)[0]}")
+        most = max(sum(need.values()) for k, _, need in plan.nodes(gpus) if k is not None)
+        out.append(f"{'or ' * bool(out)}nodes with at least {math.ceil(most)} GiB of host memory, or fewer GPUs per "
+                   f"node (--mappa.gpus_per_node, with more nodes)")
+    return ["What to change, in this order:"] * bool(out) + [f"  {i}. {line}" for i, line in enumerate(out, 1)]
 
 
 def check(args, topology, gpus, gpu_gib: float = None, sizes: dict = None, allowed=lambda a: True) -> Plan:
-    """The plan, or ValueError naming what does not fit and the smallest change that would. `gpus`: the
-    cluster's count (in nodes of --mappa.gpus_per_node), or each node's (Ray's). `allowed`: whether the launcher
-    accepts changed flags (train_mappa_ray.accepted), so that no change named is one it would then refuse (sleep
-    for a trained coach, colocation under async)."""
+    """The plan, or ValueError naming what does not fit and what to change (advice). `gpus`: the cluster's count
+    (in nodes of --mappa.gpus_per_node), or each node's (Ray's). `allowed`: whether the launcher accepts changed
+    flags (train_mappa_ray.accepted), so that no change named is one it would then refuse (sleep for a trained
+    coach, colocation under async)."""
     plan = make_plan(args, topology, gpu_gib, sizes)
     problems = plan.problems(gpus)
     if not problems:
         return plan
-    sizes = {name: size for name, (_, size) in plan.sizes.items()}  # read once for the search below
     cluster = f"{total(gpus) if gpus is not None else 'the'}{f' x {gpu_gib:g} GiB' if gpu_gib else ''} GPUs"
     lines = [f"the plan does not fit {cluster}:"] + [f"  - {p}" for p in problems]
-    fixes = []
-    for change, savings in single_changes(args, topology, memory_known=gpu_gib is not None):
-        if fits(with_changes(args, change + savings), topology, gpus, gpu_gib, sizes):
-            settings = change + trim(args, topology, gpus, gpu_gib, sizes, change, savings)
-            fix = flags(args, settings)
-            fixes += [fix] * (fix not in fixes and allowed(with_changes(args, settings)))
-            if len(fixes) == 3:
-                break
-    if fixes:
-        others = f" (others: {'; '.join(fixes[1:])})" if fixes[1:] else ""
-        lines.append(f"Smallest change that fits: {fixes[0]}{others}")
-    elif plan.host_problems(gpus):
-        most = max(sum(need.values()) for _, _, need in plan.nodes(gpus))
-        lines.append(f"Smallest change that fits: nodes with at least {math.ceil(most)} GiB of host memory, or fewer "
-                     f"GPUs per node (--mappa.gpus_per_node, with more nodes)")
-    elif gpu_gib is None:  # colocation: the placements that share more GPUs than the one asked for
-        modes = {"none": ["agent", "team"], "agent": ["team"], "team": []}[args.mappa.colocate]
-        modes = [m for m in modes if allowed(with_changes(args, colocation(args, topology, m)))]
-        shared = f", or colocation ({' or '.join(f'--mappa.colocate {m}' for m in modes)} --vllm.enable_sleep " \
-                 f"--ds.enable_sleep)" if modes else ""
-        lines.append(f"Smallest change that fits: a cluster of {plan.need} GPUs, or fewer GPUs per agent "
-                     f"(--actor.num_gpus_per_node, --ref.num_gpus_per_node, --vllm.num_engines){shared}")
-    else:
-        fewest = fewest_gpus(args, topology, gpu_gib, sizes, allowed)
-        if fewest is None:
-            lines.append("No layout fits: some model does not fit even 16 GPUs of this size with every memory "
-                         "saving on, on GPUs of its own or colocated")
-        elif gpus is not None and fewest[0] <= total(gpus):
-            lines.append(f"Smallest change that fits: {fewest[1]} ({fewest[0]} GPUs)")
-        else:
-            n, found = fewest
-            lines.append(f"Smallest change that fits: more GPUs. This team needs at least {n} GPUs of {gpu_gib:g} "
-                         f"GiB: {found}" + (f"; as configured, {plan.need}" if plan.need != n else ""))
-    raise ValueError("\n".join(lines))
-
-
-def least_gpu_memory(args, topology, most: float = 1024.0) -> tuple:
-    """(GiB, unknown): the least memory per GPU, to 0.1 GiB, the memory check accepts (None: not even `most`),
-    and the agents of unknown model size it leaves out. Bisection is sound: an engine takes a share of whatever
-    the GPU has, so a GPU's peak grows with its size, but slower, and a plan that fits one size fits larger."""
-    plan = make_plan(args, topology, most)
-    sizes = {name: size for name, (_, size) in plan.sizes.items()}  # config.json read once
-    unknown = [f"{name} ({model}): {size}" for name, (model, size) in plan.sizes.items() if isinstance(size, str)]
-    fits = lambda gib: not make_plan(args, topology, gib, sizes).unfit_kinds()
-    if plan.unfit_kinds():  # not even at `most`
-        return None, unknown
-    low, high = 0, round(most * 10)  # in tenths of a GiB; no GPU holds anything in 0 GiB
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (low, mid) if fits(mid / 10) else (mid, high)
-    return high / 10, unknown
+    raise ValueError("\n".join(lines + advice(args, topology, plan, gpus, allowed)))
 
 
 def format_plan(plan: Plan, gpus=None) -> str:
     """The table (node, GPU, what it holds, GiB per phase) and, per agent, what the numbers are made of."""
     out = [f"{'node':>4} {'GPU':>4}  {'holds':<50}" + "".join(f"{p:>11}" for p in PHASES) + "   (GiB, peak per phase)"]
-    listed = {}  # node -> its GPUs listed so far
-    for node, i in sorted(((k, i) for i, k in enumerate(plan.node_of_slots(gpus))), key=lambda x: (x[0] is None, x)):
-        slot, local = plan.slots[i], listed.get(node, 0)
-        listed[node] = local + 1
-        where = f"{node:>4} {local:>4}" if node is not None else f"{'-':>4} {'-':>4}"
-        mark = "  <- beyond the cluster's GPUs" if node is None else ""
-        out.append(f"{where}  {slot_label(slot):<50}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES) + mark)
+    for node, indices, _ in plan.nodes(gpus):
+        for local, slot in enumerate(plan.slots[i] for i in indices):
+            where = f"{node:>4} {local:>4}" if node is not None else f"{'-':>4} {'-':>4}"
+            mark = "  <- beyond the cluster's GPUs" if node is None else ""
+            out.append(f"{where}  {slot_label(slot):<50}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES)
+                       + mark)
     if not plan.slots:  # GPU memory not known: the counts only, and which of them share GPUs
         placed = plan.place(gpus)
         on = lambda nodes: "beyond the cluster" if None in nodes else (
@@ -832,7 +711,7 @@ def format_plan(plan: Plan, gpus=None) -> str:
         turns = "the largest agent's (they train and sync in turn)" if plan.colocate == "team" else "its agent's"
         out.append(f"A shared GPU holds what its models keep plus what the phase adds: every engine's in the rollout,\n"
                    f"the largest forward's in the experience phase, {turns} in train and sync")
-    for k, slots, need in plan.nodes(gpus):  # host memory: offloaded states, sleeping engines' weights
+    for k, slots, need in [node for node in plan.nodes(gpus) if node[0] is not None]:  # offloads, sleeping engines
         of = f" of its {plan.host_of(k):g}" if plan.host_of(k) else " (not checked: --mappa.host_memory_gib)"
         out.append(f"host memory, node {k} ({len(slots)} GPUs): {sum(need.values()):.1f} GiB{of}: "
                    + ", ".join(f"{label} {gib:.1f}" for label, gib in need.items()))

@@ -131,21 +131,11 @@ def check_model(model: str, label: str) -> None:
 
 def check_lora(spec: AgentSpec, label: str) -> None:
     """Refuse, before any cluster starts, LoRA target modules the model lacks (peft would fail inside a Ray actor
-    minutes later): the dense families' linear layers come from config.json, another model's from a meta build."""
+    minutes later): its linear layers from a meta-device build (placement.model_size)."""
     if spec.lora is None or spec.lora.target_modules == ("all-linear",):
         return
-    config = placement.read_config(spec.model)
-    if config.get("model_type") in placement.DENSE_TYPES:
-        linear = sorted(placement.model_size(config).linear_shapes()) + ["lm_head"]
-    else:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.model, trust_remote_code=True),
-                                                     trust_remote_code=True)
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-    missing = [t for t in spec.lora.target_modules if t not in linear]
+    size = placement.model_size(spec.model)
+    missing = [t for t in spec.lora.target_modules if t not in size.linear_names]
     if missing:
         raise ValueError(f"{label}: lora target_modules {missing} are not linear layers of {spec.model} "
-                         f"({config.get('model_type')}); its linear layers: {', '.join(linear)} (or all-linear)")
+                         f"({size.kind}); its linear layers: {', '.join(size.linear_names)} (or all-linear)")

@@ -543,7 +543,7 @@ def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
     message = facts["refused"]
     assert "not enough GPUs" in message and "need 4 GPUs" in message and "has 2" in message
     assert "a/actor: 1" in message and "a/vllm: 1" in message and "b/actor: 1" in message and "b/vllm: 1" in message
-    assert "Smallest change that fits: a cluster of 4 GPUs" in message and "MAPPA_CPU_NUM_GPUS" in message
+    assert "What to change, in this order:\n  1. a cluster of 4 GPUs" in message and "MAPPA_CPU_NUM_GPUS" in message
     printed = facts["printed"]
     assert "placement plan for 2 GPUs (GPU memory not known here" in printed
     assert "total: 2 GPUs of the cluster's 2 on 2 nodes" in printed

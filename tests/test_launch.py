@@ -186,7 +186,7 @@ def test_gpu_script_submits_absolute_paths_and_declares_its_gpus(tmp_path, scrip
                    (a.vllm_num_engines or args.vllm.num_engines) * args.vllm.tensor_parallel_size) for a in topology.agents)
     assert need == 6
     # And they fit in memory on one node of 8 GPUs of 80 GiB (Qwen3-4B's sizes from its config, test_placement.py).
-    size = placement.model_size(json.loads((ROOT / "tests" / "fixtures" / "qwen3-4b" / "config.json").read_text()))
+    size = placement.model_size(str(ROOT / "tests" / "fixtures" / "qwen3-4b"))
     assert {a.model for a in topology.agents} == {"Qwen/Qwen3-4B"}
     assert placement.check(args, topology, 8, 80.0, sizes={a.name: size for a in topology.agents}).need == need
     assert f"this recipe needs {need} GPUs in the Ray cluster" in proc.stdout
@@ -231,12 +231,17 @@ def cli(cwd, argv, case, **env):
     return proc
 
 
-def assert_refused(proc, case, message):
+def assert_refused(proc, case, message, heavy=HEAVY):
+    """Refused with `message`, before Ray starts and before the `heavy` modules load (a refusal that reads a
+    model's shapes builds it on the meta device: torch and transformers, never Ray, vLLM or DeepSpeed)."""
     assert proc.returncode != 0, (case, proc.stdout[-2000:])
     assert message in proc.message, (case, proc.message[-3000:])
     assert "Traceback" not in proc.message
     assert "Started a local Ray instance" not in proc.stdout + proc.message
-    assert not {m.split(".")[0] for m in proc.imported} & HEAVY  # refused before torch, Ray, vLLM even load
+    assert not {m.split(".")[0] for m in proc.imported} & heavy  # refused before torch, Ray, vLLM even load
+
+
+SHAPES = HEAVY - {"torch", "transformers"}  # what a refusal that reads a model's shapes loads none of
 
 
 def test_relative_model_path_that_does_not_exist(workdir):
@@ -301,7 +306,7 @@ def test_lora_target_modules_tensor_parallel_pools_and_4bit_without_lora_are_ref
     write_topology(workdir, lora={"rank": 8, "target_modules": ["q_proj", "qkv"]})
     proc = cli(workdir, GOOD, "lora target")
     assert_refused(proc, "lora target", "t.yaml: agent 'solver': lora target_modules ['qkv'] are not linear layers of model "
-                                        "(qwen3); its linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj")
+                                        "(qwen3); its linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj", SHAPES)
     write_topology(workdir, lora={"rank": 8})
     proc = cli(workdir, GOOD + ["--vllm.tensor_parallel_size", "2"], "lora tensor parallel")
     assert_refused(proc, "lora tensor parallel", "agents solver declare lora: their pool's engines take one GPU each")
@@ -552,11 +557,11 @@ def test_launch_with_the_cluster_given_refuses_a_plan_that_cannot_fit(workdir):
     write_topology(workdir)
     proc = cli(workdir, GOOD + ["--ref.num_gpus_per_node", "1", "--mappa.gpus", "1", "--mappa.gpu_memory_gib", "80"], "plan: too few GPUs")
     assert_refused(proc, "plan: too few GPUs", "[mappa] the plan does not fit 1 x 80 GiB GPUs:\n  - not enough GPUs: "
-                   "the requested actor groups and vLLM engines need 3 GPUs but the cluster has 1")
+                   "the requested actor groups and vLLM engines need 3 GPUs but the cluster has 1", SHAPES)
     proc = cli(workdir, GOOD + ["--ref.num_gpus_per_node", "1", "--mappa.gpus", "3", "--mappa.gpu_memory_gib", "80", "--data.max_len", "8192"],
                "plan: too little memory")
-    assert_refused(proc, "plan: too little memory", "GPU 0 (solver actor rank 0/1) needs")
-    assert "Smallest change that fits: --actor.gradient_checkpointing_enable" in proc.message
+    assert_refused(proc, "plan: too little memory", "GPU 0 (solver actor rank 0/1) needs", SHAPES)
+    assert "What to change, in this order:\n  1. --actor.gradient_checkpointing_enable: at most" in proc.message
 
 
 def test_colocation_flags_map_onto_each_other():

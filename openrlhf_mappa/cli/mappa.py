@@ -16,8 +16,8 @@ from openrlhf_mappa.cli.train_mappa_ray import COUNT, NONNEGATIVE_INT, POSITIVE,
 # `mappa plan` and `mappa doctor` take train_mappa_ray's flags (parse_args): their help, in `mappa --help` and theirs.
 PLAN_HELP = ("which GPU holds which agent's actor, reference and engines, and the memory each needs per phase; takes "
              "train_mappa_ray's flags, the cluster as --mappa.gpus N --mappa.gpu_memory_gib G (default: this "
-             "machine's GPUs; with no GPU here and no --mappa.gpu_memory_gib: the GPU counts, and the least GPU memory "
-             "the plan needs); exit 1 when it does not fit")
+             "machine's GPUs; with no GPU here and no --mappa.gpu_memory_gib: the GPU counts); exit 1 when it does "
+             "not fit, with what to change, in order")
 EVAL_HELP = ("evaluate a team on task files: pass@1 accuracy or DSBench scores, and behaviour; takes train_mappa_ray's "
              "flags: --mappa.topology, the task files as --eval.dataset F[,F...], --eval.n_samples_per_prompt and "
              "--eval.temperature, --rollout.max_new_tokens and --rollout.top_p, --data.max_len, --vllm.* (engines per "
@@ -234,7 +234,7 @@ def merge_lora_main(args):
 
 def plan_main(argv) -> int:
     """`mappa plan`: the launch's plan and check without a cluster, on this machine's GPUs unless given; with no
-    GPU memory known, the counts are checked (as the launcher does) and the least GPU memory needed is said."""
+    GPU memory known, the counts are checked (as the launcher does)."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.cli.train_mappa_ray import accepted, check_models, parse_args, validate
     from openrlhf_mappa.team import load_topology
@@ -268,16 +268,7 @@ def plan_main(argv) -> int:
     if gib is not None:
         print(verdict)
         return 0
-    least, unknown = placement.least_gpu_memory(args, topology)
-    if least is None:
-        print("\nREFUSED: no GPU of up to 1024 GiB holds this plan (give --mappa.gpu_memory_gib G to see what does "
-              "not fit and the smallest change that would)")
-        return 1
     print(f"{verdict} by count; GPU memory not checked: there is no GPU on this machine and no --mappa.gpu_memory_gib")
-    if len(unknown) < len(plan.sizes):
-        print(f"It needs GPUs of at least {least:g} GiB")
-    for agent in unknown:
-        print(f"Not counted: {agent}")
     print("Give --mappa.gpu_memory_gib G (one GPU's memory in GiB, as `nvidia-smi --query-gpu=memory.total "
           "--format=csv` reports it; an 80 GB card: 79.6) for each GPU's memory per phase and the memory check")
     return 0
@@ -373,7 +364,7 @@ def recipe_team(args) -> tuple:
 def eval_inputs(args):
     """`mappa eval`'s every input, checked before vLLM and Ray load: (topology, agent -> model, agent -> its
     adapter's config for a LoRA agent's export, dataset -> tasks, the grading coach or None)."""
-    from openrlhf_mappa.cli.train_mappa_ray import validate_token_limits
+    from openrlhf_mappa.cli.train_mappa_ray import lora_engines_tp, validate_token_limits
     from openrlhf_mappa.episode import read_record
     from openrlhf_mappa.evaluation import load_eval_sets
     from openrlhf_mappa.team import check_model, load_topology
@@ -404,8 +395,8 @@ def eval_inputs(args):
     for name, model in models.items():
         base = f" (the base of its adapter {adapters[name]['dir']})" if name in adapters else ""
         check_model(model, f"agent {name!r}{base}")
-    if adapters and args.vllm.tensor_parallel_size != 1:
-        raise ValueError("LoRA adapters are served by engines of --vllm.tensor_parallel_size 1")
+    if adapters and (why := lora_engines_tp(args.vllm.tensor_parallel_size)):
+        raise ValueError(f"LoRA adapters ({', '.join(adapters)}): {why}")
     datasets = load_eval_sets(args.eval.dataset.split(","), args.limit)
     topology.check_env([t for tasks in datasets.values() for t in tasks], args.mappa.topology)
     out_file(args.out, "--out")

@@ -521,9 +521,8 @@ def validate(args, topology):
         if args.ds.param_dtype != "bf16":
             raise SystemExit(f"--ds.load_in_4bit computes in bf16 (OpenRLHF's bitsandbytes config): use "
                              f"--ds.param_dtype bf16, not {args.ds.param_dtype}")
-    if lora and args.vllm.tensor_parallel_size > 1:
-        raise SystemExit(f"agents {', '.join(lora)} declare lora: their pool's engines take one GPU each "
-                         f"(--vllm.tensor_parallel_size 1; tensor-parallel LoRA engines are not built)")
+    if lora and (why := lora_engines_tp(args.vllm.tensor_parallel_size)):
+        raise SystemExit(f"agents {', '.join(lora)} declare lora: {why}")
     if lora and args.train.async_enable and args.vllm.enable_prefix_caching:
         # Under async a pool's engines keep serving while an adapter reloads: vLLM's prefix-cache reset then does
         # nothing (other requests hold blocks), and the cache is keyed by the adapter's name, which a reload keeps.
@@ -554,6 +553,15 @@ def validate_token_limits(args, topology) -> None:
                      else "--rollout.max_new_tokens")
             raise SystemExit(f"{where} ({limit}) must be below --data.max_len ({args.data.max_len}), which holds the "
                              f"prompt and the reply together: no prompt would fit, and every action would be skipped")
+
+
+def lora_engines_tp(tp: int) -> str:
+    """The rule that LoRA engines take one GPU each, for the topology's LoRA agents (validate) and exported adapters
+    (`mappa eval`): why `tp` breaks it, or '' where it does not."""
+    if tp == 1:
+        return ""
+    return ("their pool's engines take one GPU each (--vllm.tensor_parallel_size 1; tensor-parallel LoRA engines are "
+            "not built)")
 
 
 # The coach flags an LLM coach reads (openai, and trained: its own model and its reference judge's server). Given to
