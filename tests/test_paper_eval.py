@@ -290,7 +290,9 @@ def test_dsbench_script_refuses_unimported_tasks_and_other_metadata(tmp_path):
     assert proc.returncode == 1 and not submitted  # the checkout has no imported tasks
     assert (f"{REPO}/data/dsbench/tasks.jsonl is missing: import the tasks of the authors' dsbench_modeling_train.json"
             f" from DSBench's data, mappa dsbench import --data-root DIR --metadata {data}/dsbench_modeling_train.json "
-            f"--out {REPO}/data/dsbench") in proc.stderr
+            f"--out {REPO}/data/dsbench (README, DSBench), with the authors' data/Bench/dsbench_modeling_cleaned_prompts"
+            f".json (the agents' task text, SHA-256 fa5de59bab19296a1e4eed3305a594daa60bc3f199a8462653a3c4b6fbc44fdc) "
+            f"beside the metadata") in proc.stderr
     (data / "dsbench_modeling_eval.json").write_text("{}\n")
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("{}\n")

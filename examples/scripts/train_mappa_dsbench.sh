@@ -14,8 +14,9 @@
 # steps, 4 samples each at T 0.6, as the authors). Download DSBench's data yourself, then
 #   mappa dsbench import --data-root DIR --metadata data/dsbench_modeling_train.json --out data/dsbench
 #   mappa dsbench import --data-root DIR --metadata data/dsbench_modeling_eval.json --out data/dsbench-eval
-# (DIR holds data_resplit/ and answers/; metadata rows as in mappa-bench's dsbench_modeling_*.json; tasks
-# whose files are missing or whose metric is not implemented are skipped and named). Offline, without DSBench:
+# (DIR holds data_resplit/ and answers/; metadata rows as in mappa-bench's dsbench_modeling_*.json; the agents get
+# the authors' cleaned task text from data/dsbench_modeling_cleaned_prompts.json beside it, or --task-text raw;
+# tasks whose files are missing are skipped and named). Offline, without DSBench:
 #   mappa dsbench make-pack data/dsbench-offline   and   MAPPA_TRAIN_DATA=$PWD/data/dsbench-offline/tasks.jsonl
 # The coach is the authors': Gemini 2.5 Pro (thinking, temperature 0, free text) through Google's
 # OpenAI-compatible endpoint (export GEMINI_API_KEY=...), up to 300 s a request: a thinking coach on 16K-token
