@@ -434,5 +434,6 @@ def test_a_trained_coachs_verdicts_train_the_team_within_the_staleness_bound_onl
     actions = [a for line in open(tmp_path / "run" / "episodes.jsonl") for a in json.loads(line)["actions"]]
     assert [(a["verdict"]["score"], a["verdict"]["version"], a["stale"]) for a in actions] == [
         (7.0, 3 - behind, not fresh)] * 4
-    assert [m[f"agent/{name}/trained_actions"] for name in ("solver", "coder", "coach")] == [2 * fresh] * 2 + [4 * fresh]
-    assert (m["agent/solver/updated"], m["agent/coach/updated"], m["coach/stale_left_out"]) == (fresh, fresh, 4 * (not fresh))
+    trained = [m[f"agent/{name}/trained_actions"] for name in ("solver", "coder", "coach")]
+    assert trained == ([2, 2, 4] if fresh else [0, 0, 0]) and m["coach/stale_left_out"] == (0 if fresh else 4)
+    assert (m["agent/solver/updated"], m["agent/coach/updated"]) == (fresh, fresh)
