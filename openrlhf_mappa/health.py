@@ -10,6 +10,7 @@ import time
 import ray
 from tqdm import tqdm
 
+from openrlhf_mappa.coach.audit import CoachFailure, check_failures
 from openrlhf_mappa.console import console
 from openrlhf_mappa.launch import components
 
@@ -160,16 +161,60 @@ def untrained_reasons(agents: list, owner: dict, episodes: list, dropped: dict, 
     return out
 
 
-def env_failures(step: int, episodes: list, limit: float, run_dir: str):
-    """Say how many of the step's episodes ended with an exception in the environment; the message that stops
-    the run when more did than `limit` (--mappa.env.max_failure_fraction), else None."""
-    failed = [ep for ep in episodes if ep.env_error]
-    if not failed:  # contained by the rollout: each is a failed episode that trains nothing (rollout.run_episode)
+class StopRules:
+    """Every rule that stops a run which cannot usefully go on, each message with the reason and the flag that
+    changes it. A step's own failure (its environment raised in too many episodes, its coach failed too often) stops
+    it before its metrics and its checkpoint (`failed`); a run that stopped learning (no agent trained for
+    --mappa.max_untrained_steps steps in a row, a trained coach drifted from its reference) once the step is logged
+    (`stop_reason`). `team`: the agents that train (launch.owners), `owner`: who trains each agent's actions."""
+
+    def __init__(self, mappa, run_dir: str, coach, scored: bool, team: list, owner: dict):
+        self.mappa, self.run_dir, self.coach, self.scored, self.team, self.owner = (
+            mappa, run_dir, coach, scored, team, owner)
+        self.trained_coach = getattr(coach, "agent", None) is not None
+        self.untrained_steps = 0  # steps in a row in which no agent trained
+
+    def env_failures(self, step: int, episodes: list):
+        """Say how many of the step's episodes ended with an exception in the environment; the message that stops
+        the run when more did than --mappa.env.max_failure_fraction, else None. Known as the agents are done."""
+        failed, limit = [ep for ep in episodes if ep.env_error], self.mappa.env.max_failure_fraction
+        if not failed:  # contained by the rollout: each is a failed episode that trains nothing (rollout.run_episode)
+            return None
+        said = (f"{len(failed)} of {len(episodes)} episodes ended with an exception in the environment (they "
+                f"train nothing). First: {failed[0].env_error}")
+        tqdm.write(f"[mappa] step {step}: {said}", file=console.err)
+        if len(failed) / len(episodes) > limit:
+            return (f"step {step}: {said}. That is more than --mappa.env.max_failure_fraction {limit:g} of them; the "
+                    f"step's episodes are in {self.run_dir}/episodes.jsonl.")
         return None
-    said = (f"{len(failed)} of {len(episodes)} episodes ended with an exception in the environment (they "
-            f"train nothing). First: {failed[0].env_error}")
-    tqdm.write(f"[mappa] step {step}: {said}", file=console.err)
-    if len(failed) / len(episodes) > limit:
-        return (f"step {step}: {said}. That is more than --mappa.env.max_failure_fraction {limit:g} of them; the "
-                f"step's episodes are in {run_dir}/episodes.jsonl.")
-    return None
+
+    def failed(self, step: int, episodes: list, coach_metrics: dict, env_stop: str):
+        """The step's own failure, once every verdict is in: RunStopped for its environment's (env_failures),
+        CoachFailure when more than --mappa.coach.max_failure_fraction of the verdicts paid for failed; else None.
+        A trained coach's parse errors never stop the run: its format term trains them away."""
+        if env_stop:
+            return RunStopped(env_stop)
+        if not self.scored or self.trained_coach:
+            return None
+        try:
+            check_failures(episodes, coach_metrics, self.mappa.coach.max_failure_fraction)
+        except CoachFailure as e:
+            return CoachFailure(f"step {step}: {e} The step's episodes are in {self.run_dir}/episodes.jsonl.")
+        return None
+
+    def stop_reason(self, step: int, episodes: list, dropped: dict, learned: set, metrics: dict):
+        """After the step's updates: say on the console why each agent that trained on no action did not
+        (untrained_reasons); the message that stops the run after --mappa.max_untrained_steps such steps in a row
+        for every agent (not counting a trained coach's --mappa.coach.warmup_steps), or when a trained coach's
+        held-out agreement fell (its agreement_stop); else None. `learned`: the agents with a row that has a loss."""
+        untrained = untrained_reasons([ag for ag in self.team if ag.spec.name not in learned], self.owner, episodes,
+                                      dropped, self.mappa.train_truncated)
+        for name, why in untrained.items():
+            tqdm.write(f"[mappa] step {step}: agent {name!r} trained on nothing: {why}", file=console.err)
+        counted = len(untrained) == len(self.team) and step > self.mappa.coach.warmup_steps
+        self.untrained_steps = self.untrained_steps + 1 if counted else 0
+        most = self.mappa.max_untrained_steps
+        if most and self.untrained_steps >= most:
+            return (f"no agent trained in {self.untrained_steps} steps in a row (--mappa.max_untrained_steps {most}); "
+                    f"at step {step}, " + "; ".join(f"agent {n!r}: {why}" for n, why in untrained.items()))
+        return self.coach.agreement_stop(step, metrics) if self.trained_coach else None

@@ -51,13 +51,6 @@ import torch
 
 from openrlhf_mappa.episode import Episode
 
-REWARD_MODES = ("process", "outcome")
-# What each --mappa.norm_scope does, decided here only: (R normalized within its prompt group first,
-# advantages whitened over the whole team's batches instead of each agent's).
-NORM_SCOPES = {"agent": (False, False), "global": (False, True), "group": (True, False)}
-FAILURE_POLICIES = ("skip", "outcome", "neutral")
-BATCH_SEMANTICS = ("authors", "usable")
-
 
 def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip", neutral_score: float = 5.0,
                    scale: float = 1.0, train_truncated: bool = False, standardize_task_type: bool = False,
@@ -72,16 +65,8 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
     that never ended; unless train_truncated), a stale one and every action of an episode whose environment raised
     are left out; with batch_semantics "authors" a truncated or unscored action is a zero-loss row instead
     (`zero_loss`), a truncated one with its reward (module docstring). Either way it is not `trainable`.
+    The string arguments are the flags' values, which argparse's choices have checked.
     """
-    if mode not in REWARD_MODES:
-        raise ValueError(f"unknown reward mode {mode!r}; expected one of {REWARD_MODES}")
-    if on_failure not in FAILURE_POLICIES:
-        raise ValueError(f"unknown coach failure policy {on_failure!r}; expected one of {FAILURE_POLICIES}")
-    if norm_scope not in NORM_SCOPES:
-        raise ValueError(f"unknown normalization scope {norm_scope!r}; expected one of {tuple(NORM_SCOPES)}")
-    if batch_semantics not in BATCH_SEMANTICS:
-        raise ValueError(f"unknown batch semantics {batch_semantics!r}; expected one of {BATCH_SEMANTICS}")
-
     zero_loss = batch_semantics == "authors"
     left_out_by_status, fallback, truncated_by_agent, stale_by_agent = {}, 0, {}, {}
     u = {}  # id(action) -> its score on [0, 1], for dynamic_filter
@@ -116,8 +101,7 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
     filtered = dynamic_filter(episodes, u, filter_range) if filter_range is not None else {}
     if standardize_task_type and mode == "process":
         standardize_by_task_type(episodes)
-    per_prompt_R, _ = NORM_SCOPES[norm_scope]
-    if per_prompt_R:
+    if norm_scope == "group":  # R normalized within its prompt's group first (the GRPO-style baseline)
         group_normalize(episodes)
     trainable = sum(a.reward is not None and not a.zero_loss for ep in episodes for a in ep.actions)
     return {"trainable": trainable, "left_out": sum(left_out_by_status.values()),
@@ -320,9 +304,6 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef, scope: str = 
     "agent" and "group" whiten each agent's batches together (the authors' code; "group" after group_normalize,
     as the authors' group_norm, unlike upstream OpenRLHF's), "global" all agents' (the paper's wording).
     """
-    if scope not in NORM_SCOPES:
-        raise ValueError(f"unknown normalization scope {scope!r}; expected one of {tuple(NORM_SCOPES)}")
-
     rows = {}  # id(batch) -> (its rows in the whitening statistics, its rows that train), each (B,)
     for name, batches in batches_by_agent.items():
         beta = kl_coef[name] if isinstance(kl_coef, dict) else kl_coef
@@ -336,8 +317,10 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef, scope: str = 
             rows[id(b)] = (torch.tensor([a.reward is not None for a in of]) if of else everyone,
                            torch.tensor([not a.zero_loss for a in of]) if of else everyone)
 
-    _, over_team = NORM_SCOPES[scope]
-    groups = [sum(batches_by_agent.values(), [])] if over_team else list(batches_by_agent.values())
+    if scope == "global":  # one whitening over the whole team's batches
+        groups = [sum(batches_by_agent.values(), [])]
+    else:
+        groups = list(batches_by_agent.values())
     for batches in groups:
         in_stats = [b.action_mask.bool() & rows[id(b)][0].to(b.action_mask.device).unsqueeze(1) for b in batches]
         advantages = whiten([b.returns for b in batches], in_stats, std_norm=std_norm)
@@ -357,4 +340,5 @@ def logprob_mismatch(batches: list) -> dict:
                     or [torch.zeros(0)])
     if not d_N.numel():
         return {}
-    return {"logprob_mismatch_abs": d_N.abs().mean().item(), "logprob_mismatch_kl": (d_N.exp() - 1 - d_N).mean().item()}
+    return {"logprob_mismatch_abs": d_N.abs().mean().item(),
+            "logprob_mismatch_kl": (d_N.exp() - 1 - d_N).mean().item()}

@@ -1,9 +1,15 @@
 """The team loop: each agent is its own policy (its own ZeRO-3 actor and reference groups and vLLM engines, built
 by launch.py; a LoRA agent shares its base's engine pool and has no reference group), one step at a time.
 
-One step:  rollout (all episodes at once) -> per agent, as soon as its own coach verdicts are in: per-action
-rewards -> OpenRLHF Experiences (actor/ref log-probs, KL) -> token rewards, return-to-go, whitening (rewards.py)
--> agent k's experiences train agent k's actor only -> agent k's weights go to agent k's engines only.
+Reading order of one step, the method:
+  fit -> rollouts -> submit: rollout.rollout plays the step's episodes on the agents' engines, the coach scoring
+      each action as it is made (not awaited) -> collect: the agents are done, verdicts may still be coming
+  step: StopRules.env_failures -> rewards.mark_stale -> update_team: per agent, at once (per_agent):
+      agent_step: wait for its own verdicts -> rewards.assign_rewards -> rewards.batch_rule -> rewards.experiences
+      (its OpenRLHF experience maker: actor/ref log-probs, KL) -> advantages (rewards.compute_advantages: token
+      rewards, return-to-go, whitening) -> update (its OpenRLHF trainer's train_step, then its weights to its own
+      engines only); with --mappa.norm_scope global the advantages wait for the whole team's batches
+  -> coach_metrics -> StopRules.failed -> metrics (run_log.step_metrics) -> StopRules.stop_reason -> timings
 """
 
 import asyncio
@@ -20,13 +26,49 @@ import ray
 from tqdm import tqdm
 
 from openrlhf_mappa import resume, rewards
-from openrlhf_mappa.coach.audit import BiasAudit, CoachFailure, check_failures, coach_step_metrics
+from openrlhf_mappa.coach.audit import BiasAudit, coach_step_metrics
 from openrlhf_mappa.console import console, step_line
 from openrlhf_mappa.evaluation import NoCoach, coach_cost, evaluate, format_table, summarize, train_overlap
-from openrlhf_mappa.health import RunStopped, env_failures, untrained_reasons
+from openrlhf_mappa.health import RunStopped, StopRules
 from openrlhf_mappa.launch import distinct, owners
 from openrlhf_mappa.rollout import AgentPolicy, rollout
 from openrlhf_mappa.run_log import RunLog, step_metrics
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One step's rollout on the run's event loop (MappaTrainer.submit): `played` has its episodes once the agents
+    are done, while verdicts may still be coming; `complete` is done once every verdict is in too."""
+
+    step: int
+    bar: tqdm  # one tick per episode whose agents are done
+    played: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    complete: concurrent.futures.Future = None
+    t0: float = dataclasses.field(default_factory=time.time)
+    seconds: float = None  # from the start until the agents were done
+
+    def agents_done(self, episodes: list) -> None:  # rollout.rollout's played(), on the loop's thread
+        self.seconds = time.time() - self.t0
+        self.played.set_result(episodes)
+
+
+@dataclasses.dataclass
+class AgentStep:
+    """One agent's part of a step (MappaTrainer.agent_step): its rewards' counts (rewards.assign_rewards), the
+    actions its batch's rows are (rewards.batch_rule; upstream's exp.index points into them) and how many were left
+    over, its OpenRLHF Experiences, a trained coach's reward terms, its update's status (None: no update) and its
+    phases in seconds (coach_wait: from the start of the team's updates until its verdicts were in)."""
+
+    counts: dict
+    kept: list
+    dropped: int
+    batch: list
+    terms: dict
+    coach_wait: float
+    experience: float
+    status: dict = None
+    train: float = 0.0
+    sync: float = 0.0
 
 
 class MappaTrainer:
@@ -56,8 +98,8 @@ class MappaTrainer:
         self.optimizer_steps = {ag.spec.name: 0 for ag in self.trainees}  # each actor's, since the run started
         # The coach template in use (an index into topology.coach_stages) and the first step it scored.
         self.stage, self.stage_since, self.stage_waits_noted = 0, 1, set()
-        # Steps in a row in which no agent trained, and the message that stops the run (--mappa.max_untrained_steps).
-        self.untrained_steps, self.stalled = 0, None
+        # The stop rules, and the message that stops the run after the step that set it.
+        self.stops, self.stalled = StopRules(self.mappa, run_dir, coach, self.scored, owners(agents), self.owner), None
         self.policies, self.eval_policies = ({ag.spec.name: AgentPolicy(
             ag.engines, ag.tokenizer, ag.args.rollout.max_new_tokens, args.data.max_len,
             dict(temperature=temperature, top_p=args.rollout.top_p), ag.trainer.adapter, ag.trainer.gate)
@@ -108,24 +150,191 @@ class MappaTrainer:
                 self.evaluate(0)  # the untrained models: the baseline every later evaluation compares with
             steps = tqdm(total=total, initial=start_step, desc="MAPPA steps", file=console.err)
             t_step = time.time()
-            for step, episodes, t_rollout, complete in self.rollouts(start_step):
+            for run in self.rollouts(start_step):
                 t_wait = time.time() - t_step  # async: the part of the rollout that training did not hide
-                metrics = {**self.learn(step, episodes, t_rollout, t_step, complete), "timing/rollout_wait": t_wait}
-                self.out.metrics(step, metrics)
+                metrics = {**self.step(run, t_step), "timing/rollout_wait": t_wait}
+                self.out.metrics(run.step, metrics)
                 steps.update(1)
-                tqdm.write(step_line(step, total, metrics, [ag.spec.name for ag in self.agents]), file=console.err)
+                tqdm.write(step_line(run.step, total, metrics, [ag.spec.name for ag in self.agents]), file=console.err)
                 if self.stalled:
                     raise RunStopped(self.stalled)
-                self.advance_criteria(step, metrics)  # before the checkpoint, which records the template in use
-                if (every > 0 and step % every == 0) or step == total:
-                    self.evaluate(step)
-                if self.args.ckpt.save_steps > 0 and step % self.args.ckpt.save_steps == 0:
-                    self.save_checkpoints(step)
+                self.advance_criteria(run.step, metrics)  # before the checkpoint, which records the template in use
+                if (every > 0 and run.step % every == 0) or run.step == total:
+                    self.evaluate(run.step)
+                if self.args.ckpt.save_steps > 0 and run.step % self.args.ckpt.save_steps == 0:
+                    self.save_checkpoints(run.step)
                 t_step = time.time()
             steps.close()
             ray.get([ref for ag in self.trainees for ref in ag.actor.async_save_model()])
         self.out.close()
         self.loop.run_until_complete(self.coach.aclose())
+
+    def step(self, run: Rollout, t_start: float) -> dict:
+        """One training step on a step's rollout whose agents are done (verdicts may still be coming: run.complete
+        is done once every one is in): each agent's update, then the step's metrics. Sets `stalled` when a stop
+        rule ends the run after this step; raises when the step itself failed (health.StopRules)."""
+        step, episodes = run.step, run.played.result()
+        env_stop = self.stops.env_failures(step, episodes)
+        lags = rewards.mark_stale(episodes, {ag.spec.name: ag.trainer.gate.version for ag in self.agents}, self.bound)
+        # β per agent: its OpenRLHF KL controller's (adaptive with --algo.kl.target), read before training moves it.
+        kl_coef = {ag.spec.name: ag.trainer.kl_ctl.value for ag in self.trainees}
+        try:
+            parts = {} if env_stop else self.update_team(run, kl_coef)
+        finally:  # every verdict in, even when an update failed: none is left in flight, paid for and lost
+            concurrent.futures.wait([run.complete])
+        run.complete.result()  # the rollout's error, if it failed after the agents were done
+        coach_metrics = self.coach_metrics(episodes, parts)
+        failed = self.stops.failed(step, episodes, coach_metrics, env_stop)
+        self.out.episodes(episodes)  # a failed step's too: what it produced is kept
+        if failed:  # before the step's checkpoint (a resume starts from the one before)
+            env_failed = sum(bool(ep.env_error) for ep in episodes)
+            self.out.metrics(step, {**coach_metrics, "outcome/env_failed_episodes": env_failed})
+            raise failed
+        self.out.syncs(step, self.trainees)
+        self.count_optimizer_steps(parts)
+        metrics = {**self.metrics(episodes, parts, lags, kl_coef), **coach_metrics}
+        learned = {name for name, part in parts.items() if any(not a.zero_loss for a in part.kept)}  # a row with a loss
+        dropped = {name: part.dropped for name, part in parts.items()}
+        self.stalled = self.stops.stop_reason(step, episodes, dropped, learned, metrics)
+        return {**metrics, **self.timings(parts, run.seconds, t_start)}
+
+    def update_team(self, run: Rollout, kl_coef: dict) -> dict:
+        """{agent: its part of the step (agent_step)}, each agent on GPUs of its own at once (per_agent). With
+        --mappa.norm_scope global the advantages are whitened over the whole team's batches: every agent's
+        experiences first, then the updates."""
+        # A trained coach's version before its update of this step: the agents and the coach judge its verdicts'
+        # staleness by the same one (read later in an agent's thread, it could be the one that update made).
+        coach_now = self.coach_agent.trainer.gate.version if self.coach_agent else None
+        parts = self.per_agent(self.agent_step, run, kl_coef, coach_now, time.time())
+        if self.mappa.norm_scope == "global":
+            self.advantages(parts, kl_coef)
+            parts = self.per_agent(self.update, run.step, parts)
+        return parts
+
+    def agent_step(self, ag, run: Rollout, kl_coef: dict, coach_now, t_start: float) -> AgentStep:
+        """Agent ag's part of the step, from its verdicts to its weights on its engines: it starts as soon as its
+        own verdicts are in, so that only the last agent waits on the last ones. With --mappa.norm_scope global
+        it stops at its experiences: the advantages are whitened over the whole team's batches (update_team)."""
+        name, episodes, terms = ag.spec.name, run.played.result(), {}
+        if ag is self.coach_agent:  # its verdicts' own actions, once all are in, rewarded by its terms
+            concurrent.futures.wait([run.complete])
+            t0, (mine, terms) = time.time(), self.coach.rewarded(episodes, coach_now, self.bound)
+            counts = {**rewards.merge_counts([]), "trainable": sum(a.reward is not None for a in mine)}
+        else:
+            mine = [a for ep in episodes for a in ep.actions if self.owner[a.agent] == name]
+            while not run.complete.done() and any(a.verdict is None for a in mine):
+                time.sleep(0.02)  # its verdicts land on the rollout's thread (rollout.record_verdict)
+            if run.complete.done():
+                run.complete.result()  # the rollout's error, if it failed
+            t0 = time.time()
+            if self.coach_agent:  # never a verdict from a coach more than the bound behind
+                self.coach.stale_verdicts(mine, coach_now, self.bound)
+            own = [dataclasses.replace(ep, actions=[a for a in ep.actions if self.owner[a.agent] == name])
+                   for ep in episodes]  # the same Action objects: rewards land on the step's records
+            c, algo = self.mappa.coach, self.args.algo
+            counts = rewards.assign_rewards(
+                own, self.mappa.reward, c.on_failure, c.neutral_score, self.topology.reward_scale,
+                self.mappa.train_truncated, c.standardize_task_type, self.mappa.norm_scope, self.mappa.outcome_score,
+                algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None, self.mappa.batch_semantics)
+        kept, dropped = rewards.batch_rule(mine, self.args.train, run.step)
+        batch = rewards.experiences(ag.trainer.experience_maker, kept) if kept else []
+        part = AgentStep(counts, kept, dropped, batch, terms, coach_wait=t0 - t_start, experience=time.time() - t0)
+        if self.mappa.norm_scope == "global":
+            return part
+        self.advantages({name: part}, kl_coef)
+        return self.update(ag, run.step, {name: part})
+
+    def advantages(self, parts: dict, kl_coef: dict) -> None:
+        """Returns-to-go and whitened advantages on the batches of `parts` (rewards.compute_advantages, over each
+        agent's batch or, with norm_scope global, all of them); each trained action records its row's mean."""
+        algo = self.args.algo
+        batches = {name: part.batch for name, part in parts.items() if part.batch}
+        advantage_of = rewards.compute_advantages(batches, kl_coef, self.mappa.norm_scope, algo.advantage.gamma,
+                                                  std_norm=not algo.advantage.no_std_norm,
+                                                  actions={name: parts[name].kept for name in batches})
+        for name, advantage_B in advantage_of.items():
+            # Each row's action, by upstream's index into the rows given: token budgets regroup them.
+            rows = [i for exp in batches[name] for i in exp.index]
+            for i, adv in zip(rows, advantage_B):
+                parts[name].kept[i].advantage = adv
+            for exp in batches[name]:
+                exp.kl = None  # consumed by the advantages; OpenRLHF's actor does not read it
+
+    def update(self, ag, step: int, parts: dict) -> AgentStep:
+        """Agent ag's experiences (its part of `parts`) train its actor only, then go to its engines only
+        (OpenRLHF's train_step, which ends with the weight sync)."""
+        part = parts[ag.spec.name]
+        if not part.batch:
+            return part
+        t0, batch = time.time(), part.batch
+        if self.mappa.ppo_ratio == "rollout":  # copies: the step's metrics compare the two log-probs
+            batch = [e if e.rollout_log_probs is None else dataclasses.replace(e, action_log_probs=e.rollout_log_probs)
+                     for e in batch]
+        part.status = ag.trainer.train_step(batch, step)[0]
+        part.sync = part.status["timing/broadcast"]
+        part.train = time.time() - t0 - part.sync
+        return part
+
+    def per_agent(self, method, *args) -> dict:
+        """{trainee: method(trainee, *args)}: at once for agents on GPUs of their own (--mappa.colocate none or
+        agent), one after another on the team's shared GPUs, where each agent's phase needs the memory the others'
+        would take."""
+        if self.mappa.colocate == "team":
+            return {ag.spec.name: method(ag, *args) for ag in self.trainees}
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.trainees))) as pool:
+            started = {ag.spec.name: pool.submit(method, ag, *args) for ag in self.trainees}
+        return {name: future.result() for name, future in started.items()}
+
+    def coach_metrics(self, episodes: list, parts: dict) -> dict:
+        """The step's verdicts by status, their cost (and the run's), the bias audit's figures, and a trained
+        coach's reward terms, agreement with its reference and the reference's cost."""
+        c = self.mappa.coach
+        metrics = coach_step_metrics(episodes, c.price_in, c.price_out)
+        metrics.update(self.bias_audit.update(episodes))
+        for part in parts.values():
+            metrics.update(part.terms)
+        self.coach_cost_usd += metrics.get("coach/cost_usd", 0.0)
+        if c.price_in or c.price_out:
+            metrics["coach/cost_usd_total"] = self.coach_cost_usd
+        return metrics
+
+    def metrics(self, episodes: list, parts: dict, lags: dict, kl_coef: dict) -> dict:
+        """The step's outcome and per-agent metrics (run_log.step_metrics) from its episodes and each agent's part."""
+        agents = self.agents + self.trainees[len(owners(self.agents)) :]  # every agent, and a trained coach
+        counts = {**rewards.merge_counts([part.counts for part in parts.values()]), "staleness": lags,
+                  "optimizer_steps": self.optimizer_steps}
+        metrics = step_metrics(self.args, self.topology, agents, self.owner, episodes,
+                               {name: part.batch for name, part in parts.items() if part.batch},
+                               {name: part.status for name, part in parts.items() if part.status is not None},
+                               {name: part.dropped for name, part in parts.items()}, counts, kl_coef)
+        if self.topology.coach_stages:
+            metrics["coach/template_stage"] = self.stage  # 0-based, in coach_templates' order
+        return metrics
+
+    def timings(self, parts: dict, t_rollout: float, t_start: float) -> dict:
+        """The step's phases in seconds. The agents' phases overlap (each starts when its verdicts are in): each
+        phase's time is the slowest agent's, or on the team's shared GPUs, where they take turns, the sum of all."""
+        phase = sum if self.mappa.colocate == "team" else max
+        out = {f"timing/{k}": phase([getattr(part, k) for part in parts.values()] or [0.0])
+               for k in ("experience", "train", "sync")}
+        return {**out, "timing/rollout": t_rollout, "timing/step": time.time() - t_start,
+                "timing/coach_wait": max((part.coach_wait for part in parts.values()), default=0.0)}
+
+    def count_optimizer_steps(self, parts: dict) -> None:
+        """Add the optimizer steps of each agent's update to its count (agent/<name>/optimizer_steps). OpenRLHF's
+        actor steps once per --train.batch_size rows, per epoch; with --train.dynamic_batch_enable its replay buffer
+        takes at most the rows it was planned for per epoch: rollout batch x samples per prompt x the agent's most
+        actions an episode (launch.actor_args)."""
+        train, rollout = self.args.train, self.args.rollout
+        specs = {ag.spec.name: ag.spec for ag in self.trainees}
+        for name, part in parts.items():
+            if part.status is None:  # no update
+                continue
+            steps = len(part.kept) // train.batch_size
+            if train.dynamic_batch_enable:
+                most = self.topology.most_actions(specs[name], self.mappa.shared_policy)
+                steps = min(steps, rollout.batch_size * rollout.n_samples_per_prompt * most // train.batch_size)
+            self.optimizer_steps[name] += steps * train.max_epochs
 
     @contextlib.contextmanager
     def loop_running(self):
@@ -139,55 +348,46 @@ class MappaTrainer:
             self.loop.call_soon_threadsafe(self.loop.stop)
             thread.join()
 
-    def wait_for(self, coroutine):
-        """The coroutine's result, run on the run's event loop (in its thread during fit)."""
-        if self.loop.is_running():
-            return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-        return self.loop.run_until_complete(coroutine)
-
     def rollouts(self, start_step: int):
-        """(step, its episodes, the rollout's seconds, its future) for every step after start_step, as soon as the
-        agents are done (verdicts may still be coming: the future is done when all are in). Each step is generated
-        when its turn comes, or with --train.async_enable up to --train.async_queue_size steps ahead."""
+        """Each step's rollout after start_step, collected: its agents are done (its verdicts may still be coming).
+        Each step is generated when its turn comes, its engines awake for it, or with --train.async_enable up to
+        --train.async_queue_size steps ahead."""
         ahead = self.args.train.async_queue_size if self.args.train.async_enable else 0
-        pending = collections.deque()  # (step, its progress bar, its rollout's futures)
+        pending = collections.deque()  # submitted rollouts, oldest first
         for step, tasks in self.batches(start_step):
-            bar = tqdm(total=len(tasks), desc=f"step {step} rollout", unit="episode", leave=False, file=console.err)
             if not ahead:
                 with self.engines_awake():  # asleep again for the updates: the verdicts to come need no engine
-                    played = self.collect(step, bar, self.start_rollout(step, tasks, bar.update))
-                yield played
+                    run = self.collect(self.submit(step, tasks))
+                yield run
                 continue
-            pending.append((step, bar, self.start_rollout(step, tasks, bar.update)))
+            pending.append(self.submit(step, tasks))
             if len(pending) > ahead:
-                yield self.collect(*pending.popleft())
+                yield self.collect(pending.popleft())
         while pending:
-            yield self.collect(*pending.popleft())
+            yield self.collect(pending.popleft())
 
-    def start_rollout(self, step: int, tasks: list, progress=None) -> tuple:
-        """The step's rollout, started on the run's event loop: futures of (its episodes, seconds) once the agents
-        are done, and of its episodes once every verdict is in too."""
-        played, t0 = concurrent.futures.Future(), time.time()
-        done = lambda episodes: played.set_result((episodes, time.time() - t0))
-        return played, asyncio.run_coroutine_threadsafe(self.rollout_of(step, tasks, progress, done), self.loop)
+    def submit(self, step: int, tasks: list) -> Rollout:
+        """Start the step's rollout on the run's event loop: its episodes on the agents' engines as they are now,
+        scored by the coach (rollout.rollout)."""
+        c = self.mappa.coach
+        run = Rollout(step, tqdm(total=len(tasks), desc=f"step {step} rollout", unit="episode", leave=False,
+                                 file=console.err))
+        bias = self.bias_audit.prompt_text() if c.show_bias else None  # the steps before this one
+        coroutine = rollout(self.topology, tasks, self.policies, self.rollout_coach,
+                            os.path.join(self.run_dir, "workspaces"), step, coach_bias=bias,
+                            coach_mode=c.mode if self.scored else "per_action", progress=run.bar.update,
+                            played=run.agents_done)
+        run.complete = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        return run
 
     @staticmethod
-    def collect(step: int, bar, futures: tuple) -> tuple:
-        """(step, episodes, seconds, the rollout's future) once the agents are done; the rollout's error if any."""
-        played, complete = futures
-        with bar:
-            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
-            if not played.done():
-                complete.result()  # it ended before the agents were done: its error
-            return step, *played.result(), complete
-
-    async def rollout_of(self, step: int, tasks: list, progress=None, played=None) -> list:
-        """The step's episodes on the agents' engines as they are now, scored by the coach (rollout.rollout)."""
-        c = self.mappa.coach
-        bias = self.bias_audit.prompt_text() if c.show_bias else None  # the steps before this one
-        return await rollout(self.topology, tasks, self.policies, self.rollout_coach,
-                             os.path.join(self.run_dir, "workspaces"), step, coach_bias=bias,
-                             coach_mode=c.mode if self.scored else "per_action", progress=progress, played=played)
+    def collect(run: Rollout) -> Rollout:
+        """`run` once its agents are done; the rollout's error if it failed before."""
+        with run.bar:
+            concurrent.futures.wait([run.played, run.complete], return_when=concurrent.futures.FIRST_COMPLETED)
+            if not run.played.done():
+                run.complete.result()  # it ended before the agents were done: its error
+        return run
 
     @contextlib.contextmanager
     def engines_awake(self):
@@ -203,186 +403,6 @@ class MappaTrainer:
         finally:
             if self.args.vllm.enable_sleep:
                 batch_vllm_engine_call(engines, "sleep")
-
-    def train_step(self, step: int, tasks: list, progress=None) -> dict:
-        """One synchronous step on `tasks`: the rollout, then learn."""
-        t_start = time.time()
-        with self.loop_running():
-            with self.engines_awake():
-                _, episodes, t_rollout, complete = self.collect(step, contextlib.nullcontext(),
-                                                                self.start_rollout(step, tasks, progress))
-            return self.learn(step, episodes, t_rollout, t_start, complete)
-
-    def learn(self, step: int, episodes: list, t_rollout: float, t_start: float, complete) -> dict:
-        """The step's episodes to rewards, each agent's experiences and its update; returns the step's metrics.
-        `episodes`: the agents are done; `complete`: the rollout's future, done when every verdict is in too."""
-        # Known as the agents are done: before any update.
-        env_stop = env_failures(step, episodes, self.mappa.env.max_failure_fraction, self.run_dir)
-        lags = rewards.mark_stale(episodes, {ag.spec.name: ag.trainer.gate.version for ag in self.agents}, self.bound)
-        # β per agent: its OpenRLHF KL controller's (adaptive with --algo.kl.target), read before training moves it.
-        kl_coef = {ag.spec.name: ag.trainer.kl_ctl.value for ag in self.trainees}
-        try:
-            made = {} if env_stop else self.update_team(step, episodes, complete, kl_coef)
-        finally:  # every verdict in, even when an update failed: none is left in flight, paid for and lost
-            concurrent.futures.wait([complete])
-        complete.result()  # the rollout's error, if it failed after the agents were done
-        c = self.mappa.coach
-        coach_metrics = coach_step_metrics(episodes, c.price_in, c.price_out)
-        coach_metrics.update(self.bias_audit.update(episodes))
-        # A trained coach's reward terms, its agreement with the reference and the reference's cost.
-        coach_metrics.update({k: v for m in made.values() for k, v in m["terms"].items()})
-        self.coach_cost_usd += coach_metrics.get("coach/cost_usd", 0.0)
-        if c.price_in or c.price_out:
-            coach_metrics["coach/cost_usd_total"] = self.coach_cost_usd
-        stop = env_stop and RunStopped(env_stop)
-        if self.scored and not stop and not self.coach_agent:  # verdicts paid for but mostly failed: stop
-            try:
-                check_failures(episodes, coach_metrics, c.max_failure_fraction)
-            except CoachFailure as e:
-                stop = CoachFailure(f"step {step}: {e} The step's episodes are in {self.run_dir}/episodes.jsonl.")
-        if stop:  # before the step's checkpoint (a resume starts from the one before), keeping what it produced
-            self.out.episodes(episodes)
-            failed = sum(bool(ep.env_error) for ep in episodes)
-            self.out.metrics(step, {**coach_metrics, "outcome/env_failed_episodes": failed})
-            raise stop
-
-        batches = {name: m["batch"] for name, m in made.items() if m["batch"]}
-        status = {name: m["status"] for name, m in made.items() if "status" in m}
-        dropped = {name: m["dropped"] for name, m in made.items()}
-        agents = owners(self.agents)  # the trainees but a trained coach
-        learned = {name for name, m in made.items() if any(not a.zero_loss for a in m["kept"])}  # a row with a loss
-        untrained = untrained_reasons([ag for ag in agents if ag.spec.name not in learned], self.owner,
-                                      episodes, dropped, self.mappa.train_truncated)
-        for name, why in untrained.items():
-            tqdm.write(f"[mappa] step {step}: agent {name!r} trained on nothing: {why}", file=console.err)
-        self.untrained_steps = (self.untrained_steps + 1) * (len(untrained) == len(agents) and step > c.warmup_steps)
-        most = self.mappa.max_untrained_steps
-        if most and self.untrained_steps >= most:
-            self.stalled = (f"no agent trained in {self.untrained_steps} steps in a row (--mappa.max_untrained_steps "
-                            f"{most}); at step {step}, "
-                            + "; ".join(f"agent {n!r}: {why}" for n, why in untrained.items()))
-
-        self.out.episodes(episodes)
-        self.out.syncs(step, self.trainees)
-        counts = rewards.merge_counts([m["counts"] for m in made.values()])
-        self.count_optimizer_steps(made)
-        metrics = step_metrics(self.args, self.topology, self.agents + self.trainees[len(agents) :], self.owner,
-                               episodes, batches, status, dropped,
-                               {**counts, "staleness": lags, "optimizer_steps": self.optimizer_steps}, kl_coef)
-        metrics.update(coach_metrics)
-        if self.coach_agent:  # the safeguard: a trained coach's agreement with its reference, held out
-            self.stalled = self.stalled or self.coach.agreement_stop(step, metrics)
-        # The agents' phases overlap (each starts when its verdicts are in): each phase's time is the slowest
-        # agent's, or on the team's shared GPUs, where they take turns, the sum of all.
-        total = sum if self.mappa.colocate == "team" else lambda ts: max(ts, default=0.0)
-        metrics.update({f"timing/{k}": total([m.get(k, 0.0) for m in made.values()])
-                        for k in ("experience", "train", "sync")})
-        metrics.update({"timing/rollout": t_rollout, "timing/step": time.time() - t_start,
-                        "timing/coach_wait": max((m["coach_wait"] for m in made.values()), default=0.0)})
-        if self.topology.coach_stages:
-            metrics["coach/template_stage"] = self.stage  # 0-based, in coach_templates' order
-        return metrics
-
-    def update_team(self, step: int, episodes: list, complete, kl_coef: dict) -> dict:
-        """Each agent's part of the step, from its verdicts to its weights on its engines: {agent: its rewards'
-        counts, batch (OpenRLHF Experiences), kept actions, dropped count, update status, timings}. An agent starts
-        as soon as its own verdicts are in, so that only the last waits on the last ones; with --mappa.norm_scope
-        global, whose advantages are whitened over the whole team's batches, all experiences come first."""
-        algo, c, t_start = self.args.algo, self.mappa.coach, time.time()
-        # A trained coach's version before its update of this step: the agents and the coach judge its verdicts'
-        # staleness by the same one (read later in an agent's thread, it could be the one that update made).
-        coach_now = self.coach_agent.trainer.gate.version if self.coach_agent else None
-
-        def prepare(ag) -> dict:
-            name, terms = ag.spec.name, {}
-            if ag is self.coach_agent:  # its verdicts' own actions, once all are in, rewarded by its terms
-                concurrent.futures.wait([complete])
-                t0, (mine, terms) = time.time(), self.coach.rewarded(episodes, coach_now, self.bound)
-                counts = {**rewards.merge_counts([]), "trainable": sum(a.reward is not None for a in mine)}
-            else:
-                self.verdicts_in(name, episodes, complete)
-                t0 = time.time()
-                own = [dataclasses.replace(ep, actions=[a for a in ep.actions if self.owner[a.agent] == name])
-                       for ep in episodes]  # the same Action objects: rewards land on the step's records
-                mine = [a for ep in own for a in ep.actions]
-                if self.coach_agent:  # never a verdict from a coach more than the bound behind
-                    self.coach.stale_verdicts(mine, coach_now, self.bound)
-                counts = rewards.assign_rewards(
-                    own, self.mappa.reward, c.on_failure, c.neutral_score, self.topology.reward_scale,
-                    self.mappa.train_truncated, c.standardize_task_type, self.mappa.norm_scope,
-                    self.mappa.outcome_score, algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None,
-                    self.mappa.batch_semantics)
-            kept, dropped = rewards.batch_rule(mine, self.args.train, step)
-            batch = rewards.experiences(ag.trainer.experience_maker, kept) if kept else []
-            return {"counts": counts, "kept": kept, "dropped": dropped, "batch": batch, "coach_wait": t0 - t_start,
-                    "experience": time.time() - t0, "terms": terms}
-
-        def advantages(made: dict) -> None:  # each trained action's record shows its row's mean advantage
-            batches = {name: m["batch"] for name, m in made.items() if m["batch"]}
-            advantage_of = rewards.compute_advantages(batches, kl_coef, self.mappa.norm_scope, algo.advantage.gamma,
-                                                      std_norm=not algo.advantage.no_std_norm,
-                                                      actions={name: made[name]["kept"] for name in batches})
-            for name, advantage_B in advantage_of.items():
-                # Each row's action, by upstream's index into the rows given: token budgets regroup them.
-                rows = [i for exp in batches[name] for i in exp.index]
-                for i, adv in zip(rows, advantage_B):
-                    made[name]["kept"][i].advantage = adv
-                for exp in batches[name]:
-                    exp.kl = None  # consumed by the advantages; OpenRLHF's actor does not read it
-
-        def train(ag, m: dict) -> dict:  # agent k's experiences train agent k's actor, then go to its engines
-            if m["batch"]:
-                t0, batch = time.time(), m["batch"]
-                if self.mappa.ppo_ratio == "rollout":  # copies: the step's metrics compare the two log-probs
-                    batch = [e if e.rollout_log_probs is None else
-                             dataclasses.replace(e, action_log_probs=e.rollout_log_probs) for e in batch]
-                m["status"] = ag.trainer.train_step(batch, step)[0]
-                m["sync"] = m["status"]["timing/broadcast"]
-                m["train"] = time.time() - t0 - m["sync"]
-            return m
-
-        def whole(ag) -> dict:
-            m = prepare(ag)
-            advantages({ag.spec.name: m})
-            return train(ag, m)
-
-        if not rewards.NORM_SCOPES[self.mappa.norm_scope][1]:
-            return self.per_agent(whole, self.trainees)
-        made = self.per_agent(prepare, self.trainees)
-        advantages(made)
-        return self.per_agent(lambda ag: train(ag, made[ag.spec.name]), self.trainees)
-
-    def count_optimizer_steps(self, made: dict) -> None:
-        """Add the optimizer steps of each agent's update to its count (agent/<name>/optimizer_steps). OpenRLHF's
-        actor steps once per --train.batch_size rows, per epoch; with --train.dynamic_batch_enable its replay buffer
-        takes at most the rows it was planned for per epoch: rollout batch x samples per prompt x the agent's most
-        actions an episode (launch.actor_args)."""
-        train, rollout = self.args.train, self.args.rollout
-        specs = {ag.spec.name: ag.spec for ag in self.trainees}
-        for name, m in made.items():
-            if "status" not in m:  # no update
-                continue
-            steps = len(m["kept"]) // train.batch_size
-            if train.dynamic_batch_enable:
-                most = self.topology.most_actions(specs[name], self.mappa.shared_policy)
-                steps = min(steps, rollout.batch_size * rollout.n_samples_per_prompt * most // train.batch_size)
-            self.optimizer_steps[name] += steps * train.max_epochs
-
-    def verdicts_in(self, name: str, episodes: list, complete) -> None:
-        """Wait until every verdict on agent `name`'s actions of the step is in; the rollout's error if it failed."""
-        mine = [a for ep in episodes for a in ep.actions if self.owner[a.agent] == name]
-        while not complete.done() and any(a.verdict is None for a in mine):
-            time.sleep(0.02)  # the verdicts land on the rollout's thread (rollout.record_verdict)
-        if complete.done():
-            complete.result()
-
-    def per_agent(self, fn, agents: list) -> dict:
-        """{agent: fn(agent)}: at once for agents on GPUs of their own (--mappa.colocate none or agent), one after
-        another on the team's shared GPUs, where each agent's phase needs the memory the others' would take."""
-        if self.mappa.colocate == "team":
-            return {ag.spec.name: fn(ag) for ag in agents}
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(agents))) as pool:
-            return dict(zip([ag.spec.name for ag in agents], pool.map(fn, agents)))
 
     def advance_criteria(self, step: int, metrics: dict):
         """After step `step`: when the rule of the next template in the topology's coach_templates holds on this
@@ -417,8 +437,9 @@ class MappaTrainer:
             total = len(tasks) * ev.n_samples_per_prompt
             with self.engines_awake(), tqdm(total=total, desc=f"evaluation {dataset}", unit="episode", leave=False,
                                             file=console.err) as bar:
-                episodes = self.wait_for(evaluate(self.topology, tasks, self.eval_policies, ev.n_samples_per_prompt,
-                                                  workspace, step, bar.update, self.eval_coach))
+                graded = evaluate(self.topology, tasks, self.eval_policies, ev.n_samples_per_prompt, workspace, step,
+                                  bar.update, self.eval_coach)
+                episodes = asyncio.run_coroutine_threadsafe(graded, self.loop).result()  # fit runs the loop
             summary, problems = summarize(episodes, names, tasks)
             summary.update(coach_cost(episodes, c.price_in, c.price_out))  # counted in the run's total cost too
             self.coach_cost_usd += summary.get("coach/cost_usd", 0.0)

@@ -358,6 +358,16 @@ def stand_in_team(args, topology, on_save=None) -> list:
     return agents
 
 
+def train_step(trainer, step: int, tasks: list) -> dict:
+    """One synchronous step of `trainer` (a MappaTrainer) on `tasks`, as its fit runs one: the rollout, then
+    MappaTrainer.step; the step's metrics."""
+    t_start = time.time()
+    with trainer.loop_running():
+        with trainer.engines_awake():
+            run = trainer.collect(trainer.submit(step, tasks))
+        return trainer.step(run, t_start)
+
+
 class Node:
     """An element of a rendered page: tag, attributes, children (nodes and text)."""
 

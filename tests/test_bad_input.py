@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import assert_documented_episodes
+from conftest import assert_documented_episodes, train_step
 from test_coach import ScriptedPolicy
 from test_launch import GOOD, HEAVY, workdir  # noqa: F401 (a fixture)
 
@@ -570,12 +570,12 @@ def test_an_environment_raising_in_one_episode_neither_stops_nor_corrupts_the_ru
     # Catches the old rollout, where the exception went up through asyncio.gather and ended the whole run.
     tasks = [{"id": i, "prompt": "What is 1 + 1?", "answer": "2", "type": ""} for i in ("t1", "bad", "t3", "t4")]
     trainer = scripted_trainer(tmp_path, tasks, monkeypatch)
-    first = trainer.train_step(1, tasks)
+    first = train_step(trainer, 1, tasks)
     assert first["outcome/env_failed_episodes"] == 1 and first["outcome/success_rate"] == 0.75
     out = capsys.readouterr().out
     assert ("[mappa] step 1: 1 of 4 episodes ended with an exception in the environment (they train nothing). First: "
             "FlakyEnv.step raised KeyError: \"the env's own bug\" (") in out and "test_bad_input.py, line" in out
-    second = trainer.train_step(2, tasks)  # the run goes on
+    second = train_step(trainer, 2, tasks)  # the run goes on
     episodes = [ep for _, ep in read_jsonl(str(tmp_path / "run" / "episodes.jsonl"))]
     assert assert_documented_episodes(str(tmp_path / "run" / "episodes.jsonl"))["episode"] == 8  # the documented record
     assert [(ep["step"], ep["task_id"], bool(ep["env_error"])) for ep in episodes] == [
@@ -594,7 +594,7 @@ def test_an_environment_raising_in_one_episode_neither_stops_nor_corrupts_the_ru
     bad = [dict(t, id=f"bad{i}") if i else t for i, t in enumerate(tasks)]
     with pytest.raises(RuntimeError, match=r"step 3: 3 of 4 episodes ended with an exception in the environment .* more "
                                          r"than --mappa.env.max_failure_fraction 0.5 of them"):
-        trainer.train_step(3, bad)
+        train_step(trainer, 3, bad)
     assert [ep["step"] for _, ep in read_jsonl(str(tmp_path / "run" / "episodes.jsonl"))].count(3) == 4
     last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert (last["step"], last["outcome/env_failed_episodes"]) == (3, 3)

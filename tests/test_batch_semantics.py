@@ -131,7 +131,7 @@ def test_zero_loss_rows_keep_the_authors_whitening_and_get_no_gradient_but_count
     assert _optimizer_step_loss_norm(emptied, None, 1, len(rows))["global_batch_size"] * len(rows) == 3
 
 
-def test_the_usable_switch_leaves_truncated_and_unscored_actions_out_of_the_batch():
+def test_the_usable_switch_leaves_truncated_and_unscored_actions_out_of_the_batch(capsys):
     actions = [Action("e", "solver", i, [1], [2], truncated=i == 0, verdict=Verdict(None, "parse_error") if i == 1 else
                       Verdict(6.0, "ok")) for i in range(4)]  # fmt: skip
     counts = rewards.assign_rewards([Episode("e", "t", actions=actions)], "process", batch_semantics="usable")
@@ -140,5 +140,7 @@ def test_the_usable_switch_leaves_truncated_and_unscored_actions_out_of_the_batc
         2, {"solver": 1}, {"parse_error": 1})
     kept, dropped = rewards.batch_rule(actions, SimpleNamespace(batch_size=4, seed=0), step=1)
     assert (kept, dropped) == ([], 2)  # two usable actions: less than a batch, no update
-    with pytest.raises(ValueError, match="unknown batch semantics 'all'.*'authors', 'usable'"):
-        rewards.assign_rewards([Episode("e", "t", actions=actions)], "process", batch_semantics="all")
+    with pytest.raises(SystemExit) as refused:  # any other value: the flag's choices refuse it, not assign_rewards
+        parse_args(["--mappa.topology", "t.yaml", "--mappa.batch_semantics", "all"])
+    assert refused.value.code == 2
+    assert "--mappa.batch_semantics: invalid choice: 'all' (choose from 'authors', 'usable')" in capsys.readouterr().err

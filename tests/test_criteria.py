@@ -5,6 +5,7 @@ server receives. MappaTrainer.fit itself drives the steps: real rollouts (MathCh
 sandbox), a real HTTP coach server on 127.0.0.1, scripted replies standing in for the vLLM engines and
 conftest.StandIn for the agents' Ray actors; no Ray (the e2e part is in test_resume_e2e.py)."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -15,14 +16,14 @@ import pytest
 import torch
 
 from coach_server import COACH_TEMPLATE, CoachServer
-from conftest import StandIn, render_report_dom, stand_in_team
+from conftest import StandIn, render_report_dom, stand_in_team, train_step
 
 from openrlhf_mappa import report
 from openrlhf_mappa.coach import CoachRequest, render_prompt
 from openrlhf_mappa.coach.audit import BiasAudit
 from openrlhf_mappa.coach.heuristic import HeuristicCoach
 from openrlhf_mappa.coach.openai_compat import OpenAICoach
-from openrlhf_mappa.episode import Action, Episode, ToolFeedback, Verdict
+from openrlhf_mappa.episode import COACH_NAME, Action, Episode, ToolFeedback, Verdict
 from openrlhf_mappa.team import load_topology
 from openrlhf_mappa.topology import AGENT_METRICS
 from openrlhf_mappa import trainer as trainer_module
@@ -133,6 +134,9 @@ def trainer_for(topology, coach, tmp_path, tasks=(), show_bias=False, on_save=No
                        "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--train.micro_batch_size", "1"]
                       + ["--mappa.coach.show_bias"] * show_bias + list(flags))  # fmt: skip
     os.makedirs(args.ckpt.path, exist_ok=True)
+    if getattr(coach, "agent", False) is None:  # a trained coach: one more trainee (placement.trainee_specs), stood in
+        spec = dataclasses.replace(topology.agents[0], name=COACH_NAME)
+        (coach.agent,) = stand_in_team(args, SimpleNamespace(agents=[spec]))
     return MappaTrainer(args, topology, stand_in_team(args, topology, on_save), coach, list(tasks), args.mappa.run_dir)
 
 
@@ -392,3 +396,47 @@ def test_async_training_generates_the_next_step_while_the_team_trains(tmp_path, 
         assert rows[2]["agent/solver/trained_actions"] == 0 and rows[2]["agent/solver/stale_left_out"] == 2
         assert all(a["stale"] and a["reward"] is None for a in second)
     assert solver.gate.version == len([s for s, _ in solver.trained])  # one version per update and its sync
+
+
+class OldJudge(Replies):
+    """Stands in for a trained coach's engine: every verdict "PROCESS_SCORE: 7", sampled by its weights of
+    `version` (as AgentPolicy.sample records it), whatever its version is now."""
+
+    def __init__(self, version: int):
+        super().__init__()
+        self.version = version
+
+    async def sample(self, prompt_ids):
+        return ([0], False, []), self.version, self.version
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "PROCESS_SCORE: 7"
+
+
+@pytest.mark.parametrize("behind", [1, 2])
+def test_a_trained_coachs_verdicts_train_the_team_within_the_staleness_bound_only(tmp_path, monkeypatch, behind):
+    # A step of the trainer with a trained coach on the team (its Ray side stood in for, as the agents'), every
+    # verdict from the coach's weights `behind` updates before its version now. Within the bound (the default, the
+    # queue size: 1) the agents train on them and the coach on its own actions; past it neither does, each left out
+    # and counted. Catches a trainer that gives the coach (stale_verdicts, rewarded) any other bound, or reads the
+    # coach's version after the step's own update of it.
+    from openrlhf_mappa.coach.heuristic import HeuristicCoach
+    from openrlhf_mappa.coach.trained import TrainedCoach
+
+    monkeypatch.setattr(trainer_module.ray, "get", lambda refs, **kwargs: refs)
+    topology = load_topology(write_topology(tmp_path, coach_templates=None, coach_template=COACH_TEMPLATE))
+    coach = TrainedCoach("{agent_output}", "PROCESS_SCORE", HeuristicCoach(), reference_fraction=0.0,
+                         held_out_fraction=0.0, terms=("format",))
+    tasks = [{"id": str(i), "prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(2)]
+    trainer = trainer_for(topology, coach, tmp_path, tasks)
+    script(trainer, solver=["2 + 2 is 4."] * 2, coder=["```python\nprint(2 + 2)\n```"] * 2)
+    coach.agent.trainer.gate.version, coach.policy = 3, OldJudge(3 - behind)
+    m = train_step(trainer, 1, tasks)
+    assert trainer.bound == 1
+    fresh = behind <= trainer.bound
+    actions = [a for line in open(tmp_path / "run" / "episodes.jsonl") for a in json.loads(line)["actions"]]
+    assert [(a["verdict"]["score"], a["verdict"]["version"], a["stale"]) for a in actions] == [
+        (7.0, 3 - behind, not fresh)] * 4
+    trained = [m[f"agent/{name}/trained_actions"] for name in ("solver", "coder", "coach")]
+    assert trained == ([2, 2, 4] if fresh else [0, 0, 0]) and m["coach/stale_left_out"] == (0 if fresh else 4)
+    assert (m["agent/solver/updated"], m["agent/coach/updated"]) == (fresh, fresh)

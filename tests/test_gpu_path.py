@@ -28,7 +28,7 @@ from openrlhf_mappa.cli.train_mappa_ray import check_this_machine, parse_args
 from openrlhf_mappa.doctor import sync_verdicts
 from openrlhf_mappa.team import load_topology
 from openrlhf_mappa.resume import rotate_checkpoints
-from openrlhf_mappa.trainer import MappaTrainer
+from openrlhf_mappa.trainer import MappaTrainer, Rollout
 
 MATHCHAT = os.path.join(REPO, "examples", "configs", "mathchat.yaml")
 QWEN3_4B = os.path.join(REPO, "tests", "fixtures", "qwen3-4b")  # config.json from Qwen3-4B's published architecture
@@ -297,11 +297,14 @@ def team_trainer(colocate: str, forward, names=("a", "b", "c"), trained=None):
     return t
 
 
-def finished(episodes: list) -> concurrent.futures.Future:
-    """The rollout's future of a step whose verdicts are all in."""
-    complete = concurrent.futures.Future()
-    complete.set_result(episodes)
-    return complete
+def played(episodes: list, complete: concurrent.futures.Future = None) -> Rollout:
+    """Step 1's rollout, its agents done with `episodes`; `complete`: done once its verdicts are in (by default,
+    already)."""
+    run = Rollout(1, bar=None, complete=complete or concurrent.futures.Future())
+    run.played.set_result(episodes)
+    if complete is None:
+        run.complete.set_result(episodes)
+    return run
 
 
 def one_action_each(names=("a", "b", "c")) -> list:
@@ -319,9 +322,9 @@ def test_experience_forwards_of_agents_on_their_own_gpus_run_at_once():
     for colocate in ("none", "agent"):
         barrier, episodes = threading.Barrier(len(names), timeout=30), one_action_each()
         trainer = team_trainer(colocate, lambda n, exps: (barrier.wait(), exps)[1])
-        made = trainer.update_team(1, episodes, finished(episodes), dict.fromkeys(names, 0.0))
-        assert set(made) == set(names) and all(len(made[n]["batch"]) == 1 for n in names), colocate
-        assert all(made[n]["dropped"] == 0 and made[n]["kept"] == [episodes[0].actions[i]] for i, n in enumerate(names))
+        made = trainer.update_team(played(episodes), dict.fromkeys(names, 0.0))
+        assert set(made) == set(names) and all(len(made[n].batch) == 1 for n in names), colocate
+        assert all(made[n].dropped == 0 and made[n].kept == [episodes[0].actions[i]] for i, n in enumerate(names))
     in_flight, most = [], []
 
     def alone(name, exps):
@@ -332,7 +335,7 @@ def test_experience_forwards_of_agents_on_their_own_gpus_run_at_once():
         return exps
 
     episodes = one_action_each()
-    team_trainer("team", alone).update_team(1, episodes, finished(episodes), dict.fromkeys(names, 0.0))
+    team_trainer("team", alone).update_team(played(episodes), dict.fromkeys(names, 0.0))
     assert most == [1, 1, 1]
 
 
@@ -346,7 +349,7 @@ def test_each_action_records_its_own_rows_advantage_when_upstream_regroups_the_r
     trainer.trainees[0].trainer.experience_maker.split_rollout_samples = split
     actions = [Action("ep", "a", t, [1, 2], [3, 4], verdict=Verdict(s, "ok")) for t, s in enumerate((1.0, 4.0, 9.0, 6.0))]
     episodes = [Episode("ep", "t", actions=actions, outcome={"success": True})]
-    trainer.update_team(1, episodes, finished(episodes), {"a": 0.0})
+    trainer.update_team(played(episodes), {"a": 0.0})
     assert sorted(actions, key=lambda a: a.advantage) == sorted(actions, key=lambda a: a.verdict.score)
 
 
@@ -369,10 +372,10 @@ def test_ppo_ratio_rollout_trains_against_the_log_probs_of_the_weights_that_samp
     engine = ([-0.5, -0.25], [-2.0, -0.125])
     actions = [Action("ep", "a", t, [1, 2], [3, 4], verdict=Verdict(5.0 + t, "ok"), rollout_logprobs=list(engine[t]))
                for t in range(2)]
-    made = trainer.update_team(1, [Episode("ep", "t", actions=actions)], finished([]), {"a": 0.0})
-    assert len(given) == 2 and all((e.action_log_probs == -1.0).all() for e in made["a"]["batch"])
+    made = trainer.update_team(played([Episode("ep", "t", actions=actions)]), {"a": 0.0})
+    assert len(given) == 2 and all((e.action_log_probs == -1.0).all() for e in made["a"].batch)
     for e in given:
-        old = made["a"]["kept"][e.index[0]].rollout_logprobs if ratio == "rollout" else [-1.0, -1.0]  # its row's
+        old = made["a"].kept[e.index[0]].rollout_logprobs if ratio == "rollout" else [-1.0, -1.0]  # its row's
         assert e.action_log_probs[0, 1:].tolist() == old and e.action_mask[0].tolist() == [False, True, True]
 
 
@@ -391,13 +394,13 @@ def test_an_agent_trains_as_soon_as_its_own_verdicts_are_in(scope):
     trainer.mappa.norm_scope = scope
     waiting = threading.Event()
 
-    class Rollout(concurrent.futures.Future):
+    class Verdicts(concurrent.futures.Future):
         def done(self):  # asked after a's and b's experiences are made: the step waits on c's verdict
             if made_for == ["a", "b"]:
                 waiting.set()
             return super().done()
 
-    complete = Rollout()
+    complete = Verdicts()
 
     def coach():  # c's verdict, once the step waits on it: who had updated then (None: it never waited on it)
         before = sorted(trained) if waiting.wait(60) else None
@@ -407,10 +410,10 @@ def test_an_agent_trains_as_soon_as_its_own_verdicts_are_in(scope):
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         seen = pool.submit(coach)
-        made = trainer.update_team(1, episodes, complete, {n: 0.0 for n in "abc"})
+        made = trainer.update_team(played(episodes, complete), {n: 0.0 for n in "abc"})
     assert seen.result() == (["a", "b"] if scope == "agent" else [])
-    assert sorted(trained) == ["a", "b", "c"] and made["c"]["kept"][0].reward == 3.0
-    assert made["c"]["coach_wait"] >= made["a"]["coach_wait"]
+    assert sorted(trained) == ["a", "b", "c"] and made["c"].kept[0].reward == 3.0
+    assert made["c"].coach_wait >= made["a"].coach_wait
 
 
 def test_doctor_tells_a_sync_that_arrived_from_one_that_did_not_or_crossed():

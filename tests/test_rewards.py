@@ -161,11 +161,19 @@ def test_reward_scale_applies_to_scores_outcome_and_both_fallbacks():
     assert won.actions[0].verdict.score == 7.0  # the verdict keeps the coach's own 0-10 score
 
 
-def test_unknown_mode_raises_and_names_the_modes():
-    episode = Episode("e0", "t0", actions=[action("a", 0, ok(4), reward=1.0)])
-    with pytest.raises(ValueError, match="process.*outcome"):
-        assign_rewards([episode], "outcomes")
-    assert episode.actions[0].reward == 1.0  # nothing touched
+@pytest.mark.parametrize("flag, value, choices", [
+    ("--mappa.reward", "outcomes", "'process', 'outcome'"),
+    ("--mappa.norm_scope", "team", "'agent', 'global', 'group'"),
+    ("--mappa.coach.on_failure", "zero", "'skip', 'outcome', 'neutral'"),
+])  # fmt: skip
+def test_an_unknown_mode_scope_or_policy_is_refused_by_its_flag(flag, value, choices, capsys):
+    # assign_rewards and compute_advantages trust these values: the flags' choices refuse any other, naming them.
+    from openrlhf_mappa.cli.train_mappa_ray import parse_args
+
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--mappa.topology", "t.yaml", flag, value])
+    assert refused.value.code == 2
+    assert f"argument {flag}: invalid choice: '{value}' (choose from {choices})" in capsys.readouterr().err
 
 
 # ── token_rewards / returns_to_go ──
@@ -301,11 +309,6 @@ def test_agent_scope_whitens_all_batches_of_an_agent_together():
     compute_advantages({"a": [b1, b2]}, kl_coef=0.0)
     close(b1.advantages, [[-1.4142136]])
     close(b2.advantages, [[0.7071068, 0.7071068]])
-
-
-def test_unknown_scope_raises():
-    with pytest.raises(ValueError, match="agent.*global"):
-        compute_advantages({"a": [batch([1.0], [[0.0]], [[1]])]}, kl_coef=0.0, scope="team")
 
 
 # ── OpenRLHF's algorithm flags, against OpenRLHF's own code ──

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, stand_in_team
+from conftest import REPO, stand_in_team, train_step
 from test_coach import ScriptedPolicy
 
 from openrlhf_mappa.cli.train_mappa_ray import choose_train_tasks, parse_args
@@ -340,7 +340,7 @@ def truncated_solver_step(tmp_path, *flags) -> tuple:
     agents = stand_in_team(args, topology)
     trainer = MappaTrainer(args, topology, agents, ByTaskCoach(), tasks, args.mappa.run_dir)
     trainer.policies = policies
-    m = trainer.train_step(1, tasks)
+    m = train_step(trainer, 1, tasks)
     episodes = [json.loads(line) for line in open(tmp_path / "run" / "episodes.jsonl")]
     return m, [a for ep in episodes for a in ep["actions"]], [ag.trainer for ag in agents]
 
