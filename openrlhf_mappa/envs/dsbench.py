@@ -6,10 +6,10 @@ A task row names its task directory as "answer" (satisfying `load_tasks` without
 the public CSVs copied into the workspace (`workspace_files`: stateless, the authors' sandbox, or persistent), and
 the hidden answers/test_answer.csv, read only by the scorer. Its "prompt" is the task's text as DSBench states it
 (the coach's {task}, with the topology's problem_suffix); "agent_prompt", where `mappa dsbench import` wrote the
-authors' cleaned text, is what the agents' {task} shows instead, never with the suffix. The coach's evidence (`coach_evidence`) is the authors' (the files when the agent's
-turn began, those earlier agents saved, the Analyst's raw metrics) or ours (the contract state after the action, the
-submission's score); never the answers. A broken task directory or a bad submission is a status in the outcome,
-never an exception.
+authors' cleaned text, is what the agents' {task} shows instead, never with the suffix. The coach's evidence
+(`coach_evidence`) is the authors' (the files when the agent's turn began, those earlier agents saved, the
+Analyst's raw metrics) or ours (the contract state after the action, the submission's score); never the answers.
+A broken task directory or a bad submission is a status in the outcome, never an exception.
 """
 
 import dataclasses
