@@ -131,7 +131,7 @@ class Topology:
     coach_stages: list = field(default_factory=list)  # coach_templates' stages in order; empty: coach_template
     max_episode_actions: Optional[int] = None  # None: the max_actions summed; past it, stopped as a failure
     review_template: Optional[str] = None  # hindsight prompt (fields: REVIEW_FIELDS); None: the default
-    problem_suffix: str = ""  # appended to every task's text, as the agents, the coach and evaluation see it
+    problem_suffix: str = ""  # appended to every task's text, as the agents (not DSBench's), coach and eval see it
     # An agent's own earlier replies as generated, <think> included (the authors'); False: as its chat template
     # renders them (Qwen3's drops the reasoning of turns before the last user message).
     keep_reasoning: bool = True

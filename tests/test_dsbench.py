@@ -328,15 +328,14 @@ os.remove("test.csv")
 ```"""
 WRITTEN = ["X.pkl", "a.npy", "b.npz", "catboost_info", "features.csv", "notes.txt", "predictions.csv", "scaler.joblib",
            "submission.csv"]
-CARRIED = ["X.pkl", "a.npy", "b.npz", "predictions.csv", "scaler.joblib", "submission.csv"]
+ARTIFACT_FILES = ["X.pkl", "a.npy", "b.npz", "scaler.joblib"]  # what the Data Engineer's run carries
 
 
 @pytest.mark.parametrize("workspace_files", ["stateless", "persistent"])
 def test_what_the_next_code_run_finds(pack, tmp_path, workspace_files):
     """stateless (dsbench.yaml): the authors' SandboxFusion starts every code run from the uploaded train.csv and
-    test.csv and the files their workflow fetched after earlier runs (pickles, joblib and numpy files, the
-    Analyst's submission.csv / predictions.csv); persistent (ours before) keeps what a run left, and
-    sample_submission.csv."""
+    test.csv and the files their workflow fetched after earlier runs (after the Data Engineer's: pickles, joblib
+    and numpy files, not its CSVs); persistent (ours before) keeps what a run left, and sample_submission.csv."""
     task = pack["sk-diabetes"]
     topology = load_topology(str(DSBENCH_YAML))
     topology.env_kwargs = dict(topology.env_kwargs, workspace_files=workspace_files)
@@ -348,12 +347,39 @@ def test_what_the_next_code_run_finds(pack, tmp_path, workspace_files):
     assert result.feedback.stdout == f"{start}\n{sorted(set(start + WRITTEN) - {'test.csv'})}\n"  # saw all it wrote
     look = env.step(modeler, 0, f"```python\n{LISTING}\n```")
     if workspace_files == "stateless":
-        assert look.feedback.stdout == f"{sorted(CARRIED + ['test.csv', 'train.csv'])}\n"
+        assert look.feedback.stdout == f"{sorted(ARTIFACT_FILES + ['test.csv', 'train.csv'])}\n"
         for name in ("train.csv", "test.csv"):  # restored as the task gives them
             assert (ws / name).read_bytes() == (Path(task["answer"]) / name).read_bytes()
     else:
         assert look.feedback.stdout == f"{sorted(set(start + WRITTEN) - {'test.csv'})}\n"
         assert (ws / "train.csv").read_text() == "overwritten"
+
+
+def test_each_agents_runs_carry_its_kinds_and_a_deleted_file_comes_back(pack, tmp_path):
+    """dsbench.yaml's stateless workspace carries what the authors fetched after each agent's runs: the Data
+    Engineer's and Modeler's *.pkl/*.joblib/*.npy/*.npz, the Analyst's submission.csv/predictions.csv
+    (dsbench_workflow.py L488-493, L658-663, L863-866). Fetched files stay on their host and are uploaded for
+    every run, so a kept file a run deletes or changes is back as kept at the next run."""
+    topology = load_topology(str(DSBENCH_YAML))
+    ws, (engineer, modeler, analyst) = tmp_path / "ws", topology.agents
+    env = topology.make_env(pack["sk-diabetes"], str(ws))
+    run = "```python\nimport os\n{}\n" + LISTING + "\n```"
+    env.step(engineer, 0, run.format('open("X.pkl", "w").write("features")'))
+    look = env.step(modeler, 0, run.format('open("model.pkl", "w").write("model")\n'
+                                           'open("submission.csv", "w").write("id,y")\nos.remove("X.pkl")'))
+    assert look.feedback.stdout == "['model.pkl', 'submission.csv', 'test.csv', 'train.csv']\n"
+    assert sorted(os.listdir(ws)) == ["X.pkl", "model.pkl", "test.csv", "train.csv"]  # its CSV gone, X.pkl back
+    assert (ws / "X.pkl").read_text() == "features"
+    look = env.step(analyst, 0, run.format('open("submission.csv", "w").write("id,y")\n'
+                                           'open("analyst.pkl", "w").write("x")\nos.remove("model.pkl")\n'
+                                           'open("X.pkl", "w").write("changed")'))
+    assert look.feedback.stdout == "['X.pkl', 'analyst.pkl', 'submission.csv', 'test.csv', 'train.csv']\n"
+    assert sorted(os.listdir(ws)) == ["X.pkl", "model.pkl", "submission.csv", "test.csv", "train.csv"]
+    assert [(ws / f).read_text() for f in ("X.pkl", "model.pkl", "submission.csv")] == ["features", "model", "id,y"]
+    env.step(analyst, 1, run.format('os.remove("submission.csv")'))
+    assert (ws / "submission.csv").read_text() == "id,y"  # its own kept file too
+    # the store is beside the workspace, where the sandbox does not see it
+    assert sorted(os.listdir(f"{ws}.kept")) == ["X.pkl", "model.pkl", "submission.csv"]
 
 
 def test_missing_upstream_artifact_is_blamed_upstream(pack, tmp_path):
@@ -681,6 +707,7 @@ def test_importer_reads_the_official_layout_and_names_what_is_missing(tmp_path):
 
 
 RAW = "Description\nA long Kaggle page: prizes, a forum link.\n\nEvaluation\nScored by MAE."
+SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."  # dsbench.yaml's, the authors'
 
 
 def first_prompts(task: dict, tmp_path) -> tuple:
@@ -694,9 +721,9 @@ def first_prompts(task: dict, tmp_path) -> tuple:
 
 def test_import_gives_the_agents_the_authors_cleaned_text(tmp_path):
     """`mappa dsbench import` by default reads the authors' cleaned texts beside --metadata: the agents' {task} is
-    the cleaned text (braces kept as written), the coach's the task's own text (the authors' coach {problem}); a
-    task the file lacks keeps its own text for the agents too, as theirs does, and is named. --task-text raw writes
-    the rows of before (the raw text for both)."""
+    the cleaned text (braces kept as written), the coach's the task's own text and the authors' default suffix
+    (their coach's {problem}), which the agents never see; a task the file lacks keeps its own text for the agents
+    too, as theirs does, and is named. --task-text raw writes the rows of before (the raw text for both)."""
     root = tmp_path / "DSBench"
     rows = [fake_dsbench(root, prompt=RAW), fake_dsbench(root, "not-cleaned", prompt=RAW)]
     (tmp_path / "data").mkdir()
@@ -711,9 +738,11 @@ def test_import_gives_the_agents_the_authors_cleaned_text(tmp_path):
     tasks = {t["id"]: t for t in load_tasks(str(tmp_path / "out" / "tasks.jsonl"))}
     agent, coach = first_prompts(tasks["toy-task"], tmp_path / "a")
     assert f"Task:\n{cleaned}\n\nThe working directory" in agent and RAW not in agent
-    assert f"The task the team is solving:\n{RAW}\n" in coach and cleaned not in coach
+    assert f"The task the team is solving:\n{RAW}{SUFFIX}\n" in coach and cleaned not in coach
+    assert SUFFIX.strip() not in agent
     agent, coach = first_prompts(tasks["not-cleaned"], tmp_path / "b")
-    assert f"Task:\n{RAW}\n\nThe working directory" in agent and RAW in coach
+    assert f"Task:\n{RAW}\n\nThe working directory" in agent and f"{RAW}{SUFFIX}\n" in coach
+    assert SUFFIX.strip() not in agent
 
     proc = subprocess.run([*run, "--out", str(tmp_path / "raw"), "--task-text", "raw"], capture_output=True,
                           text=True, timeout=120)

@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from conftest import MAPPA, REPO, local_cluster_env, run_training
-from openrlhf_mappa.envs.dsbench import CARRIED
+from openrlhf_mappa.envs.dsbench import ARTIFACTS, SUBMISSIONS
 
 AGENTS = ["data_engineer", "modeler", "analyst"]
 
@@ -128,12 +128,14 @@ def test_dsbench_mappa_run_trains_on_replies_that_ended(tmp_path, tiny_model):
         assert {"metric", "baseline", "best", "relative_score"} <= set(out)
         assert "analyst" in out["missing_files"]
 
-    workspaces = glob.glob(str(run_dir / "workspaces" / "*" / "*"))
+    # each workspace has its store of fetched files beside it (WS.kept)
+    workspaces = [w for w in glob.glob(str(run_dir / "workspaces" / "*" / "*")) if not w.endswith(".kept")]
     assert len(workspaces) == 6
     for ws in workspaces:  # dsbench.yaml's stateless workspace: what the authors upload and their fetched kinds
         files = os.listdir(ws)
         assert {"train.csv", "test.csv"} <= set(files) and "sample_submission.csv" not in files
-        assert all(f in ("train.csv", "test.csv") or any(fnmatchcase(f, p) for p in CARRIED) for f in files), files
+        assert all(f in ("train.csv", "test.csv") or any(fnmatchcase(f, p) for p in ARTIFACTS + SUBMISSIONS)
+                   for f in files), files
 
 
 def assert_trained_on_scores(m: dict, episodes: list) -> int:

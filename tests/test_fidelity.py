@@ -216,15 +216,24 @@ def one_row_env(topology, workdir: Path):
 
 def workspace_of(topology, workdir: Path) -> str:
     """What a code agent's code finds in the workspace, by the environment's own step() on a one-row task: the task's
-    files at the start, and which of the files a code run wrote (or overwrote: train.csv) the next run finds."""
+    files at the start; after each code agent's run, which of the files it wrote (or overwrote: train.csv) the next
+    run finds as it left them; and what a run that deletes every file leaves for the next one."""
     env = one_row_env(topology, workdir)
-    start = sorted(os.listdir(workdir / "ws"))
+    ws = workdir / "ws"
+    start = sorted(os.listdir(ws))
     written = ["train.csv", "notes.txt", "features.csv", "X.pkl", "m.joblib", "a.npy", "b.npz", "submission.csv",
                "predictions.csv"]
-    code = "\n".join(f"open({f!r}, 'w').write('x')" for f in written)
-    env.step(next(a for a in topology.agents if a.runs_code), 0, f"```python\n{code}\n```")
-    kept = [f for f in written if (workdir / "ws" / f).exists() and (workdir / "ws" / f).read_text() == "x"]
-    return f"starts with {', '.join(start)}; the next code run finds {', '.join(kept)} as the run left them"
+    coders = [a for a in topology.agents if a.runs_code]
+    kept = []
+    for agent in coders:
+        code = "\n".join(f"open({f!r}, 'w').write({agent.name!r})" for f in written)
+        env.step(agent, 0, f"```python\n{code}\n```")
+        found = [f for f in written if (ws / f).exists() and (ws / f).read_text() == agent.name]
+        kept.append(f"{agent.name}'s {', '.join(found) or 'nothing'}")
+    wipe = "import os\nfor f in os.listdir():\n    if not f.startswith('_mappa_code_'):\n        os.remove(f)"
+    env.step(coders[0], 1, f"```python\n{wipe}\n```")
+    return (f"starts with {', '.join(start)}; the next code run finds, as the run left them, {'; '.join(kept)}; "
+            f"after a run deleting every file: {', '.join(sorted(os.listdir(ws)))}")
 
 
 def coach_evidence_of(topology, workdir: Path) -> str:
@@ -286,10 +295,11 @@ def problem_suffixes(topology) -> dict:
     value if all agree) and the coach's prompt ("coach")."""
     with tempfile.TemporaryDirectory() as workspace:
         env = topology.make_env({"id": "0", "prompt": "PROBLEM", "answer": workspace, "type": ""}, workspace)
-        agents = {env.observe(spec, 0)[-1]["content"].split("PROBLEM", 1)[1] for spec in topology.agents}
+        after = [env.observe(spec, 0)[-1]["content"].split("PROBLEM", 1)[1] for spec in topology.agents]
         coach = render_prompt(topology.coach_template, CoachRequest("e", "a", 0, "r", env.task_text, "", "", "", ""))
     suffix = env.task_text.removeprefix("PROBLEM")
-    return {"agents": suffix if all(a.startswith(suffix) for a in agents) else sorted(agents),
+    agents = {suffix if text.startswith(suffix) else "" for text in after}  # (DSBench's agents never get it)
+    return {"agents": agents.pop() if len(agents) == 1 else sorted(agents),
             "coach": suffix if "PROBLEM" + suffix in coach else coach}
 
 
@@ -459,8 +469,7 @@ AUTHORS = {
                                              "data/dsbench-eval/tasks.jsonl)"),
         "eval every (steps)": Authors(2, f"{DS}: step 0, then every 2 steps"),
         "problem suffix/agents": Authors("", f"{DSW} L363-375: the cleaned task text, no suffix"),
-        "problem suffix/coach": Authors(SUFFIX, f"{DEFAULTS} L193 prompt suffix, {BASE} L488-490", ours="",
-                                        readme="agents' prompts"),
+        "problem suffix/coach": Authors(SUFFIX, f"{DEFAULTS} L193 prompt suffix, {BASE} L488-490"),
         "episodes": Authors(30, f"{DS} num_episodes=30"),
         "rollout batch": Authors(16, f"{DS} rollout_batch_size=16"),
         "rollout micro-batch": Authors(4, f"{DS} micro_rollout_batch_size=4", ours=2, readme="batches, epochs"),
@@ -475,11 +484,15 @@ AUTHORS = {
                                   f"{DSW} L503-509, L673-679, L876-886 (files_available, files_from_previous_agents, "
                                   "fixed when an agent's turn begins); marti/verifiers/dsbench/ground_truth_utils.py "
                                   "compute_all_metrics (accuracy, F1, ROC-AUC; RMSE, MAE, MSE, target statistics)"),
-        "workspace files": Authors("starts with test.csv, train.csv; the next code run finds X.pkl, m.joblib, a.npy, "
-                                   "b.npz, submission.csv, predictions.csv as the run left them",
-                                   f"{DSW} L215-265 (train.csv, test.csv uploaded for every code run of a stateless "
-                                   "sandbox), L488-493, L658-663 (*.pkl, *.joblib, *.npy, *.npz fetched after it), "
-                                   "L863-866 (the Analyst's submission.csv, predictions.csv)"),
+        "workspace files": Authors("starts with test.csv, train.csv; the next code run finds, as the run left them, "
+                                   "data_engineer's X.pkl, m.joblib, a.npy, b.npz; modeler's X.pkl, m.joblib, a.npy, "
+                                   "b.npz; analyst's submission.csv, predictions.csv; after a run deleting every file: "
+                                   "X.pkl, a.npy, b.npz, m.joblib, predictions.csv, submission.csv, test.csv, "
+                                   "train.csv",
+                                   f"{DSW} L215-265 (train.csv, test.csv and the fetched files uploaded for every code "
+                                   "run of a stateless sandbox), L488-493, L658-663 (*.pkl, *.joblib, *.npy, *.npz "
+                                   "fetched after the Data Engineer's and Modeler's runs), L863-866 (submission.csv, "
+                                   "predictions.csv after the Analyst's)"),
         "coach: stated output limit": Authors(set(), f"{DSY} (no length criterion)"),
         **per_agent(DSBENCH_AGENTS, "schedule length", [240] * 3, f"{BASE} load_dataset: 30 x (64 x 2 // 16 x 1)"),
         **per_agent(DSBENCH_AGENTS, "warm-up steps", [8] * 3, f"{ACTOR} ceil(240 x 0.03)"),
@@ -620,6 +633,7 @@ MUTATIONS = [
     ("mathchat", "script", "--mappa.coach.structured off \\", "--mappa.coach.structured auto \\", "coach reply format"),
     ("dsbench", "script", "MAPPA_COACH_MODEL:-gemini-2.5-pro", "MAPPA_COACH_MODEL:-gpt-4o", "coach model"),
     ("mathchat", "topology", "problem_suffix: ", "# problem_suffix: ", "problem suffix/agents"),
+    ("dsbench", "topology", "problem_suffix: ", "# problem_suffix: ", "problem suffix/coach"),
     ("mathchat", "topology", "env: mathchat\n", "env: mathchat\nkeep_reasoning: false\n",
      "earlier reasoning in an agent's later prompts"),
 ]

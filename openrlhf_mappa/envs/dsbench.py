@@ -5,11 +5,11 @@ its turns end on a reply without code (the authors' rule), or with `end_turn_on_
 A task row names its task directory as "answer" (satisfying `load_tasks` without an answer in a prompt): task.json,
 the public CSVs copied into the workspace (`workspace_files`: stateless, the authors' sandbox, or persistent), and
 the hidden answers/test_answer.csv, read only by the scorer. Its "prompt" is the task's text as DSBench states it
-(the coach's {task}); "agent_prompt", where `mappa dsbench import` wrote the authors' cleaned text, is what the
-agents' {task} shows instead. The coach's evidence (`coach_evidence`) is the authors' (the files when the agent's
-turn began, those earlier agents saved, the Analyst's raw metrics) or ours (the contract state after the action, the
-submission's score); never the answers. A broken task directory or a bad submission is a status in the outcome,
-never an exception.
+(the coach's {task}, with the topology's problem_suffix); "agent_prompt", where `mappa dsbench import` wrote the
+authors' cleaned text, is what the agents' {task} shows instead, never with the suffix. The coach's evidence
+(`coach_evidence`) is the authors' (the files when the agent's turn began, those earlier agents saved, the
+Analyst's raw metrics) or ours (the contract state after the action, the submission's score); never the answers.
+A broken task directory or a bad submission is a status in the outcome, never an exception.
 """
 
 import dataclasses
@@ -31,7 +31,9 @@ from openrlhf_mappa.envs.base import MultiAgentEnv
 
 PUBLIC_FILES = ("train.csv", "test.csv", "sample_submission.csv")
 UPLOADED = ("train.csv", "test.csv")  # what the authors upload for every code run (no sample_submission.csv)
-CARRIED = ("*.pkl", "*.joblib", "*.npy", "*.npz", "submission.csv", "predictions.csv")  # what their workflow fetches
+# What the authors' workflow fetches after a code run: the Data Engineer's and Modeler's artifacts, the Analyst's CSVs
+ARTIFACTS = ("*.pkl", "*.joblib", "*.npy", "*.npz")
+SUBMISSIONS = ("submission.csv", "predictions.csv")
 WORKSPACE_FILES = ("stateless", "persistent")
 COACH_EVIDENCE = ("authors", "ours")
 ANSWER_FILE = os.path.join("answers", "test_answer.csv")
@@ -311,6 +313,8 @@ class DSBenchEnv(MultiAgentEnv):
             if value not in allowed:
                 raise ValueError(f"env_kwargs {key} must be one of {', '.join(allowed)}, got {value!r}")
         self.stateless = workspace_files == "stateless"
+        # stateless: the files fetched so far, beside the workspace (the authors' store, out of the sandbox's sight)
+        self.kept = workspace.rstrip(os.sep) + ".kept"
         self.authors_evidence = coach_evidence == "authors"
         self.turn_start_files = {}  # agent -> the workspace's files when its turn began (the authors' evidence)
         self.contract = DEFAULT_CONTRACT if contract is None else contract
@@ -328,6 +332,7 @@ class DSBenchEnv(MultiAgentEnv):
             meta = load_task_dir(self.task_dir)
             self.task_type, self.metric_name = meta["data_type"], meta["metric"]
             os.makedirs(workspace, exist_ok=True)
+            shutil.rmtree(self.kept, ignore_errors=True)  # a workspace used again starts with nothing kept
             self.copy_task_files()
         except (OSError, ValueError) as e:
             self.task_error = str(e)
@@ -347,11 +352,12 @@ class DSBenchEnv(MultiAgentEnv):
 
     def observe(self, agent, turn: int, omit: int = 0) -> list:
         """The base's messages, with {task} the agents' text: the authors' cleaned one where the import wrote it
-        ("agent_prompt"); the coach's {task} (task_text) stays the task's own text, as the authors' coach's
-        {problem} did (dsbench_workflow.py L363-375 and `problem=prompt`)."""
+        ("agent_prompt"), else the task's own, never with the problem_suffix; the coach's {task} (task_text) is the
+        task's own text and the suffix, as the authors' coach's {problem} was (dsbench_workflow.py L363-375 and
+        `problem=prompt`, which prompts_loader.py ended with default.yaml's suffix)."""
         shown = self.task.get("agent_prompt")
         if shown is None:
-            return super().observe(agent, turn, omit)
+            shown = self.task["prompt"]
         prompt = agent.prompt.replace("{task}", shown.replace("{", "{{").replace("}", "}}"))
         return super().observe(dataclasses.replace(agent, prompt=prompt), turn, omit)
 
@@ -360,20 +366,33 @@ class DSBenchEnv(MultiAgentEnv):
             self.turn_start_files[agent.name] = self.listing()
         result = super().step(agent, turn, response)
         if self.stateless and result.feedback.ran and not self.task_error:
-            # The authors' SandboxFusion is stateless: each code run starts from the uploaded train.csv and test.csv
-            # and the files their workflow fetched after earlier runs (dsbench_workflow.py L215-265, L488-493,
-            # L658-663, L863-866); whatever else a run wrote is gone by the next one.
-            for name in os.listdir(self.workspace):
-                path = os.path.join(self.workspace, name)
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path)
-                elif name not in UPLOADED and not any(fnmatchcase(name, p) for p in CARRIED):
-                    os.remove(path)
-            self.copy_task_files()
+            self.restart_sandbox(agent)
         own = self.contract.get(agent.name)
         if self.end_turn_on_files and result.feedback.ran and own and not self.missing(own):
             result.done = True  # its files exist: the next agent starts
         return result
+
+    def restart_sandbox(self, agent):
+        """The authors' SandboxFusion is stateless: each code run starts from the uploaded train.csv and test.csv
+        and the files their workflow fetched after earlier runs and kept on the host (dsbench_workflow.py
+        L215-265, L488-493, L658-663, L863-866). So this run's files of the agent's kinds replace the kept ones
+        in `kept`, everything else goes, and a kept file the run deleted or changed comes back as kept."""
+        # The authors' Analyst fetched only its submission; the Data Engineer and Modeler their artifacts. The
+        # agent owing submission.csv in the contract is the Analyst's place.
+        kinds = SUBMISSIONS if SUBMISSION in self.contract.get(agent.name, []) else ARTIFACTS
+        os.makedirs(self.kept, exist_ok=True)
+        for name in os.listdir(self.workspace):
+            path = os.path.join(self.workspace, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            elif any(fnmatchcase(name, p) for p in kinds) and os.path.isfile(path) and not os.path.islink(path):
+                shutil.copyfile(path, os.path.join(self.kept, name))  # fetched
+            elif name not in UPLOADED:
+                os.remove(path)
+        for name in os.listdir(self.kept):
+            if not os.path.exists(os.path.join(self.workspace, name)):  # not fetched from this run
+                shutil.copyfile(os.path.join(self.kept, name), os.path.join(self.workspace, name))
+        self.copy_task_files()
 
     def listing(self) -> list:
         return sorted(os.listdir(self.workspace)) if os.path.isdir(self.workspace) else []
