@@ -394,6 +394,12 @@ class DSBenchEnv(MultiAgentEnv):
                 shutil.copyfile(os.path.join(self.kept, name), os.path.join(self.workspace, name))
         self.copy_task_files()
 
+    def contract_files(self, agent) -> tuple:
+        """(the files earlier agents had to save, this agent's own): what `judge` and our coach evidence blame by."""
+        names = [a.name for a in self.topology.agents]
+        upstream = [f for a in names[: names.index(agent.name)] for f in self.contract.get(a, [])]
+        return upstream, self.contract.get(agent.name, [])
+
     def listing(self) -> list:
         return sorted(os.listdir(self.workspace)) if os.path.isdir(self.workspace) else []
 
@@ -420,9 +426,7 @@ class DSBenchEnv(MultiAgentEnv):
         files missing -> 1 after an error or without code, 3 after a clean run; an invalid submission -> 3;
         files present after an error -> 5; else 7, + 2 x the relative score (at most 1) of a valid
         submission."""
-        names = [a.name for a in self.topology.agents]
-        upstream = [f for a in names[: names.index(agent.name)] for f in self.contract.get(a, [])]
-        own = self.contract.get(agent.name, [])
+        upstream, own = self.contract_files(agent)
         if self.missing(upstream) and self.missing(own):
             return 5.0, "contract rule: an earlier agent's file is missing; not this agent's fault", False
         if self.missing(own):
@@ -442,13 +446,11 @@ class DSBenchEnv(MultiAgentEnv):
 
     def coach_ground_truth(self, agent) -> Optional[str]:
         """`ours`: the contract state right after the action (the rollout asks just after `step`), so the coach can
-        blame the agent whose file is missing; for the Analyst also the submission's check. The heuristic parses
-        it. `authors`: what the authors' coach is shown (authors_evidence)."""
+        blame the agent whose file is missing; for the Analyst also the submission's check. `authors`: what the
+        authors' coach is shown (authors_evidence)."""
         if self.authors_evidence:
             return self.authors_evidence_text(agent)
-        names = [a.name for a in self.topology.agents]
-        upstream = [f for a in names[: names.index(agent.name)] for f in self.contract.get(a, [])]
-        own = self.contract.get(agent.name, [])
+        upstream, own = self.contract_files(agent)
         files = self.listing()
         lines = [
             f"DSBench file contract: this agent must save: {', '.join(own) or '(nothing)'}",
