@@ -151,9 +151,6 @@ class Topology:
         n = sum(a.max_actions for a in self.agents) if shared_policy else spec.max_actions
         return min(n, self.max_episode_actions or n)
 
-    def env_class(self) -> type:
-        return self.env_cls
-
     def make_env(self, task: dict, workspace: str):
         """One environment instance for one episode (task is one row of load_tasks)."""
         return self.env_cls(self, task, workspace, **self.env_kwargs)

@@ -336,7 +336,7 @@ def render(args, topology, rows_in_task_file: int, coach_facts: dict, prompt_fac
         "reward scale": topology.reward_scale,
         "turns end": turn_rule_of(topology, workdir / "turns"),
         "code timeout (s)": topology.env_kwargs.get(
-            "code_timeout_s", inspect.signature(topology.env_class()).parameters["code_timeout_s"].default),
+            "code_timeout_s", inspect.signature(topology.env_cls).parameters["code_timeout_s"].default),
         "score key": topology.score_key,
         # The outcome key's weight: what a reply giving both keys trains on (theirs: 1.0 x process + 0.0 x outcome).
         "reward of 'PROCESS_SCORE: 4 / ANSWER_CORRECT: 1'": parse_score("Sound.\nPROCESS_SCORE: 4\nANSWER_CORRECT: 1",

@@ -47,7 +47,7 @@ def test_mathchat_yaml_loads():
     assert [a.max_actions for a in topo.agents] == [1, 2, 1]
     assert [a.runs_code for a in topo.agents] == [False, True, False]
     assert all(a.model == "Qwen/Qwen3-4B" for a in topo.agents)
-    assert topo.env_class() is MathChatEnv
+    assert topo.env_cls is MathChatEnv
     # What the authors' coach is shown of each action (mathchat_with_coach.yaml), and nothing less.
     for field in ("task", "role", "agent_input", "agent_output", "feedback", "ground_truth"):
         assert "{" + field + "}" in topo.coach_template
@@ -782,7 +782,7 @@ def test_relay_succeeds_only_when_every_agent_meets_its_goal(tmp_path, replies, 
 def test_relay_names_an_agent_without_a_goal(tmp_path):
     topology = load_topology(str(ROOT / "examples" / "configs" / "relay.yaml"))
     with pytest.raises(ValueError, match=r"no goal for agent\(s\) \['code'\]"):
-        topology.env_class()(topology, {"prompt": "p", "answer": "-"}, str(tmp_path), goals={"quantity": "1", "item": "a"})
+        topology.env_cls(topology, {"prompt": "p", "answer": "-"}, str(tmp_path), goals={"quantity": "1", "item": "a"})
 
 
 def test_review_template_is_optional_and_checked(tmp_path):
