@@ -211,25 +211,20 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
     soon as its tool feedback exists, so that the caller can submit it at once."""
     # An env whose own observe() takes no `omit` cannot leave history out: its over-long prompts are skipped.
     can_omit = "omit" in inspect.signature(env.observe).parameters
-    limit = topology.max_episode_actions or sum(a.max_actions for a in topology.agents)
     turns, last, round_ = {a.name: 0 for a in topology.agents}, {}, 0
     while agents := call("next_agents", env.next_agents, turns, last):
         check_round(type(env).__name__, topology, agents)
-        over = [f"agent {a.name!r} asked to act beyond its max_actions {a.max_actions}"
-                for a in agents if turns[a.name] >= a.max_actions]
-        if sum(turns.values()) + len(agents) > limit:
-            over.append(f"more than max_episode_actions {limit} actions")
-        if over:  # a workflow that would go on forever (or past its budget) ends here, as a counted failure
-            episode.action_limit = "; ".join(over)
+        episode.action_limit = over_limit(topology, turns, agents)
+        if episode.action_limit:  # a workflow that would go on forever (or past its budget) ends here, a failure
             return
         # The round's agents all see the history as it was before the round: they generate concurrently, and
         # step in the order next_agents gave.
         prompts = [fit_prompt(env, call, policies[spec.name], spec, turns[spec.name], can_omit, topology.keep_reasoning)
                    for spec in agents]
-        generations = (policies[spec.name].sample(p[1]) for spec, p in zip(agents, prompts) if not p[2])
+        generations = (policies[spec.name].sample(p[2]) for spec, p in zip(agents, prompts) if not p[3])
         generated = iter(await asyncio.gather(*generations))
         last = {}
-        for spec, (prompt_text, prompt_ids, too_long, omitted) in zip(agents, prompts):
+        for spec, (messages, prompt_text, prompt_ids, too_long, omitted) in zip(agents, prompts):
             policy, turn = policies[spec.name], turns[spec.name]
             turns[spec.name] += 1
             if too_long:
@@ -262,7 +257,7 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
             truncated_at = policy.max_new_tokens if truncated else None
             action.coach_request = dict(
                 role=spec.role, task=call("task_text", getattr, env, "task_text"), task_type=episode.task_type,
-                feedback=result.feedback.as_text(),
+                agent_input=messages_text(messages), feedback=result.feedback.as_text(),
                 ground_truth=call("coach_ground_truth", env.coach_ground_truth, spec),
                 env_grade=call("judge", env.judge, spec, response_text, result.feedback, truncated_at),
                 is_final_agent=spec is topology.agents[-1], runs_code=spec.runs_code,
@@ -270,8 +265,7 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
                 **({"coach_bias": coach_bias} if coach_bias is not None else {}),
             )
             episode.actions.append(action)
-            yield CoachRequest(episode.episode_id, spec.name, turn, agent_input=prompt_text,
-                               agent_output=response_text, **action.coach_request)
+            yield CoachRequest(episode.episode_id, spec.name, turn, agent_output=response_text, **action.coach_request)
         round_ += 1
 
 
@@ -284,14 +278,36 @@ def check_round(env_name: str, topology, agents) -> None:
                          f"topology's AgentSpecs (env.topology.agents), each at most once per round")
 
 
+def over_limit(topology, turns: dict, agents: list) -> str:
+    """Why the round `agents` may not be played ("" when it may): an agent past its max_actions, or the episode
+    past the topology's max_episode_actions (default: the sum of the agents' max_actions)."""
+    limit = topology.max_episode_actions or sum(a.max_actions for a in topology.agents)
+    over = [f"agent {a.name!r} asked to act beyond its max_actions {a.max_actions}"
+            for a in agents if turns[a.name] >= a.max_actions]
+    if sum(turns.values()) + len(agents) > limit:
+        over.append(f"more than max_episode_actions {limit} actions")
+    return "; ".join(over)
+
+
 def fit_prompt(env, call, policy: AgentPolicy, spec, turn: int, can_omit: bool, keep_reasoning: bool) -> tuple:
-    """(text, ids, too_long, omitted): the agent's prompt, its oldest history left out as far as needed (where the
-    env's observe() can leave it out: `can_omit`)."""
-    prompt_text, prompt_ids, too_long = policy.prompt_ids(call("observe", env.observe, spec, turn), keep_reasoning)
-    if too_long and can_omit:
-        return policy.shorten(lambda k: call("observe", env.observe, spec, turn, omit=k), len(env.history),
-                              keep_reasoning)
-    return prompt_text, prompt_ids, too_long, 0
+    """(messages, text, ids, too_long, omitted): the agent's input, its oldest history left out as far as needed
+    (where the env's observe() can leave it out: `can_omit`)."""
+    messages = call("observe", env.observe, spec, turn)
+    prompt_text, prompt_ids, too_long = policy.prompt_ids(messages, keep_reasoning)
+    if not (too_long and can_omit):
+        return messages, prompt_text, prompt_ids, too_long, 0
+    observe = functools.partial(call, "observe", env.observe, spec, turn)
+    *fitted, omitted = policy.shorten(lambda k: observe(omit=k), len(env.history), keep_reasoning)
+    return observe(omit=omitted), *fitted, omitted
+
+
+def messages_text(messages: list) -> str:
+    """An agent's input as the coach reads it ({agent_input}): its messages without the chat template's special
+    tokens. A lone user message as it is, as the authors' coach read the raw prompt; else each message under a
+    `[role]` line."""
+    if len(messages) == 1:
+        return messages[0]["content"]
+    return "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in messages)
 
 
 async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,

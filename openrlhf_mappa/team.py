@@ -7,7 +7,9 @@ import difflib
 import inspect
 import os
 import re
-from typing import Optional
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional, Union
 
 from openrlhf_mappa import placement
 from openrlhf_mappa.envs import load_env_class
@@ -25,6 +27,59 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     return topology
+
+
+class PlayedAction(NamedTuple):
+    agent: str
+    turn: int  # the agent's own action index, from 0
+    round: int  # the episode's round, from 0
+    messages: list  # its input: what env.observe gave it
+    reply: str
+    result: object  # env.step's StepResult (its feedback, done)
+    grade: Optional[tuple]  # env.judge's (score, why, failed), or None: the offline heuristic coach's rule
+
+
+@dataclass
+class Played:
+    env: object  # the environment after the episode: env.history, env.task...
+    actions: list = field(default_factory=list)  # PlayedAction, in the order taken
+    outcome: dict = field(default_factory=dict)  # env.outcome(); success False where a limit stopped it
+    action_limit: str = ""  # which limit stopped it, "" if it ended by itself
+
+
+def play(topology: Union[Topology, str], task: dict, replies: Union[list, Callable], workspace: str = None) -> Played:
+    """One episode of `topology` (a Topology, or a topology YAML's path) on `task` (a task row), the agents
+    answering with scripted replies: a list taken in the order they act, or a function (agent name, turn) ->
+    reply. Rounds, limits and the environment's calls are the rollout's, without models, coach or cluster: a
+    unit test of an environment. `workspace`: where its code runs (default: a new temporary directory)."""
+    from openrlhf_mappa.rollout import check_round, over_limit
+
+    if isinstance(topology, str):
+        topology = load_topology(topology)
+    env = topology.make_env(task, workspace or tempfile.mkdtemp(prefix="mappa-play-"))
+    scripted = None if callable(replies) else list(replies)
+    played, turns, last, round_ = Played(env), {a.name: 0 for a in topology.agents}, {}, 0
+    while agents := env.next_agents(turns, last):
+        check_round(type(env).__name__, topology, agents)
+        played.action_limit = over_limit(topology, turns, agents)
+        if played.action_limit:
+            break
+        inputs = [env.observe(spec, turns[spec.name]) for spec in agents]  # the history as it was before the round
+        last = {}
+        for spec, messages in zip(agents, inputs):
+            turn = turns[spec.name]
+            if scripted == []:
+                raise ValueError(f"play: no reply left for agent {spec.name!r}'s action {turn} (action "
+                                 f"{len(played.actions)} of the episode)")
+            reply = replies(spec.name, turn) if scripted is None else scripted.pop(0)
+            result = last[spec.name] = env.step(spec, turn, reply)
+            grade = env.judge(spec, reply, result.feedback, None)
+            played.actions.append(PlayedAction(spec.name, turn, round_, messages, reply, result, grade))
+            turns[spec.name] += 1
+        round_ += 1
+    outcome = env.outcome()
+    played.outcome = {**outcome, "success": False} if played.action_limit else outcome
+    return played
 
 
 def _check_chain_views(topology: Topology) -> None:

@@ -5,6 +5,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import textwrap
 import time
 from pathlib import Path
@@ -633,7 +634,7 @@ def play_mathchat(tmp_path, tokenizer, replies, max_len, env_class=MathChatEnv):
     return episode, given, coach.requests
 
 
-def test_the_coach_sees_exactly_the_prompt_the_agent_saw(tiny_model, tmp_path):
+def test_the_coach_sees_exactly_the_input_the_agent_saw_as_text(tiny_model, tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
@@ -646,8 +647,13 @@ def test_the_coach_sees_exactly_the_prompt_the_agent_saw(tiny_model, tmp_path):
         ("problem_solver", 0, False), ("code_executor", 0, True), ("code_executor", 1, True), ("verifier", 0, False)]  # fmt: skip
     for action, request, (name, ids) in zip(episode.actions, requests, given):
         assert request.agent == action.agent == name and ids == action.prompt_ids
-        assert request.agent_input == action.prompt_text  # the text that tokenized to the ids the engine got
-        assert tokenizer(request.agent_input, add_special_tokens=False)["input_ids"] == ids
+        assert tokenizer(action.prompt_text, add_special_tokens=False)["input_ids"] == ids
+        # The coach reads the same messages without the chat template's special tokens: a lone user message as it
+        # is, several each under its role.
+        messages = re.findall(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>", action.prompt_text, re.S)
+        assert request.agent_input == (messages[0][1] if len(messages) == 1 else
+                                       "\n\n".join(f"[{role}]\n{content}" for role, content in messages))
+        assert "<|im_" not in request.agent_input and request.agent_input == action.coach_request["agent_input"]
     executor_input, verifier_input = requests[2].agent_input, requests[3].agent_input
     assert "[1 earlier action omitted to fit the context]" in executor_input and "Check." not in executor_input
     assert TASK["prompt"] in executor_input and "print(3 * 4 - 2)" in executor_input  # its own first code
@@ -687,7 +693,7 @@ def test_an_env_whose_observe_takes_no_omit_still_works(tiny_model, tmp_path):
                                              env_class=OwnObserve)  # fmt: skip
     assert [a.agent for a in episode.actions] == ["problem_solver", "code_executor", "code_executor"]
     task = TASK["prompt"] + "\n\nPlease reason step by step, and put your final answer within \\boxed{}."  # mathchat.yaml's
-    assert requests[2].agent_input.startswith(f"<|im_start|>user\ncode_executor: {task}\n### problem_solver")
+    assert requests[2].agent_input.startswith(f"code_executor: {task}\n### problem_solver")  # one message: as it is
     assert [s["agent"] for s in episode.skipped_actions] == ["verifier"]
 
 

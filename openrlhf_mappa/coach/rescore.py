@@ -45,9 +45,12 @@ async def rescore(actions: list, coach: Coach, mode: str = "per_action") -> tupl
 
     async def one(indices):
         episode = actions[indices[0]][0]
-        requests = [CoachRequest(episode["episode_id"], a["agent"], a["turn"], agent_input=a["prompt_text"],
-                                 agent_output=a["response_text"], **a["coach_request"])
-                    for a in (actions[i][1] for i in indices)]
+        requests = []
+        for a in (actions[i][1] for i in indices):
+            # Records written before the coach_request kept the agent's input: the coach saw the templated prompt.
+            context = {"agent_input": a["prompt_text"], **a["coach_request"]}
+            requests.append(CoachRequest(episode["episode_id"], a["agent"], a["turn"], agent_output=a["response_text"],
+                                         **context))
         pending = [asyncio.ensure_future(coach.score(r)) for r in requests] if mode != "hindsight" else []
         judged, _, review = await judge_episode(coach, mode, requests, episode.get("outcome", {}), pending)
         for i, verdict in zip(indices, judged):

@@ -47,6 +47,9 @@ class HistoryEntry(NamedTuple):
     turn: int
     response: str
     feedback: str  # ToolFeedback.as_text(); "" when no tool ran
+    # How many entries the history held when this action's input was rendered (observe); None: all before it.
+    # Actions of one round see the history as it was before the round.
+    seen: Optional[int] = None
 
 
 class MultiAgentEnv:
@@ -75,6 +78,7 @@ class MultiAgentEnv:
         self.sandbox_limits = dict(memory_mb=code_memory_mb, cpu_time_s=code_cpu_time_s, max_file_mb=code_max_file_mb,
                                    max_processes=code_max_processes, sandbox_url=sandbox_url)
         self.history: list[HistoryEntry] = []
+        self._observed = {}  # (agent name, turn) -> len(history) when observe() rendered its input
 
     @property
     def task_text(self) -> str:
@@ -98,37 +102,59 @@ class MultiAgentEnv:
     next_agents.chain = True
 
     def observe(self, agent: AgentSpec, turn: int, omit: int = 0) -> list[dict]:
-        """The agent's system message, its prompt ({task}, and {history}: what its view selects of the other
-        agents' actions), then its own earlier actions as chat turns (the rollout renders them as generated, reasoning
-        included, unless the topology sets keep_reasoning: false). `omit=k` leaves out the k oldest entries
-        (other agents' first) with a marker; the system message, prompt and task are never cut."""
+        """The episode as this agent saw it happen: its system message; its prompt ({task}, and {history}: what its
+        view selects of the other agents' actions before its first one); then each of its own earlier actions as
+        an assistant turn, followed by one user turn with that action's tool output (where a tool ran) and the
+        others' actions its view selects up to its next action ("(nothing new)" where there is neither: chat
+        templates want turns to alternate). The rollout renders its replies as generated, reasoning included,
+        unless the topology sets keep_reasoning: false. `omit=k` leaves out the k oldest of those entries with a
+        marker; the system message, prompt and task are never cut."""
+        self._observed[agent.name, turn] = len(self.history)  # what its input can show: step() records it
         view, shows_history = agent.view, "{history}" in agent.prompt
-        others = [e for e in self.history if shows_history and e.agent != agent.name
+        others = [(i, e) for i, e in enumerate(self.history) if e.agent != agent.name
                   and (view.agents == "all" or e.agent in view.agents)]
         if view.actions == "last":
             # Each agent's final reply and its latest code run: what the authors' Verifier saw of the Code Executor.
-            last = {e.agent: i for i, e in enumerate(others)}
-            last_run = {e.agent: i for i, e in enumerate(others) if e.feedback and view.tool_output}
-            others = [e for i, e in enumerate(others) if i in {*last.values(), *last_run.values()}]
+            last = {e.agent: i for i, e in others}
+            last_run = {e.agent: i for i, e in others if e.feedback and view.tool_output}
+            others = [(i, e) for i, e in others if i in {*last.values(), *last_run.values()}]
         if view.strip_thinking:  # what follows the last </think>; a reply cut off inside its reasoning keeps nothing
-            others = [e._replace(response=e.response.rpartition("</think>")[2] if "</think>" in e.response
-                                 else e.response.partition("<think>")[0]) for e in others]
+            others = [(i, e._replace(response=e.response.rpartition("</think>")[2] if "</think>" in e.response
+                                     else e.response.partition("<think>")[0])) for i, e in others]
         if not view.tool_output:
-            others = [e._replace(feedback="") for e in others]
-        own = [e for e in self.history if e.agent == agent.name]
-        omit = min(omit, len(others) + len(own))
+            others = [(i, e._replace(feedback="")) for i, e in others]
+        # Episode order: another agent's action goes after the last own action whose input could not show it (one
+        # of the same round, generated at once, counts as after).
+        own = [(i, e) for i, e in enumerate(self.history) if e.agent == agent.name]
+        seen = [i if e.seen is None else e.seen for i, e in own]
+        after = [[] for _ in range(len(own) + 1)]  # after[0]: before its first action, {history}'s
+        for i, e in others:
+            after[sum(s <= i for s in seen)].append(e)
+        if not shows_history:  # a prompt without {history} shows nothing of before its first action
+            after[0] = []
+        timeline = list(after[0])
+        for (_, mine), theirs in zip(own, after[1:]):
+            timeline += [mine, *theirs]
+        omit = min(omit, len(timeline))
         marker = f"[{omit} earlier action{'s' * (omit > 1)} omitted to fit the context]"
-        history = self.history_text(others[omit:])
+        parts = [[]]  # the others' actions before its first kept action, then [own action, others' after it...]
+        for e in timeline[omit:]:
+            if e.agent == agent.name:
+                parts.append([])
+            parts[-1].append(e)
+        history = self.history_text(parts[0])
         if omit:
-            history = marker if omit >= len(others) else f"{marker}\n\n{history}"
+            history = f"{marker}\n\n{history}" if parts[0] else marker
         user = agent.prompt.format(task=self.task_text, history=history)
         if omit and not shows_history:
             user += f"\n\n{marker}"
         messages = [{"role": "system", "content": agent.system}] if agent.system else []
         messages.append({"role": "user", "content": user})
-        for e in own[max(0, omit - len(others)) :]:
-            output = f"#### Output of the code\n{e.feedback}" if e.feedback else "[no code ran]"
-            messages += [{"role": "assistant", "content": e.response}, {"role": "user", "content": output}]
+        for mine, *theirs in parts[1:]:
+            shown = [f"#### Output of the code\n{mine.feedback}"] * bool(mine.feedback)
+            shown += [self.history_text(theirs)] * bool(theirs)
+            messages += [{"role": "assistant", "content": mine.response},
+                         {"role": "user", "content": "\n\n".join(shown) or "(nothing new)"}]
         return messages
 
     def step(self, agent: AgentSpec, turn: int, response: str) -> StepResult:
@@ -140,7 +166,8 @@ class MultiAgentEnv:
             if code is not None:
                 feedback = run_python(code, self.workspace, timeout_s=self.code_timeout_s, **self.sandbox_limits)
                 done = False
-        self.history.append(HistoryEntry(agent.name, turn, response, feedback.as_text()))
+        seen = self._observed.pop((agent.name, turn), None)
+        self.history.append(HistoryEntry(agent.name, turn, response, feedback.as_text(), seen))
         return StepResult(feedback, done)
 
     def answer_formatted(self, agent: AgentSpec, response: str) -> Optional[bool]:
