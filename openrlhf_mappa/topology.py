@@ -49,8 +49,8 @@ AGENT_METRICS = tuple(
 
 @dataclass(frozen=True)
 class View:
-    """Which earlier actions of OTHER agents an agent's {history} shows (its own always follow its prompt as chat
-    turns, as the authors' agents saw them). YAML: `view: all | previous | [names]`, or a mapping of these."""
+    """Which actions of OTHER agents an agent sees (MultiAgentEnv.observe: those before its first action in its
+    prompt's {history}, later ones after its own turns). YAML: `view: all | previous | [names]`, or a mapping."""
 
     agents: Union[str, tuple] = "all"  # "all", or a tuple of agent names ("previous" is resolved when the file loads)
     actions: str = "all"  # "last": each agent's final reply (and, with tool_output, its latest code run) only

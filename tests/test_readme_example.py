@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from openrlhf_mappa.coach import render_prompt
-from openrlhf_mappa.team import load_topology
+from openrlhf_mappa.team import load_topology, play
 from conftest import REPO
 
 DOCS = ("README.md", "docs/reference.md", "benchmarks/README.md", "tests/README.md")
@@ -34,18 +34,17 @@ def test_readme_environment_example_runs(tmp_path, monkeypatch):
     topology = load_topology(str(tmp_path / "keyword.yaml"))
     assert [a.name for a in topology.agents] == ["writer", "editor"]
 
-    def play(final_text):
-        env = topology.make_env({"id": "t1", "prompt": "the moon", "answer": "crater"}, str(tmp_path / "ws"))
-        writer, editor = topology.agents
-        assert "the moon" in env.observe(writer, 0)[-1]["content"]
-        assert env.step(writer, 0, "The moon is grey.").done
-        assert "The moon is grey." in env.observe(editor, 0)[-1]["content"]  # the editor sees the draft
-        env.step(editor, 0, final_text)
-        assert env.coach_ground_truth(editor) == "crater" and env.coach_ground_truth(writer) is None
-        return env.outcome()
+    def outcome(final_text):
+        task = {"id": "t1", "prompt": "the moon", "answer": "crater"}
+        played = play(topology, task, ["The moon is grey.", final_text])
+        (writer, written), (editor, edited) = ((a.agent, a.messages[-1]["content"]) for a in played.actions)
+        assert (writer, editor) == ("writer", "editor") and "the moon" in written
+        assert "The moon is grey." in edited  # the editor sees the draft
+        assert [played.env.coach_ground_truth(agent) for agent in topology.agents] == [None, "crater"]
+        return played.outcome
 
-    assert play("The moon is grey and every Crater shows it.") == {"success": True}
-    assert play("The moon is grey.") == {"success": False}
+    assert outcome("The moon is grey and every Crater shows it.") == {"success": True}
+    assert outcome("The moon is grey.") == {"success": False}
 
 
 def test_every_link_between_the_docs_resolves():
@@ -105,6 +104,52 @@ def test_readme_loop_example_runs_until_agreement(tmp_path, monkeypatch, tiny_mo
     episode, _ = play(topology, script, tmp_path / "b", task)
     assert [a.agent for a in episode.actions] == ["solver", "checker"] * 3
     assert episode.outcome == {"success": False, "answer": "12"} and episode.action_limit == ""
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def test_readme_loop_example_reads_in_episode_order(tmp_path, monkeypatch, tiny_model):
+    """Each agent's input in the loop, for each of its rounds, rendered exactly: its prompt, then its own earlier
+    replies each followed by what happened next (the other's review, or the next answer), as it happened; the
+    rollout's scripted run gives the agents the same messages (chat-templated) and the coach the same as text."""
+    from test_workflows import Script, play as rollout_play
+    from transformers import AutoTokenizer
+
+    (tmp_path / "loop_envs.py").write_text(readme_example("loop_envs.py"))
+    (tmp_path / "loop.yaml").write_text(readme_example("loop.yaml"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("loop_envs", None)
+    task = {"id": "t1", "prompt": "3 boxes of 4 apples, 2 eaten: how many left?", "answer": "10"}
+    replies = ["\\boxed{12}", "No: 2 were eaten.", "\\boxed{10}", "AGREE"]
+    played = play(str(tmp_path / "loop.yaml"), task, replies)
+    solve = f"Solve, and give the answer as \\boxed{{...}}: {task['prompt']}"
+    check = (f"Problem: {task['prompt']}\nReview the latest answer; write AGREE if it is right, else say what is "
+             "wrong.\n")
+    assert [(a.agent, a.turn, a.round, a.messages) for a in played.actions] == [
+        ("solver", 0, 0, [user(solve)]),
+        ("checker", 0, 1, [user(check + "### solver (action 1)\n\\boxed{12}")]),
+        ("solver", 1, 2, [user(solve), assistant("\\boxed{12}"), user("### checker (action 1)\nNo: 2 were eaten.")]),
+        ("checker", 1, 3, [user(check + "### solver (action 1)\n\\boxed{12}"), assistant("No: 2 were eaten."),
+                           user("### solver (action 2)\n\\boxed{10}")]),
+    ]  # fmt: skip
+    assert played.outcome == {"success": True, "answer": "10"} and played.action_limit == ""
+    assert [a.grade for a in played.actions] == [None] * 4  # no judge: the heuristic coach's generic rules
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    topology = load_topology(str(tmp_path / "loop.yaml"))
+    script = Script(tokenizer, {"solver": replies[0::2], "checker": replies[1::2]})
+    episode, requests = rollout_play(topology, script, tmp_path / "rollout", task)
+    for action, call, request in zip(played.actions, script.calls, requests):
+        templated = tokenizer.apply_chat_template(action.messages, tokenize=False, add_generation_prompt=True)
+        assert call["prompt"] == templated
+        shown = [f"[{m['role']}]\n{m['content']}" for m in action.messages]
+        assert request.agent_input == (action.messages[0]["content"] if len(shown) == 1 else "\n\n".join(shown))
 
 
 def test_the_gpu_quick_start_is_on_the_first_screen_and_runs_as_far_as_it_can_here(tmp_path):

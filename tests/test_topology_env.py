@@ -19,7 +19,7 @@ from openrlhf_mappa.episode import Verdict
 from openrlhf_mappa.rollout import AgentPolicy, SyncGate, run_episode
 from openrlhf_mappa.run_log import behaviour_metrics
 from openrlhf_mappa.sandbox import extract_code, run_python
-from openrlhf_mappa.team import load_topology
+from openrlhf_mappa.team import load_topology, play
 from openrlhf_mappa.topology import AgentSpec, Topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -412,20 +412,6 @@ def test_extract_code():
 # ---------------------------------------------------------------- MathChat episode
 
 
-def run_scripted_episode(topology, env, replies):
-    """Drive env as the rollout does, with canned replies per agent; returns (messages, StepResult) pairs."""
-    seen = []
-    for agent in topology.agents:
-        for turn in range(agent.max_actions):
-            messages = env.observe(agent, turn)
-            result = env.step(agent, turn, replies[agent.name][turn])
-            assert isinstance(result, StepResult)
-            seen.append((agent.name, turn, messages, result))
-            if result.done:
-                break
-    return seen
-
-
 TASK = {"id": "t1", "prompt": "Tom has 3 boxes of 4 apples and eats 2. How many apples are left?", "answer": "10"}
 
 
@@ -439,19 +425,20 @@ def scripted_replies(final_answer):
 
 def test_scripted_mathchat_episode_succeeds(tmp_path):
     topo = load_topology(str(MATHCHAT_YAML), model_override="tiny")
-    env = topo.make_env(dict(TASK), str(tmp_path))
+    replies = scripted_replies("10")
+    played = play(topo, dict(TASK), lambda name, turn: replies[name][turn], str(tmp_path))
+    env, seen = played.env, played.actions
     assert env.task_type == "math" and env.code_timeout_s == 10
-    seen = run_scripted_episode(topo, env, scripted_replies("10"))
-    assert [(name, turn) for name, turn, _, _ in seen] == [
-        ("problem_solver", 0), ("code_executor", 0), ("code_executor", 1), ("verifier", 0),
+    assert [(a.agent, a.turn, a.round) for a in seen] == [
+        ("problem_solver", 0, 0), ("code_executor", 0, 1), ("code_executor", 1, 2), ("verifier", 0, 3),
     ]  # fmt: skip
-    code_result = seen[1][3]
+    code_result = seen[1].result
     assert code_result.feedback.stdout == "10\n" and code_result.feedback.exit_code == 0 and not code_result.done
-    assert seen[2][3].done and not seen[2][3].feedback.ran  # no code block: the executor is finished
+    assert seen[2].result.done and not seen[2].result.feedback.ran  # no code block: the executor is finished
     # What each agent saw (the authors' MathChat): the Solver the problem; the Executor the problem and the
     # Solver's draft, then its own first code and that code's output as chat turns; the Verifier the
     # Executor's final reply and its last code run, not the Solver's draft.
-    solver_msgs, first_look, second_look, verifier_msgs = (m for _, _, m, _ in seen)
+    solver_msgs, first_look, second_look, verifier_msgs = (a.messages for a in seen)
     assert solver_msgs == [{"role": "user", "content": solver_msgs[0]["content"]}]
     assert TASK["prompt"] in solver_msgs[0]["content"] and "(nothing yet)" not in solver_msgs[0]["content"]
     assert len(first_look) == 1 and "eating 2 leaves 10" in first_look[0]["content"]
@@ -464,22 +451,22 @@ def test_scripted_mathchat_episode_succeeds(tmp_path):
     assert "print(3 * 4 - 2)" in verifier_input and "stdout:\n10" in verifier_input  # its last code run
     assert "eating 2 leaves 10" not in verifier_input  # the Solver is not in the Verifier's view
     assert env.history[1].feedback.strip() == "stdout:\n10"
-    assert env.outcome() == {"success": True, "answer": "10", "answered": True}
+    assert env.outcome() == played.outcome == {"success": True, "answer": "10", "answered": True}
+    assert [a.grade and a.grade[0] for a in seen] == [None, None, None, 10.0]  # MathChat's judge: the Verifier's answer
     verifier, solver = topo.agents[-1], topo.agents[0]
     assert env.coach_ground_truth(verifier) == "10" and env.coach_ground_truth(solver) is None
 
 
 def test_scripted_mathchat_episode_wrong_or_missing_answer(tmp_path):
     topo = load_topology(str(MATHCHAT_YAML), model_override="tiny")
-    env = topo.make_env(dict(TASK), str(tmp_path / "a"))
-    run_scripted_episode(topo, env, scripted_replies("12"))
-    assert env.outcome() == {"success": False, "answer": "12", "answered": True}
-    env = topo.make_env(dict(TASK), str(tmp_path / "b"))
+    replies = scripted_replies("12")
+    played = play(topo, dict(TASK), [*replies["problem_solver"], *replies["code_executor"], *replies["verifier"]])
+    assert played.outcome == {"success": False, "answer": "12", "answered": True}
     replies = scripted_replies("10")
     replies["verifier"] = ["I think it is 10."]  # boxed answers of other agents do not count
     replies["problem_solver"] = ["\\boxed{10}"]
-    run_scripted_episode(topo, env, replies)
-    assert env.outcome() == {"success": False, "answer": None, "answered": False}
+    played = play(topo, dict(TASK), lambda name, turn: replies[name][turn], str(tmp_path / "b"))
+    assert played.outcome == {"success": False, "answer": None, "answered": False}
 
 
 def test_observe_with_system_message(tmp_path):

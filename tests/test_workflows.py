@@ -188,6 +188,9 @@ def test_debate_rounds_run_concurrently_then_the_judge_decides(tokenizer, tmp_pa
     assert "A0" not in prompt["debater_b", 1] and "B0" not in prompt["debater_a", 0]
     assert "B0" in prompt["debater_a", 2] and "A0" in prompt["debater_a", 2] and "B1" not in prompt["debater_a", 2]
     assert "A0" in prompt["debater_b", 3] and "A1" not in prompt["debater_b", 3]
+    # In the order it happened: each its own argument first, then the other's of the same round as the next turn.
+    assert prompt["debater_a", 2].index("A0") < prompt["debater_a", 2].index("B0")
+    assert prompt["debater_b", 3].index("B0") < prompt["debater_b", 3].index("A0")
     assert all(tag in prompt["judge", 4] for tag in ("A0", "B0", "A1", "B1"))
     assert episode.outcome == {"success": True, "answer": "10", "answered": True} and episode.action_limit == ""
     # The coach knows where each action stands, and only the judge is judged against the answer.
