@@ -100,8 +100,7 @@ def _check_env_kwargs(topology: Topology) -> None:
     """A misspelt env_kwargs key fails here, with the nearest key taken, in `mappa plan` too (check_env, which
     builds the env, runs only where tasks are read, and says no more than Python's TypeError). A constructor's
     **kwargs usually go on to super().__init__, so the keys taken are the named ones of each __init__ in the MRO up
-    to one without **kwargs; where the last **kwargs reach no further __init__ (the class reads them), any key
-    passes here."""
+    to one without **kwargs (MultiAgentEnv's at the latest): a class that reads its own **kwargs names them."""
     env_cls = topology.env_cls
     accepted, readers = [], []
     for cls in env_cls.__mro__[:-1]:  # not object
@@ -113,15 +112,13 @@ def _check_env_kwargs(topology: Topology) -> None:
         accepted += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p not in passed]
         readers.append(cls.__name__)
         if not any(p.kind == p.VAR_KEYWORD for p in params):
-            break
-    else:  # the last **kwargs go to no further __init__: its class reads them itself
-        accepted = None
+            break  # MultiAgentEnv's at the latest
 
     def named(key: str) -> str:
         close = difflib.get_close_matches(key, accepted, n=1)
         return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
-    unknown = [key for key in topology.env_kwargs if key not in accepted] if accepted is not None else []
+    unknown = [key for key in topology.env_kwargs if key not in accepted]
     if unknown:
         through = (f" (the __init__ of {readers[0]} and, through **kwargs, of {', '.join(readers[1:])})"
                    if readers[1:] else "")

@@ -258,6 +258,23 @@ LAUNCHER = [
     case("run_dir is a file", ["--mappa.run_dir", "notes.txt"],
          "--mappa.run_dir notes.txt: exists and is not a directory",
          files={"notes.txt": "x"}),
+    # Under a regular file even root cannot create a directory (the tests run as root, whom no permission stops).
+    case("run_dir under a file", ["--mappa.run_dir", "notes.txt/run"],
+         "--mappa.run_dir notes.txt/run: cannot be created: {cwd}/notes.txt is a file, not a directory",
+         files={"notes.txt": "x"}),
+    case("ckpt.path under a file", ["--ckpt.path", "notes.txt/ckpt"],
+         "--ckpt.path notes.txt/ckpt: cannot be created: {cwd}/notes.txt is a file, not a directory",
+         files={"notes.txt": "x"}),
+    case("ckpt.output_dir under a file", ["--ckpt.output_dir", "notes.txt/deep/hf"],
+         "--ckpt.output_dir notes.txt/deep/hf: cannot be created: {cwd}/notes.txt is a file, not a directory",
+         files={"notes.txt": "x"}),
+    case("tensorboard_dir under a file", ["--logger.tensorboard_dir", "notes.txt/tb"],
+         "--logger.tensorboard_dir notes.txt/tb: cannot be created: {cwd}/notes.txt is a file",
+         files={"notes.txt": "x"}),
+    case("env not an environment", [], "env 'plainenv:Env': plainenv.Env is not a MultiAgentEnv subclass; write it as "
+         "class Env(openrlhf_mappa.envs.base.MultiAgentEnv)",
+         files={"plainenv.py": "class Env:\n    def __init__(self, topology, task, workspace):\n        pass\n",
+                "t.yaml": topology(env="plainenv:Env")}),
 ]  # fmt: skip
 
 # ---------------------------------------------------------------- the `mappa` tools
@@ -426,7 +443,8 @@ def test_bad_input_is_refused_before_anything_starts(workdir, bad):  # noqa: F81
     write_files(workdir, bad.files)
     proc = run_cli(workdir, bad.tool, bad.argv)
     assert proc.returncode == bad.code, proc.message[-3000:]
-    assert bad.expect in proc.message, proc.message[-3000:]  # names the flag, value and range, or the file and line
+    expect = bad.expect.replace("{cwd}", str(workdir))
+    assert expect in proc.message, proc.message[-3000:]  # names the flag, value and range, or the file and line
     assert "Traceback" not in proc.message and "usage:" not in proc.message
     if bad.code == 2:  # argparse's: the error is the first line
         assert proc.message.splitlines()[0].startswith(("train_mappa_ray: error: ", "mappa")), proc.message[:500]

@@ -225,7 +225,7 @@ class LoggedLevelEnv(Logged, LevelEnv):
     pass
 
 
-class OwnOptionsEnv:  # the end of its chain: it reads its **options itself
+class NotAnEnv:  # no MultiAgentEnv: refused by name, not by its constructor
     def __init__(self, topology, task, workspace, **options):
         self.options = options
 """
@@ -259,9 +259,10 @@ def test_env_kwargs_through_kwargs_are_checked_against_the_constructors_they_rea
                                             env_kwargs={"level": 2, "code_timeout_s": 5}))
     env = topology.make_env({"prompt": "1 + 1?", "answer": "2"}, str(tmp_path))
     assert (env.level, env.code_timeout_s) == (2, 5)
-    # A chain ending in **kwargs that no further constructor takes: its class reads them, any key is its own.
-    topology = load_topology(write_topology(tmp_path, env="kwargs_envs:OwnOptionsEnv", env_kwargs={"colour": "red"}))
-    assert topology.make_env({"prompt": "p", "answer": "a"}, str(tmp_path)).options == {"colour": "red"}
+    # Every chain ends at MultiAgentEnv's constructor: a class that is none is refused as such.
+    assert refusal("kwargs_envs:NotAnEnv", colour="red") == (
+        "env 'kwargs_envs:NotAnEnv': kwargs_envs.NotAnEnv is not a MultiAgentEnv subclass; write it as class "
+        "NotAnEnv(openrlhf_mappa.envs.base.MultiAgentEnv) (docs/reference.md, \"Your own environment\")")
 
 
 def test_reward_scale_is_a_positive_number_set_per_pipeline(tmp_path):

@@ -926,9 +926,21 @@ class Preflight:
         from openrlhf_mappa import resume
 
         args = self.args
-        for flag, path in (("--mappa.run_dir", args.mappa.run_dir), ("--ckpt.path", args.ckpt.path)):
+        # The directories the launch writes: one it cannot write is named now, not by a traceback once Ray is up.
+        for flag, path in (("--mappa.run_dir", args.mappa.run_dir), ("--ckpt.path", args.ckpt.path),
+                           ("--ckpt.output_dir", args.ckpt.output_dir),
+                           ("--logger.tensorboard_dir", args.logger.tensorboard_dir)):
+            if not path:  # no tensorboard
+                continue
             if os.path.exists(path) and not os.path.isdir(path):
                 raise ValueError(f"{flag} {path}: exists and is not a directory")
+            existing = os.path.abspath(path)
+            while not os.path.exists(existing):
+                existing = os.path.dirname(existing)
+            if not os.path.isdir(existing):
+                raise ValueError(f"{flag} {path}: cannot be created: {existing} is a file, not a directory")
+            if not os.access(existing, os.W_OK | os.X_OK):
+                raise ValueError(f"{flag} {path}: cannot be written: {existing} is not writable by this user")
         # A resumed run must train on the same tasks (resume.check_resume), so the chosen ids go into the run dir.
         self.chosen = {"source": os.path.abspath(args.data.prompt_dataset), "seed": args.train.seed,
                        "total": len(self.all_tasks), "max_samples": args.data.max_samples,

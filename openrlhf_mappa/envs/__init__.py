@@ -14,7 +14,7 @@ BUILTIN_ENVS = {
 
 
 def load_env_class(spec: str) -> type:
-    """Resolve "package.module:Class" or a built-in short name (see BUILTIN_ENVS) to the class."""
+    """Resolve "package.module:Class" or a built-in short name (see BUILTIN_ENVS) to the class, a MultiAgentEnv."""
     target = BUILTIN_ENVS.get(spec, spec)
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
@@ -34,4 +34,10 @@ def load_env_class(spec: str) -> type:
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
         raise ValueError(f"env {spec!r}: module {module_name!r} has no class {attr!r}")
+    from openrlhf_mappa.envs.base import MultiAgentEnv
+
+    if not issubclass(cls, MultiAgentEnv):
+        raise ValueError(f"env {spec!r}: {module_name}.{attr} is not a MultiAgentEnv subclass; write it as "
+                         f"class {attr}(openrlhf_mappa.envs.base.MultiAgentEnv) (docs/reference.md, \"Your own "
+                         f"environment\")")
     return cls
