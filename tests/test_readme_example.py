@@ -140,6 +140,8 @@ def test_readme_loop_example_reads_in_episode_order(tmp_path, monkeypatch, tiny_
     ]  # fmt: skip
     assert played.outcome == {"success": True, "answer": "10"} and played.action_limit == ""
     assert [a.grade for a in played.actions] == [None] * 4  # no judge: the heuristic coach's generic rules
+    monkeypatch.chdir(tmp_path)
+    exec(readme_example("test_loop.py"), {})  # the docs' unit test of the loop, as written there
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     topology = load_topology(str(tmp_path / "loop.yaml"))
