@@ -554,6 +554,42 @@ def test_omit_leaves_out_the_oldest_entries_with_a_marker(tmp_path):
         {"role": "user", "content": "Only THE TASK\n\n[1 earlier action omitted to fit the context]"}]
 
 
+def test_an_agent_sees_the_episode_in_the_order_it_happened(tmp_path):
+    """A loop: each own action is followed by one user turn with its code output and the other's actions up to its
+    next one; "(nothing new)" between two own actions; an action of the same round (generated at once) after
+    its own; omit=k leaves out the k oldest in that order."""
+    agents = [dict(GOOD_AGENT, name="a", prompt="T\n{history}"), dict(GOOD_AGENT, name="b")]
+    topo = load_topology(write_topology(tmp_path, agents=agents, env="debate"))
+    env = MultiAgentEnv(topo, {"prompt": "THE TASK", "answer": "1"}, str(tmp_path))
+    env.history = [
+        HistoryEntry("b", 0, "B before", ""),
+        HistoryEntry("a", 0, "A code", "stdout:\n1", seen=1),
+        HistoryEntry("b", 1, "B after", ""),
+        HistoryEntry("a", 1, "A plain", "", seen=3),
+        HistoryEntry("a", 2, "A again", "", seen=4),
+        HistoryEntry("b", 2, "B same round", "", seen=4),  # generated at the same time as "A again"
+    ]
+    a = topo.agents[0]
+
+    def said(text):
+        return {"role": "assistant", "content": text}
+
+    def told(text):
+        return {"role": "user", "content": text}
+
+    assert env.observe(a, 3) == [
+        told("T\n### b (action 1)\nB before"), said("A code"),
+        told("#### Output of the code\nstdout:\n1\n\n### b (action 2)\nB after"), said("A plain"),
+        told("(nothing new)"), said("A again"), told("### b (action 3)\nB same round")]  # fmt: skip
+    assert env.observe(a, 3, omit=2) == [
+        told("T\n[2 earlier actions omitted to fit the context]\n\n### b (action 2)\nB after"), said("A plain"),
+        told("(nothing new)"), said("A again"), told("### b (action 3)\nB same round")]  # fmt: skip
+    # step() records what the input could show: the history as observe() found it.
+    env.observe(a, 3)
+    env.step(a, 3, "A last")
+    assert env.history[-1].seen == 6
+
+
 # ---------------------------------------------------------------- over-long prompts
 
 

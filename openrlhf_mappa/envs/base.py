@@ -17,8 +17,8 @@ One environment instance serves one episode (one task). The rollout (rollout.py)
 
 To write a pipeline, subclass `MultiAgentEnv`, override what differs (usually `outcome`, often `step`), and
 name it in the topology YAML as `env: mypackage.mymodule:MyEnv`; the YAML's `env_kwargs` are its constructor's
-keyword arguments. docs/reference.md ("What each agent sees", "Over-long prompts", "Your own environment")
-describes the defaults below.
+keyword arguments. docs/reference.md ("What each agent sees", "Over-long prompts", "The environment protocol")
+describes the defaults below; `openrlhf_mappa.team.play` plays an episode of one against scripted replies.
 """
 
 from __future__ import annotations
