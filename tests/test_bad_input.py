@@ -276,7 +276,7 @@ TOOLS = [
          code=2),
     tool("eval --eval.temperature -1", [*EVAL, "--eval.temperature", "-1"],
          "argument --eval.temperature: -1 is out of range", code=2),
-    tool("eval without task files", EVAL[:3] + EVAL[5:], "mappa eval: give the task files: --eval.dataset FILE"),
+    tool("eval without task files", EVAL[:3] + EVAL[5:], "mappa eval: give the tasks: --eval.dataset DATASET"),
     tool("eval a coach model without an LLM coach", [*EVAL, "--mappa.coach.model", "judge"],
          "--mappa.coach.model: read by the openai and trained coaches only, and --mappa.coach.kind is heuristic"),
     tool("eval bad topology", EVAL, "mappa eval: t.yaml: unknown key(s) ['coach_templat']",
