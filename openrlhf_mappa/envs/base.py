@@ -186,13 +186,23 @@ def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", inp
     # A local JSON file is read here first, for what HF's loader reports without a line (or not at all: a row that
     # is not an object); a lone one also gives each row its line (row) number, its id when it has none.
     located = [_read_json_rows(e) for e in entries if e.lower().endswith((".json", ".jsonl"))]
+    # OpenRLHF's blending_datasets, run from its file as openrlhf.utils.config is (cli/train_mappa_ray.py): its
+    # package's __init__ loads torch and transformers, which the checks before a launch never import. Its
+    # `strategy` prints (silenced here) and asks for ModelScope (OpenRLHF's --use_ms, refused).
+    import importlib.util
+
+    folder = importlib.util.find_spec("openrlhf.datasets").submodule_search_locations[0]
+    module_spec = importlib.util.spec_from_file_location("_openrlhf_datasets_utils", os.path.join(folder, "utils.py"))
+    upstream = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(upstream)
+    strategy = SimpleNamespace(args=SimpleNamespace(use_ms=False), print=lambda *_: None, is_rank_0=lambda: False)
     try:
-        data = _blending_datasets()(spec, probs, _QUIET, seed, dataset_split=split)
+        data = upstream.blending_datasets(spec, probs, strategy, seed, dataset_split=split)
     except Exception as e:
         if isinstance(e, AttributeError) and "DatasetDict" in str(e):  # blending_datasets' select on the whole dict
             raise ValueError(f"{spec}: no split {split!r} (a data file's only split is 'train'); name one of its splits "
                              "with --data.prompt_split, or --eval.split for --eval.dataset") from e
-        tried = "" if all(os.path.exists(e.split("@")[0]) for e in entries) else (
+        tried = "" if all(os.path.exists(entry.split("@")[0]) for entry in entries) else (
             " (a name that is no local file or folder is looked up on the Hugging Face Hub)")
         raise ValueError(f"{spec}: OpenRLHF's blending_datasets cannot load it{tried}: {type(e).__name__}: {e}") from e
     rows, columns = data.to_list(), data.column_names
@@ -217,22 +227,6 @@ def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", inp
         first.setdefault(task["id"], (where, row))
         tasks.append(task)
     return tasks
-
-
-def _blending_datasets():
-    """OpenRLHF's blending_datasets, run from its file as openrlhf.utils.config is (cli/train_mappa_ray.py): its
-    package's __init__ loads torch and transformers, which the checks before a launch never import."""
-    import importlib.util
-
-    folder = importlib.util.find_spec("openrlhf.datasets").submodule_search_locations[0]
-    spec = importlib.util.spec_from_file_location("_openrlhf_datasets_utils", os.path.join(folder, "utils.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.blending_datasets
-
-
-# The `strategy` blending_datasets prints through and asks for ModelScope (OpenRLHF's --use_ms, refused): silent.
-_QUIET = SimpleNamespace(args=SimpleNamespace(use_ms=False), print=lambda *_: None, is_rank_0=lambda: False)
 
 
 def _read_json_rows(path: str) -> list:
@@ -272,35 +266,28 @@ def _read_json_rows(path: str) -> list:
 def _check_task(row: dict, default_id: str, where: str, input_key: str, label_key: str, needs_answer: bool,
                 columns: list) -> dict:
     prompt, answer = row.get(input_key), row.get(label_key)
+    # A column the whole dataset lacks is likely another name for it: the dataset's columns and the flag are named.
     if prompt is None:
-        hint = "" if input_key in columns else f" (its columns: {', '.join(columns)}; name the task text's with " \
-                                               "--data.input_key COLUMN)"
-        raise ValueError(f"{where}: missing {input_key!r}{hint}")
+        hint = f" (its columns: {', '.join(columns)}; name the task text's with --data.input_key COLUMN)"
+        raise ValueError(f"{where}: missing {input_key!r}{'' if input_key in columns else hint}")
     if not isinstance(prompt, str):
         raise ValueError(f"{where}: {input_key!r} must be a string, got {type(prompt).__name__}")
     if not prompt.strip():
         raise ValueError(f"{where}: empty {input_key!r}")
     if answer is None and needs_answer:
-        hint = "" if label_key in columns else f" (its columns: {', '.join(columns)}; name the answer's with " \
-                                               "--data.label_key COLUMN)"
-        raise ValueError(f"{where}: {label_key!r} is missing or null{hint}; these tasks need a reference answer "
-                         "(string or number)")
+        hint = f" (its columns: {', '.join(columns)}; name the answer's with --data.label_key COLUMN)"
+        raise ValueError(f"{where}: {label_key!r} is missing or null{'' if label_key in columns else hint}; these "
+                         "tasks need a reference answer (string or number)")
     if answer is not None:
-        answer = _check_answer(answer, where, label_key)
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise ValueError(f"{where}: {label_key!r} must be a string or a number, got {type(answer).__name__}")
+        if isinstance(answer, str) and not answer.strip():
+            raise ValueError(f"{where}: empty {label_key!r}")
+        if isinstance(answer, float) and not math.isfinite(answer):  # JSON's NaN and Infinity: "nan", "inf"
+            raise ValueError(f"{where}: {label_key!r} is {answer}, not a finite number; write the reference answer")
+        answer = str(int(answer) if isinstance(answer, float) and answer.is_integer() else answer)  # 18.0 means 18
     task_id = row.get("id")
     if task_id is not None and (isinstance(task_id, bool) or not isinstance(task_id, (str, int, float))):
         raise ValueError(f"{where}: 'id' must be a string or a number, got {type(task_id).__name__}")
     return dict(row, prompt=prompt, answer=answer, id=str(default_id if task_id is None else task_id),
                 type=row.get("type") or "")
-
-
-def _check_answer(answer, where: str, label_key: str) -> str:
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise ValueError(f"{where}: {label_key!r} must be a string or a number, got {type(answer).__name__}")
-    if isinstance(answer, str) and not answer.strip():
-        raise ValueError(f"{where}: empty {label_key!r}")
-    if isinstance(answer, float) and not math.isfinite(answer):  # JSON's NaN and Infinity would become "nan", "inf"
-        raise ValueError(f"{where}: {label_key!r} is {answer}, not a finite number; write the reference answer")
-    if isinstance(answer, float) and answer.is_integer():
-        answer = int(answer)  # answers stored as 18.0 mean 18
-    return str(answer)
