@@ -491,7 +491,15 @@ def validate(args, topology):
     if not args.data.prompt_dataset:
         raise SystemExit("--data.prompt_dataset: the tasks (a file, a dataset folder or a Hub name; several "
                          "comma-separated) are required")
-    validate_probs(args.data.prompt_dataset, args.data.prompt_probs)
+    # --data.prompt_probs as OpenRLHF's blend (interleave_datasets) takes it: one weight per dataset, summing to 1.
+    datasets, probs = args.data.prompt_dataset.split(","), args.data.prompt_probs
+    try:
+        weights = [float(p) for p in probs.split(",")] if probs else []
+    except ValueError:
+        weights = []
+    if probs and (len(weights) != len(datasets) or min(weights) < 0 or not abs(sum(weights) - 1) <= 1e-6):
+        raise SystemExit(f"--data.prompt_probs {probs}: give one probability per dataset of --data.prompt_dataset "
+                         f"({len(datasets)}: {', '.join(datasets)}), each at least 0, summing to 1")
     trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents  # as placement.trainee_specs
     validate_parallel(args, trainees)
     validate_token_limits(args, topology)
@@ -755,20 +763,6 @@ def check_this_machine(args, topology=None) -> None:
         raise SystemExit(f"--vllm.sync_backend gloo with --mappa.colocate {args.mappa.colocate} cannot sync weights "
                          f"on GPUs: drop --vllm.sync_backend gloo (nccl, the default, passes them by CUDA IPC); gloo "
                          f"is for CPU-only machines")
-
-
-def validate_probs(datasets: str, probs: str) -> None:
-    """--data.prompt_probs as OpenRLHF's blend (interleave_datasets) takes it: one weight per dataset, summing to 1."""
-    if probs is None:
-        return
-    names = datasets.split(",")
-    try:
-        weights = [float(p) for p in probs.split(",")]
-    except ValueError:
-        weights = []
-    if len(weights) != len(names) or min(weights) < 0 or abs(sum(weights) - 1) > 1e-6:
-        raise SystemExit(f"--data.prompt_probs {probs}: give one probability per dataset of --data.prompt_dataset "
-                         f"({len(names)}: {', '.join(names)}), each at least 0, summing to 1")
 
 
 def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:
