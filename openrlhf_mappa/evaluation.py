@@ -29,10 +29,17 @@ class NoCoach(Coach):
         return Verdict(score=None, status="skipped", rationale=self.reason, coach=self.name)
 
 
-def load_eval_sets(paths: list, limit: int = 0) -> dict:
-    """{file stem: its first `limit` tasks (0: all)}; the stem labels eval.jsonl, the loggers and the report, so
-    training-time and standalone evaluations of one file line up."""
-    return {os.path.splitext(os.path.basename(p))[0]: load_tasks(p)[: limit or None] for p in paths}
+def load_eval_sets(args, needs_answer: bool = True, limit: int = 0) -> dict:
+    """{name: its first `limit` tasks (0: all)} of each comma-separated --eval.dataset entry, its own set (where
+    OpenRLHF blends them into one), loaded by load_tasks with --eval.split and the --data keys. The name (a file's
+    stem, a Hub dataset's last part) labels eval.jsonl, the loggers and the report, so training-time and standalone
+    evaluations of one dataset line up."""
+    sets = {}
+    for entry in filter(None, (e.strip() for e in (args.eval.dataset or "").split(","))):
+        name = os.path.splitext(os.path.basename(entry.split("@")[0].rstrip("/")))[0]
+        sets[name] = load_tasks(entry, None, args.eval.split, args.data.input_key, args.data.label_key,
+                                needs_answer, args.train.seed)[: limit or None]
+    return sets
 
 
 def train_overlap(train_tasks: list, eval_tasks: list) -> list:

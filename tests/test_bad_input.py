@@ -181,6 +181,14 @@ LAUNCHER = [
     case("task id a list", ["--data.prompt_dataset", "ids.jsonl"],
          "ids.jsonl: line 2: 'id' must be a string or a number, got list",
          files={"ids.jsonl": jsonl({"prompt": "1+1?", "answer": 2}, {"id": [1], "prompt": "2+2?", "answer": 4})}),
+    case("a column the tasks lack", ["--data.input_key", "question"],
+         "tasks.jsonl: line 1: missing 'question' (its columns: prompt, answer; name the task text's with "
+         "--data.input_key COLUMN)"),
+    case("probabilities for another count of datasets", ["--data.prompt_probs", "0.5,0.5"],
+         "--data.prompt_probs 0.5,0.5: give one probability per dataset of --data.prompt_dataset (1: tasks.jsonl), "
+         "each at least 0, summing to 1"),
+    case("probabilities not summing to 1", ["--data.prompt_dataset", "tasks.jsonl,tasks.jsonl", "--data.prompt_probs",
+                                            "0.5,0.6"], "--data.prompt_probs 0.5,0.6: give one probability per dataset"),
     case("duplicate ids in an eval file", ["--eval.dataset", "evaldup.jsonl"],
          "evaldup.jsonl: line 1 and line 2 have the same id 'q'",
          files={"evaldup.jsonl": jsonl({"id": "q", "prompt": "1+1?", "answer": 2},
@@ -293,7 +301,7 @@ TOOLS = [
          code=2),
     tool("eval --eval.temperature -1", [*EVAL, "--eval.temperature", "-1"],
          "argument --eval.temperature: -1 is out of range", code=2),
-    tool("eval without task files", EVAL[:3] + EVAL[5:], "mappa eval: give the task files: --eval.dataset FILE"),
+    tool("eval without task files", EVAL[:3] + EVAL[5:], "mappa eval: give the tasks: --eval.dataset DATASET"),
     tool("eval a coach model without an LLM coach", [*EVAL, "--mappa.coach.model", "judge"],
          "--mappa.coach.model: read by the openai and trained coaches only, and --mappa.coach.kind is heuristic"),
     tool("eval bad topology", EVAL, "mappa eval: t.yaml: unknown key(s) ['coach_templat']",
@@ -450,6 +458,17 @@ def test_bad_input_is_refused_before_anything_starts(workdir, bad):  # noqa: F81
         assert proc.message.splitlines()[0].startswith(("train_mappa_ray: error: ", "mappa")), proc.message[:500]
     assert "Started a local Ray instance" not in proc.stdout + proc.message
     assert not {m.split(".")[0] for m in proc.imported} & HEAVY  # before torch, Ray, vLLM or transformers load
+
+
+def test_an_unknown_dataset_name_says_what_was_tried(workdir):  # noqa: F811
+    # Offline (no network here): without HF_HUB_OFFLINE, the same message comes after the Hub client's retries.
+    from test_launch import assert_refused, cli
+
+    write_files(workdir, {"t.yaml": topology()})
+    proc = cli(workdir, GOOD + ["--data.prompt_dataset", "nosuch/tasks"], "unknown dataset", HF_HUB_OFFLINE="1")
+    assert_refused(proc, "unknown dataset", "nosuch/tasks: OpenRLHF's blending_datasets cannot load it (a name that is "
+                   "no local file or folder is looked up on the Hugging Face Hub): ConnectionError: Couldn't reach "
+                   "'nosuch/tasks' on the Hub (OfflineModeIsEnabled)")
 
 
 def test_the_battery_is_at_least_sixty_inputs():

@@ -464,8 +464,8 @@ def test_every_upstream_flag_is_honoured_or_refused_and_the_docs_name_each_refus
     (["--vllm.sync_with_ray"], "would be named 'openrlhf'"),
     (["--rollout.vllm_generate_batch_size", "4"], REFUSED),
     (["--logger.logging_steps", "10"], REFUSED),
-    (["--data.input_key", "question"], REFUSED),
-    (["--data.label_key", "solution"], REFUSED),
+    (["--data.input_template", "Q: {}"], REFUSED),  # (--data.input_key and .label_key are honoured: test_datasets)
+    (["--data.disable_fast_tokenizer"], REFUSED),
     (["--actor.model_name_or_path", "Qwen/Qwen3-4B"], "comes from the topology (or --mappa.model)"),
     (["--train.colocate_actor_ref"], "colocates an agent's actor, reference and engines together"),
     (["--algo.advantage.estimator", "gae"], "only reinforce"),

@@ -30,14 +30,18 @@ import os
 import subprocess
 import sys
 
+import datasets
 import pytest
 import torch
 import yaml
+from openrlhf.datasets.utils import blending_datasets
 
 from coach_server import COACH_TEMPLATE, CoachServer
 from conftest import (MAPPA, TINY_RUN_FLAGS, assert_documented_episodes, assert_report_renders,
                       assert_rows_are_their_actions, local_cluster_env, record_experiences, run_training,
                       two_agent_mathchat)
+from test_datasets import STRATEGY
+
 from openrlhf_mappa.envs.mathchat import MathChatEnv
 
 AGENTS = ("solver", "mute")  # the coach never gives "mute" a score
@@ -142,9 +146,14 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
                    for n in AGENTS],
     }  # fmt: skip
     (tmp_path / "topology.yaml").write_text(yaml.safe_dump(topology))
-    with open(tmp_path / "tasks.jsonl", "w") as f:
-        for i in range(4):  # 2 steps of 2 tasks x 2 samples
-            f.write(json.dumps({"id": i, "prompt": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n")
+    # The tasks as OpenRLHF users bring them: a JSONL file and a parquet file, columns of their own (the flags name
+    # them), blended by probabilities; seed 42 interleaves them into 4 rows, 2 steps of 2 tasks x 2 samples.
+    with open(tmp_path / "a.jsonl", "w") as f:
+        for i in range(2):
+            f.write(json.dumps({"question": f"What is {i} + 2?", "solution": str(i + 2)}) + "\n")
+    datasets.Dataset.from_dict({"question": [f"What is {i} + 2?" for i in (2, 3)], "solution": ["4", "5"]}).to_parquet(
+        str(tmp_path / "b.parquet"))
+    tasks = f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.parquet'}"
 
     run_dir = tmp_path / "run"
     argv = [
@@ -154,7 +163,8 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
         "--mappa.coach.model", "rule-coach",
         "--mappa.coach.api_key_env", "MAPPA_TEST_COACH_KEY",
         "--mappa.run_dir", str(run_dir),
-        "--data.prompt_dataset", str(tmp_path / "tasks.jsonl"),
+        "--data.prompt_dataset", tasks, "--data.prompt_probs", "0.7,0.3",
+        "--data.input_key", "question", "--data.label_key", "solution",
         *TINY_RUN_FLAGS,
         "--algo.kl.init_coef", str(BETA),  # after TINY_RUN_FLAGS' 0: the later flag wins
         "--algo.kl.estimator", "k1",
@@ -216,6 +226,14 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
     assert [(s["step"], s["version"]) for s in syncs] == [(1, 1), (2, 2)]  # one sync per update, one version each
     checked = assert_documented_episodes(str(run_dir / "episodes.jsonl"))  # the documented record
     assert checked["episode"] == 8 and checked["verdict"] == checked["action"]
+    # The tasks trained on are OpenRLHF's blend of both files, row for row (no id column: each row's position).
+    blend = blending_datasets(tasks, "0.7,0.3", STRATEGY, 42)
+    assert json.load(open(run_dir / "train_tasks.json"))["ids"] == ["0", "1", "2", "3"] and len(blend) == 4
+    assert sorted(ep["task_id"] for ep in episodes) == sorted(["0", "1", "2", "3"] * 2)
+    for ep in episodes:
+        row = blend[int(ep["task_id"])]
+        assert row["question"] in ep["actions"][0]["prompt_text"]
+        assert ep["actions"][-1]["coach_request"]["ground_truth"] == row["solution"]  # the last agent's coach's
     steps = torch.load(tensors_path)  # the real experience tensors of every step: only the solver's
     assert [m["step"] for m in metrics] == [1, 2] and len(episodes) == 8
     assert len(steps) == 2 and all(set(s) == {"solver"} for s in steps)

@@ -205,7 +205,9 @@ def test_cli_records_the_training_subset_and_refuses_another_on_resume(tmp_path,
     with pytest.raises(KeyboardInterrupt, match="no Ray here"):
         train_mappa_ray.train(train_mappa_ray.parse_args([*flags, "--rollout.batch_size", "2", "--mappa.verbose"]))
     record = json.loads((tmp_path / "run" / "train_tasks.json").read_text())
-    assert record == {"source": str(tmp_path / "tasks.jsonl"), "seed": 42, "total": 10, "max_samples": 4,
+    source = {"datasets": str(tmp_path / "tasks.jsonl"), "probs": None, "split": "train", "input_key": "prompt",
+              "label_key": "answer"}
+    assert record == {"source": source, "seed": 42, "total": 10, "max_samples": 4,
                       "ids": ["t0", "t1", "t5", "t8"]}  # fmt: skip
 
     (tmp_path / "ckpt").mkdir()

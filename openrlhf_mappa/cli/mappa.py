@@ -373,7 +373,8 @@ def eval_inputs(args):
     if args.mappa.model and args.checkpoint:
         raise ValueError("--mappa.model (one model for every agent) or --checkpoint (a run's exports), not both")
     if not args.eval.dataset:
-        raise ValueError("give the task files: --eval.dataset FILE[,FILE...] (JSON list or JSONL)")
+        raise ValueError("give the tasks: --eval.dataset DATASET[,DATASET...] (a file, a dataset folder or a Hub "
+                         "name)")
     models = {spec.name: spec.model for spec in topology.agents}
     if args.checkpoint:
         models = {name: os.path.join(args.checkpoint, name) for name in models}
@@ -397,7 +398,7 @@ def eval_inputs(args):
         check_model(model, f"agent {name!r}{base}")
     if adapters and (why := lora_engines_tp(args.vllm.tensor_parallel_size)):
         raise ValueError(f"LoRA adapters ({', '.join(adapters)}): {why}")
-    datasets = load_eval_sets(args.eval.dataset.split(","), args.limit)
+    datasets = load_eval_sets(args, topology.env_cls.needs_answer, args.limit)
     topology.check_env([t for tasks in datasets.values() for t in tasks], args.mappa.topology)
     out_file(args.out, "--out")
     if args.workspace:

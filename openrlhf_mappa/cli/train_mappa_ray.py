@@ -78,7 +78,9 @@ def add_mappa_args(parser):
     add_trained_coach_args(g)
     add_launch_args(g)
     # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
-    parser.set_defaults(**{"algo.advantage.estimator": "reinforce"})
+    # Tasks keep MAPPA's column names (every shipped file's) where OpenRLHF's are "input" and none.
+    parser.set_defaults(**{"algo.advantage.estimator": "reinforce", "data.input_key": "prompt",
+                           "data.label_key": "answer"})
 
 
 def add_training_args(g):
@@ -299,8 +301,8 @@ HONOURED = """
     algo.dynamic_filtering_enable algo.dynamic_filtering_range
     train.async_enable train.async_queue_size train.partial_rollout_enable
     train.dynamic_batch_enable rollout.max_tokens_per_gpu train.max_tokens_per_gpu
-    data.prompt_dataset data.max_len data.max_samples data.apply_chat_template
-    eval.dataset eval.steps eval.temperature eval.n_samples_per_prompt
+    data.prompt_dataset data.prompt_probs data.prompt_split data.input_key data.label_key data.max_len
+    data.max_samples data.apply_chat_template eval.dataset eval.split eval.steps eval.temperature eval.n_samples_per_prompt
     ckpt.path ckpt.output_dir ckpt.save_steps ckpt.save_hf ckpt.disable_ds ckpt.max_num ckpt.max_mem ckpt.load_enable
     logger.wandb.key logger.wandb.org logger.wandb.group logger.wandb.project logger.wandb.run_name
     logger.tensorboard_dir
@@ -487,7 +489,17 @@ def validate(args, topology):
     if not args.vllm.num_engines:
         raise SystemExit("MAPPA generates with vLLM: set --vllm.num_engines (per agent; a topology may override it)")
     if not args.data.prompt_dataset:
-        raise SystemExit("--data.prompt_dataset: the task file (JSON list or JSONL with prompt/answer) is required")
+        raise SystemExit("--data.prompt_dataset: the tasks (a file, a dataset folder or a Hub name; several "
+                         "comma-separated) are required")
+    # --data.prompt_probs as OpenRLHF's blend (interleave_datasets) takes it: one weight per dataset, summing to 1.
+    datasets, probs = args.data.prompt_dataset.split(","), args.data.prompt_probs
+    try:
+        weights = [float(p) for p in probs.split(",")] if probs else []
+    except ValueError:
+        weights = []
+    if probs and (len(weights) != len(datasets) or min(weights) < 0 or not abs(sum(weights) - 1) <= 1e-6):
+        raise SystemExit(f"--data.prompt_probs {probs}: give one probability per dataset of --data.prompt_dataset "
+                         f"({len(datasets)}: {', '.join(datasets)}), each at least 0, summing to 1")
     trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents  # as placement.trainee_specs
     validate_parallel(args, trainees)
     validate_token_limits(args, topology)
@@ -879,8 +891,8 @@ class Preflight:
 
     STEPS = (  # (what it checks, its method, the steps whose results it reads)
         ("topology, flags, models", "team", ()),
-        ("training tasks", "training_tasks", ()),
-        ("eval sets", "eval_files", ()),
+        ("training tasks", "training_tasks", ("team",)),
+        ("eval sets", "eval_files", ("team",)),
         ("environment on each task type", "environment", ("team", "training_tasks", "eval_files")),
         ("run directory, resume", "run_dir", ("team", "training_tasks")),
         ("this machine's packages", "machine", ("team",)),
@@ -902,8 +914,9 @@ class Preflight:
     def training_tasks(self):
         from openrlhf_mappa.envs.base import load_tasks
 
-        args = self.args
-        self.all_tasks = load_tasks(args.data.prompt_dataset)
+        args, d = self.args, self.args.data
+        self.all_tasks = load_tasks(d.prompt_dataset, d.prompt_probs, d.prompt_split, d.input_key, d.label_key,
+                                    self.topology.env_cls.needs_answer, args.train.seed)
         self.tasks = choose_train_tasks(self.all_tasks, args.data.max_samples, args.train.seed)
         if len(self.tasks) < args.rollout.batch_size:
             raise SystemExit(f"{args.data.prompt_dataset}: {len(self.tasks)} tasks, fewer than --rollout.batch_size "
@@ -913,7 +926,7 @@ class Preflight:
     def eval_files(self):
         from openrlhf_mappa.evaluation import load_eval_sets
 
-        self.eval_sets = load_eval_sets([p for p in (self.args.eval.dataset or "").split(",") if p])
+        self.eval_sets = load_eval_sets(self.args, self.topology.env_cls.needs_answer)
         return ", ".join(f"{name}: {len(ts)}" for name, ts in self.eval_sets.items()) or "none (no --eval.dataset)"
 
     def environment(self):
@@ -941,8 +954,14 @@ class Preflight:
                 raise ValueError(f"{flag} {path}: cannot be created: {existing} is a file, not a directory")
             if not os.access(existing, os.W_OK | os.X_OK):
                 raise ValueError(f"{flag} {path}: cannot be written: {existing} is not writable by this user")
-        # A resumed run must train on the same tasks (resume.check_resume), so the chosen ids go into the run dir.
-        self.chosen = {"source": os.path.abspath(args.data.prompt_dataset), "seed": args.train.seed,
+        # A resumed run must train on the same tasks (resume.check_resume), so the chosen ids go into the run dir,
+        # with the whole source they came from (local paths made absolute, a Hub name as given).
+        d = args.data
+        datasets = [os.path.abspath(e.strip()) if os.path.exists(e.strip()) else e.strip()
+                    for e in d.prompt_dataset.split(",")]
+        source = {"datasets": ",".join(datasets), "probs": d.prompt_probs, "split": d.prompt_split,
+                  "input_key": d.input_key, "label_key": d.label_key}
+        self.chosen = {"source": source, "seed": args.train.seed,
                        "total": len(self.all_tasks), "max_samples": args.data.max_samples,
                        "ids": [t["id"] for t in self.tasks]}
         self.start, self.resume_fixes = resume.check_resume(args, self.topology, self.chosen["ids"])

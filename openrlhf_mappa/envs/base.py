@@ -27,6 +27,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from openrlhf_mappa.episode import ToolFeedback
@@ -56,6 +57,9 @@ class MultiAgentEnv:
     """One instance per episode."""
 
     task_type: str = ""
+    # False where a task has no reference answer (a writer judged by the coach alone): its rows may leave
+    # --data.label_key's column out or null (load_tasks), and coach_ground_truth gives None.
+    needs_answer: bool = True
 
     def __init__(self, topology: Topology, task: dict, workspace: str, code_timeout_s: float = 10.0,
                  code_memory_mb: int = 4096, code_cpu_time_s: Optional[float] = None, code_max_file_mb: int = 1024,
@@ -199,9 +203,62 @@ class MultiAgentEnv:
                            + (f"\n\n#### Output of the code\n{e.feedback}" if e.feedback else "") for e in entries)
 
 
-def load_tasks(path: str) -> list[dict]:
-    """Tasks from a JSON list or a JSONL file (told apart by the first character): a non-empty "prompt", an
-    "answer", optionally "id" and "type"; other fields are kept for the environment."""
+def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", input_key: str = "prompt",
+               label_key: str = "answer", needs_answer: bool = True, seed: int = 42) -> list[dict]:
+    """Tasks from what OpenRLHF's --data.prompt_dataset takes (a Hub name, a dataset folder, name@data_dir,
+    .json/.jsonl/.csv/.parquet/.arrow files, several comma-separated, blended by `probs`), loaded by OpenRLHF's own
+    blending_datasets: the task text in `input_key`, its answer in `label_key` (optional where not `needs_answer`),
+    optionally "id" and "type"; other columns are kept for the environment."""
+    entries = [entry.strip() for entry in spec.split(",")]
+    # A local JSON file is read here first, for what HF's loader reports without a line (or not at all: a row that
+    # is not an object); a lone one also gives each row its line (row) number, its id when it has none.
+    located = [_read_json_rows(e) for e in entries if e.lower().endswith((".json", ".jsonl"))]
+    # OpenRLHF's blending_datasets, run from its file as openrlhf.utils.config is (cli/train_mappa_ray.py): its
+    # package's __init__ loads torch and transformers, which the checks before a launch never import. Its
+    # `strategy` prints (silenced here) and asks for ModelScope (OpenRLHF's --use_ms, refused).
+    import importlib.util
+
+    folder = importlib.util.find_spec("openrlhf.datasets").submodule_search_locations[0]
+    module_spec = importlib.util.spec_from_file_location("_openrlhf_datasets_utils", os.path.join(folder, "utils.py"))
+    upstream = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(upstream)
+    strategy = SimpleNamespace(args=SimpleNamespace(use_ms=False), print=lambda *_: None, is_rank_0=lambda: False)
+    try:
+        data = upstream.blending_datasets(spec, probs, strategy, seed, dataset_split=split)
+    except Exception as e:
+        if isinstance(e, AttributeError) and "DatasetDict" in str(e):  # blending_datasets' select on the whole dict
+            raise ValueError(f"{spec}: no split {split!r} (a data file's only split is 'train'); name one of its splits "
+                             "with --data.prompt_split, or --eval.split for --eval.dataset") from e
+        tried = "" if all(os.path.exists(entry.split("@")[0]) for entry in entries) else (
+            " (a name that is no local file or folder is looked up on the Hugging Face Hub)")
+        raise ValueError(f"{spec}: OpenRLHF's blending_datasets cannot load it{tried}: {type(e).__name__}: {e}") from e
+    rows, columns = data.to_list(), data.column_names
+    if len(entries) == len(located) == 1 and len(located[0]) == len(rows):
+        places = [(where, default_id) for where, default_id, _ in located[0]]
+    else:
+        places = [(f"row {i} (counting from 0)", str(i)) for i in range(len(rows))]
+    if not rows:
+        raise ValueError(f"{spec}: no tasks in it (split {split!r})")
+    # Grouping (--mappa.norm_scope group) and evaluation pool the samples of an id, so ids must be unique; a blend
+    # that oversamples a dataset repeats its rows, which are kept. A row without an id takes its line (row) number,
+    # or "line<n>" ("row<n>") where another row gives that id.
+    given = {str(row["id"]) for row in rows if row.get("id") is not None}
+    tasks, first = [], {}  # id -> (where it was first given, its row)
+    for (where, default_id), row in zip(places, rows):
+        if default_id in given:
+            default_id = where.split()[0] + default_id
+        task = _check_task(row, default_id, f"{spec}: {where}", input_key, label_key, needs_answer, columns)
+        if task["id"] in first and first[task["id"]][1] != row:
+            raise ValueError(f"{spec}: {first[task['id']][0]} and {where} have the same id {task['id']!r}; give "
+                             f"every task its own id")
+        first.setdefault(task["id"], (where, row))
+        tasks.append(task)
+    return tasks
+
+
+def _read_json_rows(path: str) -> list:
+    """(where, default id, row) of each row of a JSON list or JSONL file (told apart by the first character); the
+    file, line and byte named where it is not UTF-8, not JSON, or a row is no object."""
     with open(path, "rb") as f:
         data = f.read()
     try:
@@ -227,46 +284,37 @@ def load_tasks(path: str) -> list[dict]:
                                  "per line)") from e
     if not located:
         raise ValueError(f"{path}: no tasks in the file")
-    # Grouping (--mappa.norm_scope group) and evaluation pool the samples of an id, so ids must be unique. A row
-    # without one takes its line (row) number, or "line<n>" ("row<n>") where another row gives that id.
-    given = {str(row["id"]) for _, _, row in located if isinstance(row, dict) and row.get("id") is not None}
-    tasks, first = [], {}  # id -> where it was first given
-    for where, default_id, row in located:
-        if default_id in given:
-            default_id = where.split()[0] + default_id
-        task = _check_task(row, default_id, f"{path}: {where}")
-        if task["id"] in first:
-            raise ValueError(f"{path}: {first[task['id']]} and {where} have the same id {task['id']!r}; give every "
-                             f"task its own id")
-        first[task["id"]] = where
-        tasks.append(task)
-    return tasks
+    for where, _, row in located:
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: {where}: a task must be a JSON object, got {type(row).__name__}")
+    return located
 
 
-def _check_task(row, default_id: str, where: str) -> dict:
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: a task must be a JSON object, got {type(row).__name__}")
-    prompt, answer = row.get("prompt"), row.get("answer")
-    if "prompt" not in row:
-        raise ValueError(f"{where}: missing 'prompt'")
+def _check_task(row: dict, default_id: str, where: str, input_key: str, label_key: str, needs_answer: bool,
+                columns: list) -> dict:
+    prompt, answer = row.get(input_key), row.get(label_key)
+    # A column the whole dataset lacks is likely another name for it: the dataset's columns and the flag are named.
+    if prompt is None:
+        hint = f" (its columns: {', '.join(columns)}; name the task text's with --data.input_key COLUMN)"
+        raise ValueError(f"{where}: missing {input_key!r}{'' if input_key in columns else hint}")
     if not isinstance(prompt, str):
-        raise ValueError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}")
+        raise ValueError(f"{where}: {input_key!r} must be a string, got {type(prompt).__name__}")
     if not prompt.strip():
-        raise ValueError(f"{where}: empty 'prompt'")
-    if answer is None:
-        raise ValueError(f"{where}: 'answer' is missing or null; these tasks need a reference answer (string or "
-                         "number)")
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise ValueError(f"{where}: 'answer' must be a string or a number, got {type(answer).__name__}")
-    if isinstance(answer, str) and not answer.strip():
-        raise ValueError(f"{where}: empty 'answer'")
-    if isinstance(answer, float) and not math.isfinite(answer):  # JSON's NaN and Infinity would become "nan", "inf"
-        raise ValueError(f"{where}: 'answer' is {answer}, not a finite number; write the reference answer")
-    if isinstance(answer, float) and answer.is_integer():
-        answer = int(answer)  # answers stored as 18.0 mean 18
+        raise ValueError(f"{where}: empty {input_key!r}")
+    if answer is None and needs_answer:
+        hint = f" (its columns: {', '.join(columns)}; name the answer's with --data.label_key COLUMN)"
+        raise ValueError(f"{where}: {label_key!r} is missing or null{'' if label_key in columns else hint}; these "
+                         "tasks need a reference answer (string or number)")
+    if answer is not None:
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise ValueError(f"{where}: {label_key!r} must be a string or a number, got {type(answer).__name__}")
+        if isinstance(answer, str) and not answer.strip():
+            raise ValueError(f"{where}: empty {label_key!r}")
+        if isinstance(answer, float) and not math.isfinite(answer):  # JSON's NaN and Infinity: "nan", "inf"
+            raise ValueError(f"{where}: {label_key!r} is {answer}, not a finite number; write the reference answer")
+        answer = str(int(answer) if isinstance(answer, float) and answer.is_integer() else answer)  # 18.0 means 18
     task_id = row.get("id")
     if task_id is not None and (isinstance(task_id, bool) or not isinstance(task_id, (str, int, float))):
         raise ValueError(f"{where}: 'id' must be a string or a number, got {type(task_id).__name__}")
-    task = dict(row, answer=str(answer), id=str(default_id if task_id is None else task_id))
-    task.setdefault("type", "")
-    return task
+    return dict(row, prompt=prompt, answer=answer, id=str(default_id if task_id is None else task_id),
+                type=row.get("type") or "")
