@@ -184,6 +184,8 @@ LAUNCHER = [
     case("a column the tasks lack", ["--data.input_key", "question"],
          "tasks.jsonl: line 1: missing 'question' (its columns: prompt, answer; name the task text's with "
          "--data.input_key COLUMN)"),
+    case("a missing parquet file (not sent to the Hub)", ["--data.prompt_dataset", "gone.parquet"],
+         "[Errno 2] No such file or directory: 'gone.parquet'"),
     case("probabilities for another count of datasets", ["--data.prompt_probs", "0.5,0.5"],
          "--data.prompt_probs 0.5,0.5: give one probability per dataset of --data.prompt_dataset (1: tasks.jsonl), "
          "each at least 0, summing to 1"),

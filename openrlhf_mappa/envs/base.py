@@ -23,6 +23,7 @@ describes the defaults below; `openrlhf_mappa.team.play` plays an episode of one
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -210,6 +211,12 @@ def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", inp
     blending_datasets: the task text in `input_key`, its answer in `label_key` (optional where not `needs_answer`),
     optionally "id" and "type"; other columns are kept for the environment."""
     entries = [entry.strip() for entry in spec.split(",")]
+    for path in (entry.split("@")[0].strip() for entry in entries):
+        # A missing local path is named now: blending_datasets would take it for a Hub name (and retry ~20 s).
+        local = path.startswith(("/", ".", "~")) or path.lower().endswith((".json", ".jsonl", ".csv", ".parquet",
+                                                                             ".arrow", ".py"))
+        if local and not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
     # A local JSON file is read here first, for what HF's loader reports without a line (or not at all: a row that
     # is not an object); a lone one also gives each row its line (row) number, its id when it has none.
     located = [_read_json_rows(e) for e in entries if e.lower().endswith((".json", ".jsonl"))]
