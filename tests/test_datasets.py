@@ -120,6 +120,16 @@ def test_ids_repeated_rows_and_conflicts(tmp_path):
                               "from 0) have the same id 'x'; give every task its own id")
 
 
+
+def test_a_bad_row_in_a_blend_is_named_in_its_own_dataset(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"question": "a?", "solution": 1}) + "\n")
+    datasets.Dataset.from_dict({"question": ["b0?", "b1?", " "], "solution": [0, 1, 2]}).to_parquet(
+        str(tmp_path / "b.parquet"))
+    with pytest.raises(ValueError) as err:
+        load_tasks(f"{tmp_path}/a.jsonl,{tmp_path}/b.parquet", "0.5,0.5", input_key="question", label_key="solution")
+    assert str(err.value) == f"{tmp_path}/b.parquet: row 2 (counting from 0): empty 'question'"
+
+
 class WriterEnv(MultiAgentEnv):
     """A writer judged by the coach alone: its tasks have no reference answer."""
 

@@ -217,6 +217,9 @@ def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", inp
                                                                              ".arrow", ".py"))
         if local and not os.path.exists(path):
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    if len(entries) > 1:  # each dataset alone first: a blend's rows do not say which dataset they came from
+        for entry in entries:
+            load_tasks(entry, None, split, input_key, label_key, needs_answer, seed)
     # A local JSON file is read here first, for what HF's loader reports without a line (or not at all: a row that
     # is not an object); a lone one also gives each row its line (row) number, its id when it has none.
     located = [_read_json_rows(e) for e in entries if e.lower().endswith((".json", ".jsonl"))]
