@@ -169,9 +169,9 @@ class Topology:
                     self.make_env(task, workspace)
                 except Exception as e:  # any exception: the environment's own message says what to fix
                     kwargs = ", ".join(self.env_kwargs) or "none"
+                    which = f"the first of type {task['type']!r}" if task.get("type") else "the first task"
                     raise ValueError(f"{label}: env {self.env!r} (env_kwargs: {kwargs}) cannot start task "
-                                     f"{task['id']!r}, the first of type {task.get('type')!r}: {type(e).__name__}: "
-                                     f"{e}") from e
+                                     f"{task['id']!r}, {which}: {type(e).__name__}: {e}") from e
 
 
 MISSING_COACH_TEMPLATE = ("'coach_template' is missing or empty; it must be a non-empty string (or give "

@@ -196,7 +196,7 @@ LAUNCHER = [
          files={"evaldup.jsonl": jsonl({"id": "q", "prompt": "1+1?", "answer": 2},
                                        {"id": "q", "prompt": "2+2?", "answer": 4})}),
     case("env_kwargs timeout of the wrong type", [],
-         "env 'mathchat' (env_kwargs: code_timeout_s) cannot start task '1', the first of type '': ValueError: "
+         "env 'mathchat' (env_kwargs: code_timeout_s) cannot start task '1', the first task: ValueError: "
          "env_kwargs code_timeout_s must be a positive number of seconds, got 'ten'",
          files={"t.yaml": topology(top="env_kwargs: {code_timeout_s: ten}\n")}),
     case("env_kwargs memory negative", [], "env_kwargs code_memory_mb must be a positive integer, got -1",
@@ -205,12 +205,12 @@ LAUNCHER = [
          "env_kwargs sandbox_url must be the http(s) URL of a SandboxFusion service, "
          "got 'localhost:8080'", files={"t.yaml": topology(top="env_kwargs: {sandbox_url: 'localhost:8080'}\n")}),
     case("dsbench workspace_files unknown", [],  # a contract for its one agent: the value is all that is wrong
-         "env 'dsbench' (env_kwargs: workspace_files, contract) cannot start task '1', the first of type '': "
+         "env 'dsbench' (env_kwargs: workspace_files, contract) cannot start task '1', the first task: "
          "ValueError: env_kwargs workspace_files must be one of stateless, persistent, got 'stateful'",
          files={"t.yaml": topology(env="dsbench", top="env_kwargs: {workspace_files: stateful, contract: {solver: "
                                                       "[a.pkl]}}\n")}),
     case("dsbench coach_evidence unknown", [],
-         "env 'dsbench' (env_kwargs: coach_evidence, contract) cannot start task '1', the first of type '': "
+         "env 'dsbench' (env_kwargs: coach_evidence, contract) cannot start task '1', the first task: "
          "ValueError: env_kwargs coach_evidence must be one of authors, ours, got 'theirs'",
          files={"t.yaml": topology(env="dsbench", top="env_kwargs: {coach_evidence: theirs, contract: {solver: "
                                                       "[a.pkl]}}\n")}),
@@ -219,8 +219,8 @@ LAUNCHER = [
     case("relay goal not a regex", [], "relay env: env_kwargs.goals['solver'] is not a regular expression: '[a-z'",
          files={"t.yaml": topology(env="relay", top="env_kwargs: {goals: {solver: '[a-z'}}\n")}),
     case("env rejects its own kwarg", [],
-         "env 'levelenv:LevelEnv' (env_kwargs: level) cannot start task '1', the first of "
-         "type '': ValueError: level must be 1, 2 or 3, got 7",
+         "env 'levelenv:LevelEnv' (env_kwargs: level) cannot start task '1', the first task: "
+         "ValueError: level must be 1, 2 or 3, got 7",
          files={"levelenv.py": LEVEL_ENV, "t.yaml": topology(env="levelenv:LevelEnv", top="env_kwargs: {level: 7}\n")}),
     case("env module with a syntax error", [], "env 'brokenenv:Env': module 'brokenenv' has a syntax error: ",
          files={"brokenenv.py": "class Env(:\n    pass\n", "t.yaml": topology(env="brokenenv:Env")}),
