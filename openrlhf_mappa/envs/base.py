@@ -217,9 +217,20 @@ def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", inp
                                                                              ".arrow", ".py"))
         if local and not os.path.exists(path):
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
-    if len(entries) > 1:  # each dataset alone first: a blend's rows do not say which dataset they came from
-        for entry in entries:
-            load_tasks(entry, None, split, input_key, label_key, needs_answer, seed)
+    try:
+        return _load_checked(spec, entries, probs, split, input_key, label_key, needs_answer, seed)
+    except Exception:
+        # A blend's rows do not say which dataset they came from: each dataset loaded alone names its file and
+        # row where one is at fault (a conflict between datasets stays the blend's error).
+        if len(entries) > 1:
+            for entry in entries:
+                load_tasks(entry, None, split, input_key, label_key, needs_answer, seed)
+        raise
+
+
+def _load_checked(spec: str, entries: list, probs, split: str, input_key: str, label_key: str, needs_answer: bool,
+                  seed: int) -> list[dict]:
+    """load_tasks' rows of `spec` (its comma-separated `entries`), loaded by blending_datasets and checked."""
     # A local JSON file is read here first, for what HF's loader reports without a line (or not at all: a row that
     # is not an object); a lone one also gives each row its line (row) number, its id when it has none.
     located = [_read_json_rows(e) for e in entries if e.lower().endswith((".json", ".jsonl"))]
