@@ -74,10 +74,9 @@ class Parser(argparse.ArgumentParser):
             known = [o for a in self._actions for o in a.option_strings]
             for word in message.split(":", 1)[1].split():
                 flag = word.split("=")[0]
-                near = difflib.get_close_matches(flag, known, 1) if word.startswith("-") else []
                 if flag in RENAMED:
                     message += f"\n  {word}: replaced by {RENAMED[flag]}"
-                elif near:
+                elif word.startswith("-") and (near := difflib.get_close_matches(flag, known, 1)):
                     message += f"\n  {word}: did you mean {near[0]}?"
         self.exit(2, f"{self.prog}: error: {message}\n(the flags: {self.help_command or self.prog + ' --help'})\n")
 
