@@ -220,10 +220,9 @@ def add_trained_coach_args(g):
                    help="trained coach: the reference's score bands (of 0-10) that share its agreement term equally, "
                         "so a rare score weighs as much as the usual one (1: unweighted)")
     g.add_argument("--mappa.coach.reply", choices=["text", "digit"], default="text",
-                   help="trained coach: text: it writes its verdict as the coach prompt asks; digit: one token sampled "
-                        "from the digits 0-9 alone (vLLM's allowed_token_ids), so every verdict is a score and the "
-                        "format term never fires, and it trains on all ten one-digit replies to each action the "
-                        "agreement term judges, each against their mean, not on the sampled one")
+                   help="trained coach: text: as the coach prompt asks; digit: one token of 0-9 (vLLM's "
+                        "allowed_token_ids), always a score, and it trains on all ten digits, each against their mean, "
+                        "where the agreement term judges (not on the sampled one)")
     g.add_argument("--mappa.coach.pay_reference", action="store_true",
                    help="trained coach: where its reference judge scored an action, the agents are paid that score "
                         "(the coach still trains on its own verdict there); elsewhere the coach's")
