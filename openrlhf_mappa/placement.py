@@ -81,7 +81,7 @@ def trainee_specs(args, topology) -> list:
     if getattr(c, "kind", None) == "trained":
         from openrlhf_mappa.episode import COACH_NAME
 
-        tokens = 1 if c.digits_only else c.max_tokens or None  # digits_only: one digit (TrainedCoach.attach)
+        tokens = 1 if c.reply == "digit" else c.max_tokens or None  # one digit (TrainedCoach.attach)
         coach = [AgentSpec(COACH_NAME, c.model, "the team's coach", "", max_new_tokens=tokens, lr=c.lr or None)]
     if not args.mappa.shared_policy:
         return topology.agents + coach

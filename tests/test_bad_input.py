@@ -142,6 +142,16 @@ LAUNCHER = [
          "unrecognized arguments: --train.batch_sise 4\n  --train.batch_sise: "
          "did you mean --train.batch_size?\n(the flags: python -m openrlhf_mappa.cli.train_mappa_ray --help)", code=2),
     case("bad choice", ["--mappa.reward", "proces"], "argument --mappa.reward: invalid choice: 'proces'", code=2),
+    # the trained coach's flags merged in issue 54: the old spelling names its replacement
+    case("digits_only merged into reply", ["--mappa.coach.digits_only"], "unrecognized arguments: "
+         "--mappa.coach.digits_only\n  --mappa.coach.digits_only: replaced by --mappa.coach.reply digit (digits_only "
+         "and all_digits together)\n(the flags: python -m openrlhf_mappa.cli.train_mappa_ray --help)", code=2),
+    case("all_digits merged into reply", ["--mappa.coach.all_digits"],
+         "--mappa.coach.all_digits: replaced by --mappa.coach.reply digit (digits_only and all_digits together)",
+         code=2),
+    case("agreement_warmup merged into warmup_steps", ["--mappa.coach.agreement_warmup", "3"],
+         "unrecognized arguments: --mappa.coach.agreement_warmup 3\n  --mappa.coach.agreement_warmup: replaced by "
+         "--mappa.coach.warmup_steps (one warm-up: the agents' and min_agreement's)\n(the flags:", code=2),
     # settings with which a run cannot train
     case("max_len below max_new_tokens", ["--data.max_len", "256", "--rollout.max_new_tokens", "1024"],
          "--rollout.max_new_tokens (1024) must be below --data.max_len (256), which holds the prompt and the reply "
@@ -236,8 +246,8 @@ LAUNCHER = [
          "--mappa.coach.kind trained"),
     case("coach timeout without an LLM coach", ["--mappa.coach.timeout", "300"],
          "--mappa.coach.timeout: read by the openai and trained coaches only"),
-    case("trained-coach flags without kind trained", ["--mappa.coach.digits_only", "--mappa.coach.lr", "1e-5"],
-         "--mappa.coach.digits_only, --mappa.coach.lr: read by the trained coach only, and --mappa.coach.kind is "
+    case("trained-coach flags without kind trained", ["--mappa.coach.reply", "digit", "--mappa.coach.lr", "1e-5"],
+         "--mappa.coach.reply, --mappa.coach.lr: read by the trained coach only, and --mappa.coach.kind is "
          "heuristic (the default: the offline rule-based demo coach), which would score every action while ignoring "
          "them: use --mappa.coach.kind trained (a coach model trained with the team), or drop them"),
     case("trained-coach flag with kind openai", [*OPENAI, "--mappa.coach.pay_reference"],

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+from openrlhf_mappa.cli.train_mappa_ray import RENAMED
 from openrlhf_mappa.coach import render_prompt
 from openrlhf_mappa.team import load_topology, play
 from conftest import REPO
@@ -70,7 +71,8 @@ def test_every_dotted_flag_in_the_docs_is_accepted_by_the_launcher():
     proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--help"],
                           capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    accepted = set(re.findall(r"--[a-z_]+(?:\.[a-z0-9_]+)+", proc.stdout))
+    # A merged flag's old spelling (RENAMED) may be named too, as history: the launcher refuses it naming its successor.
+    accepted = set(re.findall(r"--[a-z_]+(?:\.[a-z0-9_]+)+", proc.stdout)) | set(RENAMED)
     named = {f for doc in DOCS for f in re.findall(r"--[a-z_]+(?:\.[a-z0-9_]+)+(?:\.?\*)?", open(f"{REPO}/{doc}", encoding="utf-8").read())}
     assert "--mappa.coach.on_failure" in named and "--mappa.coach.on_failure" in accepted
     # A family written with a "*" (`--reward.overlong_*`, `--ds.lora.*`): some accepted flag must start so.

@@ -94,8 +94,8 @@ def test_agreement_bands_give_a_rare_reference_score_the_weight_of_the_usual_one
     assert [j.action.reward for j in js] == pytest.approx([1.0, 0.2])
 
 
-def test_digits_only_samples_one_digit_token_and_the_coach_replies_with_one_token(tiny_model):
-    """--mappa.coach.digits_only: the coach's engines sample its one-token reply from the tokens of 0-9 alone, as
+def test_a_digit_reply_samples_one_digit_token_and_the_coach_replies_with_one_token(tiny_model):
+    """--mappa.coach.reply digit: the coach's engines sample its one-token reply from the tokens of 0-9 alone, as
     vLLM's allowed_token_ids (each decodes to a score the strict parser reads); its AgentSpec generates one token,
     and learns at --mappa.coach.lr."""
     from transformers import AutoTokenizer
@@ -107,14 +107,14 @@ def test_digits_only_samples_one_digit_token_and_the_coach_replies_with_one_toke
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     policy = AgentPolicy([], tokenizer, 1, 256, {"temperature": 1.0})
-    TrainedCoach("", "PROCESS_SCORE", None, 0.25, 0.2, (), digits_only=True).attach(policy)
+    TrainedCoach("", "PROCESS_SCORE", None, 0.25, 0.2, (), reply="digit").attach(policy)
     allowed = policy.sampling.pop("allowed_token_ids")
     assert policy.sampling == {"temperature": 1.0} and len(set(allowed)) == 10
     assert [parse_score(tokenizer.decode([t]), "PROCESS_SCORE") for t in allowed] == list(range(10))
     TrainedCoach("", "PROCESS_SCORE", None, 0.25, 0.2, ()).attach(policy)
-    assert "allowed_token_ids" not in policy.sampling  # off: the coach writes what it likes
+    assert "allowed_token_ids" not in policy.sampling  # reply "text": the coach writes what it likes
     topology = os.path.join(REPO, "examples", "configs", "relay.yaml")
-    for flags, tokens in (([], 6), (["--mappa.coach.digits_only"], 1)):
+    for flags, tokens in (([], 6), (["--mappa.coach.reply", "digit"], 1)):
         args = parse_args(["--mappa.topology", topology, "--data.prompt_dataset", "x.jsonl", *TINY_RUN_FLAGS,
                            "--mappa.coach.kind", "trained", "--mappa.coach.model", "m", "--mappa.coach.max_tokens",
                            "6", *flags])
@@ -130,12 +130,12 @@ def test_digits_only_samples_one_digit_token_and_the_coach_replies_with_one_toke
         assert rates == [5e-2, 5e-2, 5e-2, expected]
 
 
-def test_all_digits_trains_on_every_one_digit_reply_where_the_agreement_term_judges(tiny_model):
-    """--mappa.coach.all_digits through TrainedCoach.score: an action the agreement term will judge gives the coach
+def test_a_digit_reply_trains_on_every_one_digit_reply_where_the_agreement_term_judges(tiny_model):
+    """--mappa.coach.reply digit through TrainedCoach.score: an action the agreement term will judge gives the coach
     ten actions of its own, one per digit, and the agents the sampled verdict (the reference's, held out or not,
-    with pay_reference); a held-out action gives the coach the sampled one alone. With digits_only no action
-    carries vLLM's log-probs (over the digits, not the vocabulary). The engine is a stand-in that replies 4 (a real
-    vLLM engine serves the coach in the e2e test below)."""
+    with pay_reference); a held-out action gives the coach the sampled one alone. No action carries vLLM's log-probs
+    (over the digits, not the vocabulary). The engine is a stand-in that replies 4 (a real vLLM engine serves the
+    coach in the e2e test below)."""
     import asyncio
     from types import SimpleNamespace
 
@@ -158,7 +158,7 @@ def test_all_digits_trains_on_every_one_digit_reply_where_the_agreement_term_jud
     every = [float(d) for d in range(10)]
     for held_out, pay, scores in ((0.0, False, every), (1.0, False, [4.0]), (0.0, True, every), (1.0, True, [4.0])):
         coach = TrainedCoach("{agent_output}", "PROCESS_SCORE", HeuristicCoach(), 1.0, held_out, ("agreement",),
-                             digits_only=True, all_digits=True, pay_reference=pay)
+                             reply="digit", pay_reference=pay)
         coach.attach(AgentPolicy([engine], tokenizer, 1, 256))
         verdict = asyncio.run(coach.score(request))
         judged = coach.judgements["e"]
@@ -218,17 +218,18 @@ def test_agents_never_train_on_a_verdict_from_a_coach_older_than_the_bound():
 def test_agreement_stop_after_the_warmup_only_and_never_when_off():
     agreed = lambda x: {"coach/heldout_agreement": x}
     stop = lambda least, warmup: TrainedCoach("", "PROCESS_SCORE", None, 0.25, 0.2, (), min_agreement=least,
-                                              agreement_warmup=warmup).agreement_stop
+                                              warmup_steps=warmup).agreement_stop
     assert stop(0.5, 10)(11, agreed(0.4)).startswith("step 11: the trained coach's agreement")
     assert "fell to 0.400, below --mappa.coach.min_agreement 0.5" in stop(0.5, 10)(11, agreed(0.4))
     assert stop(0.5, 10)(10, agreed(0.4)) is None  # still warming up
+    assert stop(0.5, 0)(1, agreed(0.4)).startswith("step 1: ")  # no warm-up: from the first step
     assert stop(0.5, 10)(11, agreed(0.6)) is None
     assert stop(0.0, 10)(11, agreed(0.0)) is None  # off
     assert stop(0.5, 10)(11, agreed(None)) is None  # nothing held out this step
 
 
 def test_several_verdicts_of_one_action_each_agree_against_their_mean():
-    # --mappa.coach.all_digits: verdicts of one referenced action (one request), beside one verdict of another.
+    # --mappa.coach.reply digit: verdicts of one referenced action (one request), beside one verdict of another.
     first = judged("e", "a", 6.0, ref=6.0)
     js = [first] + [Judgement(first.request, Verdict(s, "ok", version=0, reference=dict(first.verdict.reference)),
                               Action("e", "coach", 0, [1], [2])) for s in (4.0, 2.0)] + [judged("e", "b", 5.0, ref=5.0)]
@@ -299,8 +300,7 @@ def test_stratified_draws_judge_the_rare_kind_of_action_as_often_and_keep_the_fr
     (["--mappa.coach.model", "m", "--mappa.shared_policy"], "--mappa.shared_policy is not built"),
     (["--mappa.coach.model", "m", "--mappa.colocate", "agent", "--vllm.enable_sleep"], "--vllm.enable_sleep is not"),
     (["--mappa.coach.model", "m", "--mappa.coach.reference_kind", "openai"], "needs --mappa.coach.reference_model"),
-    (["--mappa.coach.model", "m", "--mappa.coach.all_digits"], "it needs --mappa.coach.digits_only"),
-    (["--mappa.coach.model", "m", "--mappa.coach.digits_only", "--algo.advantage.is_correction_level", "token"],
+    (["--mappa.coach.model", "m", "--mappa.coach.reply", "digit", "--algo.advantage.is_correction_level", "token"],
      "no importance-sampling correction can apply to it"),
 ])
 def test_a_trained_coach_is_refused_with_its_reason(flags, message):
@@ -397,7 +397,7 @@ def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path,
                                                                         for n in ("", "_n")}
 
     # The reference judge (--mappa.coach.reference_kind openai, reference_model, base_url, api_key_env), what it is
-    # paid (price_in, price_out), digits_only, all_digits and pay_reference, on one action drawn for the reference:
+    # paid (price_in, price_out), reply digit and pay_reference, on one action drawn for the reference:
     # the rule server scores "abc" 3, at 10 prompt and 5 completion tokens.
     monkeypatch.setenv("JUDGE_KEY", "sk-judge")
     request = CoachRequest("a", "item", 0, "role", "task", "math", "in", "abc", "", ground_truth="Required reply: x")
@@ -405,8 +405,8 @@ def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path,
         asked = ("--mappa.coach.reference_fraction", "1", "--mappa.coach.held_out_fraction", "0")
         for flags in ((), ("--mappa.coach.reference_kind", "openai", "--mappa.coach.reference_model", "judge",
                            "--mappa.coach.base_url", server.base_url, "--mappa.coach.api_key_env", "JUDGE_KEY",
-                           "--mappa.coach.price_in", "1", "--mappa.coach.price_out", "2", "--mappa.coach.digits_only",
-                           "--mappa.coach.all_digits", "--mappa.coach.pay_reference")):
+                           "--mappa.coach.price_in", "1", "--mappa.coach.price_out", "2", "--mappa.coach.reply",
+                           "digit", "--mappa.coach.pay_reference")):
             _, coach = built(*asked, *flags)
             verdict = asyncio.run(coach.score(request))
             judgements, (_, metrics) = len(coach.judgements["a"]), coach.rewarded([episode("a", True)])
@@ -418,20 +418,19 @@ def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path,
             assert server.requests[0]["body"]["model"] == "judge"
             assert server.requests[0]["authorization"] == "Bearer sk-judge"
             assert (verdict.score, verdict.version, verdict.coach) == (3.0, None, "openai:judge")  # pay_reference
-            assert len(set(sampled_from[-1])) == 10  # digits_only: sampled from the ten digits alone
-            assert judgements == 10  # all_digits: it trains on every one-digit reply to a referenced action
+            assert len(set(sampled_from[-1])) == 10  # reply digit: sampled from the ten digits alone,
+            assert judgements == 10  # and it trains on every one-digit reply to a referenced action
             assert metrics["coach/cost_usd"] == pytest.approx((10 * 1 + 5 * 2) / 1e6)
 
     # --mappa.coach.warmup_steps 2: the agents leave out the verdicts of a coach with fewer than 2 updates, however
-    # fresh. min_agreement and agreement_warmup: the run stops on held-out agreement 0.6 < 0.7 after step 3 only.
-    _, warm = built("--mappa.coach.warmup_steps", "2", "--mappa.coach.min_agreement", "0.7",
-                    "--mappa.coach.agreement_warmup", "3")
+    # fresh, and min_agreement waits as long: the run stops on held-out agreement 0.6 < 0.7 after step 2 only.
+    _, warm = built("--mappa.coach.warmup_steps", "2", "--mappa.coach.min_agreement", "0.7")
     actions = [Action("e", "item", i, [], [], verdict=Verdict(5.0, "ok", version=v)) for i, v in enumerate((0, 1, 2))]
     assert default.stale_verdicts(actions, 2, 5) == 0 and warm.stale_verdicts(actions, 2, 5) == 2
     assert [a.stale for a in actions] == [True, True, False]
     agreed = {"coach/heldout_agreement": 0.6}
-    assert warm.agreement_stop(3, agreed) is None and "below --mappa.coach.min_agreement 0.7" in warm.agreement_stop(
-        4, agreed)
+    assert warm.agreement_stop(2, agreed) is None and "below --mappa.coach.min_agreement 0.7" in warm.agreement_stop(
+        3, agreed)
     assert default.agreement_stop(11, {"coach/heldout_agreement": 0.0}) is None  # 0: never
 
     # --mappa.coach.model, lr and max_tokens reach the launcher: the coach's own trainee spec and actor settings.

@@ -55,9 +55,17 @@ FRACTION, SCORE = ranged(float, 0, 1), ranged(float, 0, 10)
 GPU_GIB = ranged(float, 0, 1024, above=True, hint=" (GiB; nvidia-smi shows MiB: divide by 1024)")
 
 
+# MAPPA's flags that are gone, each with what replaces it: the trained coach's search switches merged (issue 54).
+RENAMED = {
+    "--mappa.coach.digits_only": "--mappa.coach.reply digit (digits_only and all_digits together)",
+    "--mappa.coach.all_digits": "--mappa.coach.reply digit (digits_only and all_digits together)",
+    "--mappa.coach.agreement_warmup": "--mappa.coach.warmup_steps (one warm-up: the agents' and min_agreement's)",
+}
+
+
 class Parser(argparse.ArgumentParser):
-    """An argparse error alone, not under the whole usage (which buries it): an unknown flag with the nearest
-    known one, then where the flags are listed."""
+    """An argparse error alone, not under the whole usage (which buries it): an unknown flag with what replaced it
+    (RENAMED) or the nearest known one, then where the flags are listed."""
 
     help_command = None  # how to list the flags (default: `<prog> --help`)
 
@@ -65,8 +73,11 @@ class Parser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments:"):
             known = [o for a in self._actions for o in a.option_strings]
             for word in message.split(":", 1)[1].split():
-                near = difflib.get_close_matches(word.split("=")[0], known, 1) if word.startswith("-") else []
-                message += f"\n  {word}: did you mean {near[0]}?" if near else ""
+                flag = word.split("=")[0]
+                if flag in RENAMED:
+                    message += f"\n  {word}: replaced by {RENAMED[flag]}"
+                elif word.startswith("-") and (near := difflib.get_close_matches(flag, known, 1)):
+                    message += f"\n  {word}: did you mean {near[0]}?"
         self.exit(2, f"{self.prog}: error: {message}\n(the flags: {self.help_command or self.prog + ' --help'})\n")
 
 
@@ -208,26 +219,22 @@ def add_trained_coach_args(g):
     g.add_argument("--mappa.coach.agreement_bands", type=COUNT, default=5,
                    help="trained coach: the reference's score bands (of 0-10) that share its agreement term equally, "
                         "so a rare score weighs as much as the usual one (1: unweighted)")
-    g.add_argument("--mappa.coach.digits_only", action="store_true",
-                   help="trained coach: reply with one token sampled from the digits 0-9 alone (vLLM's "
-                        "allowed_token_ids), so every verdict is a score and the format term never fires")
-    g.add_argument("--mappa.coach.all_digits", action="store_true",
-                   help="trained coach, with --mappa.coach.digits_only: train on all ten one-digit replies to each "
-                        "action the agreement term judges, each against their mean, not on the sampled one")
+    g.add_argument("--mappa.coach.reply", choices=["text", "digit"], default="text",
+                   help="trained coach: text: as the coach prompt asks; digit: one token of 0-9 (vLLM's "
+                        "allowed_token_ids), always a score, and it trains on all ten digits, each against their mean, "
+                        "where the agreement term judges (not on the sampled one)")
     g.add_argument("--mappa.coach.pay_reference", action="store_true",
                    help="trained coach: where its reference judge scored an action, the agents are paid that score "
                         "(the coach still trains on its own verdict there); elsewhere the coach's")
     g.add_argument("--mappa.coach.lr", type=NONNEGATIVE, default=0.0,
                    help="trained coach: its actor's learning rate (0: --actor.adam.lr, the agents')")
     g.add_argument("--mappa.coach.warmup_steps", type=NONNEGATIVE_INT, default=0,
-                   help="trained coach: the agents train only on verdicts of a coach with at least this many updates; "
-                        "until then it trains alone, on the agents' untrained actions (a random coach's scores are "
-                        "noise)")
+                   help="trained coach: the steps before its reference has shaped it: the agents train only on "
+                        "verdicts of a coach with at least this many updates (until then it trains alone, on the "
+                        "agents' untrained actions), and --mappa.coach.min_agreement applies only after them")
     g.add_argument("--mappa.coach.min_agreement", type=FRACTION, default=0.0,
                    help="trained coach: stop the run when its held-out agreement with the reference falls below this "
-                        "after --mappa.coach.agreement_warmup steps (0: never)")
-    g.add_argument("--mappa.coach.agreement_warmup", type=NONNEGATIVE_INT, default=10,
-                   help="trained coach: steps before --mappa.coach.min_agreement applies (a new coach agrees little)")
+                        "after --mappa.coach.warmup_steps steps (0: never)")
 
 
 def add_launch_args(g):
@@ -634,10 +641,8 @@ def validate_trained_coach(args, topology) -> None:
         ((c.max_tokens or args.rollout.max_new_tokens) >= args.data.max_len,
          f"its reply limit (--mappa.coach.max_tokens, else --rollout.max_new_tokens) must be below --data.max_len "
          f"({args.data.max_len})"),
-        (c.all_digits and not c.digits_only, "--mappa.coach.all_digits trains on every one-digit reply: it needs "
-                                             "--mappa.coach.digits_only"),
-        (c.digits_only and args.algo.advantage.is_correction_level != "off",
-         "with --mappa.coach.digits_only, vLLM's sampling log-probs are over the ten digits and the actor's over the "
+        (c.reply == "digit" and args.algo.advantage.is_correction_level != "off",
+         "with --mappa.coach.reply digit, vLLM's sampling log-probs are over the ten digits and the actor's over the "
          "vocabulary, so no importance-sampling correction can apply to it: --algo.advantage.is_correction_level off"),
     ]
     for bad, why in problems:

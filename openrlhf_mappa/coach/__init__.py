@@ -40,8 +40,7 @@ def build_coach(c, *, template: str = None, score_key: str = DEFAULT_SCORE_KEY, 
     reference = build_coach(judge, template=template, score_key=score_key, review_template=review_template,
                             cache_path=cache_path)
     return TrainedCoach(template, score_key, reference, c.reference_fraction, c.held_out_fraction,
-                        tuple(c.terms.split(",")), agreement_bands=c.agreement_bands, digits_only=c.digits_only,
-                        stratified=c.reference_draw == "stratified", all_digits=c.all_digits,
-                        pay_reference=c.pay_reference, seed=seed, warmup_steps=c.warmup_steps,
-                        min_agreement=c.min_agreement, agreement_warmup=c.agreement_warmup, price_in=c.price_in,
+                        tuple(c.terms.split(",")), agreement_bands=c.agreement_bands, reply=c.reply,
+                        stratified=c.reference_draw == "stratified", pay_reference=c.pay_reference, seed=seed,
+                        warmup_steps=c.warmup_steps, min_agreement=c.min_agreement, price_in=c.price_in,
                         price_out=c.price_out)

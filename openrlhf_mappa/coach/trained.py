@@ -31,19 +31,18 @@ class TrainedCoach(Coach):
     name = "trained"
 
     def __init__(self, template: str, score_key: str, reference: Coach, reference_fraction: float,
-                 held_out_fraction: float, terms: tuple, agreement_bands: int = 5, digits_only: bool = False,
-                 stratified: bool = False, all_digits: bool = False, pay_reference: bool = False, seed: int = 0,
-                 warmup_steps: int = 0, min_agreement: float = 0.0, agreement_warmup: int = 10,
-                 price_in: float = 0.0, price_out: float = 0.0):
+                 held_out_fraction: float, terms: tuple, agreement_bands: int = 5, reply: str = "text",
+                 stratified: bool = False, pay_reference: bool = False, seed: int = 0, warmup_steps: int = 0,
+                 min_agreement: float = 0.0, price_in: float = 0.0, price_out: float = 0.0):
         self.template, self.score_key, self.reference = template, score_key, reference
-        # The driver's rules for it (trainer.py): which of its verdicts the agents train on, when its drift stops
-        # the run, and the reference's prices (USD per 1M tokens), all from its flags (build_coach).
-        self.warmup_steps, self.min_agreement, self.agreement_warmup = warmup_steps, min_agreement, agreement_warmup
+        # The driver's rules for it (trainer.py): which of its verdicts the agents train on and from when its drift
+        # stops the run (both after warmup_steps), and the reference's prices (USD per 1M tokens), from its flags.
+        self.warmup_steps, self.min_agreement = warmup_steps, min_agreement
         self.price_in, self.price_out = price_in, price_out
         self.pay_reference = pay_reference  # the agents are paid the reference's score where it judged
-        self.reference_fraction, self.held_out_fraction, self.terms, self.bands, self.digits_only, self.seed = (
-            reference_fraction, held_out_fraction, tuple(terms), agreement_bands, digits_only, seed)
-        self.all_digits, self.digits = all_digits, []  # digits: the token of each of 0-9 (digits_only)
+        self.reference_fraction, self.held_out_fraction, self.terms, self.bands, self.reply, self.seed = (
+            reference_fraction, held_out_fraction, tuple(terms), agreement_bands, reply, seed)
+        self.digits = []  # the token of each of 0-9 (reply "digit")
         self.policy = None  # its AgentPolicy (engines, tokenizer, sync gate): attach()
         # The chance that the reference is asked about an action, by whether it was cut off: the last step's
         # strata share the fraction (stratified), or each is asked at the fraction (and in a run's first step).
@@ -52,13 +51,13 @@ class TrainedCoach(Coach):
         self.judgements = {}  # episode id -> its Judgements not trained on yet
 
     def attach(self, policy) -> None:
-        """Judge with this AgentPolicy. With digits_only its one-token reply (placement.trainee_specs) is sampled
+        """Judge with this AgentPolicy. With reply "digit" its one-token reply (placement.trainee_specs) is sampled
         from the digits 0-9 alone, so every verdict parses and none of its training goes into learning the format."""
-        if self.digits_only:
+        if self.reply == "digit":
             ids = {d: policy.tokenizer.encode(d, add_special_tokens=False) for d in "0123456789"}
             split = [d for d, t in ids.items() if len(t) != 1]
             if split:
-                raise ValueError(f"--mappa.coach.digits_only: the coach's tokenizer does not write the digits "
+                raise ValueError(f"--mappa.coach.reply digit: the coach's tokenizer does not write the digits "
                                  f"{', '.join(split)} as one token each")
             self.digits = [t[0] for t in ids.values()]
             policy.sampling = {**policy.sampling, "allowed_token_ids": self.digits}
@@ -80,7 +79,7 @@ class TrainedCoach(Coach):
             verdicts = [Verdict(None, "skipped", f"trained coach: prompt of {len(ids)} tokens over its budget",
                                 self.name)]
         else:
-            every = self.all_digits and asked and not held_out
+            every = self.reply == "digit" and asked and not held_out
             verdicts = [self.judged(request, text, ids, *await self.policy.sample(ids), time.time() - t0,
                                     train=not every)]
             if every:
@@ -109,11 +108,11 @@ class TrainedCoach(Coach):
         score = parse_score(reply, self.score_key)
         verdict = Verdict(score, "ok" if score is not None else "parse_error", reply[:2000], self.name,
                           latency_s=latency_s, tokens_in=len(ids), tokens_out=len(reply_ids), version=version)
-        # digits_only: vLLM's log-probs are over the ten digits, the actor's over the vocabulary; the coach trains
+        # A digit reply: vLLM's log-probs are over the ten digits, the actor's over the vocabulary; the coach trains
         # without them (no importance-sampling correction for it; --algo.advantage.is_correction_level is refused).
         action = Action(request.episode_id, COACH_NAME, request.position, ids, reply_ids, prompt_text=text,
                         response_text=reply, truncated=truncated,
-                        rollout_logprobs=[] if self.digits_only else logprobs,
+                        rollout_logprobs=[] if self.reply == "digit" else logprobs,
                         versions={COACH_NAME: version}, version_end=version_end)
         if train:
             self.judgements.setdefault(request.episode_id, []).append(Judgement(request, verdict, action))
@@ -150,11 +149,11 @@ class TrainedCoach(Coach):
         return n
 
     def agreement_stop(self, step: int, metrics: dict):
-        """The reason to stop the run, or None: after agreement_warmup steps, the step's held-out agreement with the
+        """The reason to stop the run, or None: after warmup_steps steps, the step's held-out agreement with the
         reference below min_agreement (--mappa.coach.min_agreement; 0: never): the coach drifted from the judge it
         is anchored to."""
         agreement, least = metrics.get("coach/heldout_agreement"), self.min_agreement
-        if least > 0 and step > self.agreement_warmup and agreement is not None and agreement < least:
+        if least > 0 and step > self.warmup_steps and agreement is not None and agreement < least:
             return (f"step {step}: the trained coach's agreement with its reference judge on held-out actions fell "
                     f"to {agreement:.3f}, below --mappa.coach.min_agreement {least:g}: its verdicts drifted from the "
                     f"reference (collusion with the agents, or a reward it learned to game)")
@@ -191,7 +190,7 @@ def coach_rewards(judgements: list, episodes: list, terms: tuple, bands: int = 5
     whitened, a verdict stands apart from the others by the terms that judged it alone: counted as 0, the verdicts
     the reference never saw (most) were all pushed one way by the rest's mean, whatever they said. A cut-off reply
     (no score to read) and an action of an episode whose environment failed (no outcome) count like any other.
-    Several verdicts of one action (all_digits) are each rewarded against their mean, R - mean R + the sum of the
+    Several verdicts of one action (reply digit) are each rewarded against their mean, R - mean R + the sum of the
     terms' means, so that the action's own worth (a term shared by all, as outcome) moves none of them. Returns,
     per term, its mean over the verdicts it applied to, and how many it applied to."""
     episode_of = {ep.episode_id: ep for ep in episodes}
@@ -226,7 +225,7 @@ def coach_rewards(judgements: list, episodes: list, terms: tuple, bands: int = 5
     for j, parts in parts_of:  # no term judged anything this step: no signal, left out
         j.action.reward = sum(parts.get(t, mean[t]) for t in mean) if mean else None
         of_action.setdefault(id(j.request), []).append(j.action)
-    # Several verdicts of one action (TrainedCoach.all_digits): each against their mean, a baseline of that action's
+    # Several verdicts of one action (reply digit): each against their mean, a baseline of that action's
     # own, moved to where a verdict no term judged sits (the terms' means): a verdict is paid for beating the others.
     for actions in (a for a in of_action.values() if len(a) > 1 and mean):
         baseline = sum(a.reward for a in actions) / len(actions)
@@ -280,7 +279,7 @@ def judge_metrics(judgements: list, price_in: float = 0.0, price_out: float = 0.
     nothing), and what the reference was asked and cost. The run's coach cost is the reference's (prices per 1M
     tokens): the coach's own tokens are the cluster's time."""
     refs = list({id(j.request): j.verdict.reference for j in judgements if j.verdict.reference}.values())
-    actions = len({id(j.request) for j in judgements})  # an action may have several verdicts (all_digits)
+    actions = len({id(j.request) for j in judgements})  # an action may have several verdicts (reply digit)
     held = [j for j in judgements if j.verdict.reference and j.verdict.reference["held_out"]
             and j.verdict.reference["status"] == "ok"]
     agree = [0.0 if j.verdict.score is None else 1.0 - abs(j.verdict.score - j.verdict.reference["score"]) / 10
