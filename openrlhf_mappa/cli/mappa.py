@@ -1,5 +1,5 @@
 """The `mappa` command: project tools (`mappa check`, `mappa plan`, `mappa doctor`, `mappa eval`, `mappa report`,
-`mappa paper-table`, `mappa tiny-model`, `mappa merge-lora`, `mappa coach score`, `mappa sandbox run`,
+`mappa paper-table`, `mappa tiny-model`, `mappa merge-lora`, `mappa coach score|distill`, `mappa sandbox run`,
 `mappa dsbench make-pack|import|score`)."""
 
 import json
@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from openrlhf_mappa.cli.train_mappa_ray import COUNT, NONNEGATIVE_INT, POSITIVE, Parser, add_coach_args, refusals
+from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE_INT, POSITIVE, Parser, add_coach_args,
+                                                refusals)
 
 # Every tool checks its input before its heavy imports (torch, transformers, vLLM, Ray) and refuses bad input as
 # the launcher does: its message alone, no traceback (MAPPA_TRACEBACK=1 shows one), exit 1 (argparse's: 2).
@@ -39,6 +40,12 @@ def main(argv=None):
         sys.exit(check_main(argv[1:]))
     if argv[:1] == ["eval"]:
         sys.exit(eval_main(argv[1:]))
+    if argv[:2] == ["coach", "distill"]:  # its other flags are train_sft's, passed through
+        from openrlhf_mappa.coach import distill
+
+        args, extra = distill_parser().parse_known_args(argv[2:])
+        distill.run(args, extra)
+        return
     parser, score_parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "coach":
@@ -174,6 +181,33 @@ def add_coach_parser(sub):
                    "(default: the topology's score_key, else PROCESS_SCORE)")
     add_coach_args(p)
     p.set_defaults(**{"mappa.coach.kind": "openai"})
+    coach_sub.add_parser("distill", help=DISTILL_HELP, add_help=False)  # listed here, parsed by distill_parser
+    return p
+
+
+DISTILL_HELP = ("fine-tune a coach model on a reference coach's recorded verdicts with OpenRLHF's train_sft; report "
+                "its agreement with the reference on held-out episodes. Other flags go to train_sft")
+
+
+def distill_parser():
+    """`mappa coach distill`'s own flags (the launcher's spellings); parse_known_args leaves train_sft's."""
+    p = Parser(prog="mappa coach distill", description=DISTILL_HELP)
+    p.add_argument("--episodes", required=True, help="the runs' episodes.jsonl, comma-separated")
+    p.add_argument("--mappa.topology", required=True, help="the topology YAML whose coach_template and score_key "
+                   "the reference coach was run with")
+    p.add_argument("--model.model_name_or_path", required=True, help="the base model to fine-tune")
+    p.add_argument("--ckpt.output_dir", required=True, help="where the coach model goes (a new or empty directory); "
+                   "the data in OUT/distill, the report in OUT/distill.json")
+    p.add_argument("--cache", help="the runs' verdict caches (coach_cache.sqlite), comma-separated: an LLM coach's "
+                   "replies where its verdicts were served from the cache")
+    p.add_argument("--mappa.coach.reply", choices=("text", "digit"), default="text", help="the target reply: the "
+                   "reference's own reply text (JSON for a coach without one), or its score as one digit 0-9 (10 -> 9)")
+    p.add_argument("--mappa.coach.held_out_fraction", type=FRACTION, default=0.2,
+                   help="the share of episodes held out for the report")
+    p.add_argument("--train.seed", type=int, default=0, help="the held-out draw's seed (and train_sft's)")
+    p.add_argument("--rollout.max_new_tokens", type=COUNT, help="the report's reply length (default 1 with "
+                   "--mappa.coach.reply digit, else 512)")
+    p.add_argument("--nproc_per_node", type=COUNT, help="train_sft's processes (default: the visible GPUs, else 1)")
     return p
 
 
