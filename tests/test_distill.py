@@ -30,7 +30,8 @@ def play(tmp_path, coach, mode="per_action", name="episodes.jsonl"):
     topology_path = tmp_path / "t.yaml"
     topology_path.write_text(yaml.safe_dump({
         "name": "t", "env": "mathchat", "coach_template": COACH_TEMPLATE, "score_key": KEY,
-        "agents": [{"name": n, "model": "unused", "role": f"the {n}", "prompt": "{task}"} for n in ("solver", "verifier")],
+        "agents": [{"name": n, "model": "unused", "role": f"the {n}", "prompt": "{task}"}
+                   for n in ("solver", "verifier")],
     }))  # fmt: skip
     topology = load_topology(str(topology_path))
 
@@ -108,7 +109,8 @@ def test_failed_or_mismatched_verdicts_never_become_targets(tmp_path):
                        "reply does not parse to its score": 1, "no per-action verdict": 1}
     assert len(train + held) == 8
     # The cache holds the wrong one's true reply: the cached reply is the target.
-    train, held, skipped = build_rows([path], COACH_TEMPLATE, KEY, caches=[VerdictCache(str(tmp_path / "cache.sqlite"))])
+    cache = VerdictCache(str(tmp_path / "cache.sqlite"))
+    train, held, skipped = build_rows([path], COACH_TEMPLATE, KEY, caches=[cache])
     assert "reply does not parse to its score" not in skipped and len(train + held) == 9
 
 

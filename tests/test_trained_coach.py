@@ -448,7 +448,8 @@ def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path,
 @pytest.mark.e2e
 def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model):
     """The relay team, 3 steps of 2 tasks x 2 samples, coached by a tiny model on a logical GPU of its own (actor and
-    engine), first distilled by `mappa coach distill` from a recorded heuristic-coached relay run (issue 54), the heuristic coach its reference on half the actions, trained asynchronously with
+    engine), first distilled by `mappa coach distill` from a recorded relay run (issue 54), the heuristic coach its
+    reference on half the actions, trained asynchronously with
     partial rollouts (step 2 is generated and judged beside step 1) and --mappa.max_staleness 0. From the run's
     records: the reference judged exactly the actions its draws chose; each term of the coach's reward and its
     held-out agreement are recomputed from the verdicts; every verdict's coach version lies between the coach's

@@ -43,7 +43,11 @@ def main(argv=None):
     if argv[:2] == ["coach", "distill"]:  # its other flags are train_sft's, passed through
         from openrlhf_mappa.coach import distill
 
-        args, extra = distill_parser().parse_known_args(argv[2:])
+        parser = distill_parser()
+        args, extra = parser.parse_known_args(argv[2:])
+        ours = [a for a in extra if a.startswith("--mappa.")]  # train_sft has none: a typo of ours
+        if ours:
+            parser.error(f"unrecognized arguments: {' '.join(ours)}")
         distill.run(args, extra)
         return
     parser, score_parser = build_parser()
@@ -191,7 +195,7 @@ DISTILL_HELP = ("fine-tune a coach model on a reference coach's recorded verdict
 
 def distill_parser():
     """`mappa coach distill`'s own flags (the launcher's spellings); parse_known_args leaves train_sft's."""
-    p = Parser(prog="mappa coach distill", description=DISTILL_HELP)
+    p = Parser(prog="mappa coach distill", description=DISTILL_HELP, allow_abbrev=False)  # the rest go to train_sft
     p.add_argument("--episodes", required=True, help="the runs' episodes.jsonl, comma-separated")
     p.add_argument("--mappa.topology", required=True, help="the topology YAML whose coach_template and score_key "
                    "the reference coach was run with")

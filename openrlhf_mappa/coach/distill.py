@@ -144,7 +144,8 @@ def generate(model_dir: str, prompts: list, max_new_tokens: int, batch_size: int
 
 def sft_command(model: str, out: str, nproc: int, seed: int, extra: list) -> list:
     """torchrun of OpenRLHF's train_sft on OUT/distill/train.jsonl; the user's extra flags come last and win."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", "openrlhf.cli.train_sft",
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "-m", "openrlhf.cli.train_sft",
             "--model.model_name_or_path", model, "--data.dataset", os.path.join(out, "distill", "train.jsonl"),
             "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
             "--ckpt.output_dir", out, "--ckpt.path", os.path.join(out, "distill", "checkpoints"),
@@ -161,8 +162,8 @@ def fine_tune(command: list, log_path: str) -> None:
             log.write(line)
             tail = (tail + [line])[-30:]
         if proc.wait() != 0:
-            raise SystemExit(f"mappa coach distill: train_sft failed (exit {proc.returncode}; its log: {log_path}); "
-                             f"its last lines:\n{''.join(tail)}")
+            raise SystemExit(f"mappa coach distill: train_sft failed (exit {proc.returncode}; its log: {log_path}, "
+                             f"remove its directory to rerun); its last lines:\n{''.join(tail)}")
 
 
 def write_jsonl(path: str, rows: list) -> None:
