@@ -41,14 +41,12 @@ def main(argv=None):
     if argv[:1] == ["eval"]:
         sys.exit(eval_main(argv[1:]))
     if argv[:2] == ["coach", "distill"]:  # its other flags are train_sft's, passed through
-        from openrlhf_mappa.coach import distill
-
         parser = distill_parser()
         args, extra = parser.parse_known_args(argv[2:])
         ours = [a for a in extra if a.startswith("--mappa.")]  # train_sft has none: a typo of ours
         if ours:
             parser.error(f"unrecognized arguments: {' '.join(ours)}")
-        distill.run(args, extra)
+        distill_main(args, extra)
         return
     parser, score_parser = build_parser()
     args = parser.parse_args(argv)
@@ -213,6 +211,90 @@ def distill_parser():
                    "--mappa.coach.reply digit, else 512)")
     p.add_argument("--nproc_per_node", type=COUNT, help="train_sft's processes (default: the visible GPUs, else 1)")
     return p
+
+
+def distill_inputs(args, extra: list) -> tuple:
+    """Everything a user can get wrong, refused before torch loads: (the topology, the caches opened)."""
+    from openrlhf_mappa.coach.cache import VerdictCache
+    from openrlhf_mappa.coach.distill import OWN_SFT_FLAGS
+    from openrlhf_mappa.team import check_model, load_topology
+
+    repeated = [f for f in OWN_SFT_FLAGS if any(a == f or a.startswith(f + "=") for a in extra)]
+    if repeated:
+        raise ValueError(f"{', '.join(repeated)}: mappa coach distill sets these to the data it writes "
+                         f"(OUT/distill/train.jsonl, columns prompt and response); leave them out")
+    topology_path = getattr(args, "mappa.topology")
+    topology = load_topology(topology_path)
+    topology.check_coach_template(topology_path, "openai", "per_action")
+    check_model(getattr(args, "model.model_name_or_path"), "--model.model_name_or_path")
+    out = getattr(args, "ckpt.output_dir")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ValueError(f"--ckpt.output_dir {out}: exists and is not an empty directory; remove it or give another "
+                         f"path")
+    caches = []
+    for path in filter(None, (args.cache or "").split(",")):
+        if not os.path.isfile(path):
+            raise ValueError(f"--cache {path}: no such file (a run's coach_cache.sqlite)")
+        caches.append(VerdictCache(path))
+    return topology, caches
+
+
+def distill_rows(args, topology, caches: list) -> tuple:
+    """build_rows with the flags, refusing data that cannot train or be measured: (train, held-out, skipped)."""
+    from openrlhf_mappa.coach.distill import build_rows
+
+    paths = args.episodes.split(",")
+    fraction = getattr(args, "mappa.coach.held_out_fraction")
+    train, held, skipped = build_rows(paths, topology.coach_template, topology.score_key,
+                                      getattr(args, "mappa.coach.reply"), fraction, getattr(args, "train.seed"),
+                                      caches)
+    why = ", ".join(f"{n} {reason}" for reason, n in skipped.items()) or "no actions"
+    if not train and not held:
+        raise ValueError(f"{args.episodes}: no usable reference verdict ({why})")
+    for side, rows in (("training", train), ("held-out", held)):
+        if not rows:
+            raise ValueError(f"{args.episodes}: no {side} verdicts ({len(train) + len(held)} verdicts usable, "
+                             f"--mappa.coach.held_out_fraction {fraction}); give more episodes or another fraction")
+    return train, held, skipped
+
+
+def distill_main(args, extra: list) -> dict:
+    """`mappa coach distill` after its flags are parsed: data, train_sft, the held-out report (OUT/distill.json)."""
+    from openrlhf_mappa.coach.distill import fine_tune, generate, print_report, report, sft_command, write_jsonl
+    from openrlhf_mappa.team import check_model
+
+    with refusals("mappa coach distill:"):
+        topology, caches = distill_inputs(args, extra)
+        try:
+            train, held, skipped = distill_rows(args, topology, caches)
+        finally:
+            for cache in caches:
+                cache.close()
+    out, model = getattr(args, "ckpt.output_dir"), getattr(args, "model.model_name_or_path")
+    os.makedirs(os.path.join(out, "distill"), exist_ok=True)
+    write_jsonl(os.path.join(out, "distill", "train.jsonl"), train)
+    write_jsonl(os.path.join(out, "distill", "heldout.jsonl"), held)
+    print(f"{len(train)} training and {len(held)} held-out verdicts in {out}/distill; skipped: {skipped or 'none'}")
+    nproc = args.nproc_per_node
+    if nproc is None:
+        import torch
+
+        nproc = max(1, torch.cuda.device_count())
+    command = sft_command(model, out, nproc, getattr(args, "train.seed"), extra)
+    fine_tune(command, os.path.join(out, "distill", "sft.log"))
+    with refusals("mappa coach distill:"):  # what vllm serve and the trained coach load
+        check_model(out, "train_sft's output")
+    max_new_tokens = getattr(args, "rollout.max_new_tokens") or (1 if getattr(args, "mappa.coach.reply") == "digit"
+                                                                 else 512)
+    replies = generate(out, [row["prompt"] for row in held], max_new_tokens)
+    metrics = report(held, replies, topology.score_key)
+    print_report(metrics, f"distilled coach {out}")
+    summary = {"rows": {"train": len(train), "heldout": len(held)}, "skipped": skipped, **metrics,
+               "replies": replies, "max_new_tokens": max_new_tokens, "command": command}
+    with open(os.path.join(out, "distill.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, ensure_ascii=False)
+    print(f"\nthe distilled coach: {out}\nits report: {os.path.join(out, 'distill.json')}")
+    return summary
 
 
 def sandbox_main(args):
