@@ -203,10 +203,11 @@ def distill_parser():
     p.add_argument("--cache", help="the runs' verdict caches (coach_cache.sqlite), comma-separated: an LLM coach's "
                    "replies where its verdicts were served from the cache")
     p.add_argument("--mappa.coach.reply", choices=("text", "digit"), default="text", help="the target reply: the "
-                   "reference's own reply text (JSON for a coach without one), or its score as one digit 0-9 (10 -> 9)")
+                   "reference's own reply text (default; JSON for a coach without one), or its score as one digit "
+                   "0-9 (10 -> 9)")
     p.add_argument("--mappa.coach.held_out_fraction", type=FRACTION, default=0.2,
-                   help="the share of episodes held out for the report")
-    p.add_argument("--train.seed", type=int, default=0, help="the held-out draw's seed (and train_sft's)")
+                   help="the share of episodes held out for the report (default 0.2)")
+    p.add_argument("--train.seed", type=int, default=0, help="the held-out draw's seed (and train_sft's; default 0)")
     p.add_argument("--rollout.max_new_tokens", type=COUNT, help="the report's reply length (default 1 with "
                    "--mappa.coach.reply digit, else 512)")
     p.add_argument("--nproc_per_node", type=COUNT, help="train_sft's processes (default: the visible GPUs, else 1)")
