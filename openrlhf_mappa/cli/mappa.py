@@ -276,12 +276,11 @@ def distill_main(args, extra: list) -> dict:
     write_jsonl(os.path.join(out, "distill", "train.jsonl"), train)
     write_jsonl(os.path.join(out, "distill", "heldout.jsonl"), held)
     print(f"{len(train)} training and {len(held)} held-out verdicts in {out}/distill; skipped: {skipped or 'none'}")
-    nproc = args.nproc_per_node
-    if nproc is None:
-        import torch
+    if args.nproc_per_node is None:
+        from openrlhf_mappa.placement import detect_gpus
 
-        nproc = max(1, torch.cuda.device_count())
-    command = sft_command(model, out, nproc, getattr(args, "train.seed"), extra)
+        args.nproc_per_node = detect_gpus()[0] or 1
+    command = sft_command(model, out, args.nproc_per_node, getattr(args, "train.seed"), extra)
     fine_tune(command, os.path.join(out, "distill", "sft.log"))
     with refusals("mappa coach distill:"):  # what vllm serve and the trained coach load
         check_model(out, "train_sft's output")
