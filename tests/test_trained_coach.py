@@ -349,7 +349,7 @@ def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path,
     def built(*flags):
         given.update(f for f in flags if f.startswith("--mappa.coach."))
         args = parse_args(["--mappa.topology", str(path), "--data.prompt_dataset", "x.jsonl", *TINY_RUN_FLAGS,
-                           "--mappa.coach.kind", "trained", "--mappa.coach.model", str(distilled), *flags])
+                           "--mappa.coach.kind", "trained", "--mappa.coach.model", tiny_model, *flags])
         validate(args, topology)
         coach = run_coach(args, topology)
         coach.attach(AgentPolicy([engine], tokenizer, 1, 256))
