@@ -306,6 +306,17 @@ EVAL = ["eval", "--mappa.topology", "t.yaml", "--eval.dataset", "tasks.jsonl", "
 SCORE = ["coach", "score", "--episodes", "episodes.jsonl", "--out", "rescored.jsonl", "--mappa.coach.kind",
          "heuristic"]
 EPISODES = {"episodes.jsonl": jsonl({"episode_id": "e", "actions": []})}
+DISTILL = ["coach", "distill", "--episodes", "judged.jsonl", "--mappa.topology", "t.yaml", "--model.model_name_or_path",
+           "base", "--ckpt.output_dir", "out"]
+_ACTION = {"agent": "solver", "turn": 0, "prompt_text": "2+2?", "response_text": "4",
+           "coach_request": {"role": "r", "task": "2+2?", "task_type": "math", "agent_input": "2+2?", "feedback": ""}}
+_HEURISTIC = {"score": 5.0, "status": "ok", "rationale": "heuristic coach: fine", "coach": "heuristic"}
+JUDGED = {"base/config.json": "{}", "base/tokenizer.json": "{}",  # a model directory check_model accepts
+          "judged.jsonl": jsonl(*({"episode_id": f"e{i}", "actions": [{**_ACTION, "verdict": _HEURISTIC}]}
+                                  for i in range(4)))}
+_FAILED = {**_HEURISTIC, "score": None, "status": "parse_error"}
+UNUSABLE = jsonl(*({"episode_id": f"e{i}", "actions": [{**_ACTION, "verdict": v}]}
+                   for i, v in enumerate([None, None, _FAILED, _FAILED])))
 ADAPTER = {"adapter/adapter_config.json": json.dumps({"base_model_name_or_path": "/no/such/base", "r": 8})}
 TOOLS = [
     tool("eval --eval.n_samples_per_prompt 0", [*EVAL, "--eval.n_samples_per_prompt", "0"],
@@ -331,6 +342,25 @@ TOOLS = [
          "mappa eval: --checkpoint: no model for agent 'solver' at exports/solver", files={"exports/": None}),
     tool("eval --checkpoint with --mappa.model", [*EVAL, "--checkpoint", "exports"],
          "mappa eval: --mappa.model (one model for every agent) or --checkpoint (a run's exports), not both"),
+    tool("coach distill missing episodes", [*DISTILL[:3], "missing.jsonl", *DISTILL[4:]],
+         "mappa coach distill: [Errno 2] No such file or directory: 'missing.jsonl'", files=JUDGED),
+    tool("coach distill no usable verdict", DISTILL, "mappa coach distill: judged.jsonl: no usable reference verdict "
+         "(2 no per-action verdict, 2 reference verdict parse_error)", files={**JUDGED, "judged.jsonl": UNUSABLE}),
+    tool("coach distill nothing held out", [*DISTILL, "--mappa.coach.held_out_fraction", "0"],
+         "judged.jsonl: no held-out verdicts (4 verdicts usable, --mappa.coach.held_out_fraction 0.0); give more "
+         "episodes or another fraction", files=JUDGED),
+    tool("coach distill a non-empty output", DISTILL, "mappa coach distill: --ckpt.output_dir out: exists and is not "
+         "an empty directory; remove it or give another path", files={**JUDGED, "out/old.txt": "x"}),
+    tool("coach distill no coach template", DISTILL, "mappa coach distill: t.yaml: 'coach_template' is missing",
+         files={**JUDGED, "t.yaml": "\n".join(ln for ln in topology().splitlines() if "coach_template" not in ln)}),
+    tool("coach distill a missing base model", DISTILL, "--model.model_name_or_path: base is not a Hugging Face model "
+         "directory: it has no config.json", files={**JUDGED, "base/config.json": None}),
+    tool("coach distill --data.dataset", [*DISTILL, "--data.dataset", "x.jsonl"], "mappa coach distill: "
+         "--data.dataset: mappa coach distill sets these to the data it writes", files=JUDGED),
+    tool("coach distill a misspelt flag of its own", [*DISTILL, "--mappa.coach.held_out_fractoin", "0.1"],
+         "--mappa.coach.held_out_fractoin: did you mean --mappa.coach.held_out_fraction?", code=2, files=JUDGED),
+    tool("coach distill a missing cache", [*DISTILL, "--cache", "runs/coach_cache.sqlite"],
+         "mappa coach distill: --cache runs/coach_cache.sqlite: no such file", files=JUDGED),
     tool("coach score missing episodes", [*SCORE[:3], "missing.jsonl", *SCORE[4:]],
          "mappa coach score: [Errno 2] No such file or directory: 'missing.jsonl'"),
     tool("coach score JSON list", [*SCORE[:3], "list.jsonl", *SCORE[4:]],

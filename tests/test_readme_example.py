@@ -67,12 +67,14 @@ def test_every_link_between_the_docs_resolves():
 
 
 def test_every_dotted_flag_in_the_docs_is_accepted_by_the_launcher():
-    # OpenRLHF's and MAPPA's dotted flags as the real launcher's parser lists them.
-    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", "--help"],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    # OpenRLHF's and MAPPA's dotted flags as the real launcher's parser lists them, and `mappa coach distill`'s own.
     # A merged flag's old spelling (RENAMED) may be named too, as history: the launcher refuses it naming its successor.
-    accepted = set(re.findall(r"--[a-z_]+(?:\.[a-z0-9_]+)+", proc.stdout)) | set(RENAMED)
+    accepted = set(RENAMED)
+    for command in (["openrlhf_mappa.cli.train_mappa_ray", "--help"], ["openrlhf_mappa.cli.mappa", "coach", "distill",
+                                                                        "--help"]):
+        proc = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        accepted |= set(re.findall(r"--[a-z_]+(?:\.[a-z0-9_]+)+", proc.stdout))
     named = {f for doc in DOCS for f in re.findall(r"--[a-z_]+(?:\.[a-z0-9_]+)+(?:\.?\*)?", open(f"{REPO}/{doc}", encoding="utf-8").read())}
     assert "--mappa.coach.on_failure" in named and "--mappa.coach.on_failure" in accepted
     # A family written with a "*" (`--reward.overlong_*`, `--ds.lora.*`): some accepted flag must start so.

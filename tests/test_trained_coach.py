@@ -446,8 +446,9 @@ def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path,
 
 @pytest.mark.e2e
 def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model):
-    """The relay team, 3 steps of 2 tasks x 2 samples, coached by a random-init tiny model on a logical GPU of its
-    own (actor and engine), the heuristic coach its reference on half the actions, trained asynchronously with
+    """The relay team, 3 steps of 2 tasks x 2 samples, coached by a tiny model on a logical GPU of its own (actor and
+    engine), first distilled by `mappa coach distill` from a recorded relay run (issue 54), the heuristic coach its
+    reference on half the actions, trained asynchronously with
     partial rollouts (step 2 is generated and judged beside step 1) and --mappa.max_staleness 0. From the run's
     records: the reference judged exactly the actions its draws chose; each term of the coach's reward and its
     held-out agreement are recomputed from the verdicts; every verdict's coach version lies between the coach's
@@ -460,13 +461,17 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
 
     from openrlhf_mappa.coach.audit import pearson
 
-    run_dir, final = tmp_path / "run", tmp_path / "final"
+    from test_distill import distill
+
+    run_dir, final, distilled = tmp_path / "run", tmp_path / "final", tmp_path / "distilled"
+    proc = distill(tiny_model, distilled)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     argv = ["--mappa.topology", os.path.join(REPO, "examples", "configs", "relay.yaml"), "--mappa.model", tiny_model,
             "--data.prompt_dataset", os.path.join(REPO, "examples", "data", "relay_train.jsonl"),
             "--data.max_samples", "6", "--mappa.run_dir", str(run_dir), *TINY_RUN_FLAGS,
             "--data.max_len", "1024",  # after TINY_RUN_FLAGS' 512: the relay's coach prompt holds the agent's
             "--actor.adam.lr", "5e-2", "--actor.lr_warmup_ratio", "0",
-            "--mappa.coach.kind", "trained", "--mappa.coach.model", tiny_model, "--mappa.coach.max_tokens", "6",
+            "--mappa.coach.kind", "trained", "--mappa.coach.model", str(distilled), "--mappa.coach.max_tokens", "6",
             "--mappa.coach.reference_fraction", "0.5", "--mappa.coach.held_out_fraction", "0.25",
             "--mappa.coach.on_failure", "neutral",  # the agents train on the steps a random coach gives no score
             # Issue 51: a trained coach never ran asynchronously. Bound 0: a verdict one coach update old is left out
@@ -562,7 +567,7 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
     assert coach_stale > 0 and held_out_n > 0
     updates = sum(m["agent/coach/updated"] for m in metrics)
     assert sorted(s["version"] for s in syncs if s["agent"] == "coach") == list(range(1, updates + 1))
-    start = load_file(os.path.join(tiny_model, "model.safetensors"))
+    start = load_file(distilled / "model.safetensors")
     end = load_file(final / "coach" / "model.safetensors")
     moved = [k for k in start if not torch.equal(start[k].float(), end[k].float())]
     assert len(moved) > len(start) // 2, moved  # the coach trained

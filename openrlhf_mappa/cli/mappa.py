@@ -1,5 +1,5 @@
 """The `mappa` command: project tools (`mappa check`, `mappa plan`, `mappa doctor`, `mappa eval`, `mappa report`,
-`mappa paper-table`, `mappa tiny-model`, `mappa merge-lora`, `mappa coach score`, `mappa sandbox run`,
+`mappa paper-table`, `mappa tiny-model`, `mappa merge-lora`, `mappa coach score|distill`, `mappa sandbox run`,
 `mappa dsbench make-pack|import|score`)."""
 
 import json
@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from openrlhf_mappa.cli.train_mappa_ray import COUNT, NONNEGATIVE_INT, POSITIVE, Parser, add_coach_args, refusals
+from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE_INT, POSITIVE, Parser, add_coach_args,
+                                                refusals)
 
 # Every tool checks its input before its heavy imports (torch, transformers, vLLM, Ray) and refuses bad input as
 # the launcher does: its message alone, no traceback (MAPPA_TRACEBACK=1 shows one), exit 1 (argparse's: 2).
@@ -39,6 +40,14 @@ def main(argv=None):
         sys.exit(check_main(argv[1:]))
     if argv[:1] == ["eval"]:
         sys.exit(eval_main(argv[1:]))
+    if argv[:2] == ["coach", "distill"]:  # its other flags are train_sft's, passed through
+        parser = distill_parser()
+        args, extra = parser.parse_known_args(argv[2:])
+        ours = [a for a in extra if a.startswith("--mappa.")]  # train_sft has none: a typo of ours
+        if ours:
+            parser.error(f"unrecognized arguments: {' '.join(ours)}")
+        distill_main(args, extra)
+        return
     parser, score_parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "coach":
@@ -174,7 +183,118 @@ def add_coach_parser(sub):
                    "(default: the topology's score_key, else PROCESS_SCORE)")
     add_coach_args(p)
     p.set_defaults(**{"mappa.coach.kind": "openai"})
+    coach_sub.add_parser("distill", help=DISTILL_HELP, add_help=False)  # listed here, parsed by distill_parser
     return p
+
+
+DISTILL_HELP = ("fine-tune a coach model on a reference coach's recorded verdicts with OpenRLHF's train_sft; report "
+                "its agreement with the reference on held-out episodes. Other flags go to train_sft")
+
+
+def distill_parser():
+    """`mappa coach distill`'s own flags (the launcher's spellings); parse_known_args leaves train_sft's."""
+    p = Parser(prog="mappa coach distill", description=DISTILL_HELP, allow_abbrev=False)  # the rest go to train_sft
+    p.add_argument("--episodes", required=True, help="the runs' episodes.jsonl, comma-separated")
+    p.add_argument("--mappa.topology", required=True, help="the topology YAML whose coach_template and score_key "
+                   "the reference coach was run with")
+    p.add_argument("--model.model_name_or_path", required=True, help="the base model to fine-tune")
+    p.add_argument("--ckpt.output_dir", required=True, help="where the coach model goes (a new or empty directory); "
+                   "the data in OUT/distill, the report in OUT/distill.json")
+    p.add_argument("--cache", help="the runs' verdict caches (coach_cache.sqlite), comma-separated: an LLM coach's "
+                   "replies where its verdicts were served from the cache")
+    p.add_argument("--mappa.coach.reply", choices=("text", "digit"), default="text", help="the target reply: the "
+                   "reference's own reply text (default; JSON for a coach without one), or its score as one digit "
+                   "0-9 (10 -> 9)")
+    p.add_argument("--mappa.coach.held_out_fraction", type=FRACTION, default=0.2,
+                   help="the share of episodes held out for the report (default 0.2)")
+    p.add_argument("--train.seed", type=int, default=0, help="the held-out draw's seed (and train_sft's; default 0)")
+    p.add_argument("--rollout.max_new_tokens", type=COUNT, help="the report's reply length (default 1 with "
+                   "--mappa.coach.reply digit, else 512)")
+    p.add_argument("--nproc_per_node", type=COUNT, help="train_sft's processes (default: the visible GPUs, else 1)")
+    return p
+
+
+def distill_inputs(args, extra: list) -> tuple:
+    """Everything a user can get wrong, refused before torch loads: (the topology, the caches opened)."""
+    from openrlhf_mappa.coach.cache import VerdictCache
+    from openrlhf_mappa.coach.distill import OWN_SFT_FLAGS
+    from openrlhf_mappa.team import check_model, load_topology
+
+    repeated = [f for f in OWN_SFT_FLAGS if any(a == f or a.startswith(f + "=") for a in extra)]
+    if repeated:
+        raise ValueError(f"{', '.join(repeated)}: mappa coach distill sets these to the data it writes "
+                         f"(OUT/distill/train.jsonl, columns prompt and response); leave them out")
+    topology_path = getattr(args, "mappa.topology")
+    topology = load_topology(topology_path)
+    topology.check_coach_template(topology_path, "openai", "per_action")
+    check_model(getattr(args, "model.model_name_or_path"), "--model.model_name_or_path")
+    out = getattr(args, "ckpt.output_dir")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ValueError(f"--ckpt.output_dir {out}: exists and is not an empty directory; remove it or give another "
+                         f"path")
+    caches = []
+    for path in filter(None, (args.cache or "").split(",")):
+        if not os.path.isfile(path):
+            raise ValueError(f"--cache {path}: no such file (a run's coach_cache.sqlite)")
+        caches.append(VerdictCache(path))
+    return topology, caches
+
+
+def distill_rows(args, topology, caches: list) -> tuple:
+    """build_rows with the flags, refusing data that cannot train or be measured: (train, held-out, skipped)."""
+    from openrlhf_mappa.coach.distill import build_rows
+
+    paths = args.episodes.split(",")
+    fraction = getattr(args, "mappa.coach.held_out_fraction")
+    train, held, skipped = build_rows(paths, topology.coach_template, topology.score_key,
+                                      getattr(args, "mappa.coach.reply"), fraction, getattr(args, "train.seed"),
+                                      caches)
+    why = ", ".join(f"{n} {reason}" for reason, n in skipped.items()) or "no actions"
+    if not train and not held:
+        raise ValueError(f"{args.episodes}: no usable reference verdict ({why})")
+    for side, rows in (("training", train), ("held-out", held)):
+        if not rows:
+            raise ValueError(f"{args.episodes}: no {side} verdicts ({len(train) + len(held)} verdicts usable, "
+                             f"--mappa.coach.held_out_fraction {fraction}); give more episodes or another fraction")
+    return train, held, skipped
+
+
+def distill_main(args, extra: list) -> dict:
+    """`mappa coach distill` after its flags are parsed: data, train_sft, the held-out report (OUT/distill.json)."""
+    from openrlhf_mappa.coach.distill import fine_tune, generate, print_report, report, sft_command, write_jsonl
+    from openrlhf_mappa.team import check_model
+
+    with refusals("mappa coach distill:"):
+        topology, caches = distill_inputs(args, extra)
+        try:
+            train, held, skipped = distill_rows(args, topology, caches)
+        finally:
+            for cache in caches:
+                cache.close()
+    out, model = getattr(args, "ckpt.output_dir"), getattr(args, "model.model_name_or_path")
+    os.makedirs(os.path.join(out, "distill"), exist_ok=True)
+    write_jsonl(os.path.join(out, "distill", "train.jsonl"), train)
+    write_jsonl(os.path.join(out, "distill", "heldout.jsonl"), held)
+    print(f"{len(train)} training and {len(held)} held-out verdicts in {out}/distill; skipped: {skipped or 'none'}")
+    if args.nproc_per_node is None:
+        from openrlhf_mappa.placement import detect_gpus
+
+        args.nproc_per_node = detect_gpus()[0] or 1
+    command = sft_command(model, out, args.nproc_per_node, getattr(args, "train.seed"), extra)
+    fine_tune(command, os.path.join(out, "distill", "sft.log"))
+    with refusals("mappa coach distill:"):  # what vllm serve and the trained coach load
+        check_model(out, "train_sft's output")
+    max_new_tokens = getattr(args, "rollout.max_new_tokens") or (1 if getattr(args, "mappa.coach.reply") == "digit"
+                                                                 else 512)
+    replies = generate(out, [row["prompt"] for row in held], max_new_tokens)
+    metrics = report(held, replies, topology.score_key)
+    print_report(metrics, f"distilled coach {out}")
+    summary = {"rows": {"train": len(train), "heldout": len(held)}, "skipped": skipped, **metrics,
+               "replies": replies, "max_new_tokens": max_new_tokens, "command": command}
+    with open(os.path.join(out, "distill.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, ensure_ascii=False)
+    print(f"\nthe distilled coach: {out}\nits report: {os.path.join(out, 'distill.json')}")
+    return summary
 
 
 def sandbox_main(args):

@@ -1,0 +1,224 @@
+"""`mappa coach distill`: its data from real episode records (rollout with real coaches), the held-out split, the
+report's metrics; the real SFT through the CLI (e2e)."""
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+
+import pytest
+import yaml
+
+from coach_server import COACH_TEMPLATE, CoachServer
+from conftest import MAPPA, REPO
+from openrlhf_mappa.coach.base import parse_score
+from openrlhf_mappa.coach.cache import VerdictCache
+from openrlhf_mappa.coach.distill import build_rows, report
+from openrlhf_mappa.coach.heuristic import HeuristicCoach
+from openrlhf_mappa.episode import Action, Episode, Verdict
+from openrlhf_mappa.rollout import rollout
+from openrlhf_mappa.team import load_topology
+from test_coach import ScriptedPolicy
+
+KEY = "PROCESS_SCORE"
+REPLIES = ["It is 4.", "Maybe 5?", "\\boxed{4}", "\\boxed{5}", "I think 4, since 2+2 = 4.", "4!"]
+
+
+def play(tmp_path, coach, mode="per_action", name="episodes.jsonl"):
+    """A run's episodes.jsonl: 6 episodes of solver + verifier, each a different reply, judged by `coach`."""
+    topology_path = tmp_path / "t.yaml"
+    topology_path.write_text(yaml.safe_dump({
+        "name": "t", "env": "mathchat", "coach_template": COACH_TEMPLATE, "score_key": KEY,
+        "agents": [{"name": n, "model": "unused", "role": f"the {n}", "prompt": "{task}"}
+                   for n in ("solver", "verifier")],
+    }))  # fmt: skip
+    topology = load_topology(str(topology_path))
+
+    async def go():
+        episodes = []
+        for i, reply in enumerate(REPLIES):
+            policies = {"solver": ScriptedPolicy(reply), "verifier": ScriptedPolicy(REPLIES[-1 - i])}
+            task = [{"id": str(i), "prompt": f"2 + {i}?", "answer": str(2 + i)}]
+            episodes += await rollout(topology, task, policies, coach, str(tmp_path / "ws"), 1, coach_mode=mode)
+        await coach.aclose()
+        return episodes
+
+    path = tmp_path / name
+    path.write_text("".join(ep.to_json() + "\n" for ep in asyncio.run(go())))
+    return str(path)
+
+
+def openai_coach(server, cache):
+    from openrlhf_mappa.coach.openai_compat import OpenAICoach
+
+    return OpenAICoach("judge", server.base_url, COACH_TEMPLATE, structured="off", score_key=KEY, backoff_s=0.01,
+                       cache=VerdictCache(cache))
+
+
+def records(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def rewrite(path, records_):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records_)
+
+
+def test_each_prompt_is_the_one_the_coach_was_sent_and_each_target_its_reply(tmp_path):
+    # The coach server records each prompt it received; it answers the verifier with prose (no score).
+    with CoachServer(mute={"verifier"}) as server:
+        path = play(tmp_path, openai_coach(server, str(tmp_path / "cache.sqlite")))
+    sent = {r["prompt"] for r in server.requests}
+    train, held, skipped = build_rows([path], COACH_TEMPLATE, KEY, held_out_fraction=0.5, seed=1)
+    rows = train + held
+    assert sorted(r["prompt"] for r in rows) == sorted(p for p in sent if "AGENT=solver" in p)  # byte for byte
+    assert {r["agent"] for r in rows} == {"solver"} and {r["coach"] for r in rows} == {"openai:judge"}
+    for row in rows:  # the rule server's own reply, which reads back as the recorded score
+        output = row["prompt"].split("OUTPUT<<", 1)[1].split(">>OUTPUT", 1)[0]
+        assert row["response"] == f"Looks fine.\nPROCESS_SCORE: {len(set(output)) % 11}"
+        assert parse_score(row["response"], KEY) == row["score"]
+    assert skipped == {"reference verdict parse_error": 6}  # the verifier's prose never becomes a target
+    assert train and held
+
+    # Mode both: the per-action part is the reference; hindsight alone gives no per-action reply.
+    with CoachServer(mute={"verifier"}) as server:
+        both = play(tmp_path, openai_coach(server, str(tmp_path / "both.sqlite")), "both", "both.jsonl")
+    train, held, skipped = build_rows([both], COACH_TEMPLATE, KEY, held_out_fraction=0.5, seed=1)
+    assert sorted(r["prompt"] for r in train + held) == sorted(r["prompt"] for r in rows)
+    assert sorted(r["response"] for r in train + held) == sorted(r["response"] for r in rows)
+    assert skipped == {"reference verdict parse_error": 6}
+    hindsight = play(tmp_path, HeuristicCoach(), "hindsight", "hindsight.jsonl")
+    assert build_rows([hindsight], COACH_TEMPLATE, KEY) == ([], [], {"hindsight verdict only": 12})
+
+
+def test_failed_or_mismatched_verdicts_never_become_targets(tmp_path):
+    with CoachServer() as server:
+        path = play(tmp_path, openai_coach(server, str(tmp_path / "cache.sqlite")))
+    episodes = records(path)
+    actions = [a for ep in episodes for a in ep["actions"]]
+    assert len(actions) == 12 and all(a["verdict"]["status"] == "ok" for a in actions)
+    actions[0]["verdict"].update(status="timeout", score=None)
+    actions[1]["verdict"].update(status="parse_error", score=None)
+    wrong = actions[2]["verdict"]  # a reply that reads as another score than the one recorded
+    wrong["rationale"] = f"{KEY}: {(wrong['score'] + 1) % 11}"
+    actions[3]["verdict"] = None
+    rewrite(path, episodes)
+    train, held, skipped = build_rows([path], COACH_TEMPLATE, KEY)
+    assert skipped == {"reference verdict timeout": 1, "reference verdict parse_error": 1,
+                       "reply does not parse to its score": 1, "no per-action verdict": 1}
+    assert len(train + held) == 8
+    # The cache holds the wrong one's true reply: the cached reply is the target.
+    cache = VerdictCache(str(tmp_path / "cache.sqlite"))
+    train, held, skipped = build_rows([path], COACH_TEMPLATE, KEY, caches=[cache])
+    assert "reply does not parse to its score" not in skipped and len(train + held) == 9
+
+
+def test_a_trained_coach_run_distills_its_reference_with_the_reply_from_the_cache(tmp_path):
+    cache = str(tmp_path / "cache.sqlite")
+    with CoachServer() as server:
+        path = play(tmp_path, openai_coach(server, cache))
+    reference = build_rows([path], COACH_TEMPLATE, KEY, held_out_fraction=0)[0]
+    episodes = records(path)
+    for i, a in enumerate(a for ep in episodes for a in ep["actions"]):  # as a trained coach records its verdicts
+        ref = a["verdict"]
+        v = Verdict(None, "parse_error", "7 7 banana", "trained", version=3)
+        if i % 3:  # the reference asked about two actions in three
+            v.reference = {"score": ref["score"], "status": "ok", "held_out": False, "p": 0.5, "coach": ref["coach"],
+                           "tokens_in": 1, "tokens_out": 1, "cached": False}
+        a["verdict"] = vars(v)
+    rewrite(path, episodes)
+    train, _, skipped = build_rows([path], COACH_TEMPLATE, KEY, held_out_fraction=0, caches=[VerdictCache(cache)])
+    assert skipped == {"trained coach, reference not asked": 4}
+    assert train == [r for i, r in enumerate(reference) if i % 3]  # the reference's replies, from its cache
+    _, _, skipped = build_rows([path], COACH_TEMPLATE, KEY)
+    assert skipped == {"trained coach, reference not asked": 4, "no reply text (give the run's --cache)": 8}
+    digits, _, skipped = build_rows([path], COACH_TEMPLATE, KEY, "digit", held_out_fraction=0)  # no text needed
+    assert [r["response"] for r in digits] == [str(min(9, int(r["score"] + 0.5))) for r in train]
+
+
+def test_a_heuristic_coach_gets_a_json_reply_and_digit_targets_round_with_ten_as_nine(tmp_path):
+    path = play(tmp_path, HeuristicCoach())
+    text, _, skipped = build_rows([path], COACH_TEMPLATE, KEY, held_out_fraction=0)
+    assert len(text) == 12 and not skipped
+    for row in text:
+        assert parse_score(row["response"], KEY) == row["score"]
+        assert json.loads(row["response"])["rationale"].startswith("heuristic coach: ")
+    episodes = records(path)
+    scores = [2.5, 3.49, 9.5, 10.0, 0.0, 6.0]
+    for a, score in zip((a for ep in episodes for a in ep["actions"]), scores):
+        a["verdict"]["score"] = score
+    rewrite(path, episodes)
+    digits, _, _ = build_rows([path], COACH_TEMPLATE, KEY, "digit", held_out_fraction=0)
+    assert [r["response"] for r in digits[:6]] == ["3", "3", "9", "9", "0", "6"]
+    assert [r["score"] for r in digits[:6]] == scores  # the reference's score stays the report's
+
+
+def test_episodes_are_held_out_whole_by_a_seeded_draw(tmp_path):
+    request = {"role": "r", "task": "t", "task_type": "math", "agent_input": "in", "feedback": "", "round": 0}
+    path = tmp_path / "many.jsonl"
+    with open(path, "w") as f:
+        for i in range(1000):
+            actions = [Action(f"e{i}", agent, 0, [], [], prompt_text="in", response_text=f"{agent} {i}",
+                              coach_request={**request, "position": k},
+                              verdict=Verdict(5.0, "ok", "heuristic coach: fine", "heuristic"))
+                       for k, agent in enumerate(("a", "b"))]
+            f.write(Episode(f"e{i}", str(i), "math", actions).to_json() + "\n")
+    train, held, _ = build_rows([str(path)], COACH_TEMPLATE, KEY, held_out_fraction=0.2, seed=3)
+    held_ids = {r["episode_id"] for r in held}
+    assert not held_ids & {r["episode_id"] for r in train} and len(train) + len(held) == 2000
+    assert len(held) == 2 * len(held_ids) and abs(len(held_ids) / 1000 - 0.2) < 0.05
+    again = build_rows([str(path)], COACH_TEMPLATE, KEY, held_out_fraction=0.2, seed=3)[1]
+    other = build_rows([str(path)], COACH_TEMPLATE, KEY, held_out_fraction=0.2, seed=4)[1]
+    assert again == held and other != held
+    # The same run given twice: every row twice (the reference judged each action twice), each on its one side.
+    train2, held2, _ = build_rows([str(path)] * 2, COACH_TEMPLATE, KEY, held_out_fraction=0.2, seed=3)
+    assert sorted(map(json.dumps, held2)) == sorted(map(json.dumps, held * 2)) and len(train2) == 2 * len(train)
+
+
+def test_the_report_is_agreement_pearson_parse_errors_and_the_confusion_by_band():
+    rows = [{"score": 10.0}, {"score": 4.0}, {"score": 0.0}, {"score": 7.0}]
+    replies = [f"{KEY}: 9", "I cannot say.", f"{KEY}: 1", "6"]
+    metrics = report(rows, replies, KEY)
+    assert metrics["agreement"] == pytest.approx((0.9 + 0 + 0.9 + 0.9) / 4)
+    assert metrics["pearson"] == pytest.approx(statistics.correlation((9, 1, 6), (10, 0, 7)))  # scored pairs
+    assert metrics["parse_error_rate"] == 0.25 and metrics["n"] == 4
+    assert metrics["confusion"]["8-10"]["8-10"] == 1 and metrics["confusion"]["4-6"]["no score"] == 1
+    assert metrics["confusion"]["0-2"]["0-2"] == 1 and metrics["confusion"]["6-8"]["6-8"] == 1
+    assert sum(n for row in metrics["confusion"].values() for n in row.values()) == 4
+    assert report(rows[:1], replies[:1], KEY)["pearson"] is None  # one pair: undefined
+
+
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "relay_episodes.jsonl")
+RELAY = os.path.join(REPO, "examples", "configs", "relay.yaml")
+CPU_SFT = ["--train.max_epochs", "1", "--train.batch_size", "4", "--train.micro_batch_size", "2", "--adam.lr", "1e-3",
+           "--ds.zero_stage", "3", "--ds.attn_implementation", "sdpa", "--data.max_len", "1024"]
+
+
+def distill(model, out, *flags):
+    """`mappa coach distill` on the recorded relay run, as a user runs it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    cmd = [MAPPA, "coach", "distill", "--episodes", FIXTURE, "--mappa.topology", RELAY,
+           "--model.model_name_or_path", model, "--ckpt.output_dir", str(out), *flags, *CPU_SFT]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.e2e
+def test_mappa_coach_distill_fine_tunes_a_coach_and_reports_on_held_out_episodes(tmp_path, tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "coach"
+    proc = distill(tiny_model, out, "--rollout.max_new_tokens", "8")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    AutoModelForCausalLM.from_pretrained(out)
+    assert AutoTokenizer.from_pretrained(out).chat_template  # a coach sends its prompt as one user message
+    summary = json.loads((out / "distill.json").read_text())
+    held = [json.loads(line) for line in open(out / "distill" / "heldout.jsonl")]
+    train = [json.loads(line) for line in open(out / "distill" / "train.jsonl")]
+    assert summary["rows"] == {"train": len(train), "heldout": len(held)} and train and held
+    assert not {r["episode_id"] for r in held} & {r["episode_id"] for r in train}
+    expected = report(held, summary["replies"], "PROCESS_SCORE")  # the metrics, recomputed from the replies
+    assert {k: summary[k] for k in expected} == expected
+    assert "agreement" in proc.stdout and "reference band" in proc.stdout
+    again = distill(tiny_model, out)  # the output is not overwritten
+    assert again.returncode == 1 and "exists and is not an empty directory; remove it" in again.stderr
