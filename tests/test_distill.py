@@ -1,5 +1,5 @@
 """`mappa coach distill`: its data from real episode records (rollout with real coaches), the held-out split, the
-report's metrics; the real SFT through the CLI (e2e)."""
+report's metrics. The real SFT through the CLI runs in test_trained_coach's e2e, which then trains from its result."""
 
 import asyncio
 import json
@@ -201,24 +201,3 @@ def distill(model, out, *flags):
     cmd = [MAPPA, "coach", "distill", "--episodes", FIXTURE, "--mappa.topology", RELAY,
            "--model.model_name_or_path", model, "--ckpt.output_dir", str(out), *flags, *CPU_SFT]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-
-
-@pytest.mark.e2e
-def test_mappa_coach_distill_fine_tunes_a_coach_and_reports_on_held_out_episodes(tmp_path, tiny_model):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path / "coach"
-    proc = distill(tiny_model, out, "--rollout.max_new_tokens", "8")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    AutoModelForCausalLM.from_pretrained(out)
-    assert AutoTokenizer.from_pretrained(out).chat_template  # a coach sends its prompt as one user message
-    summary = json.loads((out / "distill.json").read_text())
-    held = [json.loads(line) for line in open(out / "distill" / "heldout.jsonl")]
-    train = [json.loads(line) for line in open(out / "distill" / "train.jsonl")]
-    assert summary["rows"] == {"train": len(train), "heldout": len(held)} and train and held
-    assert not {r["episode_id"] for r in held} & {r["episode_id"] for r in train}
-    expected = report(held, summary["replies"], "PROCESS_SCORE")  # the metrics, recomputed from the replies
-    assert {k: summary[k] for k in expected} == expected
-    assert "agreement" in proc.stdout and "reference band" in proc.stdout
-    again = distill(tiny_model, out)  # the output is not overwritten
-    assert again.returncode == 1 and "exists and is not an empty directory; remove it" in again.stderr

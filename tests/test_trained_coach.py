@@ -447,8 +447,9 @@ def test_the_training_flags_build_the_trained_coach_and_each_flag_acts(tmp_path,
 @pytest.mark.e2e
 def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model):
     """The relay team, 3 steps of 2 tasks x 2 samples, coached by a tiny model on a logical GPU of its own (actor and
-    engine), first distilled by `mappa coach distill` from a recorded relay run (issue 54), the heuristic coach its
-    reference on half the actions, trained asynchronously with
+    engine), first distilled by `mappa coach distill` from a recorded relay run as a user runs it (issue 54: the
+    output loads with its chat template, no episode on both sides, distill.json's metrics recomputed from its
+    replies), the heuristic coach its reference on half the actions, trained asynchronously with
     partial rollouts (step 2 is generated and judged beside step 1) and --mappa.max_staleness 0. From the run's
     records: the reference judged exactly the actions its draws chose; each term of the coach's reward and its
     held-out agreement are recomputed from the verdicts; every verdict's coach version lies between the coach's
@@ -461,11 +462,23 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
 
     from openrlhf_mappa.coach.audit import pearson
 
+    from transformers import AutoTokenizer
+
+    from openrlhf_mappa.coach.distill import report
     from test_distill import distill
 
     run_dir, final, distilled = tmp_path / "run", tmp_path / "final", tmp_path / "distilled"
-    proc = distill(tiny_model, distilled)
+    proc = distill(tiny_model, distilled, "--rollout.max_new_tokens", "8")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert AutoTokenizer.from_pretrained(distilled).chat_template  # a coach sends its prompt as one user message
+    summary = json.loads((distilled / "distill.json").read_text())
+    held = [json.loads(line) for line in open(distilled / "distill" / "heldout.jsonl")]
+    train = [json.loads(line) for line in open(distilled / "distill" / "train.jsonl")]
+    assert summary["rows"] == {"train": len(train), "heldout": len(held)} and train and held
+    assert not {r["episode_id"] for r in held} & {r["episode_id"] for r in train}
+    expected = report(held, summary["replies"], "PROCESS_SCORE")  # the metrics, recomputed from the replies
+    assert {k: summary[k] for k in expected} == expected
+    assert "agreement" in proc.stdout and "reference band" in proc.stdout
     argv = ["--mappa.topology", os.path.join(REPO, "examples", "configs", "relay.yaml"), "--mappa.model", tiny_model,
             "--data.prompt_dataset", os.path.join(REPO, "examples", "data", "relay_train.jsonl"),
             "--data.max_samples", "6", "--mappa.run_dir", str(run_dir), *TINY_RUN_FLAGS,
