@@ -513,6 +513,25 @@ def test_an_unknown_dataset_name_says_what_was_tried(workdir):  # noqa: F811
                    "'nosuch/tasks' on the Hub (OfflineModeIsEnabled)")
 
 
+def test_several_mistakes_are_named_in_one_refusal(workdir):  # noqa: F811
+    # Three independent mistakes (a token limit, an async-only flag, a flag the coach kind does not read): one
+    # launch names them all, each on its own line with its fix, not one per launch.
+    write_files(workdir, {"t.yaml": topology(), "tasks.jsonl": jsonl({"prompt": "1 + 1?", "answer": 2})})
+    proc = run_cli(workdir, "train", [*GOOD, "--data.max_len", "32", "--mappa.max_staleness", "1",
+                                      "--mappa.coach.timeout", "300"])
+    assert proc.returncode == 1, proc.message[-3000:]
+    assert proc.message == (
+        "3 problems:\n"
+        "- --rollout.max_new_tokens (64) must be below --data.max_len (32), which holds the prompt and the reply "
+        "together: no prompt would fit, and every action would be skipped\n"
+        "- --mappa.max_staleness applies to --train.async_enable: synchronous training is on-policy\n"
+        "- --mappa.coach.timeout: read by the openai and trained coaches only, and --mappa.coach.kind is heuristic (the "
+        "default: the offline rule-based demo coach), which would score every action while ignoring it: use "
+        "--mappa.coach.kind openai (an OpenAI-compatible server) or --mappa.coach.kind trained (a coach model trained "
+        "with the team), or drop it"), proc.message[-3000:]
+    assert not {m.split(".")[0] for m in proc.imported} & HEAVY
+
+
 def test_the_battery_is_at_least_sixty_inputs():
     assert len(LAUNCHER) + len(TOOLS) >= 60
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE_INT, POSITIVE, Parser, add_coach_args,
-                                                refusals)
+                                                refusals, refuse, unwritable_dir)
 
 # Every tool checks its input before its heavy imports (torch, transformers, vLLM, Ray) and refuses bad input as
 # the launcher does: its message alone, no traceback (MAPPA_TRACEBACK=1 shows one), exit 1 (argparse's: 2).
@@ -56,7 +56,7 @@ def main(argv=None):
         from openrlhf_mappa.tiny_model import build_tiny_model
 
         with refusals("mappa tiny-model:"):  # build_tiny_model checks its arguments before it imports torch
-            not_a_directory(args.out_dir)
+            refuse([unwritable_dir(args.out_dir)], ValueError)
             out = build_tiny_model(args.out_dir, args.seed, args.hidden_size, args.layers, args.vocab_size,
                                    args.init_std)
         print(f"tiny model written to {out}")
@@ -71,14 +71,14 @@ def main(argv=None):
 
         with refusals("mappa report:"):
             if args.out:
-                out_file(args.out, "--out")
+                refuse([out_file(args.out, "--out")], ValueError)
             print(write_report(*args.run_dirs, out=args.out))
     elif args.command == "paper-table":
         from openrlhf_mappa import paper_table
 
         with refusals("mappa paper-table:"):
             if args.out:
-                out_file(args.out + ".md", "--out")
+                refuse([out_file(args.out + ".md", "--out")], ValueError)
             text, paths = paper_table.write(args.run_dirs, args.out)
         print(f"{text}\n{paths[0]}\n{paths[1]}")
 
@@ -221,22 +221,21 @@ def distill_inputs(args, extra: list) -> tuple:
     from openrlhf_mappa.team import check_model, load_topology
 
     repeated = [f for f in OWN_SFT_FLAGS if any(a == f or a.startswith(f + "=") for a in extra)]
-    if repeated:
-        raise ValueError(f"{', '.join(repeated)}: mappa coach distill sets these to the data it writes "
-                         f"(OUT/distill/train.jsonl, columns prompt and response); leave them out")
+    out, paths = getattr(args, "ckpt.output_dir"), [path for path in (args.cache or "").split(",") if path]
+    rules = [
+        (repeated, f"{', '.join(repeated)}: mappa coach distill sets these to the data it writes "
+                   f"(OUT/distill/train.jsonl, columns prompt and response); leave them out"),
+        (os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)),
+         f"--ckpt.output_dir {out}: exists and is not an empty directory; remove it or give another path"),
+    ]
+    for path in paths:
+        rules.append((not os.path.isfile(path), f"--cache {path}: no such file (a run's coach_cache.sqlite)"))
+    refuse([why for bad, why in rules if bad], ValueError)
     topology_path = getattr(args, "mappa.topology")
     topology = load_topology(topology_path)
     topology.check_coach_template(topology_path, "openai", "per_action")
     check_model(getattr(args, "model.model_name_or_path"), "--model.model_name_or_path")
-    out = getattr(args, "ckpt.output_dir")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ValueError(f"--ckpt.output_dir {out}: exists and is not an empty directory; remove it or give another "
-                         f"path")
-    caches = []
-    for path in filter(None, (args.cache or "").split(",")):
-        if not os.path.isfile(path):
-            raise ValueError(f"--cache {path}: no such file (a run's coach_cache.sqlite)")
-        caches.append(VerdictCache(path))
+    caches = [VerdictCache(path) for path in paths]
     return topology, caches
 
 
@@ -250,12 +249,13 @@ def distill_rows(args, topology, caches: list) -> tuple:
                                       getattr(args, "mappa.coach.reply"), fraction, getattr(args, "train.seed"),
                                       caches)
     why = ", ".join(f"{n} {reason}" for reason, n in skipped.items()) or "no actions"
-    if not train and not held:
-        raise ValueError(f"{args.episodes}: no usable reference verdict ({why})")
+    usable = len(train) + len(held)
+    rules = [(not usable, f"{args.episodes}: no usable reference verdict ({why})")]
     for side, rows in (("training", train), ("held-out", held)):
-        if not rows:
-            raise ValueError(f"{args.episodes}: no {side} verdicts ({len(train) + len(held)} verdicts usable, "
-                             f"--mappa.coach.held_out_fraction {fraction}); give more episodes or another fraction")
+        rules.append((usable and not rows, f"{args.episodes}: no {side} verdicts ({usable} verdicts usable, "
+                                           f"--mappa.coach.held_out_fraction {fraction}); give more episodes or "
+                                           f"another fraction"))
+    refuse([why for bad, why in rules if bad], ValueError)
     return train, held, skipped
 
 
@@ -309,24 +309,17 @@ def sandbox_main(args):
             code = code.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{args.file}: not UTF-8 text ({e})") from None
-        not_a_directory(args.workspace)
+        refuse([unwritable_dir(args.workspace, "--workspace")], ValueError)
     result = run_python(code, args.workspace, timeout_s=args.timeout, memory_mb=args.memory_mb)
     print(json.dumps(dataclasses.asdict(result), indent=2))
 
 
-def not_a_directory(path: str) -> None:
-    """Refuse an output or working directory that is an existing file."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{path}: exists and is not a directory")
-
-
-def out_file(path: str, flag: str) -> None:
-    """Refuse an output file that could not be written, before the work whose results it would hold."""
+def out_file(path: str, flag: str) -> str:
+    """Why an output file could not be written ('' where it can), named before the work whose results it holds."""
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {path}: there is no directory {parent} to write it in")
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: is a directory")
+        return f"{flag} {path}: there is no directory {parent} to write it in"
+    return f"{flag} {path}: is a directory" if os.path.isdir(path) else ""
 
 
 def merge_lora_main(args):
@@ -342,7 +335,7 @@ def merge_lora_main(args):
         if not isinstance(base, str) or not base:
             raise ValueError(f"{config}: no base_model_name_or_path (the model the adapter was trained on)")
         check_model(base, f"{config}: its base model")
-        not_a_directory(args.out_dir)
+        refuse([unwritable_dir(args.out_dir)], ValueError)
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoTokenizer
 
@@ -484,29 +477,37 @@ def recipe_team(args) -> tuple:
 def eval_inputs(args):
     """`mappa eval`'s every input, checked before vLLM and Ray load: (topology, agent -> model, agent -> its
     adapter's config for a LoRA agent's export, dataset -> tasks, the grading coach or None)."""
-    from openrlhf_mappa.cli.train_mappa_ray import lora_engines_tp, validate_token_limits
+    from openrlhf_mappa.cli.train_mappa_ray import LORA_ENGINES_TP, coach_kind_problems, token_limit_problems
     from openrlhf_mappa.episode import read_record
     from openrlhf_mappa.evaluation import load_eval_sets
     from openrlhf_mappa.team import check_model, load_topology
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
-    if args.mappa.model and args.checkpoint:
-        raise ValueError("--mappa.model (one model for every agent) or --checkpoint (a run's exports), not both")
-    if not args.eval.dataset:
-        raise ValueError("give the tasks: --eval.dataset DATASET[,DATASET...] (a file, a dataset folder or a Hub "
-                         "name)")
     models = {spec.name: spec.model for spec in topology.agents}
-    if args.checkpoint:
+    exports = args.checkpoint and not args.mappa.model  # both: refused below, and no export is looked for
+    if exports:
         models = {name: os.path.join(args.checkpoint, name) for name in models}
+    rules = [
+        (args.mappa.model and args.checkpoint,
+         "--mappa.model (one model for every agent) or --checkpoint (a run's exports), not both"),
+        (not args.eval.dataset,
+         "give the tasks: --eval.dataset DATASET[,DATASET...] (a file, a dataset folder or a Hub name)"),
+        (args.mappa.coach.kind == "trained",
+         "--mappa.coach.kind trained judges inside its run only; grade with --mappa.coach.kind openai"),
+    ]
+    problems = [why for bad, why in rules if bad]
     for item in args.agent_model:
         name, _, model = item.partition("=")
-        if name not in models or not model:
-            raise ValueError(f"--agent-model {item!r}: expected AGENT=MODEL with AGENT one of {', '.join(models)}")
-        models[name] = model
+        if name in models and model:
+            models[name] = model
+        else:
+            problems.append(f"--agent-model {item!r}: expected AGENT=MODEL with AGENT one of {', '.join(models)}")
     for name, model in models.items():
-        if args.checkpoint and not os.path.isdir(model):
-            raise ValueError(f"--checkpoint: no model for agent {name!r} at {model} (expected one HF export per agent)")
-    validate_token_limits(args, topology)
+        if exports and not os.path.isdir(model):
+            problems.append(f"--checkpoint: no model for agent {name!r} at {model} (expected one HF export per agent)")
+    problems += token_limit_problems(args, topology) + coach_kind_problems(args.mappa.coach)
+    refuse(problems + [out_file(args.out, "--out"), args.workspace and unwritable_dir(args.workspace, "--workspace")],
+           ValueError)
     # A LoRA agent's export is its adapter in PEFT format: its base model's engines serve it by the agent's name.
     adapters = {}
     for name, model in models.items():
@@ -516,13 +517,10 @@ def eval_inputs(args):
     for name, model in models.items():
         base = f" (the base of its adapter {adapters[name]['dir']})" if name in adapters else ""
         check_model(model, f"agent {name!r}{base}")
-    if adapters and (why := lora_engines_tp(args.vllm.tensor_parallel_size)):
-        raise ValueError(f"LoRA adapters ({', '.join(adapters)}): {why}")
+    if adapters and args.vllm.tensor_parallel_size > 1:
+        raise ValueError(f"LoRA adapters ({', '.join(adapters)}): {LORA_ENGINES_TP}")
     datasets = load_eval_sets(args, topology.env_cls.needs_answer, args.limit)
     topology.check_env([t for tasks in datasets.values() for t in tasks], args.mappa.topology)
-    out_file(args.out, "--out")
-    if args.workspace:
-        not_a_directory(args.workspace)
     return topology, models, adapters, datasets, eval_coach(args, topology)
 
 
@@ -530,12 +528,9 @@ def eval_coach(args, topology):
     """`mappa eval`'s grading coach (--mappa.coach.kind openai), probed before any engine starts; None without one."""
     import asyncio
 
-    from openrlhf_mappa.cli.train_mappa_ray import run_coach, validate_coach_kind
+    from openrlhf_mappa.cli.train_mappa_ray import run_coach
 
     c = args.mappa.coach
-    if c.kind == "trained":
-        raise ValueError("--mappa.coach.kind trained judges inside its run only; grade with --mappa.coach.kind openai")
-    validate_coach_kind(args)  # a coach flag given without --mappa.coach.kind openai
     if c.kind != "openai":
         return None
     topology.check_coach_template(args.mappa.topology, "openai", "per_action")
@@ -635,7 +630,7 @@ def eval_policies(args, topology, models: dict, adapters: dict) -> dict:
 def rescore_main(parser, args):
     from types import SimpleNamespace
 
-    from openrlhf_mappa.cli.train_mappa_ray import coach_flags, validate_coach_kind
+    from openrlhf_mappa.cli.train_mappa_ray import coach_flags, coach_kind_problems
     from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, build_coach
     from openrlhf_mappa.coach import rescore
     from openrlhf_mappa.coach.audit import FAILED_STATUSES
@@ -652,7 +647,7 @@ def rescore_main(parser, args):
         parser.error(f"coach score --mappa.coach.mode {c.mode}: give the coach prompt with --template FILE or "
                      f"--mappa.topology YAML")
     with refusals("mappa coach score:"):
-        validate_coach_kind(SimpleNamespace(mappa=SimpleNamespace(coach=c)))
+        refuse(coach_kind_problems(c) + [out_file(args.out, "--out")], ValueError)
         topology = None
         if topology_path:
             from openrlhf_mappa.team import load_topology
@@ -674,7 +669,6 @@ def rescore_main(parser, args):
         actions = rescore.read_actions(args.episodes)
         if not actions:
             raise ValueError(f"{args.episodes}: no actions to re-score")
-        out_file(args.out, "--out")
         rows, summary = rescore.run(actions, args.out, coach, c.mode)
     before = next((a["verdict"]["coach"] for _, a in actions if a.get("verdict")), "?")
     rescore.print_summary(summary, before, coach.name)

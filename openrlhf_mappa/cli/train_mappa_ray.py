@@ -482,7 +482,7 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
     filtering, args.algo.dynamic_filtering_enable = args.algo.dynamic_filtering_enable, False
     # Upstream turns --ds.packing_samples on with token budgets and ring attention, and flash attention with
     # packing. MAPPA keeps both as given (a CPU trains padded budgets under sdpa), packing for an agent with ring
-    # attention (placement.agent_args); on GPUs validate_packing refuses budgets without packing and packing
+    # attention (placement.agent_args); on GPUs packing_problems refuses budgets without packing and packing
     # without flash attention, and check_this_machine ring attention without it.
     packing, attention = args.ds.packing_samples, args.ds.attn_implementation
     with refusals():  # upstream validates with assert
@@ -492,95 +492,113 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
     return args
 
 
-def validate(args, topology):
-    if not args.vllm.num_engines:
-        raise SystemExit("MAPPA generates with vLLM: set --vllm.num_engines (per agent; a topology may override it)")
-    if not args.data.prompt_dataset:
-        raise SystemExit("--data.prompt_dataset: the tasks (a file, a dataset folder or a Hub name; several "
-                         "comma-separated) are required")
+def refuse(problems: list, error: type = SystemExit) -> None:
+    """One refusal naming every problem found (a '' is none; a repeat, such as a run-wide flag's for each agent,
+    once), each on its own line with its fix: a launch with several mistakes names them all at once, not one per
+    launch. `error`: a `mappa` tool's ValueError (refusals)."""
+    problems = list(dict.fromkeys(why for why in problems if why))
+    if len(problems) > 1:
+        problems = [f"{len(problems)} problems:", *(f"- {why}" for why in problems)]
+    if problems:
+        raise error("\n".join(problems))
+
+
+def validate(args, topology) -> None:
+    """The flags against each other and the topology, before Ray: every problem of the tables below in one refusal.
+    A rule reading a value an earlier rule refuses (no token limit, a ring that does not divide the GPUs) waits for
+    it; the coach template's check and OpenRLHF's PolicyLoss (ValueError, which loads torch) run once all passed."""
+    trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents  # as placement.trainee_specs
+    coach, advantage = args.mappa.coach, args.algo.advantage
+    trained = trained_coach_problems(args, topology) if coach.kind == "trained" else []
+    refuse(run_problems(args, topology, trainees) + parallel_problems(args, trainees)
+           + token_limit_problems(args, topology) + algo_problems(args) + coach_kind_problems(coach) + trained)
+    scored = args.mappa.reward == "process" or coach.score_outcome_runs  # as MappaTrainer.scored
+    topology.check_coach_template(args.mappa.topology, coach.kind, coach.mode, scored)
+    if advantage.is_correction_level != "off":
+        from openrlhf.models.loss import PolicyLoss  # its own checks of the correction's settings, before any actor
+
+        PolicyLoss(policy_loss_type=args.actor.policy_loss_type, is_correction_level=advantage.is_correction_level,
+                   is_correction_mode=advantage.is_correction_mode,
+                   is_correction_gating=advantage.is_correction_gating,
+                   is_correction_threshold=advantage.is_correction_threshold)
+
+
+def run_problems(args, topology, trainees: list) -> list:
+    """The engines, the tasks, each step's batches, the start-up's clocks, LoRA's settings and the coach's against
+    --mappa.reward."""
+    d, m, ds, c = args.data, args.mappa, args.ds, args.mappa.coach
     # --data.prompt_probs as OpenRLHF's blend (interleave_datasets) takes it: one weight per dataset, summing to 1.
-    datasets, probs = args.data.prompt_dataset.split(","), args.data.prompt_probs
+    datasets, probs = (d.prompt_dataset or "").split(","), d.prompt_probs
     try:
         weights = [float(p) for p in probs.split(",")] if probs else []
     except ValueError:
         weights = []
-    if probs and (len(weights) != len(datasets) or min(weights) < 0 or not abs(sum(weights) - 1) <= 1e-6):
-        raise SystemExit(f"--data.prompt_probs {probs}: give one probability per dataset of --data.prompt_dataset "
-                         f"({len(datasets)}: {', '.join(datasets)}), each at least 0, summing to 1")
-    trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents  # as placement.trainee_specs
-    validate_parallel(args, trainees)
-    validate_token_limits(args, topology)
+    blended = not probs or (len(weights) == len(datasets) and min(weights) >= 0 and abs(sum(weights) - 1) <= 1e-6)
+    lora = ", ".join(spec.name for spec in topology.agents if spec.lora is not None)
+    rules = [
+        (not args.vllm.num_engines,
+         "MAPPA generates with vLLM: set --vllm.num_engines (per agent; a topology may override it)"),
+        (not d.prompt_dataset, "--data.prompt_dataset: the tasks (a file, a dataset folder or a Hub name; several "
+                               "comma-separated) are required"),
+        (d.prompt_dataset and not blended,
+         f"--data.prompt_probs {probs}: give one probability per dataset of --data.prompt_dataset ({len(datasets)}: "
+         f"{', '.join(datasets)}), each at least 0, summing to 1"),
+        (m.startup_warn_s > m.startup_timeout_s, f"--mappa.startup_warn_s ({m.startup_warn_s:g}) must be at most "
+                                                 f"--mappa.startup_timeout_s ({m.startup_timeout_s:g})"),
+        # QLoRA: LoRA agents' bases in 4 bits (agent_args); 4-bit weights cannot train, so full-weight agents stay bf16.
+        (ds.load_in_4bit and not any(spec.lora is not None for spec in trainees),
+         "--ds.load_in_4bit trains LoRA adapters on a 4-bit base (QLoRA), and no agent declares lora in the topology: "
+         "its full weights cannot train in 4 bits"),
+        (ds.load_in_4bit and ds.param_dtype != "bf16", f"--ds.load_in_4bit computes in bf16 (OpenRLHF's bitsandbytes "
+                                                       f"config): use --ds.param_dtype bf16, not {ds.param_dtype}"),
+        (lora and args.vllm.tensor_parallel_size > 1, f"agents {lora} declare lora: {LORA_ENGINES_TP}"),
+        # Under async a pool's engines keep serving while an adapter reloads: vLLM's prefix-cache reset then does
+        # nothing (other requests hold blocks), and the cache is keyed by the adapter's name, which a reload keeps.
+        (lora and args.train.async_enable and args.vllm.enable_prefix_caching,
+         f"agents {lora} declare lora: with --train.async_enable their pool's engines keep generating while an adapter "
+         f"reloads, so --vllm.enable_prefix_caching could serve an agent KV cache computed with its old adapter (vLLM "
+         f"keys it by adapter name): drop --vllm.enable_prefix_caching, or train synchronously (no "
+         f"--train.async_enable)"),
+        (c.mode != "per_action" and m.reward == "outcome" and not c.score_outcome_runs,
+         f"--mappa.coach.mode {c.mode}: an outcome run asks no coach; add --mappa.coach.score_outcome_runs to log the "
+         f"coach's verdicts anyway"),
+        (c.score_outcome_runs and m.reward != "outcome",
+         "--mappa.coach.score_outcome_runs is for --mappa.reward outcome (process runs always ask the coach)"),
+    ]
+    problems = [why for bad, why in rules if bad]
     # A step trains whole --train.batch_size batches (rewards.batch_rule): an agent with fewer actions a step would
     # never train. Under --mappa.shared_policy the one trainee trains on every role's actions.
     for spec in trainees:
-        most = (args.rollout.batch_size * args.rollout.n_samples_per_prompt
-                * topology.most_actions(spec, args.mappa.shared_policy))
+        actions = topology.most_actions(spec, m.shared_policy)
+        most = args.rollout.batch_size * args.rollout.n_samples_per_prompt * actions
         if most < args.train.batch_size:
-            raise SystemExit(f"agent {spec.name!r} takes at most {most} actions a step (--rollout.batch_size x "
-                             f"--rollout.n_samples_per_prompt x its actions per episode), fewer than "
-                             f"--train.batch_size ({args.train.batch_size}): it would never train (a step trains "
-                             f"whole batches)")
-    if args.mappa.norm_scope == "group" and args.rollout.n_samples_per_prompt < 2:
-        raise SystemExit("--mappa.norm_scope group compares the samples of each prompt: set "
-                         "--rollout.n_samples_per_prompt >= 2")
-    validate_algo(args)
-    if args.mappa.startup_warn_s > args.mappa.startup_timeout_s:
-        raise SystemExit(f"--mappa.startup_warn_s ({args.mappa.startup_warn_s:g}) must be at most "
-                         f"--mappa.startup_timeout_s ({args.mappa.startup_timeout_s:g})")
-    coach = args.mappa.coach
-    if coach.mode != "per_action" and args.mappa.reward == "outcome" and not coach.score_outcome_runs:
-        raise SystemExit(f"--mappa.coach.mode {coach.mode}: an outcome run asks no coach; add "
-                         "--mappa.coach.score_outcome_runs to log the coach's verdicts anyway")
-    lora = [spec.name for spec in topology.agents if spec.lora is not None]
-    if args.ds.load_in_4bit:
-        # QLoRA: LoRA agents' bases in 4 bits (agent_args); 4-bit weights cannot train, so full-weight agents stay bf16.
-        if not any(spec.lora is not None for spec in trainees):
-            raise SystemExit("--ds.load_in_4bit trains LoRA adapters on a 4-bit base (QLoRA), and no agent declares "
-                             "lora in the topology: its full weights cannot train in 4 bits")
-        if args.ds.param_dtype != "bf16":
-            raise SystemExit(f"--ds.load_in_4bit computes in bf16 (OpenRLHF's bitsandbytes config): use "
-                             f"--ds.param_dtype bf16, not {args.ds.param_dtype}")
-    if lora and (why := lora_engines_tp(args.vllm.tensor_parallel_size)):
-        raise SystemExit(f"agents {', '.join(lora)} declare lora: {why}")
-    if lora and args.train.async_enable and args.vllm.enable_prefix_caching:
-        # Under async a pool's engines keep serving while an adapter reloads: vLLM's prefix-cache reset then does
-        # nothing (other requests hold blocks), and the cache is keyed by the adapter's name, which a reload keeps.
-        raise SystemExit(f"agents {', '.join(lora)} declare lora: with --train.async_enable their pool's engines keep "
-                         f"generating while an adapter reloads, so --vllm.enable_prefix_caching could serve an agent "
-                         f"KV cache computed with its old adapter (vLLM keys it by adapter name): drop "
-                         f"--vllm.enable_prefix_caching, or train synchronously (no --train.async_enable)")
-    if coach.score_outcome_runs and args.mappa.reward != "outcome":
-        raise SystemExit("--mappa.coach.score_outcome_runs is for --mappa.reward outcome (process runs always ask the "
-                         "coach)")
-    scored = args.mappa.reward == "process" or coach.score_outcome_runs  # as MappaTrainer.scored
-    topology.check_coach_template(args.mappa.topology, coach.kind, coach.mode, scored)
-    validate_coach_kind(args)
-    if coach.kind == "trained":
-        validate_trained_coach(args, topology)
+            problems.append(f"agent {spec.name!r} takes at most {most} actions a step (--rollout.batch_size x "
+                            f"--rollout.n_samples_per_prompt x its actions per episode), fewer than --train.batch_size "
+                            f"({args.train.batch_size}): it would never train (a step trains whole batches)")
+    return problems
 
 
-def validate_token_limits(args, topology) -> None:
+def token_limit_problems(args, topology) -> list:
     """A prompt gets --data.max_len minus its agent's token limit: with no room left, every action is skipped
     (train and `mappa eval`)."""
+    problems = []
     for spec in topology.agents:
         limit = spec.max_new_tokens or args.rollout.max_new_tokens
+        where = (f"agent {spec.name!r}: its max_new_tokens in the topology" if spec.max_new_tokens
+                 else "--rollout.max_new_tokens")
         if limit is None:
-            raise SystemExit(f"--rollout.max_new_tokens is required (agent {spec.name!r} sets no max_new_tokens in the "
-                             f"topology): the token limit of one action; its prompt gets --data.max_len minus it")
-        if limit >= args.data.max_len:
-            where = (f"agent {spec.name!r}: its max_new_tokens in the topology" if spec.max_new_tokens
-                     else "--rollout.max_new_tokens")
-            raise SystemExit(f"{where} ({limit}) must be below --data.max_len ({args.data.max_len}), which holds the "
-                             f"prompt and the reply together: no prompt would fit, and every action would be skipped")
+            problems.append(f"--rollout.max_new_tokens is required (agent {spec.name!r} sets no max_new_tokens in the "
+                            f"topology): the token limit of one action; its prompt gets --data.max_len minus it")
+        elif limit >= args.data.max_len:
+            problems.append(f"{where} ({limit}) must be below --data.max_len ({args.data.max_len}), which holds the "
+                            f"prompt and the reply together: no prompt would fit, and every action would be skipped")
+    return problems
 
 
-def lora_engines_tp(tp: int) -> str:
-    """The rule that LoRA engines take one GPU each, for the topology's LoRA agents (validate) and exported adapters
-    (`mappa eval`): why `tp` breaks it, or '' where it does not."""
-    if tp == 1:
-        return ""
-    return ("their pool's engines take one GPU each (--vllm.tensor_parallel_size 1; tensor-parallel LoRA engines are "
-            "not built)")
+# LoRA engines take one GPU each: the rule for the topology's LoRA agents (validate) and exported adapters (`mappa
+# eval`), refused where --vllm.tensor_parallel_size is above 1.
+LORA_ENGINES_TP = ("their pool's engines take one GPU each (--vllm.tensor_parallel_size 1; tensor-parallel LoRA engines "
+                   "are not built)")
 
 
 # The coach flags an LLM coach reads (openai, and trained: its own model and its reference judge's server). Given to
@@ -593,7 +611,7 @@ LLM_COACH_FLAGS = ("model", "base_url", "api_key_env", "timeout", "max_concurren
 @functools.cache
 def coach_flags() -> tuple:
     """({every --mappa.coach.* flag's last name: its default}, the trained coach's flags' names), read once from
-    their arguments (validate_coach_kind; tests build coaches from the defaults)."""
+    their arguments (coach_kind_problems; tests build coaches from the defaults)."""
     coach, trained = argparse.ArgumentParser(), argparse.ArgumentParser()
     add_coach_args(coach)
     add_trained_coach_args(trained)
@@ -601,31 +619,31 @@ def coach_flags() -> tuple:
     return defaults, tuple(a.dest.rpartition(".")[2] for a in trained._actions if a.dest != "help")
 
 
-def validate_coach_kind(args) -> None:
-    """Refuse a coach flag, off its default, that --mappa.coach.kind does not read, naming the kind that does."""
-    c = args.mappa.coach
+def coach_kind_problems(c) -> list:
+    """A coach flag (of `c`, args.mappa.coach), off its default, that --mappa.coach.kind does not read, naming the
+    kind that does."""
     defaults, trained = coach_flags()
     readers = {**{key: ("openai", "trained") for key in LLM_COACH_FLAGS}, **{key: ("trained",) for key in trained}}
     given = [key for key, kinds in readers.items() if c.kind not in kinds and getattr(c, key) != defaults[key]]
     if not given:
-        return
+        return []
     kinds = [k for k in ("openai", "trained") if all(k in readers[key] for key in given)]  # a kind reading them all
     what = {"heuristic": "the default: the offline rule-based demo coach", "openai": "an OpenAI-compatible server",
             "trained": "a coach model trained with the team"}
     fix = " or ".join(f"--mappa.coach.kind {k} ({what[k]})" for k in kinds)
     them = "them" if len(given) > 1 else "it"
-    raise SystemExit(f"{', '.join('--mappa.coach.' + key for key in given)}: read by the {' and '.join(kinds)} "
-                     f"coach{'es' * (len(kinds) > 1)} only, and --mappa.coach.kind is {c.kind} ({what[c.kind]}), "
-                     f"which would score every action while ignoring {them}: use {fix}, or drop {them}")
+    return [f"{', '.join('--mappa.coach.' + key for key in given)}: read by the {' and '.join(kinds)} "
+            f"coach{'es' * (len(kinds) > 1)} only, and --mappa.coach.kind is {c.kind} ({what[c.kind]}), "
+            f"which would score every action while ignoring {them}: use {fix}, or drop {them}"]
 
 
-def validate_trained_coach(args, topology) -> None:
+def trained_coach_problems(args, topology) -> list:
     """--mappa.coach.kind trained: one more trainee (placement.trainee_specs), judging each action as it comes."""
     from openrlhf_mappa.coach.trained import TERMS
     from openrlhf_mappa.episode import COACH_NAME
 
     c, m = args.mappa.coach, args.mappa
-    problems = [
+    rules = [
         (not c.model, "give the coach's model: --mappa.coach.model (an HF hub id or a local directory)"),
         (c.mode != "per_action", f"it judges each action as it comes (mode per_action); hindsight reviews by a "
                                  f"trained coach are not built, so not --mappa.coach.mode {c.mode}"),
@@ -638,113 +656,109 @@ def validate_trained_coach(args, topology) -> None:
         (bool(set(c.terms.split(",")) - set(TERMS)), f"--mappa.coach.terms {c.terms}: each of {', '.join(TERMS)}"),
         (c.reference_kind == "openai" and not (c.reference_model and c.base_url),
          "an openai reference judge needs --mappa.coach.reference_model and --mappa.coach.base_url"),
-        ((c.max_tokens or args.rollout.max_new_tokens) >= args.data.max_len,
+        ((c.max_tokens or args.rollout.max_new_tokens or 0) >= args.data.max_len,  # None: token_limit_problems
          f"its reply limit (--mappa.coach.max_tokens, else --rollout.max_new_tokens) must be below --data.max_len "
          f"({args.data.max_len})"),
         (c.reply == "digit" and args.algo.advantage.is_correction_level != "off",
          "with --mappa.coach.reply digit, vLLM's sampling log-probs are over the ten digits and the actor's over the "
          "vocabulary, so no importance-sampling correction can apply to it: --algo.advantage.is_correction_level off"),
     ]
-    for bad, why in problems:
-        if bad:
-            raise SystemExit(f"--mappa.coach.kind trained: {why}")
+    return [f"--mappa.coach.kind trained: {why}" for bad, why in rules if bad]
 
 
-def validate_parallel(args, trainees: list) -> None:
+def parallel_problems(args, trainees: list) -> list:
     """Each agent's train batch is split over its data-parallel ranks (a topology may give an agent its own GPU
     count) in micro-batches. The ranks of one ring or tensor-parallel group share theirs (upstream's
     duplicate_actors): an agent's GPUs hold whole groups, and its data-parallel ranks are its GPUs / group size."""
     from openrlhf_mappa.compat import cpu_mode
     from openrlhf_mappa.placement import agent_args
 
+    problems, packing = [], []
     for spec in trainees:
         a = agent_args(args, spec)
         ring, tp = a.ds.ring_attn_size, a.ds.tensor_parallel_size
-        if not cpu_mode():  # a CPU's tiny models train with padded budgets under sdpa (no flash-attn on CPUs)
-            validate_packing(a, spec)
-        if tp > 1 and a.ds.zero_stage == 3:
-            raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) is DeepSpeed's AutoTP, which trains with "
-                             f"ZeRO stages 0-2 only (under ZeRO-3 transformers refuses to load the model): pass "
-                             f"--ds.zero_stage 2")
-        if tp > 1 and args.ds.param_dtype != "bf16":
-            raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) trains in bf16 (OpenRLHF's AutoTP): use "
-                             f"--ds.param_dtype bf16, not {args.ds.param_dtype}")
-        if tp > 1 and spec.lora is not None:
-            raise SystemExit(f"agent {spec.name!r}: tensor parallelism ({tp}) with LoRA is not built: AutoTP would "
-                             f"split the base under peft's adapter layers, and the adapter syncs from one rank; give "
-                             f"it tensor_parallel_size 1")
         gpus = {"actor": a.actor.num_nodes * a.actor.num_gpus_per_node}
         if a.algo.kl.init_coef > 0 and spec.lora is None:
             gpus["reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
+        rules = [
+            (tp > 1 and a.ds.zero_stage == 3, f"tensor parallelism ({tp}) is DeepSpeed's AutoTP, which trains with "
+                                              f"ZeRO stages 0-2 only (under ZeRO-3 transformers refuses to load the "
+                                              f"model): pass --ds.zero_stage 2"),
+            (tp > 1 and args.ds.param_dtype != "bf16", f"tensor parallelism ({tp}) trains in bf16 (OpenRLHF's AutoTP): "
+                                                       f"use --ds.param_dtype bf16, not {args.ds.param_dtype}"),
+            (tp > 1 and spec.lora is not None, f"tensor parallelism ({tp}) with LoRA is not built: AutoTP would split "
+                                               f"the base under peft's adapter layers, and the adapter syncs from one "
+                                               f"rank; give it tensor_parallel_size 1"),
+        ]
         for kind, n in gpus.items():
-            if n % (ring * tp):
-                raise SystemExit(f"agent {spec.name!r}: its {n} {kind} GPUs must be a multiple of its ring-attention "
-                                 f"size ({ring}) x its tensor-parallel size ({tp}): the ranks of a ring or "
-                                 f"tensor-parallel group share each micro-batch")
+            rules.append((n % (ring * tp), f"its {n} {kind} GPUs must be a multiple of its ring-attention size "
+                                           f"({ring}) x its tensor-parallel size ({tp}): the ranks of a ring or "
+                                           f"tensor-parallel group share each micro-batch"))
         ranks = gpus["actor"] // (ring * tp)
+        where = ("num_gpus_per_node in the topology" if spec.num_gpus_per_node
+                 else "--actor.num_nodes x --actor.num_gpus_per_node")
+        where += f" / its ring x tensor-parallel size {ring * tp}" if ring * tp > 1 else ""
         for flag, micro in (("train.micro_batch_size", args.train.micro_batch_size),
                             ("rollout.micro_batch_size", args.rollout.micro_batch_size)):
-            if args.train.batch_size % (micro * ranks):
-                where = ("num_gpus_per_node in the topology" if spec.num_gpus_per_node
-                         else "--actor.num_nodes x --actor.num_gpus_per_node")
-                if ring * tp > 1:
-                    where += f" / its ring x tensor-parallel size {ring * tp}"
-                raise SystemExit(f"agent {spec.name!r}: --train.batch_size ({args.train.batch_size}) must be a "
-                                 f"multiple of --{flag} ({micro}) x its {ranks} data-parallel actor ranks ({where}) = "
-                                 f"{micro * ranks}, so that every rank gets whole micro-batches")
+            rules.append((gpus["actor"] % (ring * tp) == 0 and args.train.batch_size % (micro * ranks),
+                          f"--train.batch_size ({args.train.batch_size}) must be a multiple of --{flag} ({micro}) x "
+                          f"its {ranks} data-parallel actor ranks ({where}) = {micro * ranks}, so that every rank "
+                          f"gets whole micro-batches"))
+        problems += [f"agent {spec.name!r}: {why}" for bad, why in rules if bad]
+        # The run's flags, named at the first agent they fail. A CPU's tiny models train with padded budgets under
+        # sdpa (no flash-attn on CPUs).
+        if not packing and not cpu_mode():
+            packing = packing_problems(a, spec)
+    return problems + packing
 
 
-def validate_packing(a, spec) -> None:
+def packing_problems(a, spec) -> list:
     """On GPUs, token budgets need packing, and packing flash attention (agent `spec`'s args `a`). OpenRLHF's budget
     split balances the sum of lengths: padded, a micro-batch costs its count x its longest action, several times the
     budget with long and short actions mixed. Under sdpa or eager, transformers masks a packed row with a dense
     tokens x tokens mask. The plan (placement.py) counts neither."""
     attention, budget = a.ds.attn_implementation, a.train.max_tokens_per_gpu
-    if a.train.dynamic_batch_enable and not a.ds.packing_samples:
-        raise SystemExit(f"--train.dynamic_batch_enable without --ds.packing_samples (agent {spec.name!r}): on GPUs a "
-                         f"padded micro-batch costs its count x its longest action, which the budget "
-                         f"(--train.max_tokens_per_gpu {budget}) does not bound: pass --ds.packing_samples, with "
-                         f"--ds.attn_implementation flash_attention_2")
-    if a.ds.packing_samples and "flash_attention" not in attention and a.ds.ring_attn_size == 1:  # a ring's: later
-        raise SystemExit(f"--ds.packing_samples under --ds.attn_implementation {attention} (agent {spec.name!r}): "
-                         f"transformers masks each packed micro-batch with a dense tokens x tokens mask on GPUs (1 GiB "
-                         f"at 32K tokens), which the plan does not count: pass --ds.attn_implementation "
-                         f"flash_attention_2 (flash-attn installed), or drop --ds.packing_samples (and token budgets, "
-                         f"which need it)")
+    rules = [
+        (a.train.dynamic_batch_enable and not a.ds.packing_samples,
+         f"--train.dynamic_batch_enable without --ds.packing_samples (agent {spec.name!r}): on GPUs a padded "
+         f"micro-batch costs its count x its longest action, which the budget (--train.max_tokens_per_gpu {budget}) "
+         f"does not bound: pass --ds.packing_samples, with --ds.attn_implementation flash_attention_2"),
+        (a.ds.packing_samples and "flash_attention" not in attention and a.ds.ring_attn_size == 1,  # a ring's: later
+         f"--ds.packing_samples under --ds.attn_implementation {attention} (agent {spec.name!r}): transformers masks "
+         f"each packed micro-batch with a dense tokens x tokens mask on GPUs (1 GiB at 32K tokens), which the plan "
+         f"does not count: pass --ds.attn_implementation flash_attention_2 (flash-attn installed), or drop "
+         f"--ds.packing_samples (and token budgets, which need it)"),
+    ]
+    return [why for bad, why in rules if bad]
 
 
-def validate_algo(args) -> None:
+def algo_problems(args) -> list:
     """OpenRLHF's algorithm and async flags, where MAPPA would otherwise do nothing with them, silently, or cannot."""
-    algo = args.algo
-    if algo.dynamic_filtering_enable:
-        low, high = algo.dynamic_filtering_range
-        if not low < high:
-            raise SystemExit(f"--algo.dynamic_filtering_range {low:g} {high:g}: the low end must be below the high end")
-        if args.rollout.n_samples_per_prompt < 2:
-            raise SystemExit("--algo.dynamic_filtering_enable compares the samples of each task: set "
-                             "--rollout.n_samples_per_prompt >= 2")
-    for flag, on in (("--algo.kl.target", algo.kl.target), ("--algo.kl.use_loss", algo.kl.use_loss)):
-        if on and not algo.kl.init_coef:
-            raise SystemExit(f"{flag} needs --algo.kl.init_coef > 0: with 0 no agent has a reference model, so there "
-                             f"is no KL to adapt or to put in the loss")
-    if algo.kl.unbiased_gradient and not algo.kl.use_loss:
-        raise SystemExit("--algo.kl.unbiased_gradient changes the gradient of the KL loss: it needs --algo.kl.use_loss "
-                         "(MAPPA's default puts KL in the reward)")
-    if args.train.async_enable and args.mappa.colocate != "none":
+    algo, m, samples = args.algo, args.mappa, args.rollout.n_samples_per_prompt
+    low, high = algo.dynamic_filtering_range
+    no_kl = ("needs --algo.kl.init_coef > 0: with 0 no agent has a reference model, so there is no KL to adapt or to "
+             "put in the loss")
+    rules = [
+        (m.norm_scope == "group" and samples < 2,
+         "--mappa.norm_scope group compares the samples of each prompt: set --rollout.n_samples_per_prompt >= 2"),
+        (algo.dynamic_filtering_enable and not low < high,
+         f"--algo.dynamic_filtering_range {low:g} {high:g}: the low end must be below the high end"),
+        (algo.dynamic_filtering_enable and samples < 2,
+         "--algo.dynamic_filtering_enable compares the samples of each task: set --rollout.n_samples_per_prompt >= 2"),
+        (algo.kl.target and not algo.kl.init_coef, f"--algo.kl.target {no_kl}"),
+        (algo.kl.use_loss and not algo.kl.init_coef, f"--algo.kl.use_loss {no_kl}"),
+        (algo.kl.unbiased_gradient and not algo.kl.use_loss, "--algo.kl.unbiased_gradient changes the gradient of the "
+                                                             "KL loss: it needs --algo.kl.use_loss (MAPPA's default "
+                                                             "puts KL in the reward)"),
         # Colocated, an agent's engines and actor share GPUs in turns (OpenRLHF's hybrid engine): nothing could
         # generate while the actors train. Upstream refuses async with vLLM sleep for the same reason.
-        raise SystemExit(f"--train.async_enable generates the next steps while the agents train, on engines of their "
-                         f"own: use --mappa.colocate none (not {args.mappa.colocate})")
-    if args.mappa.max_staleness is not None and not args.train.async_enable:
-        raise SystemExit("--mappa.max_staleness applies to --train.async_enable: synchronous training is on-policy")
-    if algo.advantage.is_correction_level != "off":
-        from openrlhf.models.loss import PolicyLoss  # its own checks of the correction's settings, before any actor
-
-        a = args.actor
-        PolicyLoss(policy_loss_type=a.policy_loss_type, is_correction_level=algo.advantage.is_correction_level,
-                   is_correction_mode=algo.advantage.is_correction_mode,
-                   is_correction_gating=algo.advantage.is_correction_gating,
-                   is_correction_threshold=algo.advantage.is_correction_threshold)
+        (args.train.async_enable and m.colocate != "none",
+         f"--train.async_enable generates the next steps while the agents train, on engines of their own: use "
+         f"--mappa.colocate none (not {m.colocate})"),
+        (m.max_staleness is not None and not args.train.async_enable,
+         "--mappa.max_staleness applies to --train.async_enable: synchronous training is on-policy"),
+    ]
+    return [why for bad, why in rules if bad]
 
 
 def check_this_machine(args, topology=None) -> None:
@@ -753,21 +767,20 @@ def check_this_machine(args, topology=None) -> None:
     from openrlhf_mappa.compat import cpu_mode
 
     needed = placement.needed_modules(args, topology)
-    refusals = placement.module_refusals(needed, placement.broken_modules(needed), "here")
-    if refusals:
-        raise SystemExit("\n".join(refusals))
-    attention, ring = args.ds.attn_implementation, placement.ring_size(args, topology)
-    if ring > 1 and "flash_attention" not in attention and not cpu_mode():
+    attention, ring, colocate = args.ds.attn_implementation, placement.ring_size(args, topology), args.mappa.colocate
+    rules = [
         # ring_flash_attn replaces flash attention's forward: under sdpa each rank would attend to its own slice.
-        raise SystemExit(f"--ds.ring_attn_size {ring} replaces flash attention's kernel, which "
-                         f"--ds.attn_implementation {attention} does not use: pass --ds.attn_implementation "
-                         f"flash_attention_2")
-    if args.mappa.colocate != "none" and args.vllm.sync_backend == "gloo" and not cpu_mode():
+        (ring > 1 and "flash_attention" not in attention and not cpu_mode(),
+         f"--ds.ring_attn_size {ring} replaces flash attention's kernel, which --ds.attn_implementation {attention} "
+         f"does not use: pass --ds.attn_implementation flash_attention_2"),
         # With gloo, OpenRLHF builds a PyNccl group between an actor rank and the engine on its own GPU, which NCCL
         # refuses (ppo_actor.py, distributed_util.py); nccl passes a colocated actor's weights by CUDA IPC.
-        raise SystemExit(f"--vllm.sync_backend gloo with --mappa.colocate {args.mappa.colocate} cannot sync weights "
-                         f"on GPUs: drop --vllm.sync_backend gloo (nccl, the default, passes them by CUDA IPC); gloo "
-                         f"is for CPU-only machines")
+        (colocate != "none" and args.vllm.sync_backend == "gloo" and not cpu_mode(),
+         f"--vllm.sync_backend gloo with --mappa.colocate {colocate} cannot sync weights on GPUs: drop "
+         f"--vllm.sync_backend gloo (nccl, the default, passes them by CUDA IPC); gloo is for CPU-only machines"),
+    ]
+    refuse(placement.module_refusals(needed, placement.broken_modules(needed), "here")
+           + [why for bad, why in rules if bad])
 
 
 def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:
@@ -834,6 +847,22 @@ def output_to(log_path: str):
             os.close(saved_fd)
 
 
+def unwritable_dir(path: str, flag: str = "") -> str:
+    """Why the directory `path` (given as `flag`) could not be created or written, or '' where it can: named before
+    the work that writes there (the launcher's run, checkpoint and log directories, the tools' outputs)."""
+    given = f"{flag} {path}".lstrip()
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{given}: exists and is not a directory"
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{given}: cannot be created: {existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{given}: cannot be written: {existing} is not writable by this user"
+    return ""
+
+
 def coach_cache_path(args):
     cache = args.mappa.coach.cache
     if cache is None:
@@ -845,7 +874,7 @@ def check_team(args, plan: bool = True):
     """The team's checks before Ray (train, `mappa doctor`): the topology, the flags against it, every agent's
     model and LoRA settings, and the plan where the cluster is given (unless `plan` is False)."""
     from openrlhf_mappa import placement
-    from openrlhf_mappa.team import check_lora, check_model, load_topology
+    from openrlhf_mappa.team import load_topology
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
     validate(args, topology)
@@ -945,20 +974,9 @@ class Preflight:
 
         args = self.args
         # The directories the launch writes: one it cannot write is named now, not by a traceback once Ray is up.
-        for flag, path in (("--mappa.run_dir", args.mappa.run_dir), ("--ckpt.path", args.ckpt.path),
-                           ("--ckpt.output_dir", args.ckpt.output_dir),
-                           ("--logger.tensorboard_dir", args.logger.tensorboard_dir)):
-            if not path:  # no tensorboard
-                continue
-            if os.path.exists(path) and not os.path.isdir(path):
-                raise ValueError(f"{flag} {path}: exists and is not a directory")
-            existing = os.path.abspath(path)
-            while not os.path.exists(existing):
-                existing = os.path.dirname(existing)
-            if not os.path.isdir(existing):
-                raise ValueError(f"{flag} {path}: cannot be created: {existing} is a file, not a directory")
-            if not os.access(existing, os.W_OK | os.X_OK):
-                raise ValueError(f"{flag} {path}: cannot be written: {existing} is not writable by this user")
+        written = {"--mappa.run_dir": args.mappa.run_dir, "--ckpt.path": args.ckpt.path,
+                   "--ckpt.output_dir": args.ckpt.output_dir, "--logger.tensorboard_dir": args.logger.tensorboard_dir}
+        refuse([unwritable_dir(path, flag) for flag, path in written.items() if path], ValueError)  # no tensorboard
         # A resumed run must train on the same tasks (resume.check_resume), so the chosen ids go into the run dir,
         # with the whole source they came from (local paths made absolute, a Hub name as given).
         d = args.data
