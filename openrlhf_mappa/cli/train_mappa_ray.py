@@ -506,7 +506,8 @@ def refuse(problems: list, error: type = SystemExit) -> None:
 def validate(args, topology) -> None:
     """The flags against each other and the topology, before Ray: every problem of the tables below in one refusal.
     A rule reading a value an earlier rule refuses (no token limit, a ring that does not divide the GPUs) waits for
-    it; the coach template's check and OpenRLHF's PolicyLoss (ValueError, which loads torch) run once all passed."""
+    it. The coach template's check and OpenRLHF's PolicyLoss (its own ValueError; it loads torch) run once all
+    passed."""
     trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents  # as placement.trainee_specs
     coach, advantage = args.mappa.coach, args.algo.advantage
     trained = trained_coach_problems(args, topology) if coach.kind == "trained" else []
@@ -597,8 +598,8 @@ def token_limit_problems(args, topology) -> list:
 
 # LoRA engines take one GPU each: the rule for the topology's LoRA agents (validate) and exported adapters (`mappa
 # eval`), refused where --vllm.tensor_parallel_size is above 1.
-LORA_ENGINES_TP = ("their pool's engines take one GPU each (--vllm.tensor_parallel_size 1; tensor-parallel LoRA engines "
-                   "are not built)")
+LORA_ENGINES_TP = ("their pool's engines take one GPU each (--vllm.tensor_parallel_size 1; tensor-parallel LoRA "
+                   "engines are not built)")
 
 
 # The coach flags an LLM coach reads (openai, and trained: its own model and its reference judge's server). Given to
