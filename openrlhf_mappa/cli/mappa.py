@@ -410,7 +410,9 @@ def check_main(argv) -> int:
             failed.append(method)
             rows.append(("FAILED", what, str(e).removeprefix("[mappa] "), f"{time.time() - t0:.1f} s"))
     width = max(len(what) for _, what, _, _ in rows)
+    below = "\n" + " " * (width + 19)  # a refusal's further lines (several problems) under its first
     for verdict, what, said, took in rows:
+        said = said.replace("\n", below)
         print(f"{verdict:<6}  {what:<{width}}  {took:>7}  {said}")
     print(f"\nmappa check: {len(rows) - len(failed)} of {len(rows)} checks passed"
           + (f"; fix the failed ones before launching" if failed else "; nothing found that would stop the launch"))
