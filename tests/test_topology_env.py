@@ -165,6 +165,35 @@ def test_bad_topology_messages(tmp_path, overrides, message):
     assert message in str(err.value)
 
 
+def test_independent_mistakes_are_named_together_in_one_refusal(tmp_path):
+    """Every problem of a file in one refusal, a line each naming the file: a fix-and-rerun loop per typo is gone.
+    A rule reading a value runs only once that value passed: the unreadable agent's view is not looked at."""
+    path = write_topology(tmp_path, reward_scale=0, review_template="{agent_output}", keep_reasoning="yes",
+                          agents=[dict(GOOD_AGENT, max_actions=0, view="previous"),
+                                  dict(CHECKER, lora={"rank": 1024, "dropout": 2}, view=["solvr"])])
+    with pytest.raises(ValueError) as err:
+        load_topology(path)
+    assert str(err.value).split("\n") == [f"{path}: {problem}" for problem in (
+        "'reward_scale' must be a positive number (1.0: coach scores as given), got 0",
+        "'keep_reasoning' must be true (an agent's earlier replies as generated, reasoning included) or false (as its "
+        "chat template renders them), got 'yes'",
+        "agent 'solver': 'max_actions' must be an integer >= 1, got 0",
+        "agent 'checker': lora: 'dropout' must be a number in [0, 1), got 2",
+    )]
+    # The same agents read: the rules across them (views, the rank vLLM serves) now run too.
+    path = write_topology(tmp_path, review_template="{agent_output}",
+                          agents=[dict(GOOD_AGENT, view="previous"), dict(CHECKER, lora={"rank": 1024}, view=["solvr"])])
+    with pytest.raises(ValueError) as err:
+        load_topology(path)
+    assert str(err.value).split("\n") == [f"{path}: {problem}" for problem in (
+        "agent 'checker': lora: rank 1024 is larger than vLLM's engines serve (max_lora_rank at most 512)",
+        "agent 'solver': view: 'previous' names nobody: this is the first agent (write [] to show no other agent)",
+        "agent 'checker': view: unknown agent 'solvr'; the agents are solver, checker",
+        "review_template: unknown field {agent_output}; allowed fields: task, task_type, trajectory, outcome, "
+        "num_actions (write {{ and }} for literal braces, e.g. \\boxed{{}})",
+    )]
+
+
 def test_lora_agents_share_a_pool_per_base_model_and_targets_are_checked(tmp_path):
     from openrlhf_mappa.team import check_lora
 
