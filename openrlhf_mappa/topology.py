@@ -293,12 +293,9 @@ def _template_problems(template: str, allowed: tuple, label: str) -> list:
         fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as e:
         return [f"{label}: broken template ({e}); write {{{{ and }}}} for literal braces"]
-    unknown = [name for name in fields if name not in allowed]
-    if not unknown:
-        return []
-    shown = "{" + unknown[0] + "}"
-    return [f"{label}: unknown field {shown}; allowed fields: {', '.join(allowed)} "
-            "(write {{ and }} for literal braces, e.g. \\boxed{{}})"]
+    unknown = [name for name in fields if name not in allowed][:1]
+    return [f"{label}: unknown field {{{name}}}; allowed fields: {', '.join(allowed)} "
+            "(write {{ and }} for literal braces, e.g. \\boxed{{}})" for name in unknown]
 
 
 def check_template(template: str, allowed: tuple, label: str) -> None:
@@ -342,7 +339,7 @@ def read_topology(path: str, model_override: Optional[str] = None) -> Topology:
     top = _read_top(raw, model_override, problems)
     if problems:  # every check names what is wrong; the file is named here
         raise ValueError("\n".join(f"{path}: {problem}" for problem in problems))
-    stages = top.pop("coach_stages")
+    stages = top["coach_stages"]
     templates = [(f"coach_templates[{s.name!r}]", s.template) for s in stages]
     if top["coach_template"]:
         templates.append(("coach_template", top["coach_template"]))
@@ -356,7 +353,7 @@ def read_topology(path: str, model_override: Optional[str] = None) -> Topology:
         top["coach_template"] = stages[0].template
     top["name"] = str(top["name"] or os.path.splitext(os.path.basename(path))[0])
     top.update(env_kwargs=top["env_kwargs"] or {}, reward_scale=float(top["reward_scale"]))
-    return Topology(coach_stages=stages, **top)
+    return Topology(**top)
 
 
 def _read_top(raw, model_override: Optional[str], problems: list) -> Optional[dict]:
@@ -367,12 +364,11 @@ def _read_top(raw, model_override: Optional[str], problems: list) -> Optional[di
         return None
     top = _read(raw, TOPOLOGY_SCHEMA, "", problems, "allowed top-level keys")
     agents = _parse_agents(raw.get("agents"), model_override, problems)
-    rows = raw.get("coach_templates")
     if top is None or agents is None:
         return None
-    stages = _parse_stages(rows, [a.name for a in agents], problems) if rows is not None else []
-    top.update(agents=agents, coach_stages=stages)
-    del top["coach_templates"]
+    rows = top.pop("coach_templates")
+    top["agents"] = agents
+    top["coach_stages"] = [] if rows is None else _parse_stages(rows, [a.name for a in agents], problems)
     if rows is not None and top["coach_template"] is not None:
         problems.append("give either 'coach_template' (one coach prompt) or 'coach_templates' (prompts that take "
                         "over in turn, each after a switch rule), not both")
@@ -438,13 +434,11 @@ def _parse_lora(raw, label: str, problems: list) -> Optional[Lora]:
         return None
     targets = lora["target_modules"]
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    rules = (
-        (lora["rank"] > VLLM_LORA_RANKS[-1],
-         f"rank {lora['rank']} is larger than vLLM's engines serve (max_lora_rank at most {VLLM_LORA_RANKS[-1]})"),
-        ("all-linear" in targets and len(targets) > 1,
-         "'target_modules' is either all-linear or a list of module names, not both"),
-    )
-    problems += [f"{label}: {message}" for broken, message in rules if broken]
+    if lora["rank"] > VLLM_LORA_RANKS[-1]:
+        problems.append(f"{label}: rank {lora['rank']} is larger than vLLM's engines serve (max_lora_rank at most "
+                        f"{VLLM_LORA_RANKS[-1]})")
+    if "all-linear" in targets and len(targets) > 1:
+        problems.append(f"{label}: 'target_modules' is either all-linear or a list of module names, not both")
     return Lora(lora["rank"], float(lora["alpha"] or 2 * lora["rank"]), targets, float(lora["dropout"]), lora["pool"])
 
 
@@ -520,23 +514,22 @@ def _parse_stages(rows, agent_names: list, problems: list) -> list:
             problems.append(f"{named}: when {when!r} is not '<metric> <op> <number>' with op one of <, <=, >, >= "
                             f"(e.g. 'outcome/success_rate >= 0.5' or 'step >= 50')")
         elif i > 0:
-            problems += _switch_metric_problems(rule.group(1), agent_names, f"{named}: when {when!r}")
+            _check_switch_metric(rule.group(1), agent_names, f"{named}: when {when!r}", problems)
         switch = (rule.group(1), rule.group(2), float(rule.group(3))) if rule and i > 0 else ()
         stages.append(CoachStage(name, template, *switch))
     return stages
 
 
-def _switch_metric_problems(metric: str, agent_names: list, label: str) -> list:
+def _check_switch_metric(metric: str, agent_names: list, label: str, problems: list) -> None:
     """A rule's metric must be one a step logs: a rule on a misspelt key would wait forever, silently."""
     parts = metric.split("/")
     if metric in ("step", "outcome/success_rate") or (parts[0] in ("coach", "coach_bias") and len(parts) >= 2
                                                        and all(parts)):
-        return []
+        return
     if parts[0] != "agent" or len(parts) != 3:
-        return [f"{label}: unknown metric name {metric!r}; a rule reads one of: {', '.join(SWITCH_NAMESPACES)}"]
-    rules = (
-        (parts[1] not in agent_names, f"unknown agent {parts[1]!r}; the agents are {', '.join(agent_names)}"),
-        (parts[2] not in AGENT_METRICS, f"agents log no metric {parts[2]!r}; per-agent metrics: "
-                                        f"{', '.join(AGENT_METRICS)}"),
-    )
-    return [f"{label}: {message}" for broken, message in rules if broken]
+        problems.append(f"{label}: unknown metric name {metric!r}; a rule reads one of: {', '.join(SWITCH_NAMESPACES)}")
+        return
+    if parts[1] not in agent_names:
+        problems.append(f"{label}: unknown agent {parts[1]!r}; the agents are {', '.join(agent_names)}")
+    if parts[2] not in AGENT_METRICS:
+        problems.append(f"{label}: agents log no metric {parts[2]!r}; per-agent metrics: {', '.join(AGENT_METRICS)}")
