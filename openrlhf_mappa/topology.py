@@ -270,21 +270,19 @@ def _read(raw: dict, schema: tuple, label: str, problems: list, allowed: str = "
     `keys_label`, default `label`), a required key missing or blank, a value its test rejects with what it must be;
     a key left out gets its default. Its problems go to `problems`, and its values come back only where it has
     none: the rules that read them may assume them valid."""
-    found = []
+    before = len(problems)
     unknown = sorted(set(raw) - {row[0] for row in schema})
     if unknown:
-        keys = ", ".join(row[0] for row in schema)
-        found.append(f"{keys_label or label}unknown key(s) {unknown}; {allowed}: {keys}")
+        problems.append(f"{keys_label or label}unknown key(s) {unknown}; {allowed}: {', '.join(r[0] for r in schema)}")
     values = {}
     for key, what, test, default in schema:
         value = values[key] = raw.get(key, default)
         checked = test is not None and key in raw and not (value is None and default is None)  # null: left out
         if value is REQUIRED or (default is REQUIRED and isinstance(value, str) and not value.strip()):
-            found.append(f"{label}'{key}' is missing or empty; it must be {what}")
+            problems.append(f"{label}'{key}' is missing or empty; it must be {what}")
         elif checked and not (isinstance(value, test) if isinstance(test, type) else test(value)):
-            found.append(f"{label}'{key}' must be {what}, got {value!r}")
-    problems += found
-    return None if found else values
+            problems.append(f"{label}'{key}' must be {what}, got {value!r}")
+    return values if len(problems) == before else None
 
 
 def _template_problems(template: str, allowed: tuple, label: str) -> list:
@@ -339,8 +337,7 @@ def read_topology(path: str, model_override: Optional[str] = None) -> Topology:
     top = _read_top(raw, model_override, problems)
     if problems:  # every check names what is wrong; the file is named here
         raise ValueError("\n".join(f"{path}: {problem}" for problem in problems))
-    stages = top["coach_stages"]
-    templates = [(f"coach_templates[{s.name!r}]", s.template) for s in stages]
+    templates = [(f"coach_templates[{s.name!r}]", s.template) for s in top["coach_stages"]]
     if top["coach_template"]:
         templates.append(("coach_template", top["coach_template"]))
     for label, template in templates:
@@ -349,8 +346,8 @@ def read_topology(path: str, model_override: Optional[str] = None) -> Topology:
             # score some other way, and each such verdict costs a re-prompt or fails.
             logger.warning("%s: %s never names the score key %s; ask for a last line `%s: <0-10>` "
                            "or set score_key to the key it asks for", path, label, top["score_key"], top["score_key"])
-    if stages:
-        top["coach_template"] = stages[0].template
+    if top["coach_stages"]:
+        top["coach_template"] = top["coach_stages"][0].template
     top["name"] = str(top["name"] or os.path.splitext(os.path.basename(path))[0])
     top.update(env_kwargs=top["env_kwargs"] or {}, reward_scale=float(top["reward_scale"]))
     return Topology(**top)
