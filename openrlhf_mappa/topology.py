@@ -71,9 +71,7 @@ class CoachStage:
 
     def holds(self, value) -> bool:
         """Whether the rule holds for a logged value; a missing value (None, NaN) never switches."""
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-            return False
-        return SWITCH_OPS[self.op](value, self.threshold)
+        return _number(value) and value == value and SWITCH_OPS[self.op](value, self.threshold)
 
     @property
     def when(self) -> str:
@@ -486,7 +484,7 @@ def _parse_stages(rows, agent_names: list, problems: list) -> list:
         problems.append("'coach_templates' must be a list of at least two stages {name, template, when} (one "
                         "template: use coach_template)")
         return []
-    stages, names = [], []
+    stages = []
     for i, row in enumerate(rows):
         label = f"coach_templates[{i}]"
         if not isinstance(row, dict):
@@ -497,9 +495,8 @@ def _parse_stages(rows, agent_names: list, problems: list) -> list:
         if stage is None:
             continue
         name, template, when = stage.values()
-        if name in names:
+        if name in [s.name for s in stages]:
             problems.append(f"{label}: the name {name!r} is used twice; every stage needs its own name")
-        names.append(name)
         problems += _template_problems(template, PROMPT_FIELDS, f"{named}: template")
         rule = SWITCH_RULE_RE.fullmatch(when) if isinstance(when, str) else None
         if i == 0 and when is not None:
@@ -520,8 +517,8 @@ def _parse_stages(rows, agent_names: list, problems: list) -> list:
 def _check_switch_metric(metric: str, agent_names: list, label: str, problems: list) -> None:
     """A rule's metric must be one a step logs: a rule on a misspelt key would wait forever, silently."""
     parts = metric.split("/")
-    if metric in ("step", "outcome/success_rate") or (parts[0] in ("coach", "coach_bias") and len(parts) >= 2
-                                                       and all(parts)):
+    namespaced = parts[0] in ("coach", "coach_bias") and len(parts) >= 2 and all(parts)  # coach/<metric>, ...
+    if metric in ("step", "outcome/success_rate") or namespaced:
         return
     if parts[0] != "agent" or len(parts) != 3:
         problems.append(f"{label}: unknown metric name {metric!r}; a rule reads one of: {', '.join(SWITCH_NAMESPACES)}")
