@@ -421,7 +421,8 @@ def _parse_agent(row, index: int, model_override: Optional[str], problems: list)
 def _parse_lora(raw, label: str, problems: list) -> Optional[Lora]:
     label += ": lora"
     if not isinstance(raw, dict):
-        problems.append(f"{label} must be a mapping with keys {', '.join(r[0] for r in LORA_SCHEMA)} (rank is required)")
+        keys = ", ".join(row[0] for row in LORA_SCHEMA)
+        problems.append(f"{label} must be a mapping with keys {keys} (rank is required)")
         return None
     lora = _read(raw, LORA_SCHEMA, f"{label}: ", problems)
     if lora is None:
