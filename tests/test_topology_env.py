@@ -352,6 +352,22 @@ def test_load_tasks_bad_rows(tmp_path, lines, where, message):
     assert message in str(err.value)
 
 
+def test_a_rows_problems_and_the_sandbox_limits_are_named_together(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "answer": 1}\n{"prompt": 5, "answer": null, "id": [2]}\n')
+    with pytest.raises(ValueError) as err:
+        load_tasks(str(path))
+    assert str(err.value).split("\n") == [f"{path}: line 2: {problem}" for problem in (
+        "'prompt' must be a string, got int",
+        "'answer' is missing or null; these tasks need a reference answer (string or number)",
+        "'id' must be a string or a number, got list")]
+    topology = load_topology(write_topology(tmp_path, env_kwargs={"code_memory_mb": 0, "sandbox_url": "localhost"}))
+    with pytest.raises(ValueError) as err:
+        topology.make_env({"id": "1", "prompt": "1 + 1?", "answer": "2"}, str(tmp_path))
+    assert str(err.value) == ("env_kwargs code_memory_mb must be a positive integer, got 0; env_kwargs sandbox_url must "
+                              "be the http(s) URL of a SandboxFusion service, got 'localhost'")
+
+
 def test_load_tasks_names_the_line_of_a_byte_that_is_not_utf8(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"prompt": "a", "answer": 1}\n\n{"prompt": "caf\xe9", "answer": 2}\n')
