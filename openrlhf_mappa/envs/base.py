@@ -317,10 +317,9 @@ def _read_json_rows(path: str) -> list:
 
 def _check_task(row: dict, default_id: str, where: str, input_key: str, label_key: str, needs_answer: bool,
                 columns: list) -> dict:
-    """The task of one row, or one refusal naming each of the row's problems. Each rule reads what the rules before
-    it let through (a type is checked before the value it types)."""
+    """The task of one row, or one refusal naming each of the row's problems (a rule on a value's content asks
+    for its type first, so that one wrong value is named once)."""
     prompt, answer, task_id = row.get(input_key), row.get(label_key), row.get("id")
-
     # A column the whole dataset lacks is likely another name for it: the dataset's columns and the flag are named.
     listed = f" (its columns: {', '.join(columns)}; name "
     prompt_hint = "" if input_key in columns else f"{listed}the task text's with --data.input_key COLUMN)"
