@@ -331,6 +331,8 @@ def read_topology(path: str, model_override: Optional[str] = None) -> Topology:
             raise ValueError(f"{path}: not valid YAML: {e}") from e
         except ValueError as e:  # UniqueKeyLoader's
             raise ValueError(f"{path}: {e}") from None
+    if not isinstance(raw, dict):  # nothing else can be read
+        raise ValueError(f"{path}: expected a mapping with keys " + ", ".join(TOPOLOGY_KEYS))
     problems = []
     top = _read_top(raw, model_override, problems)
     if problems:  # every check names what is wrong; the file is named here
@@ -351,12 +353,9 @@ def read_topology(path: str, model_override: Optional[str] = None) -> Topology:
     return Topology(**top)
 
 
-def _read_top(raw, model_override: Optional[str], problems: list) -> Optional[dict]:
+def _read_top(raw: dict, model_override: Optional[str], problems: list) -> Optional[dict]:
     """The top-level mapping, its agents and its coach schedule, each checked alone, then the rules across keys:
     one coach prompt or a schedule, the templates' fields, the suffix."""
-    if not isinstance(raw, dict):
-        problems.append("expected a mapping with keys " + ", ".join(TOPOLOGY_KEYS))
-        return None
     top = _read(raw, TOPOLOGY_SCHEMA, "", problems, "allowed top-level keys")
     agents = _parse_agents(raw.get("agents"), model_override, problems)
     if top is None or agents is None:
@@ -461,8 +460,7 @@ def _parse_view(raw, names: list, index: int, problems: list) -> Optional[View]:
         return None
     agents = view["agents"]
     if agents == "previous" and index == 0:
-        problems.append(f"{label}: 'previous' names nobody: this is the first agent (write [] to show no other "
-                        f"agent)")
+        problems.append(f"{label}: 'previous' names nobody: this is the first agent (write [] to show no other agent)")
     elif agents == "previous":
         agents = (names[index - 1],)
     elif agents != "all" and (not isinstance(agents, list) or not all(isinstance(a, str) for a in agents)):
