@@ -22,10 +22,12 @@ def load_topology(path: str, model_override: Optional[str] = None) -> Topology:
     topology = read_topology(path, model_override)
     try:
         topology.env_cls = load_env_class(topology.env)
-        _check_chain_views(topology)
-        _check_env_kwargs(topology)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        problems = [str(e)]
+    else:  # two independent rules: both named in one refusal
+        problems = _chain_view_problems(topology) + _env_kwargs_problems(topology)
+    if problems:
+        raise ValueError("\n".join(f"{path}: {problem}" for problem in problems))
     return topology
 
 
@@ -82,21 +84,22 @@ def play(topology: Union[Topology, str], task: dict, replies: Union[list, Callab
     return played
 
 
-def _check_chain_views(topology: Topology) -> None:
+def _chain_view_problems(topology: Topology) -> list:
     """Only the default workflow (MultiAgentEnv's own next_agents, a chain) fixes who acts before whom, so there
     a view names only agents listed before it; an env with its own next_agents may let any agent see any other."""
     if not getattr(getattr(topology.env_cls, "next_agents", None), "chain", False):
-        return
-    names = [a.name for a in topology.agents]
+        return []
+    names, problems = [a.name for a in topology.agents], []
     for i, agent in enumerate(topology.agents):
         shown = () if agent.view.agents == "all" else agent.view.agents
         later = [name for name in shown if names.index(name) > i]
         if later:
-            raise ValueError(f"agent {agent.name!r}: view: names {later[0]!r}, which acts after it (agents act in the "
-                             f"listed order)")
+            problems.append(f"agent {agent.name!r}: view: names {later[0]!r}, which acts after it (agents act in the "
+                            f"listed order)")
+    return problems
 
 
-def _check_env_kwargs(topology: Topology) -> None:
+def _env_kwargs_problems(topology: Topology) -> list:
     """A misspelt env_kwargs key fails here, with the nearest key taken, in `mappa plan` too (check_env, which
     builds the env, runs only where tasks are read, and says no more than Python's TypeError). A constructor's
     **kwargs usually go on to super().__init__, so the keys taken are the named ones of each __init__ in the MRO up
@@ -122,12 +125,13 @@ def _check_env_kwargs(topology: Topology) -> None:
     if unknown:
         through = (f" (the __init__ of {readers[0]} and, through **kwargs, of {', '.join(readers[1:])})"
                    if readers[1:] else "")
-        raise ValueError(f"env_kwargs do not fit {topology.env}: unknown key(s) {', '.join(map(named, unknown))}; "
-                         f"{env_cls.__name__} takes {', '.join(accepted) or 'none'}{through}")
+        return [f"env_kwargs do not fit {topology.env}: unknown key(s) {', '.join(map(named, unknown))}; "
+                f"{env_cls.__name__} takes {', '.join(accepted) or 'none'}{through}"]
     try:  # a required argument left out (relay's goals), a key given twice
         inspect.signature(env_cls).bind(topology, {}, "", **topology.env_kwargs)
     except TypeError as e:
-        raise ValueError(f"env_kwargs do not fit {topology.env}: {e}") from None
+        return [f"env_kwargs do not fit {topology.env}: {e}"]
+    return []
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -139,46 +143,50 @@ def check_model(model: str, label: str) -> None:
     """Refuse, before any cluster starts, a model the actors could not load: a directory without config.json and
     a tokenizer (it would fail with a misleading sentencepiece error), or not a hub id (org/name) on the hub or,
     offline, in the cache (a typo would be looked up inside a Ray actor minutes later)."""
+    where = "" if os.path.isabs(model) else f" (relative to {os.getcwd()})"
     if os.path.isdir(model):
         missing = [] if os.path.isfile(os.path.join(model, "config.json")) else ["config.json"]
         if not any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
             missing.append("tokenizer files (one of " + ", ".join(TOKENIZER_FILES) + ")")
-        if missing:
-            raise ValueError(f"{label}: {model} is not a Hugging Face model directory: it has no "
-                             f"{' and no '.join(missing)}")
-        return
-    where = "" if os.path.isabs(model) else f" (relative to {os.getcwd()})"
-    if not HUB_ID_RE.fullmatch(model) or os.path.isdir(model.split("/")[0]):
-        raise ValueError(f"{label}: model {model!r} is not a directory{where}; give a local model directory or a "
-                         f"Hugging Face id (org/name)")
+        problem = f"{model} is not a Hugging Face model directory: it has no {' and no '.join(missing)}"
+        problem = problem if missing else ""
+    elif not HUB_ID_RE.fullmatch(model) or os.path.isdir(model.split("/")[0]):
+        problem = (f"model {model!r} is not a directory{where}; give a local model directory or a Hugging Face id "
+                   f"(org/name)")
+    else:
+        problem = _hub_problem(model, where)
+    if problem:
+        raise ValueError(f"{label}: {problem}")
+
+
+def _hub_problem(model: str, where: str) -> str:
+    """Why hub id `model` cannot be loaded ("" if it can): offline, not in the cache; online, resolved on the hub
+    now, its config.json into the cache (the plan reads it), so that a typo, a gated model or a hub out of reach
+    is named here, not inside every Ray actor after the cluster started."""
     from huggingface_hub import constants, errors, get_session, hf_hub_download, is_offline_mode, try_to_load_from_cache
 
     if is_offline_mode():
-        if not isinstance(try_to_load_from_cache(model, "config.json"), str):
-            raise ValueError(f"{label}: model {model!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
-                             f"and downloads are off (HF_HUB_OFFLINE): download it first, or unset HF_HUB_OFFLINE")
-        return
-    # Resolved on the hub now, its config.json into the cache (the plan reads it): a typo, a gated model or a hub
-    # out of reach is named here, not inside every Ray actor after the cluster started.
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return ""
+        return (f"model {model!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and downloads are off "
+                f"(HF_HUB_OFFLINE): download it first, or unset HF_HUB_OFFLINE")
     try:
         # One plain request first: hf_hub_download retries a hub out of reach for a long while before saying so.
         get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
         hf_hub_download(model, "config.json")
     except errors.GatedRepoError:
-        raise ValueError(f"{label}: model {model!r} is gated on the Hugging Face hub: accept its terms there and "
-                         f"export HF_TOKEN (on the head node, before `ray start`)") from None
+        return (f"model {model!r} is gated on the Hugging Face hub: accept its terms there and export HF_TOKEN (on "
+                f"the head node, before `ray start`)")
     except errors.RepositoryNotFoundError:
-        raise ValueError(f"{label}: model {model!r} is not a local directory{where}, nor a model on the Hugging Face "
-                         f"hub ({constants.ENDPOINT}): check the path or name (a private model needs HF_TOKEN)") \
-            from None
+        return (f"model {model!r} is not a local directory{where}, nor a model on the Hugging Face hub "
+                f"({constants.ENDPOINT}): check the path or name (a private model needs HF_TOKEN)")
     except errors.RemoteEntryNotFoundError:
-        raise ValueError(f"{label}: the hub repository {model!r} has no config.json: not a transformers "
-                         f"model") from None
+        return f"the hub repository {model!r} has no config.json: not a transformers model"
     except (errors.LocalEntryNotFoundError, errors.HTTPError, OSError) as e:
-        raise ValueError(f"{label}: model {model!r} is not a local directory{where}, and the Hugging Face hub "
-                         f"({constants.ENDPOINT}) could not be reached to fetch its config.json ({type(e).__name__}): "
-                         f"check the path, the network or HF_ENDPOINT; or download the model first and set "
-                         f"HF_HUB_OFFLINE=1") from None
+        return (f"model {model!r} is not a local directory{where}, and the Hugging Face hub ({constants.ENDPOINT}) "
+                f"could not be reached to fetch its config.json ({type(e).__name__}): check the path, the network "
+                f"or HF_ENDPOINT; or download the model first and set HF_HUB_OFFLINE=1")
+    return ""
 
 
 def check_lora(spec: AgentSpec, label: str) -> None:

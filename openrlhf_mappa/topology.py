@@ -71,9 +71,7 @@ class CoachStage:
 
     def holds(self, value) -> bool:
         """Whether the rule holds for a logged value; a missing value (None, NaN) never switches."""
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-            return False
-        return SWITCH_OPS[self.op](value, self.threshold)
+        return _number(value) and value == value and SWITCH_OPS[self.op](value, self.threshold)
 
     @property
     def when(self) -> str:
@@ -264,40 +262,44 @@ TOPOLOGY_KEYS = tuple(row[0] for row in TOPOLOGY_SCHEMA)
 AGENT_KEYS = tuple(row[0] for row in AGENT_SCHEMA)
 
 
-def _read(raw: dict, schema: tuple, label: str, allowed: str = "allowed") -> dict:
-    """One mapping checked against its schema table: an unknown key refused with the allowed ones, a required
-    key missing or blank, a value its test rejects with what it must be; a key left out gets its default."""
-    _check_keys(raw, tuple(row[0] for row in schema), label, allowed)
+def _read(raw: dict, schema: tuple, label: str, problems: list, allowed: str = "allowed",
+          keys_label: Optional[str] = None) -> Optional[dict]:
+    """One mapping checked against its schema table: an unknown key refused with the allowed ones (named with
+    `keys_label`, default `label`), a required key missing or blank, a value its test rejects with what it must be;
+    a key left out gets its default. Its problems go to `problems`, and its values come back only where it has
+    none: the rules that read them may assume them valid."""
+    before = len(problems)
+    unknown = sorted(set(raw) - {row[0] for row in schema})
+    if unknown:
+        problems.append(f"{keys_label or label}unknown key(s) {unknown}; {allowed}: {', '.join(r[0] for r in schema)}")
     values = {}
     for key, what, test, default in schema:
-        value = raw.get(key, default)
-        if value is REQUIRED or (default is REQUIRED and isinstance(value, str) and not value.strip()):
-            raise ValueError(f"{label}'{key}' is missing or empty; it must be {what}")
+        value = values[key] = raw.get(key, default)
         checked = test is not None and key in raw and not (value is None and default is None)  # null: left out
-        if checked and not (isinstance(value, test) if isinstance(test, type) else test(value)):
-            raise ValueError(f"{label}'{key}' must be {what}, got {value!r}")
-        values[key] = value
-    return values
+        if value is REQUIRED or (default is REQUIRED and isinstance(value, str) and not value.strip()):
+            problems.append(f"{label}'{key}' is missing or empty; it must be {what}")
+        elif checked and not (isinstance(value, test) if isinstance(test, type) else test(value)):
+            problems.append(f"{label}'{key}' must be {what}, got {value!r}")
+    return values if len(problems) == before else None
 
 
-def _check_keys(raw: dict, keys: tuple, label: str, allowed: str = "allowed") -> None:
-    unknown = sorted(set(raw) - set(keys))
-    if unknown:
-        raise ValueError(f"{label}unknown key(s) {unknown}; {allowed}: {', '.join(keys)}")
+def _template_problems(template: str, allowed: tuple, label: str) -> list:
+    """The first field str.format would not fill, or the template's broken braces (none: [])."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        return [f"{label}: broken template ({e}); write {{{{ and }}}} for literal braces"]
+    unknown = [name for name in fields if name not in allowed][:1]
+    return [f"{label}: unknown field {{{name}}}; allowed fields: {', '.join(allowed)} "
+            "(write {{ and }} for literal braces, e.g. \\boxed{{}})" for name in unknown]
 
 
 def check_template(template: str, allowed: tuple, label: str) -> None:
     """Reject fields str.format would not fill, where a template is loaded (the topology, a tool's template file):
     a bad template would otherwise fail mid-rollout."""
-    try:
-        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
-    except ValueError as e:
-        raise ValueError(f"{label}: broken template ({e}); write {{{{ and }}}} for literal braces") from None
-    for name in fields:
-        if name not in allowed:
-            shown = "{" + name + "}"
-            raise ValueError(f"{label}: unknown field {shown}; allowed fields: {', '.join(allowed)} "
-                             "(write {{ and }} for literal braces, e.g. \\boxed{{}})")
+    problems = _template_problems(template, allowed, label)
+    if problems:
+        raise ValueError(problems[0])
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -320,7 +322,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
 
 def read_topology(path: str, model_override: Optional[str] = None) -> Topology:
     """Read and validate a topology YAML, apart from its environment (team.load_topology checks that and is what
-    a run calls). `model_override` replaces every agent's model (tests, demos)."""
+    a run calls). `model_override` replaces every agent's model (tests, demos). Every problem found is named in
+    one refusal, a line each; the rules that read a value run only once it passed its own checks."""
     with open(path, encoding="utf-8") as f:
         try:
             raw = yaml.load(f, Loader=UniqueKeyLoader)
@@ -328,18 +331,13 @@ def read_topology(path: str, model_override: Optional[str] = None) -> Topology:
             raise ValueError(f"{path}: not valid YAML: {e}") from e
         except ValueError as e:  # UniqueKeyLoader's
             raise ValueError(f"{path}: {e}") from None
-
-    if not isinstance(raw, dict):
+    if not isinstance(raw, dict):  # nothing else can be read
         raise ValueError(f"{path}: expected a mapping with keys " + ", ".join(TOPOLOGY_KEYS))
-    try:
-        top = _read(raw, TOPOLOGY_SCHEMA, "", "allowed top-level keys")
-        _check_top(top)
-        agents = _parse_agents(top.pop("agents"), model_override)
-        rows = top.pop("coach_templates")
-        stages = _parse_stages(rows, [a.name for a in agents]) if rows is not None else []
-    except ValueError as e:  # every check below names what is wrong; the file is named here
-        raise ValueError(f"{path}: {e}") from None
-    templates = [(f"coach_templates[{s.name!r}]", s.template) for s in stages]
+    problems = []
+    top = _read_top(raw, model_override, problems)
+    if problems:  # every check names what is wrong; the file is named here
+        raise ValueError("\n".join(f"{path}: {problem}" for problem in problems))
+    templates = [(f"coach_templates[{s.name!r}]", s.template) for s in top["coach_stages"]]
     if top["coach_template"]:
         templates.append(("coach_template", top["coach_template"]))
     for label, template in templates:
@@ -348,80 +346,97 @@ def read_topology(path: str, model_override: Optional[str] = None) -> Topology:
             # score some other way, and each such verdict costs a re-prompt or fails.
             logger.warning("%s: %s never names the score key %s; ask for a last line `%s: <0-10>` "
                            "or set score_key to the key it asks for", path, label, top["score_key"], top["score_key"])
-    if stages:
-        top["coach_template"] = stages[0].template
+    if top["coach_stages"]:
+        top["coach_template"] = top["coach_stages"][0].template
     top["name"] = str(top["name"] or os.path.splitext(os.path.basename(path))[0])
     top.update(env_kwargs=top["env_kwargs"] or {}, reward_scale=float(top["reward_scale"]))
-    return Topology(agents=agents, coach_stages=stages, **top)
+    return Topology(**top)
 
 
-def _check_top(top: dict) -> None:
-    """The top-level rules beyond each key's own: one coach prompt or a schedule, templates' fields, the suffix."""
-    if top["coach_templates"] is not None and top["coach_template"] is not None:
-        raise ValueError("give either 'coach_template' (one coach prompt) or 'coach_templates' (prompts that take "
-                         "over in turn, each after a switch rule), not both")
+def _read_top(raw: dict, model_override: Optional[str], problems: list) -> Optional[dict]:
+    """The top-level mapping, its agents and its coach schedule, each checked alone, then the rules across keys:
+    one coach prompt or a schedule, the templates' fields, the suffix."""
+    top = _read(raw, TOPOLOGY_SCHEMA, "", problems, "allowed top-level keys")
+    agents = _parse_agents(raw.get("agents"), model_override, problems)
+    if top is None or agents is None:
+        return None
+    rows = top.pop("coach_templates")
+    top["agents"] = agents
+    top["coach_stages"] = [] if rows is None else _parse_stages(rows, [a.name for a in agents], problems)
+    if rows is not None and top["coach_template"] is not None:
+        problems.append("give either 'coach_template' (one coach prompt) or 'coach_templates' (prompts that take "
+                        "over in turn, each after a switch rule), not both")
     # Left out, coach_template is refused only where a coach is sent it (check_coach_template): the file is read
     # apart from the flags that say whether any coach reads it.
-    if top["coach_template"] is not None:
-        check_template(top["coach_template"], PROMPT_FIELDS, "coach_template")
-    if top["review_template"] is not None:
-        check_template(top["review_template"], REVIEW_FIELDS, "review_template")
+    for key, fields in (("coach_template", PROMPT_FIELDS), ("review_template", REVIEW_FIELDS)):
+        if top[key] is not None:
+            problems += _template_problems(top[key], fields, key)
     # In a double-quoted YAML string "\boxed" is a backspace and "oxed": refuse control characters other than
     # newlines and tabs, which no prompt means to send.
     odd = sorted({c for c in top["problem_suffix"] if ord(c) < 32 and c not in "\n\t"})
     if odd:
-        raise ValueError(f"'problem_suffix' holds the control character(s) {', '.join(map(repr, odd))}; in a "
-                         f"double-quoted YAML string a backslash is written \\\\ (\"\\\\boxed{{}}\")")
+        problems.append(f"'problem_suffix' holds the control character(s) {', '.join(map(repr, odd))}; in a "
+                        f"double-quoted YAML string a backslash is written \\\\ (\"\\\\boxed{{}}\")")
+    return top
 
 
-def _parse_agents(rows, model_override: Optional[str]) -> list:
+def _parse_agents(rows, model_override: Optional[str], problems: list) -> Optional[list]:
     """The agents in order, each checked alone, then together: distinct names, LoRA pools, and views naming
-    only agents that exist."""
+    only agents that exist. None where one is unreadable (the rules across agents need every name)."""
     if not isinstance(rows, list) or not rows:
-        raise ValueError("'agents' must be a non-empty list; each agent needs at least name, model, role and prompt")
-    agents = [_parse_agent(row, i, model_override) for i, row in enumerate(rows)]
+        problems.append("'agents' must be a non-empty list; each agent needs at least name, model, role and prompt")
+        return None
+    agents = [_parse_agent(row, i, model_override, problems) for i, row in enumerate(rows)]
+    if None in agents:
+        return None
     names = [a.name for a in agents]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
-        raise ValueError(f"agent name(s) {duplicated} used more than once; every agent needs its own name")
-    _check_pools(agents)
+        problems.append(f"agent name(s) {duplicated} used more than once; every agent needs its own name")
+    _check_pools(agents, problems)
     for i, (agent, row) in enumerate(zip(agents, rows)):
-        agent.view = _parse_view(row.get("view", "all"), names, i)
+        agent.view = _parse_view(row.get("view", "all"), names, i, problems)
     return agents
 
 
-def _parse_agent(row, index: int, model_override: Optional[str]) -> AgentSpec:
+def _parse_agent(row, index: int, model_override: Optional[str], problems: list) -> Optional[AgentSpec]:
     if not isinstance(row, dict):
-        raise ValueError(f"agents[{index}] must be a mapping with keys {', '.join(AGENT_KEYS)}")
+        problems.append(f"agents[{index}] must be a mapping with keys {', '.join(AGENT_KEYS)}")
+        return None
     label = f"agent {row.get('name', index)!r}"
     if model_override:
         row = dict(row, model=model_override)
-    values = _read(row, AGENT_SCHEMA, f"{label}: ", "allowed agent keys")
+    values = _read(row, AGENT_SCHEMA, f"{label}: ", problems, "allowed agent keys")
+    if values is None:
+        return None
     values["model"] = os.path.expanduser(values["model"])  # checked by team.check_model, before a run starts
-    check_template(values["prompt"], AGENT_PROMPT_FIELDS, f"{label}: prompt")
+    problems += _template_problems(values["prompt"], AGENT_PROMPT_FIELDS, f"{label}: prompt")
     del values["view"]  # checked once every agent's name is known (_parse_view)
     if values["lora"] is not None:
-        values["lora"] = _parse_lora(values["lora"], label)
+        values["lora"] = _parse_lora(values["lora"], label, problems)
     return AgentSpec(**values)
 
 
-def _parse_lora(raw, label: str) -> Lora:
+def _parse_lora(raw, label: str, problems: list) -> Optional[Lora]:
     label += ": lora"
     if not isinstance(raw, dict):
         keys = ", ".join(row[0] for row in LORA_SCHEMA)
-        raise ValueError(f"{label} must be a mapping with keys {keys} (rank is required)")
-    lora = _read(raw, LORA_SCHEMA, f"{label}: ")
-    if lora["rank"] > VLLM_LORA_RANKS[-1]:
-        raise ValueError(f"{label}: rank {lora['rank']} is larger than vLLM's engines serve (max_lora_rank "
-                         f"at most {VLLM_LORA_RANKS[-1]})")
+        problems.append(f"{label} must be a mapping with keys {keys} (rank is required)")
+        return None
+    lora = _read(raw, LORA_SCHEMA, f"{label}: ", problems)
+    if lora is None:
+        return None
     targets = lora["target_modules"]
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    if lora["rank"] > VLLM_LORA_RANKS[-1]:
+        problems.append(f"{label}: rank {lora['rank']} is larger than vLLM's engines serve (max_lora_rank at most "
+                        f"{VLLM_LORA_RANKS[-1]})")
     if "all-linear" in targets and len(targets) > 1:
-        raise ValueError(f"{label}: 'target_modules' is either all-linear or a list of module names, not both")
+        problems.append(f"{label}: 'target_modules' is either all-linear or a list of module names, not both")
     return Lora(lora["rank"], float(lora["alpha"] or 2 * lora["rank"]), targets, float(lora["dropout"]), lora["pool"])
 
 
-def _check_pools(agents: list) -> None:
+def _check_pools(agents: list, problems: list) -> None:
     """The agents of one LoRA engine pool share what an engine has only one of: its base model and engine count."""
     pools = {}
     for a in agents:
@@ -432,82 +447,81 @@ def _check_pools(agents: list) -> None:
             values = {getattr(a, key) for a in members}
             if len(values) > 1:
                 listed = ", ".join(f"{a.name} ({getattr(a, key)})" for a in members)
-                raise ValueError(f"LoRA engine pool {pool!r}: its agents differ in {what}: {listed}. One pool's "
-                                 f"engines serve one base model with every member's adapter; give them the same "
-                                 f"{what}, or different lora.pool names")
+                problems.append(f"LoRA engine pool {pool!r}: its agents differ in {what}: {listed}. One pool's "
+                                f"engines serve one base model with every member's adapter; give them the same "
+                                f"{what}, or different lora.pool names")
 
 
-def _parse_view(raw, names: list, index: int) -> View:
+def _parse_view(raw, names: list, index: int, problems: list) -> Optional[View]:
     """An agent's view, its names checked (whether they act before it depends on the env: team.load_topology)."""
     label = f"agent {names[index]!r}: view"
-    view = _read(raw if isinstance(raw, dict) else {"agents": raw}, VIEW_SCHEMA, f"{label}: ")
+    view = _read(raw if isinstance(raw, dict) else {"agents": raw}, VIEW_SCHEMA, f"{label}: ", problems)
+    if view is None:
+        return None
     agents = view["agents"]
-    if agents == "previous":
-        if index == 0:
-            raise ValueError(f"{label}: 'previous' names nobody: this is the first agent (write [] to show no "
-                             f"other agent)")
-        agents = [names[index - 1]]
-    if agents != "all":
-        if not isinstance(agents, list) or not all(isinstance(a, str) for a in agents):
-            raise ValueError(f"{label}: 'agents' must be all, previous or a list of agent names, got {agents!r}")
+    if agents == "previous" and index == 0:
+        problems.append(f"{label}: 'previous' names nobody: this is the first agent (write [] to show no other agent)")
+    elif agents == "previous":
+        agents = (names[index - 1],)
+    elif agents != "all" and (not isinstance(agents, list) or not all(isinstance(a, str) for a in agents)):
+        problems.append(f"{label}: 'agents' must be all, previous or a list of agent names, got {agents!r}")
+    elif agents != "all":
+        agents = tuple(agents)
         for a in agents:
             if a not in names:
-                raise ValueError(f"{label}: unknown agent {a!r}; the agents are {', '.join(names)}")
-            if a == names[index]:
-                raise ValueError(f"{label}: names the agent itself; its own earlier actions are always shown to it")
-        agents = tuple(agents)
+                problems.append(f"{label}: unknown agent {a!r}; the agents are {', '.join(names)}")
+            elif a == names[index]:
+                problems.append(f"{label}: names the agent itself; its own earlier actions are always shown to it")
     return View(agents, view["actions"], view["tool_output"], view["strip_thinking"])
 
 
-def _parse_stages(rows, agent_names: list) -> list:
+def _parse_stages(rows, agent_names: list, problems: list) -> list:
     """coach_templates: a list of {name, template, when}; the first stage starts, each later one takes over
     after the first step whose metrics satisfy its `when` (checked only while the stage before it is in use)."""
     if not isinstance(rows, list) or len(rows) < 2:
-        raise ValueError("'coach_templates' must be a list of at least two stages {name, template, when} (one "
-                         "template: use coach_template)")
+        problems.append("'coach_templates' must be a list of at least two stages {name, template, when} (one "
+                        "template: use coach_template)")
+        return []
     stages = []
     for i, row in enumerate(rows):
         label = f"coach_templates[{i}]"
         if not isinstance(row, dict):
-            raise ValueError(f"{label} must be a mapping with keys {', '.join(r[0] for r in STAGE_SCHEMA)}")
-        _check_keys(row, tuple(r[0] for r in STAGE_SCHEMA), f"{label}: ")
-        if _word(row.get("name")):  # named in the messages about the rest of the stage
-            label += f" ({row['name']})"
-        name, template, when = _read(row, STAGE_SCHEMA, f"{label}: ").values()
-        if name in [s.name for s in stages]:
-            raise ValueError(f"coach_templates[{i}]: the name {name!r} is used twice; every stage needs its own name")
-        check_template(template, PROMPT_FIELDS, f"{label}: template")
-        if i == 0:
-            if when is not None:
-                raise ValueError(f"{label}: the first stage is in use from step 1; a 'when' belongs to the stages "
-                                 f"after it")
-            stages.append(CoachStage(name, template))
+            problems.append(f"{label} must be a mapping with keys {', '.join(r[0] for r in STAGE_SCHEMA)}")
             continue
-        if not isinstance(when, str):
-            raise ValueError(f"{label}: 'when' must be a switch rule '<metric> <op> <number>', e.g. "
-                             f"'agent/{agent_names[-1]}/code_error_rate < 0.2' or 'step >= 50'")
-        rule = SWITCH_RULE_RE.fullmatch(when)
-        if not rule:
-            raise ValueError(f"{label}: when {when!r} is not '<metric> <op> <number>' with op one of <, <=, >, >= "
-                             f"(e.g. 'outcome/success_rate >= 0.5' or 'step >= 50')")
-        metric, op, threshold = rule.group(1), rule.group(2), float(rule.group(3))
-        _check_switch_metric(metric, agent_names, f"{label}: when {when!r}")
-        stages.append(CoachStage(name, template, metric, op, threshold))
+        named = f"{label} ({row['name']})" if _word(row.get("name")) else label  # named in what follows
+        stage = _read(row, STAGE_SCHEMA, f"{named}: ", problems, keys_label=f"{label}: ")
+        if stage is None:
+            continue
+        name, template, when = stage.values()
+        if name in [s.name for s in stages]:
+            problems.append(f"{label}: the name {name!r} is used twice; every stage needs its own name")
+        problems += _template_problems(template, PROMPT_FIELDS, f"{named}: template")
+        rule = SWITCH_RULE_RE.fullmatch(when) if isinstance(when, str) else None
+        if i == 0 and when is not None:
+            problems.append(f"{named}: the first stage is in use from step 1; a 'when' belongs to the stages after it")
+        elif i > 0 and not isinstance(when, str):
+            problems.append(f"{named}: 'when' must be a switch rule '<metric> <op> <number>', e.g. "
+                            f"'agent/{agent_names[-1]}/code_error_rate < 0.2' or 'step >= 50'")
+        elif i > 0 and not rule:
+            problems.append(f"{named}: when {when!r} is not '<metric> <op> <number>' with op one of <, <=, >, >= "
+                            f"(e.g. 'outcome/success_rate >= 0.5' or 'step >= 50')")
+        elif i > 0:
+            _check_switch_metric(rule.group(1), agent_names, f"{named}: when {when!r}", problems)
+        switch = (rule.group(1), rule.group(2), float(rule.group(3))) if rule and i > 0 else ()
+        stages.append(CoachStage(name, template, *switch))
     return stages
 
 
-def _check_switch_metric(metric: str, agent_names: list, label: str) -> None:
+def _check_switch_metric(metric: str, agent_names: list, label: str, problems: list) -> None:
     """A rule's metric must be one a step logs: a rule on a misspelt key would wait forever, silently."""
     parts = metric.split("/")
-    if metric == "step" or metric == "outcome/success_rate":
+    namespaced = parts[0] in ("coach", "coach_bias") and len(parts) >= 2 and all(parts)  # coach/<metric>, ...
+    if metric in ("step", "outcome/success_rate") or namespaced:
         return
-    if parts[0] in ("coach", "coach_bias") and len(parts) >= 2 and all(parts):
+    if parts[0] != "agent" or len(parts) != 3:
+        problems.append(f"{label}: unknown metric name {metric!r}; a rule reads one of: {', '.join(SWITCH_NAMESPACES)}")
         return
-    if parts[0] == "agent" and len(parts) == 3:
-        if parts[1] not in agent_names:
-            raise ValueError(f"{label}: unknown agent {parts[1]!r}; the agents are {', '.join(agent_names)}")
-        if parts[2] not in AGENT_METRICS:
-            raise ValueError(f"{label}: agents log no metric {parts[2]!r}; per-agent metrics: "
-                             f"{', '.join(AGENT_METRICS)}")
-        return
-    raise ValueError(f"{label}: unknown metric name {metric!r}; a rule reads one of: {', '.join(SWITCH_NAMESPACES)}")
+    if parts[1] not in agent_names:
+        problems.append(f"{label}: unknown agent {parts[1]!r}; the agents are {', '.join(agent_names)}")
+    if parts[2] not in AGENT_METRICS:
+        problems.append(f"{label}: agents log no metric {parts[2]!r}; per-agent metrics: {', '.join(AGENT_METRICS)}")

@@ -165,6 +165,35 @@ def test_bad_topology_messages(tmp_path, overrides, message):
     assert message in str(err.value)
 
 
+def test_independent_mistakes_are_named_together_in_one_refusal(tmp_path):
+    """Every problem of a file in one refusal, a line each naming the file: a fix-and-rerun loop per typo is gone.
+    A rule reading a value runs only once that value passed: the unreadable agent's view is not looked at."""
+    path = write_topology(tmp_path, reward_scale=0, review_template="{agent_output}", keep_reasoning="yes",
+                          agents=[dict(GOOD_AGENT, max_actions=0, view="previous"),
+                                  dict(CHECKER, lora={"rank": 1024, "dropout": 2}, view=["solvr"])])
+    with pytest.raises(ValueError) as err:
+        load_topology(path)
+    assert str(err.value).split("\n") == [f"{path}: {problem}" for problem in (
+        "'reward_scale' must be a positive number (1.0: coach scores as given), got 0",
+        "'keep_reasoning' must be true (an agent's earlier replies as generated, reasoning included) or false (as its "
+        "chat template renders them), got 'yes'",
+        "agent 'solver': 'max_actions' must be an integer >= 1, got 0",
+        "agent 'checker': lora: 'dropout' must be a number in [0, 1), got 2",
+    )]
+    # The same agents read: the rules across them (views, the rank vLLM serves) now run too.
+    path = write_topology(tmp_path, review_template="{agent_output}",
+                          agents=[dict(GOOD_AGENT, view="previous"), dict(CHECKER, lora={"rank": 1024}, view=["solvr"])])
+    with pytest.raises(ValueError) as err:
+        load_topology(path)
+    assert str(err.value).split("\n") == [f"{path}: {problem}" for problem in (
+        "agent 'checker': lora: rank 1024 is larger than vLLM's engines serve (max_lora_rank at most 512)",
+        "agent 'solver': view: 'previous' names nobody: this is the first agent (write [] to show no other agent)",
+        "agent 'checker': view: unknown agent 'solvr'; the agents are solver, checker",
+        "review_template: unknown field {agent_output}; allowed fields: task, task_type, trajectory, outcome, "
+        "num_actions (write {{ and }} for literal braces, e.g. \\boxed{{}})",
+    )]
+
+
 def test_lora_agents_share_a_pool_per_base_model_and_targets_are_checked(tmp_path):
     from openrlhf_mappa.team import check_lora
 
@@ -321,6 +350,22 @@ def test_load_tasks_bad_rows(tmp_path, lines, where, message):
         load_tasks(str(path))
     assert str(err.value).startswith(f"{path}: {where}")
     assert message in str(err.value)
+
+
+def test_a_rows_problems_and_the_sandbox_limits_are_named_together(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "answer": 1}\n{"prompt": 5, "answer": null, "id": [2]}\n')
+    with pytest.raises(ValueError) as err:
+        load_tasks(str(path))
+    assert str(err.value).split("\n") == [f"{path}: line 2: {problem}" for problem in (
+        "'prompt' must be a string, got int",
+        "'answer' is missing or null; these tasks need a reference answer (string or number)",
+        "'id' must be a string or a number, got list")]
+    topology = load_topology(write_topology(tmp_path, env_kwargs={"code_memory_mb": 0, "sandbox_url": "localhost"}))
+    with pytest.raises(ValueError) as err:
+        topology.make_env({"id": "1", "prompt": "1 + 1?", "answer": "2"}, str(tmp_path))
+    assert str(err.value) == ("env_kwargs code_memory_mb must be a positive integer, got 0; env_kwargs sandbox_url must "
+                              "be the http(s) URL of a SandboxFusion service, got 'localhost'")
 
 
 def test_load_tasks_names_the_line_of_a_byte_that_is_not_utf8(tmp_path):

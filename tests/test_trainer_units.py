@@ -133,6 +133,15 @@ def test_prepare_resume_sets_aside_a_first_save_that_never_completed(tmp_path):
     args, topology = fake_checkpoints(tmp_path / "b", {"solver": ["global_step3"], "verifier": ["global_step1"]}, 3)
     with pytest.raises(ValueError, match="agent 'verifier' has no global_step3"):
         prepare_resume(args, topology)
+    # Every agent's fault in one refusal, a line each.
+    root = tmp_path / "c"
+    args, topology = fake_checkpoints(root, {"solver": ["global_step1"], "verifier": []}, 3)
+    with pytest.raises(ValueError) as err:
+        prepare_resume(args, topology)
+    assert str(err.value).split("\n") == [
+        f"resume: agent 'solver' has no global_step3 in {root}/solver/_actor (removed by --ckpt.max_num?)",
+        f"resume: {root}/mappa_checkpoint.json says step 3, but agent 'verifier' has no checkpoint in "
+        f"{root}/verifier/_actor"]
 
 
 def test_cli_rejects_bad_input_before_ray_starts(tmp_path):

@@ -65,20 +65,24 @@ class MultiAgentEnv:
     def __init__(self, topology: Topology, task: dict, workspace: str, code_timeout_s: float = 10.0,
                  code_memory_mb: int = 4096, code_cpu_time_s: Optional[float] = None, code_max_file_mb: int = 1024,
                  code_max_processes: int = 256, sandbox_url: Optional[str] = None):
-        # The sandbox's limits (env_kwargs) are refused here, so before a run starts (Topology.check_env).
+        # The sandbox's limits (env_kwargs) are refused here, so before a run starts (Topology.check_env), all
+        # wrong ones in one refusal.
         limits = {"code_timeout_s": (code_timeout_s, (int, float)), "code_cpu_time_s": (code_cpu_time_s, (int, float)),
                   "code_memory_mb": (code_memory_mb, int), "code_max_file_mb": (code_max_file_mb, int),
                   "code_max_processes": (code_max_processes, int)}
+        problems = []
         for key, (value, kind) in limits.items():
             if value is None and key == "code_cpu_time_s":
                 continue
             if isinstance(value, bool) or not isinstance(value, kind) or not 0 < value < math.inf:
                 what = "a positive integer" if kind is int else "a positive number of seconds"
-                raise ValueError(f"env_kwargs {key} must be {what}, got {value!r}")
+                problems.append(f"env_kwargs {key} must be {what}, got {value!r}")
         if sandbox_url is not None and not (isinstance(sandbox_url, str)
                                             and sandbox_url.startswith(("http://", "https://"))):
-            raise ValueError(f"env_kwargs sandbox_url must be the http(s) URL of a SandboxFusion service, "
-                             f"got {sandbox_url!r}")
+            problems.append(f"env_kwargs sandbox_url must be the http(s) URL of a SandboxFusion service, "
+                            f"got {sandbox_url!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
         self.topology, self.task, self.workspace, self.code_timeout_s = topology, task, workspace, code_timeout_s
         self.sandbox_limits = dict(memory_mb=code_memory_mb, cpu_time_s=code_cpu_time_s, max_file_mb=code_max_file_mb,
                                    max_processes=code_max_processes, sandbox_url=sandbox_url)
@@ -313,29 +317,32 @@ def _read_json_rows(path: str) -> list:
 
 def _check_task(row: dict, default_id: str, where: str, input_key: str, label_key: str, needs_answer: bool,
                 columns: list) -> dict:
-    prompt, answer = row.get(input_key), row.get(label_key)
+    """The task of one row, or one refusal naming each of the row's problems (a rule on a value's content asks
+    for its type first, so that one wrong value is named once)."""
+    prompt, answer, task_id = row.get(input_key), row.get(label_key), row.get("id")
     # A column the whole dataset lacks is likely another name for it: the dataset's columns and the flag are named.
-    if prompt is None:
-        hint = f" (its columns: {', '.join(columns)}; name the task text's with --data.input_key COLUMN)"
-        raise ValueError(f"{where}: missing {input_key!r}{'' if input_key in columns else hint}")
-    if not isinstance(prompt, str):
-        raise ValueError(f"{where}: {input_key!r} must be a string, got {type(prompt).__name__}")
-    if not prompt.strip():
-        raise ValueError(f"{where}: empty {input_key!r}")
-    if answer is None and needs_answer:
-        hint = f" (its columns: {', '.join(columns)}; name the answer's with --data.label_key COLUMN)"
-        raise ValueError(f"{where}: {label_key!r} is missing or null{'' if label_key in columns else hint}; these "
-                         "tasks need a reference answer (string or number)")
+    listed = f" (its columns: {', '.join(columns)}; name "
+    prompt_hint = "" if input_key in columns else f"{listed}the task text's with --data.input_key COLUMN)"
+    answer_hint = "" if label_key in columns else f"{listed}the answer's with --data.label_key COLUMN)"
+    typed = isinstance(answer, (str, int, float)) and not isinstance(answer, bool)
+    rules = (
+        (prompt is None, f"missing {input_key!r}{prompt_hint}"),
+        (prompt is not None and not isinstance(prompt, str),
+         f"{input_key!r} must be a string, got {type(prompt).__name__}"),
+        (isinstance(prompt, str) and not prompt.strip(), f"empty {input_key!r}"),
+        (answer is None and needs_answer,
+         f"{label_key!r} is missing or null{answer_hint}; these tasks need a reference answer (string or number)"),
+        (answer is not None and not typed, f"{label_key!r} must be a string or a number, got {type(answer).__name__}"),
+        (isinstance(answer, str) and not answer.strip(), f"empty {label_key!r}"),
+        (isinstance(answer, float) and not math.isfinite(answer),  # JSON's NaN and Infinity: "nan", "inf"
+         f"{label_key!r} is {answer}, not a finite number; write the reference answer"),
+        (task_id is not None and (isinstance(task_id, bool) or not isinstance(task_id, (str, int, float))),
+         f"'id' must be a string or a number, got {type(task_id).__name__}"),
+    )
+    problems = [f"{where}: {message}" for broken, message in rules if broken]
+    if problems:
+        raise ValueError("\n".join(problems))
     if answer is not None:
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            raise ValueError(f"{where}: {label_key!r} must be a string or a number, got {type(answer).__name__}")
-        if isinstance(answer, str) and not answer.strip():
-            raise ValueError(f"{where}: empty {label_key!r}")
-        if isinstance(answer, float) and not math.isfinite(answer):  # JSON's NaN and Infinity: "nan", "inf"
-            raise ValueError(f"{where}: {label_key!r} is {answer}, not a finite number; write the reference answer")
         answer = str(int(answer) if isinstance(answer, float) and answer.is_integer() else answer)  # 18.0 means 18
-    task_id = row.get("id")
-    if task_id is not None and (isinstance(task_id, bool) or not isinstance(task_id, (str, int, float))):
-        raise ValueError(f"{where}: 'id' must be a string or a number, got {type(task_id).__name__}")
     return dict(row, prompt=prompt, answer=answer, id=str(default_id if task_id is None else task_id),
                 type=row.get("type") or "")
