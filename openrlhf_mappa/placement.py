@@ -369,13 +369,6 @@ def layout(groups: list, colocate: str) -> list:
     return [[(g, i) for g in gs if i < g.gpus] for gs in sets.values() for i in range(max(g.gpus for g in gs))]
 
 
-def node_sizes(gpus, per_node: int):
-    """GPUs of each node: Ray's nodes as given (a list), else `gpus` in nodes of `per_node`; None: no limit."""
-    if gpus is None or isinstance(gpus, list):
-        return gpus
-    return [per_node] * (gpus // per_node) + [gpus % per_node] * (gpus % per_node > 0)
-
-
 def total(gpus):
     return sum(gpus) if isinstance(gpus, list) else gpus
 
@@ -399,7 +392,7 @@ class Plan:
     colocate: str = "none"
     refused: list = field(default_factory=list)  # what the colocation cannot place (colocation_problems)
     host_gib: object = None  # host memory of a node, or of each (a list, as Ray's nodes report it); None: unchecked
-    gpus_per_node: int = None  # a node's GPUs where the cluster is given as a count (--mappa.gpus)
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE  # a node's GPUs where the cluster is a count, or none is given
     tp: int = 1  # an engine's tensor-parallel GPUs, which stay on one node
 
     def sets(self) -> dict:
@@ -414,14 +407,21 @@ class Plan:
     def need(self) -> int:
         return sum(self.sets().values())
 
+    def node_sizes(self, gpus) -> list:
+        """GPUs of each node: Ray's nodes as given (a list), else `gpus` in nodes of gpus_per_node; none when no
+        cluster is given (place adds nodes of gpus_per_node as the plan needs them)."""
+        per = self.gpus_per_node
+        if gpus is None or isinstance(gpus, list):
+            return list(gpus or [])
+        return [per] * (gpus // per) + [gpus % per] * (gpus % per > 0)
+
     def place(self, gpus=None) -> dict:
         """GPU set -> the node of each of its GPUs (None: beyond the cluster). An agent's sets together where a
         node has room (its weight sync stays inside the node), else each set alone; largest first, each on the
         fullest node with room for it, so that whole nodes stay free for larger ones. A set no node has room for
         spreads over the nodes with the most free GPUs, an engine's tensor-parallel GPUs on one node. The
         launch's placement groups follow it (launch.pinned_groups)."""
-        per = self.gpus_per_node or DEFAULT_GPUS_PER_NODE
-        free = list(node_sizes(gpus, per) or [])
+        per, free = self.gpus_per_node, self.node_sizes(gpus)
         grow = gpus is None  # no cluster given: as many nodes of `per` as the plan needs
 
         def one_node(n: int):
@@ -473,9 +473,9 @@ class Plan:
     def across_nodes(self, gpus=None) -> list:
         """What crosses nodes, in words: a GPU set no node has room for (an actor group or colocated set then
         spans nodes), and an agent whose engines are on other nodes than its actor (its weight sync crosses)."""
-        placed, out, per = self.place(gpus), [], self.gpus_per_node or DEFAULT_GPUS_PER_NODE
+        placed, out = self.place(gpus), []
         on = lambda nodes: ", ".join(map(str, sorted(set(nodes) - {None})))
-        largest = max(node_sizes(gpus, per) or [per])
+        largest = max(self.node_sizes(gpus) or [self.gpus_per_node])
         for key, nodes in placed.items():
             if len(set(nodes) - {None}) > 1:
                 why = f"more than a node's {largest}" if len(nodes) > largest else "no node has room for all"
@@ -505,15 +505,17 @@ class Plan:
             adds[unit] = adds.get(unit, 0.0) + sum(g.adds.get(phase, {}).values())
         return sum(sum(g.held.values()) for g, _ in slot) + max(adds.values(), default=0.0)
 
-    def overfull(self) -> dict:
-        """(group ids on the GPU) -> message, once per group of alike GPUs that exceed their memory."""
-        out = {}
+    def memory_problems(self) -> list:
+        """What does not fit the GPUs' memory: a group's own (a KV cache too small), then each GPU over its memory,
+        once per group of alike GPUs (the same groups' ranks)."""
+        out, seen = [p for g in self.groups() for p in g.problems], set()
         for i, slot in enumerate(self.slots):
             phase = max(PHASES, key=lambda p: self.peak(slot, p))
             key = tuple(id(g) for g, _ in slot)
-            if self.peak(slot, phase) > self.gpu_gib and key not in out:
-                out[key] = (f"GPU {i} ({slot_label(slot)}) needs {self.peak(slot, phase):.1f} GiB in the {phase} "
-                            f"phase, more than its {self.gpu_gib:g} GiB")
+            if self.peak(slot, phase) > self.gpu_gib and key not in seen:
+                seen.add(key)
+                out.append(f"GPU {i} ({slot_label(slot)}) needs {self.peak(slot, phase):.1f} GiB in the {phase} "
+                           f"phase, more than its {self.gpu_gib:g} GiB")
         return out
 
     def groups(self) -> list:
@@ -528,16 +530,10 @@ class Plan:
                     "team": "the team's actor groups and vLLM engines, on GPUs they all share"}[self.colocate]
             out.append(f"not enough GPUs: {what} need {self.need} GPUs but the cluster has {total(gpus)} ({detail})")
         elif any(None in nodes for nodes in self.place(gpus).values()):
-            sizes = node_sizes(gpus, self.gpus_per_node or DEFAULT_GPUS_PER_NODE)
+            sizes = self.node_sizes(gpus) or [self.gpus_per_node]
             out.append(f"the vLLM engines' tensor-parallel groups ({self.tp} GPUs each, on one node) fit no node's "
                        f"free GPUs on nodes of {', '.join(map(str, sizes))} GPUs")
-        return (out + [p for g in self.groups() for p in g.problems] + list(self.overfull().values())
-                + self.host_problems(gpus))
-
-    def unfit_kinds(self) -> set:
-        """The kinds of component (actor, reference, vllm) that do not fit their GPUs."""
-        bad = {g.kind for g in self.groups() if g.problems}
-        return bad | {g.kind for key in self.overfull() for g in self.groups() if id(g) in key}
+        return out + self.memory_problems() + self.host_problems(gpus)
 
 
 def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan:
@@ -575,7 +571,8 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
             groups.append(engines)
     colocate = args.mappa.colocate
     return Plan(counts, layout(groups, colocate), known, gpu_gib, colocate, colocation_problems(args, topology),
-                args.mappa.host_memory_gib, args.mappa.gpus_per_node, args.vllm.tensor_parallel_size)
+                args.mappa.host_memory_gib, args.mappa.gpus_per_node or DEFAULT_GPUS_PER_NODE,
+                args.vllm.tensor_parallel_size)
 
 
 # A change is a list of settings (section, key, value), as the flags that make them: `--ds.adam_offload` for
@@ -637,7 +634,7 @@ def advice(args, topology, plan: Plan, gpus, allowed) -> list:
         """The plan with these settings in words (its GPUs where `count`, its largest GPU peak), and whether it
         fits: wholly where `count`, else its GPU memory."""
         changed = make_plan(with_changes(args, settings), topology, plan.gpu_gib, sizes)
-        fits = not (changed.problems(gpus) if count else changed.unfit_kinds())
+        fits = not (changed.problems(gpus) if count else changed.memory_problems())
         most = max((changed.peak(slot, phase) for slot in changed.slots for phase in PHASES), default=0.0)
         said = [f"{changed.need} GPUs"] * count + ([f"at most {most:.1f} GiB a GPU"] if changed.slots else [])
         return ", ".join(said + ["fits"] * fits), fits
@@ -649,7 +646,7 @@ def advice(args, topology, plan: Plan, gpus, allowed) -> list:
             shared = colocation(args, topology, mode)
             if accepts(with_changes(args, shared)):
                 out.append(f"or {flags(args, shared)}: {then(shared, count=True)[0]}")
-    if plan.unfit_kinds():
+    if plan.memory_problems():
         applied, fits = [], False
         for saving in memory_flags(args):
             if fits or not accepts(with_changes(args, applied + [saving])):
@@ -689,21 +686,21 @@ def check(args, topology, gpus, gpu_gib: float = None, sizes: dict = None, allow
 
 def format_plan(plan: Plan, gpus=None) -> str:
     """The table (node, GPU, what it holds, GiB per phase) and, per agent, what the numbers are made of."""
+    placed, nodes = plan.place(gpus), plan.nodes(gpus)
     out = [f"{'node':>4} {'GPU':>4}  {'holds':<50}" + "".join(f"{p:>11}" for p in PHASES) + "   (GiB, peak per phase)"]
-    for node, indices, _ in plan.nodes(gpus):
+    for node, indices, _ in nodes:
         for local, slot in enumerate(plan.slots[i] for i in indices):
             where = f"{node:>4} {local:>4}" if node is not None else f"{'-':>4} {'-':>4}"
             mark = "  <- beyond the cluster's GPUs" if node is None else ""
             out.append(f"{where}  {slot_label(slot):<50}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES)
                        + mark)
     if not plan.slots:  # GPU memory not known: the counts only, and which of them share GPUs
-        placed = plan.place(gpus)
         on = lambda nodes: "beyond the cluster" if None in nodes else (
             f"node{'s' * (len(set(nodes)) > 1)} {', '.join(map(str, sorted(set(nodes))))}")
         out = [f"{n:>4}  GPUs: {label}, on {on(placed[gpu_set(plan.colocate, label)])}"
                for label, n in plan.counts.items()]
         out += [f"placement: {PLACEMENTS[plan.colocate]}"] * (plan.colocate != "none")
-    used = len({k for nodes in plan.place(gpus).values() for k in nodes if k is not None})
+    used = len({k for on in placed.values() for k in on if k is not None})
     out.append(f"total: {plan.need} GPUs" + (f" of the cluster's {total(gpus)}" if gpus is not None else "")
                + f" on {used} node{'s' * (used != 1)}")
     out += [f"across nodes: {line}" for line in plan.across_nodes(gpus)]
@@ -711,40 +708,38 @@ def format_plan(plan: Plan, gpus=None) -> str:
         turns = "the largest agent's (they train and sync in turn)" if plan.colocate == "team" else "its agent's"
         out.append(f"A shared GPU holds what its models keep plus what the phase adds: every engine's in the rollout,\n"
                    f"the largest forward's in the experience phase, {turns} in train and sync")
-    for k, slots, need in [node for node in plan.nodes(gpus) if node[0] is not None]:  # offloads, sleeping engines
+    for k, slots, need in [node for node in nodes if node[0] is not None]:  # offloads, sleeping engines
         of = f" of its {plan.host_of(k):g}" if plan.host_of(k) else " (not checked: --mappa.host_memory_gib)"
         out.append(f"host memory, node {k} ({len(slots)} GPUs): {sum(need.values()):.1f} GiB{of}: "
                    + ", ".join(f"{label} {gib:.1f}" for label, gib in need.items()))
-    def breakdown(owner: str) -> list:
-        lines = []
-        for g in (g for g in plan.groups() if g.agent == owner):
-            parts = " + ".join(f"{k} {v:.1f}" for k, v in g.held.items())
-            lines.append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {parts} = {sum(g.held.values()):.1f} "
-                         f"GiB held")
-            lines += [f"    {phase} adds " + " + ".join(f"{k} {v:.1f}" for k, v in extra.items())
-                      for phase, extra in g.adds.items() if extra]
-            lines.append("    host memory, each: " + " + ".join(f"{k} {v:.1f}" for k, v in g.host.items())
-                         + f" = {sum(g.host.values()):.1f} GiB")
-            lines += [f"    {note}" for note in g.notes]
-        return lines
+    return "\n".join(out + breakdown(plan))
 
-    seen = {}  # an agent's breakdown -> the first agent with it
+
+def breakdown(plan: Plan) -> list:
+    """Per agent, then per LoRA engine pool, what each group's GPUs hold in each phase, its host memory and notes;
+    an agent whose lines are another's of the same model says so instead."""
+    summed = lambda parts: " + ".join(f"{k} {v:.1f}" for k, v in parts.items())
+    lines = {}  # owner (an agent, or a LoRA engine pool) -> its groups' lines
+    for g in plan.groups():
+        lines.setdefault(g.agent, []).append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {summed(g.held)} "
+                                             f"= {sum(g.held.values()):.1f} GiB held")
+        lines[g.agent] += [f"    {phase} adds {summed(extra)}" for phase, extra in g.adds.items() if extra]
+        lines[g.agent].append(f"    host memory, each: {summed(g.host)} = {sum(g.host.values()):.1f} GiB")
+        lines[g.agent] += [f"    {note}" for note in g.notes]
+    out, seen = [], {}  # an agent's model and lines -> the first agent with them
     for name, (model, size) in plan.sizes.items():
+        own = lines.pop(name, [])
         if isinstance(size, str):  # why the memory of this agent's components is not estimated
             out.append(f"\n{name}: {model}: {size}")
-        lines = breakdown(name)
-        if not lines:
-            continue
-        if (model, *lines) in seen:
-            out.append(f"\n{name}: {model}, the same as {seen[model, *lines]}")
-            continue
-        seen[model, *lines] = name
-        out.append(f"\n{name}: {model}, {size.params / 1e9:.2f}B parameters ({size.layers} layers, hidden "
-                   f"{size.hidden}, vocabulary {size.vocab})")
-        out += lines
-    for pool in dict.fromkeys(g.agent for g in plan.groups() if g.agent not in plan.sizes):  # LoRA engine pools
-        out += [f"\n{pool}:"] + breakdown(pool)
-    return "\n".join(out)
+        elif own and (model, *own) in seen:
+            out.append(f"\n{name}: {model}, the same as {seen[model, *own]}")
+        elif own:
+            seen[model, *own] = name
+            out += [f"\n{name}: {model}, {size.params / 1e9:.2f}B parameters ({size.layers} layers, hidden "
+                    f"{size.hidden}, vocabulary {size.vocab})"] + own
+    for pool, own in lines.items():  # the LoRA engine pools
+        out += [f"\n{pool}:"] + own
+    return out
 
 
 def host_memory_gib(available: bool = False) -> float:
