@@ -434,12 +434,12 @@ class Plan:
             nodes = []
             while len(nodes) < n:
                 k = max(range(len(free)), key=lambda k: free[k], default=None)
-                take = min(free[k] // chunk * chunk, n - len(nodes)) if k is not None else 0
-                if take == 0 and not (grow and chunk <= per):
-                    return nodes + [None] * (n - len(nodes))
-                if take == 0:
+                if k is None or free[k] < chunk:  # no node has room for one chunk: a new one, or beyond the cluster
+                    if not (grow and chunk <= per):
+                        return nodes + [None] * (n - len(nodes))
                     free.append(per)
-                    continue
+                    k = len(free) - 1
+                take = min(free[k] // chunk * chunk, n - len(nodes))
                 nodes, free[k] = nodes + [k] * take, free[k] - take
             return nodes
 
@@ -712,21 +712,18 @@ def format_plan(plan: Plan, gpus=None) -> str:
         of = f" of its {plan.host_of(k):g}" if plan.host_of(k) else " (not checked: --mappa.host_memory_gib)"
         out.append(f"host memory, node {k} ({len(slots)} GPUs): {sum(need.values()):.1f} GiB{of}: "
                    + ", ".join(f"{label} {gib:.1f}" for label, gib in need.items()))
-    return "\n".join(out + breakdown(plan))
-
-
-def breakdown(plan: Plan) -> list:
-    """Per agent, then per LoRA engine pool, what each group's GPUs hold in each phase, its host memory and notes;
-    an agent whose lines are another's of the same model says so instead."""
+    # Per agent, then per LoRA engine pool, what each group's GPUs hold in each phase, its host memory and notes;
+    # an agent whose lines are another's of the same model says so instead.
     summed = lambda parts: " + ".join(f"{k} {v:.1f}" for k, v in parts.items())
     lines = {}  # owner (an agent, or a LoRA engine pool) -> its groups' lines
     for g in plan.groups():
-        lines.setdefault(g.agent, []).append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {summed(g.held)} "
-                                             f"= {sum(g.held.values()):.1f} GiB held")
-        lines[g.agent] += [f"    {phase} adds {summed(extra)}" for phase, extra in g.adds.items() if extra]
-        lines[g.agent].append(f"    host memory, each: {summed(g.host)} = {sum(g.host.values()):.1f} GiB")
-        lines[g.agent] += [f"    {note}" for note in g.notes]
-    out, seen = [], {}  # an agent's model and lines -> the first agent with them
+        own = lines.setdefault(g.agent, [])
+        own.append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {summed(g.held)} = {sum(g.held.values()):.1f} "
+                   f"GiB held")
+        own += [f"    {phase} adds {summed(extra)}" for phase, extra in g.adds.items() if extra]
+        own.append(f"    host memory, each: {summed(g.host)} = {sum(g.host.values()):.1f} GiB")
+        own += [f"    {note}" for note in g.notes]
+    seen = {}  # an agent's model and lines -> the first agent with them
     for name, (model, size) in plan.sizes.items():
         own = lines.pop(name, [])
         if isinstance(size, str):  # why the memory of this agent's components is not estimated
@@ -739,7 +736,7 @@ def breakdown(plan: Plan) -> list:
                     f"{size.hidden}, vocabulary {size.vocab})"] + own
     for pool, own in lines.items():  # the LoRA engine pools
         out += [f"\n{pool}:"] + own
-    return out
+    return "\n".join(out)
 
 
 def host_memory_gib(available: bool = False) -> float:
