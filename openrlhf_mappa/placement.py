@@ -360,15 +360,6 @@ def set_label(key: str) -> str:
     return f"{owner}'s {'vLLM engines' if kind == 'vllm' else kind}"
 
 
-def layout(groups: list, colocate: str) -> list:
-    """GPU slots in build order, each the (group, index) pairs it holds. Colocated, rank i of the groups sharing
-    GPUs sits on slot i of their set, as the trainer puts them on bundle i of one placement group."""
-    sets = {}
-    for g in groups:
-        sets.setdefault(gpu_set(colocate, f"{g.agent}/{g.kind}"), []).append(g)
-    return [[(g, i) for g in gs if i < g.gpus] for gs in sets.values() for i in range(max(g.gpus for g in gs))]
-
-
 def total(gpus):
     return sum(gpus) if isinstance(gpus, list) else gpus
 
@@ -386,7 +377,7 @@ def slot_label(slot: list) -> str:
 @dataclass
 class Plan:
     counts: dict  # "agent/component" -> GPUs
-    slots: list  # per GPU: [(group, index)], empty when the GPU memory is not known
+    groups: list  # every agent's (and LoRA pool's) groups in build order, none when the GPU memory is not known
     sizes: dict  # agent -> (model, its ModelSize or why it is not known)
     gpu_gib: float
     colocate: str = "none"
@@ -394,6 +385,15 @@ class Plan:
     host_gib: object = None  # host memory of a node, or of each (a list, as Ray's nodes report it); None: unchecked
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE  # a node's GPUs where the cluster is a count, or none is given
     tp: int = 1  # an engine's tensor-parallel GPUs, which stay on one node
+
+    @functools.cached_property
+    def slots(self) -> list:
+        """GPU slots in build order, each the (group, index) pairs it holds. Colocated, rank i of the groups sharing
+        GPUs sits on slot i of their set, as the trainer puts them on bundle i of one placement group."""
+        sets = {}
+        for g in self.groups:
+            sets.setdefault(gpu_set(self.colocate, f"{g.agent}/{g.kind}"), []).append(g)
+        return [[(g, i) for g in gs if i < g.gpus] for gs in sets.values() for i in range(max(g.gpus for g in gs))]
 
     def sets(self) -> dict:
         """GPU set (gpu_set) -> its GPUs: the components that share GPUs, as many as the largest of them."""
@@ -508,7 +508,7 @@ class Plan:
     def memory_problems(self) -> list:
         """What does not fit the GPUs' memory: a group's own (a KV cache too small), then each GPU over its memory,
         once per group of alike GPUs (the same groups' ranks)."""
-        out, seen = [p for g in self.groups() for p in g.problems], set()
+        out, seen = [p for g in self.groups for p in g.problems], set()
         for i, slot in enumerate(self.slots):
             phase = max(PHASES, key=lambda p: self.peak(slot, p))
             key = tuple(id(g) for g, _ in slot)
@@ -517,9 +517,6 @@ class Plan:
                 out.append(f"GPU {i} ({slot_label(slot)}) needs {self.peak(slot, phase):.1f} GiB in the {phase} "
                            f"phase, more than its {self.gpu_gib:g} GiB")
         return out
-
-    def groups(self) -> list:
-        return list({id(g): g for slot in self.slots for g, _ in slot}.values())
 
     def problems(self, gpus=None) -> list:
         out = list(self.refused)
@@ -569,8 +566,7 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
                               f"actors: one group per agent, {len(specs)} x {base:.1f} GiB of base weights per actor "
                               f"rank; one group per base model would hold {base:.1f} GiB but train them in turn"]
             groups.append(engines)
-    colocate = args.mappa.colocate
-    return Plan(counts, layout(groups, colocate), known, gpu_gib, colocate, colocation_problems(args, topology),
+    return Plan(counts, groups, known, gpu_gib, args.mappa.colocate, colocation_problems(args, topology),
                 args.mappa.host_memory_gib, args.mappa.gpus_per_node or DEFAULT_GPUS_PER_NODE,
                 args.vllm.tensor_parallel_size)
 
@@ -716,7 +712,7 @@ def format_plan(plan: Plan, gpus=None) -> str:
     # an agent whose lines are another's of the same model says so instead.
     summed = lambda parts: " + ".join(f"{k} {v:.1f}" for k, v in parts.items())
     lines = {}  # owner (an agent, or a LoRA engine pool) -> its groups' lines
-    for g in plan.groups():
+    for g in plan.groups:
         own = lines.setdefault(g.agent, [])
         own.append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {summed(g.held)} = {sum(g.held.values()):.1f} "
                    f"GiB held")
