@@ -198,9 +198,9 @@ def sleep_checks(args, trainees) -> list:
             awake, total = memory(engine)
             batch_vllm_engine_call([engine], "sleep")
             freed, expect = memory(engine)[0] - awake, 0.5 * args.vllm.gpu_memory_utilization * total
-            rows.append(("sleep frees memory", ag.spec.name, freed >= expect, f"engine 0: {freed:.1f} GiB freed (at "
-                                                                              f"least {expect:.1f} expected of its "
-                                                                              f"{total:.1f} GiB GPU)"))
+            rows.append(("sleep frees memory", ag.spec.name, freed >= expect,
+                         f"engine 0: {freed:.1f} GiB freed (at least {expect:.1f} expected of its {total:.1f} GiB "
+                         f"GPU)"))
         if args.ds.enable_sleep and not args.ds.adam_offload:
             size = placement.model_size(ag.spec.model)
             states = 14 * size.params / (args.actor.num_nodes * ag.args.actor.num_gpus_per_node) / placement.GIB
