@@ -686,6 +686,9 @@ def test_three_14b_agents_on_two_nodes_of_8(tmp_path):
     problems = placement.make_plan(args, topology, None).problems(40)
     assert "the vLLM engines' tensor-parallel groups (8 GPUs each, on one node) fit no node's free GPUs on nodes of " \
            "4, 4, 4, 4, 4, 4, 4, 4, 4, 4 GPUs" in problems
+    # With no cluster given (`mappa plan` without --mappa.gpus: as many nodes of 4 as it needs), refused alike.
+    assert "the vLLM engines' tensor-parallel groups (8 GPUs each, on one node) fit no node's free GPUs on nodes of " \
+           "4 GPUs" in placement.make_plan(args, topology, None).problems(None)
 
 
 def test_long_actions_name_ring_attention(tmp_path):
