@@ -232,15 +232,13 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     P, Z = P - linear + linear / tp, D / tp
     trained = size.lora_params(lora.rank, lora.target_modules) if lora else P
     shard = lambda nbytes, stage: nbytes / (Z if a.ds.zero_stage >= stage else 1)
+    offloads = a.ds.enable_sleep and not a.ds.adam_offload  # OpenRLHF's offload skips an actor whose Adam is on CPU
     if a.ds.adam_offload:  # ZeRO's offloaded optimizer keeps fp32 gradients beside Adam, in pinned host memory
         states = {"gradient buckets": h * h * 4 / GIB}
         host = {"Adam states": shard(12 * trained, 1) / GIB, "fp32 gradients": shard(4 * trained, 1) / GIB}
     else:
         states = {"gradients": shard(2 * trained, 2) / GIB, "Adam states": shard(12 * trained, 1) / GIB}
-        host = {}
-    offloads = a.ds.enable_sleep and not a.ds.adam_offload  # OpenRLHF's offload skips an actor whose Adam is on CPU
-    if offloads:  # asleep, its states wait in pinned host memory
-        host = dict(states)
+        host = dict(states) if offloads else {}  # asleep, its states wait in pinned host memory
     n = micro_tokens(a, a.train.micro_batch_size, a.train.max_tokens_per_gpu)
     n_exp = micro_tokens(a, a.rollout.micro_batch_size, a.rollout.max_tokens_per_gpu)
     stored = n * h * 2 * L + n * token_layer if a.actor.gradient_checkpointing_enable else n * token_layer * L
