@@ -283,10 +283,9 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     if a.algo.kl.init_coef > 0 and not lora:
         R = a.ref.num_nodes * a.ref.num_gpus_per_node
         weights = 2 * P / (R if zero3 else 1) / GIB
-        groups.append(Group(name, "reference", R, 1, {"weights": 0.0 if a.ref.offload else weights,
-                                                      "CUDA context": CONTEXT_GIB}, {
-            "experience": {**forward(n_exp), **(gathered if zero3 or a.ref.offload else {})}},
-            host={**({"weights": weights} if a.ref.offload else {}), "process": HOST_PROCESS_GIB}))
+        held = {"weights": 0.0 if a.ref.offload else weights, "CUDA context": CONTEXT_GIB}
+        groups.append(Group(name, "reference", R, 1, held, {"experience": {**forward(n_exp), **gathered}},
+                            host={**({"weights": weights} if a.ref.offload else {}), "process": HOST_PROCESS_GIB}))
     return groups if lora else groups + [engine_group(a, name, size, gpu_gib)]
 
 
