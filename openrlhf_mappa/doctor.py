@@ -32,16 +32,19 @@ def probe(agents, text: str = PROBE) -> dict:
     from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
     from vllm import SamplingParams
 
-    batch_vllm_engine_call(list({id(e): e for ag in agents for e in ag.engines}.values()), "wake_up")
+    from openrlhf_mappa.launch import distinct
+
+    batch_vllm_engine_call(distinct([e for ag in agents for e in ag.engines]), "wake_up")
     ids = agents[0].tokenizer(text)["input_ids"]
     out = {"probe": ids, "engine": {}, "engines": {}, "actor": {}, "actor_ranks": {}}
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     seq = torch.tensor([ids])
+    logprobs = lambda gen: [d[t].logprob for t, d in zip(ids[1:], gen.prompt_logprobs[1:])]  # of each next token
     for ag in agents:
         adapter = ag.trainer.adapter  # a LoRA agent: its pool's engines, with its adapter
         gens = ray.get([e.generate_as.remote(adapter, ids, params) if adapter else e.generate.remote(ids, params)
                         for e in ag.engines])
-        out["engines"][ag.spec.name] = [[d[t].logprob for t, d in zip(ids[1:], g.prompt_logprobs[1:])] for g in gens]
+        out["engines"][ag.spec.name] = [logprobs(g) for g in gens]
         out["engine"][ag.spec.name] = out["engines"][ag.spec.name][0]
         ranks = len(ag.actor._actor_handlers)  # one copy per data-parallel rank
         forward = dict(method_name="forward", sequences=[seq] * ranks, attention_mask=[torch.ones_like(seq)] * ranks,
@@ -56,8 +59,7 @@ def probe(agents, text: str = PROBE) -> dict:
             base = ray.get(ag.actor.async_run_method_batch(**dict(forward, method_name="forward_base")))[0][0]
             out.setdefault("base", {})[ag.spec.name] = base.float().tolist()
             g = ray.get(ag.engines[0].generate.remote(ids, params))  # alone: no LoRA request batched with it
-            out.setdefault("engine_base", {})[ag.spec.name] = [d[t].logprob
-                                                               for t, d in zip(ids[1:], g.prompt_logprobs[1:])]
+            out.setdefault("engine_base", {})[ag.spec.name] = logprobs(g)
         ray.get([h.__ray_call__.remote(temperature, t) for h, t in zip(ag.actor._actor_handlers, was)])
     return out
 
@@ -198,9 +200,9 @@ def sleep_checks(args, trainees) -> list:
             awake, total = memory(engine)
             batch_vllm_engine_call([engine], "sleep")
             freed, expect = memory(engine)[0] - awake, 0.5 * args.vllm.gpu_memory_utilization * total
-            rows.append(("sleep frees memory", ag.spec.name, freed >= expect, f"engine 0: {freed:.1f} GiB freed (at "
-                                                                              f"least {expect:.1f} expected of its "
-                                                                              f"{total:.1f} GiB GPU)"))
+            rows.append(("sleep frees memory", ag.spec.name, freed >= expect,
+                         f"engine 0: {freed:.1f} GiB freed (at least {expect:.1f} expected of its {total:.1f} GiB "
+                         f"GPU)"))
         if args.ds.enable_sleep and not args.ds.adam_offload:
             size = placement.model_size(ag.spec.model)
             states = 14 * size.params / (args.actor.num_nodes * ag.args.actor.num_gpus_per_node) / placement.GIB

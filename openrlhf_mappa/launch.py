@@ -30,11 +30,6 @@ def on_each_node(read, nodes: list, *args, gpus: int = 0) -> list:
                     for node_id, _ in nodes])
 
 
-def host_memory(nodes: list) -> list:
-    """Each node's host memory in GiB, read on that node."""
-    return on_each_node(placement.host_memory_gib, nodes)
-
-
 def check_placement(args, topology, allowed=lambda a: True) -> tuple:
     """Before any actor exists: the plan (placement.py) against the Ray cluster's nodes and their GPUs, logical
     or real, and their memory where known (the lower of --mappa.gpu_memory_gib and what this process's GPU
@@ -47,10 +42,10 @@ def check_placement(args, topology, allowed=lambda a: True) -> tuple:
     gpus = [n for _, n in nodes]
     # The card's memory as the CUDA driver reports it where this process sees a GPU (an "80 GB" card: 79.6 GiB),
     # the flag's where it is lower or none is seen; host memory and node sizes as this node and Ray see them.
-    given, seen = args.mappa.gpu_memory_gib, placement.detect_gpus()[1]
-    gib = args.mappa.gpu_memory_gib = min(g for g in (given, seen) if g) if given or seen else None
+    known = [gib for gib in (args.mappa.gpu_memory_gib, placement.detect_gpus()[1]) if gib]
+    gib = args.mappa.gpu_memory_gib = min(known, default=None)
     if gib:  # the plan's host memory needs its GPU memory plan: no Ray task per node otherwise
-        args.mappa.host_memory_gib = args.mappa.host_memory_gib or host_memory(nodes)
+        args.mappa.host_memory_gib = args.mappa.host_memory_gib or on_each_node(placement.host_memory_gib, nodes)
     args.mappa.gpus_per_node = args.mappa.gpus_per_node or max(gpus + [1])
     try:
         plan = placement.check(args, topology, gpus, gib, allowed=allowed)

@@ -232,15 +232,13 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     P, Z = P - linear + linear / tp, D / tp
     trained = size.lora_params(lora.rank, lora.target_modules) if lora else P
     shard = lambda nbytes, stage: nbytes / (Z if a.ds.zero_stage >= stage else 1)
+    offloads = a.ds.enable_sleep and not a.ds.adam_offload  # OpenRLHF's offload skips an actor whose Adam is on CPU
     if a.ds.adam_offload:  # ZeRO's offloaded optimizer keeps fp32 gradients beside Adam, in pinned host memory
         states = {"gradient buckets": h * h * 4 / GIB}
         host = {"Adam states": shard(12 * trained, 1) / GIB, "fp32 gradients": shard(4 * trained, 1) / GIB}
     else:
         states = {"gradients": shard(2 * trained, 2) / GIB, "Adam states": shard(12 * trained, 1) / GIB}
-        host = {}
-    offloads = a.ds.enable_sleep and not a.ds.adam_offload  # OpenRLHF's offload skips an actor whose Adam is on CPU
-    if offloads:  # asleep, its states wait in pinned host memory
-        host = dict(states)
+        host = dict(states) if offloads else {}  # asleep, its states wait in pinned host memory
     n = micro_tokens(a, a.train.micro_batch_size, a.train.max_tokens_per_gpu)
     n_exp = micro_tokens(a, a.rollout.micro_batch_size, a.rollout.max_tokens_per_gpu)
     stored = n * h * 2 * L + n * token_layer if a.actor.gradient_checkpointing_enable else n * token_layer * L
@@ -285,10 +283,9 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     if a.algo.kl.init_coef > 0 and not lora:
         R = a.ref.num_nodes * a.ref.num_gpus_per_node
         weights = 2 * P / (R if zero3 else 1) / GIB
-        groups.append(Group(name, "reference", R, 1, {"weights": 0.0 if a.ref.offload else weights,
-                                                      "CUDA context": CONTEXT_GIB}, {
-            "experience": {**forward(n_exp), **(gathered if zero3 or a.ref.offload else {})}},
-            host={**({"weights": weights} if a.ref.offload else {}), "process": HOST_PROCESS_GIB}))
+        held = {"weights": 0.0 if a.ref.offload else weights, "CUDA context": CONTEXT_GIB}
+        groups.append(Group(name, "reference", R, 1, held, {"experience": {**forward(n_exp), **gathered}},
+                            host={**({"weights": weights} if a.ref.offload else {}), "process": HOST_PROCESS_GIB}))
     return groups if lora else groups + [engine_group(a, name, size, gpu_gib)]
 
 
@@ -360,22 +357,6 @@ def set_label(key: str) -> str:
     return f"{owner}'s {'vLLM engines' if kind == 'vllm' else kind}"
 
 
-def layout(groups: list, colocate: str) -> list:
-    """GPU slots in build order, each the (group, index) pairs it holds. Colocated, rank i of the groups sharing
-    GPUs sits on slot i of their set, as the trainer puts them on bundle i of one placement group."""
-    sets = {}
-    for g in groups:
-        sets.setdefault(gpu_set(colocate, f"{g.agent}/{g.kind}"), []).append(g)
-    return [[(g, i) for g in gs if i < g.gpus] for gs in sets.values() for i in range(max(g.gpus for g in gs))]
-
-
-def node_sizes(gpus, per_node: int):
-    """GPUs of each node: Ray's nodes as given (a list), else `gpus` in nodes of `per_node`; None: no limit."""
-    if gpus is None or isinstance(gpus, list):
-        return gpus
-    return [per_node] * (gpus // per_node) + [gpus % per_node] * (gpus % per_node > 0)
-
-
 def total(gpus):
     return sum(gpus) if isinstance(gpus, list) else gpus
 
@@ -393,14 +374,23 @@ def slot_label(slot: list) -> str:
 @dataclass
 class Plan:
     counts: dict  # "agent/component" -> GPUs
-    slots: list  # per GPU: [(group, index)], empty when the GPU memory is not known
+    groups: list  # every agent's (and LoRA pool's) groups in build order, none when the GPU memory is not known
     sizes: dict  # agent -> (model, its ModelSize or why it is not known)
     gpu_gib: float
     colocate: str = "none"
     refused: list = field(default_factory=list)  # what the colocation cannot place (colocation_problems)
     host_gib: object = None  # host memory of a node, or of each (a list, as Ray's nodes report it); None: unchecked
-    gpus_per_node: int = None  # a node's GPUs where the cluster is given as a count (--mappa.gpus)
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE  # a node's GPUs where the cluster is a count, or none is given
     tp: int = 1  # an engine's tensor-parallel GPUs, which stay on one node
+
+    @functools.cached_property
+    def slots(self) -> list:
+        """GPU slots in build order, each the (group, index) pairs it holds. Colocated, rank i of the groups sharing
+        GPUs sits on slot i of their set, as the trainer puts them on bundle i of one placement group."""
+        sets = {}
+        for g in self.groups:
+            sets.setdefault(gpu_set(self.colocate, f"{g.agent}/{g.kind}"), []).append(g)
+        return [[(g, i) for g in gs if i < g.gpus] for gs in sets.values() for i in range(max(g.gpus for g in gs))]
 
     def sets(self) -> dict:
         """GPU set (gpu_set) -> its GPUs: the components that share GPUs, as many as the largest of them."""
@@ -414,14 +404,21 @@ class Plan:
     def need(self) -> int:
         return sum(self.sets().values())
 
+    def node_sizes(self, gpus) -> list:
+        """GPUs of each node: Ray's nodes as given (a list), else `gpus` in nodes of gpus_per_node; none when no
+        cluster is given (place adds nodes of gpus_per_node as the plan needs them)."""
+        per = self.gpus_per_node
+        if gpus is None or isinstance(gpus, list):
+            return list(gpus or [])
+        return [per] * (gpus // per) + [gpus % per] * (gpus % per > 0)
+
     def place(self, gpus=None) -> dict:
         """GPU set -> the node of each of its GPUs (None: beyond the cluster). An agent's sets together where a
         node has room (its weight sync stays inside the node), else each set alone; largest first, each on the
         fullest node with room for it, so that whole nodes stay free for larger ones. A set no node has room for
         spreads over the nodes with the most free GPUs, an engine's tensor-parallel GPUs on one node. The
         launch's placement groups follow it (launch.pinned_groups)."""
-        per = self.gpus_per_node or DEFAULT_GPUS_PER_NODE
-        free = list(node_sizes(gpus, per) or [])
+        per, free = self.gpus_per_node, self.node_sizes(gpus)
         grow = gpus is None  # no cluster given: as many nodes of `per` as the plan needs
 
         def one_node(n: int):
@@ -434,12 +431,12 @@ class Plan:
             nodes = []
             while len(nodes) < n:
                 k = max(range(len(free)), key=lambda k: free[k], default=None)
-                take = min(free[k] // chunk * chunk, n - len(nodes)) if k is not None else 0
-                if take == 0 and not (grow and chunk <= per):
-                    return nodes + [None] * (n - len(nodes))
-                if take == 0:
+                if k is None or free[k] < chunk:  # no node has room for one chunk: a new one, or beyond the cluster
+                    if not (grow and chunk <= per):
+                        return nodes + [None] * (n - len(nodes))
                     free.append(per)
-                    continue
+                    k = len(free) - 1
+                take = min(free[k] // chunk * chunk, n - len(nodes))
                 nodes, free[k] = nodes + [k] * take, free[k] - take
             return nodes
 
@@ -473,9 +470,9 @@ class Plan:
     def across_nodes(self, gpus=None) -> list:
         """What crosses nodes, in words: a GPU set no node has room for (an actor group or colocated set then
         spans nodes), and an agent whose engines are on other nodes than its actor (its weight sync crosses)."""
-        placed, out, per = self.place(gpus), [], self.gpus_per_node or DEFAULT_GPUS_PER_NODE
+        placed, out = self.place(gpus), []
         on = lambda nodes: ", ".join(map(str, sorted(set(nodes) - {None})))
-        largest = max(node_sizes(gpus, per) or [per])
+        largest = max(self.node_sizes(gpus) or [self.gpus_per_node])
         for key, nodes in placed.items():
             if len(set(nodes) - {None}) > 1:
                 why = f"more than a node's {largest}" if len(nodes) > largest else "no node has room for all"
@@ -505,19 +502,18 @@ class Plan:
             adds[unit] = adds.get(unit, 0.0) + sum(g.adds.get(phase, {}).values())
         return sum(sum(g.held.values()) for g, _ in slot) + max(adds.values(), default=0.0)
 
-    def overfull(self) -> dict:
-        """(group ids on the GPU) -> message, once per group of alike GPUs that exceed their memory."""
-        out = {}
+    def memory_problems(self) -> list:
+        """What does not fit the GPUs' memory: a group's own (a KV cache too small), then each GPU over its memory,
+        once per group of alike GPUs (the same groups' ranks)."""
+        out, seen = [p for g in self.groups for p in g.problems], set()
         for i, slot in enumerate(self.slots):
             phase = max(PHASES, key=lambda p: self.peak(slot, p))
             key = tuple(id(g) for g, _ in slot)
-            if self.peak(slot, phase) > self.gpu_gib and key not in out:
-                out[key] = (f"GPU {i} ({slot_label(slot)}) needs {self.peak(slot, phase):.1f} GiB in the {phase} "
-                            f"phase, more than its {self.gpu_gib:g} GiB")
+            if self.peak(slot, phase) > self.gpu_gib and key not in seen:
+                seen.add(key)
+                out.append(f"GPU {i} ({slot_label(slot)}) needs {self.peak(slot, phase):.1f} GiB in the {phase} "
+                           f"phase, more than its {self.gpu_gib:g} GiB")
         return out
-
-    def groups(self) -> list:
-        return list({id(g): g for slot in self.slots for g, _ in slot}.values())
 
     def problems(self, gpus=None) -> list:
         out = list(self.refused)
@@ -528,16 +524,10 @@ class Plan:
                     "team": "the team's actor groups and vLLM engines, on GPUs they all share"}[self.colocate]
             out.append(f"not enough GPUs: {what} need {self.need} GPUs but the cluster has {total(gpus)} ({detail})")
         elif any(None in nodes for nodes in self.place(gpus).values()):
-            sizes = node_sizes(gpus, self.gpus_per_node or DEFAULT_GPUS_PER_NODE)
+            sizes = self.node_sizes(gpus) or [self.gpus_per_node]
             out.append(f"the vLLM engines' tensor-parallel groups ({self.tp} GPUs each, on one node) fit no node's "
                        f"free GPUs on nodes of {', '.join(map(str, sizes))} GPUs")
-        return (out + [p for g in self.groups() for p in g.problems] + list(self.overfull().values())
-                + self.host_problems(gpus))
-
-    def unfit_kinds(self) -> set:
-        """The kinds of component (actor, reference, vllm) that do not fit their GPUs."""
-        bad = {g.kind for g in self.groups() if g.problems}
-        return bad | {g.kind for key in self.overfull() for g in self.groups() if id(g) in key}
+        return out + self.memory_problems() + self.host_problems(gpus)
 
 
 def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan:
@@ -573,9 +563,9 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
                               f"actors: one group per agent, {len(specs)} x {base:.1f} GiB of base weights per actor "
                               f"rank; one group per base model would hold {base:.1f} GiB but train them in turn"]
             groups.append(engines)
-    colocate = args.mappa.colocate
-    return Plan(counts, layout(groups, colocate), known, gpu_gib, colocate, colocation_problems(args, topology),
-                args.mappa.host_memory_gib, args.mappa.gpus_per_node, args.vllm.tensor_parallel_size)
+    return Plan(counts, groups, known, gpu_gib, args.mappa.colocate, colocation_problems(args, topology),
+                args.mappa.host_memory_gib, args.mappa.gpus_per_node or DEFAULT_GPUS_PER_NODE,
+                args.vllm.tensor_parallel_size)
 
 
 # A change is a list of settings (section, key, value), as the flags that make them: `--ds.adam_offload` for
@@ -637,7 +627,7 @@ def advice(args, topology, plan: Plan, gpus, allowed) -> list:
         """The plan with these settings in words (its GPUs where `count`, its largest GPU peak), and whether it
         fits: wholly where `count`, else its GPU memory."""
         changed = make_plan(with_changes(args, settings), topology, plan.gpu_gib, sizes)
-        fits = not (changed.problems(gpus) if count else changed.unfit_kinds())
+        fits = not (changed.problems(gpus) if count else changed.memory_problems())
         most = max((changed.peak(slot, phase) for slot in changed.slots for phase in PHASES), default=0.0)
         said = [f"{changed.need} GPUs"] * count + ([f"at most {most:.1f} GiB a GPU"] if changed.slots else [])
         return ", ".join(said + ["fits"] * fits), fits
@@ -649,7 +639,7 @@ def advice(args, topology, plan: Plan, gpus, allowed) -> list:
             shared = colocation(args, topology, mode)
             if accepts(with_changes(args, shared)):
                 out.append(f"or {flags(args, shared)}: {then(shared, count=True)[0]}")
-    if plan.unfit_kinds():
+    if plan.memory_problems():
         applied, fits = [], False
         for saving in memory_flags(args):
             if fits or not accepts(with_changes(args, applied + [saving])):
@@ -689,21 +679,21 @@ def check(args, topology, gpus, gpu_gib: float = None, sizes: dict = None, allow
 
 def format_plan(plan: Plan, gpus=None) -> str:
     """The table (node, GPU, what it holds, GiB per phase) and, per agent, what the numbers are made of."""
+    placed, nodes = plan.place(gpus), plan.nodes(gpus)
     out = [f"{'node':>4} {'GPU':>4}  {'holds':<50}" + "".join(f"{p:>11}" for p in PHASES) + "   (GiB, peak per phase)"]
-    for node, indices, _ in plan.nodes(gpus):
+    for node, indices, _ in nodes:
         for local, slot in enumerate(plan.slots[i] for i in indices):
             where = f"{node:>4} {local:>4}" if node is not None else f"{'-':>4} {'-':>4}"
             mark = "  <- beyond the cluster's GPUs" if node is None else ""
             out.append(f"{where}  {slot_label(slot):<50}" + "".join(f"{plan.peak(slot, p):>11.1f}" for p in PHASES)
                        + mark)
     if not plan.slots:  # GPU memory not known: the counts only, and which of them share GPUs
-        placed = plan.place(gpus)
         on = lambda nodes: "beyond the cluster" if None in nodes else (
             f"node{'s' * (len(set(nodes)) > 1)} {', '.join(map(str, sorted(set(nodes))))}")
         out = [f"{n:>4}  GPUs: {label}, on {on(placed[gpu_set(plan.colocate, label)])}"
                for label, n in plan.counts.items()]
         out += [f"placement: {PLACEMENTS[plan.colocate]}"] * (plan.colocate != "none")
-    used = len({k for nodes in plan.place(gpus).values() for k in nodes if k is not None})
+    used = len({k for on in placed.values() for k in on if k is not None})
     out.append(f"total: {plan.need} GPUs" + (f" of the cluster's {total(gpus)}" if gpus is not None else "")
                + f" on {used} node{'s' * (used != 1)}")
     out += [f"across nodes: {line}" for line in plan.across_nodes(gpus)]
@@ -711,39 +701,34 @@ def format_plan(plan: Plan, gpus=None) -> str:
         turns = "the largest agent's (they train and sync in turn)" if plan.colocate == "team" else "its agent's"
         out.append(f"A shared GPU holds what its models keep plus what the phase adds: every engine's in the rollout,\n"
                    f"the largest forward's in the experience phase, {turns} in train and sync")
-    for k, slots, need in [node for node in plan.nodes(gpus) if node[0] is not None]:  # offloads, sleeping engines
+    for k, slots, need in [node for node in nodes if node[0] is not None]:  # offloads, sleeping engines
         of = f" of its {plan.host_of(k):g}" if plan.host_of(k) else " (not checked: --mappa.host_memory_gib)"
         out.append(f"host memory, node {k} ({len(slots)} GPUs): {sum(need.values()):.1f} GiB{of}: "
                    + ", ".join(f"{label} {gib:.1f}" for label, gib in need.items()))
-    def breakdown(owner: str) -> list:
-        lines = []
-        for g in (g for g in plan.groups() if g.agent == owner):
-            parts = " + ".join(f"{k} {v:.1f}" for k, v in g.held.items())
-            lines.append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {parts} = {sum(g.held.values()):.1f} "
-                         f"GiB held")
-            lines += [f"    {phase} adds " + " + ".join(f"{k} {v:.1f}" for k, v in extra.items())
-                      for phase, extra in g.adds.items() if extra]
-            lines.append("    host memory, each: " + " + ".join(f"{k} {v:.1f}" for k, v in g.host.items())
-                         + f" = {sum(g.host.values()):.1f} GiB")
-            lines += [f"    {note}" for note in g.notes]
-        return lines
-
-    seen = {}  # an agent's breakdown -> the first agent with it
+    # Per agent, then per LoRA engine pool, what each group's GPUs hold in each phase, its host memory and notes;
+    # an agent whose lines are another's of the same model says so instead.
+    summed = lambda parts: " + ".join(f"{k} {v:.1f}" for k, v in parts.items())
+    lines = {}  # owner (an agent, or a LoRA engine pool) -> its groups' lines
+    for g in plan.groups:
+        own = lines.setdefault(g.agent, [])
+        own.append(f"  {g.kind}, {g.gpus} GPU{'s' * (g.gpus > 1)}, each: {summed(g.held)} = {sum(g.held.values()):.1f} "
+                   f"GiB held")
+        own += [f"    {phase} adds {summed(extra)}" for phase, extra in g.adds.items() if extra]
+        own.append(f"    host memory, each: {summed(g.host)} = {sum(g.host.values()):.1f} GiB")
+        own += [f"    {note}" for note in g.notes]
+    seen = {}  # an agent's model and lines -> the first agent with them
     for name, (model, size) in plan.sizes.items():
+        own = lines.pop(name, [])
         if isinstance(size, str):  # why the memory of this agent's components is not estimated
             out.append(f"\n{name}: {model}: {size}")
-        lines = breakdown(name)
-        if not lines:
-            continue
-        if (model, *lines) in seen:
-            out.append(f"\n{name}: {model}, the same as {seen[model, *lines]}")
-            continue
-        seen[model, *lines] = name
-        out.append(f"\n{name}: {model}, {size.params / 1e9:.2f}B parameters ({size.layers} layers, hidden "
-                   f"{size.hidden}, vocabulary {size.vocab})")
-        out += lines
-    for pool in dict.fromkeys(g.agent for g in plan.groups() if g.agent not in plan.sizes):  # LoRA engine pools
-        out += [f"\n{pool}:"] + breakdown(pool)
+        elif own and (model, *own) in seen:
+            out.append(f"\n{name}: {model}, the same as {seen[model, *own]}")
+        elif own:
+            seen[model, *own] = name
+            out += [f"\n{name}: {model}, {size.params / 1e9:.2f}B parameters ({size.layers} layers, hidden "
+                    f"{size.hidden}, vocabulary {size.vocab})"] + own
+    for pool, own in lines.items():  # the LoRA engine pools
+        out += [f"\n{pool}:"] + own
     return "\n".join(out)
 
 

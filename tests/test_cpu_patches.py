@@ -513,7 +513,8 @@ def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
                 from openrlhf_mappa.cli.train_mappa_ray import parse_args
                 from openrlhf_mappa.team import load_topology
                 from openrlhf_mappa.console import console
-                from openrlhf_mappa.launch import check_placement, gpu_nodes, host_memory, pinned_groups
+                from openrlhf_mappa import placement
+                from openrlhf_mappa.launch import check_placement, gpu_nodes, on_each_node, pinned_groups
                 ray.init(address="127.0.0.1:{port}")
                 deadline = time.time() + 120
                 while len(gpu_nodes()) < 2 and time.time() < deadline:  # the worker node joins
@@ -529,7 +530,8 @@ def test_placement_check_and_pinned_groups_on_a_real_two_node_cluster(tmp_path):
                 plan, nodes = check_placement(args, load_topology(args.mappa.topology))
                 facts["printed"], facts["host"] = out.getvalue(), args.mappa.host_memory_gib
                 groups = pinned_groups(plan, nodes)
-                facts["host_read"] = host_memory(nodes)  # what the launch reads when the GPUs' memory is known
+                # what the launch reads on each node when the GPUs' memory is known
+                facts["host_read"] = on_each_node(placement.host_memory_gib, nodes)
                 ray.get([pg.ready() for pg in groups.values()], timeout=60)
                 facts["bundles"] = {{key: sorted(placement_group_table(pg)["bundles_to_node_id"].values())
                                     for key, pg in groups.items()}}

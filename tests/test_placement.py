@@ -172,7 +172,7 @@ def test_estimates_agree_with_a_hand_computation():
     kv_tokens = int(kv_gib * GIB / (2 * L * K * 2))
     assert round(actor_train, 2) == 79.85 and round(kv_gib, 2) == 39.5  # 80 GiB GPUs: it fits, narrowly
 
-    slot = {g.label(0): [(g, 0)] for g in plan.groups() if g.agent == "verifier"}
+    slot = {g.label(0): [(g, 0)] for g in plan.groups if g.agent == "verifier"}
     assert plan.peak(slot["verifier actor rank 0/2"], "train") == pytest.approx(actor_train, rel=1e-9)
     assert plan.peak(slot["verifier actor rank 0/2"], "experience") == pytest.approx(actor_experience, rel=1e-9)
     assert plan.peak(slot["verifier actor rank 0/2"], "sync") == pytest.approx(held + EMBEDDING, rel=1e-9)
@@ -196,7 +196,7 @@ def test_token_budgets_bound_a_micro_batch_in_the_plan():
     small = ["--train.max_tokens_per_gpu", "8192", "--rollout.max_tokens_per_gpu", "8192"]
     for extra, n_train, n_exp in (([], 65536, 49152), (["--ds.ring_attn_size", "2"], 65536, 49152), (small, S, S)):
         plan = placement.make_plan(recipe(QWEN3_4B, *budgets, *extra)[0], topology, 80.0)
-        slot = {g.label(0): [(g, 0)] for g in plan.groups() if g.agent == "verifier"}
+        slot = {g.label(0): [(g, 0)] for g in plan.groups if g.agent == "verifier"}
         actor = slot["verifier actor rank 0/2"]
         assert plan.peak(actor, "train") == pytest.approx(train(n_train), rel=1e-9), extra
         assert plan.peak(actor, "experience") == pytest.approx(held + forward(n_exp), rel=1e-9), extra
@@ -262,7 +262,7 @@ def test_team_colocation_estimates_agree_with_a_hand_computation():
     sizes = {"problem_solver": placement.model_size(str(QWEN3_4B))}
     sizes = {**sizes, "code_executor": sizes["problem_solver"], "verifier": big}
     mixed = placement.make_plan(args, topology, 80.0, sizes)
-    groups = {(g.agent, g.kind): g for g in mixed.groups()}
+    groups = {(g.agent, g.kind): g for g in mixed.groups}
     kept = sum(sum(g.held.values()) for g in groups.values())
     verifier_train = sum(groups["verifier", "actor"].adds["train"].values())
     assert mixed.peak(mixed.slots[0], "train") == pytest.approx(kept + verifier_train, rel=1e-9)
@@ -505,7 +505,7 @@ def test_lora_plan_agrees_with_a_hand_computation(tmp_path):
     assert plan.counts == {"problem_solver/actor": 2, "code_executor/actor": 2, "verifier/actor": 2, "pool qwen3-4b/vllm": 2}
     D = 2
     held = (2 * P + 2 * A + 2 * A + 12 * A) / D / GIB + 1  # frozen base and adapter; gradients and Adam of A only
-    slot = {g.label(0): [(g, 0)] for g in plan.groups()}
+    slot = {g.label(0): [(g, 0)] for g in plan.groups}
     assert plan.peak(slot["verifier actor rank 0/2"], "train") == pytest.approx(held + TRAIN, rel=1e-9)
     assert plan.peak(slot["verifier actor rank 0/2"], "sync") == pytest.approx(held, rel=1e-9)  # no gathered embedding
     slots = 3 * 2 * A / GIB  # max_loras 3 slots at max_lora_rank 16 on the targeted layers, bf16
@@ -525,7 +525,7 @@ def test_lora_plan_agrees_with_a_hand_computation(tmp_path):
     linear = L * (H * Q + 2 * H * K + Q * H + 3 * H * I)
     base = 2 * (P - linear) + linear * 33 / 64
     held = (base + 2 * A + 2 * A + 12 * A) / D / GIB + 1
-    slot = {g.label(0): [(g, 0)] for g in plan.groups()}
+    slot = {g.label(0): [(g, 0)] for g in plan.groups}
     assert plan.peak(slot["verifier actor rank 0/2"], "train") == pytest.approx(held + TRAIN, rel=1e-9)
     text = placement.format_plan(plan)
     assert f"4-bit base (QLoRA): {base / GIB:.1f} GiB of weights in all, not {2 * P / GIB:.1f}" in text
@@ -564,7 +564,7 @@ def test_readme_lora_figures_are_the_plans(tmp_path):
     # A pool's engines take one GPU each (validate refuses tensor-parallel LoRA engines), which 32B's weights fill
     # whatever the GPU count: no KV cache for one sequence.
     for colocate in ("none", "team"):
-        engines = [g for g in placement.make_plan(*figures[colocate, "qwen3-32b"], 80.0).groups() if g.kind == "vllm"]
+        engines = [g for g in placement.make_plan(*figures[colocate, "qwen3-32b"], 80.0).groups if g.kind == "vllm"]
         assert "vLLM would refuse to start" in engines[0].problems[0]
     assert "3 × Qwen3-32B fits no layout: a pool's engine takes one GPU" in " ".join(readme.split())
     assert f"send {2 * A / 2**20:.0f} MiB per Qwen3-4B agent,\nnot {2 * P / 2**20:.0f} MiB" in readme
@@ -686,6 +686,9 @@ def test_three_14b_agents_on_two_nodes_of_8(tmp_path):
     problems = placement.make_plan(args, topology, None).problems(40)
     assert "the vLLM engines' tensor-parallel groups (8 GPUs each, on one node) fit no node's free GPUs on nodes of " \
            "4, 4, 4, 4, 4, 4, 4, 4, 4, 4 GPUs" in problems
+    # With no cluster given (`mappa plan` without --mappa.gpus: as many nodes of 4 as it needs), refused alike.
+    assert "the vLLM engines' tensor-parallel groups (8 GPUs each, on one node) fit no node's free GPUs on nodes of " \
+           "4 GPUs" in placement.make_plan(args, topology, None).problems(None)
 
 
 def test_long_actions_name_ring_attention(tmp_path):
@@ -704,8 +707,8 @@ def test_long_actions_name_ring_attention(tmp_path):
     assert plan.need == 6 and ring.ds.packing_samples is False  # packing is turned on per agent (agent_args)
     assert placement.agent_args(ring, topology.agents[0]).ds.packing_samples is True
     # Each rank's activations and logits are half of a whole sequence's, its weights and states unchanged.
-    whole = {g.kind: g for g in placement.make_plan(args, topology, 80.0).groups() if g.agent == "modeler"}
-    half = {g.kind: g for g in plan.groups() if g.agent == "modeler"}
+    whole = {g.kind: g for g in placement.make_plan(args, topology, 80.0).groups if g.agent == "modeler"}
+    half = {g.kind: g for g in plan.groups if g.agent == "modeler"}
     for kind, phase in (("actor", "experience"), ("actor", "train"), ("reference", "experience")):
         for label in ("activations", "logits"):
             assert half[kind].adds[phase][label] == pytest.approx(whole[kind].adds[phase][label] / 2), (kind, label)
@@ -750,7 +753,7 @@ def test_tensor_parallelism_splits_the_linear_layers_and_needs_zero_2(tmp_path):
     verifier.tensor_parallel_size = 2
     linear = L * (H * Q + 2 * H * K + Q * H + 3 * H * I)
     Pr = P - linear + linear / 2
-    held = {g.agent: g.held for g in placement.make_plan(args, topology, 80.0).groups() if g.kind == "actor"}
+    held = {g.agent: g.held for g in placement.make_plan(args, topology, 80.0).groups if g.kind == "actor"}
     assert held["verifier"]["weights"] == pytest.approx(2 * Pr / GIB)
     assert held["verifier"]["Adam states"] == pytest.approx(12 * Pr / 2 / GIB)
     assert held["verifier"]["gradients"] == pytest.approx(2 * Pr / 2 / GIB)
