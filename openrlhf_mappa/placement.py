@@ -206,7 +206,7 @@ class Group:
 
 def micro_tokens(a, micro: int, budget) -> float:
     """A micro-batch's tokens on one rank (`a` an agent's args): `micro` sequences of --data.max_len over its ring,
-    or with token budgets (packed on GPUs: train_mappa_ray.validate_packing) what upstream's split puts in one, the
+    or with token budgets (packed on GPUs: train_mappa_ray.packing_problems) what upstream's split puts in one, the
     budget on each GPU of a ring x tensor-parallel group, or one longer action alone."""
     ring, s = a.ds.ring_attn_size, a.data.max_len
     if a.train.dynamic_batch_enable:
