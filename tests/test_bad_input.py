@@ -351,6 +351,9 @@ TOOLS = [
          "episodes or another fraction", files=JUDGED),
     tool("coach distill a non-empty output", DISTILL, "mappa coach distill: --ckpt.output_dir out: exists and is not "
          "an empty directory; remove it or give another path", files={**JUDGED, "out/old.txt": "x"}),
+    tool("coach distill an output under a file", [*DISTILL[:-1], "notes.txt/coach"], "mappa coach distill: "
+         "--ckpt.output_dir notes.txt/coach: cannot be created: {cwd}/notes.txt is a file, not a directory",
+         files={**JUDGED, "notes.txt": "x"}),
     tool("coach distill no coach template", DISTILL, "mappa coach distill: t.yaml: 'coach_template' is missing",
          files={**JUDGED, "t.yaml": "\n".join(ln for ln in topology().splitlines() if "coach_template" not in ln)}),
     tool("coach distill a missing base model", DISTILL, "--model.model_name_or_path: base is not a Hugging Face model "

@@ -225,12 +225,13 @@ def distill_inputs(args, extra: list) -> tuple:
     rules = [
         (repeated, f"{', '.join(repeated)}: mappa coach distill sets these to the data it writes "
                    f"(OUT/distill/train.jsonl, columns prompt and response); leave them out"),
-        (os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)),
+        (os.path.isdir(out) and os.listdir(out),
          f"--ckpt.output_dir {out}: exists and is not an empty directory; remove it or give another path"),
     ]
     for path in paths:
         rules.append((not os.path.isfile(path), f"--cache {path}: no such file (a run's coach_cache.sqlite)"))
-    refuse([why for bad, why in rules if bad], ValueError)
+    # The launcher's check of the same flag: a file, a path under one, a directory this user cannot write.
+    refuse([why for bad, why in rules if bad] + [unwritable_dir(out, "--ckpt.output_dir")], ValueError)
     topology_path = getattr(args, "mappa.topology")
     topology = load_topology(topology_path)
     topology.check_coach_template(topology_path, "openai", "per_action")
