@@ -411,10 +411,10 @@ def check_main(argv) -> int:
             failed.append(method)
             rows.append(("FAILED", what, str(e).removeprefix("[mappa] "), f"{time.time() - t0:.1f} s"))
     width = max(len(what) for _, what, _, _ in rows)
-    below = "\n" + " " * (width + 19)  # a refusal's further lines (several problems) under its first
+    row = "{:<6}  {:<%d}  {:>7}  {}" % width  # verdict, check, time, what it said
+    below = "\n" + " " * len(row.format("", "", "", ""))  # a refusal's further lines under its first
     for verdict, what, said, took in rows:
-        said = said.replace("\n", below)
-        print(f"{verdict:<6}  {what:<{width}}  {took:>7}  {said}")
+        print(row.format(verdict, what, took, said.replace("\n", below)))
     print(f"\nmappa check: {len(rows) - len(failed)} of {len(rows)} checks passed"
           + (f"; fix the failed ones before launching" if failed else "; nothing found that would stop the launch"))
     return 1 if failed else 0
