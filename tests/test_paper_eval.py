@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -293,9 +294,16 @@ def test_dsbench_script_refuses_unimported_tasks_and_other_metadata(tmp_path):
             f"--out {REPO}/data/dsbench (README, DSBench), with the authors' data/Bench/dsbench_modeling_cleaned_prompts"
             f".json (the agents' task text, SHA-256 fa5de59bab19296a1e4eed3305a594daa60bc3f199a8462653a3c4b6fbc44fdc) "
             f"beside the metadata") in proc.stderr
-    (data / "dsbench_modeling_eval.json").write_text("{}\n")
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("{}\n")
+    # the authors' eval metadata passes its check (a 65-character hash once refused it: audit 4, N3); the eval
+    # tasks are not imported in the checkout either
+    proc, submitted = run_script("train_mappa_dsbench.sh", tmp_path, MAPPA_DATA=str(data), MAPPA_TRAIN_DATA=str(tasks))
+    assert proc.returncode == 1 and not submitted
+    assert "SHA-256 6ea24184" not in proc.stderr
+    assert (f"{REPO}/data/dsbench-eval/tasks.jsonl is missing: import the tasks of the authors' "
+            "dsbench_modeling_eval.json") in proc.stderr
+    (data / "dsbench_modeling_eval.json").write_text("{}\n")
     proc, submitted = run_script("train_mappa_dsbench.sh", tmp_path, MAPPA_DATA=str(data), MAPPA_TRAIN_DATA=str(tasks))
     assert proc.returncode == 1 and not submitted
     assert "dsbench_modeling_eval.json has SHA-256" in proc.stderr and "not their data/Bench/" in proc.stderr
@@ -303,3 +311,42 @@ def test_dsbench_script_refuses_unimported_tasks_and_other_metadata(tmp_path):
     proc, submitted = run_script("train_mappa_dsbench.sh", tmp_path, MAPPA_DATA=str(data), MAPPA_TRAIN_DATA=str(tasks),
                                  MAPPA_EVAL_DATA=str(tasks))
     assert proc.returncode == 0 and submitted, proc.stderr
+
+
+def paper_hashes() -> dict:
+    """{file: SHA-256} as examples/scripts/paper_data.sh holds them (its paper_sha256 case lines)."""
+    text = open(os.path.join(SCRIPTS, "paper_data.sh"), encoding="utf-8").read()
+    return dict(re.findall(r"^ +(\S+)\) echo (\S+) ;;$", text, re.MULTILINE))
+
+
+def data_check(directory, *files) -> subprocess.CompletedProcess:
+    """The scripts' own data check: paper_data.sh sourced from the checkout as the scripts source it, then
+    `paper_data DIR FILE...`."""
+    script = 'source examples/scripts/paper_data.sh && paper_data "$@"'
+    return subprocess.run(["bash", "-c", script, "check", str(directory), *files], cwd=REPO, capture_output=True,
+                          env=dict(os.environ, MAPPA_SKIP_DATA_CHECK="0"), text=True, timeout=60)
+
+
+@needs_bench
+def test_every_hash_of_the_scripts_data_check_is_the_authors_files(tmp_path):
+    # Catches the 65-character hash of dsbench_modeling_eval.json (audit 4, N3): the check refused the authors'
+    # own file, and the DSBench recipe could not start.
+    hashes = paper_hashes()
+    assert len(hashes) == 6 and all(re.fullmatch("[0-9a-f]{64}", h) for h in hashes.values()), hashes
+    reference = open(os.path.join(REPO, "docs", "reference.md"), encoding="utf-8").read()
+    assert dict(re.findall(r"^\| `data/Bench/(\S+)` \|.*\| `(\w+)` \|$", reference, re.MULTILINE)) == hashes
+    # The cleaned task texts are not in the shared bench (only `mappa dsbench import` reads them): their hash was
+    # checked against the authors' commit ed66921 by hand.
+    shared = [name for name in hashes if name != "dsbench_modeling_cleaned_prompts.json"]
+    for name in shared:
+        genuine = open(os.path.join(BENCH, name), "rb").read()
+        assert hashlib.sha256(genuine).hexdigest() == hashes[name], name
+        changed = bytearray(genuine)
+        changed[len(changed) // 2] ^= 1  # one byte
+        (tmp_path / name).write_bytes(changed)
+        proc = data_check(tmp_path, name)
+        assert proc.returncode == 1, name
+        assert (f"{tmp_path}/{name} has SHA-256 {hashlib.sha256(changed).hexdigest()}, not the authors' "
+                f"{hashes[name]}: it is not their data/Bench/{name}") in proc.stderr
+    proc = data_check(BENCH, *shared)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
