@@ -36,7 +36,7 @@ needs_bench = pytest.mark.skipif(not os.path.exists(os.path.join(BENCH, "AIME_19
     ("Sound.\nPROCESS_SCORE: 7\nANSWER_CORRECT: 1", 1),
     ("PROCESS_SCORE: 3\n**ANSWER_CORRECT:** 0", 0),
     ("ANSWER_CORRECT: 1 (the Verifier's 204 is the reference)\nPROCESS_SCORE: 9", 1),
-    ("PROCESS_SCORE: 8", None),  # no key line: the caller falls back to the score, as the authors'
+    ("PROCESS_SCORE: 8", None),  # no key line: evaluation asks once more, then falls back to the score
     ("The answer is correct, so ANSWER_CORRECT would be 1.\nPROCESS_SCORE: 8", None),  # prose, not a key line
     ("PROCESS_SCORE: 8\nANSWER_CORRECT: <1 or 0, only when a reference answer is given>", None),  # the template echoed
     ("PROCESS_SCORE: 8\nANSWER_CORRECT: 2", None),  # neither 1 nor 0
@@ -50,14 +50,23 @@ def test_answer_correct_is_read_from_its_key_line_only(reply, expected):
 
 class RuleCoach(BaseHTTPRequestHandler):
     """A real OpenAI-compatible coach: every action scores 5, except the Verifier's, by the task's first word:
-    "Alpha" 9 and ANSWER_CORRECT 1; "Beta" 4 and no ANSWER_CORRECT; "Gamma" a reply with no score at all."""
+    "Alpha" 9 and ANSWER_CORRECT 1; "Beta" 4 and no ANSWER_CORRECT, which it gives (0) when asked again; "Delta" 6
+    and no ANSWER_CORRECT, asked again still none (score 7); "Gamma" a reply with no score at all. The re-prompts
+    it gets are kept in `reasked`."""
+
+    reasked = []
 
     def do_POST(self):
-        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["messages"][0]["content"]
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][0]["content"]
         content = "Fine.\nPROCESS_SCORE: 5"
         if "\nagent: verifier\n" in prompt:
             content = ("Right.\nPROCESS_SCORE: 9\nANSWER_CORRECT: 1" if "Alpha" in prompt else
-                       "Plausible.\nPROCESS_SCORE: 4" if "Beta" in prompt else "I cannot say.")
+                       "Plausible.\nPROCESS_SCORE: 4" if "Beta" in prompt else
+                       "Unsure.\nPROCESS_SCORE: 6" if "Delta" in prompt else "I cannot say.")
+        elif prompt.startswith("You previously provided this evaluation:"):
+            RuleCoach.reasked.append(body)
+            content = "PROCESS_SCORE: 4\nANSWER_CORRECT: 0" if "Plausible." in prompt else "PROCESS_SCORE: 7"
         data = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}],
                            "usage": {"prompt_tokens": 10, "completion_tokens": 5}}).encode()
         self.send_response(200)
@@ -91,7 +100,9 @@ def test_evaluation_grades_by_math_verify_and_by_the_coachs_answer_correct(rule_
                 "verifier": ScriptedPolicy("So the answer is \\boxed{4}.")}  # fmt: skip
     tasks = [{"id": "a", "prompt": "Alpha: what is 2 + 2?", "answer": "4"},
              {"id": "b", "prompt": "Beta: what is 3 + 2?", "answer": "5"},
-             {"id": "c", "prompt": "Gamma: what is 1 + 3?", "answer": "4"}]  # fmt: skip
+             {"id": "c", "prompt": "Gamma: what is 1 + 3?", "answer": "4"},
+             {"id": "d", "prompt": "Delta: what is 3 + 3?", "answer": "6"}]  # fmt: skip
+    RuleCoach.reasked.clear()
 
     async def run():
         try:
@@ -101,21 +112,35 @@ def test_evaluation_grades_by_math_verify_and_by_the_coachs_answer_correct(rule_
 
     episodes = asyncio.run(run())
     summary, problems = summarize(episodes, [s.name for s in topology.agents], tasks)
-    # math-verify: \boxed{4} is right for a and c, wrong for b
-    assert [p["pass1"] for p in problems] == [1.0, 0.0, 1.0] and summary["accuracy"] == pytest.approx(2 / 3)
-    # the authors' grader: a's ANSWER_CORRECT 1; b has none, so its raw score 4 (their fallback, on 0-10); c's
-    # coach gave no verdict: left out, counted, never a grade
-    assert [p["pass1_coach"] for p in problems] == [1.0, 4.0, None]
-    assert summary["accuracy_coach"] == pytest.approx(2.5)
+    # math-verify: \boxed{4} is right for a and c, wrong for b and d
+    assert [p["pass1"] for p in problems] == [1.0, 0.0, 1.0, 0.0] and summary["accuracy"] == 0.5
+    # the authors' grader: a's ANSWER_CORRECT 1; b has none, asked once more (external_coach.py L415-450) it says
+    # 0; d has none even then, so the retry's raw score 7 (their fallback, on 0-10); c's coach gave no verdict:
+    # left out, counted, never a grade
+    assert [p["pass1_coach"] for p in problems] == [1.0, 0.0, None, 7.0]
+    assert summary["accuracy_coach"] == pytest.approx(8 / 3)
     assert {k: v for k, v in summary.items() if k.startswith("accuracy_coach/")} == {
-        "accuracy_coach/answer_correct": 2, "accuracy_coach/score_fallback": 2, "accuracy_coach/no_final_action": 0,
-        "accuracy_coach/ungraded": 2}  # fmt: skip
+        "accuracy_coach/answer_correct": 4, "accuracy_coach/score_fallback": 2, "accuracy_coach/score": 0,
+        "accuracy_coach/no_final_action": 0, "accuracy_coach/ungraded": 2}  # fmt: skip
+    # the re-prompt, the authors' word for word: their earlier reply alone, as one user message, no schema
+    assert len(RuleCoach.reasked) == 4 and {json.dumps(r, sort_keys=True) for r in RuleCoach.reasked} == {
+        json.dumps({"model": "judge", "temperature": 0, "messages": [{"role": "user", "content":
+            f"You previously provided this evaluation:\n\n{reply}\n\nHowever, the response format was incorrect. "
+            "Error: OUTCOME_SCORE/ANSWER_CORRECT missing for Verifier with ground truth\n\nPlease provide your "
+            "evaluation again using EXACTLY this format:\n\nPROCESS_SCORE: [0.0 to 10.0]\nANSWER_CORRECT: [0 or 1]"
+            "\n\nDo not include any other text or explanation. Only output the score(s) in the exact format shown "
+            "above.\n"}]}, sort_keys=True)
+        for reply in ("Plausible.\nPROCESS_SCORE: 4", "Unsure.\nPROCESS_SCORE: 6")}  # fmt: skip
     last = [ep.actions[-1] for ep in episodes]
-    assert {a.agent for a in last} == {verifier.name} and [a.verdict.answer_correct for a in last[:2]] == [1, 1]
-    # its cost: 6 episodes x 3 actions, one request each, 10 + 5 tokens each
+    assert {a.agent for a in last} == {verifier.name}
+    assert [(a.verdict.answer_correct, a.verdict.score, a.verdict.retries) for a in last[:4]] == [
+        (1, 9.0, 0), (1, 9.0, 0), (0, 4.0, 1), (0, 4.0, 1)]  # fmt: skip
+    assert [(a.verdict.answer_correct, a.verdict.score, a.verdict.rationale) for a in last[6:]] == [
+        (None, 7.0, "PROCESS_SCORE: 7")] * 2
+    # its cost: 8 episodes x 3 actions, one request each, and 4 re-prompts, 10 + 5 tokens each
     assert coach_cost(episodes, price_in=1.0, price_out=2.0) == {
-        "coach/requests": 18, "coach/failure_fraction": pytest.approx(2 / 18), "coach/tokens_in": 180,
-        "coach/tokens_out": 90, "coach/cost_usd": pytest.approx((180 * 1.0 + 90 * 2.0) / 1e6)}  # fmt: skip
+        "coach/requests": 24, "coach/failure_fraction": pytest.approx(2 / 24), "coach/tokens_in": 280,
+        "coach/tokens_out": 140, "coach/cost_usd": pytest.approx((280 * 1.0 + 140 * 2.0) / 1e6)}  # fmt: skip
 
 
 def test_no_coach_no_coach_graded_accuracy(tmp_path):

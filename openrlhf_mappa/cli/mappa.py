@@ -556,7 +556,7 @@ def eval_main(argv) -> int:
 
     import ray
 
-    from openrlhf_mappa.evaluation import coach_cost, evaluate, format_table, summarize
+    from openrlhf_mappa.evaluation import asks_answer, coach_cost, evaluate, format_table, summarize
 
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
@@ -575,7 +575,7 @@ def eval_main(argv) -> int:
     with open(args.out + ".episodes.jsonl", "w", encoding="utf-8") as f:
         for dataset, episodes in asyncio.run(every_dataset()).items():
             f.writelines(ep.to_json() + "\n" for ep in episodes)
-            summary, problems = summarize(episodes, list(models), datasets[dataset])
+            summary, problems = summarize(episodes, list(models), datasets[dataset], asks_answer(coach))
             summary.update(coach_cost(episodes, c.price_in, c.price_out))
             results[dataset], summaries[dataset] = {"summary": summary, "problems": problems}, summary
     settings = {"n_samples": samples, "temperature": args.eval.temperature, "top_p": args.rollout.top_p,
