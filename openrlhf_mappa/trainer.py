@@ -446,7 +446,7 @@ class MappaTrainer:
             self.coach_cost_usd += summary.get("coach/cost_usd", 0.0)
             if self.eval_overlap.get(dataset):  # allowed by --mappa.allow_eval_overlap: on every record of it
                 summary["train_overlap"] = self.eval_overlap[dataset]
-            self.out.evaluation(step, dataset, summary, problems)
+            self.out.evaluation(step, dataset, summary, problems, self.topology.env_cls.grader)
             tqdm.write(f"[mappa] evaluation after step {step}\n{format_table({dataset: summary})}", file=console.err)
 
     def save_checkpoints(self, step: int):

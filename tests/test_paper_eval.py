@@ -23,6 +23,7 @@ from openrlhf_mappa.cli import train_mappa_ray
 from openrlhf_mappa.coach import parse_answer_correct
 from openrlhf_mappa.coach.openai_compat import OpenAICoach
 from openrlhf_mappa.envs.base import load_tasks
+from openrlhf_mappa.envs.dsbench import METRICS
 from openrlhf_mappa.evaluation import coach_cost, evaluate, summarize, train_overlap
 from openrlhf_mappa.team import load_topology
 
@@ -197,52 +198,87 @@ def write_eval(run_dir, rows):
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def test_paper_table_sets_before_beside_after_for_both_graders_and_dsbench(tmp_path):
-    # Catches the project before this table: no command wrote the paper's before/after figures.
-    math = tmp_path / "mathchat"
+def test_paper_table_sets_before_beside_last_and_best_for_both_graders_and_both_dsbench_definitions(tmp_path):
+    # Catches the project before this table (no command wrote the paper's figures), and the table of audit 4 (C14,
+    # N6) and the second user trial: DSBench only by our definitions, "after" only the last evaluation, every
+    # run named `run`, math-verify headings on a relay, a raw 0-10 coach score shown in % (117 % -> 1000 %).
+    math = tmp_path / "mathchat" / "run"  # the scripts' layout: runs/<name>/run
     write_eval(math, [
-        {"step": 0, "dataset": "aime_2025", "accuracy": 29 / 120, "accuracy_coach": 0.25, "n_problems": 30,
-         "n_samples": 4, "accuracy_coach/score_fallback": 0, "accuracy_coach/ungraded": 1},
-        {"step": 0, "dataset": "amc_eval_32", "accuracy": 0.5, "n_problems": 32, "n_samples": 4},
-        {"step": 4, "dataset": "aime_2025", "accuracy": 0.3, "accuracy_coach": 0.3, "n_problems": 30, "n_samples": 4},
-        {"step": 128, "dataset": "aime_2025", "accuracy": 35 / 120, "accuracy_coach": 0.4, "n_problems": 30,
-         "n_samples": 4, "accuracy_coach/score_fallback": 2},
-        {"step": 128, "dataset": "amc_eval_32", "accuracy": 0.625, "n_problems": 32, "n_samples": 4,
-         "train_overlap": 3},
+        {"step": 0, "dataset": "aime_2025", "grader": "math-verify", "accuracy": 29 / 120, "accuracy_coach": 0.25,
+         "n_problems": 30, "n_samples": 4, "accuracy_coach/score_fallback": 0, "accuracy_coach/ungraded": 1},
+        {"step": 0, "dataset": "amc_eval_32", "grader": "math-verify", "accuracy": 0.5, "n_problems": 32,
+         "n_samples": 4},
+        {"step": 4, "dataset": "aime_2025", "grader": "math-verify", "accuracy": 0.4, "accuracy_coach": 0.3,
+         "n_problems": 30, "n_samples": 4, "accuracy_coach/score_fallback": 1},
+        {"step": 128, "dataset": "aime_2025", "grader": "math-verify", "accuracy": 35 / 120, "accuracy_coach": 0.4,
+         "n_problems": 30, "n_samples": 4, "accuracy_coach/score_fallback": 2},
+        {"step": 128, "dataset": "amc_eval_32", "grader": "math-verify", "accuracy": 0.625, "n_problems": 32,
+         "n_samples": 4, "train_overlap": 3},
+    ])  # fmt: skip
+    relay = tmp_path / "demo" / "run"  # a relay: the coach asked no ANSWER_CORRECT, its raw score is the figure
+    write_eval(relay, [
+        {"step": 0, "dataset": "relay_eval", "grader": "success (the environment's outcome)", "accuracy": 0.0,
+         "accuracy_coach": 1.17, "accuracy_coach/score": 16, "n_problems": 8, "n_samples": 2},
+        {"step": 50, "dataset": "relay_eval", "grader": "success (the environment's outcome)", "accuracy": 1.0,
+         "accuracy_coach": 10.0, "accuracy_coach/score": 16, "n_problems": 8, "n_samples": 2},
     ])  # fmt: skip
     ds = tmp_path / "dsbench"
     write_eval(ds, [
-        {"step": 0, "dataset": "tasks", "accuracy": 0.5, "relative_score": 0.2, "metric/rmse": 3.0,
-         "regression/success_rate": 0.25, "n_problems": 8, "n_samples": 4},
-        {"step": 120, "dataset": "tasks", "accuracy": 0.75, "relative_score": 0.35, "metric/rmse": 2.5,
-         "metric/accuracy": 0.8, "regression/success_rate": 0.5, "accuracy_coach": 6.5, "n_problems": 8,
+        {"step": 0, "dataset": "tasks", "grader": "valid submission.csv", "accuracy": 0.5, "relative_score": 0.2,
+         "metric/rmse": 3.0, "regression/success_rate": 0.25, "authors/scored_rate": 0.75, "authors/accuracy": 0.6,
+         "authors/count_accuracy": 12, "authors/rmse": 4.0, "authors/count_rmse": 12, "n_problems": 8,
          "n_samples": 4},
+        {"step": 2, "dataset": "tasks", "grader": "valid submission.csv", "accuracy": 0.625, "relative_score": 0.4,
+         "metric/rmse": 2.0, "authors/scored_rate": 0.875, "authors/accuracy": 0.7, "authors/rmse": 2.5,
+         "n_problems": 8, "n_samples": 4},
+        {"step": 120, "dataset": "tasks", "grader": "valid submission.csv", "accuracy": 0.75, "relative_score": 0.35,
+         "metric/rmse": 2.5, "metric/accuracy": 0.8, "regression/success_rate": 0.5, "accuracy_coach": 6.5,
+         "accuracy_coach/score": 32, "authors/scored_rate": 1.0, "authors/accuracy": 0.65, "authors/rmse": 3.0,
+         "n_problems": 8, "n_samples": 4},
     ])  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.mappa", "paper-table", str(math), str(ds),
-                           "--out", str(tmp_path / "table")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.mappa", "paper-table", str(math), str(relay),
+                           str(ds), "--out", str(tmp_path / "table")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "table.json").read_text())
-    cells = {(r["dataset"], r["metric"]): (r["before"], r["after"], r["after_step"], r["delta"])
-             for r in result["mathchat"]}
-    assert cells[("aime_2025", "math-verify")] == pytest.approx((29 / 1.2, 35 / 1.2, 128, 6 / 1.2))
-    assert cells[("aime_2025", "coach ANSWER_CORRECT")] == pytest.approx((25.0, 40.0, 128, 15.0))
-    assert cells[("amc_eval_32", "math-verify")] == pytest.approx((50.0, 62.5, 128, 12.5))
-    assert ("amc_eval_32", "coach ANSWER_CORRECT") not in cells  # no coach graded it
-    notes = {(r["dataset"], r["metric"]): r["note"] for r in result["mathchat"]}
+    cells = {(r["name"], r["dataset"], r["metric"]): (r["before"], r["after"], r["after_step"], r["delta"], r["best"],
+                                                      r["best_step"], r["best_delta"], r["unit"])
+             for r in result["accuracy"]}  # fmt: skip
+    assert cells == {
+        ("mathchat", "aime_2025", "math-verify"): pytest.approx(
+            (29 / 1.2, 35 / 1.2, 128, 6 / 1.2, 40.0, 4, 19 / 1.2, "%")),
+        ("mathchat", "aime_2025", "coach ANSWER_CORRECT"): pytest.approx(
+            (25.0, 40.0, 128, 15.0, 40.0, 128, 15.0, "%")),
+        ("mathchat", "amc_eval_32", "math-verify"): pytest.approx((50.0, 62.5, 128, 12.5, 62.5, 128, 12.5, "%")),
+        ("demo", "relay_eval", "success (the environment's outcome)"): pytest.approx(
+            (0.0, 100.0, 50, 100.0, 100.0, 50, 100.0, "%")),
+        ("demo", "relay_eval", "coach score of the final agent (0-10)"): pytest.approx(
+            (1.17, 10.0, 50, 8.83, 10.0, 50, 8.83, ""))}  # fmt: skip
+    notes = {(r["dataset"], r["metric"]): r["note"] for r in result["accuracy"]}
     assert notes[("aime_2025", "coach ANSWER_CORRECT")] == (
         "before: 1 episodes ungraded (coach failed), left out; "
-        "after: 2 episodes graded by the raw 0-10 score (no ANSWER_CORRECT)")
+        "last: 2 episodes graded by the raw 0-10 score (no ANSWER_CORRECT, asked twice)")
+    assert notes[("aime_2025", "math-verify")] == ""  # the best evaluation's fallbacks are the coach row's
     assert notes[("amc_eval_32", "math-verify")] == "3 problems are training problems: not held out"
-    ds_cells = {r["metric"]: (r["before"], r["after"], r["delta"], r["unit"]) for r in result["dsbench"]}
+    ds_cells = {r["metric"]: (r["before"], r["after"], r["delta"], r["best"], r["best_step"], r["unit"])
+                for r in result["dsbench"]}  # fmt: skip
     assert ds_cells == {
-        "success rate": pytest.approx((50.0, 75.0, 25.0, "%")), "relative score": pytest.approx((0.2, 0.35, 0.15, "")),
-        "accuracy (valid submissions)": (None, 0.8, None, ""), "rmse (valid submissions)": (3.0, 2.5, -0.5, ""),
-        "regression success rate": pytest.approx((25.0, 50.0, 25.0, "%")),
-        "coach score of the last action (authors' in-loop eval)": (None, 6.5, None, "")}  # fmt: skip
+        "ours: success rate (valid submission.csv)": pytest.approx((50.0, 75.0, 25.0, 75.0, 120, "%")),
+        "ours: relative score": pytest.approx((0.2, 0.35, 0.15, 0.4, 2, "")),
+        "ours: accuracy (competition metric, valid submissions)": (None, 0.8, None, 0.8, 120, ""),
+        "ours: rmse (competition metric, valid submissions)": (3.0, 2.5, -0.5, 2.0, 2, ""),  # lower is better
+        "ours: regression success rate": pytest.approx((25.0, 50.0, 25.0, 50.0, 120, "%")),
+        "authors': scored rate (predictions read)": pytest.approx((75.0, 100.0, 25.0, 100.0, 120, "%")),
+        "authors': accuracy (pooled over tasks)": pytest.approx((0.6, 0.65, 0.05, 0.7, 2, "")),
+        "authors': rmse (pooled over tasks)": pytest.approx((4.0, 3.0, -1.0, 2.5, 2, "")),
+        "authors': coach score of the last action (in-loop eval, 0-10)": (None, 6.5, None, 6.5, 120, "")}  # fmt: skip
+    assert {n for n, m in METRICS.items() if not m.higher_is_better} | {"mse"} == set(paper_table.LOWER_IS_BETTER)
     md = (tmp_path / "table.md").read_text()
-    assert md in proc.stdout
-    assert "| mathchat | aime_2025 | math-verify | 24.2 | 29.2 (step 128) | +5.0 | 30 x 4 |  |" in md
-    assert "| dsbench | tasks | success rate | 50.0 | 75.0 (step 120) | +25.0 | 8 x 4 |  |" in md
+    assert md in proc.stdout and "## Accuracy" in md and "MathChat" not in md
+    assert ("| mathchat | aime_2025 | math-verify | 24.2 | 29.2 (step 128) | +5.0 pp | 40.0 (step 4) | +15.8 pp | "
+            "30 x 4 |  |") in md
+    assert "| demo | relay_eval | coach score of the final agent (0-10) | 1.2 | 10.0 (step 50) | +8.8300 |" in md
+    assert ("| dsbench | tasks | ours: success rate (valid submission.csv) | 50.0 | 75.0 (step 120) | +25.0 pp | "
+            "75.0 (step 120) | +25.0 pp | 8 x 4 |  |") in md
 
 
 def test_paper_table_refuses_a_run_without_evaluations(tmp_path):
@@ -375,3 +411,27 @@ def test_every_hash_of_the_scripts_data_check_is_the_authors_files(tmp_path):
                 f"{hashes[name]}: it is not their data/Bench/{name}") in proc.stderr
     proc = data_check(BENCH, *shared)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_each_environment_heads_its_accuracy_and_the_run_log_records_it(tmp_path):
+    # Catches the table of the second user trial (issue 64): "math-verify" headed a relay's and a custom
+    # environment's accuracy, and every run was named `run`.
+    from types import SimpleNamespace
+
+    from openrlhf_mappa.run_log import RunLog
+
+    configs = os.path.join(REPO, "examples", "configs")
+    graders = {name: load_topology(os.path.join(configs, f"{name}.yaml"), model_override="m").env_cls.grader
+               for name in ("mathchat", "debate", "relay", "dsbench")}
+    assert graders == {"mathchat": "math-verify", "debate": "math-verify",
+                       "relay": "success (the environment's outcome)", "dsbench": "valid submission.csv"}
+    args = SimpleNamespace(logger=SimpleNamespace(wandb=SimpleNamespace(key=None), tensorboard_dir=None))
+    run = tmp_path / "gift" / "run"
+    RunLog(args, str(run)).evaluation(3, "gifts_eval", {"accuracy": 0.5, "n_problems": 2, "n_samples": 1}, [],
+                                      graders["relay"])
+    assert json.loads((run / "eval.jsonl").read_text()) == {
+        "step": 3, "dataset": "gifts_eval", "grader": "success (the environment's outcome)", "accuracy": 0.5,
+        "n_problems": 2, "n_samples": 1}  # fmt: skip
+    rows = paper_table.table([str(run)])["accuracy"]
+    assert [(r["name"], r["metric"], r["after"]) for r in rows] == [
+        ("gift", "success (the environment's outcome)", 50.0)]

@@ -144,9 +144,9 @@ def build_parser():
                    help="a run's --mappa.run_dir (metrics.jsonl, episodes.jsonl, eval.jsonl); several: overlaid")
     p.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html; several runs: the first's "
                    "compare.html)")
-    p = sub.add_parser("paper-table", help="the paper's table from runs' eval.jsonl: each eval set's first (step 0) "
-                       "and last evaluation side by side; MathChat's accuracy under both graders, DSBench's success "
-                       "rate and metrics; Markdown and JSON")
+    p = sub.add_parser("paper-table", help="the paper's table from runs' eval.jsonl: each eval set's first (step 0), "
+                       "last and best evaluation side by side; accuracy under the environment's grader and the "
+                       "coach's, DSBench by our definitions and the authors'; Markdown and JSON")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's --mappa.run_dir (its eval.jsonl)")
     p.add_argument("--out", help="write OUT.md and OUT.json (default: the first RUN_DIR's paper_table.md, .json)")
     return parser, score_parser
