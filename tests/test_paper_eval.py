@@ -435,3 +435,18 @@ def test_each_environment_heads_its_accuracy_and_the_run_log_records_it(tmp_path
     rows = paper_table.table([str(run)])["accuracy"]
     assert [(r["name"], r["metric"], r["after"]) for r in rows] == [
         ("gift", "success (the environment's outcome)", 50.0)]
+
+
+def test_the_documented_mappa_eval_commands_run_at_the_recipes_lengths():
+    # Catches audit 4's N5: the docs' `mappa eval` examples ran at its defaults (1,024 new tokens or max_len 8,192),
+    # too short for the paper's figures.
+    reference = open(os.path.join(REPO, "docs", "reference.md"), encoding="utf-8").read()
+    block = reference.split("**Standalone**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [c for c in block.replace("\\\n", " ").splitlines() if c.startswith("mappa eval")]
+    script = open(os.path.join(SCRIPTS, "train_mappa_mathchat.sh"), encoding="utf-8").read()
+    recipe = {flag: re.search(rf"{flag} (\d+)", script).group(1) for flag in ("--rollout.max_new_tokens",
+                                                                              "--data.max_len")}
+    assert len(commands) == 2 and recipe == {"--rollout.max_new_tokens": "4096", "--data.max_len": "28672"}
+    for command in commands:
+        words = command.split()
+        assert {flag: words[words.index(flag) + 1] for flag in recipe if flag in words} == recipe, command
