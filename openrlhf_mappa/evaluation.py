@@ -131,6 +131,7 @@ def coach_graded(episode, answer_asked: bool = True) -> tuple:
 
 
 GRADED_BY = ("answer_correct", "score_fallback", "score", "no_final_action", "ungraded")
+AUTHORS_FIGURES = ("accuracy", "f1", "roc_auc", "rmse", "mae", "mse")  # DSBench's, pooled as the authors'
 
 
 def _mean(values):
@@ -178,31 +179,23 @@ def summarize(episodes: list, agent_names: list, tasks: list, answer_asked: bool
             typed = [ep for ep in episodes if ep.task_type == task_type]
             summary[f"{task_type}/success_rate"] = _mean([float(ep.success) for ep in typed])
             summary[f"{task_type}/relative_score"] = _mean([ep.outcome.get("relative_score") or 0.0 for ep in typed])
-    if any("authors_figures" in o for o in outcomes):  # DSBench: the authors' definitions beside ours
-        summary.update(authors_summary(outcomes))
+    if any("authors_figures" in o for o in outcomes):
+        # DSBench as the authors' evaluate_samples reads it (multi_agent_world_async.py L385-388, L437-457): an
+        # episode is scored when its predictions can be read (envs/dsbench.py authors_predictions), whatever their
+        # rows or columns; each figure the mean over the scored episodes that have it, pooled across tasks, with
+        # its count (their avg_*, count_*).
+        scored = [o["authors_figures"] for o in outcomes if o.get("authors_figures") is not None]
+        summary["authors/scored_rate"] = len(scored) / len(outcomes)
+        for name in AUTHORS_FIGURES:
+            values = [f[name] for f in scored if name in f]
+            if values:
+                summary[f"authors/{name}"] = statistics.fmean(values)
+                summary[f"authors/count_{name}"] = len(values)
     # Here, not at the top: run_log loads torch, and the flag checks import this module before torch is due.
     from openrlhf_mappa.run_log import behaviour_metrics
 
     summary.update(behaviour_metrics(episodes, agent_names))
     return summary, problems
-
-
-AUTHORS_FIGURES = ("accuracy", "f1", "roc_auc", "rmse", "mae", "mse")
-
-
-def authors_summary(outcomes: list) -> dict:
-    """DSBench as the authors' evaluate_samples (multi_agent_world_async.py L385-388, L437-457) reads it: an
-    episode is scored when its predictions can be read (envs/dsbench.py authors_predictions), whatever their rows
-    or columns; each figure is the mean over the scored episodes that have it, pooled across tasks, with their
-    count (their avg_* and count_*). authors/scored_rate: the scored episodes' share."""
-    scored = [o["authors_figures"] for o in outcomes if o.get("authors_figures") is not None]
-    out = {"authors/scored_rate": len(scored) / len(outcomes)}
-    for name in AUTHORS_FIGURES:
-        values = [f[name] for f in scored if name in f]
-        if values:
-            out[f"authors/{name}"] = statistics.fmean(values)
-            out[f"authors/count_{name}"] = len(values)
-    return out
 
 
 def format_table(results: dict) -> str:

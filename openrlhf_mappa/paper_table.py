@@ -27,10 +27,9 @@ def accuracy_rows(records: list) -> list:
     """(key, label, in %) of an accuracy set's rows: the environment's grade, then the coach's: ANSWER_CORRECT in
     %, or the raw 0-10 score where no ANSWER_CORRECT was asked (accuracy_coach/score counts those episodes)."""
     grader = records[-1].get("grader") or "accuracy"  # records before `grader` was written name none
-    raw = any(r.get("accuracy_coach/score") for r in records)
-    coach = ("accuracy_coach", "coach score of the final agent (0-10)", False) if raw else (
-        "accuracy_coach", "coach ANSWER_CORRECT", True)
-    return [("accuracy", grader, True), coach]
+    if any(r.get("accuracy_coach/score") for r in records):
+        return [("accuracy", grader, True), ("accuracy_coach", "coach score of the final agent (0-10)", False)]
+    return [("accuracy", grader, True), ("accuracy_coach", "coach ANSWER_CORRECT", True)]
 
 
 def dsbench_rows(records: list) -> list:
