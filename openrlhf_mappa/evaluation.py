@@ -76,13 +76,15 @@ async def evaluate(topology, tasks: list, policies: dict, n_samples: int, worksp
     if not asks_answer(coach):
         return played
     # The authors ask once more where the final agent's verdict, shown the reference, states no ANSWER_CORRECT
-    # (external_coach.py L415-450); only then does their grader fall back to the raw score (coach_graded).
+    # (external_coach.py L415-450); only then does their grader fall back to the raw score (coach_graded). A
+    # verdict from a hindsight review has no reply of its own to ask about.
     unanswered = []
     for ep in played:
         final = final_action(ep)
-        verdict = final.verdict if final else None
-        shown_reference = final is not None and final.coach_request.get("ground_truth") is not None
-        if shown_reference and verdict and verdict.status == "ok" and verdict.answer_correct is None:
+        if final is None or final.verdict is None or final.coach_request.get("ground_truth") is None:
+            continue
+        verdict = final.verdict
+        if verdict.status == "ok" and verdict.source == "per_action" and verdict.answer_correct is None:
             unanswered.append(final)
     verdicts = await asyncio.gather(*(coach.reask_answer(a.verdict) for a in unanswered))
     for action, verdict in zip(unanswered, verdicts):
