@@ -4,12 +4,14 @@ rollout, so an evaluated episode is exactly a training episode. Its accuracy has
 (`accuracy`; MathChat: math-verify) and, where a coach was asked, the authors' (`accuracy_coach`, coach_graded).
 """
 
+import asyncio
 import os
 import re
 import statistics
 import unicodedata
 
 from openrlhf_mappa.coach import Coach, CoachRequest
+from openrlhf_mappa.coach.base import ANSWER_KEY
 from openrlhf_mappa.coach.audit import coach_step_metrics
 from openrlhf_mappa.envs.base import load_tasks
 from openrlhf_mappa.episode import Verdict
@@ -68,8 +70,37 @@ async def evaluate(topology, tasks: list, policies: dict, n_samples: int, worksp
                    progress=None, coach: Coach = None) -> list:
     """n_samples episodes per task, all at once; returns the episodes, task-major. progress: see rollout.
     coach: asked about every action, per action, for the authors' grader (coach_graded); None: no coach."""
+    coach = coach or NoCoach()
     episodes = [t for t in tasks for _ in range(n_samples)]
-    return await rollout(topology, episodes, policies, coach or NoCoach(), workspace_root, step, progress=progress)
+    played = await rollout(topology, episodes, policies, coach, workspace_root, step, progress=progress)
+    if not asks_answer(coach):
+        return played
+    # The authors ask once more where the final agent's verdict, shown the reference, states no ANSWER_CORRECT
+    # (external_coach.py L415-450); only then does their grader fall back to the raw score (coach_graded). A
+    # verdict from a hindsight review has no reply of its own to ask about.
+    unanswered = []
+    for ep in played:
+        final = final_action(ep)
+        if final is None or final.verdict is None or final.coach_request.get("ground_truth") is None:
+            continue
+        verdict = final.verdict
+        if verdict.status == "ok" and verdict.source == "per_action" and verdict.answer_correct is None:
+            unanswered.append(final)
+    verdicts = await asyncio.gather(*(coach.reask_answer(a.verdict) for a in unanswered))
+    for action, verdict in zip(unanswered, verdicts):
+        action.verdict = verdict
+    return played
+
+
+def asks_answer(coach) -> bool:
+    """Whether the coach's template asks for ANSWER_CORRECT (MathChat's does; DSBench's, relay's do not)."""
+    return coach is not None and ANSWER_KEY in (coach.template or "")
+
+
+def final_action(episode):
+    """The final agent's last action, or None when it never acted."""
+    finals = [a for a in episode.actions if a.coach_request.get("is_final_agent")]
+    return finals[-1] if finals else None
 
 
 def coach_cost(episodes: list, price_in: float = 0.0, price_out: float = 0.0) -> dict:
@@ -82,24 +113,27 @@ def coach_cost(episodes: list, price_in: float = 0.0, price_out: float = 0.0) ->
     return {k: m[k] for k in keys if k in m}
 
 
-def coach_graded(episode) -> tuple:
+def coach_graded(episode, answer_asked: bool = True) -> tuple:
     """(accuracy, how) of one episode by the authors' grader (multi_agent_world_async.evaluate_samples, with
     mathchat_workflow_with_coach.py and coach_utils.py): the coach's ANSWER_CORRECT (1/0) on the final agent's last
-    action; where its reply has none, that verdict's raw 0-10 score (so their mean can pass 1); 0.0 when the final
-    agent never acted. None when the coach gave no verdict there (it failed, or none was asked): left out of the
-    mean and counted, never an invented grade (their coach never fails: it falls back to 5.0)."""
-    finals = [a for a in episode.actions if a.coach_request.get("is_final_agent")]
-    if not finals:
+    action; where its reply has none even when asked again (evaluate), that verdict's raw 0-10 score (so their mean
+    can pass 1); 0.0 when the final agent never acted. None when the coach gave no verdict there (it failed, or
+    none was asked): left out of the mean and counted, never an invented grade (their coach never fails: it falls
+    back to 5.0). `answer_asked` False (a coach template without ANSWER_CORRECT, as DSBench's): the raw score is
+    the grade by design ("score"), no fallback."""
+    final = final_action(episode)
+    if final is None:
         return 0.0, "no_final_action"
-    verdict = finals[-1].verdict
+    verdict = final.verdict
     if verdict is None or verdict.status != "ok":
         return None, "ungraded"
     if verdict.answer_correct is not None:
         return float(verdict.answer_correct), "answer_correct"
-    return verdict.score, "score_fallback"
+    return verdict.score, "score_fallback" if answer_asked else "score"
 
 
-GRADED_BY = ("answer_correct", "score_fallback", "no_final_action", "ungraded")
+GRADED_BY = ("answer_correct", "score_fallback", "score", "no_final_action", "ungraded")
+AUTHORS_FIGURES = ("accuracy", "f1", "roc_auc", "rmse", "mae", "mse")  # DSBench's, pooled as the authors'
 
 
 def _mean(values):
@@ -107,11 +141,12 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
-def summarize(episodes: list, agent_names: list, tasks: list) -> tuple:
+def summarize(episodes: list, agent_names: list, tasks: list, answer_asked: bool = True) -> tuple:
     """(summary, problems). accuracy: the mean over problems of pass@1 (mean success over its samples). DSBench
     outcomes add relative_score (an invalid submission counts 0, as DSBench's paper), each task metric's mean
     over valid submissions, and success rate and relative score per task type. Where a coach graded the episodes,
-    accuracy_coach is the same mean by the authors' grader (coach_graded), with accuracy_coach/<how> counts."""
+    accuracy_coach is the same mean by the authors' grader (coach_graded; `answer_asked`: the coach's template asks
+    for ANSWER_CORRECT), with accuracy_coach/<how> counts."""
     by_task = {}
     for ep in episodes:
         by_task.setdefault(ep.task_id, []).append(ep)
@@ -124,13 +159,13 @@ def summarize(episodes: list, agent_names: list, tasks: list) -> tuple:
                          "pass1": _mean([float(ep.success) for ep in samples]),
                          "samples": [ep.outcome for ep in samples]})
         if graded:
-            problems[-1]["pass1_coach"] = _mean([coach_graded(ep)[0] for ep in samples])
+            problems[-1]["pass1_coach"] = _mean([coach_graded(ep, answer_asked)[0] for ep in samples])
     outcomes = [ep.outcome for ep in episodes]
     summary = {"accuracy": _mean([p["pass1"] for p in problems]), "n_problems": len(problems),
                "n_samples": len(episodes) // max(1, len(problems))}
     if graded:  # the authors' grader, beside the environment's; how each episode was graded, counted
         summary["accuracy_coach"] = _mean([p["pass1_coach"] for p in problems])
-        hows = [coach_graded(ep)[1] for ep in episodes]
+        hows = [coach_graded(ep, answer_asked)[1] for ep in episodes]
         summary.update({f"accuracy_coach/{how}": hows.count(how) for how in GRADED_BY})
     if any("answered" in o for o in outcomes):
         summary["answered_rate"] = _mean([float(bool(o.get("answered"))) for o in outcomes])
@@ -146,6 +181,18 @@ def summarize(episodes: list, agent_names: list, tasks: list) -> tuple:
             typed = [ep for ep in episodes if ep.task_type == task_type]
             summary[f"{task_type}/success_rate"] = _mean([float(ep.success) for ep in typed])
             summary[f"{task_type}/relative_score"] = _mean([ep.outcome.get("relative_score") or 0.0 for ep in typed])
+    if any("authors_figures" in o for o in outcomes):
+        # DSBench as the authors' evaluate_samples reads it (multi_agent_world_async.py L385-388, L437-457): an
+        # episode is scored when its predictions can be read (envs/dsbench.py authors_predictions), whatever their
+        # rows or columns; each figure the mean over the scored episodes that have it, pooled across tasks, with
+        # its count (their avg_*, count_*).
+        scored = [o["authors_figures"] for o in outcomes if o.get("authors_figures") is not None]
+        summary["authors/scored_rate"] = len(scored) / len(outcomes)
+        for name in AUTHORS_FIGURES:
+            values = [f[name] for f in scored if name in f]
+            if values:
+                summary[f"authors/{name}"] = statistics.fmean(values)
+                summary[f"authors/count_{name}"] = len(values)
     # Here, not at the top: run_log loads torch, and the flag checks import this module before torch is due.
     from openrlhf_mappa.run_log import behaviour_metrics
 

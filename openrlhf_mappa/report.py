@@ -20,7 +20,7 @@ MAX_EPISODES = 200  # the viewer embeds a run's last episodes only, so a long ru
 MAX_TEXT = 4000  # characters kept of each text shown in the viewer (the middle is cut)
 AGENT_CURVES = ("coach_score", "outcome_success", "kl", "action_length", "tool_use_rate", "tool_error_rate",
                 "code_error_rate", "truncated_rate", "answer_format_rate")
-EVAL_FIELDS = ("step", "dataset", "n_problems", "n_samples")  # eval.jsonl keys that are not curves
+EVAL_FIELDS = ("step", "dataset", "grader", "n_problems", "n_samples")  # eval.jsonl keys that are not curves
 LINE_STYLES = (("solid", "-"), ("dashed", "--"), ("dotted", ":"), ("dash-dotted", "-."))  # one per run
 # Text as SVG <text> (small files; tick labels a test can read); no mathtext, so a "$" in a name is text; axes
 # ending at round ticks; every point kept (no path simplification); a fixed hash salt and, in draw, no

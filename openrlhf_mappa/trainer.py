@@ -28,7 +28,8 @@ from tqdm import tqdm
 from openrlhf_mappa import resume, rewards
 from openrlhf_mappa.coach.audit import BiasAudit, coach_step_metrics
 from openrlhf_mappa.console import console, step_line
-from openrlhf_mappa.evaluation import NoCoach, coach_cost, evaluate, format_table, summarize, train_overlap
+from openrlhf_mappa.evaluation import (NoCoach, asks_answer, coach_cost, evaluate, format_table, summarize,
+                                      train_overlap)
 from openrlhf_mappa.health import RunStopped, StopRules
 from openrlhf_mappa.launch import distinct, owners
 from openrlhf_mappa.rollout import AgentPolicy, rollout
@@ -440,12 +441,12 @@ class MappaTrainer:
                 graded = evaluate(self.topology, tasks, self.eval_policies, ev.n_samples_per_prompt, workspace, step,
                                   bar.update, self.eval_coach)
                 episodes = asyncio.run_coroutine_threadsafe(graded, self.loop).result()  # fit runs the loop
-            summary, problems = summarize(episodes, names, tasks)
+            summary, problems = summarize(episodes, names, tasks, asks_answer(self.eval_coach))
             summary.update(coach_cost(episodes, c.price_in, c.price_out))  # counted in the run's total cost too
             self.coach_cost_usd += summary.get("coach/cost_usd", 0.0)
             if self.eval_overlap.get(dataset):  # allowed by --mappa.allow_eval_overlap: on every record of it
                 summary["train_overlap"] = self.eval_overlap[dataset]
-            self.out.evaluation(step, dataset, summary, problems)
+            self.out.evaluation(step, dataset, summary, problems, self.topology.env_cls.grader)
             tqdm.write(f"[mappa] evaluation after step {step}\n{format_table({dataset: summary})}", file=console.err)
 
     def save_checkpoints(self, step: int):

@@ -375,6 +375,10 @@ TOOLS = [
          "argument --mappa.coach.timeout: 0 is out of range", code=2),
     tool("coach score a URL without an LLM coach", [*SCORE, "--mappa.coach.base_url", "http://127.0.0.1:9/v1"],
          "--mappa.coach.base_url: read by the openai and trained coaches only", files=EPISODES),
+    # The old spelling, before the coach flags were the training run's (issue 62).
+    tool("coach score --kind", [*SCORE[:-2], "--kind", "heuristic"],
+         "mappa: error: unrecognized arguments: --kind heuristic\n  --kind: replaced by --mappa.coach.kind (mappa "
+         "coach score takes the training run's --mappa.coach.* flags)", code=2),
     tool("coach score --mappa.coach.kind trained", [*SCORE[:-1], "trained"],
          "mappa coach score: error: --mappa.coach.kind trained: a trained coach judges inside its run only", code=2),
     tool("coach score missing template", [*SCORE, "--template", "missing.txt"],

@@ -921,3 +921,48 @@ def test_cli_score(pack, tmp_path):
     proc = subprocess.run([MAPPA, "dsbench", "score", "--task-dir", str(tmp_path), "--submission", "s.csv"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and "not a DSBench task directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_evaluation_reports_dsbench_both_ways_and_its_coach_score_is_no_fallback(pack, tmp_path):
+    """Audit 4, C14: ours (a valid submission.csv; the competition metric) beside the authors' (an episode scored
+    whenever predictions can be read, the second column by position, any rows; accuracy, F1, ROC-AUC, RMSE, MAE,
+    MSE pooled over the scored episodes of every task, multi_agent_world_async.py L385-388, L437-457). DSBench's
+    coach asks no ANSWER_CORRECT: its raw score is the authors' in-loop figure, never counted as a fallback."""
+    from openrlhf_mappa.episode import Action, Episode, Verdict
+    from openrlhf_mappa.evaluation import summarize
+
+    topology = load_topology(str(DSBENCH_YAML))
+    breast, diabetes = pack["sk-breast-cancer"], pack["sk-diabetes"]
+    truth = {t["id"]: pd.read_csv(os.path.join(t["answer"], "answers", "test_answer.csv")) for t in (breast, diabetes)}
+    renamed = truth["sk-breast-cancer"].set_axis(["row", "guess"], axis=1).iloc[:-3]  # other columns, 3 rows short
+    regression = truth["sk-diabetes"].assign(target=truth["sk-diabetes"]["target"] + 10.0)  # every value off by 10
+    plays = [(breast, truth["sk-breast-cancer"]), (breast, renamed), (breast, None), (diabetes, regression)]
+    episodes = []
+    for i, (task, submission) in enumerate(plays):
+        env = topology.make_env(task, str(tmp_path / f"ws{i}"))
+        if submission is not None:
+            write_sub(tmp_path / f"ws{i}" / "submission.csv", submission)
+        final = Action(str(i), topology.agents[-1].name, 0, [], [], coach_request={"is_final_agent": True},
+                       verdict=Verdict(6.0 + i, "ok"))
+        episodes.append(Episode(str(i), task["id"], env.task_type, [final], env.outcome()))
+    outcomes = [ep.outcome for ep in episodes]
+    assert [o["success"] for o in outcomes] == [True, False, False, True]
+    assert [o["authors_figures"] is None for o in outcomes] == [False, False, True, False]
+    assert outcomes[0]["authors_figures"] == {"accuracy": 1.0, "f1": 1.0, "roc_auc": 1.0}
+    assert outcomes[1]["authors_figures"] == {"accuracy": 1.0, "f1": 1.0, "roc_auc": 1.0}
+    assert outcomes[1]["status"] == "wrong_columns"
+    assert outcomes[3]["authors_figures"]["rmse"] == pytest.approx(10.0)
+    assert outcomes[3]["authors_figures"]["mae"] == pytest.approx(10.0)
+    assert outcomes[3]["authors_figures"]["mse"] == pytest.approx(100.0)
+
+    tasks = [{"id": t["id"], "answer": t["answer"], "type": t["type"]} for t in (breast, diabetes)]
+    summary, _ = summarize(episodes, [], tasks, answer_asked=False)
+    assert {k: v for k, v in summary.items() if k.startswith("authors/")} == pytest.approx({
+        "authors/scored_rate": 0.75, "authors/accuracy": 1.0, "authors/count_accuracy": 2, "authors/f1": 1.0,
+        "authors/count_f1": 2, "authors/roc_auc": 1.0, "authors/count_roc_auc": 2, "authors/rmse": 10.0,
+        "authors/count_rmse": 1, "authors/mae": 10.0, "authors/count_mae": 1, "authors/mse": 100.0,
+        "authors/count_mse": 1})  # fmt: skip
+    assert summary["accuracy"] == pytest.approx((1 / 3 + 1) / 2)  # ours: per task, then over tasks
+    assert {k: v for k, v in summary.items() if k.startswith("accuracy_coach/")} == {
+        "accuracy_coach/answer_correct": 0, "accuracy_coach/score_fallback": 0, "accuracy_coach/score": 4,
+        "accuracy_coach/no_final_action": 0, "accuracy_coach/ungraded": 0}  # fmt: skip

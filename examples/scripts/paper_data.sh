@@ -10,7 +10,7 @@ paper_sha256() {
     aime_2025.json) echo ad3c0c8341eedc8f3b7d4048a66ded19aca59403f373fb69aa153e95c719682b ;;
     amc_eval_32.json) echo ba208c17af3586190f6fb54695f3ce5627cdbd535af0038789f42d6aeedf6c0a ;;
     dsbench_modeling_train.json) echo 4b65338d578f6e3aeaba398264f1b755ff112df8143b36c7bf7bd40d03d5be4e ;;
-    dsbench_modeling_eval.json) echo 6ea24184d84f2f62265c486058f1b94e13e920f15a5e2d9ef052c92d8b39e5b36 ;;
+    dsbench_modeling_eval.json) echo 6ea24184d84f2f6265c486058f1b94e13e920f15a5e2d9ef052c92d8b39e5b36 ;;
     dsbench_modeling_cleaned_prompts.json) echo fa5de59bab19296a1e4eed3305a594daa60bc3f199a8462653a3c4b6fbc44fdc ;;
   esac
 }

@@ -144,9 +144,9 @@ def build_parser():
                    help="a run's --mappa.run_dir (metrics.jsonl, episodes.jsonl, eval.jsonl); several: overlaid")
     p.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html; several runs: the first's "
                    "compare.html)")
-    p = sub.add_parser("paper-table", help="the paper's table from runs' eval.jsonl: each eval set's first (step 0) "
-                       "and last evaluation side by side; MathChat's accuracy under both graders, DSBench's success "
-                       "rate and metrics; Markdown and JSON")
+    p = sub.add_parser("paper-table", help="the paper's table from runs' eval.jsonl: each eval set's first (step 0), "
+                       "last and best evaluation side by side; accuracy under the environment's grader and the "
+                       "coach's, DSBench by our definitions and the authors'; Markdown and JSON")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's --mappa.run_dir (its eval.jsonl)")
     p.add_argument("--out", help="write OUT.md and OUT.json (default: the first RUN_DIR's paper_table.md, .json)")
     return parser, score_parser
@@ -556,7 +556,7 @@ def eval_main(argv) -> int:
 
     import ray
 
-    from openrlhf_mappa.evaluation import coach_cost, evaluate, format_table, summarize
+    from openrlhf_mappa.evaluation import asks_answer, coach_cost, evaluate, format_table, summarize
 
     if not ray.is_initialized():
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
@@ -575,7 +575,7 @@ def eval_main(argv) -> int:
     with open(args.out + ".episodes.jsonl", "w", encoding="utf-8") as f:
         for dataset, episodes in asyncio.run(every_dataset()).items():
             f.writelines(ep.to_json() + "\n" for ep in episodes)
-            summary, problems = summarize(episodes, list(models), datasets[dataset])
+            summary, problems = summarize(episodes, list(models), datasets[dataset], asks_answer(coach))
             summary.update(coach_cost(episodes, c.price_in, c.price_out))
             results[dataset], summaries[dataset] = {"summary": summary, "problems": problems}, summary
     settings = {"n_samples": samples, "temperature": args.eval.temperature, "top_p": args.rollout.top_p,

@@ -55,8 +55,10 @@ FRACTION, SCORE = ranged(float, 0, 1), ranged(float, 0, 10)
 GPU_GIB = ranged(float, 0, 1024, above=True, hint=" (GiB; nvidia-smi shows MiB: divide by 1024)")
 
 
-# MAPPA's flags that are gone, each with what replaces it: the trained coach's search switches merged (issue 54).
+# MAPPA's flags that are gone, each with what replaces it: the trained coach's search switches merged (issue 54);
+# `mappa coach score`'s own coach flags, now the training run's.
 RENAMED = {
+    "--kind": "--mappa.coach.kind (mappa coach score takes the training run's --mappa.coach.* flags)",
     "--mappa.coach.digits_only": "--mappa.coach.reply digit (digits_only and all_digits together)",
     "--mappa.coach.all_digits": "--mappa.coach.reply digit (digits_only and all_digits together)",
     "--mappa.coach.agreement_warmup": "--mappa.coach.warmup_steps (one warm-up: the agents' and min_agreement's)",

@@ -58,6 +58,21 @@ REVIEW_REPROMPT = (
     'with "rationale", "responsible" (an action id) and "actions": exactly one entry {{"id": <id>, "score": '
     "<number from 0 to 10>}} for each action id from 1 to {n}.)"
 )
+# The authors' re-prompt for a Verifier's verdict that lacks ANSWER_CORRECT (their external_coach.py L335-365 with
+# L415-450), word for word: their earlier reply alone, without the task, and the two lines it must state.
+ANSWER_REPROMPT = """You previously provided this evaluation:
+
+{reply}
+
+However, the response format was incorrect. Error: OUTCOME_SCORE/ANSWER_CORRECT missing for Verifier with ground truth
+
+Please provide your evaluation again using EXACTLY this format:
+
+{key}: [0.0 to 10.0]
+ANSWER_CORRECT: [0 or 1]
+
+Do not include any other text or explanation. Only output the score(s) in the exact format shown above.
+"""
 PROBE_TIMEOUT_S = 10.0  # a model listing answers at once; waiting longer only delays the error
 RETRIED_STATUSES = (408, 409, 429)  # and every 5xx
 
@@ -128,6 +143,23 @@ class OpenAICoach(Coach):
                 self.cache.put(key, verdict)
             return verdict
 
+    async def reask_answer(self, verdict: Verdict) -> Verdict:
+        # As the authors: the retry's ANSWER_CORRECT where it has one, and its score and text where it has a
+        # score (their raw-score fallback then reads the retry's); a failed call leaves the verdict as it was.
+        async with self.semaphore:
+            tally = dict(latency_s=0.0, tokens_in=0, tokens_out=0, retries=1)  # the re-prompt is a retry
+            prompt = ANSWER_REPROMPT.format(reply=verdict.rationale, key=self.score_key)
+            try:
+                text = await self.complete([{"role": "user", "content": prompt}], tally, None)
+            except CallFailed:
+                text = ""
+            score = parse_score(text, self.score_key)
+            answer = parse_answer_correct(text)
+            spent = {k: getattr(verdict, k) + v for k, v in tally.items()}
+            if score is not None:
+                spent.update(score=score, rationale=text)
+            return dataclasses.replace(verdict, answer_correct=answer, **spent)
+
     async def review(self, requests: list, outcome: dict) -> Review:
         # One slot, as a verdict: a review is one request.
         async with self.semaphore:
@@ -174,7 +206,8 @@ class OpenAICoach(Coach):
             if self.rpm > 0:
                 await self.pace()
             error = None
-            use_schema = self.use_schema  # read late: another call may have dropped it meanwhile
+            # Read late: another call may have dropped it meanwhile. None: the ANSWER_CORRECT re-prompt, text lines.
+            use_schema = self.use_schema and schema is not None
             body = {"model": self.model, "messages": messages, "temperature": 0}
             if use_schema:
                 body["response_format"] = schema

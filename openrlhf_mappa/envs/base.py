@@ -58,6 +58,8 @@ class MultiAgentEnv:
     """One instance per episode."""
 
     task_type: str = ""
+    # What decides outcome()["success"], evaluation's `accuracy`: `mappa paper-table` heads its row with it.
+    grader: str = "success (the environment's outcome)"
     # False where a task has no reference answer (a writer judged by the coach alone): its rows may leave
     # --data.label_key's column out or null (load_tasks), and coach_ground_truth gives None.
     needs_answer: bool = True

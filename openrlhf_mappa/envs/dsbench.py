@@ -304,6 +304,7 @@ def authors_figures(truth: pd.Series, pred: pd.Series, data_type: str) -> dict:
 # ---------------------------------------------------------------- the environment
 class DSBenchEnv(MultiAgentEnv):
     task_type = ""  # set per task: "regression" or "classification"
+    grader = "valid submission.csv"
 
     def __init__(self, topology, task: dict, workspace: str, code_timeout_s: float = 120.0, contract: dict = None,
                  end_turn_on_files: bool = False, workspace_files: str = "persistent", coach_evidence: str = "ours"):
@@ -416,9 +417,13 @@ class DSBenchEnv(MultiAgentEnv):
         return self.submission_check()["valid"] if SUBMISSION in self.contract.get(agent.name, []) else None
 
     def outcome(self) -> dict:
+        """Ours (a valid submission, its metric) and the authors' figures of the predictions the Analyst left
+        (authors_predictions; None: theirs scores no such episode), which evaluation pools as theirs does."""
         check = self.submission_check()
         missing = {a: m for a, files in self.contract.items() if (m := self.missing(files))}
-        return {"success": check.pop("valid"), **check, "missing_files": missing}
+        found = None if self.task_error else self.authors_predictions()
+        figures = None if found is None else authors_figures(*found, self.task_type)
+        return {"success": check.pop("valid"), **check, "missing_files": missing, "authors_figures": figures}
 
     def judge(self, agent, response: str, feedback, truncated_at) -> tuple:
         """The contract rule, from the workspace right after the action, so that a missing artifact costs the
@@ -500,20 +505,29 @@ class DSBenchEnv(MultiAgentEnv):
         lines.append(self.authors_metrics_text() if owes_submission and not self.task_error else "N/A")
         return "\n".join(lines)
 
-    def authors_metrics_text(self) -> str:
-        """The Analyst's figures as the authors' coach reads them (evaluate_analyst_output), or their error line."""
+    def authors_predictions(self) -> Optional[tuple]:
+        """(answers, predictions) as the authors read them (ground_truth_utils.py evaluate_analyst_output): the
+        second column of the answers and of the first readable submission.csv or predictions.csv with two
+        columns; None when there is none, or no row (their `error`: the episode is not scored)."""
         path = next((p for name in (SUBMISSION, "predictions.csv")
                      if os.path.isfile(p := os.path.join(self.workspace, name))), None)
         try:
             pred = pd.read_csv(path) if path else None
         except (OSError, ValueError):
             pred = None
-        if pred is None or pred.shape[1] < 2:
-            return "ERROR: no predictions found (no readable submission.csv or predictions.csv with 2 columns)"
+        if pred is None or pred.shape[1] < 2 or pred.empty:
+            return None
         truth = pd.read_csv(os.path.join(self.task_dir, ANSWER_FILE))
-        figures = authors_figures(truth.iloc[:, 1], pred.iloc[:, 1], self.task_type)
+        return truth.iloc[:, 1], pred.iloc[:, 1]
+
+    def authors_metrics_text(self) -> str:
+        """The Analyst's figures as the authors' coach reads them (evaluate_analyst_output), or their error line."""
+        found = self.authors_predictions()
+        if found is None:
+            return "ERROR: no predictions found (no readable submission.csv or predictions.csv with 2 columns)"
+        figures = authors_figures(*found, self.task_type)
         lines = [f"Data type: {self.task_type}", f"Task metric: {self.metric_name}",
-                 f"Number of predictions: {len(pred)}", "Computed metrics:"]
+                 f"Number of predictions: {len(found[1])}", "Computed metrics:"]
         labels = {"accuracy": "Accuracy", "f1": "F1", "roc_auc": "ROC-AUC", "rmse": "RMSE", "mae": "MAE", "mse": "MSE"}
         for name, label in labels.items():
             if name in figures:

@@ -14,6 +14,7 @@ from openrlhf_mappa.envs.base import MultiAgentEnv
 
 class MathChatEnv(MultiAgentEnv):
     task_type = "math"
+    grader = "math-verify"
 
     def final_answer(self) -> Optional[str]:
         """The last `\\boxed{}` the last agent (the Verifier) wrote, or None."""
