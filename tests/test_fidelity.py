@@ -47,7 +47,8 @@ class Authors:
 # ---------------------------------------------------------------- the criteria, prompts and views, as checkable facts
 # Each criterion of the authors' coach prompt or agent prompt, as a regex over ours (lower case, whitespace
 # collapsed); the rendered value is the set of those that match. A FORBIDDEN one is a rule the authors do not have.
-FORBIDDEN = {"capped by the outcome": r"(cannot|can't|must not) score above"}
+FORBIDDEN = {"capped by the outcome": r"(cannot|can't|must not) score above",
+             "states the turn rule": r"a reply without a code block ends your turn"}  # (DSBench's: documented)
 MATHCHAT_COACH = {
     "the three agents in order": r"1\. problem solver.*2\. code executor.*3\. verifier",
     "the verifier's final answer decides": r"decided by the verifier's final answer alone",
@@ -186,6 +187,13 @@ def view_of(topology, spec, workdir: Path) -> str:
         return "nothing"
     replies = "all" if all(f"A0-{a}" in prompt for a in shown) else "last"
     thinking = ", thinking removed" * all(f"R1-{a}" not in prompt for a in shown)
+    if thinking:  # and what of a reply cut off inside its reasoning (Qwen3-4B-Thinking-2507 writes no <think>)
+        env = topology.make_env({"id": "t", "prompt": "the task", "answer": str(workdir / "no-task")},
+                                str(workdir / "ws-cut"))
+        env.history += [HistoryEntry(other.name, 0, f"<think>CUT-{other.name}", "") for other in earlier]
+        cut = "".join(m["content"] for m in env.observe(spec, 0))
+        kept = all(f"CUT-{a}" in cut for a in shown)
+        thinking += f", a reply cut off in its reasoning {'handed on' if kept else 'shows nothing'}"
     code = ", with their code output" * any(f"F1-{a}" in prompt for a in shown)
     return f"{', '.join(shown)}: {replies} replies{thinking}{code}"
 
@@ -345,12 +353,14 @@ def render(args, topology, rows_in_task_file: int, coach_facts: dict, prompt_fac
         "coach criteria": facts(topology.coach_template, coach_facts),
         "coach model": a.mappa.coach.model, "coach reply format": a.mappa.coach.structured,
         "earlier reasoning in an agent's later prompts": "kept" if topology.keep_reasoning else "the template's",
+        "coach input": topology.coach_input, "batch strata": topology.batch_strata,
         **{f"problem suffix/{who}": text for who, text in problem_suffixes(topology).items()},
     }
     for spec in topology.agents:
         out[f"schedule length/{spec.name}"] = steps[spec.name]
         out[f"warm-up steps/{spec.name}"] = math.ceil(steps[spec.name] * a.actor.lr_warmup_ratio)
         out[f"model/{spec.name}"] = a.mappa.model or spec.model
+        out[f"coach role/{spec.name}"] = spec.role
         out[f"actions per episode/{spec.name}"] = spec.max_actions
         out[f"runs code/{spec.name}"] = spec.runs_code
         out[f"view/{spec.name}"] = view_of(topology, spec, workdir / spec.name)
@@ -421,6 +431,8 @@ def common(script: str) -> dict:
         "earlier reasoning in an agent's later prompts": Authors(
             "kept", "marti/worlds/workflows/coach_utils.py L340-347, marti/worlds/steps/mcp_step.py: raw text"),
         "problem suffix/coach": Authors(SUFFIX, f"{DEFAULTS} L193 prompt suffix, {BASE} L441-446"),
+        "coach input": Authors("authors", "marti/worlds/workflows/coach_utils.py L287-294, L436-443 (the action's raw "
+                                          "text), L399 (tool_observation[:2000])"),
     }
 
 
@@ -450,6 +462,10 @@ AUTHORS = {
         **per_agent(MATHCHAT_AGENTS, "warm-up steps", [16] * 3, f"{ACTOR} ceil(512 x 0.03)"),
         **per_agent(MATHCHAT_AGENTS, "model", ["Qwen/Qwen3-4B"] * 3, "the paper (Qwen3-4B agents); the authors' "
                     f"{MC} usage line names Qwen/Qwen3-4B-Thinking-2507, which the paper does not"),
+        **per_agent(MATHCHAT_AGENTS, "coach role", ["Problem Solver", "Code Executor", "Verifier"],
+                    f"{MCW} L228, L293, L374 agent_role"),
+        "batch strata": Authors(None, "marti/helpers/distributed/distributed_sampler.py StratifiedBatchSampler: "
+                                      "MathChat's rows have no data_type, so one random order"),
         **per_agent(MATHCHAT_AGENTS, "actions per episode", [1, 2, 1], f"{MCY} generator/refiner_max_turns: 1, "
                                                                        f"{MC} coder_max_turns=2"),
         **per_agent(MATHCHAT_AGENTS, "runs code", [False, True, False], f"{MCW} tool_manager of the coder only"),
@@ -497,15 +513,18 @@ AUTHORS = {
         **per_agent(DSBENCH_AGENTS, "schedule length", [240] * 3, f"{BASE} load_dataset: 30 x (64 x 2 // 16 x 1)"),
         **per_agent(DSBENCH_AGENTS, "warm-up steps", [8] * 3, f"{ACTOR} ceil(240 x 0.03)"),
         **per_agent(DSBENCH_AGENTS, "model", ["Qwen/Qwen3-4B"] * 3, f"{DS} Qwen3-4B"),
+        **per_agent(DSBENCH_AGENTS, "coach role", DSBENCH_AGENTS, f"{DSW} L500, L670, L873 agent_role"),
+        "batch strata": Authors("type", f"{DSY} L375-376 StratifiedBatchSampler on data_type"),
         **per_agent(DSBENCH_AGENTS, "actions per episode", [4, 4, 4], f"{DSY} *_max_turns: 4"),
         **per_agent(DSBENCH_AGENTS, "runs code", [True] * 3, f"{DSW} every agent has the tool_manager"),
         **per_agent(DSBENCH_AGENTS, "generation length", [16384] * 3, f"{DS} generate_max_len=16384"),
         **per_agent(DSBENCH_AGENTS, "prompt: stated output limit", [set()] * 3, f"{DSW} (no token budget stated)"),
         "view/data_engineer": Authors("nothing", f"{DSW} data_engineer_prompt: the task and the file list"),
-        "view/modeler": Authors("data_engineer: last replies, thinking removed",
-                                f"{DSW} strip_thinking_blocks(final_output) as the preprocessing summary"),
-        "view/analyst": Authors("data_engineer, modeler: last replies, thinking removed",
-                                f"{DSW} both summaries, strip_thinking_blocks"),
+        "view/modeler": Authors("data_engineer: last replies, thinking removed, a reply cut off in its reasoning "
+                                "handed on", f"{DSW} L41-65 strip_thinking_blocks(final_output) as the preprocessing "
+                                             "summary: blocks, then stray tags"),
+        "view/analyst": Authors("data_engineer, modeler: last replies, thinking removed, a reply cut off in its "
+                                "reasoning handed on", f"{DSW} both summaries, strip_thinking_blocks"),
     },
 }
 for name, table in (("mathchat", MATHCHAT_COACH), ("dsbench", DSBENCH_COACH)):
@@ -623,6 +642,8 @@ MUTATIONS = [
     ("dsbench", "topology", "  coach_evidence: authors", "  coach_evidence: ours", "coach evidence"),
     ("dsbench", "topology", "[data_engineer, modeler], actions: last, strip_thinking: true, tool_output: false}",
      "[data_engineer, modeler], actions: last, strip_thinking: true}", "view/analyst"),
+    ("dsbench", "topology", "[data_engineer, modeler], actions: last, strip_thinking: true, tool_output: false}",
+     "[data_engineer, modeler], actions: last, strip_thinking: answer, tool_output: false}", "view/analyst"),
     ("dsbench", "topology", "0.65 to 0.75: 6;", "0.65 to 0.75: 7;", "coach criteria"),
     ("dsbench", "topology", "the Modeler of a data science pipeline of three", "the Modeler of a team of three",
      "prompt facts/modeler"),
@@ -636,6 +657,13 @@ MUTATIONS = [
     ("dsbench", "topology", "problem_suffix: ", "# problem_suffix: ", "problem suffix/coach"),
     ("mathchat", "topology", "env: mathchat\n", "env: mathchat\nkeep_reasoning: false\n",
      "earlier reasoning in an agent's later prompts"),
+    ("mathchat", "topology", "env: mathchat\n", "env: mathchat\ncoach_input: ours\n", "coach input"),
+    ("dsbench", "topology", "batch_strata: type\n", "", "batch strata"),
+    ("mathchat", "topology", "    role: Verifier\n", "    role: Verifier. Resolves any disagreement.\n",
+     "coach role/verifier"),
+    ("mathchat", "topology", "you may keep going or state your conclusions.",
+     "you may keep going or state your conclusions. A reply without a code block ends your turn.",
+     "prompt facts/code_executor"),
 ]
 
 
