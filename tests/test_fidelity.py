@@ -460,8 +460,9 @@ AUTHORS = {
         "coach: stated output limit": Authors({4096}, f"{MCY} 'a 4K token output limit'"),
         **per_agent(MATHCHAT_AGENTS, "schedule length", [512] * 3, f"{BASE} load_dataset: 8 x (512 x 2 // 16 x 1)"),
         **per_agent(MATHCHAT_AGENTS, "warm-up steps", [16] * 3, f"{ACTOR} ceil(512 x 0.03)"),
-        **per_agent(MATHCHAT_AGENTS, "model", ["Qwen/Qwen3-4B"] * 3, "the paper (Qwen3-4B agents); the authors' "
-                    f"{MC} usage line names Qwen/Qwen3-4B-Thinking-2507, which the paper does not"),
+        **per_agent(MATHCHAT_AGENTS, "model", ["Qwen/Qwen3-4B-Thinking-2507"] * 3, f"{MC} L43 usage line and the "
+                    "authors' README.md L110, L123; the paper says Qwen3-4B", ours="Qwen/Qwen3-4B",
+                    readme="agent model"),
         **per_agent(MATHCHAT_AGENTS, "coach role", ["Problem Solver", "Code Executor", "Verifier"],
                     f"{MCW} L228, L293, L374 agent_role"),
         "batch strata": Authors(None, "marti/helpers/distributed/distributed_sampler.py StratifiedBatchSampler: "
