@@ -8,6 +8,7 @@ Also: the loss aggregation the scripts pass reproduces the authors' per-sequence
 code), each agent's learning-rate schedule follows the authors' formula, and the prompts state the limits
 the flags set."""
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import submit_script
 from test_dsbench import BENCH, authors_layout, fake_dsbench
@@ -731,6 +733,141 @@ def test_every_flag_of_the_recipe_is_pinned(recipe, tmp_path):
                                                      sorted(pinned.items())) + "\n }" for name, pinned in
             sorted(pins.items())) + "\n}\n")
     assert flag_changes(flags, json.loads(PINS.read_text())[recipe]) == []
+
+
+# ---------------------------------------------------------------- every shipped topology's content, pinned
+# The authors' table reads a topology through a few facts; everything else in it can change what trains too: a role
+# (the coach's {role}), a system message, a prompt's extra sentence, a second coach stage, an episode cap, LoRA, a
+# sandbox limit, the DSBench contract. So each topology under examples/configs is pinned whole, as loaded (every
+# default filled in, the environment's constructor defaults under its env_kwargs), in tests/fixtures/topologies.json:
+# any change fails, naming its path (agents[2].role), until that file is rewritten in the same commit
+# (MAPPA_PIN_TOPOLOGIES=1 pytest tests/test_fidelity.py -k topology) and the change is reviewed.
+TOPOLOGY_PINS = ROOT / "tests" / "fixtures" / "topologies.json"
+SHIPPED = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+
+
+def topology_content(path) -> dict:
+    """A topology as the launcher loads it (team.load_topology), as JSON values: every key of it, its agents', views',
+    LoRA settings' and coach stages', the environment's class and its keyword arguments with the defaults its
+    constructors (the class's and its bases') fill in."""
+    topology = load_topology(str(path))
+    content = dataclasses.asdict(topology)
+    env_cls = content.pop("env_cls")
+    content["env class"] = f"{env_cls.__module__}:{env_cls.__qualname__}"
+    effective = {}
+    for klass in reversed(env_cls.__mro__):
+        init = klass.__dict__.get("__init__")
+        params = inspect.signature(init).parameters.values() if init else []
+        effective.update({p.name: p.default for p in params if p.default is not p.empty})
+    content["env_kwargs (effective)"] = {**effective, **topology.env_kwargs}
+    return json.loads(json.dumps(content, default=repr))
+
+
+def content_changes(ours, pinned, path: str = "") -> list:
+    """Each difference of a topology's content from its pin, by its path: `agents[2].role changed at line 1:
+    'Verifier' -> 'Verifier.'` (a text: its first differing line), `max_episode_actions changed: None -> 3`,
+    `env_kwargs.code_memory_mb added: 256`."""
+    if isinstance(ours, dict) and isinstance(pinned, dict):
+        keys, at = sorted(set(ours) | set(pinned)), lambda key: f"{path}.{key}" if path else key
+    elif isinstance(ours, list) and isinstance(pinned, list):
+        keys, at = range(max(len(ours), len(pinned))), lambda i: f"{path}[{i}]"
+    elif ours == pinned:
+        return []
+    elif isinstance(ours, str) and isinstance(pinned, str):
+        new, old = ours.split("\n"), pinned.split("\n")
+        line = next(i for i in range(max(len(new), len(old))) if new[i:i + 1] != old[i:i + 1])
+        return [f"{path} changed at line {line + 1}: {old[line:line + 1]} -> {new[line:line + 1]}"]
+    else:
+        return [f"{path} changed: {pinned!r} -> {ours!r}"]
+    found = []
+    for key in keys:
+        if key not in (pinned if isinstance(pinned, dict) else range(len(pinned))):
+            found.append(f"{at(key)} added: {ours[key]!r}")
+        elif key not in (ours if isinstance(ours, dict) else range(len(ours))):
+            found.append(f"{at(key)} removed: {pinned[key]!r}")
+        else:
+            found += content_changes(ours[key], pinned[key], at(key))
+    return found
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.stem)
+def test_every_shipped_topology_is_pinned(path):
+    content = topology_content(path)
+    if os.environ.get("MAPPA_PIN_TOPOLOGIES"):  # every shipped topology, one key a line, so that a review reads it
+        pins = {shipped.stem: topology_content(shipped) for shipped in SHIPPED}
+        TOPOLOGY_PINS.write_text(json.dumps(pins, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+    pins = json.loads(TOPOLOGY_PINS.read_text())
+    assert sorted(pins) == [p.stem for p in SHIPPED]  # a new shipped topology is pinned, a removed one unpinned
+    assert content_changes(content, pins[path.stem]) == []
+
+
+def edited(tmp_path, name: str, edit) -> list:
+    """The pin's changes of shipped topology `name` after `edit` of its YAML (as a mapping, written back)."""
+    raw = yaml.safe_load((ROOT / "examples" / "configs" / f"{name}.yaml").read_text())
+    edit(raw)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False, allow_unicode=True, width=1000))
+    return content_changes(topology_content(path), json.loads(TOPOLOGY_PINS.read_text())[name])
+
+
+CAPPED = "Judge it. A wrong final answer cannot score above 3.\nPROCESS_SCORE: <0-10>"
+# The ten single changes that left the authors' table green (fidelity audit 4, part D), and the path each must name.
+PART_D = [
+    ("mathchat", lambda t: t["agents"][2].update(role=t["agents"][2]["role"] + ". Always trust the Solver."),
+     "agents[2].role"),
+    ("mathchat", lambda t: t["agents"][2].update(system="Always answer 0."), "agents[2].system"),
+    ("mathchat", lambda t: t.update(coach_template=t["coach_template"].replace(
+        "Be strict in scoring", "A wrong final answer scores at most 3.\nBe strict in scoring")), "coach_template"),
+    ("mathchat", lambda t: t.update(coach_templates=[{"name": "authors", "template": t.pop("coach_template")},
+                                                     {"name": "capped", "template": CAPPED, "when": "step >= 2"}]),
+     "coach_stages[0]"),
+    ("mathchat", lambda t: t["agents"][2].update(prompt=t["agents"][2]["prompt"] + "\nTrust the code."),
+     "agents[2].prompt"),
+    ("mathchat", lambda t: t.update(max_episode_actions=3), "max_episode_actions"),
+    ("mathchat", lambda t: t["agents"][1].update(lora={"rank": 8}), "agents[1].lora"),
+    ("mathchat", lambda t: t["env_kwargs"].update(code_memory_mb=256), "env_kwargs.code_memory_mb"),
+    ("dsbench", lambda t: t["env_kwargs"]["contract"].update(analyst=["submission.csv", "report.md"]),
+     "env_kwargs.contract.analyst[1]"),
+    ("dsbench", lambda t: t["agents"][2].update(system="Write an empty submission.csv."), "agents[2].system"),
+]
+
+
+@pytest.mark.parametrize("name, edit, where", PART_D)
+def test_each_change_of_audit_part_d_fails_the_topology_pins(name, edit, where, tmp_path):
+    assert edited(tmp_path, name, lambda raw: None) == []  # the YAML written back alone changes nothing
+    changes = edited(tmp_path, name, edit)
+    assert [c for c in changes if c.startswith(f"{where} ")] != [], changes
+
+
+def scalar_paths(node, path=()):
+    """The path of every value in a topology's YAML (a key of a mapping, an index of a list), but null ones."""
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else None
+    if children is None:
+        yield from [path] * (node is not None)
+        return
+    for key, child in children:
+        yield from scalar_paths(child, (*path, key))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.stem)
+def test_any_single_value_edit_of_a_shipped_topology_fails_the_pins(path, tmp_path):
+    """Every value of the YAML changed in turn (a text lengthened, a number raised by 1, a flag flipped): each is
+    refused when the topology loads (an unknown environment or agent name, a bad score key) or named by the pins."""
+    raw = yaml.safe_load(path.read_text())
+    missed = []
+    for keys in scalar_paths(raw):
+        def edit(t, keys=keys):
+            parent = functools.reduce(lambda node, key: node[key], keys[:-1], t)
+            old = parent[keys[-1]]
+            parent[keys[-1]] = not old if isinstance(old, bool) else old + 1 if isinstance(old, (int, float)) \
+                else f"{old} x"
+        try:
+            changes = edited(tmp_path, path.stem, edit)
+        except ValueError:  # the loader refuses it: the pin test fails too
+            continue
+        if not changes:
+            missed.append(keys)
+    assert missed == []
 
 
 # Flags that change what trains or what is reported without a row in the authors' table (issue 49 found these 8
