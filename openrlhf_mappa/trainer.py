@@ -36,11 +36,12 @@ from openrlhf_mappa.run_log import RunLog, step_metrics
 
 
 def pass_order(tasks: list, batch_size: int, strata, rng: random.Random) -> list:
-    """One pass's task indices, taken `batch_size` at a time. Without `strata`: one shuffle. With it (a task-row
-    column, the topology's `batch_strata`), as the authors' StratifiedBatchSampler (distributed_sampler.py): each
-    batch takes from each value's shuffled tasks its share of the batch (round(batch x share), at least 1; what the
-    rounding leaves goes to the largest group), a group used up is drawn again in a new order, and the batch is
-    shuffled; so every step sees e.g. DSBench's classification and regression tasks in their proportion."""
+    """One pass's task indices, taken `batch_size` at a time. Without `strata`: one shuffle. With it (a
+    task-row column, the topology's `batch_strata`), as the authors' StratifiedBatchSampler
+    (distributed_sampler.py): each batch takes from each value's shuffled tasks its share of the batch
+    (round(batch x share), at least 1; what the rounding leaves goes to the largest group), a group used up is
+    drawn again in a new order, and the batch is shuffled; so every step sees e.g. DSBench's classification
+    and regression tasks in their proportion."""
     order = list(range(len(tasks)))
     rng.shuffle(order)
     if not strata:

@@ -50,7 +50,7 @@ class Authors:
 # Each criterion of the authors' coach prompt or agent prompt, as a regex over ours (lower case, whitespace
 # collapsed); the rendered value is the set of those that match. A FORBIDDEN one is a rule the authors do not have.
 FORBIDDEN = {"capped by the outcome": r"(cannot|can't|must not) score above",
-             "states the turn rule": r"a reply without a code block ends your turn"}  # (DSBench's: documented)
+             "states the turn rule": r"a reply without a code block ends your turn"}  # DSBench's: documented
 MATHCHAT_COACH = {
     "the three agents in order": r"1\. problem solver.*2\. code executor.*3\. verifier",
     "the verifier's final answer decides": r"decided by the verifier's final answer alone",
@@ -189,7 +189,7 @@ def view_of(topology, spec, workdir: Path) -> str:
         return "nothing"
     replies = "all" if all(f"A0-{a}" in prompt for a in shown) else "last"
     thinking = ", thinking removed" * all(f"R1-{a}" not in prompt for a in shown)
-    if thinking:  # and what of a reply cut off inside its reasoning (Qwen3-4B-Thinking-2507 writes no <think>)
+    if thinking:  # and of a reply cut off inside its reasoning (Qwen3-4B-Thinking-2507 writes no <think>)
         env = topology.make_env({"id": "t", "prompt": "the task", "answer": str(workdir / "no-task")},
                                 str(workdir / "ws-cut"))
         env.history += [HistoryEntry(other.name, 0, f"<think>CUT-{other.name}", "") for other in earlier]
@@ -433,8 +433,8 @@ def common(script: str) -> dict:
         "earlier reasoning in an agent's later prompts": Authors(
             "kept", "marti/worlds/workflows/coach_utils.py L340-347, marti/worlds/steps/mcp_step.py: raw text"),
         "problem suffix/coach": Authors(SUFFIX, f"{DEFAULTS} L193 prompt suffix, {BASE} L441-446"),
-        "coach input": Authors("authors", "marti/worlds/workflows/coach_utils.py L287-294, L436-443 (the action's raw "
-                                          "text), L399 (tool_observation[:2000])"),
+        "coach input": Authors("authors", "marti/worlds/workflows/coach_utils.py L287-294, L436-443 (the "
+                                          "action's raw text), L399 (tool_observation[:2000])"),
     }
 
 
@@ -462,13 +462,14 @@ AUTHORS = {
         "coach: stated output limit": Authors({4096}, f"{MCY} 'a 4K token output limit'"),
         **per_agent(MATHCHAT_AGENTS, "schedule length", [512] * 3, f"{BASE} load_dataset: 8 x (512 x 2 // 16 x 1)"),
         **per_agent(MATHCHAT_AGENTS, "warm-up steps", [16] * 3, f"{ACTOR} ceil(512 x 0.03)"),
-        **per_agent(MATHCHAT_AGENTS, "model", ["Qwen/Qwen3-4B-Thinking-2507"] * 3, f"{MC} L43 usage line and the "
-                    "authors' README.md L110, L123; the paper says Qwen3-4B", ours="Qwen/Qwen3-4B",
-                    readme="agent model"),
+        **per_agent(MATHCHAT_AGENTS, "model", ["Qwen/Qwen3-4B-Thinking-2507"] * 3,
+                    f"{MC} L43 usage line and the authors' README.md L110, L123; the paper says Qwen3-4B",
+                    ours="Qwen/Qwen3-4B", readme="agent model"),
         **per_agent(MATHCHAT_AGENTS, "coach role", ["Problem Solver", "Code Executor", "Verifier"],
                     f"{MCW} L228, L293, L374 agent_role"),
-        "batch strata": Authors(None, "marti/helpers/distributed/distributed_sampler.py StratifiedBatchSampler: "
-                                      "MathChat's rows have no data_type, so one random order"),
+        "batch strata": Authors(None, "marti/helpers/distributed/distributed_sampler.py "
+                                      "StratifiedBatchSampler: MathChat's rows have no data_type, so one "
+                                      "random order"),
         **per_agent(MATHCHAT_AGENTS, "actions per episode", [1, 2, 1], f"{MCY} generator/refiner_max_turns: 1, "
                                                                        f"{MC} coder_max_turns=2"),
         **per_agent(MATHCHAT_AGENTS, "runs code", [False, True, False], f"{MCW} tool_manager of the coder only"),
@@ -523,11 +524,11 @@ AUTHORS = {
         **per_agent(DSBENCH_AGENTS, "generation length", [16384] * 3, f"{DS} generate_max_len=16384"),
         **per_agent(DSBENCH_AGENTS, "prompt: stated output limit", [set()] * 3, f"{DSW} (no token budget stated)"),
         "view/data_engineer": Authors("nothing", f"{DSW} data_engineer_prompt: the task and the file list"),
-        "view/modeler": Authors("data_engineer: last replies, thinking removed, a reply cut off in its reasoning "
-                                "handed on", f"{DSW} L41-65 strip_thinking_blocks(final_output) as the preprocessing "
-                                             "summary: blocks, then stray tags"),
-        "view/analyst": Authors("data_engineer, modeler: last replies, thinking removed, a reply cut off in its "
-                                "reasoning handed on", f"{DSW} both summaries, strip_thinking_blocks"),
+        "view/modeler": Authors("data_engineer: last replies, thinking removed, a reply cut off in its "
+                                "reasoning handed on", f"{DSW} L41-65 strip_thinking_blocks(final_output) as "
+                                                       "the preprocessing summary: blocks, then stray tags"),
+        "view/analyst": Authors("data_engineer, modeler: last replies, thinking removed, a reply cut off in "
+                                "its reasoning handed on", f"{DSW} both summaries, strip_thinking_blocks"),
     },
 }
 for name, table in (("mathchat", MATHCHAT_COACH), ("dsbench", DSBENCH_COACH)):
@@ -645,8 +646,8 @@ MUTATIONS = [
     ("dsbench", "topology", "  coach_evidence: authors", "  coach_evidence: ours", "coach evidence"),
     ("dsbench", "topology", "[data_engineer, modeler], actions: last, strip_thinking: true, tool_output: false}",
      "[data_engineer, modeler], actions: last, strip_thinking: true}", "view/analyst"),
-    ("dsbench", "topology", "[data_engineer, modeler], actions: last, strip_thinking: true, tool_output: false}",
-     "[data_engineer, modeler], actions: last, strip_thinking: answer, tool_output: false}", "view/analyst"),
+    ("dsbench", "topology", "strip_thinking: true, tool_output: false}\n    role: analyst",
+     "strip_thinking: answer, tool_output: false}\n    role: analyst", "view/analyst"),
     ("dsbench", "topology", "0.65 to 0.75: 6;", "0.65 to 0.75: 7;", "coach criteria"),
     ("dsbench", "topology", "the Modeler of a data science pipeline of three", "the Modeler of a team of three",
      "prompt facts/modeler"),
@@ -736,20 +737,21 @@ def test_every_flag_of_the_recipe_is_pinned(recipe, tmp_path):
 
 
 # ---------------------------------------------------------------- every shipped topology's content, pinned
-# The authors' table reads a topology through a few facts; everything else in it can change what trains too: a role
-# (the coach's {role}), a system message, a prompt's extra sentence, a second coach stage, an episode cap, LoRA, a
-# sandbox limit, the DSBench contract. So each topology under examples/configs is pinned whole, as loaded (every
-# default filled in, the environment's constructor defaults under its env_kwargs), in tests/fixtures/topologies.json:
-# any change fails, naming its path (agents[2].role), until that file is rewritten in the same commit
-# (MAPPA_PIN_TOPOLOGIES=1 pytest tests/test_fidelity.py -k topology) and the change is reviewed.
+# The authors' table reads a topology through a few facts; everything else in it can change what trains too: a
+# role (the coach's {role}), a system message, a prompt's extra sentence, a second coach stage, an episode
+# cap, LoRA, a sandbox limit, the DSBench contract. So each topology under examples/configs is pinned whole,
+# as loaded (every default filled in, the environment's constructor defaults under its env_kwargs), in
+# tests/fixtures/topologies.json: any change fails, naming its path (agents[2].role), until that file is
+# rewritten in the same commit (MAPPA_PIN_TOPOLOGIES=1 pytest tests/test_fidelity.py -k topology) and the
+# change is reviewed.
 TOPOLOGY_PINS = ROOT / "tests" / "fixtures" / "topologies.json"
 SHIPPED = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
 
 
 def topology_content(path) -> dict:
-    """A topology as the launcher loads it (team.load_topology), as JSON values: every key of it, its agents', views',
-    LoRA settings' and coach stages', the environment's class and its keyword arguments with the defaults its
-    constructors (the class's and its bases') fill in."""
+    """A topology as the launcher loads it (team.load_topology), as JSON values: every key of it, its agents',
+    views', LoRA settings' and coach stages', the environment's class and its keyword arguments with the
+    defaults its constructors (the class's and its bases') fill in."""
     topology = load_topology(str(path))
     content = dataclasses.asdict(topology)
     env_cls = content.pop("env_cls")
@@ -793,11 +795,11 @@ def content_changes(ours, pinned, path: str = "") -> list:
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.stem)
 def test_every_shipped_topology_is_pinned(path):
     content = topology_content(path)
-    if os.environ.get("MAPPA_PIN_TOPOLOGIES"):  # every shipped topology, one key a line, so that a review reads it
+    if os.environ.get("MAPPA_PIN_TOPOLOGIES"):  # every shipped topology, one key a line, for review
         pins = {shipped.stem: topology_content(shipped) for shipped in SHIPPED}
         TOPOLOGY_PINS.write_text(json.dumps(pins, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
     pins = json.loads(TOPOLOGY_PINS.read_text())
-    assert sorted(pins) == [p.stem for p in SHIPPED]  # a new shipped topology is pinned, a removed one unpinned
+    assert sorted(pins) == [p.stem for p in SHIPPED]  # a new shipped topology pinned, a removed one unpinned
     assert content_changes(content, pins[path.stem]) == []
 
 
@@ -811,16 +813,18 @@ def edited(tmp_path, name: str, edit) -> list:
 
 
 CAPPED = "Judge it. A wrong final answer cannot score above 3.\nPROCESS_SCORE: <0-10>"
-# The ten single changes that left the authors' table green (fidelity audit 4, part D), and the path each must name.
+# The ten single changes that left the authors' table green (fidelity audit 4, part D), and the path each
+# must name.
 PART_D = [
     ("mathchat", lambda t: t["agents"][2].update(role=t["agents"][2]["role"] + ". Always trust the Solver."),
      "agents[2].role"),
     ("mathchat", lambda t: t["agents"][2].update(system="Always answer 0."), "agents[2].system"),
     ("mathchat", lambda t: t.update(coach_template=t["coach_template"].replace(
-        "Be strict in scoring", "A wrong final answer scores at most 3.\nBe strict in scoring")), "coach_template"),
-    ("mathchat", lambda t: t.update(coach_templates=[{"name": "authors", "template": t.pop("coach_template")},
-                                                     {"name": "capped", "template": CAPPED, "when": "step >= 2"}]),
-     "coach_stages[0]"),
+        "Be strict in scoring", "A wrong final answer scores at most 3.\nBe strict in scoring")),
+     "coach_template"),
+    ("mathchat", lambda t: t.update(coach_templates=[
+        {"name": "authors", "template": t.pop("coach_template")},
+        {"name": "capped", "template": CAPPED, "when": "step >= 2"}]), "coach_stages[0]"),
     ("mathchat", lambda t: t["agents"][2].update(prompt=t["agents"][2]["prompt"] + "\nTrust the code."),
      "agents[2].prompt"),
     ("mathchat", lambda t: t.update(max_episode_actions=3), "max_episode_actions"),
@@ -840,7 +844,8 @@ def test_each_change_of_audit_part_d_fails_the_topology_pins(name, edit, where, 
 
 
 def scalar_paths(node, path=()):
-    """The path of every value in a topology's YAML (a key of a mapping, an index of a list), but null ones."""
+    """The path of every value in a topology's YAML (a key of a mapping, an index of a list), null ones
+    aside."""
     children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else None
     if children is None:
         yield from [path] * (node is not None)
@@ -851,16 +856,19 @@ def scalar_paths(node, path=()):
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.stem)
 def test_any_single_value_edit_of_a_shipped_topology_fails_the_pins(path, tmp_path):
-    """Every value of the YAML changed in turn (a text lengthened, a number raised by 1, a flag flipped): each is
-    refused when the topology loads (an unknown environment or agent name, a bad score key) or named by the pins."""
+    """Every value of the YAML changed in turn (a text lengthened, a number raised by 1, a flag flipped): each
+    is refused when the topology loads (an unknown environment or agent name, a bad score key) or named by the
+    pins."""
     raw = yaml.safe_load(path.read_text())
     missed = []
     for keys in scalar_paths(raw):
         def edit(t, keys=keys):
             parent = functools.reduce(lambda node, key: node[key], keys[:-1], t)
             old = parent[keys[-1]]
-            parent[keys[-1]] = not old if isinstance(old, bool) else old + 1 if isinstance(old, (int, float)) \
-                else f"{old} x"
+            if isinstance(old, bool):
+                parent[keys[-1]] = not old
+            else:
+                parent[keys[-1]] = old + 1 if isinstance(old, (int, float)) else f"{old} x"
         try:
             changes = edited(tmp_path, path.stem, edit)
         except ValueError:  # the loader refuses it: the pin test fails too

@@ -312,9 +312,9 @@ def peaks(plan) -> list:
 
 @pytest.mark.parametrize("script", ["train_mappa_mathchat.sh", "train_mappa_dsbench.sh"])
 def test_the_recipes_on_the_thinking_model_the_authors_readme_runs(tmp_path, script):
-    """MAPPA_MODEL=Qwen/Qwen3-4B-Thinking-2507 (here its config.json) puts every agent of either script on it: the
-    plan is Qwen3-4B's (same shapes: 6 GPUs, the same peaks), and the recipe's tokens fit its positions. With
-    MAPPA_DOCTOR the self-check keeps its small model."""
+    """MAPPA_MODEL=Qwen/Qwen3-4B-Thinking-2507 (here its config.json) puts every agent of either script on it:
+    the plan is Qwen3-4B's (same shapes: 6 GPUs, the same peaks), and the recipe's tokens fit its positions.
+    With MAPPA_DOCTOR the self-check keeps its small model."""
     argv, _ = script_flags(tmp_path, script, MAPPA_MODEL=str(THINKING))
     args = parse_args(argv)
     topology = load_topology(str(ROOT / args.mappa.topology), model_override=args.mappa.model)
@@ -327,7 +327,8 @@ def test_the_recipes_on_the_thinking_model_the_authors_readme_runs(tmp_path, scr
 
     submitted, _ = submit_script(ROOT / "examples" / "scripts" / script, tmp_path, MAPPA_MODEL=str(THINKING),
                                  MAPPA_DOCTOR="Qwen/Qwen3-0.6B")
-    assert [submitted[i + 1] for i, flag in enumerate(submitted) if flag == "--mappa.model"] == ["Qwen/Qwen3-0.6B"]
+    models = [submitted[i + 1] for i, flag in enumerate(submitted) if flag == "--mappa.model"]
+    assert models == ["Qwen/Qwen3-0.6B"]
 
 
 def test_the_paper_recipe_on_gpus_of_their_own():

@@ -869,13 +869,14 @@ def test_review_template_is_optional_and_checked(tmp_path):
 
 
 @pytest.mark.parametrize("strip, shown, hidden", [
-    (True, ["A reasons, cut off", "B reasons\n\nB's answer"], ["think>"]),  # the authors' strip_thinking_blocks
+    (True, ["A reasons, cut off", "B reasons\n\nB's answer"], ["think>"]),  # their strip_thinking_blocks
     ("answer", ["B's answer"], ["A reasons", "B reasons", "think>"]),
 ])
-def test_strip_thinking_hands_on_a_reply_cut_off_in_its_reasoning_as_the_authors(tmp_path, strip, shown, hidden):
-    """The authors' strip (dsbench_workflow.py strip_thinking_blocks) drops whole <think> blocks, then stray tags:
-    a reply cut off inside its reasoning, or one without the opening tag (Qwen3-4B-Thinking-2507's chat template
-    writes it), hands its reasoning on. `strip_thinking: answer` keeps only what follows the last </think>."""
+def test_strip_thinking_hands_on_a_reply_cut_off_in_its_reasoning_as_theirs(tmp_path, strip, shown, hidden):
+    """The authors' strip (dsbench_workflow.py strip_thinking_blocks) drops whole <think> blocks, then stray
+    tags: a reply cut off inside its reasoning, or one without the opening tag (Qwen3-4B-Thinking-2507's chat
+    template writes it), hands its reasoning on. `strip_thinking: answer` keeps only what follows the last
+    </think>."""
     agent, env = view_env(tmp_path, {"agents": ["a", "b"], "actions": "last", "strip_thinking": strip})
     env.history = [HistoryEntry("a", 0, "<think>\nA reasons, cut off", ""),
                    HistoryEntry("b", 0, "B reasons\n\n\n\n</think>\n\nB's answer", "")]

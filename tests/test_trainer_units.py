@@ -264,9 +264,9 @@ def scripted_mathchat(truncated_solver: bool, coach_input: str = "authors", exec
 
 @pytest.mark.parametrize("coach_input, marked", [("authors", False), ("ours", True)])
 def test_truncated_action_is_shown_to_the_coach_as_the_topology_says(coach_input, marked, tmp_path):
-    # The authors' coach gets the raw text of a cut-off action (coach_utils.py); `coach_input: ours` says where it
-    # was cut off (before issue 62 every topology did, mathchat.yaml included). `mappa coach score` must rebuild
-    # the same prompt from the log.
+    # The authors' coach gets the raw text of a cut-off action (coach_utils.py); `coach_input: ours` marks where
+    # it was cut off (before issue 62 every topology did, mathchat.yaml too). `mappa coach score` must
+    # rebuild the same prompt from the log.
     topology, policies, tasks = scripted_mathchat(truncated_solver=True, coach_input=coach_input)
     coach = RecordingCoach()
     (episode,) = asyncio.run(rollout(topology, tasks, policies, coach, str(tmp_path), step=1))
@@ -289,30 +289,33 @@ def test_truncated_action_is_shown_to_the_coach_as_the_topology_says(coach_input
 
 
 def test_the_coach_sees_the_first_2000_characters_of_a_code_run_as_the_authors(tmp_path):
-    """The authors' coach reads tool_observation[:2000] (coach_utils.py); the agent sees up to 4,000 characters a
-    stream and the workspace's files. `coach_input: ours` shows the coach what the agent saw."""
+    """The authors' coach reads tool_observation[:2000] (coach_utils.py); the agent sees up to 4,000 chars
+    a stream and the workspace's files. `coach_input: ours` shows the coach what the agent saw."""
     code = "```python\nopen('notes.txt', 'w').write('x')\nprint('7' * 3000)\n```"
     seen = {}
     for coach_input in ("authors", "ours"):
         topology, policies, tasks = scripted_mathchat(False, coach_input, executor=code)
         coach = RecordingCoach()
-        (episode,) = asyncio.run(rollout(topology, tasks, policies, coach, str(tmp_path / coach_input), step=1))
+        workspace = str(tmp_path / coach_input)
+        (episode,) = asyncio.run(rollout(topology, tasks, policies, coach, workspace, step=1))
         run = episode.actions[1].feedback
         seen[coach_input] = (coach.requests[1].feedback, run)
     authors, run = seen["authors"]
     assert authors == run.as_text()[:2000] == "stdout:\n" + "7" * 1992
     ours, run = seen["ours"]
-    assert ours == run.as_text() and len(ours) > 3000 and "\nfiles: notes.txt\nthis run created: notes.txt" in ours
+    assert ours == run.as_text() and len(ours) > 3000
+    assert "\nfiles: notes.txt\nthis run created: notes.txt" in ours
 
 
 @pytest.mark.parametrize("classification, counts", [(40, (10, 6)), (45, (11, 5))])
 def test_dsbench_batches_keep_the_share_of_each_task_type(classification, counts):
     """`batch_strata: type` (dsbench.yaml), as the authors' StratifiedBatchSampler: every step's 16 tasks hold
     round(16 x share) of each type, the rounding's rest going to the larger group; a pass of 64 tasks still
-    takes 4 steps, each task once where the shares divide evenly (40 + 24: 10 + 6 a batch), a group used up drawn
-    again (45 + 19: 11 + 5 a batch, so 44 classification tasks and 20 regression ones, one of them twice).
-    Without it (MathChat): one shuffle per pass, as before."""
-    tasks = [{"id": str(i), "type": "classification" if i < classification else "regression"} for i in range(64)]
+    takes 4 steps, each task once where the shares divide evenly (40 + 24: 10 + 6 a batch), a group used up
+    drawn again (45 + 19: 11 + 5 a batch, so 44 classification tasks and 20 regression ones, one of them
+    twice). Without it (MathChat): one shuffle per pass, as before."""
+    kinds = ["classification"] * classification + ["regression"] * (64 - classification)
+    tasks = [{"id": str(i), "type": kind} for i, kind in enumerate(kinds)]
     args = SimpleNamespace(rollout=SimpleNamespace(batch_size=16, n_samples_per_prompt=1),
                            train=SimpleNamespace(num_episodes=2, seed=42))
     trainer = SimpleNamespace(args=args, tasks=tasks, topology=SimpleNamespace(batch_strata="type"))
