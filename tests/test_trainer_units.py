@@ -264,8 +264,8 @@ def scripted_mathchat(truncated_solver: bool, coach_input: str = "authors", exec
 
 @pytest.mark.parametrize("coach_input, marked", [("authors", False), ("ours", True)])
 def test_truncated_action_is_shown_to_the_coach_as_the_topology_says(coach_input, marked, tmp_path):
-    # The authors' coach gets the raw text of a cut-off action (coach_utils.py); `coach_input: ours` marks where
-    # it was cut off (before issue 62 every topology did, mathchat.yaml too). `mappa coach score` must
+    # The authors' coach gets the raw text of a cut-off action (coach_utils.py); `coach_input: ours` marks
+    # where it was cut off (before issue 62 every topology did, mathchat.yaml too). `mappa coach score` must
     # rebuild the same prompt from the log.
     topology, policies, tasks = scripted_mathchat(truncated_solver=True, coach_input=coach_input)
     coach = RecordingCoach()
