@@ -43,7 +43,8 @@ class ToolFeedback:
     def error(self) -> bool:
         return self.timed_out or (self.exit_code not in (None, 0))
 
-    def as_text(self) -> str:
+    def as_text(self, files: bool = True) -> str:
+        """What the run printed, its limit and exit markers, and (`files`) the workspace's files after it."""
         if not self.ran:
             return ""
         markers = [LIMIT_MARKERS[self.limit]] if self.limit else ["[timed out]"] if self.timed_out else []
@@ -54,9 +55,9 @@ class ToolFeedback:
             parts.append(f"stdout:\n{self.stdout}")
         if self.stderr:
             parts.append(f"stderr:\n{self.stderr}")
-        if self.files:
+        if files and self.files:
             parts.append("files: " + ", ".join(self.files))
-        if self.files_created or self.files_changed:
+        if files and (self.files_created or self.files_changed):
             parts.append("this run created: " + (", ".join(self.files_created) or "-") + "; changed: "
                          + (", ".join(self.files_changed) or "-"))
         return "\n".join(parts) or "[no output]"

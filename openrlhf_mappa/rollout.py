@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 from openrlhf_mappa.coach import Coach, CoachRequest, judge_episode
 from openrlhf_mappa.episode import Action, Episode
 
+# The authors' coach sees the first 2,000 characters of a code run's output (coach_utils.py:
+# tool_observation[:2000]); a topology's `coach_input: ours` shows it as the agent saw it instead.
+COACH_TOOL_CHARS = 2000
+
 
 class SyncGate:
     """One agent's generations and the syncs of its weights to its engines (`version`: how many it has had). With
@@ -255,9 +259,12 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
             )
             # coach_bias is kept with the action only when shown, so that re-scoring sends the prompt it saw.
             truncated_at = policy.max_new_tokens if truncated else None
+            ours = topology.coach_input == "ours"
+            feedback = result.feedback.as_text(files=ours)
+            feedback = feedback if ours else feedback[:COACH_TOOL_CHARS]
             action.coach_request = dict(
                 role=spec.role, task=call("task_text", getattr, env, "task_text"), task_type=episode.task_type,
-                agent_input=messages_text(messages), feedback=result.feedback.as_text(),
+                agent_input=messages_text(messages), feedback=feedback, cut_off_note=ours,
                 ground_truth=call("coach_ground_truth", env.coach_ground_truth, spec),
                 env_grade=call("judge", env.judge, spec, response_text, result.feedback, truncated_at),
                 is_final_agent=spec is topology.agents[-1], runs_code=spec.runs_code,

@@ -55,7 +55,10 @@ class View:
     agents: Union[str, tuple] = "all"  # "all", or a tuple of agent names ("previous" is resolved when the file loads)
     actions: str = "all"  # "last": each agent's final reply (and, with tool_output, its latest code run) only
     tool_output: bool = True  # show what their code printed
-    strip_thinking: bool = False  # drop <think>...</think> from their replies
+    # Drop their reasoning: true as the authors (<think>...</think> blocks, then stray tags: a reply cut off
+    # in its reasoning keeps it); "answer": only what follows the last </think> (cut off in its reasoning:
+    # nothing).
+    strip_thinking: Union[bool, str] = False
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,11 @@ class Topology:
     # An agent's own earlier replies as generated, <think> included (the authors'); False: as its chat template
     # renders them (Qwen3's drops the reasoning of turns before the last user message).
     keep_reasoning: bool = True
+    # What the coach is shown of an action: "authors" the output as generated (not told it was cut off) and
+    # the first COACH_TOOL_CHARS characters of its code's output; "ours" adds the cut-off marker and shows the
+    # code's output as the agent saw it (4,000 characters a stream, the workspace's files).
+    coach_input: str = "authors"
+    batch_strata: Optional[str] = None  # a task-row column: each batch keeps its values' shares (pass_order)
     env_cls: Optional[type] = field(default=None, repr=False)  # the env's class, resolved by team.load_topology
 
     def check_coach_template(self, path: str, kind: str, mode: str, scored: bool = True) -> None:
@@ -222,6 +230,11 @@ TOPOLOGY_SCHEMA = (
     ("problem_suffix", "a string (text added after every task)", str, ""),
     ("keep_reasoning", "true (an agent's earlier replies as generated, reasoning included) or false (as its chat "
      "template renders them)", bool, True),
+    ("coach_input", "authors (the output as generated, the first 2,000 characters of its code's output) or "
+     "ours (a cut-off output marked, the code's output as the agent saw it, files listed)",
+     lambda v: v in ("authors", "ours"), "authors"),
+    ("batch_strata", "a column of the task rows (each step's batch keeps its values' shares, as the authors' "
+     "StratifiedBatchSampler) or left out (one shuffle per pass)", _text, None),
 )
 OVERRIDE = "a positive integer or left out"
 AGENT_SCHEMA = (
@@ -251,7 +264,8 @@ VIEW_SCHEMA = (
     ("agents", None, None, "all"),
     ("actions", "all or last", lambda v: v in ("all", "last"), "all"),
     ("tool_output", "true or false", bool, True),
-    ("strip_thinking", "true or false", bool, False),
+    ("strip_thinking", "false, true (the authors': <think> blocks and stray tags removed) or answer (only "
+     "what follows the last </think>)", lambda v: isinstance(v, bool) or v == "answer", False),
 )
 STAGE_SCHEMA = (
     ("name", WORD, _word, REQUIRED),

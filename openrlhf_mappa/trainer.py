@@ -36,6 +36,42 @@ from openrlhf_mappa.rollout import AgentPolicy, rollout
 from openrlhf_mappa.run_log import RunLog, step_metrics
 
 
+def pass_order(tasks: list, batch_size: int, strata, rng: random.Random) -> list:
+    """One pass's task indices, taken `batch_size` at a time. Without `strata`: one shuffle. With it (a
+    task-row column, the topology's `batch_strata`), as the authors' StratifiedBatchSampler
+    (distributed_sampler.py): each batch takes from each value's shuffled tasks its share of the batch
+    (round(batch x share), at least 1; what the rounding leaves goes to the largest group), a group used up is
+    drawn again in a new order, and the batch is shuffled; so every step sees e.g. DSBench's classification
+    and regression tasks in their proportion."""
+    order = list(range(len(tasks)))
+    rng.shuffle(order)
+    if not strata:
+        return order
+    found = {}
+    for i in order:
+        found.setdefault(str(tasks[i].get(strata, "")), []).append(i)
+    groups = {value: found[value] for value in sorted(found)}
+    sizes = {value: len(group) for value, group in groups.items()}
+    counts, left = {}, batch_size
+    for value, size in sizes.items():
+        counts[value] = min(max(1, round(batch_size * size / len(tasks))), left, size)
+        left -= counts[value]
+    counts[max(sizes, key=sizes.get)] += left
+    taken, used = [], dict.fromkeys(groups, 0)
+    for _ in range(len(tasks) // batch_size):
+        batch = []
+        for value, count in counts.items():
+            for _ in range(count):
+                if used[value] == sizes[value]:
+                    rng.shuffle(groups[value])
+                    used[value] = 0
+                batch.append(groups[value][used[value]])
+                used[value] += 1
+        rng.shuffle(batch)
+        taken += batch
+    return taken
+
+
 @dataclasses.dataclass
 class Rollout:
     """One step's rollout on the run's event loop (MappaTrainer.submit): `played` has its episodes once the agents
@@ -119,8 +155,7 @@ class MappaTrainer:
         steps_per_pass = len(self.tasks) // bs
         for step in range(start_step, steps_per_pass * self.args.train.num_episodes):
             rng = random.Random(self.args.train.seed + step // steps_per_pass)
-            order = list(range(len(self.tasks)))
-            rng.shuffle(order)
+            order = pass_order(self.tasks, bs, self.topology.batch_strata, rng)
             chunk = order[(step % steps_per_pass) * bs : (step % steps_per_pass + 1) * bs]
             yield step + 1, [self.tasks[i] for i in chunk for _ in range(n)]
 

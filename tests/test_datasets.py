@@ -37,10 +37,11 @@ def write_data(root):
     datasets.DatasetDict(split).save_to_disk(str(root / "folder"))
 
 
-def preflight(root, *flags, env="mathchat"):
-    """The launcher's checks of a launch from `root` with `flags` (on test_launch's workdir: a model, tasks.jsonl)."""
-    (root / "t.yaml").write_text(f"name: t\nenv: {env}\nagents:\n  - {{name: writer, model: {root / 'model'}, role: "
-                                 "writes, prompt: '{task}'}\n")
+def preflight(root, *flags, env="mathchat", top=""):
+    """The launcher's checks of a launch from `root` with `flags` (on test_launch's workdir: a model,
+    tasks.jsonl); `top`: more top-level lines of the topology."""
+    (root / "t.yaml").write_text(f"name: t\nenv: {env}\n{top}agents:\n  - {{name: writer, model: "
+                                 f"{root / 'model'}, role: writes, prompt: '{{task}}'}}\n")
     args = parse_args(["--mappa.topology", str(root / "t.yaml"), "--data.prompt_dataset", str(root / "tasks.jsonl"),
                        "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--rollout.batch_size", "2",
                        "--rollout.n_samples_per_prompt", "1", "--rollout.max_new_tokens", "8", "--train.batch_size",
@@ -160,3 +161,17 @@ def test_a_coach_only_environment_takes_tasks_without_answers_and_trains(workdir
     assert step == 1 and len(rows) == 2 and m["agent/writer/updated"] == 1 and m["outcome/success_rate"] == 1.0
     episodes = [json.loads(line) for line in open(workdir / "run" / "episodes.jsonl")]
     assert [a["coach_request"]["ground_truth"] for ep in episodes for a in ep["actions"]] == [None, None]
+
+
+def test_batch_strata_names_a_column_every_training_task_has(workdir):  # noqa: F811 (the workdir fixture)
+    """A topology's batch_strata (dsbench.yaml: type) is a task-row column; a misspelt one, which would make
+    one stratum of every task, is refused before Ray starts, naming the columns the tasks have."""
+    write_data(workdir)
+    flags = ["--data.prompt_dataset", f"{workdir}/b.parquet", *KEYS]
+    assert preflight(workdir, *flags, top="batch_strata: topic\n").topology.batch_strata == "topic"
+    with pytest.raises(SystemExit) as refused:
+        preflight(workdir, *flags, top="batch_strata: topc\n")
+    assert str(refused.value) == (
+        f"{workdir}/t.yaml: batch_strata 'topc', but 5 of the 5 training tasks in {workdir}/b.parquet have "
+        "no such column (task '0' has: answer, id, prompt, question, solution, topic, type); name one of "
+        "those, or leave batch_strata out for one shuffle per pass")

@@ -8,6 +8,7 @@ Also: the loss aggregation the scripts pass reproduces the authors' per-sequence
 code), each agent's learning-rate schedule follows the authors' formula, and the prompts state the limits
 the flags set."""
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import submit_script
 from test_dsbench import BENCH, authors_layout, fake_dsbench
@@ -47,7 +49,8 @@ class Authors:
 # ---------------------------------------------------------------- the criteria, prompts and views, as checkable facts
 # Each criterion of the authors' coach prompt or agent prompt, as a regex over ours (lower case, whitespace
 # collapsed); the rendered value is the set of those that match. A FORBIDDEN one is a rule the authors do not have.
-FORBIDDEN = {"capped by the outcome": r"(cannot|can't|must not) score above"}
+FORBIDDEN = {"capped by the outcome": r"(cannot|can't|must not) score above",
+             "states the turn rule": r"a reply without a code block ends your turn"}  # DSBench's: documented
 MATHCHAT_COACH = {
     "the three agents in order": r"1\. problem solver.*2\. code executor.*3\. verifier",
     "the verifier's final answer decides": r"decided by the verifier's final answer alone",
@@ -186,6 +189,13 @@ def view_of(topology, spec, workdir: Path) -> str:
         return "nothing"
     replies = "all" if all(f"A0-{a}" in prompt for a in shown) else "last"
     thinking = ", thinking removed" * all(f"R1-{a}" not in prompt for a in shown)
+    if thinking:  # and of a reply cut off inside its reasoning (Qwen3-4B-Thinking-2507 writes no <think>)
+        env = topology.make_env({"id": "t", "prompt": "the task", "answer": str(workdir / "no-task")},
+                                str(workdir / "ws-cut"))
+        env.history += [HistoryEntry(other.name, 0, f"<think>CUT-{other.name}", "") for other in earlier]
+        cut = "".join(m["content"] for m in env.observe(spec, 0))
+        kept = all(f"CUT-{a}" in cut for a in shown)
+        thinking += f", a reply cut off in its reasoning {'handed on' if kept else 'shows nothing'}"
     code = ", with their code output" * any(f"F1-{a}" in prompt for a in shown)
     return f"{', '.join(shown)}: {replies} replies{thinking}{code}"
 
@@ -345,12 +355,14 @@ def render(args, topology, rows_in_task_file: int, coach_facts: dict, prompt_fac
         "coach criteria": facts(topology.coach_template, coach_facts),
         "coach model": a.mappa.coach.model, "coach reply format": a.mappa.coach.structured,
         "earlier reasoning in an agent's later prompts": "kept" if topology.keep_reasoning else "the template's",
+        "coach input": topology.coach_input, "batch strata": topology.batch_strata,
         **{f"problem suffix/{who}": text for who, text in problem_suffixes(topology).items()},
     }
     for spec in topology.agents:
         out[f"schedule length/{spec.name}"] = steps[spec.name]
         out[f"warm-up steps/{spec.name}"] = math.ceil(steps[spec.name] * a.actor.lr_warmup_ratio)
         out[f"model/{spec.name}"] = a.mappa.model or spec.model
+        out[f"coach role/{spec.name}"] = spec.role
         out[f"actions per episode/{spec.name}"] = spec.max_actions
         out[f"runs code/{spec.name}"] = spec.runs_code
         out[f"view/{spec.name}"] = view_of(topology, spec, workdir / spec.name)
@@ -421,6 +433,8 @@ def common(script: str) -> dict:
         "earlier reasoning in an agent's later prompts": Authors(
             "kept", "marti/worlds/workflows/coach_utils.py L340-347, marti/worlds/steps/mcp_step.py: raw text"),
         "problem suffix/coach": Authors(SUFFIX, f"{DEFAULTS} L193 prompt suffix, {BASE} L441-446"),
+        "coach input": Authors("authors", "marti/worlds/workflows/coach_utils.py L287-294, L436-443 (the "
+                                          "action's raw text), L399 (tool_observation[:2000])"),
     }
 
 
@@ -448,8 +462,14 @@ AUTHORS = {
         "coach: stated output limit": Authors({4096}, f"{MCY} 'a 4K token output limit'"),
         **per_agent(MATHCHAT_AGENTS, "schedule length", [512] * 3, f"{BASE} load_dataset: 8 x (512 x 2 // 16 x 1)"),
         **per_agent(MATHCHAT_AGENTS, "warm-up steps", [16] * 3, f"{ACTOR} ceil(512 x 0.03)"),
-        **per_agent(MATHCHAT_AGENTS, "model", ["Qwen/Qwen3-4B"] * 3, "the paper (Qwen3-4B agents); the authors' "
-                    f"{MC} usage line names Qwen/Qwen3-4B-Thinking-2507, which the paper does not"),
+        **per_agent(MATHCHAT_AGENTS, "model", ["Qwen/Qwen3-4B-Thinking-2507"] * 3,
+                    f"{MC} L43 usage line and the authors' README.md L110, L123; the paper says Qwen3-4B",
+                    ours="Qwen/Qwen3-4B", readme="agent model"),
+        **per_agent(MATHCHAT_AGENTS, "coach role", ["Problem Solver", "Code Executor", "Verifier"],
+                    f"{MCW} L228, L293, L374 agent_role"),
+        "batch strata": Authors(None, "marti/helpers/distributed/distributed_sampler.py "
+                                      "StratifiedBatchSampler: MathChat's rows have no data_type, so one "
+                                      "random order"),
         **per_agent(MATHCHAT_AGENTS, "actions per episode", [1, 2, 1], f"{MCY} generator/refiner_max_turns: 1, "
                                                                        f"{MC} coder_max_turns=2"),
         **per_agent(MATHCHAT_AGENTS, "runs code", [False, True, False], f"{MCW} tool_manager of the coder only"),
@@ -497,15 +517,18 @@ AUTHORS = {
         **per_agent(DSBENCH_AGENTS, "schedule length", [240] * 3, f"{BASE} load_dataset: 30 x (64 x 2 // 16 x 1)"),
         **per_agent(DSBENCH_AGENTS, "warm-up steps", [8] * 3, f"{ACTOR} ceil(240 x 0.03)"),
         **per_agent(DSBENCH_AGENTS, "model", ["Qwen/Qwen3-4B"] * 3, f"{DS} Qwen3-4B"),
+        **per_agent(DSBENCH_AGENTS, "coach role", DSBENCH_AGENTS, f"{DSW} L500, L670, L873 agent_role"),
+        "batch strata": Authors("type", f"{DSY} L375-376 StratifiedBatchSampler on data_type"),
         **per_agent(DSBENCH_AGENTS, "actions per episode", [4, 4, 4], f"{DSY} *_max_turns: 4"),
         **per_agent(DSBENCH_AGENTS, "runs code", [True] * 3, f"{DSW} every agent has the tool_manager"),
         **per_agent(DSBENCH_AGENTS, "generation length", [16384] * 3, f"{DS} generate_max_len=16384"),
         **per_agent(DSBENCH_AGENTS, "prompt: stated output limit", [set()] * 3, f"{DSW} (no token budget stated)"),
         "view/data_engineer": Authors("nothing", f"{DSW} data_engineer_prompt: the task and the file list"),
-        "view/modeler": Authors("data_engineer: last replies, thinking removed",
-                                f"{DSW} strip_thinking_blocks(final_output) as the preprocessing summary"),
-        "view/analyst": Authors("data_engineer, modeler: last replies, thinking removed",
-                                f"{DSW} both summaries, strip_thinking_blocks"),
+        "view/modeler": Authors("data_engineer: last replies, thinking removed, a reply cut off in its "
+                                "reasoning handed on", f"{DSW} L41-65 strip_thinking_blocks(final_output) as "
+                                                       "the preprocessing summary: blocks, then stray tags"),
+        "view/analyst": Authors("data_engineer, modeler: last replies, thinking removed, a reply cut off in "
+                                "its reasoning handed on", f"{DSW} both summaries, strip_thinking_blocks"),
     },
 }
 for name, table in (("mathchat", MATHCHAT_COACH), ("dsbench", DSBENCH_COACH)):
@@ -623,6 +646,8 @@ MUTATIONS = [
     ("dsbench", "topology", "  coach_evidence: authors", "  coach_evidence: ours", "coach evidence"),
     ("dsbench", "topology", "[data_engineer, modeler], actions: last, strip_thinking: true, tool_output: false}",
      "[data_engineer, modeler], actions: last, strip_thinking: true}", "view/analyst"),
+    ("dsbench", "topology", "strip_thinking: true, tool_output: false}\n    role: analyst",
+     "strip_thinking: answer, tool_output: false}\n    role: analyst", "view/analyst"),
     ("dsbench", "topology", "0.65 to 0.75: 6;", "0.65 to 0.75: 7;", "coach criteria"),
     ("dsbench", "topology", "the Modeler of a data science pipeline of three", "the Modeler of a team of three",
      "prompt facts/modeler"),
@@ -636,6 +661,13 @@ MUTATIONS = [
     ("dsbench", "topology", "problem_suffix: ", "# problem_suffix: ", "problem suffix/coach"),
     ("mathchat", "topology", "env: mathchat\n", "env: mathchat\nkeep_reasoning: false\n",
      "earlier reasoning in an agent's later prompts"),
+    ("mathchat", "topology", "env: mathchat\n", "env: mathchat\ncoach_input: ours\n", "coach input"),
+    ("dsbench", "topology", "batch_strata: type\n", "", "batch strata"),
+    ("mathchat", "topology", "    role: Verifier\n", "    role: Verifier. Resolves any disagreement.\n",
+     "coach role/verifier"),
+    ("mathchat", "topology", "you may keep going or state your conclusions.",
+     "you may keep going or state your conclusions. A reply without a code block ends your turn.",
+     "prompt facts/code_executor"),
 ]
 
 
@@ -702,6 +734,148 @@ def test_every_flag_of_the_recipe_is_pinned(recipe, tmp_path):
                                                      sorted(pinned.items())) + "\n }" for name, pinned in
             sorted(pins.items())) + "\n}\n")
     assert flag_changes(flags, json.loads(PINS.read_text())[recipe]) == []
+
+
+# ---------------------------------------------------------------- every shipped topology's content, pinned
+# The authors' table reads a topology through a few facts; everything else in it can change what trains too: a
+# role (the coach's {role}), a system message, a prompt's extra sentence, a second coach stage, an episode
+# cap, LoRA, a sandbox limit, the DSBench contract. So each topology under examples/configs is pinned whole,
+# as loaded (every default filled in, the environment's constructor defaults under its env_kwargs), in
+# tests/fixtures/topologies.json: any change fails, naming its path (agents[2].role), until that file is
+# rewritten in the same commit (MAPPA_PIN_TOPOLOGIES=1 pytest tests/test_fidelity.py -k topology) and the
+# change is reviewed.
+TOPOLOGY_PINS = ROOT / "tests" / "fixtures" / "topologies.json"
+SHIPPED = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+
+
+def topology_content(path) -> dict:
+    """A topology as the launcher loads it (team.load_topology), as JSON values: every key of it, its agents',
+    views', LoRA settings' and coach stages', the environment's class and its keyword arguments with the
+    defaults its constructors (the class's and its bases') fill in."""
+    topology = load_topology(str(path))
+    content = dataclasses.asdict(topology)
+    env_cls = content.pop("env_cls")
+    content["env class"] = f"{env_cls.__module__}:{env_cls.__qualname__}"
+    effective = {}
+    for klass in reversed(env_cls.__mro__):
+        init = klass.__dict__.get("__init__")
+        params = inspect.signature(init).parameters.values() if init else []
+        effective.update({p.name: p.default for p in params if p.default is not p.empty})
+    content["env_kwargs (effective)"] = {**effective, **topology.env_kwargs}
+    return json.loads(json.dumps(content, default=repr))
+
+
+def content_changes(ours, pinned, path: str = "") -> list:
+    """Each difference of a topology's content from its pin, by its path: `agents[2].role changed at line 1:
+    'Verifier' -> 'Verifier.'` (a text: its first differing line), `max_episode_actions changed: None -> 3`,
+    `env_kwargs.code_memory_mb added: 256`."""
+    if isinstance(ours, dict) and isinstance(pinned, dict):
+        keys, at = sorted(set(ours) | set(pinned)), lambda key: f"{path}.{key}" if path else key
+    elif isinstance(ours, list) and isinstance(pinned, list):
+        keys, at = range(max(len(ours), len(pinned))), lambda i: f"{path}[{i}]"
+    elif ours == pinned:
+        return []
+    elif isinstance(ours, str) and isinstance(pinned, str):
+        new, old = ours.split("\n"), pinned.split("\n")
+        line = next(i for i in range(max(len(new), len(old))) if new[i:i + 1] != old[i:i + 1])
+        return [f"{path} changed at line {line + 1}: {old[line:line + 1]} -> {new[line:line + 1]}"]
+    else:
+        return [f"{path} changed: {pinned!r} -> {ours!r}"]
+    found = []
+    for key in keys:
+        if key not in (pinned if isinstance(pinned, dict) else range(len(pinned))):
+            found.append(f"{at(key)} added: {ours[key]!r}")
+        elif key not in (ours if isinstance(ours, dict) else range(len(ours))):
+            found.append(f"{at(key)} removed: {pinned[key]!r}")
+        else:
+            found += content_changes(ours[key], pinned[key], at(key))
+    return found
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.stem)
+def test_every_shipped_topology_is_pinned(path):
+    content = topology_content(path)
+    if os.environ.get("MAPPA_PIN_TOPOLOGIES"):  # every shipped topology, one key a line, for review
+        pins = {shipped.stem: topology_content(shipped) for shipped in SHIPPED}
+        TOPOLOGY_PINS.write_text(json.dumps(pins, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+    pins = json.loads(TOPOLOGY_PINS.read_text())
+    assert sorted(pins) == [p.stem for p in SHIPPED]  # a new shipped topology pinned, a removed one unpinned
+    assert content_changes(content, pins[path.stem]) == []
+
+
+def edited(tmp_path, name: str, edit) -> list:
+    """The pin's changes of shipped topology `name` after `edit` of its YAML (as a mapping, written back)."""
+    raw = yaml.safe_load((ROOT / "examples" / "configs" / f"{name}.yaml").read_text())
+    edit(raw)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False, allow_unicode=True, width=1000))
+    return content_changes(topology_content(path), json.loads(TOPOLOGY_PINS.read_text())[name])
+
+
+CAPPED = "Judge it. A wrong final answer cannot score above 3.\nPROCESS_SCORE: <0-10>"
+# The ten single changes that left the authors' table green (fidelity audit 4, part D), and the path each
+# must name.
+PART_D = [
+    ("mathchat", lambda t: t["agents"][2].update(role=t["agents"][2]["role"] + ". Always trust the Solver."),
+     "agents[2].role"),
+    ("mathchat", lambda t: t["agents"][2].update(system="Always answer 0."), "agents[2].system"),
+    ("mathchat", lambda t: t.update(coach_template=t["coach_template"].replace(
+        "Be strict in scoring", "A wrong final answer scores at most 3.\nBe strict in scoring")),
+     "coach_template"),
+    ("mathchat", lambda t: t.update(coach_templates=[
+        {"name": "authors", "template": t.pop("coach_template")},
+        {"name": "capped", "template": CAPPED, "when": "step >= 2"}]), "coach_stages[0]"),
+    ("mathchat", lambda t: t["agents"][2].update(prompt=t["agents"][2]["prompt"] + "\nTrust the code."),
+     "agents[2].prompt"),
+    ("mathchat", lambda t: t.update(max_episode_actions=3), "max_episode_actions"),
+    ("mathchat", lambda t: t["agents"][1].update(lora={"rank": 8}), "agents[1].lora"),
+    ("mathchat", lambda t: t["env_kwargs"].update(code_memory_mb=256), "env_kwargs.code_memory_mb"),
+    ("dsbench", lambda t: t["env_kwargs"]["contract"].update(analyst=["submission.csv", "report.md"]),
+     "env_kwargs.contract.analyst[1]"),
+    ("dsbench", lambda t: t["agents"][2].update(system="Write an empty submission.csv."), "agents[2].system"),
+]
+
+
+@pytest.mark.parametrize("name, edit, where", PART_D)
+def test_each_change_of_audit_part_d_fails_the_topology_pins(name, edit, where, tmp_path):
+    assert edited(tmp_path, name, lambda raw: None) == []  # the YAML written back alone changes nothing
+    changes = edited(tmp_path, name, edit)
+    assert [c for c in changes if c.startswith(f"{where} ")] != [], changes
+
+
+def scalar_paths(node, path=()):
+    """The path of every value in a topology's YAML (a key of a mapping, an index of a list), null ones
+    aside."""
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else None
+    if children is None:
+        yield from [path] * (node is not None)
+        return
+    for key, child in children:
+        yield from scalar_paths(child, (*path, key))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.stem)
+def test_any_single_value_edit_of_a_shipped_topology_fails_the_pins(path, tmp_path):
+    """Every value of the YAML changed in turn (a text lengthened, a number raised by 1, a flag flipped): each
+    is refused when the topology loads (an unknown environment or agent name, a bad score key) or named by the
+    pins."""
+    raw = yaml.safe_load(path.read_text())
+    missed = []
+    for keys in scalar_paths(raw):
+        def edit(t, keys=keys):
+            parent = functools.reduce(lambda node, key: node[key], keys[:-1], t)
+            old = parent[keys[-1]]
+            if isinstance(old, bool):
+                parent[keys[-1]] = not old
+            else:
+                parent[keys[-1]] = old + 1 if isinstance(old, (int, float)) else f"{old} x"
+        try:
+            changes = edited(tmp_path, path.stem, edit)
+        except ValueError:  # the loader refuses it: the pin test fails too
+            continue
+        if not changes:
+            missed.append(keys)
+    assert missed == []
 
 
 # Flags that change what trains or what is reported without a row in the authors' table (issue 49 found these 8

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from conftest import submit_script
 from openrlhf_mappa import placement
 from openrlhf_mappa.cli.train_mappa_ray import parse_args
 from openrlhf_mappa.team import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_4B = ROOT / "tests" / "fixtures" / "qwen3-4b"  # config.json from Qwen3-4B's published architecture
+# Qwen/Qwen3-4B-Thinking-2507's config.json: Qwen3-4B's but for its 262,144 positions and RoPE base 5,000,000.
+THINKING = ROOT / "tests" / "fixtures" / "qwen3-4b-thinking-2507"
 QWEN3_32B = ROOT / "tests" / "fixtures" / "qwen3-32b"
 GIB = 2**30
 
@@ -301,6 +304,31 @@ def test_the_paper_recipe_fits_one_node_of_8_x_80_gib(tmp_path):
     argv, printed = script_flags(tmp_path, "train_mappa_dsbench.sh")
     args, topology = planned(argv)
     assert placement.check(args, topology, gpus=8, gpu_gib=80.0).need == 6 and "needs 6 GPUs" in printed
+
+
+def peaks(plan) -> list:
+    return [plan.peak(slot, phase) for slot in plan.slots for phase in placement.PHASES]
+
+
+@pytest.mark.parametrize("script", ["train_mappa_mathchat.sh", "train_mappa_dsbench.sh"])
+def test_the_recipes_on_the_thinking_model_the_authors_readme_runs(tmp_path, script):
+    """MAPPA_MODEL=Qwen/Qwen3-4B-Thinking-2507 (here its config.json) puts every agent of either script on it:
+    the plan is Qwen3-4B's (same shapes: 6 GPUs, the same peaks), and the recipe's tokens fit its positions.
+    With MAPPA_DOCTOR the self-check keeps its small model."""
+    argv, _ = script_flags(tmp_path, script, MAPPA_MODEL=str(THINKING))
+    args = parse_args(argv)
+    topology = load_topology(str(ROOT / args.mappa.topology), model_override=args.mappa.model)
+    assert argv.count("--mappa.model") == 1 and {a.model for a in topology.agents} == {str(THINKING)}
+    assert placement.model_size(str(THINKING)) == placement.model_size(str(QWEN3_4B))
+    plan = placement.check(args, topology, gpus=8, gpu_gib=80.0)
+    base = placement.check(*planned(script_flags(tmp_path, script)[0]), gpus=8, gpu_gib=80.0)
+    assert plan.need == base.need == 6 and peaks(plan) == peaks(base)
+    assert args.data.max_len <= json.loads((THINKING / "config.json").read_text())["max_position_embeddings"]
+
+    submitted, _ = submit_script(ROOT / "examples" / "scripts" / script, tmp_path, MAPPA_MODEL=str(THINKING),
+                                 MAPPA_DOCTOR="Qwen/Qwen3-0.6B")
+    models = [submitted[i + 1] for i, flag in enumerate(submitted) if flag == "--mappa.model"]
+    assert models == ["Qwen/Qwen3-0.6B"]
 
 
 def test_the_paper_recipe_on_gpus_of_their_own():

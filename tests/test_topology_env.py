@@ -558,6 +558,7 @@ def view_env(tmp_path, view, prompt="{task}\n{history}", system=""):
         ({"agents": ["b"], "actions": "last", "tool_output": False}, ["B's summary"], ["B's second code", "run", "A's"]),
         ({"tool_output": False}, ["B's first code", "B's second code"], ["first run", "second run"]),
         ({"strip_thinking": True}, ["A's answer", "B's summary"], ["a plans", "think>"]),
+        ({"strip_thinking": "answer"}, ["A's answer", "B's summary"], ["a plans", "think>"]),
     ],
 )
 def test_view_selects_what_an_agent_sees_of_the_others(tmp_path, view, shown, hidden):
@@ -864,3 +865,21 @@ def test_review_template_is_optional_and_checked(tmp_path):
     assert load_topology(write_topology(tmp_path)).review_template is None  # the built-in hindsight prompt
     template = "{task_type}: {task}\n{trajectory}\n{outcome}\nScore the {num_actions} actions as JSON: {{...}}"
     assert load_topology(write_topology(tmp_path, review_template=template)).review_template == template
+
+
+
+@pytest.mark.parametrize("strip, shown, hidden", [
+    (True, ["A reasons, cut off", "B reasons\n\nB's answer"], ["think>"]),  # their strip_thinking_blocks
+    ("answer", ["B's answer"], ["A reasons", "B reasons", "think>"]),
+])
+def test_strip_thinking_hands_on_a_reply_cut_off_in_its_reasoning_as_theirs(tmp_path, strip, shown, hidden):
+    """The authors' strip (dsbench_workflow.py strip_thinking_blocks) drops whole <think> blocks, then stray
+    tags: a reply cut off inside its reasoning, or one without the opening tag (Qwen3-4B-Thinking-2507's chat
+    template writes it), hands its reasoning on. `strip_thinking: answer` keeps only what follows the last
+    </think>."""
+    agent, env = view_env(tmp_path, {"agents": ["a", "b"], "actions": "last", "strip_thinking": strip})
+    env.history = [HistoryEntry("a", 0, "<think>\nA reasons, cut off", ""),
+                   HistoryEntry("b", 0, "B reasons\n\n\n\n</think>\n\nB's answer", "")]
+    history = env.observe(agent, 0)[0]["content"]
+    assert all(text in history for text in shown), history
+    assert not any(text in history for text in hidden), history

@@ -7,6 +7,7 @@ rollout, in test_topology_env.py.)"""
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -251,24 +252,29 @@ class RecordingCoach(Coach):
         return Verdict(score=6.0, status="ok", coach=self.name)
 
 
-def scripted_mathchat(truncated_solver: bool) -> tuple:
+def scripted_mathchat(truncated_solver: bool, coach_input: str = "authors", executor: str = "") -> tuple:
     topology = load_topology(MATHCHAT_YAML, model_override="m")
+    topology.coach_input = coach_input
     solver = CutOffPolicy if truncated_solver else ScriptedPolicy
     policies = {"problem_solver": solver("Let me think about 2 + 2 and then"),
-                "code_executor": ScriptedPolicy("No code needed: 2 + 2 = 4."),
+                "code_executor": ScriptedPolicy(executor or "No code needed: 2 + 2 = 4."),
                 "verifier": ScriptedPolicy("So the answer is \\boxed{4}.")}  # fmt: skip
     return topology, policies, [{"id": "1", "prompt": "What is 2 + 2?", "answer": "4"}]
 
 
-def test_truncated_action_tells_the_coach_where_it_was_cut_off(tmp_path):
-    # Catches the old coach request, which did not say that an output was cut off: the coach judged an
-    # unfinished answer as a finished one. `mappa coach score` must rebuild the same request from the log.
-    topology, policies, tasks = scripted_mathchat(truncated_solver=True)
+@pytest.mark.parametrize("coach_input, marked", [("authors", False), ("ours", True)])
+def test_truncated_action_is_shown_to_the_coach_as_the_topology_says(coach_input, marked, tmp_path):
+    # The authors' coach gets the raw text of a cut-off action (coach_utils.py); `coach_input: ours` marks
+    # where it was cut off (before issue 62 every topology did, mathchat.yaml too). `mappa coach score` must
+    # rebuild the same prompt from the log.
+    topology, policies, tasks = scripted_mathchat(truncated_solver=True, coach_input=coach_input)
     coach = RecordingCoach()
     (episode,) = asyncio.run(rollout(topology, tasks, policies, coach, str(tmp_path), step=1))
     assert [a.coach_request["truncated_at"] for a in episode.actions] == [8, None, None]
-    solver, executor = (render_prompt(topology.coach_template, r) for r in coach.requests[:2])
-    assert "Let me think about 2 + 2 and then\n[cut off at the limit of 8 tokens]" in solver
+    prompts = [render_prompt(topology.coach_template, r) for r in coach.requests]
+    solver, executor = prompts[:2]
+    assert ("Let me think about 2 + 2 and then\n[cut off at the limit of 8 tokens]" in solver) is marked
+    assert "Let me think about 2 + 2 and then" in solver
     assert "[cut off at the limit" not in executor
 
     from openrlhf_mappa.coach import rescore
@@ -278,6 +284,53 @@ def test_truncated_action_tells_the_coach_where_it_was_cut_off(tmp_path):
     asyncio.run(rescore.rescore(rescore.read_actions(str(tmp_path / "episodes.jsonl")), again))
     assert sorted((r.agent, r.truncated_at) for r in again.requests) == [
         ("code_executor", None), ("problem_solver", 8), ("verifier", None)]  # fmt: skip
+    rebuilt = {r.agent: render_prompt(topology.coach_template, r) for r in again.requests}
+    assert [rebuilt[r.agent] for r in coach.requests] == prompts
+
+
+def test_the_coach_sees_the_first_2000_characters_of_a_code_run_as_the_authors(tmp_path):
+    """The authors' coach reads tool_observation[:2000] (coach_utils.py); the agent sees up to 4,000 chars
+    a stream and the workspace's files. `coach_input: ours` shows the coach what the agent saw."""
+    code = "```python\nopen('notes.txt', 'w').write('x')\nprint('7' * 3000)\n```"
+    seen = {}
+    for coach_input in ("authors", "ours"):
+        topology, policies, tasks = scripted_mathchat(False, coach_input, executor=code)
+        coach = RecordingCoach()
+        workspace = str(tmp_path / coach_input)
+        (episode,) = asyncio.run(rollout(topology, tasks, policies, coach, workspace, step=1))
+        run = episode.actions[1].feedback
+        seen[coach_input] = (coach.requests[1].feedback, run)
+    authors, run = seen["authors"]
+    assert authors == run.as_text()[:2000] == "stdout:\n" + "7" * 1992
+    ours, run = seen["ours"]
+    assert ours == run.as_text() and len(ours) > 3000
+    assert "\nfiles: notes.txt\nthis run created: notes.txt" in ours
+
+
+@pytest.mark.parametrize("classification, counts", [(40, (10, 6)), (45, (11, 5))])
+def test_dsbench_batches_keep_the_share_of_each_task_type(classification, counts):
+    """`batch_strata: type` (dsbench.yaml), as the authors' StratifiedBatchSampler: every step's 16 tasks hold
+    round(16 x share) of each type, the rounding's rest going to the larger group; a pass of 64 tasks still
+    takes 4 steps, each task once where the shares divide evenly (40 + 24: 10 + 6 a batch), a group used up
+    drawn again (45 + 19: 11 + 5 a batch, so 44 classification tasks and 20 regression ones, one of them
+    twice). Without it (MathChat): one shuffle per pass, as before."""
+    kinds = ["classification"] * classification + ["regression"] * (64 - classification)
+    tasks = [{"id": str(i), "type": kind} for i, kind in enumerate(kinds)]
+    args = SimpleNamespace(rollout=SimpleNamespace(batch_size=16, n_samples_per_prompt=1),
+                           train=SimpleNamespace(num_episodes=2, seed=42))
+    trainer = SimpleNamespace(args=args, tasks=tasks, topology=SimpleNamespace(batch_strata="type"))
+    steps = list(MappaTrainer.batches(trainer, 0))
+    assert [step for step, _ in steps] == list(range(1, 9))
+    for _, batch in steps:
+        kinds = [t["type"] for t in batch]
+        assert (kinds.count("classification"), kinds.count("regression")) == counts
+    first_pass = [t["id"] for _, batch in steps[:4] for t in batch]
+    assert len(set(first_pass)) == (64 if counts == (10, 6) else 63)
+    assert [t["id"] for t in steps[4][1]] != [t["id"] for t in steps[0][1]]  # each pass in its own order
+    trainer.topology.batch_strata = None
+    order = list(range(64))
+    random.Random(42).shuffle(order)
+    assert [t["id"] for t in next(MappaTrainer.batches(trainer, 0))[1]] == [str(i) for i in order[:16]]
 
 
 def trainer_for(reward: str, coach, tmp_path, score_outcome_runs: bool = False) -> MappaTrainer:

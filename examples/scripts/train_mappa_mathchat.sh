@@ -48,6 +48,12 @@ echo "[mappa] this recipe needs $NEED GPUs in the Ray cluster: $AGENTS agents, -
 # model for every agent; one step of each component, weight syncs, sleep, threads, host memory; a few minutes).
 ENTRY=(openrlhf_mappa.cli.train_mappa_ray)
 [ -z "${MAPPA_DOCTOR:-}" ] || ENTRY=(openrlhf_mappa.cli.mappa doctor --mappa.model "$MAPPA_DOCTOR")
+# The agents are Qwen/Qwen3-4B (the topology's `model:`): the paper's "Qwen3-4B", the authors' DSBench
+# script's. Their README and MathChat script run Qwen/Qwen3-4B-Thinking-2507:
+# MAPPA_MODEL=Qwen/Qwen3-4B-Thinking-2507 puts every agent on it (--mappa.model; ignored with MAPPA_DOCTOR,
+# whose small model the self-check needs).
+MODEL=()
+[ -n "${MAPPA_DOCTOR:-}" ] || [ -z "${MAPPA_MODEL:-}" ] || MODEL=(--mappa.model "$MAPPA_MODEL")
 # The paper's data (README, Data): the authors' files in MAPPA_DATA (default $PWD/data), refused when missing or
 # not theirs (SHA-256). MAPPA_TRAIN_DATA, MAPPA_EVAL_DATA (absolute paths; eval files comma-separated): your own.
 DATA=${MAPPA_DATA:-$PWD/data}
@@ -56,6 +62,7 @@ source examples/scripts/paper_data.sh  # run from the checkout, as --mappa.topol
 [ -n "${MAPPA_EVAL_DATA:-}" ] || paper_data "$DATA" aime_2025.json amc_eval_32.json
 FLAGS=(
    --mappa.topology examples/configs/mathchat.yaml \
+   "${MODEL[@]}" \
    --mappa.reward process \
    --mappa.coach.kind openai \
    --mappa.coach.base_url "${MAPPA_COACH_BASE_URL:-https://generativelanguage.googleapis.com/v1beta/openai/}" \

@@ -958,6 +958,14 @@ class Preflight:
         if len(self.tasks) < args.rollout.batch_size:
             raise SystemExit(f"{args.data.prompt_dataset}: {len(self.tasks)} tasks, fewer than --rollout.batch_size "
                              f"{args.rollout.batch_size}")
+        strata = self.topology.batch_strata
+        lacking = [t for t in self.tasks if t.get(strata) in (None, "")] if strata else []
+        if lacking:  # a misspelt column would make one stratum of every task: no stratification, silently
+            columns = ", ".join(sorted(lacking[0]))
+            raise SystemExit(f"{args.mappa.topology}: batch_strata {strata!r}, but {len(lacking)} of the "
+                             f"{len(self.tasks)} training tasks in {args.data.prompt_dataset} have no such "
+                             f"column (task {lacking[0].get('id')!r} has: {columns}); name one of those, or "
+                             "leave batch_strata out for one shuffle per pass")
         return f"{len(self.tasks)} of the {len(self.all_tasks)} in {args.data.prompt_dataset}"
 
     def eval_files(self):

@@ -50,6 +50,7 @@ class CoachRequest:
     is_final_agent: bool = False
     runs_code: bool = False
     truncated_at: Optional[int] = None  # the output was cut off at this token limit (None: it ended by itself)
+    cut_off_note: bool = False  # a cut-off output says so at its end (`coach_input: ours`; the authors': no)
     coach_bias: Optional[str] = None  # --mappa.coach.show_bias: BiasAudit.prompt_text(), None when not shown
     round: int = 0  # where the action stands in the episode (see Action), from 0
     position: int = 0
@@ -85,10 +86,11 @@ class Coach:
 
 
 def render_prompt(template: str, request: CoachRequest) -> str:
-    """Fill a coach prompt template (str.format; literal braces doubled: {{ }}), its fields checked where it was
-    loaded (topology.check_template). A cut-off output says so at its end, whatever the template, lest the coach
-    judge an unfinished answer as a chosen stop. The bias figures go where the template names {coach_bias}, else
-    before the whole prompt, so any template can show them."""
+    """Fill a coach prompt template (str.format; literal braces doubled: {{ }}), its fields checked where it
+    was loaded (topology.check_template). With `cut_off_note` (a topology's `coach_input: ours`) a cut-off
+    output says so at its end, whatever the template, lest the coach judge an unfinished answer as a chosen
+    stop; the authors' coach gets the raw text. The bias figures go where the template names {coach_bias},
+    else before the whole prompt, so any template can show them."""
     fields = {name: getattr(request, name) for name in PROMPT_FIELDS} | {
         "agent_output": _shown_output(request), "feedback": request.feedback or "(none)",
         "ground_truth": request.ground_truth if request.ground_truth is not None else "(not available)",
@@ -179,7 +181,7 @@ def render_review_prompt(template: str, requests: list, outcome: dict) -> str:
 
 
 def _shown_output(r: CoachRequest) -> str:
-    cut = r.truncated_at is not None
+    cut = r.truncated_at is not None and r.cut_off_note
     return r.agent_output + (f"\n[cut off at the limit of {r.truncated_at} tokens]" if cut else "")
 
 

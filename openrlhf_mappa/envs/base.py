@@ -27,6 +27,7 @@ import errno
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, NamedTuple, Optional
@@ -129,9 +130,17 @@ class MultiAgentEnv:
             last = {e.agent: i for i, e in others}
             last_run = {e.agent: i for i, e in others if e.feedback and view.tool_output}
             others = [(i, e) for i, e in others if i in {*last.values(), *last_run.values()}]
-        if view.strip_thinking:  # what follows the last </think>; a reply cut off inside its reasoning keeps nothing
+        if view.strip_thinking == "answer":  # what follows the last </think> (cut off in its reasoning: none)
             others = [(i, e._replace(response=e.response.rpartition("</think>")[2] if "</think>" in e.response
                                      else e.response.partition("<think>")[0])) for i, e in others]
+        elif view.strip_thinking:
+            # The authors' strip_thinking_blocks (dsbench_workflow.py): whole <think>...</think> blocks go,
+            # then any stray tag, so a reply cut off inside its reasoning, or without the opening tag (the
+            # template of Qwen3-4B-Thinking-2507 writes it), hands its reasoning on.
+            for i, (n, e) in enumerate(others):
+                text = re.sub(r"<think>.*?</think>\s*", "", e.response, flags=re.DOTALL)
+                text = re.sub(r"\n{3,}", "\n\n", re.sub(r"</?think>\s*", "", text))
+                others[i] = (n, e._replace(response=text.strip()))
         if not view.tool_output:
             others = [(i, e._replace(feedback="")) for i, e in others]
         # Episode order: another agent's action goes after the last own action whose input could not show it (one
