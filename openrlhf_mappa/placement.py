@@ -749,16 +749,23 @@ def host_memory_gib(available: bool = False) -> float:
 
 
 def usable_cores(cgroup: str = "/sys/fs/cgroup") -> int:
-    """The cores this process may use: its CPU affinity, within its container's CPU quota (cgroup v2 cpu.max,
-    "QUOTA PERIOD" or "max PERIOD"), where os.cpu_count() counts every core of the host."""
+    """The cores this process may use: its CPU affinity, within its container's CPU quota, where os.cpu_count()
+    counts every core of the host. The quota as Ray's own count reads it: cgroup v2's cpu.max ("QUOTA PERIOD" or
+    "max PERIOD"), else cgroup v1's cpu/cpu.cfs_quota_us over cpu/cpu.cfs_period_us (-1: none)."""
     cores = len(os.sched_getaffinity(0))
     try:
         with open(os.path.join(cgroup, "cpu.max")) as f:
             quota, period = f.read().split()
-        if quota != "max":
-            cores = min(cores, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):  # no cgroup v2 here: the affinity alone
-        pass
+    except (OSError, ValueError):  # no cgroup v2 here: v1's files, or the affinity alone
+        try:
+            with open(os.path.join(cgroup, "cpu", "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()
+            with open(os.path.join(cgroup, "cpu", "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        except OSError:
+            return cores
+    if quota not in ("max", "-1"):
+        cores = min(cores, max(1, int(quota) // int(period)))
     return cores
 
 
