@@ -813,8 +813,21 @@ def module_refusals(needed: dict, broken: dict, where: str) -> list:
 
 def node_check(modules) -> tuple:
     """Run on each GPU node (launch.check_placement, one Ray task per node): (its usable cores, {module: why} for
-    each of `modules` that fails to import there)."""
-    return usable_cores(), broken_modules(modules)
+    each of `modules` that fails to import there, its GPUs (node_gpus))."""
+    return usable_cores(), broken_modules(modules), node_gpus()
+
+
+def node_gpus() -> list:
+    """[(GiB, compute mode)] of this node's GPUs as nvidia-smi lists them ([] without it). It lists them in a task
+    that holds none (Ray hides them from CUDA there): a CPU head without --mappa.gpu_memory_gib still plans the
+    GPUs' memory, and a GPU that admits one process (Exclusive_Process) is named before any actor starts."""
+    query = ["nvidia-smi", "--query-gpu=memory.total,compute_mode", "--format=csv,noheader,nounits"]
+    try:
+        proc = subprocess.run(query, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):  # no NVIDIA driver here
+        return []
+    rows = [line.split(",") for line in proc.stdout.splitlines() if line.strip()] if proc.returncode == 0 else []
+    return [(int(mib) / 1024, mode.strip()) for mib, mode in rows]
 
 
 def detect_gpus():

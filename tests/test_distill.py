@@ -384,13 +384,14 @@ def test_a_batch_the_processes_cannot_split_and_a_missing_flash_attn_are_refused
 
 def test_the_report_generates_on_the_gpu_train_sft_used(tiny_model, monkeypatch):
     # Issue 63 (finding 6): the report loaded the model with no device, so generate ran on the CPU beside idle GPUs.
-    # MOCKED: a visible GPU (torch.cuda.is_available; this machine's torch has no CUDA): moving the model there
-    # must fail here, where before it generated on the CPU without trying.
+    # MOCKED: a visible GPU (torch.accelerator says one is there; this machine's torch has no CUDA): moving the
+    # model there must fail here, where before it generated on the CPU without trying.
     import torch
 
     from openrlhf_mappa.coach.distill import generate
 
     assert generate(tiny_model, ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"], 2) != []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
     with pytest.raises((AssertionError, RuntimeError), match="CUDA|cuda"):
         generate(tiny_model, ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"], 2)

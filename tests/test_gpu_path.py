@@ -805,7 +805,7 @@ def test_each_gpu_node_imports_the_kernels_the_flags_need_and_the_launcher_names
     needed = placement.needed_modules(args, topology)
     assert list(needed) == ["flash_attn"]
     # The task each GPU node runs, run for real on this machine (no flash-attn here): its cores and what fails.
-    assert placement.node_check(list(needed)) == (placement.usable_cores(), {"flash_attn": "is not installed"})
+    assert placement.node_check(list(needed)) == (placement.usable_cores(), {"flash_attn": "is not installed"}, [])
     (tmp_path / "kernel_for_another_torch").mkdir()  # found by find_spec, failing to import: a mismatched wheel
     (tmp_path / "kernel_for_another_torch" / "__init__.py").write_text(
         "raise ImportError('undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
@@ -818,7 +818,7 @@ def test_each_gpu_node_imports_the_kernels_the_flags_need_and_the_launcher_names
     # per-node results are given); node 1 has no flash-attn.
     nodes = [{"NodeID": f"n{k}", "Alive": True, "Resources": {"GPU": 8.0, "CPU": 32.0}} for k in range(2)]
     monkeypatch.setattr(launch.ray, "nodes", lambda: nodes)
-    asked, results = [], [(32, {}), (32, {"flash_attn": "is not installed"})]
+    asked, results = [], [(32, {}, []), (32, {"flash_attn": "is not installed"}, [])]
     monkeypatch.setattr(launch, "on_each_node", lambda read, on, *a, gpus=0: asked.append((read, on, a)) or results)
     with pytest.raises(SystemExit) as refused:
         launch.check_placement(args, topology)
@@ -828,9 +828,54 @@ def test_each_gpu_node_imports_the_kernels_the_flags_need_and_the_launcher_names
         "not installed on node 1 (Ray node n1): install flash-attn (`pip install flash-attn==2.8.3 "
         "--no-build-isolation`, built for the torch and CUDA there) or pass --ds.attn_implementation sdpa (more "
         "memory at long contexts)")
-    results[1] = (16, {})  # every node has it: the plan stands, and the threads are each node's own cores'
+    results[1] = (16, {}, [])  # every node has it: the plan stands, and the threads are each node's own cores'
     plan, _ = launch.check_placement(args, topology)
     assert args.mappa.actor_threads == 2  # 16 cores over 8 GPUs, the fewer of the two nodes
+
+
+def test_a_cpu_head_plans_the_gpu_memory_each_gpu_node_reports_and_refuses_exclusive_gpus(tmp_path, monkeypatch):
+    # Issue 63 (review 3, findings 9, 14): the GPUs' memory came from the flag or the launcher's own GPU only, so
+    # from a CPU head without --mappa.gpu_memory_gib neither GPU nor host memory was checked: an OOM later instead
+    # of a refusal. And a GPU in exclusive-process mode failed the second process on it at start-up. Each GPU
+    # node's task now reads nvidia-smi. MOCKED: nvidia-smi (a script printing what it prints for an "80 GB" card:
+    # 81559 MiB) and the Ray cluster (two 8-GPU nodes, each node's task run here; their host memory given).
+    import io
+
+    from openrlhf_mappa import launch
+    from openrlhf_mappa.console import console
+
+    assert placement.node_gpus() == []  # this machine: no NVIDIA driver, as on a CPU head
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\n[ \"$*\" = '--query-gpu=memory.total,compute_mode --format=csv,noheader,nounits' ] "
+                   "|| exit 9\nprintf '81559, Default\\n81559, %s\\n' \"${MODE:-Default}\"\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    assert placement.node_gpus() == [(81559 / 1024, "Default")] * 2
+    nodes = [{"NodeID": f"n{k}", "Alive": True, "Resources": {"GPU": 8.0, "CPU": 32.0}} for k in range(2)]
+    monkeypatch.setattr(launch.ray, "nodes", lambda: nodes)
+    read = lambda f, on, *a, gpus=0: [2000.0 if f == placement.host_memory_gib else f(*a) for _ in on]
+    monkeypatch.setattr(launch, "on_each_node", read)
+    flags = ["--mappa.topology", MATHCHAT, "--data.prompt_dataset", "x.jsonl", "--vllm.num_engines", "1",
+             "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1", "--ds.attn_implementation", "sdpa"]
+    big = os.path.join(REPO, "tests", "fixtures", "qwen3-32b")  # 32B on one GPU per actor: cannot fit 80 GB
+    args = parse_args([*flags, "--mappa.model", big])
+    with pytest.raises(SystemExit, match="the plan does not fit 16 x 79.6475 GiB GPUs"):
+        launch.check_placement(args, load_topology(MATHCHAT, model_override=big))
+    args = parse_args([*flags, "--mappa.model", str(QWEN3_4B)])
+    monkeypatch.setattr(console, "out", io.StringIO())
+    launch.check_placement(args, load_topology(MATHCHAT, model_override=str(QWEN3_4B)))
+    assert args.mappa.gpu_memory_gib == 81559 / 1024 and args.mappa.host_memory_gib == [2000.0, 2000.0]
+    out = console.out.getvalue()
+    assert "placement plan for 16 GPUs:" in out and "GPU memory not known here" not in out
+    monkeypatch.setenv("MODE", "Exclusive_Process")
+    with pytest.raises(SystemExit) as refused:
+        launch.check_placement(parse_args([*flags, "--mappa.model", str(QWEN3_4B)]),
+                               load_topology(MATHCHAT, model_override=str(QWEN3_4B)))
+    assert str(refused.value) == "\n".join(
+        f"{'[mappa] ' * (k == 0)}node {k} (Ray node n{k}): GPUs in compute mode Exclusive_Process, which admits one "
+        f"process a GPU, and MAPPA runs several on one (a vLLM engine's processes, colocated actors): set Default "
+        f"there (`sudo nvidia-smi -c DEFAULT`)" for k in range(2))
 
 
 # ---------------------------------------------------------------- the doctor: CPU Adam (F9), the recipe, the coach

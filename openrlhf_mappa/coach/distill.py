@@ -151,7 +151,7 @@ def generate(model_dir: str, texts: list, max_new_tokens: int, batch_size: int =
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
