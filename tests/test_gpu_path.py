@@ -475,6 +475,31 @@ def test_the_doctors_sync_check_holds_after_a_step_that_inflates_the_noise_and_a
     assert not crossed[0] and crossed[1].endswith("holds the weights of b"), crossed
 
 
+def test_token_budgets_bound_each_experience_micro_batch_at_eight_ranks():
+    # Issue 63 (review 3, finding 10): upstream's experience split rounds its count of micro-batches (the fewest
+    # that hold the budget) down to a multiple of the data-parallel ranks: 60 actions of 250 tokens, a budget of
+    # 1000 and 8 ranks gave 8 micro-batches of 1750-2000 tokens, where the plan holds 1000. Rounded up: 16, each
+    # within the budget. The split alone (no actor, no model): OpenRLHF's own partitioning and concatenation.
+    from openrlhf_mappa.agent_trainer import MappaExperienceMaker
+    from openrlhf_mappa.episode import Action
+    from openrlhf_mappa.rewards import experience_of
+
+    maker = MappaExperienceMaker.__new__(MappaExperienceMaker)
+    maker.tokenizer = SimpleNamespace(pad_token_id=0)
+    maker.args = SimpleNamespace(train=SimpleNamespace(dynamic_batch_enable=True),
+                                 rollout=SimpleNamespace(max_tokens_per_gpu=1000),
+                                 ds=SimpleNamespace(ring_attn_size=1, tensor_parallel_size=1),
+                                 actor=SimpleNamespace(num_nodes=1, num_gpus_per_node=8))
+    samples = [experience_of(Action(f"e{i}", "a", 0, [1] * 100, [2] * 150)) for i in range(60)]
+    split = maker.split_rollout_samples(samples)
+    tokens = [int(e.total_length.sum()) for e in split]
+    assert len(split) == 16 and max(tokens) == 1000 and sum(tokens) == 60 * 250
+    assert sorted(i for e in split for i in e.index) == list(range(60))  # every action once
+    # Never more micro-batches than actions, and a multiple of the ranks: 12 actions of 600 tokens on 8 ranks.
+    few = maker.split_rollout_samples([experience_of(Action(f"e{i}", "a", 0, [1] * 100, [2] * 500)) for i in range(12)])
+    assert len(few) == 8
+
+
 TOKEN_BUDGET_RANK = """
 import json, sys
 from types import SimpleNamespace
