@@ -138,6 +138,26 @@ def test_flash_attention_without_flash_attn_ring_attention_and_gloo_colocated_on
         "gloo (nccl, the default, passes them by CUDA IPC); gloo is for CPU-only machines"), proc.stderr[-2000:]
 
 
+def test_a_launching_machine_without_gpus_warns_of_the_kernels_each_gpu_node_is_checked_for(monkeypatch, capsys):
+    # Issue 63 (review 3, finding 13): a head or login node without GPUs, running another image than the GPU nodes,
+    # refused flash attention though every GPU node had flash-attn (each is checked at launch, check_placement).
+    # MOCKED: a CUDA build of torch here (compat.cpu_mode), then this machine's GPUs (detect_gpus).
+    from openrlhf_mappa import compat
+
+    base = ["--mappa.topology", MATHCHAT, "--data.prompt_dataset", "x.jsonl", "--vllm.num_engines", "1"]
+    monkeypatch.setattr(compat, "cpu_mode", lambda: False)
+    check_this_machine(parse_args(base))  # OpenRLHF's default attention; no flash-attn here
+    fix = ("install flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, built for the torch and CUDA "
+           "there) or pass --ds.attn_implementation sdpa (more memory at long contexts)")
+    assert capsys.readouterr().err == (
+        f"[mappa] warning: --ds.attn_implementation flash_attention_2 needs flash-attn's kernels, and the module "
+        f"flash_attn is not installed here: {fix}\n(this machine has no GPU: each GPU node is checked for them when "
+        f"the run starts)\n")
+    monkeypatch.setattr(placement, "detect_gpus", lambda: (8, 79.6))  # a machine with GPUs runs what it launches
+    with pytest.raises(SystemExit, match="the module flash_attn is not installed here"):
+        check_this_machine(parse_args(base))
+
+
 def test_token_budgets_without_packing_and_packing_without_flash_attention_are_refused_on_gpus(monkeypatch):
     # F4: upstream's budget split balances the sum of lengths; padded, a micro-batch costs count x longest (3.3x a
     # 32K budget in the review's draw). Under sdpa, transformers masks a packed row with a dense T x T mask.
