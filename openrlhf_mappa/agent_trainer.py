@@ -14,15 +14,35 @@ from copy import deepcopy
 import ray
 import torch
 from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+from openrlhf.trainer.ppo_utils.experience import Experience
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor, batch_vllm_engine_call
+from openrlhf.utils.seqlen_balancing import get_minimum_num_micro_batch_size, get_seqlen_balanced_partitions
 
 from openrlhf_mappa.rollout import SyncGate
 
 
 class MappaExperienceMaker(RemoteExperienceMaker):
-    """OpenRLHF's experience maker for one agent, its micro-batch split and forwards (log-probs, KL) unchanged."""
+    """OpenRLHF's experience maker for one agent, its forwards (log-probs, KL) unchanged."""
+
+    def split_rollout_samples(self, rollout_samples):
+        """Upstream's split, but with token budgets (--train.dynamic_batch_enable) its count of micro-batches, the
+        fewest that hold --rollout.max_tokens_per_gpu each, is rounded up to a multiple of the data-parallel ranks
+        where upstream rounds it down: its balanced split then put up to ~1.8x the budget in one at 8 ranks, more
+        than the plan (placement.micro_tokens) holds. Never more micro-batches than samples."""
+        a = self.args
+        if not a.train.dynamic_batch_enable:
+            return super().split_rollout_samples(rollout_samples)
+        for i, sample in enumerate(rollout_samples):
+            sample.index = [i]
+        lengths = [int(s.total_length.item()) for s in rollout_samples]
+        ring, tp = a.ds.ring_attn_size, a.ds.tensor_parallel_size
+        ranks = a.actor.num_nodes * a.actor.num_gpus_per_node // ring // tp
+        fewest = get_minimum_num_micro_batch_size(lengths, a.rollout.max_tokens_per_gpu, ring, tp)
+        count = max(ranks, min(-(-fewest // ranks) * ranks, len(lengths) // ranks * ranks))
+        return [Experience.concat_experiences([rollout_samples[i] for i in part], self.tokenizer.pad_token_id)
+                for part in get_seqlen_balanced_partitions(lengths, count, False)]
 
     def make_experience_batch(self, experiences):
         # Already finished by rewards.compute_advantages: upstream's advantage hook sees one agent's rows (scope

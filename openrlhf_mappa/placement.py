@@ -749,16 +749,23 @@ def host_memory_gib(available: bool = False) -> float:
 
 
 def usable_cores(cgroup: str = "/sys/fs/cgroup") -> int:
-    """The cores this process may use: its CPU affinity, within its container's CPU quota (cgroup v2 cpu.max,
-    "QUOTA PERIOD" or "max PERIOD"), where os.cpu_count() counts every core of the host."""
+    """The cores this process may use: its CPU affinity, within its container's CPU quota, where os.cpu_count()
+    counts every core of the host. The quota as Ray's own count reads it: cgroup v2's cpu.max ("QUOTA PERIOD" or
+    "max PERIOD"), else cgroup v1's cpu/cpu.cfs_quota_us over cpu/cpu.cfs_period_us (-1: none)."""
     cores = len(os.sched_getaffinity(0))
     try:
         with open(os.path.join(cgroup, "cpu.max")) as f:
             quota, period = f.read().split()
-        if quota != "max":
-            cores = min(cores, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):  # no cgroup v2 here: the affinity alone
-        pass
+    except (OSError, ValueError):  # no cgroup v2 here: v1's files, or the affinity alone
+        try:
+            with open(os.path.join(cgroup, "cpu", "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()
+            with open(os.path.join(cgroup, "cpu", "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        except OSError:
+            return cores
+    if quota not in ("max", "-1"):
+        cores = min(cores, max(1, int(quota) // int(period)))
     return cores
 
 
@@ -806,8 +813,21 @@ def module_refusals(needed: dict, broken: dict, where: str) -> list:
 
 def node_check(modules) -> tuple:
     """Run on each GPU node (launch.check_placement, one Ray task per node): (its usable cores, {module: why} for
-    each of `modules` that fails to import there)."""
-    return usable_cores(), broken_modules(modules)
+    each of `modules` that fails to import there, its GPUs (node_gpus))."""
+    return usable_cores(), broken_modules(modules), node_gpus()
+
+
+def node_gpus() -> list:
+    """[(GiB, compute mode)] of this node's GPUs as nvidia-smi lists them ([] without it). It lists them in a task
+    that holds none (Ray hides them from CUDA there): a CPU head without --mappa.gpu_memory_gib still plans the
+    GPUs' memory, and a GPU that admits one process (Exclusive_Process) is named before any actor starts."""
+    query = ["nvidia-smi", "--query-gpu=memory.total,compute_mode", "--format=csv,noheader,nounits"]
+    try:
+        proc = subprocess.run(query, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):  # no NVIDIA driver here
+        return []
+    rows = [line.split(",") for line in proc.stdout.splitlines() if line.strip()] if proc.returncode == 0 else []
+    return [(int(mib) / 1024, mode.strip()) for mib, mode in rows]
 
 
 def detect_gpus():

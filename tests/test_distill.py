@@ -201,3 +201,197 @@ def distill(model, out, *flags):
     cmd = [MAPPA, "coach", "distill", "--episodes", FIXTURE, "--mappa.topology", RELAY,
            "--model.model_name_or_path", model, "--ckpt.output_dir", str(out), *flags, *CPU_SFT]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+# ---------------------------------------------------------------- what train_sft gets (issue 63)
+# Qwen3's chat template in the part that matters here: a finished assistant turn after the last user message gets
+# an empty reasoning block that the generation prompt does not.
+QWEN3_STYLE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and loop.last %}"
+    "{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' + m['content'] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def coach_base(tmp_path, chat_template=None):
+    """A base model directory as distill reads it before train_sft (config and the tiny byte-level tokenizer, one
+    token per byte, `chat_template` if given)."""
+    from openrlhf_mappa.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = chat_template or tokenizer.chat_template
+    base = tmp_path / "base"
+    tokenizer.save_pretrained(base)
+    (base / "config.json").write_text("{}")
+    return str(base)
+
+
+def judged_run(tmp_path, lengths):
+    """An episodes file, one action per episode, the agent's output `lengths[i]` bytes long, judged 0-10 by the
+    heuristic coach's verdict format; and the topology."""
+    topology = tmp_path / "t.yaml"
+    topology.write_text(yaml.safe_dump({
+        "name": "t", "env": "mathchat", "coach_template": COACH_TEMPLATE, "score_key": KEY,
+        "agents": [{"name": "solver", "model": "unused", "role": "the solver", "prompt": "{task}"}],
+    }))  # fmt: skip
+    request = {"role": "r", "task": "t", "task_type": "math", "agent_input": "in", "feedback": "", "round": 0,
+               "position": 0}
+    path = tmp_path / "judged.jsonl"
+    with open(path, "w") as f:
+        for i, n in enumerate(lengths):
+            action = Action(f"e{i}", "solver", 0, [], [], prompt_text="in", response_text="x" * n,
+                            coach_request=request, verdict=Verdict(float(i % 11), "ok", "fine", "heuristic"))
+            f.write(Episode(f"e{i}", str(i), "math", [action]).to_json() + "\n")
+    return str(path), str(topology)
+
+
+def distill_data(*argv):
+    """`mappa coach distill`'s own steps up to train_sft, as its main runs them on these flags."""
+    from openrlhf_mappa.cli.mappa import distill_data as data, distill_parser
+
+    args, extra = distill_parser().parse_known_args(list(argv))
+    return data(args, extra)
+
+
+def trained(command):
+    """{prompt text: the text of its tokens under the loss mask} for the rows that OpenRLHF's SFTDataset (real) keeps
+    of the command's data, its data flags read with train_sft's own defaults."""
+    import argparse
+    from types import SimpleNamespace
+
+    from datasets import load_dataset
+    from openrlhf.datasets import SFTDataset
+    from transformers import AutoTokenizer
+
+    p = argparse.ArgumentParser()
+    for flag in ("--model.model_name_or_path", "--data.dataset", "--data.input_key", "--data.output_key"):
+        p.add_argument(flag)
+    p.add_argument("--data.input_template", default="User: {}\nAssistant: ")
+    p.add_argument("--data.max_len", type=int, default=2048)
+    p.add_argument("--data.apply_chat_template", action="store_true")
+    flags = vars(p.parse_known_args(command)[0])
+    tokenizer = AutoTokenizer.from_pretrained(flags["model.model_name_or_path"])
+    data = SimpleNamespace(input_key=flags["data.input_key"], output_key=flags["data.output_key"],
+                           apply_chat_template=flags["data.apply_chat_template"], tokenizer_chat_template=None)
+    rows = load_dataset("json", data_files=flags["data.dataset"], split="train")
+    dataset = SFTDataset(rows, tokenizer, flags["data.max_len"], SimpleNamespace(args=SimpleNamespace(data=data)),
+                         input_template=flags["data.input_template"], num_processors=1)
+    out = {}
+    for i in range(len(dataset)):
+        ids, _, mask = dataset[i]  # the loss mask is shifted: position k trains token k + 1
+        out[dataset.prompts[i]] = tokenizer.decode(ids[0, 1:][mask[0, :-1].bool()])
+    return out
+
+
+def test_train_sft_gets_every_row_whole_or_a_row_is_left_out_counted_and_named(tmp_path):
+    # Issue 63 (review 3, finding 1): train_sft's default --data.max_len 2048 dropped every prompt over it and cut
+    # the replies of the rest, unseen. One byte per token: the output's length sets each row's.
+    lengths = [100, 3000, 500, 2500, 50, 4000, 1200, 60, 700, 90]
+    path, topology = judged_run(tmp_path, lengths)
+    base = coach_base(tmp_path)
+    flags = ["--episodes", path, "--mappa.topology", topology, "--model.model_name_or_path", base,
+             "--mappa.coach.held_out_fraction", "0.2", "--train.batch_size", "2", "--train.micro_batch_size", "1"]
+    _, train, held, skipped, left_out, command = distill_data(*flags, "--ckpt.output_dir", str(tmp_path / "a"))
+    assert not skipped and not left_out and len(train) + len(held) == 10
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokens = {r["episode_id"]: len(tokenizer(r["sft_prompt"] + r["sft_response"])["input_ids"]) for r in train}
+    # The longest training row's prompt and target, over train_sft's default 2048
+    assert int(command[command.index("--data.max_len") + 1]) == max(tokens.values()) > 2048
+    kept = trained(command)
+    assert {r["sft_prompt"]: r["sft_response"] for r in train} == kept  # each row whole: prompt and target+EOS
+    assert all(r["sft_response"].endswith("<|im_end|>") for r in train)
+
+    # A user's --data.max_len: the rows it cannot hold whole are left out here, each named with its tokens.
+    out = tmp_path / "b"
+    _, train2, held2, skipped, left_out, command = distill_data(*flags, "--ckpt.output_dir", str(out),
+                                                                "--data.max_len", "2048")
+    over = {r["episode_id"] for r in train if r["episode_id"] not in {t["episode_id"] for t in train2}}
+    assert over and {r["episode_id"] for r in left_out} == over and held2 == held
+    for r in left_out:  # the tokens of its prompt and target as train_sft tokenizes them
+        assert r["tokens"] == tokens[r["episode_id"]] > 2048
+    assert skipped == {"over --data.max_len 2048": len(over)}
+    assert over == {f"e{i}" for i, n in enumerate(lengths) if n >= 2000} - {r["episode_id"] for r in held}
+    assert trained(command) == {r["sft_prompt"]: r["sft_response"] for r in train2}
+    assert [json.loads(line)["episode_id"] for line in open(out / "distill" / "train.jsonl")] == \
+        [r["episode_id"] for r in train2]
+
+
+@pytest.mark.parametrize("reply", ["digit", "text"])
+def test_a_target_is_trained_where_the_coach_samples_it_whatever_the_template_adds(tmp_path, reply):
+    # Issue 63 (finding 5): with a Qwen3-style template, train_sft's own chat templating trained
+    # "<think>\n\n</think>\n\n7" where the coach samples its first token after the generation prompt alone.
+    path, topology = judged_run(tmp_path, [10, 20, 30, 40, 50, 60])
+    base = coach_base(tmp_path, QWEN3_STYLE)
+    _, train, held, _, _, command = distill_data(
+        "--episodes", path, "--mappa.topology", topology, "--model.model_name_or_path", base, "--ckpt.output_dir",
+        str(tmp_path / "out"), "--mappa.coach.reply", reply, "--mappa.coach.held_out_fraction", "0.3",
+        "--train.batch_size", "1", "--train.micro_batch_size", "1")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    kept = trained(command)
+    assert len(kept) == len(train) and held
+    for row in train + held:  # the prefix a coach samples after (AgentPolicy.prompt_ids, vLLM's chat endpoint)
+        assert row["sft_prompt"] == tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                                                  tokenize=False, add_generation_prompt=True)
+    for row in train:
+        expect = (str(min(9, int(row["score"] + 0.5))) if reply == "digit" else row["response"]) + "<|im_end|>"
+        assert kept[row["sft_prompt"]] == expect and "<think>" not in kept[row["sft_prompt"]]
+
+
+def test_a_batch_the_processes_cannot_split_and_a_missing_flash_attn_are_refused_before_any_model_loads(
+        tmp_path, monkeypatch):
+    # Issue 63 (findings 2, 11). MOCKED: this machine's GPUs (8 reported by detect_gpus; the test machine has
+    # none). The docs' --train.batch_size 32 at train_sft's micro-batch 8 over 8 processes was 32 // 8 // 8 = 0
+    # accumulation steps, a ZeroDivisionError after every rank loaded the model; train_sft's default flash-attn
+    # failed in every rank's from_pretrained.
+    import importlib.util
+
+    from openrlhf_mappa import placement
+    from openrlhf_mappa.cli.mappa import main
+
+    assert importlib.util.find_spec("flash_attn") is None  # the CPU environment's
+    monkeypatch.setattr(placement, "detect_gpus", lambda: (8, 80.0))
+    path, topology = judged_run(tmp_path, [10, 20, 30, 40])
+    argv = ["coach", "distill", "--episodes", path, "--mappa.topology", topology, "--model.model_name_or_path",
+            coach_base(tmp_path), "--ckpt.output_dir", str(tmp_path / "out"), "--train.batch_size", "32"]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert str(e.value) == (  # after the data is read (torch is needed), before any model loads
+        "mappa coach distill: 2 problems:\n"
+        "- --train.batch_size 32 is not a multiple of --train.micro_batch_size 8 x 8 data-parallel process(es) (64): "
+        "train_sft accumulates batch // (micro x processes) micro-batches; give --nproc_per_node 4, or a "
+        "--train.batch_size that is a multiple of 64\n"
+        "- --ds.attn_implementation flash_attention_2 needs flash-attn's kernels, and the module flash_attn is not "
+        "installed here: install flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, built for the "
+        "torch and CUDA there) or pass --ds.attn_implementation sdpa (more memory at long contexts)")
+    assert not (tmp_path / "out").exists()  # nothing written
+    with pytest.raises(SystemExit, match="give --nproc_per_node 6, or a --train.batch_size that is a multiple of 48"):
+        main([*argv, "--train.batch_size", "36", "--train.micro_batch_size", "6", "--ds.attn_implementation", "sdpa"])
+    with pytest.raises(SystemExit, match="give a --train.micro_batch_size that divides 32, or a --train.batch_size"):
+        main([*argv, "--train.micro_batch_size", "6", "--ds.attn_implementation", "sdpa"])
+    with pytest.raises(SystemExit, match="--nproc_per_node 8: not a multiple of --ds.ring_attn_size x "):
+        main([*argv, "--ds.ring_attn_size", "3", "--ds.attn_implementation", "sdpa"])
+    # Its fix: the process count named, sdpa. Then the data step runs, and train_sft gets that count.
+    *_, command = distill_data(*argv[2:], "--nproc_per_node", "4", "--ds.attn_implementation", "sdpa")
+    assert command[command.index("--nproc_per_node") + 1] == "4"
+
+
+def test_the_report_generates_on_the_gpu_train_sft_used(tiny_model, monkeypatch):
+    # Issue 63 (finding 6): the report loaded the model with no device, so generate ran on the CPU beside idle GPUs.
+    # MOCKED: a visible GPU (torch.accelerator says one is there; this machine's torch has no CUDA): moving the
+    # model there must fail here, where before it generated on the CPU without trying.
+    import torch
+
+    from openrlhf_mappa.coach.distill import generate
+
+    assert generate(tiny_model, ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"], 2) != []
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA|cuda"):
+        generate(tiny_model, ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"], 2)

@@ -192,6 +192,32 @@ def test_gpu_script_submits_absolute_paths_and_declares_its_gpus(tmp_path, scrip
     assert f"this recipe needs {need} GPUs in the Ray cluster" in proc.stdout
 
 
+def test_the_gpu_scripts_job_uploads_no_task_data(tmp_path):
+    # Issue 63 (review 3, finding 3): `mappa dsbench import` symlinks every task's Kaggle data under data/, and
+    # Ray's packaging follows symlinks, so each `ray job submit` packed it (over 512 MiB Ray refuses the job).
+    # Ray's own packing of a checkout whose data/ holds an imported task and the authors' files (symlinks out).
+    from ray._private.runtime_env.packaging import create_package
+    from zipfile import ZipFile
+
+    checkout, kaggle = tmp_path / "checkout", tmp_path / "kaggle"
+    kaggle.mkdir()
+    (kaggle / "train.csv").write_bytes(b"x" * 2**20)
+    for name in (".gitignore", ".rayignore", "examples/data/relay_train.jsonl", "openrlhf_mappa/__init__.py"):
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+        if (ROOT / name).is_file():  # the ignore files this checkout has
+            shutil.copy(ROOT / name, checkout / name)
+    task = checkout / "data" / "dsbench" / "t1"
+    task.mkdir(parents=True)
+    (task / "train.csv").symlink_to(kaggle / "train.csv")
+    (task / "task.json").write_text("{}")
+    (checkout / "data" / "aime_2025.json").write_text("[]")
+    create_package(str(checkout), tmp_path / "job.zip", include_gitignore=True)
+    packed = ZipFile(tmp_path / "job.zip").namelist()
+    assert not [n for n in packed if n.startswith("data/")]
+    assert {"examples/data/relay_train.jsonl", "openrlhf_mappa/__init__.py"} <= set(packed)  # the code still goes
+    assert (tmp_path / "job.zip").stat().st_size < 2**16
+
+
 # ---------------------------------------------------------------- bad input, refused before Ray
 
 

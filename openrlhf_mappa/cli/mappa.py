@@ -214,6 +214,38 @@ def distill_parser():
     return p
 
 
+def sft_flags(extra: list):
+    """The passed-through train_sft flags that size its launch, at train_sft's own defaults."""
+    p = Parser(prog="mappa coach distill", add_help=False, allow_abbrev=False)
+    p.add_argument("--train.batch_size", type=int, default=128)
+    p.add_argument("--train.micro_batch_size", type=int, default=8)
+    p.add_argument("--data.max_len", type=int)
+    p.add_argument("--ds.ring_attn_size", type=int, default=1)
+    p.add_argument("--ds.tensor_parallel_size", type=int, default=1)
+    p.add_argument("--ds.attn_implementation", default="flash_attention_2")
+    p.add_argument("--ds.load_in_4bit", action="store_true")
+    return p.parse_known_args(extra)[0]
+
+
+def accumulation_refusal(sft, nproc: int) -> str:
+    """Why train_sft cannot split --train.batch_size over `nproc` processes ('' where it can): its gradient
+    accumulation is batch // micro // data-parallel ranks (DeepspeedStrategy), 0 a ZeroDivisionError and a
+    remainder DeepSpeed's batch assertion, both after every rank has loaded the model."""
+    batch, micro = getattr(sft, "train.batch_size"), getattr(sft, "train.micro_batch_size")
+    group = getattr(sft, "ds.ring_attn_size") * getattr(sft, "ds.tensor_parallel_size")
+    if nproc % group:
+        return (f"--nproc_per_node {nproc}: not a multiple of --ds.ring_attn_size x --ds.tensor_parallel_size "
+                f"({group}); give a multiple of {group}")
+    ranks = nproc // group
+    if batch % (micro * ranks) == 0:
+        return ""
+    counts = [n for n in range(group, nproc + 1, group) if batch % (micro * (n // group)) == 0]
+    fix = f"--nproc_per_node {counts[-1]}" if counts else f"a --train.micro_batch_size that divides {batch}"
+    return (f"--train.batch_size {batch} is not a multiple of --train.micro_batch_size {micro} x {ranks} "
+            f"data-parallel process(es) ({micro * ranks}): train_sft accumulates batch // (micro x processes) "
+            f"micro-batches; give {fix}, or a --train.batch_size that is a multiple of {micro * ranks}")
+
+
 def distill_inputs(args, extra: list) -> tuple:
     """Everything a user can get wrong, refused before torch loads: (the topology, the caches opened)."""
     from openrlhf_mappa.coach.cache import VerdictCache
@@ -224,7 +256,8 @@ def distill_inputs(args, extra: list) -> tuple:
     out, paths = getattr(args, "ckpt.output_dir"), [path for path in (args.cache or "").split(",") if path]
     rules = [
         (repeated, f"{', '.join(repeated)}: mappa coach distill sets these to the data it writes "
-                   f"(OUT/distill/train.jsonl, columns prompt and response); leave them out"),
+                   f"(OUT/distill/train.jsonl, each prompt rendered with the base model's chat template); leave "
+                   f"them out"),
         (os.path.isdir(out) and os.listdir(out),
          f"--ckpt.output_dir {out}: exists and is not an empty directory; remove it or give another path"),
     ]
@@ -238,6 +271,27 @@ def distill_inputs(args, extra: list) -> tuple:
     check_model(getattr(args, "model.model_name_or_path"), "--model.model_name_or_path")
     caches = [VerdictCache(path) for path in paths]
     return topology, caches
+
+
+def distill_processes(args, extra: list):
+    """train_sft's launch checked where torch is needed, before any model loads: its process count (the flag, else
+    the GPUs here, else 1) against its batch, and flash attention's kernels where there are GPUs (train_sft's
+    default, which fails in every rank's from_pretrained after the data step). The train_sft flags read."""
+    from types import SimpleNamespace
+
+    from openrlhf_mappa.placement import broken_modules, detect_gpus, module_refusals, needed_modules
+
+    sft, gpus = sft_flags(extra), detect_gpus()[0]
+    args.nproc_per_node = args.nproc_per_node or gpus or 1
+    problems = [accumulation_refusal(sft, args.nproc_per_node)]
+    if gpus:
+        kernels = SimpleNamespace(ds=SimpleNamespace(attn_implementation=getattr(sft, "ds.attn_implementation"),
+                                                     ring_attn_size=getattr(sft, "ds.ring_attn_size"),
+                                                     load_in_4bit=getattr(sft, "ds.load_in_4bit")))
+        needed = needed_modules(kernels)
+        problems += module_refusals(needed, broken_modules(needed), "here")
+    refuse(problems, ValueError)
+    return sft
 
 
 def distill_rows(args, topology, caches: list) -> tuple:
@@ -260,10 +314,37 @@ def distill_rows(args, topology, caches: list) -> tuple:
     return train, held, skipped
 
 
-def distill_main(args, extra: list) -> dict:
-    """`mappa coach distill` after its flags are parsed: data, train_sft, the held-out report (OUT/distill.json)."""
-    from openrlhf_mappa.coach.distill import fine_tune, generate, print_report, report, sft_command, write_jsonl
-    from openrlhf_mappa.team import check_model
+def distill_sizes(args, sft, train: list, held: list, skipped: dict) -> tuple:
+    """The rows rendered as train_sft gets them (distill.render) and its --data.max_len: the flag, else the longest
+    training row's need, so that no row is dropped or cut unseen. A row over a given max_len is left out here,
+    counted among the skips and named: (the training rows kept, max_len, the rows left out)."""
+    from transformers import AutoTokenizer
+
+    from openrlhf_mappa.coach.distill import needed_len, render
+
+    tokenizer = AutoTokenizer.from_pretrained(getattr(args, "model.model_name_or_path"), trust_remote_code=True)
+    render(train + held, tokenizer)
+    needs = [needed_len(row, tokenizer) for row in train]
+    max_len = getattr(sft, "data.max_len") or max(needs)
+    kept = [row for row, need in zip(train, needs) if need <= max_len]
+    left_out = [{"episode_id": row["episode_id"], "agent": row["agent"], "tokens": need}
+                for row, need in zip(train, needs) if need > max_len]
+    if left_out:
+        skipped[f"over --data.max_len {max_len}"] = len(left_out)
+        named = ", ".join(f"{r['episode_id']}/{r['agent']} ({r['tokens']} tokens)" for r in left_out[:5])
+        print(f"{len(left_out)} training verdicts need more than --data.max_len {max_len} tokens and are left out "
+              f"(all in distill.json's left_out): {named}{', ...' if len(left_out) > 5 else ''}")
+    if not kept:
+        raise ValueError(f"{args.episodes}: no training verdict fits --data.max_len {max_len} tokens (the shortest "
+                         f"needs {min(needs)}); give a larger --data.max_len")
+    return kept, max_len, left_out
+
+
+def distill_data(args, extra: list) -> tuple:
+    """`mappa coach distill` up to train_sft: the flags and data checked, the rows sized and written to OUT/distill:
+    (the topology, the training rows, the held-out rows, the skips by reason, the rows left out, train_sft's
+    command)."""
+    from openrlhf_mappa.coach.distill import sft_command, write_jsonl
 
     with refusals("mappa coach distill:"):
         topology, caches = distill_inputs(args, extra)
@@ -272,26 +353,35 @@ def distill_main(args, extra: list) -> dict:
         finally:
             for cache in caches:
                 cache.close()
+        sft = distill_processes(args, extra)
+        train, max_len, left_out = distill_sizes(args, sft, train, held, skipped)
     out, model = getattr(args, "ckpt.output_dir"), getattr(args, "model.model_name_or_path")
     os.makedirs(os.path.join(out, "distill"), exist_ok=True)
     write_jsonl(os.path.join(out, "distill", "train.jsonl"), train)
     write_jsonl(os.path.join(out, "distill", "heldout.jsonl"), held)
-    print(f"{len(train)} training and {len(held)} held-out verdicts in {out}/distill; skipped: {skipped or 'none'}")
-    if args.nproc_per_node is None:
-        from openrlhf_mappa.placement import detect_gpus
+    print(f"{len(train)} training and {len(held)} held-out verdicts in {out}/distill, --data.max_len {max_len}; "
+          f"skipped: {skipped or 'none'}")
+    command = sft_command(model, out, args.nproc_per_node, getattr(args, "train.seed"), max_len, extra)
+    return topology, train, held, skipped, left_out, command
 
-        args.nproc_per_node = detect_gpus()[0] or 1
-    command = sft_command(model, out, args.nproc_per_node, getattr(args, "train.seed"), extra)
+
+def distill_main(args, extra: list) -> dict:
+    """`mappa coach distill` after its flags are parsed: data, train_sft, the held-out report (OUT/distill.json)."""
+    from openrlhf_mappa.coach.distill import fine_tune, generate, print_report, report
+    from openrlhf_mappa.team import check_model
+
+    topology, train, held, skipped, left_out, command = distill_data(args, extra)
+    out = getattr(args, "ckpt.output_dir")
     fine_tune(command, os.path.join(out, "distill", "sft.log"))
     with refusals("mappa coach distill:"):  # what vllm serve and the trained coach load
         check_model(out, "train_sft's output")
     max_new_tokens = getattr(args, "rollout.max_new_tokens") or (1 if getattr(args, "mappa.coach.reply") == "digit"
                                                                  else 512)
-    replies = generate(out, [row["prompt"] for row in held], max_new_tokens)
+    replies = generate(out, [row["sft_prompt"] for row in held], max_new_tokens)
     metrics = report(held, replies, topology.score_key)
     print_report(metrics, f"distilled coach {out}")
-    summary = {"rows": {"train": len(train), "heldout": len(held)}, "skipped": skipped, **metrics,
-               "replies": replies, "max_new_tokens": max_new_tokens, "command": command}
+    summary = {"rows": {"train": len(train), "heldout": len(held)}, "skipped": skipped, "left_out": left_out,
+               **metrics, "replies": replies, "max_new_tokens": max_new_tokens, "command": command}
     with open(os.path.join(out, "distill.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2, ensure_ascii=False)
     print(f"\nthe distilled coach: {out}\nits report: {os.path.join(out, 'distill.json')}")

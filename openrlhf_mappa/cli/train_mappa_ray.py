@@ -782,8 +782,14 @@ def check_this_machine(args, topology=None) -> None:
          f"--vllm.sync_backend gloo with --mappa.colocate {colocate} cannot sync weights on GPUs: drop "
          f"--vllm.sync_backend gloo (nccl, the default, passes them by CUDA IPC); gloo is for CPU-only machines"),
     ]
-    refuse(placement.module_refusals(needed, placement.broken_modules(needed), "here")
-           + [why for bad, why in rules if bad])
+    missing = placement.module_refusals(needed, placement.broken_modules(needed), "here")
+    if missing and not cpu_mode() and placement.detect_gpus()[0] is None:
+        # A head or login node without GPUs may run another image than the GPU nodes, whose own check at launch
+        # (launch.check_placement) decides: said here, not refused.
+        print("[mappa] warning: " + "\n[mappa] warning: ".join(missing) + "\n(this machine has no GPU: each GPU "
+              "node is checked for them when the run starts)", file=sys.stderr)
+        missing = []
+    refuse(missing + [why for bad, why in rules if bad])
 
 
 def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:

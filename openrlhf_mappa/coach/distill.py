@@ -14,6 +14,10 @@ two identical rows: both are kept, as the reference judged it twice.
 OpenRLHF's own train_sft fine-tunes the base model on the training rows; the result is then asked the held-out
 prompts greedily and compared with the reference: agreement (mean 1 - |s - s_ref|/10, no score agreeing 0),
 Pearson r, the parse-error rate and the confusion by score band (OUT/distill.json).
+
+train_sft gets each prompt rendered here with the chat template's generation prompt and the target as its
+continuation: a template may add more to a finished assistant turn than to the generation prompt (Qwen3's empty
+<think> block), and a coach samples after the generation prompt, so that is where its first token must be trained.
 """
 
 import json
@@ -29,8 +33,10 @@ from openrlhf_mappa.coach.rescore import read_actions
 
 BANDS = ("0-2", "2-4", "4-6", "6-8", "8-10")  # [0,2), [2,4), ..., [8,10]
 NO_SCORE = "no score"
-# train_sft's flags that name the data distill wrote: a user's value would train on something else.
-OWN_SFT_FLAGS = ("--data.dataset", "--data.input_key", "--data.output_key")
+# train_sft's flags that name the data distill wrote or how it is rendered: a user's value would train on something
+# else than what the coach is sent.
+OWN_SFT_FLAGS = ("--data.dataset", "--data.input_key", "--data.output_key", "--data.apply_chat_template",
+                 "--data.input_template", "--data.tokenizer_chat_template")
 
 
 def reference_verdict(action: dict) -> tuple:
@@ -97,6 +103,23 @@ def build_rows(paths: list, template: str, score_key: str, reply: str = "text", 
     return train, held, dict(skipped)
 
 
+def render(rows: list, tokenizer) -> None:
+    """Each row's sft_prompt, its prompt sent as one user message as a coach sends it (AgentPolicy.prompt_ids,
+    vLLM's chat endpoint), and sft_response, its target then the EOS token, the continuation train_sft trains."""
+    for row in rows:
+        row["sft_prompt"] = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                                          tokenize=False, add_generation_prompt=True)
+        row["sft_response"] = row["response"] + tokenizer.eos_token
+
+
+def needed_len(row: dict, tokenizer) -> int:
+    """The --data.max_len under which train_sft keeps the row whole: it drops a row whose prompt has max_len - 2
+    tokens or more, and cuts prompt and response together to max_len (OpenRLHF's SFTDataset)."""
+    prompt = len(tokenizer(row["sft_prompt"], add_special_tokens=False)["input_ids"])
+    whole = len(tokenizer(row["sft_prompt"] + row["sft_response"], add_special_tokens=False)["input_ids"])
+    return max(whole, prompt + 3)
+
+
 def band(score) -> str:
     return NO_SCORE if score is None else BANDS[min(4, int(score // 2))]
 
@@ -122,19 +145,20 @@ def print_report(metrics: dict, label: str):
         print(f"{b:>26}  " + " ".join(f"{n:>8}" for n in row.values()))
 
 
-def generate(model_dir: str, prompts: list, max_new_tokens: int, batch_size: int = 8) -> list:
-    """Greedy replies of the model to each prompt sent as one user message, as a coach sends it."""
+def generate(model_dir: str, texts: list, max_new_tokens: int, batch_size: int = 8) -> list:
+    """Greedy replies of the model to each chat-templated prompt (render), on the GPU train_sft just used where
+    there is one."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
     replies = []
     for i in range(0, len(texts), batch_size):
         batch = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = batch.to(device)
         with torch.no_grad():
             out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
@@ -142,12 +166,14 @@ def generate(model_dir: str, prompts: list, max_new_tokens: int, batch_size: int
     return replies
 
 
-def sft_command(model: str, out: str, nproc: int, seed: int, extra: list) -> list:
-    """torchrun of OpenRLHF's train_sft on OUT/distill/train.jsonl; the user's extra flags come last and win."""
+def sft_command(model: str, out: str, nproc: int, seed: int, max_len: int, extra: list) -> list:
+    """torchrun of OpenRLHF's train_sft on OUT/distill/train.jsonl, its rows rendered already (render: the prompt
+    taken as written, "{}"); the user's extra flags come last and win."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "-m", "openrlhf.cli.train_sft",
             "--model.model_name_or_path", model, "--data.dataset", os.path.join(out, "distill", "train.jsonl"),
-            "--data.input_key", "prompt", "--data.output_key", "response", "--data.apply_chat_template",
+            "--data.input_key", "sft_prompt", "--data.output_key", "sft_response", "--data.input_template", "{}",
+            "--data.max_len", str(max_len),
             "--ckpt.output_dir", out, "--ckpt.path", os.path.join(out, "distill", "checkpoints"),
             "--train.seed", str(seed), *extra]
 
