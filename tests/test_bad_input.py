@@ -47,6 +47,15 @@ class LevelEnv(MathChatEnv):
         if level not in (1, 2, 3):
             raise ValueError(f"level must be 1, 2 or 3, got {level!r}")
 '''
+# The second new-user trial's judge: a bare number where a reply was cut off (read as "no grade", or a TypeError in
+# the heuristic coach once the run was up).
+BARE_JUDGE = '''from openrlhf_mappa.envs.mathchat import MathChatEnv
+
+
+class BareEnv(MathChatEnv):
+    def judge(self, agent, response, feedback, truncated_at):
+        return {cut} if truncated_at is not None else super().judge(agent, response, feedback, truncated_at)
+'''
 OPENAI = ["--mappa.coach.kind", "openai", "--mappa.coach.model", "m", "--mappa.coach.base_url", "http://127.0.0.1:9/v1"]
 MARKER = "ckpt/mappa_checkpoint.json"
 STEP2 = {MARKER: '{"step": 2}', "ckpt/solver/_actor/latest": "global_step2"}
@@ -291,6 +300,12 @@ LAUNCHER = [
     case("tensorboard_dir under a file", ["--logger.tensorboard_dir", "notes.txt/tb"],
          "--logger.tensorboard_dir notes.txt/tb: cannot be created: {cwd}/notes.txt is a file",
          files={"notes.txt": "x"}),
+    case("judge returns a bare 0.0", [], "t.yaml: env 'bareenv:BareEnv' on task '1', every agent replying 'A "
+         "scripted reply of `mappa check`: 42.', cut off at 64 tokens: ValueError: BareEnv.judge returned 0.0: "
+         "expected None or a tuple (score: a number in [0, 10], why: str, failed: bool)",
+         files={"bareenv.py": BARE_JUDGE.format(cut="0.0"), "t.yaml": topology(env="bareenv:BareEnv")}),
+    case("judge returns a bare 0.5", [], "BareEnv.judge returned 0.5: expected None or a tuple",
+         files={"bareenv.py": BARE_JUDGE.format(cut="0.5"), "t.yaml": topology(env="bareenv:BareEnv")}),
     case("env not an environment", [], "env 'plainenv:Env': plainenv.Env is not a MultiAgentEnv subclass; write it as "
          "class Env(openrlhf_mappa.envs.base.MultiAgentEnv)",
          files={"plainenv.py": "class Env:\n    def __init__(self, topology, task, workspace):\n        pass\n",

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import types
 
 OPENRLHF_FITS = ("0.11.2",)
@@ -919,6 +920,29 @@ def accepted(topology):
     return allowed
 
 
+SCRIPTED_REPLY = "A scripted reply of `mappa check`: 42."
+
+
+def play_scripted(topology, tasks: list, args) -> None:
+    """Play the first task of each type with scripted replies, whole and then cut off at --rollout.max_new_tokens
+    (team.play, no model): a hook that raises, or returns what the rollout may not take (a judge's bare number),
+    is refused now, naming the hook, not found as a failed episode (or a wrong reward) once the run is up."""
+    from openrlhf_mappa.team import play
+
+    first = {}
+    for task in tasks:
+        first.setdefault(task.get("type", ""), task)
+    for task in first.values():
+        for truncated_at in (None, args.rollout.max_new_tokens):
+            cut = f", cut off at {truncated_at} tokens" if truncated_at else ""
+            with tempfile.TemporaryDirectory(prefix="mappa-env-check-") as workspace:
+                try:
+                    play(topology, task, lambda name, turn: SCRIPTED_REPLY, workspace, truncated_at)
+                except Exception as e:  # the environment's own code: its message says what to fix
+                    raise ValueError(f"{args.mappa.topology}: env {topology.env!r} on task {task['id']!r}, every "
+                                     f"agent replying {SCRIPTED_REPLY!r}{cut}: {type(e).__name__}: {e}") from e
+
+
 class Preflight:
     """Every check a launch runs before Ray starts, in order. `train` runs them all and stops at the first refusal;
     `mappa check` (the dry run) runs each whose inputs passed and prints a table. A step reads what the earlier ones
@@ -967,6 +991,7 @@ class Preflight:
     def environment(self):
         every_task = self.tasks + [t for ts in self.eval_sets.values() for t in ts]
         self.topology.check_env(every_task, self.args.mappa.topology)
+        play_scripted(self.topology, every_task, self.args)
         check_eval_overlap(self.args, self.tasks, self.eval_sets)
         return f"env {self.topology.env!r} built on the first task of each type; no eval problem in training"
 

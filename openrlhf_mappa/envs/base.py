@@ -208,6 +208,35 @@ class MultiAgentEnv:
                            + (f"\n\n#### Output of the code\n{e.feedback}" if e.feedback else "") for e in entries)
 
 
+def returned_problem(hook: str, value) -> str:
+    """What is wrong with `value` as the return of the environment hook `hook` ("" if nothing, or a hook not
+    checked here: next_agents is rollout.check_round's). The rollout and team.play check each return where the
+    hook is called, so that a wrong one is named with its hook, not read as something else further on (a judge's
+    bare 0.0 as "no grade", a bare 0.5 as a TypeError inside the coach)."""
+    if hook == "judge":
+        grade = value if isinstance(value, tuple) and len(value) == 3 else (None, None, None)
+        score, why, failed = grade
+        if value is None or (isinstance(score, (int, float)) and not isinstance(score, bool) and 0 <= score <= 10
+                             and isinstance(why, str) and isinstance(failed, bool)):
+            return ""
+        return "expected None or a tuple (score: a number in [0, 10], why: str, failed: bool)"
+    if hook == "step" and not (isinstance(value, StepResult) and isinstance(value.feedback, ToolFeedback)):
+        return "expected a StepResult(feedback: ToolFeedback, done: bool), e.g. super().step(agent, turn, response)"
+    if hook == "observe" and not (isinstance(value, list) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value)):
+        return "expected a non-empty list of chat messages {'role': str, 'content': str}"
+    if hook == "outcome" and not (isinstance(value, dict) and isinstance(value.get("success"), bool)):
+        return "expected a dict {'success': bool, ...}"
+    if hook == "coach_ground_truth" and not (value is None or isinstance(value, str)):
+        return "expected a str or None"
+    if hook == "answer_formatted" and not (value is None or isinstance(value, bool)):
+        return "expected True, False or None"
+    if hook in ("task_type", "task_text") and not isinstance(value, str):
+        return "expected a str"
+    return ""
+
+
 def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", input_key: str = "prompt",
                label_key: str = "answer", needs_answer: bool = True, seed: int = 42) -> list[dict]:
     """Tasks from what OpenRLHF's --data.prompt_dataset takes (a Hub name, a dataset folder, name@data_dir,
