@@ -142,6 +142,10 @@ def add_training_args(g):
                         "environment (such an episode is a counted failure and trains nothing)")
     g.add_argument("--mappa.run_dir", default="./runs/mappa",
                    help="metrics.jsonl, episodes.jsonl and code workspaces")
+    g.add_argument("--mappa.allow_resume_changes", action="store_true",
+                   help="resume (--ckpt.load_enable) with other settings that shape the run (batch sizes, samples, "
+                        "episodes, learning rate, KL, lengths, the topology) than <run_dir>/run_settings.json "
+                        "records (refused by default, naming each); warned, and recorded from then on")
     g.add_argument("--mappa.allow_eval_overlap", action="store_true",
                    help="evaluate on an --eval.dataset that shares problems with the training tasks (refused by "
                         "default: it inflates the trained team's score); warned, and counted as train_overlap in "
@@ -1078,6 +1082,8 @@ def train(args):
     os.makedirs(args.mappa.run_dir, exist_ok=True)
     with open(os.path.join(args.mappa.run_dir, "train_tasks.json"), "w", encoding="utf-8") as f:
         json.dump(chosen, f, indent=1)
+    with open(os.path.join(args.mappa.run_dir, resume.SETTINGS_RECORD), "w", encoding="utf-8") as f:
+        json.dump(resume.run_settings(args, topology), f, indent=1)
     resume.apply(pre.resume_fixes)
     coach = run_coach(args, topology, cache_path)
     if c.mode == "both":  # the combining rule, stated where the run's log begins (coach.combine)
