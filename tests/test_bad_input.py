@@ -300,6 +300,9 @@ LAUNCHER = [
     case("tensorboard_dir under a file", ["--logger.tensorboard_dir", "notes.txt/tb"],
          "--logger.tensorboard_dir notes.txt/tb: cannot be created: {cwd}/notes.txt is a file",
          files={"notes.txt": "x"}),
+    case("CSV row with an unquoted comma", ["--data.prompt_dataset", "gifts.csv"],
+         "gifts.csv: line 3: 4 fields, but the header has 3 (id,prompt,answer): put a field that holds a comma in "
+         "double quotes", files={"gifts.csv": 'id,prompt,answer\ng1,"1 + 1, please?",2\ng2,2 + 2, please?,4\n'}),
     case("judge returns a bare 0.0", [], "t.yaml: env 'bareenv:BareEnv' on task '1', every agent replying 'A "
          "scripted reply of `mappa check`: 42.', cut off at 64 tokens: ValueError: BareEnv.judge returned 0.0: "
          "expected None or a tuple (score: a number in [0, 10], why: str, failed: bool)",

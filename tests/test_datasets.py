@@ -130,6 +130,26 @@ def test_a_bad_row_in_a_blend_is_named_in_its_own_dataset(tmp_path):
     assert str(err.value) == f"{tmp_path}/b.parquet: row 2 (counting from 0): empty 'question'"
 
 
+def test_a_csv_row_with_an_unquoted_comma_is_refused_not_shifted(tmp_path):
+    # Catches the old loader: pandas took the row's first field for an implicit index (__index_level_0__), and the
+    # task loaded as {'id': 'A tag for Ana', 'request': ' who loves cake.', ...} ("8 of the 8" in mappa check).
+    (tmp_path / "gifts.csv").write_text("id,request,must_contain\ng0,A tag for Bo, who sings.,song\n"
+                                        "g1,A tag for Ana, who loves cake.,cake\n")  # every row: the trial's
+    with pytest.raises(ValueError, match="gifts.csv: line 2: 4 fields, but the header has 3"):
+        load_tasks(str(tmp_path / "gifts.csv"), input_key="request", label_key="must_contain")
+    (tmp_path / "gifts.csv").write_text('id,request,must_contain\ng0,"A tag for Bo, who\nsings.",song\n'
+                                        "g1,A tag for Ana, who loves cake.,cake\n")
+    with pytest.raises(ValueError) as err:
+        load_tasks(str(tmp_path / "gifts.csv"), input_key="request", label_key="must_contain")
+    assert str(err.value) == (f"{tmp_path}/gifts.csv: line 4: 4 fields, but the header has 3 (id,request,must_contain): "
+                              f"put a field that holds a comma in double quotes, e.g. \"A tag for Ana, who loves cake.\"")
+    (tmp_path / "gifts.csv").write_text('id,request,must_contain\ng0,"A tag for Bo, who\nsings.",song\n\n'
+                                        'g1,"A tag for Ana, who loves cake.",cake\n')  # quoted: as written
+    tasks = load_tasks(str(tmp_path / "gifts.csv"), input_key="request", label_key="must_contain")
+    assert [(t["id"], t["prompt"], t["answer"]) for t in tasks] == [("g0", "A tag for Bo, who\nsings.", "song"),
+                                                                     ("g1", "A tag for Ana, who loves cake.", "cake")]
+
+
 class WriterEnv(MultiAgentEnv):
     """A writer judged by the coach alone: its tasks have no reference answer."""
 

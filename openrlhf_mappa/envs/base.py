@@ -23,6 +23,7 @@ describes the defaults below; `openrlhf_mappa.team.play` plays an episode of one
 
 from __future__ import annotations
 
+import csv
 import errno
 import json
 import math
@@ -267,6 +268,9 @@ def _load_checked(spec: str, entries: list, probs, split: str, input_key: str, l
     # A local JSON file is read here first, for what HF's loader reports without a line (or not at all: a row that
     # is not an object); a lone one also gives each row its line (row) number, its id when it has none.
     located = [_read_json_rows(e) for e in entries if e.lower().endswith((".json", ".jsonl"))]
+    for entry in entries:
+        if entry.lower().endswith(".csv"):
+            _check_csv_fields(entry)
     # OpenRLHF's blending_datasets, run from its file as openrlhf.utils.config is (cli/train_mappa_ray.py): its
     # package's __init__ loads torch and transformers, which the checks before a launch never import. Its
     # `strategy` prints (silenced here) and asks for ModelScope (OpenRLHF's --use_ms, refused).
@@ -308,6 +312,22 @@ def _load_checked(spec: str, entries: list, probs, split: str, input_key: str, l
         first.setdefault(task["id"], (where, row))
         tasks.append(task)
     return tasks
+
+
+def _check_csv_fields(path: str) -> None:
+    """Refuse a CSV row with more fields than the header, naming its line: pandas (HF's CSV loader) would take the
+    row's first fields for an implicit index (`__index_level_0__`) and shift the rest, so that an unquoted comma in a
+    task's text loads a wrong id and text without a word."""
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, [])
+        start = reader.line_num + 1  # the line a row starts on (a quoted field may hold line breaks)
+        for row in reader:
+            if len(row) > len(header):
+                raise ValueError(f"{path}: line {start}: {len(row)} fields, but the header has {len(header)} "
+                                 f"({','.join(header)}): put a field that holds a comma in double quotes, e.g. "
+                                 f"\"A tag for Ana, who loves cake.\"")
+            start = reader.line_num + 1
 
 
 def _read_json_rows(path: str) -> list:
