@@ -140,6 +140,9 @@ LAUNCHER = [
     case("algo.kl.init_coef -0.1", ["--algo.kl.init_coef", "-0.1"],
          "argument --algo.kl.init_coef: -0.1 is out of range", code=2),
     case("actor.adam.lr -0.1", ["--actor.adam.lr", "-0.1"], "argument --actor.adam.lr: -0.1 is out of range", code=2),
+    # argparse took an exponent form for a flag: "argument --actor.adam.lr: expected one argument"
+    case("actor.adam.lr -1e-3", ["--actor.adam.lr", "-1e-3"],
+         "argument --actor.adam.lr: -1e-3 is out of range: expected a number >= 0", code=2),
     case("ds.zero_stage 4", ["--ds.zero_stage", "4"],
          "argument --ds.zero_stage: 4 is out of range: expected an integer in [0, 3]",
          code=2),
@@ -204,7 +207,11 @@ LAUNCHER = [
          "tasks.jsonl: line 1: missing 'question' (its columns: prompt, answer; name the task text's with "
          "--data.input_key COLUMN)"),
     case("a missing parquet file (not sent to the Hub)", ["--data.prompt_dataset", "gone.parquet"],
-         "[Errno 2] No such file or directory: 'gone.parquet'"),
+         "--data.prompt_dataset gone.parquet: [Errno 2] No such file or directory: 'gone.parquet' (relative to {cwd}): "
+         "give the path of a task file (.json, .jsonl, .csv, .parquet, .arrow) or folder, or a Hugging Face dataset "
+         "name"),
+    case("a missing eval file", ["--eval.dataset", "gone.json"],
+         "--eval.dataset gone.json: [Errno 2] No such file or directory: 'gone.json' (relative to {cwd})"),
     case("probabilities for another count of datasets", ["--data.prompt_probs", "0.5,0.5"],
          "--data.prompt_probs 0.5,0.5: give one probability per dataset of --data.prompt_dataset (1: tasks.jsonl), "
          "each at least 0, summing to 1"),

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import types
@@ -474,6 +475,9 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
         raise RuntimeError(f"UPSTREAM_RANGES names flags upstream's parser does not have: {missing}")
     for name, check in UPSTREAM_RANGES.items():
         ranged_flags[name].type = check
+    # argparse reads a negative number in exponent form ("-1e-5") as a flag and says only "expected one argument":
+    # read as a number, it gets the flag's own refusal ("out of range: expected a number >= 0").
+    parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$", re.IGNORECASE)
     raw = parser.parse_args(sys.argv[1:] if argv is None else argv)
     refuse_ignored_flags(upstream, raw)
     args = hierarchize(raw)
@@ -924,6 +928,18 @@ def accepted(topology):
     return allowed
 
 
+@contextlib.contextmanager
+def missing_file_named(flag: str, value: str):
+    """A task file that does not exist, named with the flag that gave it and where a relative path was looked for
+    (load_tasks' FileNotFoundError says only the path)."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        where = "" if os.path.isabs(e.filename or "") else f" (relative to {os.getcwd()})"
+        raise ValueError(f"{flag} {value}: {e}{where}: give the path of a task file (.json, .jsonl, .csv, "
+                         f".parquet, .arrow) or folder, or a Hugging Face dataset name") from e
+
+
 SCRIPTED_REPLY = "A scripted reply of `mappa check`: 42."
 
 
@@ -978,8 +994,9 @@ class Preflight:
         from openrlhf_mappa.envs.base import load_tasks
 
         args, d = self.args, self.args.data
-        self.all_tasks = load_tasks(d.prompt_dataset, d.prompt_probs, d.prompt_split, d.input_key, d.label_key,
-                                    self.topology.env_cls.needs_answer, args.train.seed)
+        with missing_file_named("--data.prompt_dataset", d.prompt_dataset):
+            self.all_tasks = load_tasks(d.prompt_dataset, d.prompt_probs, d.prompt_split, d.input_key, d.label_key,
+                                        self.topology.env_cls.needs_answer, args.train.seed)
         self.tasks = choose_train_tasks(self.all_tasks, args.data.max_samples, args.train.seed)
         if len(self.tasks) < args.rollout.batch_size:
             raise SystemExit(f"{args.data.prompt_dataset}: {len(self.tasks)} tasks, fewer than --rollout.batch_size "
@@ -989,7 +1006,8 @@ class Preflight:
     def eval_files(self):
         from openrlhf_mappa.evaluation import load_eval_sets
 
-        self.eval_sets = load_eval_sets(self.args, self.topology.env_cls.needs_answer)
+        with missing_file_named("--eval.dataset", self.args.eval.dataset):
+            self.eval_sets = load_eval_sets(self.args, self.topology.env_cls.needs_answer)
         return ", ".join(f"{name}: {len(ts)}" for name, ts in self.eval_sets.items()) or "none (no --eval.dataset)"
 
     def environment(self):
