@@ -298,6 +298,8 @@ LAUNCHER = [
     case("run_dir under a file", ["--mappa.run_dir", "notes.txt/run"],
          "--mappa.run_dir notes.txt/run: cannot be created: {cwd}/notes.txt is a file, not a directory",
          files={"notes.txt": "x"}),
+    # Not access: a file system that holds no new directories refuses even root (the traceback of a PermissionError).
+    case("run_dir on /sys", ["--mappa.run_dir", "/sys/mappa-run"], "--mappa.run_dir /sys/mappa-run: cannot be "),
     case("ckpt.path under a file", ["--ckpt.path", "notes.txt/ckpt"],
          "--ckpt.path notes.txt/ckpt: cannot be created: {cwd}/notes.txt is a file, not a directory",
          files={"notes.txt": "x"}),
@@ -394,6 +396,9 @@ TOOLS = [
     tool("coach score JSON list", [*SCORE[:3], "list.jsonl", *SCORE[4:]],
          "mappa coach score: list.jsonl: line 1: a JSON list, not one record (a JSON object) per line",
          files={"list.jsonl": json.dumps([{"episode_id": "e", "actions": []}]) + "\n"}),
+    tool("coach score a binary episodes file", [*SCORE[:3], "run.sqlite", *SCORE[4:]],
+         "mappa coach score: run.sqlite: line 1: byte 0x89 is not UTF-8: not a JSONL file of a run (one JSON record "
+         "per line)", files={"run.sqlite": b"\x89PNG\r\n\x1a\n\x00\x00"}),
     tool("coach score --mappa.coach.max_concurrency 0", [*SCORE, "--mappa.coach.max_concurrency", "0"],
          "argument --mappa.coach.max_concurrency: 0 is out of range", code=2),
     tool("coach score --mappa.coach.timeout 0", [*SCORE, "--mappa.coach.timeout", "0"],
@@ -454,6 +459,9 @@ TOOLS = [
     tool("dsbench import metadata not records", ["dsbench", "import", "--data-root", ".", "--metadata", "meta.json",
                                                  "--out", "pack", "--task-text", "raw"],
          "mappa dsbench import: meta.json: entry 1 is not a task's record", files={"meta.json": "[1, 2]"}, code=2),
+    tool("dsbench score a directory", ["dsbench", "score", "--task-dir", ".", "--submission", "ws"],
+         "mappa dsbench score: --submission ws: a directory; give the submission's CSV file (ws/submission.csv is "
+         "there)", files={"ws/submission.csv": "id,y\n1,2\n"}, code=2),
     tool("dsbench import data root missing", ["dsbench", "import", "--data-root", "nowhere", "--metadata", "meta.json",
                                               "--out", "pack", "--task-text", "raw"],
          "mappa dsbench import: --data-root nowhere: not a directory", files={"meta.json": jsonl({"metadata": {}})},

@@ -695,6 +695,10 @@ def dsbench(args) -> int:
         if args.dsbench_command == "score":
             from openrlhf_mappa.envs.dsbench import score_submission
 
+            if os.path.isdir(args.submission):  # else scored as a submission never written ("missing_file")
+                inside = os.path.join(args.submission, "submission.csv")
+                hint = f" ({inside} is there)" if os.path.isfile(inside) else ""
+                raise ValueError(f"--submission {args.submission}: a directory; give the submission's CSV file{hint}")
             result = score_submission(args.task_dir, args.submission)
             print(json.dumps(result))
             return 0 if result["valid"] else 1

@@ -870,6 +870,12 @@ def unwritable_dir(path: str, flag: str = "") -> str:
         return f"{given}: cannot be created: {existing} is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{given}: cannot be written: {existing} is not writable by this user"
+    # Access bits are not all: a read-only file system, or one that holds no new directories (/sys, /proc), refuses
+    # even root. A scratch directory made and removed there says so now, not a traceback once the launch writes.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mappa-check-", dir=existing))
+    except OSError as e:
+        return f"{given}: cannot be created in {existing}: {e.strerror}"
     return ""
 
 
