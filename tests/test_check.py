@@ -7,6 +7,8 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
@@ -81,6 +83,34 @@ def test_a_launch_that_would_start_passes_every_check(tmp_path, tiny_model):
     # One real scoring request; the rule server's score of "2 + 2 = 4." is its distinct characters mod 11.
     assert len(scored) == 1 and rows["coach"][1].startswith(f"openai rule: scored a test action {len(set('2 + 2 = 4.')) % 11} ")
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
+    assert "Unclosed" not in out  # the test action's HTTP session is closed (aiohttp warned of it above the table)
+
+
+class NotFound(BaseHTTPRequestHandler):
+    """A server whose API is under /v1, asked without it: every path answers 404, as vLLM's does."""
+
+    def do_GET(self):
+        self.send_error(404, "Not Found")
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_coach_url_without_v1_is_named(tmp_path, tiny_model):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_port}"
+    try:
+        code, rows, out = check(tmp_path, tiny_model, "--mappa.coach.kind", "openai", "--mappa.coach.base_url", url,
+                                "--mappa.coach.model", "m", topology=coach_topology(tmp_path))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert code == 1 and rows["coach"][0] == "FAILED", out
+    assert (f"an OpenAI-compatible API is served under a version path: did you mean --mappa.coach.base_url "
+            f"{url}/v1?") in out
 
 
 @pytest.mark.parametrize("case", ["env value", "eval file", "coach", "plan", "package"])

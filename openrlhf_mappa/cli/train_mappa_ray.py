@@ -1076,10 +1076,23 @@ class Preflight:
         first = self.topology.agents[0]
         request = CoachRequest(episode_id="dry-run", agent=first.name, turn=0, role=first.role, task="What is 2 + 2?",
                                task_type="", agent_input="What is 2 + 2?", agent_output="2 + 2 = 4.", feedback="")
-        verdict = asyncio.run(probe.score(request))
+
+        async def score_and_close():
+            # Its HTTP session closed in the event loop it opened in: else aiohttp warns of an "Unclosed client
+            # session" above the table.
+            try:
+                return await probe.score(request)
+            finally:
+                await probe.aclose()
+
+        verdict = asyncio.run(score_and_close())
         if verdict.score is None:
+            # A 404 from a server that answered the probe is most often a base URL without the API's version path.
+            url = (c.base_url or "").rstrip("/")
+            hint = (f"; an OpenAI-compatible API is served under a version path: did you mean --mappa.coach.base_url "
+                    f"{url}/v1?" if "HTTP 404" in verdict.rationale and c.base_url and not url.endswith("/v1") else "")
             raise ValueError(f"coach {c.kind} {c.model or ''} answered a test action without a score "
-                             f"({verdict.status}): {verdict.rationale[:300]!r}")
+                             f"({verdict.status}): {verdict.rationale[:300]!r}{hint}")
         return f"{c.kind} {c.model or ''}: scored a test action {verdict.score:g} in {verdict.latency_s:.1f} s"
 
 
