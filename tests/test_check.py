@@ -113,7 +113,7 @@ def test_a_coach_url_without_v1_is_named(tmp_path, tiny_model):
             f"{url}/v1?") in out
 
 
-@pytest.mark.parametrize("case", ["env value", "eval file", "coach", "plan", "package"])
+@pytest.mark.parametrize("case", ["env value", "eval file", "coach", "plan", "package", "micro batch"])
 def test_the_dry_run_names_what_would_stop_the_launch(case, tmp_path, tiny_model):
     extra, topology = [], None
     if case == "env value":
@@ -125,17 +125,21 @@ def test_the_dry_run_names_what_would_stop_the_launch(case, tmp_path, tiny_model
                  "--mappa.coach.model", "m"]
     elif case == "plan":
         extra = ["--mappa.gpus", "2", "--mappa.gpu_memory_gib", "80"]
+    elif case == "micro batch":  # OpenRLHF's assertion, before the table, named no flag
+        extra = ["--rollout.micro_batch_size", "16"]
     else:  # flash-attn is not installed here (nor in CI): OpenRLHF's default attention needs its kernels
         extra = ["--ds.attn_implementation", "flash_attention_2"]
     code, rows, out = check(tmp_path, tiny_model, *extra, topology=topology)
     failed = {what: said for what, (verdict, said) in rows.items() if verdict == "FAILED"}
     expected = {"env value": "environment on each task type", "eval file": "eval sets", "coach": "coach",
-                "plan": "GPU and memory plan", "package": "this machine's packages"}[case]
+                "plan": "GPU and memory plan", "package": "this machine's packages",
+                "micro batch": "topology, flags, models"}[case]
     assert code == 1 and list(failed) == [expected], out
     message = {"env value": "env_kwargs code_timeout_s must be a positive number of seconds, got -1",
                "eval file": "missing.jsonl", "coach": "cannot be reached",
-               "plan": "GPUs", "package": "pip install flash-attn"}[case]
-    assert message in failed[expected], failed
+               "plan": "GPUs", "package": "pip install flash-attn",
+               "micro batch": "make 0 micro-batches of --rollout.micro_batch_size 16"}[case]
+    assert message in (out if case == "micro batch" else failed[expected]), failed  # its row's further lines
     if case == "eval file":  # what needs the eval set is not run; what does not still is
         assert rows["environment on each task type"][0] == "-" and rows["coach"][0] == "ok"
 

@@ -494,8 +494,12 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
     # attention (placement.agent_args); on GPUs packing_problems refuses budgets without packing and packing
     # without flash attention, and check_this_machine ring attention without it.
     packing, attention = args.ds.packing_samples, args.ds.attn_implementation
+    # Upstream asserts that a step's rollout micro-batches are at least the actor ranks, naming no flag or value:
+    # validate() says it per agent, with both and the fix (in `mappa check`'s table too).
+    micro, args.rollout.micro_batch_size = args.rollout.micro_batch_size, 1
     with refusals():  # upstream validates with assert
         validate_upstream(args)
+    args.rollout.micro_batch_size = micro
     args.algo.dynamic_filtering_enable = filtering
     args.ds.packing_samples, args.ds.attn_implementation = packing, attention
     return args
@@ -714,6 +718,14 @@ def parallel_problems(args, trainees: list) -> list:
                           f"--train.batch_size ({args.train.batch_size}) must be a multiple of --{flag} ({micro}) x "
                           f"its {ranks} data-parallel actor ranks ({where}) = {micro * ranks}, so that every rank "
                           f"gets whole micro-batches"))
+        r = args.rollout
+        samples = r.batch_size * r.n_samples_per_prompt
+        rules.append((gpus["actor"] % (ring * tp) == 0 and samples // r.micro_batch_size < ranks,
+                      f"a step's {samples} samples (--rollout.batch_size {r.batch_size} x --rollout.n_samples_per_prompt "
+                      f"{r.n_samples_per_prompt}) make {samples // r.micro_batch_size} micro-batches of "
+                      f"--rollout.micro_batch_size {r.micro_batch_size}, fewer than its {ranks} data-parallel actor "
+                      f"ranks ({where}): lower --rollout.micro_batch_size to {max(1, samples // ranks)} or raise "
+                      f"--rollout.batch_size"))
         problems += [f"agent {spec.name!r}: {why}" for bad, why in rules if bad]
         # The run's flags, named at the first agent they fail. A CPU's tiny models train with padded budgets under
         # sdpa (no flash-attn on CPUs).
