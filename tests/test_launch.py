@@ -329,10 +329,13 @@ def test_bad_flag_topology_and_upstream_check(workdir):
     proc = cli(workdir, GOOD, "bad topology")
     assert_refused(proc, "bad topology", "t.yaml: unknown key(s) ['coach_templat']")
     write_topology(workdir)
-    proc = cli(workdir, GOOD + ["--rollout.batch_size", "1", "--rollout.micro_batch_size", "4"], "upstream assert")
-    assert_refused(proc, "upstream assert", "[mappa] The number of sample batches must be greater than or equal to "
-                                            "the effective number of actor processes.")
+    proc = cli(workdir, GOOD + ["--train.partial_rollout_enable"], "upstream assert")
+    assert_refused(proc, "upstream assert", "[mappa] --train.partial_rollout_enable requires --train.async_enable.")
     assert proc.returncode == 1
+    # Upstream's own assertion on this named no flag (MAPPA's rule, per agent: tests/test_bad_input.py).
+    proc = cli(workdir, GOOD + ["--rollout.batch_size", "1", "--rollout.micro_batch_size", "4"], "micro batch")
+    assert_refused(proc, "micro batch", "make 0 micro-batches of --rollout.micro_batch_size 4, fewer than its 1 "
+                                        "data-parallel actor ranks")
 
 
 def test_unreachable_coach(workdir):
