@@ -66,6 +66,22 @@ def test_eval_curves_per_dataset(tmp_path):
                                    {"name": "answered_rate", "points": [[0, 1.0], [2, 1.0]]}]  # fmt: skip
 
 
+def test_eval_accuracy_is_drawn_on_its_own_0_1_axis(tmp_path):
+    # Catches the old chart, where accuracy (0-1) shared one axis with coach requests (48), the coach-graded
+    # fallback (raw 0-10 scores) and token counts: a 0-50 axis, the curve that matters flat at the bottom.
+    write_jsonl(tmp_path / "metrics.jsonl", [metrics_row(1)])
+    write_jsonl(tmp_path / "eval.jsonl", [{"step": s, "dataset": "relay_eval", "accuracy": a, "accuracy_coach": c,
+                                           "accuracy_coach/score_fallback": 16, "coach/requests": 48,
+                                           "n_problems": 8, "n_samples": 2} for s, a, c in ((0, 0.0, 1.17), (50, 1.0, 10.0))])
+    charts = {c["title"]: c for c in report.load_run(str(tmp_path))["sections"]["eval"]}
+    assert list(charts) == ["relay_eval (8 problems x 2 samples)", "relay_eval: accuracy_coach",
+                            "relay_eval: counts and metrics"]
+    accuracy = charts["relay_eval (8 problems x 2 samples)"]
+    assert accuracy["scale"] == [0, 1] and [s["name"] for s in accuracy["series"]] == ["accuracy"]
+    assert [s["name"] for s in charts["relay_eval: counts and metrics"]["series"]] == [
+        "accuracy_coach/score_fallback", "coach/requests"]
+
+
 def test_agent_text_cannot_break_out_of_the_page(tmp_path):
     write_jsonl(tmp_path / "metrics.jsonl", [metrics_row(1, **{"agent/solver/kl": float("nan")})])
     action = {"agent": "solver", "turn": 0, "response_text": HOSTILE, "feedback": {"stdout": HOSTILE, "exit_code": 0},
