@@ -150,6 +150,23 @@ def test_a_csv_row_with_an_unquoted_comma_is_refused_not_shifted(tmp_path):
                                                                      ("g1", "A tag for Ana, who loves cake.", "cake")]
 
 
+def test_a_folder_not_created_yet_is_named_at_once_when_the_hub_is_out_of_reach(tmp_path, monkeypatch):
+    # Catches the old loader, which sent `data/gifts` (no such folder yet) to the Hub, whose client retried an
+    # unreachable Hub for ~30 s before blending_datasets' ConnectionError. The Hub here: a closed port.
+    import huggingface_hub
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    with pytest.raises(ValueError) as err:
+        load_tasks("data/gifts")
+    assert str(err.value) == (f"data/gifts: no local file or folder (relative to {tmp_path}), and the Hugging Face Hub "
+                              f"(http://127.0.0.1:9) could not be reached to look it up as a dataset name "
+                              f"(ConnectError): check the path; a Hub dataset needs the network, or its copy in the "
+                              f"cache and HF_HUB_OFFLINE=1")
+
+
 class WriterEnv(MultiAgentEnv):
     """A writer judged by the coach alone: its tasks have no reference answer."""
 

@@ -251,6 +251,20 @@ def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", inp
                                                                              ".arrow", ".py"))
         if local and not os.path.exists(path):
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    names = [e.split("@")[0].strip() for e in entries if not os.path.exists(e.split("@")[0].strip())]
+    if names:
+        # A name that is no local path goes to the Hub, whose client retries a Hub out of reach for ~30 s (a folder
+        # not created yet reads as a dataset name): one plain request first says so at once.
+        from huggingface_hub import constants, errors, get_session, is_offline_mode
+
+        try:
+            if not is_offline_mode():
+                get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        except (errors.HTTPError, OSError) as e:
+            raise ValueError(f"{names[0]}: no local file or folder (relative to {os.getcwd()}), and the Hugging Face "
+                             f"Hub ({constants.ENDPOINT}) could not be reached to look it up as a dataset name "
+                             f"({type(e).__name__}): check the path; a Hub dataset needs the network, or its copy in "
+                             f"the cache and HF_HUB_OFFLINE=1") from e
     try:
         return _load_checked(spec, entries, probs, split, input_key, label_key, needs_answer, seed)
     except Exception:
