@@ -164,3 +164,22 @@ def test_the_gpu_scripts_run_the_dry_run_first(tmp_path):
             "--ds.attn_implementation", "sdpa"], checked
         assert "--mappa.topology" in checked and (proc.returncode != 0) is fails
         assert (tmp_path / "submitted.txt").exists() is not fails, proc.stderr
+
+
+def test_the_gpu_script_names_a_missing_ray_cluster_before_submitting(tmp_path):
+    # Catches the old script, which went from a passing check to `ray job submit` and its 40-line traceback
+    # (ConnectionError: Failed to connect to Ray at address: http://127.0.0.1:8265). Stood in: the check (a
+    # `python3` that passes) and `ray`, whose `ray status` finds no cluster (exit 1, as the real one's).
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python3").write_text("#!/bin/sh\nexit 0\n")
+    (stub / "ray").write_text(f"#!/bin/sh\n[ \"$1\" = status ] && exit 1\necho \"$@\" > {tmp_path / 'submitted.txt'}\n")
+    for name in ("python3", "ray"):
+        (stub / name).chmod(0o755)
+    env = {"PATH": f"{stub}:/usr/bin:/bin", "MAPPA_SKIP_DATA_CHECK": "1", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", f"{REPO}/examples/scripts/train_mappa_mathchat.sh"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and not (tmp_path / "submitted.txt").exists(), proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "[mappa] no Ray cluster is running here (`ray status` found none): start one first (`ray start --head "
+        "--num-gpus 6`, or join this node to yours), then run this script again")
