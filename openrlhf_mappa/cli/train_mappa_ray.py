@@ -1153,6 +1153,10 @@ def train(args):
     for line in run_summary(args.mappa.run_dir):
         print(line)
     run_dir = os.path.abspath(args.mappa.run_dir)
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):  # at least one step: `mappa report`'s page of it
+        from openrlhf_mappa.report import write_report
+
+        print(f"[mappa] report:      {write_report(run_dir)}")
     print(f"[mappa] metrics:     {os.path.join(run_dir, 'metrics.jsonl')}")
     print(f"[mappa] episodes:    {os.path.join(run_dir, 'episodes.jsonl')}")
     if eval_sets:
