@@ -596,3 +596,10 @@ def test_launch_asks_for_coach_template_only_where_a_coach_is_sent_it(workdir):
     assert hindsight.returncode != 0 and "coach_template" not in hindsight.message
     assert "127.0.0.1:9" in hindsight.message, hindsight.message[-2000:]
     # (The outcome baseline, which asks no coach, would go on to start Ray here: tests/test_topology_env.py checks it.)
+
+
+def test_the_final_hf_exports_go_with_the_run_by_default():
+    # Catches OpenRLHF's default, ./ckpt of whatever directory the launch ran from (the second new-user trial's
+    # exports went there unnoticed); a given --ckpt.output_dir is kept.
+    assert parse_args(GOOD).ckpt.output_dir == os.path.join("run", "hf")
+    assert parse_args([*GOOD, "--ckpt.output_dir", "/exports"]).ckpt.output_dir == "/exports"

@@ -92,8 +92,10 @@ def add_mappa_args(parser):
     add_launch_args(g)
     # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
     # Tasks keep MAPPA's column names (every shipped file's) where OpenRLHF's are "input" and none.
+    # The final HF exports go with the run (<run_dir>/hf, parse_args), not in OpenRLHF's ./ckpt of whatever
+    # directory the launch ran from.
     parser.set_defaults(**{"algo.advantage.estimator": "reinforce", "data.input_key": "prompt",
-                           "data.label_key": "answer"})
+                           "data.label_key": "answer", "ckpt.output_dir": None})
 
 
 def add_training_args(g):
@@ -475,12 +477,16 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
         raise RuntimeError(f"UPSTREAM_RANGES names flags upstream's parser does not have: {missing}")
     for name, check in UPSTREAM_RANGES.items():
         ranged_flags[name].type = check
+    ranged_flags["ckpt.output_dir"].help = ("each agent's final HF export goes to DIR/<agent> (MAPPA's default: "
+                                            "<mappa.run_dir>/hf; OpenRLHF's: ./ckpt)")
     # argparse reads a negative number in exponent form ("-1e-5") as a flag and says only "expected one argument":
     # read as a number, it gets the flag's own refusal ("out of range: expected a number >= 0").
     parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$", re.IGNORECASE)
     raw = parser.parse_args(sys.argv[1:] if argv is None else argv)
     refuse_ignored_flags(upstream, raw)
     args = hierarchize(raw)
+    if args.ckpt.output_dir is None:
+        args.ckpt.output_dir = os.path.join(args.mappa.run_dir, "hf")
     # OpenRLHF's --train.colocate_all, applied to each agent, is --mappa.colocate agent; any colocation keeps
     # colocate_all on for upstream's checks, which would otherwise turn --vllm.enable_sleep off.
     if args.train.colocate_all and args.mappa.colocate == "none":
