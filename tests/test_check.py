@@ -75,7 +75,7 @@ def test_a_launch_that_would_start_passes_every_check(tmp_path, tiny_model):
         scored = [r for r in server.requests if "OUTPUT<<" in r["prompt"]]
     assert code == 0, out
     assert {what: verdict for what, (verdict, _) in rows.items()} == {
-        "topology, flags, models": "ok", "training tasks": "ok", "eval sets": "ok",
+        "topology, flags": "ok", "models": "ok", "training tasks": "ok", "eval sets": "ok",
         "environment on each task type": "ok", "run directory, resume": "ok", "this machine's packages": "ok",
         "GPU and memory plan": "ok", "coach": "ok"}
     assert rows["training tasks"][1].startswith("8 of the 16 in ")
@@ -84,6 +84,14 @@ def test_a_launch_that_would_start_passes_every_check(tmp_path, tiny_model):
     assert len(scored) == 1 and rows["coach"][1].startswith(f"openai rule: scored a test action {len(set('2 + 2 = 4.')) % 11} ")
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
     assert "Unclosed" not in out  # the test action's HTTP session is closed (aiohttp warned of it above the table)
+
+
+def test_a_config_only_model_fails_its_own_row_and_every_other_check_runs(tmp_path, tiny_model):
+    # Catches the old table, whose first row checked the models too: with `mappa plan`'s config-only directory
+    # (no tokenizer, or a hub id out of reach), every other check was "not run: it needs team".
+    code, rows, out = check(tmp_path, tiny_model, "--mappa.model", f"{REPO}/tests/fixtures/qwen3-4b")
+    assert code == 1 and rows["models"][0] == "FAILED" and "it has no tokenizer files" in rows["models"][1], out
+    assert [what for what, (verdict, _) in rows.items() if verdict != "ok"] == ["models"], out
 
 
 class NotFound(BaseHTTPRequestHandler):
@@ -133,7 +141,7 @@ def test_the_dry_run_names_what_would_stop_the_launch(case, tmp_path, tiny_model
     failed = {what: said for what, (verdict, said) in rows.items() if verdict == "FAILED"}
     expected = {"env value": "environment on each task type", "eval file": "eval sets", "coach": "coach",
                 "plan": "GPU and memory plan", "package": "this machine's packages",
-                "micro batch": "topology, flags, models"}[case]
+                "micro batch": "topology, flags"}[case]
     assert code == 1 and list(failed) == [expected], out
     message = {"env value": "env_kwargs code_timeout_s must be a positive number of seconds, got -1",
                "eval file": "missing.jsonl", "coach": "cannot be reached",

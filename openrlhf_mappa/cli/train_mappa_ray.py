@@ -904,15 +904,17 @@ def coach_cache_path(args):
     return None if cache == "none" else cache
 
 
-def check_team(args, plan: bool = True):
+def check_team(args, plan: bool = True, models: bool = True):
     """The team's checks before Ray (train, `mappa doctor`): the topology, the flags against it, every agent's
-    model and LoRA settings, and the plan where the cluster is given (unless `plan` is False)."""
+    model and LoRA settings (unless `models` is False: Preflight's step of its own), and the plan where the
+    cluster is given (unless `plan` is False)."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.team import load_topology
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
     validate(args, topology)
-    check_models(args, topology)
+    if models:
+        check_models(args, topology)
     if plan and (args.mappa.gpus or args.mappa.gpu_memory_gib):  # the cluster as given: the plan, before Ray starts
         placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib, allowed=accepted(topology))
     return topology
@@ -993,7 +995,10 @@ class Preflight:
     found, and may return a line saying what it found."""
 
     STEPS = (  # (what it checks, its method, the steps whose results it reads)
-        ("topology, flags, models", "team", ()),
+        ("topology, flags", "team", ()),
+        # Apart: a model the plan can read (a config-only directory, `mappa plan`'s) but no actor could load (no
+        # tokenizer) stops the launch, and `mappa check` still runs every other check.
+        ("models", "models", ("team",)),
         ("training tasks", "training_tasks", ("team",)),
         ("eval sets", "eval_files", ("team",)),
         ("environment on each task type", "environment", ("team", "training_tasks", "eval_files")),
@@ -1011,8 +1016,12 @@ class Preflight:
             getattr(self, method)()
 
     def team(self):
-        self.topology = check_team(self.args, plan=False)
+        self.topology = check_team(self.args, plan=False, models=False)
         return f"{len(self.topology.agents)} agents: " + ", ".join(a.name for a in self.topology.agents)
+
+    def models(self):
+        check_models(self.args, self.topology)
+        return ", ".join(dict.fromkeys(a.model for a in self.topology.agents))
 
     def training_tasks(self):
         from openrlhf_mappa.envs.base import load_tasks
