@@ -105,20 +105,7 @@ def check_resume(args, topology, task_ids: list) -> tuple:
     elif ids != task_ids:
         problems.append(f"resume: {chosen} lists other training tasks than --data.prompt_dataset, --train.seed "
                         f"and --data.max_samples pick now; resume with the settings of the first run")
-    recorded = os.path.join(args.mappa.run_dir, SETTINGS_RECORD)
-    changed = []  # a run recorded before the settings were: nothing to compare
-    if step and os.path.exists(recorded):
-        changed = changed_settings(read_record(recorded, "the record of the run's settings"),
-                                   run_settings(args, topology))
-    if changed and not args.mappa.allow_resume_changes:
-        shown = "".join(f"\n  {line}" for line in changed)
-        problems.append(f"resume: this launch changes settings that shape the run ({recorded} records those it "
-                        f"trained with until step {step}):{shown}\nresume with the run's settings, or pass "
-                        f"--mappa.allow_resume_changes to continue with these from step {step} on (recorded as the "
-                        f"run's from then on)")
-    elif changed:
-        print(f"[mappa] WARNING: resume with --mappa.allow_resume_changes: from step {step} on, "
-              + "; ".join(changed), file=sys.stderr, flush=True)
+    problems.append(settings_problem(args, topology, step) if step else "")
     tag, fixes = f"global_step{step}", []
     for spec in trainee_specs(args, topology):
         actor_dir = os.path.join(args.ckpt.path, spec.name, "_actor")
@@ -146,9 +133,27 @@ def check_resume(args, topology, task_ids: list) -> tuple:
         with open(latest, encoding="utf-8", errors="replace") as f:
             if f.read().strip() != tag:
                 fixes.append((latest, tag))
-    if problems:
-        raise ValueError("\n".join(problems))
+    if any(problems):
+        raise ValueError("\n".join(filter(None, problems)))
     return step, fixes
+
+
+def settings_problem(args, topology, step: int) -> str:
+    """check_resume's refusal of settings that differ from the run's record ("" where none differ, or the run has no
+    record: one from before they were recorded); with --mappa.allow_resume_changes, a warning instead."""
+    recorded = os.path.join(args.mappa.run_dir, SETTINGS_RECORD)
+    if not os.path.exists(recorded):
+        return ""
+    changed = changed_settings(read_record(recorded, "the record of the run's settings"), run_settings(args, topology))
+    if changed and args.mappa.allow_resume_changes:
+        print(f"[mappa] WARNING: resume with --mappa.allow_resume_changes: from step {step} on, "
+              + "; ".join(changed), file=sys.stderr, flush=True)
+    elif changed:
+        shown = "".join(f"\n  {line}" for line in changed)
+        return (f"resume: this launch changes settings that shape the run ({recorded} records those it trained with "
+                f"until step {step}):{shown}\nresume with the run's settings, or pass --mappa.allow_resume_changes to "
+                f"continue with these from step {step} on (recorded as the run's from then on)")
+    return ""
 
 
 def apply(fixes: list) -> None:
