@@ -47,7 +47,7 @@ def preflight(root, *flags, env="mathchat"):
                        "2", "--train.micro_batch_size", "1", "--ds.attn_implementation", "sdpa", "--mappa.run_dir",
                        str(root / "run"), "--ckpt.path", str(root / "ckpt"), *flags])  # fmt: skip
     pre = Preflight(args)
-    for _, method, _ in Preflight.STEPS[:5]:  # through the run directory: what needs no other machine
+    for _, method, _ in Preflight.STEPS[:6]:  # through the run directory: what needs no other machine
         getattr(pre, method)()
     return pre
 
