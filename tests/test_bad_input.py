@@ -143,8 +143,9 @@ LAUNCHER = [
     # OpenRLHF's assertion named no flag: "The number of sample batches must be greater than or equal to ..."
     case("rollout micro batch above a step's samples", ["--rollout.micro_batch_size", "16"],
          "agent 'solver': a step's 2 samples (--rollout.batch_size 2 x --rollout.n_samples_per_prompt 1) make 0 "
-         "micro-batches of --rollout.micro_batch_size 16, fewer than its 1 data-parallel actor ranks (--actor.num_nodes "
-         "x --actor.num_gpus_per_node): lower --rollout.micro_batch_size to 2 or raise --rollout.batch_size"),
+         "micro-batches of --rollout.micro_batch_size 16, fewer than its 1 data-parallel actor ranks "
+         "(--actor.num_nodes x --actor.num_gpus_per_node): lower --rollout.micro_batch_size to 2 or raise "
+         "--rollout.batch_size"),
     # argparse took an exponent form for a flag: "argument --actor.adam.lr: expected one argument"
     case("actor.adam.lr -1e-3", ["--actor.adam.lr", "-1e-3"],
          "argument --actor.adam.lr: -1e-3 is out of range: expected a number >= 0", code=2),

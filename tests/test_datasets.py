@@ -141,8 +141,9 @@ def test_a_csv_row_with_an_unquoted_comma_is_refused_not_shifted(tmp_path):
                                         "g1,A tag for Ana, who loves cake.,cake\n")
     with pytest.raises(ValueError) as err:
         load_tasks(str(tmp_path / "gifts.csv"), input_key="request", label_key="must_contain")
-    assert str(err.value) == (f"{tmp_path}/gifts.csv: line 4: 4 fields, but the header has 3 (id,request,must_contain): "
-                              f"put a field that holds a comma in double quotes, e.g. \"A tag for Ana, who loves cake.\"")
+    assert str(err.value) == (f"{tmp_path}/gifts.csv: line 4: 4 fields, but the header has 3 "
+                              f"(id,request,must_contain): put a field that holds a comma in double quotes, e.g. "
+                              f"\"A tag for Ana, who loves cake.\"")
     (tmp_path / "gifts.csv").write_text('id,request,must_contain\ng0,"A tag for Bo, who\nsings.",song\n\n'
                                         'g1,"A tag for Ana, who loves cake.",cake\n')  # quoted: as written
     tasks = load_tasks(str(tmp_path / "gifts.csv"), input_key="request", label_key="must_contain")

@@ -70,16 +70,17 @@ def test_eval_accuracy_is_drawn_on_its_own_0_1_axis(tmp_path):
     # Catches the old chart, where accuracy (0-1) shared one axis with coach requests (48), the coach-graded
     # fallback (raw 0-10 scores) and token counts: a 0-50 axis, the curve that matters flat at the bottom.
     write_jsonl(tmp_path / "metrics.jsonl", [metrics_row(1)])
-    write_jsonl(tmp_path / "eval.jsonl", [{"step": s, "dataset": "relay_eval", "accuracy": a, "accuracy_coach": c,
-                                           "accuracy_coach/score_fallback": 16, "coach/requests": 48,
-                                           "n_problems": 8, "n_samples": 2} for s, a, c in ((0, 0.0, 1.17), (50, 1.0, 10.0))])
+    rows = [{"step": s, "dataset": "relay_eval", "accuracy": a, "accuracy_coach": c, "coach/requests": 48,
+             "accuracy_coach/score_fallback": 16, "n_problems": 8, "n_samples": 2}
+            for s, a, c in ((0, 0.0, 1.17), (50, 1.0, 10.0))]
+    write_jsonl(tmp_path / "eval.jsonl", rows)
     charts = {c["title"]: c for c in report.load_run(str(tmp_path))["sections"]["eval"]}
     assert list(charts) == ["relay_eval (8 problems x 2 samples)", "relay_eval: accuracy_coach",
                             "relay_eval: counts and metrics"]
     accuracy = charts["relay_eval (8 problems x 2 samples)"]
     assert accuracy["scale"] == [0, 1] and [s["name"] for s in accuracy["series"]] == ["accuracy"]
     assert [s["name"] for s in charts["relay_eval: counts and metrics"]["series"]] == [
-        "accuracy_coach/score_fallback", "coach/requests"]
+        "coach/requests", "accuracy_coach/score_fallback"]
 
 
 def test_agent_text_cannot_break_out_of_the_page(tmp_path):

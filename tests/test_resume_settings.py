@@ -50,14 +50,15 @@ def test_run_settings_hold_the_flags_and_the_topology(workdir):  # noqa: F811
     path = write_topology(workdir)
     args = parse_args([*GOOD, "--actor.adam.lr", "1e-5"])
     settings = resume.run_settings(args, load_topology(path))
-    assert (settings["--rollout.batch_size"], settings["--train.batch_size"], settings["--actor.adam.lr"]) == (2, 2, 1e-5)
+    flags = ("--rollout.batch_size", "--train.batch_size", "--actor.adam.lr")
+    assert [settings[flag] for flag in flags] == [2, 2, 1e-5]
     assert settings["--actor.adam.betas"] == [0.9, 0.95] and settings["--algo.kl.init_coef"] == 0.01
     assert settings["topology: agent 'solver' model"] == "model" and settings["topology: env"] == "mathchat"
     assert "--rollout.micro_batch_size" not in settings  # memory only: a resume after an OOM may lower it
     assert json.loads(json.dumps(settings)) == settings  # as the record reads back
 
 
-def test_a_resume_with_another_rollout_batch_is_refused_and_the_same_settings_continue(workdir, monkeypatch):  # noqa: F811
+def test_a_resume_with_another_rollout_batch_is_refused_and_the_same_continues(workdir, monkeypatch):  # noqa: F811
     # Catches the old launcher, which resumed "at step 2" with any batch, learning rate or KL (the trial's
     # friction 3: 16 episodes a step, then 8, on the first run's optimizer and data position).
     write_topology(workdir)

@@ -726,11 +726,12 @@ def parallel_problems(args, trainees: list) -> list:
                           f"gets whole micro-batches"))
         r = args.rollout
         samples = r.batch_size * r.n_samples_per_prompt
+        fits = max(1, samples // max(1, ranks))  # a micro-batch size that gives every rank one
         rules.append((gpus["actor"] % (ring * tp) == 0 and samples // r.micro_batch_size < ranks,
-                      f"a step's {samples} samples (--rollout.batch_size {r.batch_size} x --rollout.n_samples_per_prompt "
-                      f"{r.n_samples_per_prompt}) make {samples // r.micro_batch_size} micro-batches of "
-                      f"--rollout.micro_batch_size {r.micro_batch_size}, fewer than its {ranks} data-parallel actor "
-                      f"ranks ({where}): lower --rollout.micro_batch_size to {max(1, samples // ranks)} or raise "
+                      f"a step's {samples} samples (--rollout.batch_size {r.batch_size} x "
+                      f"--rollout.n_samples_per_prompt {r.n_samples_per_prompt}) make {samples // r.micro_batch_size} "
+                      f"micro-batches of --rollout.micro_batch_size {r.micro_batch_size}, fewer than its {ranks} "
+                      f"data-parallel actor ranks ({where}): lower --rollout.micro_batch_size to {fits} or raise "
                       f"--rollout.batch_size"))
         problems += [f"agent {spec.name!r}: {why}" for bad, why in rules if bad]
         # The run's flags, named at the first agent they fail. A CPU's tiny models train with padded budgets under
