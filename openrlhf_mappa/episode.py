@@ -214,8 +214,14 @@ def read_record(path: str, what: str) -> dict:
 def read_jsonl(path: str) -> list:
     """(line number, record) of each non-empty line of a run's JSONL file. A cut-off last line (a run killed
     mid-write) is skipped with a warning; a broken line anywhere else is an error naming its line."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        lines = data.decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:  # a binary file (a checkpoint, a database) given for a run's log
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}: line {line}: byte 0x{data[e.start]:02x} is not UTF-8: not a JSONL file of a "
+                         f"run (one JSON record per line)") from e
     last = len(lines) - 1 if lines[-1] == "" else len(lines)
     out = []
     for lineno, line in enumerate(lines, 1):

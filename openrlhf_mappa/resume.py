@@ -6,16 +6,59 @@ tasks, each agent's DeepSpeed checkpoint) and writes nothing, so that the launch
 second, naming the file, and a refused launch leaves the run as it was; `apply` then makes its few changes.
 """
 
+import dataclasses
+import functools
 import glob
 import json
 import os
 import shutil
+import sys
 
 from openrlhf_mappa.console import console
 from openrlhf_mappa.episode import Episode, read_jsonl, read_record
 from openrlhf_mappa.placement import trainee_specs
 
 CHECKPOINT_MARKER = "mappa_checkpoint.json"  # in --ckpt.path: the last step that every agent saved
+SETTINGS_RECORD = "run_settings.json"  # in --mappa.run_dir: the settings that shape the run (run_settings)
+
+# The flags that shape what a run trains, recorded at the start and compared on resume (check_resume): a resume
+# with another batch, learning rate or KL would continue the checkpoint's optimizer, schedule and data position
+# on other terms. Not here: what changes memory or speed only (micro batches, offload, engines, the packing) and
+# where things go, so that a run that ran out of memory resumes with a smaller micro batch.
+RUN_SHAPING = (
+    "--rollout.batch_size", "--rollout.n_samples_per_prompt", "--train.batch_size", "--train.num_episodes",
+    "--train.max_epochs", "--train.seed", "--train.async_enable", "--data.max_len", "--rollout.max_new_tokens",
+    "--rollout.temperature", "--rollout.top_p", "--actor.adam.lr", "--actor.adam.betas",
+    "--actor.adam.weight_decay", "--actor.optim", "--actor.muon.lr", "--actor.lr_scheduler",
+    "--actor.lr_warmup_ratio", "--actor.min_lr_ratio", "--actor.max_norm", "--actor.eps_clip",
+    "--actor.policy_loss_type", "--actor.loss_agg_mode", "--actor.entropy_coef", "--algo.kl.init_coef",
+    "--algo.kl.target", "--algo.kl.horizon", "--algo.kl.estimator", "--algo.kl.use_loss", "--algo.advantage.gamma",
+    "--algo.advantage.no_std_norm", "--mappa.reward", "--mappa.outcome_score", "--mappa.norm_scope",
+    "--mappa.shared_policy", "--mappa.train_truncated", "--mappa.batch_semantics", "--mappa.lr_horizon",
+    "--mappa.ppo_ratio", "--mappa.coach.kind", "--mappa.coach.mode", "--mappa.coach.model", "--mappa.coach.lr",
+)  # fmt: skip
+
+
+def run_settings(args, topology) -> dict:
+    """What a run's training depends on beyond its tasks, as written to SETTINGS_RECORD: each RUN_SHAPING flag's
+    value, and the topology's content (each top-level key, and each agent's keys under its name)."""
+    settings = {flag: functools.reduce(getattr, flag[2:].split("."), args) for flag in RUN_SHAPING}
+    content = dataclasses.asdict(topology)
+    for agent in content.pop("agents"):
+        name = agent.pop("name")
+        settings.update({f"topology: agent {name!r} {key}": value for key, value in agent.items()})
+    settings.update({f"topology: {key}": value for key, value in content.items()})
+    return json.loads(json.dumps(settings, default=str))  # as the record reads back: tuples as lists
+
+
+def changed_settings(recorded: dict, now: dict) -> list:
+    """One line per setting whose value differs between the record and now (a key only one side has: absent)."""
+    lines = []
+    for key in [*now, *(k for k in recorded if k not in now)]:
+        before, after = recorded.get(key, "(absent)"), now.get(key, "(absent)")
+        if before != after:
+            lines.append(f"{key}: {before!r:.100} in the run, {after!r:.100} now")
+    return lines
 
 
 def check_resume(args, topology, task_ids: list) -> tuple:
@@ -62,6 +105,7 @@ def check_resume(args, topology, task_ids: list) -> tuple:
     elif ids != task_ids:
         problems.append(f"resume: {chosen} lists other training tasks than --data.prompt_dataset, --train.seed "
                         f"and --data.max_samples pick now; resume with the settings of the first run")
+    problems.append(settings_problem(args, topology, step) if step else "")
     tag, fixes = f"global_step{step}", []
     for spec in trainee_specs(args, topology):
         actor_dir = os.path.join(args.ckpt.path, spec.name, "_actor")
@@ -89,9 +133,27 @@ def check_resume(args, topology, task_ids: list) -> tuple:
         with open(latest, encoding="utf-8", errors="replace") as f:
             if f.read().strip() != tag:
                 fixes.append((latest, tag))
-    if problems:
-        raise ValueError("\n".join(problems))
+    if any(problems):
+        raise ValueError("\n".join(filter(None, problems)))
     return step, fixes
+
+
+def settings_problem(args, topology, step: int) -> str:
+    """check_resume's refusal of settings that differ from the run's record ("" where none differ, or the run has no
+    record: one from before they were recorded); with --mappa.allow_resume_changes, a warning instead."""
+    recorded = os.path.join(args.mappa.run_dir, SETTINGS_RECORD)
+    if not os.path.exists(recorded):
+        return ""
+    changed = changed_settings(read_record(recorded, "the record of the run's settings"), run_settings(args, topology))
+    if changed and args.mappa.allow_resume_changes:
+        print(f"[mappa] WARNING: resume with --mappa.allow_resume_changes: from step {step} on, "
+              + "; ".join(changed), file=sys.stderr, flush=True)
+    elif changed:
+        shown = "".join(f"\n  {line}" for line in changed)
+        return (f"resume: this launch changes settings that shape the run ({recorded} records those it trained with "
+                f"until step {step}):{shown}\nresume with the run's settings, or pass --mappa.allow_resume_changes to "
+                f"continue with these from step {step} on (recorded as the run's from then on)")
+    return ""
 
 
 def apply(fixes: list) -> None:

@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from openrlhf_mappa.coach import Coach, CoachRequest, judge_episode
+from openrlhf_mappa.envs.base import returned_problem
 from openrlhf_mappa.episode import Action, Episode
 
 # The authors' coach sees the first 2,000 characters of a code run's output (coach_utils.py:
@@ -148,9 +149,10 @@ class EnvFailed(Exception):
 
 def env_call(env_name: str, what: str, fn, *args, **kwargs):
     """fn(*args) on the environment's behalf; what it raises comes back as EnvFailed, naming the env's method and
-    the line in the env's own code (the deepest frame outside the standard library)."""
+    the line in the env's own code (the deepest frame outside the standard library). A return the hook may not
+    give (envs.base.returned_problem) is an EnvFailed too, naming the hook and the value."""
     try:
-        return fn(*args, **kwargs)
+        value = fn(*args, **kwargs)
     except Exception as e:
         frames = traceback.extract_tb(e.__traceback__)
         paths = sysconfig.get_paths()
@@ -158,6 +160,10 @@ def env_call(env_name: str, what: str, fn, *args, **kwargs):
         where = next((f for f in reversed(frames) if ours(f)), frames[-1])
         where = f"{where.filename}, line {where.lineno}"
         raise EnvFailed(f"{env_name}.{what} raised {type(e).__name__}: {e} ({where})") from e
+    problem = returned_problem(what, value)
+    if problem:
+        raise EnvFailed(f"{env_name}.{what} returned {value!r:.200}: {problem}")
+    return value
 
 
 async def run_episode(topology, task: dict, policies: dict, coach: Coach, workspace: str, step: int,

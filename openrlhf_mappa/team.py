@@ -49,24 +49,38 @@ class Played:
     action_limit: str = ""  # which limit stopped it, "" if it ended by itself
 
 
-def play(topology: Union[Topology, str], task: dict, replies: Union[list, Callable], workspace: str = None) -> Played:
+def play(topology: Union[Topology, str], task: dict, replies: Union[list, Callable], workspace: str = None,
+         truncated_at: Optional[int] = None) -> Played:
     """One episode of `topology` (a Topology, or a topology YAML's path) on `task` (a task row), the agents
     answering with scripted replies: a list taken in the order they act, or a function (agent name, turn) ->
     reply. Rounds, limits and the environment's calls are the rollout's, without models, coach or cluster: a
-    unit test of an environment. `workspace`: where its code runs (default: a new temporary directory)."""
+    unit test of an environment. `workspace`: where its code runs (default: a new temporary directory);
+    `truncated_at`: the token limit every reply is taken as cut off at (what judge hears), None: whole replies.
+    Each hook's return is checked as the rollout checks it: a wrong one is a ValueError naming the hook."""
+    from openrlhf_mappa.envs.base import returned_problem
     from openrlhf_mappa.rollout import check_round, over_limit
 
     if isinstance(topology, str):
         topology = load_topology(topology)
     env = topology.make_env(task, workspace or tempfile.mkdtemp(prefix="mappa-play-"))
+
+    def checked(hook: str, value):
+        problem = returned_problem(hook, value)
+        if problem:
+            raise ValueError(f"{type(env).__name__}.{hook} returned {value!r:.200}: {problem}")
+        return value
+
     scripted = None if callable(replies) else list(replies)
     played, turns, last, round_ = Played(env), {a.name: 0 for a in topology.agents}, {}, 0
+    checked("task_type", env.task_type)
+    checked("task_text", env.task_text)
     while agents := env.next_agents(turns, last):
         check_round(type(env).__name__, topology, agents)
         played.action_limit = over_limit(topology, turns, agents)
         if played.action_limit:
             break
-        inputs = [env.observe(spec, turns[spec.name]) for spec in agents]  # the history as it was before the round
+        # the history as it was before the round
+        inputs = [checked("observe", env.observe(spec, turns[spec.name])) for spec in agents]
         last = {}
         for spec, messages in zip(agents, inputs):
             turn = turns[spec.name]
@@ -74,12 +88,14 @@ def play(topology: Union[Topology, str], task: dict, replies: Union[list, Callab
                 raise ValueError(f"play: no reply left for agent {spec.name!r}'s action {turn} (action "
                                  f"{len(played.actions)} of the episode)")
             reply = replies(spec.name, turn) if scripted is None else scripted.pop(0)
-            result = last[spec.name] = env.step(spec, turn, reply)
-            grade = env.judge(spec, reply, result.feedback, None)
+            result = last[spec.name] = checked("step", env.step(spec, turn, reply))
+            checked("answer_formatted", env.answer_formatted(spec, reply))
+            checked("coach_ground_truth", env.coach_ground_truth(spec))
+            grade = checked("judge", env.judge(spec, reply, result.feedback, truncated_at))
             played.actions.append(PlayedAction(spec.name, turn, round_, messages, reply, result, grade))
             turns[spec.name] += 1
         round_ += 1
-    outcome = env.outcome()
+    outcome = checked("outcome", env.outcome())
     played.outcome = {**outcome, "success": False} if played.action_limit else outcome
     return played
 

@@ -112,6 +112,17 @@ class AgentSpec:
     view: View = field(default_factory=View)
     lora: Optional[Lora] = None
 
+    # The environment's hooks get the acting agent's AgentSpec, and `agent == "planner"` is what one writes: a
+    # str compares with the name (hashed by it too, so `agent in {"planner"}` agrees); two AgentSpecs compare
+    # every field, as the dataclass did.
+    def __eq__(self, other) -> bool:
+        if isinstance(other, str):
+            return self.name == other
+        return vars(self) == vars(other) if isinstance(other, AgentSpec) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
     @property
     def pool(self) -> Optional[str]:
         """The engine pool of a LoRA agent (its base model unless named), None for a full-weights agent."""

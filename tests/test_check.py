@@ -7,6 +7,8 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
@@ -73,7 +75,7 @@ def test_a_launch_that_would_start_passes_every_check(tmp_path, tiny_model):
         scored = [r for r in server.requests if "OUTPUT<<" in r["prompt"]]
     assert code == 0, out
     assert {what: verdict for what, (verdict, _) in rows.items()} == {
-        "topology, flags, models": "ok", "training tasks": "ok", "eval sets": "ok",
+        "topology, flags": "ok", "models": "ok", "training tasks": "ok", "eval sets": "ok",
         "environment on each task type": "ok", "run directory, resume": "ok", "this machine's packages": "ok",
         "GPU and memory plan": "ok", "coach": "ok"}
     assert rows["training tasks"][1].startswith("8 of the 16 in ")
@@ -81,9 +83,45 @@ def test_a_launch_that_would_start_passes_every_check(tmp_path, tiny_model):
     # One real scoring request; the rule server's score of "2 + 2 = 4." is its distinct characters mod 11.
     assert len(scored) == 1 and rows["coach"][1].startswith(f"openai rule: scored a test action {len(set('2 + 2 = 4.')) % 11} ")
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
+    assert "Unclosed" not in out  # the test action's HTTP session is closed (aiohttp warned of it above the table)
 
 
-@pytest.mark.parametrize("case", ["env value", "eval file", "coach", "plan", "package"])
+def test_a_config_only_model_fails_its_own_row_and_every_other_check_runs(tmp_path, tiny_model):
+    # Catches the old table, whose first row checked the models too: with `mappa plan`'s config-only directory
+    # (no tokenizer, or a hub id out of reach), every other check was "not run: it needs team".
+    code, rows, out = check(tmp_path, tiny_model, "--mappa.model", f"{REPO}/tests/fixtures/qwen3-4b")
+    assert code == 1 and rows["models"][0] == "FAILED" and "it has no tokenizer files" in rows["models"][1], out
+    assert [what for what, (verdict, _) in rows.items() if verdict != "ok"] == ["models"], out
+
+
+class NotFound(BaseHTTPRequestHandler):
+    """A server whose API is under /v1, asked without it: every path answers 404, as vLLM's does."""
+
+    def do_GET(self):
+        self.send_error(404, "Not Found")
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_coach_url_without_v1_is_named(tmp_path, tiny_model):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_port}"
+    try:
+        code, rows, out = check(tmp_path, tiny_model, "--mappa.coach.kind", "openai", "--mappa.coach.base_url", url,
+                                "--mappa.coach.model", "m", topology=coach_topology(tmp_path))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert code == 1 and rows["coach"][0] == "FAILED", out
+    assert (f"an OpenAI-compatible API is served under a version path: did you mean --mappa.coach.base_url "
+            f"{url}/v1?") in out
+
+
+@pytest.mark.parametrize("case", ["env value", "eval file", "coach", "plan", "package", "micro batch"])
 def test_the_dry_run_names_what_would_stop_the_launch(case, tmp_path, tiny_model):
     extra, topology = [], None
     if case == "env value":
@@ -95,17 +133,21 @@ def test_the_dry_run_names_what_would_stop_the_launch(case, tmp_path, tiny_model
                  "--mappa.coach.model", "m"]
     elif case == "plan":
         extra = ["--mappa.gpus", "2", "--mappa.gpu_memory_gib", "80"]
+    elif case == "micro batch":  # OpenRLHF's assertion, before the table, named no flag
+        extra = ["--rollout.micro_batch_size", "16"]
     else:  # flash-attn is not installed here (nor in CI): OpenRLHF's default attention needs its kernels
         extra = ["--ds.attn_implementation", "flash_attention_2"]
     code, rows, out = check(tmp_path, tiny_model, *extra, topology=topology)
     failed = {what: said for what, (verdict, said) in rows.items() if verdict == "FAILED"}
     expected = {"env value": "environment on each task type", "eval file": "eval sets", "coach": "coach",
-                "plan": "GPU and memory plan", "package": "this machine's packages"}[case]
+                "plan": "GPU and memory plan", "package": "this machine's packages",
+                "micro batch": "topology, flags"}[case]
     assert code == 1 and list(failed) == [expected], out
     message = {"env value": "env_kwargs code_timeout_s must be a positive number of seconds, got -1",
                "eval file": "missing.jsonl", "coach": "cannot be reached",
-               "plan": "GPUs", "package": "pip install flash-attn"}[case]
-    assert message in failed[expected], failed
+               "plan": "GPUs", "package": "pip install flash-attn",
+               "micro batch": "make 0 micro-batches of --rollout.micro_batch_size 16"}[case]
+    assert message in (out if case == "micro batch" else failed[expected]), failed  # its row's further lines
     if case == "eval file":  # what needs the eval set is not run; what does not still is
         assert rows["environment on each task type"][0] == "-" and rows["coach"][0] == "ok"
 
@@ -130,3 +172,22 @@ def test_the_gpu_scripts_run_the_dry_run_first(tmp_path):
             "--ds.attn_implementation", "sdpa"], checked
         assert "--mappa.topology" in checked and (proc.returncode != 0) is fails
         assert (tmp_path / "submitted.txt").exists() is not fails, proc.stderr
+
+
+def test_the_gpu_script_names_a_missing_ray_cluster_before_submitting(tmp_path):
+    # Catches the old script, which went from a passing check to `ray job submit` and its 40-line traceback
+    # (ConnectionError: Failed to connect to Ray at address: http://127.0.0.1:8265). Stood in: the check (a
+    # `python3` that passes) and `ray`, whose `ray status` finds no cluster (exit 1, as the real one's).
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python3").write_text("#!/bin/sh\nexit 0\n")
+    (stub / "ray").write_text(f"#!/bin/sh\n[ \"$1\" = status ] && exit 1\necho \"$@\" > {tmp_path / 'submitted.txt'}\n")
+    for name in ("python3", "ray"):
+        (stub / name).chmod(0o755)
+    env = {"PATH": f"{stub}:/usr/bin:/bin", "MAPPA_SKIP_DATA_CHECK": "1", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", f"{REPO}/examples/scripts/train_mappa_mathchat.sh"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and not (tmp_path / "submitted.txt").exists(), proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "[mappa] no Ray cluster is running here (`ray status` found none): start one first (`ray start --head "
+        "--num-gpus 6`, or join this node to yours), then run this script again")

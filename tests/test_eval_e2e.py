@@ -48,6 +48,10 @@ def test_mappa_eval_over_per_agent_checkpoints(tmp_path, tiny_model):
     assert summary["n_problems"] == 3 and summary["n_samples"] == 2
     assert summary["agent/problem_solver/num_actions"] == 6 and summary["agent/verifier/num_actions"] == 6
     assert "tasks: accuracy" in proc.stdout and "problem_solver" in proc.stdout
+    # Ray's and vLLM's output in eval.json.log, as the launcher's in train.log: the terminal keeps the results.
+    assert f"[mappa] eval: Ray's and vLLM's output goes to {out}.log" in proc.stdout
+    said = (proc.stdout + proc.stderr).splitlines()
+    assert len(said) < 40 and "INFO" in open(f"{out}.log").read(), said  # ~100 lines of logs before
     episodes = [json.loads(line) for line in open(str(out) + ".episodes.jsonl")]
     assert assert_documented_episodes(str(out) + ".episodes.jsonl")["episode"] == 6  # the documented record
     assert len(episodes) == 6 and all(a["verdict"]["status"] == "skipped" for ep in episodes for a in ep["actions"])

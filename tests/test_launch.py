@@ -355,10 +355,13 @@ def test_bad_flag_topology_and_upstream_check(workdir):
     proc = cli(workdir, GOOD, "bad topology")
     assert_refused(proc, "bad topology", "t.yaml: unknown key(s) ['coach_templat']")
     write_topology(workdir)
-    proc = cli(workdir, GOOD + ["--rollout.batch_size", "1", "--rollout.micro_batch_size", "4"], "upstream assert")
-    assert_refused(proc, "upstream assert", "[mappa] The number of sample batches must be greater than or equal to "
-                                            "the effective number of actor processes.")
+    proc = cli(workdir, GOOD + ["--train.partial_rollout_enable"], "upstream assert")
+    assert_refused(proc, "upstream assert", "[mappa] --train.partial_rollout_enable requires --train.async_enable.")
     assert proc.returncode == 1
+    # Upstream's own assertion on this named no flag (MAPPA's rule, per agent: tests/test_bad_input.py).
+    proc = cli(workdir, GOOD + ["--rollout.batch_size", "1", "--rollout.micro_batch_size", "4"], "micro batch")
+    assert_refused(proc, "micro batch", "make 0 micro-batches of --rollout.micro_batch_size 4, fewer than its 1 "
+                                        "data-parallel actor ranks")
 
 
 def test_unreachable_coach(workdir):
@@ -619,3 +622,10 @@ def test_launch_asks_for_coach_template_only_where_a_coach_is_sent_it(workdir):
     assert hindsight.returncode != 0 and "coach_template" not in hindsight.message
     assert "127.0.0.1:9" in hindsight.message, hindsight.message[-2000:]
     # (The outcome baseline, which asks no coach, would go on to start Ray here: tests/test_topology_env.py checks it.)
+
+
+def test_the_final_hf_exports_go_with_the_run_by_default():
+    # Catches OpenRLHF's default, ./ckpt of whatever directory the launch ran from (the second new-user trial's
+    # exports went there unnoticed); a given --ckpt.output_dir is kept.
+    assert parse_args(GOOD).ckpt.output_dir == os.path.join("run", "hf")
+    assert parse_args([*GOOD, "--ckpt.output_dir", "/exports"]).ckpt.output_dir == "/exports"

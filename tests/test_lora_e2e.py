@@ -153,7 +153,8 @@ def test_qlora_agents_train_adapters_on_a_4bit_base_and_resume(tmp_path, tiny_mo
     ]  # fmt: skip
     env = local_cluster_env(5)
     paths = {k: str(tmp_path / f"{k}.json") for k in ("start1", "end1", "start2", "end2")}
-    for run, more in ((1, []), (2, ["--train.num_episodes", "2"])):
+    # Run 2 extends the run by an episode: a change to the run's settings, taken deliberately.
+    for run, more in ((1, []), (2, ["--train.num_episodes", "2", "--mappa.allow_resume_changes"])):
         child = (f"import sys; sys.path.insert(0, {TESTS!r}); from test_resume_e2e import resume_and_probe; "
                  f"resume_and_probe({argv + more!r}, {paths[f'start{run}']!r}, {paths[f'end{run}']!r})")
         proc = run_training([sys.executable, "-c", child], tmp_path / f"train{run}", timeout=1200, cwd=tmp_path,

@@ -66,6 +66,23 @@ def test_eval_curves_per_dataset(tmp_path):
                                    {"name": "answered_rate", "points": [[0, 1.0], [2, 1.0]]}]  # fmt: skip
 
 
+def test_eval_accuracy_is_drawn_on_its_own_0_1_axis(tmp_path):
+    # Catches the old chart, where accuracy (0-1) shared one axis with coach requests (48), the coach-graded
+    # fallback (raw 0-10 scores) and token counts: a 0-50 axis, the curve that matters flat at the bottom.
+    write_jsonl(tmp_path / "metrics.jsonl", [metrics_row(1)])
+    rows = [{"step": s, "dataset": "relay_eval", "accuracy": a, "accuracy_coach": c, "coach/requests": 48,
+             "accuracy_coach/score_fallback": 16, "n_problems": 8, "n_samples": 2}
+            for s, a, c in ((0, 0.0, 1.17), (50, 1.0, 10.0))]
+    write_jsonl(tmp_path / "eval.jsonl", rows)
+    charts = {c["title"]: c for c in report.load_run(str(tmp_path))["sections"]["eval"]}
+    assert list(charts) == ["relay_eval (8 problems x 2 samples)", "relay_eval: accuracy_coach",
+                            "relay_eval: counts and metrics"]
+    accuracy = charts["relay_eval (8 problems x 2 samples)"]
+    assert accuracy["scale"] == [0, 1] and [s["name"] for s in accuracy["series"]] == ["accuracy"]
+    assert [s["name"] for s in charts["relay_eval: counts and metrics"]["series"]] == [
+        "coach/requests", "accuracy_coach/score_fallback"]
+
+
 def test_agent_text_cannot_break_out_of_the_page(tmp_path):
     write_jsonl(tmp_path / "metrics.jsonl", [metrics_row(1, **{"agent/solver/kl": float("nan")})])
     action = {"agent": "solver", "turn": 0, "response_text": HOSTILE, "feedback": {"stdout": HOSTILE, "exit_code": 0},
@@ -284,3 +301,31 @@ def test_report_shows_the_hindsight_review_and_both_verdicts(tmp_path):
     assert cards["verifier"].find_all("h4")[0].text().endswith("held responsible for the outcome")
     assert "held responsible" not in cards["solver"].find_all("h4")[0].text()
     assert "(per_action " in cards["solver"].find_all("div", "score")[0].text() and ", hindsight " in cards["solver"].find_all("div", "score")[0].text()
+
+
+def test_a_direct_launch_ends_with_the_report(tmp_path, monkeypatch, capsys):
+    # Catches the old launcher, which left the report to the demo script: a run through train_mappa_ray (or
+    # `ray job submit`) had no report.html, which the README lists among a run's files. The cluster's part
+    # (launch, which starts Ray) stands in: it logs two steps.
+    from test_launch import GOOD, write_topology
+
+    from openrlhf_mappa.cli import train_mappa_ray
+
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / "model").mkdir(exist_ok=True)
+        (tmp_path / "model" / name).write_text("{}")
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1?", "answer": i + 1}) + "\n"
+                                                  for i in range(4)))
+    write_topology(tmp_path)
+    monkeypatch.chdir(tmp_path)
+
+    def two_steps(args, *rest):
+        write_jsonl(tmp_path / "run" / "metrics.jsonl", [metrics_row(1), metrics_row(2)])
+        return []
+
+    monkeypatch.setattr(train_mappa_ray, "launch", two_steps)
+    train_mappa_ray.train(train_mappa_ray.parse_args([*GOOD, "--mappa.verbose"]))
+    page = tmp_path / "run" / "report.html"
+    assert f"[mappa] report:      {page}\n" in capsys.readouterr().out
+    again = report.write_report(str(tmp_path / "run"), out=str(tmp_path / "again.html"))
+    assert page.read_text(encoding="utf-8") == open(again, encoding="utf-8").read()  # `mappa report`'s page

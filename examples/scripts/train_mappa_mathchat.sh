@@ -111,6 +111,9 @@ FLAGS=(
 # The dry run first: every check the launch runs before Ray starts, and the coach scoring one test action
 # (`mappa check`, seconds); MAPPA_SKIP_CHECK=1 skips it.
 [ -n "${MAPPA_SKIP_CHECK:-}" ] || python3 -m openrlhf_mappa.cli.mappa check "${FLAGS[@]}" || exit 1
+# No Ray cluster up: one line saying so, not `ray job submit`'s 40-line connection traceback.
+ray status >/dev/null 2>&1 || { echo "[mappa] no Ray cluster is running here (\`ray status\` found none): start one" \
+  "first (\`ray start --head --num-gpus $NEED\`, or join this node to yours), then run this script again" >&2; exit 1; }
 set -x
 
 ray job submit --address="http://127.0.0.1:8265" \

@@ -3,7 +3,8 @@
 # offline heuristic coach's per-action scores (examples/configs/relay.yaml, openrlhf_mappa/envs/relay.py).
 # They start as random-init models (built offline by `mappa tiny-model`) that almost never succeed together;
 # after 50 steps most episodes succeed. Real Ray actors, vLLM engines and DeepSpeed ZeRO-3, on the CPU.
-# Then it writes the HTML report. Outputs go to runs/demo/ (OUT=...); SEED=... picks another random start.
+# The launch ends with the HTML report (run/report.html). Outputs go to runs/demo/ (OUT=...); SEED=... picks
+# another random start.
 # Extra flags are passed on to train_mappa_ray (e.g. --mappa.verbose, --train.num_episodes 60).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -60,5 +61,3 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
    --ckpt.output_dir "$OUT/final" \
    --logger.tensorboard_dir "$OUT/tensorboard" \
    "$@"
-
-"$(dirname "$PY")/mappa" report "$OUT/run"

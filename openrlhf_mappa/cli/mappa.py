@@ -635,20 +635,39 @@ def eval_coach(args, topology):
 def eval_main(argv) -> int:
     """Team evaluation on vLLM engines (one group per distinct model, so agents sharing a base model share
     engines), through the training rollout minus the coach; see evaluation.py."""
-    from openrlhf_mappa.cli.train_mappa_ray import parse_args
+    from openrlhf_mappa.cli.train_mappa_ray import output_to, parse_args
+    from openrlhf_mappa.evaluation import format_table
 
     args = parse_args(argv, prog="mappa eval", description=EVAL_HELP, add_tool_args=add_eval_args)
     with refusals("mappa eval:"):
         topology, models, adapters, datasets, coach = eval_inputs(args)
 
+    import contextlib
+
+    # As the launcher's train.log: Ray's and vLLM's output (~100 lines) in a file, the results on the terminal.
+    log = args.out + ".log"
+    if not args.mappa.verbose:
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # read as Ray is imported: nothing held back for the exit
+        print(f"[mappa] eval: Ray's and vLLM's output goes to {os.path.abspath(log)} (--mappa.verbose: here)",
+              flush=True)
+    with contextlib.nullcontext() if args.mappa.verbose else output_to(log):
+        summaries = evaluate_datasets(args, topology, models, adapters, datasets, coach)
+    print(format_table(summaries))
+    print(f"\nresults: {args.out}\nepisodes: {args.out}.episodes.jsonl")
+    return 0
+
+
+def evaluate_datasets(args, topology, models: dict, adapters: dict, datasets: dict, coach) -> dict:
+    """`mappa eval`'s work on the cluster: every dataset played, its episodes and results written; its summaries."""
     import asyncio
     import tempfile
 
     import ray
 
-    from openrlhf_mappa.evaluation import asks_answer, coach_cost, evaluate, format_table, summarize
+    from openrlhf_mappa.evaluation import asks_answer, coach_cost, evaluate, summarize
 
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         ray.init(runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     policies = eval_policies(args, topology, models, adapters)
     workspace = args.workspace or tempfile.mkdtemp(prefix="mappa-eval-")
@@ -674,9 +693,9 @@ def eval_main(argv) -> int:
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump({"models": models, "adapters": {n: a["dir"] for n, a in adapters.items()}, "settings": settings,
                    "datasets": results}, f, indent=1)
-    print(format_table(summaries))
-    print(f"\nresults: {args.out}\nepisodes: {args.out}.episodes.jsonl")
-    return 0
+    if started:
+        ray.shutdown()  # Ray prints its workers' last lines as it shuts down: into the log too
+    return summaries
 
 
 def eval_policies(args, topology, models: dict, adapters: dict) -> dict:
@@ -785,6 +804,10 @@ def dsbench(args) -> int:
         if args.dsbench_command == "score":
             from openrlhf_mappa.envs.dsbench import score_submission
 
+            if os.path.isdir(args.submission):  # else scored as a submission never written ("missing_file")
+                inside = os.path.join(args.submission, "submission.csv")
+                hint = f" ({inside} is there)" if os.path.isfile(inside) else ""
+                raise ValueError(f"--submission {args.submission}: a directory; give the submission's CSV file{hint}")
             result = score_submission(args.task_dir, args.submission)
             print(json.dumps(result))
             return 0 if result["valid"] else 1

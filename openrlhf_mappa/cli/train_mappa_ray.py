@@ -19,7 +19,9 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
+import tempfile
 import types
 
 OPENRLHF_FITS = ("0.11.2",)
@@ -92,8 +94,10 @@ def add_mappa_args(parser):
     add_launch_args(g)
     # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
     # Tasks keep MAPPA's column names (every shipped file's) where OpenRLHF's are "input" and none.
+    # The final HF exports go with the run (<run_dir>/hf, parse_args), not in OpenRLHF's ./ckpt of whatever
+    # directory the launch ran from.
     parser.set_defaults(**{"algo.advantage.estimator": "reinforce", "data.input_key": "prompt",
-                           "data.label_key": "answer"})
+                           "data.label_key": "answer", "ckpt.output_dir": None})
 
 
 def add_training_args(g):
@@ -143,6 +147,10 @@ def add_training_args(g):
                         "environment (such an episode is a counted failure and trains nothing)")
     g.add_argument("--mappa.run_dir", default="./runs/mappa",
                    help="metrics.jsonl, episodes.jsonl and code workspaces")
+    g.add_argument("--mappa.allow_resume_changes", action="store_true",
+                   help="resume (--ckpt.load_enable) with other settings that shape the run (batch sizes, samples, "
+                        "episodes, learning rate, KL, lengths, the topology) than <run_dir>/run_settings.json "
+                        "records (refused by default, naming each); warned, and recorded from then on")
     g.add_argument("--mappa.allow_eval_overlap", action="store_true",
                    help="evaluate on an --eval.dataset that shares problems with the training tasks (refused by "
                         "default: it inflates the trained team's score); warned, and counted as train_overlap in "
@@ -471,9 +479,16 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
         raise RuntimeError(f"UPSTREAM_RANGES names flags upstream's parser does not have: {missing}")
     for name, check in UPSTREAM_RANGES.items():
         ranged_flags[name].type = check
+    ranged_flags["ckpt.output_dir"].help = ("each agent's final HF export goes to DIR/<agent> (MAPPA's default: "
+                                            "<mappa.run_dir>/hf; OpenRLHF's: ./ckpt)")
+    # argparse reads a negative number in exponent form ("-1e-5") as a flag and says only "expected one argument":
+    # read as a number, it gets the flag's own refusal ("out of range: expected a number >= 0").
+    parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$", re.IGNORECASE)
     raw = parser.parse_args(sys.argv[1:] if argv is None else argv)
     refuse_ignored_flags(upstream, raw)
     args = hierarchize(raw)
+    if args.ckpt.output_dir is None:
+        args.ckpt.output_dir = os.path.join(args.mappa.run_dir, "hf")
     # OpenRLHF's --train.colocate_all, applied to each agent, is --mappa.colocate agent; any colocation keeps
     # colocate_all on for upstream's checks, which would otherwise turn --vllm.enable_sleep off.
     if args.train.colocate_all and args.mappa.colocate == "none":
@@ -487,8 +502,12 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
     # attention (placement.agent_args); on GPUs packing_problems refuses budgets without packing and packing
     # without flash attention, and check_this_machine ring attention without it.
     packing, attention = args.ds.packing_samples, args.ds.attn_implementation
+    # Upstream asserts that a step's rollout micro-batches are at least the actor ranks, naming no flag or value:
+    # validate() says it per agent, with both and the fix (in `mappa check`'s table too).
+    micro, args.rollout.micro_batch_size = args.rollout.micro_batch_size, 1
     with refusals():  # upstream validates with assert
         validate_upstream(args)
+    args.rollout.micro_batch_size = micro
     args.algo.dynamic_filtering_enable = filtering
     args.ds.packing_samples, args.ds.attn_implementation = packing, attention
     return args
@@ -707,6 +726,15 @@ def parallel_problems(args, trainees: list) -> list:
                           f"--train.batch_size ({args.train.batch_size}) must be a multiple of --{flag} ({micro}) x "
                           f"its {ranks} data-parallel actor ranks ({where}) = {micro * ranks}, so that every rank "
                           f"gets whole micro-batches"))
+        r = args.rollout
+        samples = r.batch_size * r.n_samples_per_prompt
+        fits = max(1, samples // max(1, ranks))  # a micro-batch size that gives every rank one
+        rules.append((gpus["actor"] % (ring * tp) == 0 and samples // r.micro_batch_size < ranks,
+                      f"a step's {samples} samples (--rollout.batch_size {r.batch_size} x "
+                      f"--rollout.n_samples_per_prompt {r.n_samples_per_prompt}) make {samples // r.micro_batch_size} "
+                      f"micro-batches of --rollout.micro_batch_size {r.micro_batch_size}, fewer than its {ranks} "
+                      f"data-parallel actor ranks ({where}): lower --rollout.micro_batch_size to {fits} or raise "
+                      f"--rollout.batch_size"))
         problems += [f"agent {spec.name!r}: {why}" for bad, why in rules if bad]
         # The run's flags, named at the first agent they fail. A CPU's tiny models train with padded budgets under
         # sdpa (no flash-attn on CPUs).
@@ -869,6 +897,12 @@ def unwritable_dir(path: str, flag: str = "") -> str:
         return f"{given}: cannot be created: {existing} is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{given}: cannot be written: {existing} is not writable by this user"
+    # Access bits are not all: a read-only file system, or one that holds no new directories (/sys, /proc), refuses
+    # even root. A scratch directory made and removed there says so now, not a traceback once the launch writes.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mappa-check-", dir=existing))
+    except OSError as e:
+        return f"{given}: cannot be created in {existing}: {e.strerror}"
     return ""
 
 
@@ -879,15 +913,17 @@ def coach_cache_path(args):
     return None if cache == "none" else cache
 
 
-def check_team(args, plan: bool = True):
+def check_team(args, plan: bool = True, models: bool = True):
     """The team's checks before Ray (train, `mappa doctor`): the topology, the flags against it, every agent's
-    model and LoRA settings, and the plan where the cluster is given (unless `plan` is False)."""
+    model and LoRA settings (unless `models` is False: Preflight's step of its own), and the plan where the
+    cluster is given (unless `plan` is False)."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.team import load_topology
 
     topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
     validate(args, topology)
-    check_models(args, topology)
+    if models:
+        check_models(args, topology)
     if plan and (args.mappa.gpus or args.mappa.gpu_memory_gib):  # the cluster as given: the plan, before Ray starts
         placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib, allowed=accepted(topology))
     return topology
@@ -927,13 +963,51 @@ def accepted(topology):
     return allowed
 
 
+@contextlib.contextmanager
+def missing_file_named(flag: str, value: str):
+    """A task file that does not exist, named with the flag that gave it and where a relative path was looked for
+    (load_tasks' FileNotFoundError says only the path)."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        where = "" if os.path.isabs(e.filename or "") else f" (relative to {os.getcwd()})"
+        raise ValueError(f"{flag} {value}: {e}{where}: give the path of a task file (.json, .jsonl, .csv, "
+                         f".parquet, .arrow) or folder, or a Hugging Face dataset name") from e
+
+
+SCRIPTED_REPLY = "A scripted reply of `mappa check`: 42."
+
+
+def play_scripted(topology, tasks: list, args) -> None:
+    """Play the first task of each type with scripted replies, whole and then cut off at --rollout.max_new_tokens
+    (team.play, no model): a hook that raises, or returns what the rollout may not take (a judge's bare number),
+    is refused now, naming the hook, not found as a failed episode (or a wrong reward) once the run is up."""
+    from openrlhf_mappa.team import play
+
+    first = {}
+    for task in tasks:
+        first.setdefault(task.get("type", ""), task)
+    for task in first.values():
+        for truncated_at in (None, args.rollout.max_new_tokens):
+            cut = f", cut off at {truncated_at} tokens" if truncated_at else ""
+            with tempfile.TemporaryDirectory(prefix="mappa-env-check-") as workspace:
+                try:
+                    play(topology, task, lambda name, turn: SCRIPTED_REPLY, workspace, truncated_at)
+                except Exception as e:  # the environment's own code: its message says what to fix
+                    raise ValueError(f"{args.mappa.topology}: env {topology.env!r} on task {task['id']!r}, every "
+                                     f"agent replying {SCRIPTED_REPLY!r}{cut}: {type(e).__name__}: {e}") from e
+
+
 class Preflight:
     """Every check a launch runs before Ray starts, in order. `train` runs them all and stops at the first refusal;
     `mappa check` (the dry run) runs each whose inputs passed and prints a table. A step reads what the earlier ones
     found, and may return a line saying what it found."""
 
     STEPS = (  # (what it checks, its method, the steps whose results it reads)
-        ("topology, flags, models", "team", ()),
+        ("topology, flags", "team", ()),
+        # Apart: a model the plan can read (a config-only directory, `mappa plan`'s) but no actor could load (no
+        # tokenizer) stops the launch, and `mappa check` still runs every other check.
+        ("models", "models", ("team",)),
         ("training tasks", "training_tasks", ("team",)),
         ("eval sets", "eval_files", ("team",)),
         ("environment on each task type", "environment", ("team", "training_tasks", "eval_files")),
@@ -951,15 +1025,20 @@ class Preflight:
             getattr(self, method)()
 
     def team(self):
-        self.topology = check_team(self.args, plan=False)
+        self.topology = check_team(self.args, plan=False, models=False)
         return f"{len(self.topology.agents)} agents: " + ", ".join(a.name for a in self.topology.agents)
+
+    def models(self):
+        check_models(self.args, self.topology)
+        return ", ".join(dict.fromkeys(a.model for a in self.topology.agents))
 
     def training_tasks(self):
         from openrlhf_mappa.envs.base import load_tasks
 
         args, d = self.args, self.args.data
-        self.all_tasks = load_tasks(d.prompt_dataset, d.prompt_probs, d.prompt_split, d.input_key, d.label_key,
-                                    self.topology.env_cls.needs_answer, args.train.seed)
+        with missing_file_named("--data.prompt_dataset", d.prompt_dataset):
+            self.all_tasks = load_tasks(d.prompt_dataset, d.prompt_probs, d.prompt_split, d.input_key, d.label_key,
+                                        self.topology.env_cls.needs_answer, args.train.seed)
         self.tasks = choose_train_tasks(self.all_tasks, args.data.max_samples, args.train.seed)
         if len(self.tasks) < args.rollout.batch_size:
             raise SystemExit(f"{args.data.prompt_dataset}: {len(self.tasks)} tasks, fewer than --rollout.batch_size "
@@ -977,12 +1056,14 @@ class Preflight:
     def eval_files(self):
         from openrlhf_mappa.evaluation import load_eval_sets
 
-        self.eval_sets = load_eval_sets(self.args, self.topology.env_cls.needs_answer)
+        with missing_file_named("--eval.dataset", self.args.eval.dataset):
+            self.eval_sets = load_eval_sets(self.args, self.topology.env_cls.needs_answer)
         return ", ".join(f"{name}: {len(ts)}" for name, ts in self.eval_sets.items()) or "none (no --eval.dataset)"
 
     def environment(self):
         every_task = self.tasks + [t for ts in self.eval_sets.values() for t in ts]
         self.topology.check_env(every_task, self.args.mappa.topology)
+        play_scripted(self.topology, every_task, self.args)
         check_eval_overlap(self.args, self.tasks, self.eval_sets)
         return f"env {self.topology.env!r} built on the first task of each type; no eval problem in training"
 
@@ -1039,10 +1120,23 @@ class Preflight:
         first = self.topology.agents[0]
         request = CoachRequest(episode_id="dry-run", agent=first.name, turn=0, role=first.role, task="What is 2 + 2?",
                                task_type="", agent_input="What is 2 + 2?", agent_output="2 + 2 = 4.", feedback="")
-        verdict = asyncio.run(probe.score(request))
+
+        async def score_and_close():
+            # Its HTTP session closed in the event loop it opened in: else aiohttp warns of an "Unclosed client
+            # session" above the table.
+            try:
+                return await probe.score(request)
+            finally:
+                await probe.aclose()
+
+        verdict = asyncio.run(score_and_close())
         if verdict.score is None:
+            # A 404 from a server that answered the probe is most often a base URL without the API's version path.
+            url = (c.base_url or "").rstrip("/")
+            hint = (f"; an OpenAI-compatible API is served under a version path: did you mean --mappa.coach.base_url "
+                    f"{url}/v1?" if "HTTP 404" in verdict.rationale and c.base_url and not url.endswith("/v1") else "")
             raise ValueError(f"coach {c.kind} {c.model or ''} answered a test action without a score "
-                             f"({verdict.status}): {verdict.rationale[:300]!r}")
+                             f"({verdict.status}): {verdict.rationale[:300]!r}{hint}")
         return f"{c.kind} {c.model or ''}: scored a test action {verdict.score:g} in {verdict.latency_s:.1f} s"
 
 
@@ -1069,6 +1163,8 @@ def train(args):
     os.makedirs(args.mappa.run_dir, exist_ok=True)
     with open(os.path.join(args.mappa.run_dir, "train_tasks.json"), "w", encoding="utf-8") as f:
         json.dump(chosen, f, indent=1)
+    with open(os.path.join(args.mappa.run_dir, resume.SETTINGS_RECORD), "w", encoding="utf-8") as f:
+        json.dump(resume.run_settings(args, topology), f, indent=1)
     resume.apply(pre.resume_fixes)
     coach = run_coach(args, topology, cache_path)
     if c.mode == "both":  # the combining rule, stated where the run's log begins (coach.combine)
@@ -1089,6 +1185,10 @@ def train(args):
     for line in run_summary(args.mappa.run_dir):
         print(line)
     run_dir = os.path.abspath(args.mappa.run_dir)
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):  # at least one step: `mappa report`'s page of it
+        from openrlhf_mappa.report import write_report
+
+        print(f"[mappa] report:      {write_report(run_dir)}")
     print(f"[mappa] metrics:     {os.path.join(run_dir, 'metrics.jsonl')}")
     print(f"[mappa] episodes:    {os.path.join(run_dir, 'episodes.jsonl')}")
     if eval_sets:
