@@ -4,8 +4,9 @@ For the pinned release with no patch and then with each patches/*.patch applied 
 a copy of the installed package), copies the `tests/` folder of an OpenRLHF checkout beside it, applies the
 patch's own change to those tests where it carries one (`<patch>.tests.diff`, the test hunk of the same pull
 request), and runs them with the copy first on PYTHONPATH. Prints each test that does not pass, per copy, and
-exits 1 when a test that passes unpatched fails with a patch. The wheel on PyPI ships no tests and CI reaches no
-other host, so this runs by hand against a checkout (e.g. the v0.11.0 tag, the nearest to the pinned 0.11.2):
+exits 1 when a test that passes unpatched fails with a patch. The wheel on PyPI ships no tests and CI reaches
+no other host, so this runs by hand against a checkout (e.g. the v0.11.0 tag, the nearest to the pinned
+0.11.2):
 
     git -C OpenRLHF archive v0.11.0 tests | tar -x -C /tmp/openrlhf-v0.11.0
     .venv/bin/python benchmarks/upstream_tests.py /tmp/openrlhf-v0.11.0/tests

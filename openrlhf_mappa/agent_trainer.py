@@ -27,10 +27,11 @@ class MappaExperienceMaker(RemoteExperienceMaker):
     """OpenRLHF's experience maker for one agent, its forwards (log-probs, KL) unchanged."""
 
     def split_rollout_samples(self, rollout_samples):
-        """Upstream's split, but with token budgets (--train.dynamic_batch_enable) its count of micro-batches, the
-        fewest that hold --rollout.max_tokens_per_gpu each, is rounded up to a multiple of the data-parallel ranks
-        where upstream rounds it down: its balanced split then put up to ~1.8x the budget in one at 8 ranks, more
-        than the plan (placement.micro_tokens) holds. Never more micro-batches than samples."""
+        """Upstream's split, but with token budgets (--train.dynamic_batch_enable) its count of micro-batches,
+        the fewest that hold --rollout.max_tokens_per_gpu each, is rounded up to a multiple of the
+        data-parallel ranks where upstream rounds it down: its balanced split then put up to ~1.8x the budget
+        in one at 8 ranks, more than the plan (placement.micro_tokens) holds. Never more micro-batches than
+        samples."""
         a = self.args
         if not a.train.dynamic_batch_enable:
             return super().split_rollout_samples(rollout_samples)

@@ -19,9 +19,9 @@ import torch
 from openrlhf_mappa import placement, rewards
 from openrlhf_mappa.episode import Action
 
-# nats per probe token: the least bound of an engine against its own actor (a median: one token a bf16 rounding
-# step apart cannot decide it); an actor moved, agents' weights apart. NEARER: how much nearer an engine must be to its actor's
-# new log-probs than to its old ones (sync_verdicts).
+# nats per probe token: the least bound of an engine against its own actor (a median: one token a bf16
+# rounding step apart cannot decide it); an actor moved, agents' weights apart. NEARER: how much nearer an
+# engine must be to its actor's new log-probs than to its old ones (sync_verdicts).
 SAME, APART, NEARER = 0.02, 0.05, 0.25
 PROBE = "Probe: 7 + 5 = 12, the answer is 12."
 
@@ -72,14 +72,15 @@ def sync_verdicts(before: dict, after: dict, quantized=()) -> dict:
     An engine and its actor differ even on the same weights (vLLM's kernels against transformers', in bf16: up to
     0.32 nats on one token of Qwen3-1.7B on GPU, vllm#18352), and the doctor's step (lr 1e-2 on every weight)
     inflates the logits and that rounding with them, so a noise floor measured on the untouched model does not
-    bound the gap after it. "Holds" is judged within the `after` probe alone, scale-free: each engine's gap to its
-    actor's new log-probs is under NEARER times its gap to the old ones (at least SAME), both medians over the
-    probe's tokens, and nearer the new than the old in means. The floor before the step (median and max) and the
-    max after it are reported, not gated on. "Moved" is a mean (an outlier token only adds to what must be large
-    there); "crossed": an engine nearer another agent's actor than its own, or within APART of it (medians).
-    A `quantized` agent's actor (QLoRA) runs on a 4-bit base, its engines on the bf16 one: 1.5 times the gap of the
-    two bases with the adapters off (after the step) is added to its bound (an adapter's effect does not add
-    across bases: a trained one can close the gap, or widen it: 0.1185 nats against 0.0975 adapters off, once)."""
+    bound the gap after it. "Holds" is judged within the `after` probe alone, scale-free: each engine's gap to
+    its actor's new log-probs is under NEARER times its gap to the old ones (at least SAME), both medians over
+    the probe's tokens, and nearer the new than the old in means. The floor before the step (median and max)
+    and the max after it are reported, not gated on. "Moved" is a mean (an outlier token only adds to what
+    must be large there); "crossed": an engine nearer another agent's actor than its own, or within APART of
+    it (medians). A `quantized` agent's actor (QLoRA) runs on a 4-bit base, its engines on the bf16 one: 1.5
+    times the gap of the two bases with the adapters off (after the step) is added to its bound (an adapter's
+    effect does not add across bases: a trained one can close the gap, or widen it: 0.1185 nats against 0.0975
+    adapters off, once)."""
     gap = lambda a, b: (torch.tensor(a) - torch.tensor(b)).abs()
     median = lambda a, b: gap(a, b).median().item()
     out = {}
@@ -92,7 +93,8 @@ def sync_verdicts(before: dict, after: dict, quantized=()) -> dict:
         nearer = all(gap(e, actor).mean() < gap(e, old).mean() for e in engines)  # what slack cannot hide
         held = all(g < b for g, b in gaps) and nearer
         moved = gap(actor, old).mean().item()  # means: a larger outlier only adds to what must be large
-        others = {o: min(median(e, other) for e in engines) for o, other in after["actor"].items() if o != name}
+        others = {o: min(median(e, other) for e in engines)
+                  for o, other in after["actor"].items() if o != name}
         crossed = [o for o, other in after["actor"].items() if o != name
                    and any(median(e, other) < max(APART, median(e, actor)) for e in engines)]
         why = f"{NEARER:g} x its gap to the old weights"
@@ -101,8 +103,8 @@ def sync_verdicts(before: dict, after: dict, quantized=()) -> dict:
         floor = (f"; on the same weights before the step {max(f[0] for f in floors):.4f} (median), "
                  f"{max(f[1] for f in floors):.4f} (max)" if floors else "")
         out[name] = (held and moved > APART and not crossed,
-                     f"engines vs its actor {arrived:.4f} nats (median; bound {bound:.4f}: {why}; max {largest:.4f})"
-                     f"{floor}, actor moved {moved:.3f} (mean)"
+                     f"engines vs its actor {arrived:.4f} nats (median; bound {bound:.4f}: {why}; max "
+                     f"{largest:.4f}){floor}, actor moved {moved:.3f} (mean)"
                      + ("" if held else "; an engine has not arrived at its actor's new weights")
                      + ("" if nearer else " (it is nearer the old ones)")
                      + (f", other agents' actors {min(others.values()):.3f} away (median)" if others else "")
@@ -213,7 +215,8 @@ def sleep_checks(args, trainees) -> list:
                          f"engine 0: {freed:.1f} GiB freed (at least {expect:.1f} expected of its {total:.1f} GiB "
                          f"GPU)"))
         if args.ds.enable_sleep and not args.ds.adam_offload:
-            # What the optimizer holds, as the plan counts it (placement.component_groups): a LoRA agent's adapter.
+            # What the optimizer holds, as the plan counts it (placement.component_groups): a LoRA agent's
+            # adapter.
             size, lora = placement.model_size(ag.spec.model), ag.spec.lora
             trained = size.lora_params(lora.rank, lora.target_modules) if lora else size.params
             states = 14 * trained / (args.actor.num_nodes * ag.args.actor.num_gpus_per_node) / placement.GIB
@@ -284,8 +287,8 @@ def doctor(args, topology, rows=(), recipe=None, allowed=lambda a: True) -> int:
     from openrlhf_mappa.health import StartupWatchdog
     from openrlhf_mappa.launch import build_agents, gpu_nodes, on_each_node, owners
 
-    # One step at a visible learning rate (the module docstring), a trained coach's too (its --mappa.coach.lr, 0:
-    # the actors'); nothing is saved.
+    # One step at a visible learning rate (the module docstring), a trained coach's too (its --mappa.coach.lr,
+    # 0: the actors'); nothing is saved.
     args.actor.adam.lr, args.actor.lr_warmup_ratio, args.actor.lr_scheduler = 1e-2, 0.0, "constant"
     args.mappa.coach.lr = 0.0
     args.ckpt.load_enable, args.ckpt.save_steps = False, -1

@@ -220,8 +220,8 @@ def read_jsonl(path: str) -> list:
         lines = data.decode("utf-8").split("\n")
     except UnicodeDecodeError as e:  # a binary file (a checkpoint, a database) given for a run's log
         line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{path}: line {line}: byte 0x{data[e.start]:02x} is not UTF-8: not a JSONL file of a "
-                         f"run (one JSON record per line)") from e
+        raise ValueError(f"{path}: line {line}: byte 0x{data[e.start]:02x} is not UTF-8: not a JSONL file of "
+                         f"a run (one JSON record per line)") from e
     last = len(lines) - 1 if lines[-1] == "" else len(lines)
     out = []
     for lineno, line in enumerate(lines, 1):

@@ -116,11 +116,11 @@ def coach_cost(episodes: list, price_in: float = 0.0, price_out: float = 0.0) ->
 def coach_graded(episode, answer_asked: bool = True) -> tuple:
     """(accuracy, how) of one episode by the authors' grader (multi_agent_world_async.evaluate_samples, with
     mathchat_workflow_with_coach.py and coach_utils.py): the coach's ANSWER_CORRECT (1/0) on the final agent's last
-    action; where its reply has none even when asked again (evaluate), that verdict's raw 0-10 score (so their mean
-    can pass 1); 0.0 when the final agent never acted. None when the coach gave no verdict there (it failed, or
-    none was asked): left out of the mean and counted, never an invented grade (their coach never fails: it falls
-    back to 5.0). `answer_asked` False (a coach template without ANSWER_CORRECT, as DSBench's): the raw score is
-    the grade by design ("score"), no fallback."""
+    action; where its reply has none even when asked again (evaluate), that verdict's raw 0-10 score (so their
+    mean can pass 1); 0.0 when the final agent never acted. None when the coach gave no verdict there (it
+    failed, or none was asked): left out of the mean and counted, never an invented grade (their coach never
+    fails: it falls back to 5.0). `answer_asked` False (a coach template without ANSWER_CORRECT, as
+    DSBench's): the raw score is the grade by design ("score"), no fallback."""
     final = final_action(episode)
     if final is None:
         return 0.0, "no_final_action"
@@ -145,8 +145,8 @@ def summarize(episodes: list, agent_names: list, tasks: list, answer_asked: bool
     """(summary, problems). accuracy: the mean over problems of pass@1 (mean success over its samples). DSBench
     outcomes add relative_score (an invalid submission counts 0, as DSBench's paper), each task metric's mean
     over valid submissions, and success rate and relative score per task type. Where a coach graded the episodes,
-    accuracy_coach is the same mean by the authors' grader (coach_graded; `answer_asked`: the coach's template asks
-    for ANSWER_CORRECT), with accuracy_coach/<how> counts."""
+    accuracy_coach is the same mean by the authors' grader (coach_graded; `answer_asked`: the coach's template
+    asks for ANSWER_CORRECT), with accuracy_coach/<how> counts."""
     by_task = {}
     for ep in episodes:
         by_task.setdefault(ep.task_id, []).append(ep)
@@ -182,10 +182,10 @@ def summarize(episodes: list, agent_names: list, tasks: list, answer_asked: bool
             summary[f"{task_type}/success_rate"] = _mean([float(ep.success) for ep in typed])
             summary[f"{task_type}/relative_score"] = _mean([ep.outcome.get("relative_score") or 0.0 for ep in typed])
     if any("authors_figures" in o for o in outcomes):
-        # DSBench as the authors' evaluate_samples reads it (multi_agent_world_async.py L385-388, L437-457): an
-        # episode is scored when its predictions can be read (envs/dsbench.py authors_predictions), whatever their
-        # rows or columns; each figure the mean over the scored episodes that have it, pooled across tasks, with
-        # its count (their avg_*, count_*).
+        # DSBench as the authors' evaluate_samples reads it (multi_agent_world_async.py L385-388, L437-457):
+        # an episode is scored when its predictions can be read (envs/dsbench.py authors_predictions),
+        # whatever their rows or columns; each figure the mean over the scored episodes that have it, pooled
+        # across tasks, with its count (their avg_*, count_*).
         scored = [o["authors_figures"] for o in outcomes if o.get("authors_figures") is not None]
         summary["authors/scored_rate"] = len(scored) / len(outcomes)
         for name in AUTHORS_FIGURES:

@@ -32,22 +32,24 @@ def on_each_node(read, nodes: list, *args, gpus: int = 0) -> list:
 
 def check_placement(args, topology, allowed=lambda a: True) -> tuple:
     """Before any actor exists: the plan (placement.py) against the Ray cluster's nodes and their GPUs, logical
-    or real, and their memory where known (the lowest of --mappa.gpu_memory_gib, what this process's GPU reports
-    and each GPU node's, placement.node_gpus) and the host memory of a node (--mappa.host_memory_gib, else each node's own). Printed when it fits;
+    or real, and their memory where known (the lowest of --mappa.gpu_memory_gib, what this process's GPU
+    reports and each GPU node's, placement.node_gpus) and the host memory of a node (--mappa.host_memory_gib,
+    else each node's own). Printed when it fits;
     refused, with what to change, when not: Ray itself would wait forever, silently, for
     GPUs that never come (`allowed`: placement.check's). Sets --mappa.actor_threads where 0 (actor_threads).
-    Refuses a GPU node that cannot import a kernel the flags need (placement.needed_modules), or whose GPUs admit
-    one process each, naming it.
+    Refuses a GPU node that cannot import a kernel the flags need (placement.needed_modules), or whose GPUs
+    admit one process each, naming it.
     Returns (the plan, gpu_nodes())."""
     nodes = gpu_nodes()
     gpus = [n for _, n in nodes]
-    # One task per GPU node: its cores, the kernels the flags need imported there, its GPUs' memory (the launcher's
-    # node may be a CPU head, or hold another Python than the workers).
+    # One task per GPU node: its cores, the kernels the flags need imported there, its GPUs' memory (the
+    # launcher's node may be a CPU head, or hold another Python than the workers).
     needed = placement.needed_modules(args, topology)
-    cores, broken, cards = zip(*on_each_node(placement.node_check, nodes, list(needed))) if nodes else ((), (), ())
-    # The card's memory as the CUDA driver reports it where this process sees a GPU (an "80 GB" card: 79.6 GiB), as
-    # nvidia-smi does on each GPU node, the flag's where it is lower or none is seen; host memory and node sizes as the
-    # nodes and Ray see them.
+    cores, broken, cards = (zip(*on_each_node(placement.node_check, nodes, list(needed))) if nodes
+                            else ((), (), ()))
+    # The card's memory as the CUDA driver reports it where this process sees a GPU (an "80 GB" card: 79.6
+    # GiB), as nvidia-smi does on each GPU node, the flag's where it is lower or none is seen; host memory and
+    # node sizes as the nodes and Ray see them.
     reported = [min(size for size, _ in c) for c in cards if c]  # each node's smallest GPU
     known = [gib for gib in (args.mappa.gpu_memory_gib, placement.detect_gpus()[1], *reported) if gib]
     gib = args.mappa.gpu_memory_gib = min(known, default=None)
@@ -65,9 +67,9 @@ def check_placement(args, topology, allowed=lambda a: True) -> tuple:
         # An engine's front-end and core, and colocated actors, share a GPU; such a GPU refuses the second.
         modes = sorted({mode for _, mode in listed} - {"Default"})
         if modes:
-            refusals.append(f"node {k} (Ray node {node_id}): GPUs in compute mode {', '.join(modes)}, which admits "
-                            f"one process a GPU, and MAPPA runs several on one (a vLLM engine's processes, "
-                            f"colocated actors): set Default there (`sudo nvidia-smi -c DEFAULT`)")
+            refusals.append(f"node {k} (Ray node {node_id}): GPUs in compute mode {', '.join(modes)}, which "
+                            "admits one process a GPU, and MAPPA runs several on one (a vLLM engine's "
+                            f"processes, colocated actors): set Default there (`sudo nvidia-smi -c DEFAULT`)")
     if refusals:
         raise SystemExit("[mappa] " + "\n".join(refusals))
     args.mappa.actor_threads = args.mappa.actor_threads or actor_threads(list(cores), gpus)

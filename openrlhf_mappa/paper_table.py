@@ -1,16 +1,17 @@
 """`mappa paper-table RUN_DIR [RUN_DIR ...]`: the paper's results table from runs' eval.jsonl, as Markdown and JSON.
 
-Per run (named by its directory, or the directory above a scripts' `run`) and eval set: the first evaluation (step
-0: the untrained team), the last one and the best one after it (each row's best value: lowest for an error such
-as RMSE), and their differences. The authors' code logs every evaluation and picks none, so both are shown.
+Per run (named by its directory, or the directory above a scripts' `run`) and eval set: the first evaluation
+(step 0: the untrained team), the last one and the best one after it (each row's best value: lowest for an
+error such as RMSE), and their differences. The authors' code logs every evaluation and picks none, so both
+are shown.
 
-An accuracy set gives the environment's grade (`accuracy`, headed by the record's `grader`: math-verify for math)
-and the coach's (`accuracy_coach`, the authors'): its ANSWER_CORRECT in % with the difference in percentage
-points, or the final agent's raw 0-10 coach score where the coach was asked no ANSWER_CORRECT. A DSBench set (its
-records have `relative_score`) gives both definitions, each named: ours (a valid submission.csv; DSBench's
-relative score; each competition's metric over valid submissions) and the authors' (an episode scored when its
-predictions can be read; accuracy, F1, ROC-AUC, RMSE, MAE, MSE pooled over tasks). An eval set that shares
-problems with the training tasks is marked (`train_overlap`).
+An accuracy set gives the environment's grade (`accuracy`, headed by the record's `grader`: math-verify for
+math) and the coach's (`accuracy_coach`, the authors'): its ANSWER_CORRECT in % with the difference in
+percentage points, or the final agent's raw 0-10 coach score where the coach was asked no ANSWER_CORRECT. A
+DSBench set (its records have `relative_score`) gives both definitions, each named: ours (a valid
+submission.csv; DSBench's relative score; each competition's metric over valid submissions) and the authors'
+(an episode scored when its predictions can be read; accuracy, F1, ROC-AUC, RMSE, MAE, MSE pooled over tasks).
+An eval set that shares problems with the training tasks is marked (`train_overlap`).
 """
 
 import json
@@ -18,45 +19,52 @@ import os
 
 from openrlhf_mappa.report import records
 
-# The rows' figures where lower is better (an error), for "best": DSBench's error metrics (envs/dsbench.py METRICS)
-# and the authors' pooled MSE.
+# The rows' figures where lower is better (an error), for "best": DSBench's error metrics (envs/dsbench.py
+# METRICS) and the authors' pooled MSE.
 LOWER_IS_BETTER = ("rmse", "rmsle", "mae", "medae", "mse", "smape", "log_loss")
 
 
 def accuracy_rows(records: list) -> list:
-    """(key, label, in %) of an accuracy set's rows: the environment's grade, then the coach's: ANSWER_CORRECT in
-    %, or the raw 0-10 score where no ANSWER_CORRECT was asked (accuracy_coach/score counts those episodes)."""
+    """(key, label, in %) of an accuracy set's rows: the environment's grade, then the coach's: ANSWER_CORRECT
+    in %, or the raw 0-10 score where no ANSWER_CORRECT was asked (accuracy_coach/score counts those
+    episodes)."""
     grader = records[-1].get("grader") or "accuracy"  # records before `grader` was written name none
     if any(r.get("accuracy_coach/score") for r in records):
-        return [("accuracy", grader, True), ("accuracy_coach", "coach score of the final agent (0-10)", False)]
+        return [("accuracy", grader, True),
+                ("accuracy_coach", "coach score of the final agent (0-10)", False)]
     return [("accuracy", grader, True), ("accuracy_coach", "coach ANSWER_CORRECT", True)]
 
 
 def dsbench_rows(records: list) -> list:
-    """(key, label, in %) of a DSBench set's rows: ours (success rate, relative score, per-metric means, the success
-    rate per task type), the authors' (scored rate and pooled figures), and the authors' in-loop coach score."""
+    """(key, label, in %) of a DSBench set's rows: ours (success rate, relative score, per-metric means, the
+    success rate per task type), the authors' (scored rate and pooled figures), and the authors' in-loop coach
+    score."""
     keys = list(dict.fromkeys(k for r in records for k in r))
     rows = [("accuracy", "ours: success rate (valid submission.csv)", True),
             ("relative_score", "ours: relative score", False)]
     rows += [(k, f"ours: {k.split('/', 1)[1]} (competition metric, valid submissions)", False)
              for k in sorted(keys) if k.startswith("metric/")]
-    rows += [(k, f"ours: {k.split('/')[0]} success rate", True) for k in sorted(keys) if k.endswith("/success_rate")]
+    rows += [(k, f"ours: {k.split('/')[0]} success rate", True)
+             for k in sorted(keys) if k.endswith("/success_rate")]
     rows += [("authors/scored_rate", "authors': scored rate (predictions read)", True)]
-    pooled = [k for k in keys if k.startswith("authors/") and not k.startswith(("authors/count_", "authors/scored"))]
+    pooled = [k for k in keys
+              if k.startswith("authors/") and not k.startswith(("authors/count_", "authors/scored"))]
     rows += [(k, f"authors': {k.split('/', 1)[1]} (pooled over tasks)", False) for k in pooled]
     return rows + [("accuracy_coach", "authors': coach score of the last action (in-loop eval, 0-10)", False)]
 
 
 def run_name(run_dir: str) -> str:
-    """A run's name: its directory's, or the one above it where that is `run` (the scripts' runs/<name>/run)."""
+    """A run's name: its directory's, or the one above it where that is `run` (the scripts'
+    runs/<name>/run)."""
     path = os.path.normpath(os.path.abspath(run_dir))
     name = os.path.basename(path)
     return os.path.basename(os.path.dirname(path)) if name == "run" else name
 
 
 def table(run_dirs: list) -> dict:
-    """{"accuracy": rows, "dsbench": rows}; a row: run, name, dataset, metric, key, before, after (the last) and
-    best with their steps, delta and best_delta, unit, samples, and a note (fallbacks, training overlap)."""
+    """{"accuracy": rows, "dsbench": rows}; a row: run, name, dataset, metric, key, before, after (the last)
+    and best with their steps, delta and best_delta, unit, samples, and a note (fallbacks, training
+    overlap)."""
     out = {"accuracy": [], "dsbench": []}
     for run_dir in run_dirs:
         evals = records(os.path.join(run_dir, "eval.jsonl"))
@@ -75,7 +83,8 @@ def table(run_dirs: list) -> dict:
 
 
 def best_of(key: str, later: list) -> dict:
-    """The evaluation after step 0 with the best value of `key` (the earliest of equals), {} where none has one."""
+    """The evaluation after step 0 with the best value of `key` (the earliest of equals), {} where none has
+    one."""
     valued = [r for r in later if r.get(key) is not None]
     if not valued:
         return {}
@@ -103,7 +112,8 @@ def row(run_dir: str, dataset: str, key: str, label: str, before: dict, later: l
         notes.append(f"{overlap} problems are training problems: not held out")
     shape = last or before
     return {"run": run_dir, "name": run_name(run_dir), "dataset": dataset, "metric": label, "key": key,
-            "before": b, "after": a, "best": top, "before_step": before.get("step"), "after_step": last.get("step"),
+            "before": b, "after": a, "best": top, "before_step": before.get("step"),
+            "after_step": last.get("step"),
             "best_step": best.get("step"), "delta": None if a is None or b is None else a - b,
             "best_delta": None if top is None or b is None else top - b, "unit": "%" if percent else "",
             "samples": f"{shape.get('n_problems')} x {shape.get('n_samples')}", "note": "; ".join(notes)}
@@ -114,16 +124,18 @@ def markdown(result: dict) -> str:
     for kind, title in (("accuracy", "Accuracy"), ("dsbench", "DSBench")):
         if not result[kind]:
             continue
-        parts += [f"## {title}", "", "| run | eval set | metric | before (step 0) | after: last | Δ last | after: best "
-                  "| Δ best | problems x samples | note |", "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
+        parts += [f"## {title}", "", "| run | eval set | metric | before (step 0) | after: last | Δ last | "
+                  "after: best | Δ best | problems x samples | note |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
         for r in result[kind]:
             cells = [f"{_num(r['before'])}"]
             for value, step, change in ((r["after"], r["after_step"], r["delta"]),
                                         (r["best"], r["best_step"], r["best_delta"])):
                 cells.append("-" if value is None else f"{_num(value)} (step {step})")
-                cells.append("-" if change is None else f"{change:+.1f} pp" if r["unit"] else f"{change:+.4f}")
-            parts.append(f"| {r['name']} | {r['dataset']} | {r['metric']} | {' | '.join(cells)} | {r['samples']} | "
-                         f"{r['note']} |")
+                cells.append("-" if change is None
+                             else f"{change:+.1f} pp" if r["unit"] else f"{change:+.4f}")
+            parts.append(f"| {r['name']} | {r['dataset']} | {r['metric']} | {' | '.join(cells)} | "
+                         f"{r['samples']} | {r['note']} |")
         parts.append("")
     return "\n".join(parts)
 

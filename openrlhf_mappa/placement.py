@@ -749,9 +749,10 @@ def host_memory_gib(available: bool = False) -> float:
 
 
 def usable_cores(cgroup: str = "/sys/fs/cgroup") -> int:
-    """The cores this process may use: its CPU affinity, within its container's CPU quota, where os.cpu_count()
-    counts every core of the host. The quota as Ray's own count reads it: cgroup v2's cpu.max ("QUOTA PERIOD" or
-    "max PERIOD"), else cgroup v1's cpu/cpu.cfs_quota_us over cpu/cpu.cfs_period_us (-1: none)."""
+    """The cores this process may use: its CPU affinity, within its container's CPU quota, where
+    os.cpu_count() counts every core of the host. The quota as Ray's own count reads it: cgroup v2's cpu.max
+    ("QUOTA PERIOD" or "max PERIOD"), else cgroup v1's cpu/cpu.cfs_quota_us over cpu/cpu.cfs_period_us (-1:
+    none)."""
     cores = len(os.sched_getaffinity(0))
     try:
         with open(os.path.join(cgroup, "cpu.max")) as f:
@@ -818,15 +819,17 @@ def node_check(modules) -> tuple:
 
 
 def node_gpus() -> list:
-    """[(GiB, compute mode)] of this node's GPUs as nvidia-smi lists them ([] without it). It lists them in a task
-    that holds none (Ray hides them from CUDA there): a CPU head without --mappa.gpu_memory_gib still plans the
-    GPUs' memory, and a GPU that admits one process (Exclusive_Process) is named before any actor starts."""
+    """[(GiB, compute mode)] of this node's GPUs as nvidia-smi lists them ([] without it). It lists them in a
+    task that holds none (Ray hides them from CUDA there): a CPU head without --mappa.gpu_memory_gib still
+    plans the GPUs' memory, and a GPU that admits one process (Exclusive_Process) is named before any actor
+    starts."""
     query = ["nvidia-smi", "--query-gpu=memory.total,compute_mode", "--format=csv,noheader,nounits"]
     try:
         proc = subprocess.run(query, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):  # no NVIDIA driver here
         return []
-    rows = [line.split(",") for line in proc.stdout.splitlines() if line.strip()] if proc.returncode == 0 else []
+    rows = ([line.split(",") for line in proc.stdout.splitlines() if line.strip()]
+            if proc.returncode == 0 else [])
     return [(int(mib) / 1024, mode.strip()) for mib, mode in rows]
 
 

@@ -149,12 +149,14 @@ def load_run(run_dir: str) -> dict:
             names = [k for k in dict.fromkeys(k for r in rows for k in r)
                      if k not in EVAL_FIELDS and not k.startswith("agent/")]
             size = f" ({rows[-1].get('n_problems', '?')} problems x {rows[-1].get('n_samples', '?')} samples)"
-            # Fractions on their 0-1 axis, apart from the counts (coach requests, token counts) and the coach-graded
-            # accuracy (the raw 0-10 score where the coach gives no ANSWER_CORRECT), which would flatten them.
+            # Fractions on their 0-1 axis, apart from the counts (coach requests, token counts) and the
+            # coach-graded accuracy (the raw 0-10 score where the coach gives no ANSWER_CORRECT), which would
+            # flatten them.
             rates = [k for k in names if k == "accuracy" or k.endswith(("_rate", "relative_score"))]
             others = [k for k in names if k not in rates and k != "accuracy_coach"]
             evaluation.append(chart(d + size, [series(rows, k, k) for k in rates], [0, 1]))
-            evaluation.append(chart(f"{d}: accuracy_coach", [series(rows, "accuracy_coach", "accuracy_coach")]))
+            evaluation.append(chart(f"{d}: accuracy_coach",
+                                    [series(rows, "accuracy_coach", "accuracy_coach")]))
             evaluation.append(chart(f"{d}: counts and metrics", [series(rows, k, k) for k in others]))
             evaluation += agent_charts(rows, agents, f"{d}: ")  # behaviour on the evaluation set, as in training
 

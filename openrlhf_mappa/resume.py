@@ -21,10 +21,10 @@ from openrlhf_mappa.placement import trainee_specs
 CHECKPOINT_MARKER = "mappa_checkpoint.json"  # in --ckpt.path: the last step that every agent saved
 SETTINGS_RECORD = "run_settings.json"  # in --mappa.run_dir: the settings that shape the run (run_settings)
 
-# The flags that shape what a run trains, recorded at the start and compared on resume (check_resume): a resume
-# with another batch, learning rate or KL would continue the checkpoint's optimizer, schedule and data position
-# on other terms. Not here: what changes memory or speed only (micro batches, offload, engines, the packing) and
-# where things go, so that a run that ran out of memory resumes with a smaller micro batch.
+# The flags that shape what a run trains, recorded at the start and compared on resume (check_resume): a
+# resume with another batch, learning rate or KL would continue the checkpoint's optimizer, schedule and data
+# position on other terms. Not here: what changes memory or speed only (micro batches, offload, engines, the
+# packing) and where things go, so that a run that ran out of memory resumes with a smaller micro batch.
 RUN_SHAPING = (
     "--rollout.batch_size", "--rollout.n_samples_per_prompt", "--train.batch_size", "--train.num_episodes",
     "--train.max_epochs", "--train.seed", "--train.async_enable", "--data.max_len", "--rollout.max_new_tokens",
@@ -40,8 +40,8 @@ RUN_SHAPING = (
 
 
 def run_settings(args, topology) -> dict:
-    """What a run's training depends on beyond its tasks, as written to SETTINGS_RECORD: each RUN_SHAPING flag's
-    value, and the topology's content (each top-level key, and each agent's keys under its name)."""
+    """What a run's training depends on beyond its tasks, as written to SETTINGS_RECORD: each RUN_SHAPING
+    flag's value, and the topology's content (each top-level key, and each agent's keys under its name)."""
     settings = {flag: functools.reduce(getattr, flag[2:].split("."), args) for flag in RUN_SHAPING}
     content = dataclasses.asdict(topology)
     for agent in content.pop("agents"):
@@ -52,7 +52,8 @@ def run_settings(args, topology) -> dict:
 
 
 def changed_settings(recorded: dict, now: dict) -> list:
-    """One line per setting whose value differs between the record and now (a key only one side has: absent)."""
+    """One line per setting whose value differs between the record and now (a key only one side has:
+    absent)."""
     lines = []
     for key in [*now, *(k for k in recorded if k not in now)]:
         before, after = recorded.get(key, "(absent)"), now.get(key, "(absent)")
@@ -139,20 +140,23 @@ def check_resume(args, topology, task_ids: list) -> tuple:
 
 
 def settings_problem(args, topology, step: int) -> str:
-    """check_resume's refusal of settings that differ from the run's record ("" where none differ, or the run has no
-    record: one from before they were recorded); with --mappa.allow_resume_changes, a warning instead."""
+    """check_resume's refusal of settings that differ from the run's record ("" where none differ, or the run
+    has no record: one from before they were recorded); with --mappa.allow_resume_changes, a warning
+    instead."""
     recorded = os.path.join(args.mappa.run_dir, SETTINGS_RECORD)
     if not os.path.exists(recorded):
         return ""
-    changed = changed_settings(read_record(recorded, "the record of the run's settings"), run_settings(args, topology))
+    changed = changed_settings(read_record(recorded, "the record of the run's settings"),
+                               run_settings(args, topology))
     if changed and args.mappa.allow_resume_changes:
         print(f"[mappa] WARNING: resume with --mappa.allow_resume_changes: from step {step} on, "
               + "; ".join(changed), file=sys.stderr, flush=True)
     elif changed:
         shown = "".join(f"\n  {line}" for line in changed)
-        return (f"resume: this launch changes settings that shape the run ({recorded} records those it trained with "
-                f"until step {step}):{shown}\nresume with the run's settings, or pass --mappa.allow_resume_changes to "
-                f"continue with these from step {step} on (recorded as the run's from then on)")
+        return (f"resume: this launch changes settings that shape the run ({recorded} records those it "
+                f"trained with until step {step}):{shown}\nresume with the run's settings, or pass "
+                f"--mappa.allow_resume_changes to continue with these from step {step} on (recorded as the "
+                "run's from then on)")
     return ""
 
 

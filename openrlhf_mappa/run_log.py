@@ -42,8 +42,8 @@ class RunLog:
             ag.trainer.gate.log.clear()
 
     def evaluation(self, step: int, dataset: str, summary: dict, problems: list, grader: str = None):
-        """One line in eval.jsonl (read by `mappa report` and `mappa paper-table`, which heads `accuracy` with the
-        environment's `grader`), the per-problem results in eval/, the loggers' eval/."""
+        """One line in eval.jsonl (read by `mappa report` and `mappa paper-table`, which heads `accuracy` with
+        the environment's `grader`), the per-problem results in eval/, the loggers' eval/."""
         os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
         with open(os.path.join(self.run_dir, "eval", f"{dataset}-step{step}.json"), "w", encoding="utf-8") as f:
             json.dump({"step": step, "dataset": dataset, "summary": summary, "problems": problems}, f, indent=1)

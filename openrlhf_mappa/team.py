@@ -55,8 +55,9 @@ def play(topology: Union[Topology, str], task: dict, replies: Union[list, Callab
     answering with scripted replies: a list taken in the order they act, or a function (agent name, turn) ->
     reply. Rounds, limits and the environment's calls are the rollout's, without models, coach or cluster: a
     unit test of an environment. `workspace`: where its code runs (default: a new temporary directory);
-    `truncated_at`: the token limit every reply is taken as cut off at (what judge hears), None: whole replies.
-    Each hook's return is checked as the rollout checks it: a wrong one is a ValueError naming the hook."""
+    `truncated_at`: the token limit every reply is taken as cut off at (what judge hears), None: whole
+    replies. Each hook's return is checked as the rollout checks it: a wrong one is a ValueError naming the
+    hook."""
     from openrlhf_mappa.envs.base import returned_problem
     from openrlhf_mappa.rollout import check_round, over_limit
 

@@ -23,8 +23,8 @@ each to a copy of the installed package and runs its check there, and on an unpa
   imports without it (the runtime patch `flash_attn_stub` goes).
 Upstream's own unit tests (OpenRLHF's tests/ at v0.11.0, the nearest tag to 0.11.2) run against each patched
 copy by benchmarks/upstream_tests.py: 20 of 22 pass with every patch, as on the unpatched copy (the same 2
-loss-aggregation tests fail there, written for a later PolicyLoss); the get_parser patch needs its test change,
-`openrlhf_train_ppo_ray_get_parser.tests.diff`, part of the same pull request.
+loss-aggregation tests fail there, written for a later PolicyLoss); the get_parser patch needs its test
+change, `openrlhf_train_ppo_ray_get_parser.tests.diff`, part of the same pull request.
 The .patch files are documents, not installed with the package (setup.py's package_data leaves them out); the
 tests read them from the checkout.
 """

@@ -47,8 +47,8 @@ class LevelEnv(MathChatEnv):
         if level not in (1, 2, 3):
             raise ValueError(f"level must be 1, 2 or 3, got {level!r}")
 '''
-# The second new-user trial's judge: a bare number where a reply was cut off (read as "no grade", or a TypeError in
-# the heuristic coach once the run was up).
+# The second new-user trial's judge: a bare number where a reply was cut off (read as "no grade", or a
+# TypeError in the heuristic coach once the run was up).
 BARE_JUDGE = '''from openrlhf_mappa.envs.mathchat import MathChatEnv
 
 
@@ -142,8 +142,8 @@ LAUNCHER = [
     case("actor.adam.lr -0.1", ["--actor.adam.lr", "-0.1"], "argument --actor.adam.lr: -0.1 is out of range", code=2),
     # OpenRLHF's assertion named no flag: "The number of sample batches must be greater than or equal to ..."
     case("rollout micro batch above a step's samples", ["--rollout.micro_batch_size", "16"],
-         "agent 'solver': a step's 2 samples (--rollout.batch_size 2 x --rollout.n_samples_per_prompt 1) make 0 "
-         "micro-batches of --rollout.micro_batch_size 16, fewer than its 1 data-parallel actor ranks "
+         "agent 'solver': a step's 2 samples (--rollout.batch_size 2 x --rollout.n_samples_per_prompt 1) "
+         "make 0 micro-batches of --rollout.micro_batch_size 16, fewer than its 1 data-parallel actor ranks "
          "(--actor.num_nodes x --actor.num_gpus_per_node): lower --rollout.micro_batch_size to 2 or raise "
          "--rollout.batch_size"),
     # argparse took an exponent form for a flag: "argument --actor.adam.lr: expected one argument"
@@ -213,9 +213,9 @@ LAUNCHER = [
          "tasks.jsonl: line 1: missing 'question' (its columns: prompt, answer; name the task text's with "
          "--data.input_key COLUMN)"),
     case("a missing parquet file (not sent to the Hub)", ["--data.prompt_dataset", "gone.parquet"],
-         "--data.prompt_dataset gone.parquet: [Errno 2] No such file or directory: 'gone.parquet' (relative to {cwd}): "
-         "give the path of a task file (.json, .jsonl, .csv, .parquet, .arrow) or folder, or a Hugging Face dataset "
-         "name"),
+         "--data.prompt_dataset gone.parquet: [Errno 2] No such file or directory: 'gone.parquet' (relative "
+         "to {cwd}): give the path of a task file (.json, .jsonl, .csv, .parquet, .arrow) or folder, or a "
+         "Hugging Face dataset name"),
     case("a missing eval file", ["--eval.dataset", "gone.json"],
          "--eval.dataset gone.json: [Errno 2] No such file or directory: 'gone.json' (relative to {cwd})"),
     case("probabilities for another count of datasets", ["--data.prompt_probs", "0.5,0.5"],
@@ -304,8 +304,10 @@ LAUNCHER = [
     case("run_dir under a file", ["--mappa.run_dir", "notes.txt/run"],
          "--mappa.run_dir notes.txt/run: cannot be created: {cwd}/notes.txt is a file, not a directory",
          files={"notes.txt": "x"}),
-    # Not access: a file system that holds no new directories refuses even root (the traceback of a PermissionError).
-    case("run_dir on /sys", ["--mappa.run_dir", "/sys/mappa-run"], "--mappa.run_dir /sys/mappa-run: cannot be "),
+    # Not access: a file system that holds no new directories refuses even root (the traceback of a
+    # PermissionError).
+    case("run_dir on /sys", ["--mappa.run_dir", "/sys/mappa-run"], "--mappa.run_dir /sys/mappa-run: cannot "
+                                                                   "be "),
     case("ckpt.path under a file", ["--ckpt.path", "notes.txt/ckpt"],
          "--ckpt.path notes.txt/ckpt: cannot be created: {cwd}/notes.txt is a file, not a directory",
          files={"notes.txt": "x"}),
@@ -316,11 +318,12 @@ LAUNCHER = [
          "--logger.tensorboard_dir notes.txt/tb: cannot be created: {cwd}/notes.txt is a file",
          files={"notes.txt": "x"}),
     case("CSV row with an unquoted comma", ["--data.prompt_dataset", "gifts.csv"],
-         "gifts.csv: line 3: 4 fields, but the header has 3 (id,prompt,answer): put a field that holds a comma in "
-         "double quotes", files={"gifts.csv": 'id,prompt,answer\ng1,"1 + 1, please?",2\ng2,2 + 2, please?,4\n'}),
+         "gifts.csv: line 3: 4 fields, but the header has 3 (id,prompt,answer): put a field that holds a "
+         "comma in double quotes", files={"gifts.csv": 'id,prompt,answer\ng1,"1 + 1, please?",2\ng2,2 + 2, '
+                                              'please?,4\n'}),
     case("judge returns a bare 0.0", [], "t.yaml: env 'bareenv:BareEnv' on task '1', every agent replying 'A "
-         "scripted reply of `mappa check`: 42.', cut off at 64 tokens: ValueError: BareEnv.judge returned 0.0: "
-         "expected None or a tuple (score: a number in [0, 10], why: str, failed: bool)",
+         "scripted reply of `mappa check`: 42.', cut off at 64 tokens: ValueError: BareEnv.judge returned "
+         "0.0: expected None or a tuple (score: a number in [0, 10], why: str, failed: bool)",
          files={"bareenv.py": BARE_JUDGE.format(cut="0.0"), "t.yaml": topology(env="bareenv:BareEnv")}),
     case("judge returns a bare 0.5", [], "BareEnv.judge returned 0.5: expected None or a tuple",
          files={"bareenv.py": BARE_JUDGE.format(cut="0.5"), "t.yaml": topology(env="bareenv:BareEnv")}),
@@ -403,8 +406,8 @@ TOOLS = [
          "mappa coach score: list.jsonl: line 1: a JSON list, not one record (a JSON object) per line",
          files={"list.jsonl": json.dumps([{"episode_id": "e", "actions": []}]) + "\n"}),
     tool("coach score a binary episodes file", [*SCORE[:3], "run.sqlite", *SCORE[4:]],
-         "mappa coach score: run.sqlite: line 1: byte 0x89 is not UTF-8: not a JSONL file of a run (one JSON record "
-         "per line)", files={"run.sqlite": b"\x89PNG\r\n\x1a\n\x00\x00"}),
+         "mappa coach score: run.sqlite: line 1: byte 0x89 is not UTF-8: not a JSONL file of a run (one JSON "
+         "record per line)", files={"run.sqlite": b"\x89PNG\r\n\x1a\n\x00\x00"}),
     tool("coach score --mappa.coach.max_concurrency 0", [*SCORE, "--mappa.coach.max_concurrency", "0"],
          "argument --mappa.coach.max_concurrency: 0 is out of range", code=2),
     tool("coach score --mappa.coach.timeout 0", [*SCORE, "--mappa.coach.timeout", "0"],
@@ -413,8 +416,8 @@ TOOLS = [
          "--mappa.coach.base_url: read by the openai and trained coaches only", files=EPISODES),
     # The old spelling, before the coach flags were the training run's (issue 62).
     tool("coach score --kind", [*SCORE[:-2], "--kind", "heuristic"],
-         "mappa: error: unrecognized arguments: --kind heuristic\n  --kind: replaced by --mappa.coach.kind (mappa "
-         "coach score takes the training run's --mappa.coach.* flags)", code=2),
+         "mappa: error: unrecognized arguments: --kind heuristic\n  --kind: replaced by --mappa.coach.kind "
+         "(mappa coach score takes the training run's --mappa.coach.* flags)", code=2),
     tool("coach score --mappa.coach.kind trained", [*SCORE[:-1], "trained"],
          "mappa coach score: error: --mappa.coach.kind trained: a trained coach judges inside its run only", code=2),
     tool("coach score missing template", [*SCORE, "--template", "missing.txt"],
@@ -470,8 +473,8 @@ TOOLS = [
                                                  "--out", "pack", "--task-text", "raw"],
          "mappa dsbench import: meta.json: entry 1 is not a task's record", files={"meta.json": "[1, 2]"}, code=2),
     tool("dsbench score a directory", ["dsbench", "score", "--task-dir", ".", "--submission", "ws"],
-         "mappa dsbench score: --submission ws: a directory; give the submission's CSV file (ws/submission.csv is "
-         "there)", files={"ws/submission.csv": "id,y\n1,2\n"}, code=2),
+         "mappa dsbench score: --submission ws: a directory; give the submission's CSV file "
+         "(ws/submission.csv is there)", files={"ws/submission.csv": "id,y\n1,2\n"}, code=2),
     tool("dsbench import data root missing", ["dsbench", "import", "--data-root", "nowhere", "--metadata", "meta.json",
                                               "--out", "pack", "--task-text", "raw"],
          "mappa dsbench import: --data-root nowhere: not a directory", files={"meta.json": jsonl({"metadata": {}})},

@@ -83,14 +83,16 @@ def test_a_launch_that_would_start_passes_every_check(tmp_path, tiny_model):
     # One real scoring request; the rule server's score of "2 + 2 = 4." is its distinct characters mod 11.
     assert len(scored) == 1 and rows["coach"][1].startswith(f"openai rule: scored a test action {len(set('2 + 2 = 4.')) % 11} ")
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
-    assert "Unclosed" not in out  # the test action's HTTP session is closed (aiohttp warned of it above the table)
+    # the test action's HTTP session is closed (aiohttp warned of it above the table)
+    assert "Unclosed" not in out
 
 
 def test_a_config_only_model_fails_its_own_row_and_every_other_check_runs(tmp_path, tiny_model):
     # Catches the old table, whose first row checked the models too: with `mappa plan`'s config-only directory
     # (no tokenizer, or a hub id out of reach), every other check was "not run: it needs team".
     code, rows, out = check(tmp_path, tiny_model, "--mappa.model", f"{REPO}/tests/fixtures/qwen3-4b")
-    assert code == 1 and rows["models"][0] == "FAILED" and "it has no tokenizer files" in rows["models"][1], out
+    assert (code == 1 and rows["models"][0] == "FAILED"
+            and "it has no tokenizer files" in rows["models"][1]), out
     assert [what for what, (verdict, _) in rows.items() if verdict != "ok"] == ["models"], out
 
 
@@ -111,8 +113,9 @@ def test_a_coach_url_without_v1_is_named(tmp_path, tiny_model):
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{httpd.server_port}"
     try:
-        code, rows, out = check(tmp_path, tiny_model, "--mappa.coach.kind", "openai", "--mappa.coach.base_url", url,
-                                "--mappa.coach.model", "m", topology=coach_topology(tmp_path))
+        code, rows, out = check(tmp_path, tiny_model, "--mappa.coach.kind", "openai",
+                                "--mappa.coach.base_url", url, "--mappa.coach.model", "m",
+                                topology=coach_topology(tmp_path))
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -181,7 +184,8 @@ def test_the_gpu_script_names_a_missing_ray_cluster_before_submitting(tmp_path):
     stub = tmp_path / "bin"
     stub.mkdir()
     (stub / "python3").write_text("#!/bin/sh\nexit 0\n")
-    (stub / "ray").write_text(f"#!/bin/sh\n[ \"$1\" = status ] && exit 1\necho \"$@\" > {tmp_path / 'submitted.txt'}\n")
+    (stub / "ray").write_text("#!/bin/sh\n[ \"$1\" = status ] && exit 1\necho \"$@\" > "
+                              f"{tmp_path / 'submitted.txt'}\n")
     for name in ("python3", "ray"):
         (stub / name).chmod(0o755)
     env = {"PATH": f"{stub}:/usr/bin:/bin", "MAPPA_SKIP_DATA_CHECK": "1", "HOME": str(tmp_path)}
@@ -189,5 +193,5 @@ def test_the_gpu_script_names_a_missing_ray_cluster_before_submitting(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and not (tmp_path / "submitted.txt").exists(), proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "[mappa] no Ray cluster is running here (`ray status` found none): start one first (`ray start --head "
-        "--num-gpus 6`, or join this node to yours), then run this script again")
+        "[mappa] no Ray cluster is running here (`ray status` found none): start one first (`ray start "
+        "--head --num-gpus 6`, or join this node to yours), then run this script again")

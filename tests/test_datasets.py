@@ -132,8 +132,9 @@ def test_a_bad_row_in_a_blend_is_named_in_its_own_dataset(tmp_path):
 
 
 def test_a_csv_row_with_an_unquoted_comma_is_refused_not_shifted(tmp_path):
-    # Catches the old loader: pandas took the row's first field for an implicit index (__index_level_0__), and the
-    # task loaded as {'id': 'A tag for Ana', 'request': ' who loves cake.', ...} ("8 of the 8" in mappa check).
+    # Catches the old loader: pandas took the row's first field for an implicit index (__index_level_0__), and
+    # the task loaded as {'id': 'A tag for Ana', 'request': ' who loves cake.', ...} ("8 of the 8" in mappa
+    # check).
     (tmp_path / "gifts.csv").write_text("id,request,must_contain\ng0,A tag for Bo, who sings.,song\n"
                                         "g1,A tag for Ana, who loves cake.,cake\n")  # every row: the trial's
     with pytest.raises(ValueError, match="gifts.csv: line 2: 4 fields, but the header has 3"):
@@ -143,13 +144,13 @@ def test_a_csv_row_with_an_unquoted_comma_is_refused_not_shifted(tmp_path):
     with pytest.raises(ValueError) as err:
         load_tasks(str(tmp_path / "gifts.csv"), input_key="request", label_key="must_contain")
     assert str(err.value) == (f"{tmp_path}/gifts.csv: line 4: 4 fields, but the header has 3 "
-                              f"(id,request,must_contain): put a field that holds a comma in double quotes, e.g. "
-                              f"\"A tag for Ana, who loves cake.\"")
+                              "(id,request,must_contain): put a field that holds a comma in double quotes, "
+                              f"e.g. \"A tag for Ana, who loves cake.\"")
     (tmp_path / "gifts.csv").write_text('id,request,must_contain\ng0,"A tag for Bo, who\nsings.",song\n\n'
                                         'g1,"A tag for Ana, who loves cake.",cake\n')  # quoted: as written
     tasks = load_tasks(str(tmp_path / "gifts.csv"), input_key="request", label_key="must_contain")
-    assert [(t["id"], t["prompt"], t["answer"]) for t in tasks] == [("g0", "A tag for Bo, who\nsings.", "song"),
-                                                                     ("g1", "A tag for Ana, who loves cake.", "cake")]
+    assert [(t["id"], t["prompt"], t["answer"]) for t in tasks] == [
+        ("g0", "A tag for Bo, who\nsings.", "song"), ("g1", "A tag for Ana, who loves cake.", "cake")]
 
 
 def test_a_folder_not_created_yet_is_named_at_once_when_the_hub_is_out_of_reach(tmp_path, monkeypatch):
@@ -163,10 +164,10 @@ def test_a_folder_not_created_yet_is_named_at_once_when_the_hub_is_out_of_reach(
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     with pytest.raises(ValueError) as err:
         load_tasks("data/gifts")
-    assert str(err.value) == (f"data/gifts: no local file or folder (relative to {tmp_path}), and the Hugging Face Hub "
-                              f"(http://127.0.0.1:9) could not be reached to look it up as a dataset name "
-                              f"(ConnectError): check the path; a Hub dataset needs the network, or its copy in the "
-                              f"cache and HF_HUB_OFFLINE=1")
+    assert str(err.value) == (f"data/gifts: no local file or folder (relative to {tmp_path}), and the "
+                              "Hugging Face Hub (http://127.0.0.1:9) could not be reached to look it up as "
+                              "a dataset name (ConnectError): check the path; a Hub dataset needs the "
+                              f"network, or its copy in the cache and HF_HUB_OFFLINE=1")
 
 
 class WriterEnv(MultiAgentEnv):

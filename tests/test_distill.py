@@ -204,8 +204,8 @@ def distill(model, out, *flags):
 
 
 # ---------------------------------------------------------------- what train_sft gets (issue 63)
-# Qwen3's chat template in the part that matters here: a finished assistant turn after the last user message gets
-# an empty reasoning block that the generation prompt does not.
+# Qwen3's chat template in the part that matters here: a finished assistant turn after the last user message
+# gets an empty reasoning block that the generation prompt does not.
 QWEN3_STYLE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'assistant' and loop.last %}"
@@ -217,8 +217,8 @@ QWEN3_STYLE = (
 
 
 def coach_base(tmp_path, chat_template=None):
-    """A base model directory as distill reads it before train_sft (config and the tiny byte-level tokenizer, one
-    token per byte, `chat_template` if given)."""
+    """A base model directory as distill reads it before train_sft (config and the tiny byte-level tokenizer,
+    one token per byte, `chat_template` if given)."""
     from openrlhf_mappa.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -230,8 +230,8 @@ def coach_base(tmp_path, chat_template=None):
 
 
 def judged_run(tmp_path, lengths):
-    """An episodes file, one action per episode, the agent's output `lengths[i]` bytes long, judged 0-10 by the
-    heuristic coach's verdict format; and the topology."""
+    """An episodes file, one action per episode, the agent's output `lengths[i]` bytes long, judged 0-10 by
+    the heuristic coach's verdict format; and the topology."""
     topology = tmp_path / "t.yaml"
     topology.write_text(yaml.safe_dump({
         "name": "t", "env": "mathchat", "coach_template": COACH_TEMPLATE, "score_key": KEY,
@@ -257,8 +257,8 @@ def distill_data(*argv):
 
 
 def trained(command):
-    """{prompt text: the text of its tokens under the loss mask} for the rows that OpenRLHF's SFTDataset (real) keeps
-    of the command's data, its data flags read with train_sft's own defaults."""
+    """{prompt text: the text of its tokens under the loss mask} for the rows that OpenRLHF's SFTDataset
+    (real) keeps of the command's data, its data flags read with train_sft's own defaults."""
     import argparse
     from types import SimpleNamespace
 
@@ -275,9 +275,11 @@ def trained(command):
     flags = vars(p.parse_known_args(command)[0])
     tokenizer = AutoTokenizer.from_pretrained(flags["model.model_name_or_path"])
     data = SimpleNamespace(input_key=flags["data.input_key"], output_key=flags["data.output_key"],
-                           apply_chat_template=flags["data.apply_chat_template"], tokenizer_chat_template=None)
+                           apply_chat_template=flags["data.apply_chat_template"],
+                           tokenizer_chat_template=None)
     rows = load_dataset("json", data_files=flags["data.dataset"], split="train")
-    dataset = SFTDataset(rows, tokenizer, flags["data.max_len"], SimpleNamespace(args=SimpleNamespace(data=data)),
+    dataset = SFTDataset(rows, tokenizer, flags["data.max_len"],
+                         SimpleNamespace(args=SimpleNamespace(data=data)),
                          input_template=flags["data.input_template"], num_processors=1)
     out = {}
     for i in range(len(dataset)):
@@ -287,23 +289,27 @@ def trained(command):
 
 
 def test_train_sft_gets_every_row_whole_or_a_row_is_left_out_counted_and_named(tmp_path):
-    # Issue 63 (review 3, finding 1): train_sft's default --data.max_len 2048 dropped every prompt over it and cut
-    # the replies of the rest, unseen. One byte per token: the output's length sets each row's.
+    # Issue 63 (review 3, finding 1): train_sft's default --data.max_len 2048 dropped every prompt over it and
+    # cut the replies of the rest, unseen. One byte per token: the output's length sets each row's.
     lengths = [100, 3000, 500, 2500, 50, 4000, 1200, 60, 700, 90]
     path, topology = judged_run(tmp_path, lengths)
     base = coach_base(tmp_path)
     flags = ["--episodes", path, "--mappa.topology", topology, "--model.model_name_or_path", base,
-             "--mappa.coach.held_out_fraction", "0.2", "--train.batch_size", "2", "--train.micro_batch_size", "1"]
-    _, train, held, skipped, left_out, command = distill_data(*flags, "--ckpt.output_dir", str(tmp_path / "a"))
+             "--mappa.coach.held_out_fraction", "0.2", "--train.batch_size", "2",
+             "--train.micro_batch_size", "1"]
+    _, train, held, skipped, left_out, command = distill_data(*flags, "--ckpt.output_dir",
+                                                              str(tmp_path / "a"))
     assert not skipped and not left_out and len(train) + len(held) == 10
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
-    tokens = {r["episode_id"]: len(tokenizer(r["sft_prompt"] + r["sft_response"])["input_ids"]) for r in train}
+    tokens = {r["episode_id"]: len(tokenizer(r["sft_prompt"] + r["sft_response"])["input_ids"])
+              for r in train}
     # The longest training row's prompt and target, over train_sft's default 2048
     assert int(command[command.index("--data.max_len") + 1]) == max(tokens.values()) > 2048
     kept = trained(command)
-    assert {r["sft_prompt"]: r["sft_response"] for r in train} == kept  # each row whole: prompt and target+EOS
+    # each row whole: prompt and target+EOS
+    assert {r["sft_prompt"]: r["sft_response"] for r in train} == kept
     assert all(r["sft_response"].endswith("<|im_end|>") for r in train)
 
     # A user's --data.max_len: the rows it cannot hold whole are left out here, each named with its tokens.
@@ -328,28 +334,31 @@ def test_a_target_is_trained_where_the_coach_samples_it_whatever_the_template_ad
     path, topology = judged_run(tmp_path, [10, 20, 30, 40, 50, 60])
     base = coach_base(tmp_path, QWEN3_STYLE)
     _, train, held, _, _, command = distill_data(
-        "--episodes", path, "--mappa.topology", topology, "--model.model_name_or_path", base, "--ckpt.output_dir",
-        str(tmp_path / "out"), "--mappa.coach.reply", reply, "--mappa.coach.held_out_fraction", "0.3",
+        "--episodes", path, "--mappa.topology", topology, "--model.model_name_or_path", base,
+        "--ckpt.output_dir", str(tmp_path / "out"), "--mappa.coach.reply", reply,
+        "--mappa.coach.held_out_fraction", "0.3",
         "--train.batch_size", "1", "--train.micro_batch_size", "1")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     kept = trained(command)
     assert len(kept) == len(train) and held
-    for row in train + held:  # the prefix a coach samples after (AgentPolicy.prompt_ids, vLLM's chat endpoint)
-        assert row["sft_prompt"] == tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
-                                                                  tokenize=False, add_generation_prompt=True)
+    # the prefix a coach samples after (AgentPolicy.prompt_ids, vLLM's chat endpoint)
+    for row in train + held:
+        assert row["sft_prompt"] == tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True)
     for row in train:
-        expect = (str(min(9, int(row["score"] + 0.5))) if reply == "digit" else row["response"]) + "<|im_end|>"
+        expect = ((str(min(9, int(row["score"] + 0.5))) if reply == "digit" else row["response"])
+                  + "<|im_end|>")
         assert kept[row["sft_prompt"]] == expect and "<think>" not in kept[row["sft_prompt"]]
 
 
 def test_a_batch_the_processes_cannot_split_and_a_missing_flash_attn_are_refused_before_any_model_loads(
         tmp_path, monkeypatch):
     # Issue 63 (findings 2, 11). MOCKED: this machine's GPUs (8 reported by detect_gpus; the test machine has
-    # none). The docs' --train.batch_size 32 at train_sft's micro-batch 8 over 8 processes was 32 // 8 // 8 = 0
-    # accumulation steps, a ZeroDivisionError after every rank loaded the model; train_sft's default flash-attn
-    # failed in every rank's from_pretrained.
+    # none). The docs' --train.batch_size 32 at train_sft's micro-batch 8 over 8 processes was 32 // 8 // 8 =
+    # 0 accumulation steps, a ZeroDivisionError after every rank loaded the model; train_sft's default
+    # flash-attn failed in every rank's from_pretrained.
     import importlib.util
 
     from openrlhf_mappa import placement
@@ -358,22 +367,27 @@ def test_a_batch_the_processes_cannot_split_and_a_missing_flash_attn_are_refused
     assert importlib.util.find_spec("flash_attn") is None  # the CPU environment's
     monkeypatch.setattr(placement, "detect_gpus", lambda: (8, 80.0))
     path, topology = judged_run(tmp_path, [10, 20, 30, 40])
-    argv = ["coach", "distill", "--episodes", path, "--mappa.topology", topology, "--model.model_name_or_path",
-            coach_base(tmp_path), "--ckpt.output_dir", str(tmp_path / "out"), "--train.batch_size", "32"]
+    argv = ["coach", "distill", "--episodes", path, "--mappa.topology", topology,
+            "--model.model_name_or_path", coach_base(tmp_path), "--ckpt.output_dir", str(tmp_path / "out"),
+            "--train.batch_size", "32"]
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert str(e.value) == (  # after the data is read (torch is needed), before any model loads
         "mappa coach distill: 2 problems:\n"
-        "- --train.batch_size 32 is not a multiple of --train.micro_batch_size 8 x 8 data-parallel process(es) (64): "
-        "train_sft accumulates batch // (micro x processes) micro-batches; give --nproc_per_node 4, or a "
-        "--train.batch_size that is a multiple of 64\n"
-        "- --ds.attn_implementation flash_attention_2 needs flash-attn's kernels, and the module flash_attn is not "
-        "installed here: install flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, built for the "
-        "torch and CUDA there) or pass --ds.attn_implementation sdpa (more memory at long contexts)")
+        "- --train.batch_size 32 is not a multiple of --train.micro_batch_size 8 x 8 data-parallel "
+        "process(es) (64): train_sft accumulates batch // (micro x processes) micro-batches; give "
+        "--nproc_per_node 4, or a --train.batch_size that is a multiple of 64\n"
+        "- --ds.attn_implementation flash_attention_2 needs flash-attn's kernels, and the module flash_attn "
+        "is not installed here: install flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, "
+        "built for the torch and CUDA there) or pass --ds.attn_implementation sdpa (more memory at long "
+        "contexts)")
     assert not (tmp_path / "out").exists()  # nothing written
-    with pytest.raises(SystemExit, match="give --nproc_per_node 6, or a --train.batch_size that is a multiple of 48"):
-        main([*argv, "--train.batch_size", "36", "--train.micro_batch_size", "6", "--ds.attn_implementation", "sdpa"])
-    with pytest.raises(SystemExit, match="give a --train.micro_batch_size that divides 32, or a --train.batch_size"):
+    with pytest.raises(SystemExit, match="give --nproc_per_node 6, or a --train.batch_size that is a "
+                                         "multiple of 48"):
+        main([*argv, "--train.batch_size", "36", "--train.micro_batch_size", "6",
+              "--ds.attn_implementation", "sdpa"])
+    with pytest.raises(SystemExit, match="give a --train.micro_batch_size that divides 32, or a "
+                                         "--train.batch_size"):
         main([*argv, "--train.micro_batch_size", "6", "--ds.attn_implementation", "sdpa"])
     with pytest.raises(SystemExit, match="--nproc_per_node 8: not a multiple of --ds.ring_attn_size x "):
         main([*argv, "--ds.ring_attn_size", "3", "--ds.attn_implementation", "sdpa"])
@@ -383,9 +397,9 @@ def test_a_batch_the_processes_cannot_split_and_a_missing_flash_attn_are_refused
 
 
 def test_the_report_generates_on_the_gpu_train_sft_used(tiny_model, monkeypatch):
-    # Issue 63 (finding 6): the report loaded the model with no device, so generate ran on the CPU beside idle GPUs.
-    # MOCKED: a visible GPU (torch.accelerator says one is there; this machine's torch has no CUDA): moving the
-    # model there must fail here, where before it generated on the CPU without trying.
+    # Issue 63 (finding 6): the report loaded the model with no device, so generate ran on the CPU beside idle
+    # GPUs. MOCKED: a visible GPU (torch.accelerator says one is there; this machine's torch has no CUDA):
+    # moving the model there must fail here, where before it generated on the CPU without trying.
     import torch
 
     from openrlhf_mappa.coach.distill import generate

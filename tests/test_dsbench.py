@@ -924,18 +924,22 @@ def test_cli_score(pack, tmp_path):
 
 
 def test_evaluation_reports_dsbench_both_ways_and_its_coach_score_is_no_fallback(pack, tmp_path):
-    """Audit 4, C14: ours (a valid submission.csv; the competition metric) beside the authors' (an episode scored
-    whenever predictions can be read, the second column by position, any rows; accuracy, F1, ROC-AUC, RMSE, MAE,
-    MSE pooled over the scored episodes of every task, multi_agent_world_async.py L385-388, L437-457). DSBench's
-    coach asks no ANSWER_CORRECT: its raw score is the authors' in-loop figure, never counted as a fallback."""
+    """Audit 4, C14: ours (a valid submission.csv; the competition metric) beside the authors' (an episode
+    scored whenever predictions can be read, the second column by position, any rows; accuracy, F1, ROC-AUC,
+    RMSE, MAE, MSE pooled over the scored episodes of every task, multi_agent_world_async.py L385-388,
+    L437-457). DSBench's coach asks no ANSWER_CORRECT: its raw score is the authors' in-loop figure, never
+    counted as a fallback."""
     from openrlhf_mappa.episode import Action, Episode, Verdict
     from openrlhf_mappa.evaluation import summarize
 
     topology = load_topology(str(DSBENCH_YAML))
     breast, diabetes = pack["sk-breast-cancer"], pack["sk-diabetes"]
-    truth = {t["id"]: pd.read_csv(os.path.join(t["answer"], "answers", "test_answer.csv")) for t in (breast, diabetes)}
-    renamed = truth["sk-breast-cancer"].set_axis(["row", "guess"], axis=1).iloc[:-3]  # other columns, 3 rows short
-    regression = truth["sk-diabetes"].assign(target=truth["sk-diabetes"]["target"] + 10.0)  # every value off by 10
+    truth = {t["id"]: pd.read_csv(os.path.join(t["answer"], "answers", "test_answer.csv"))
+             for t in (breast, diabetes)}
+    # other columns, 3 rows short
+    renamed = truth["sk-breast-cancer"].set_axis(["row", "guess"], axis=1).iloc[:-3]
+    # every value off by 10
+    regression = truth["sk-diabetes"].assign(target=truth["sk-diabetes"]["target"] + 10.0)
     plays = [(breast, truth["sk-breast-cancer"]), (breast, renamed), (breast, None), (diabetes, regression)]
     episodes = []
     for i, (task, submission) in enumerate(plays):

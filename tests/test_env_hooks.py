@@ -59,10 +59,11 @@ def test_a_hook_return_of_another_shape_is_named():
     assert returned_problem("outcome", {"success": True, "answer": "4"}) == ""
     assert returned_problem("coach_ground_truth", 4) == "expected a str or None"
     assert returned_problem("answer_formatted", "yes") == "expected True, False or None"
-    assert returned_problem("step", None).startswith("expected a StepResult(feedback: ToolFeedback, done: bool)")
+    assert returned_problem("step", None).startswith("expected a StepResult(feedback: ToolFeedback, done: "
+                                                     "bool)")
     assert returned_problem("step", StepResult(ToolFeedback())) == ""
-    assert returned_problem("observe", "2 + 2?") == "expected a non-empty list of chat messages {'role': str, " \
-                                                    "'content': str}"
+    assert returned_problem("observe", "2 + 2?") == "expected a non-empty list of chat messages {'role': " \
+                                                    "str, 'content': str}"
     assert returned_problem("observe", [{"role": "user", "content": "2 + 2?"}]) == ""
     assert returned_problem("next_agents", "anything") == ""  # rollout.check_round's
 
@@ -80,7 +81,8 @@ def test_agent_compares_equal_to_its_name(gift):
 @pytest.mark.parametrize("grade", [0.0, 0.5])
 def test_a_bare_number_from_judge_is_refused_by_play_naming_the_hook(gift, grade, monkeypatch):
     monkeypatch.setattr(GiftEnv, "grade_cut_off", grade)
-    assert play(gift, TASK, ["ana cake", "cake"]).outcome == {"success": True}  # whole replies: its tuple branch
+    # whole replies: its tuple branch
+    assert play(gift, TASK, ["ana cake", "cake"]).outcome == {"success": True}
     with pytest.raises(ValueError, match=re.escape(f"GiftEnv.judge returned {grade}: {JUDGE}")):
         play(gift, TASK, ["ana cake", "cake"], truncated_at=16)
 
@@ -98,6 +100,7 @@ def test_a_bare_number_from_judge_is_that_episodes_environment_error(gift, grade
     policies["planner"].generate = truncated
     for policy in policies.values():
         policy.max_new_tokens, policy.max_len = 16, 4096
-    episode = asyncio.run(run_episode(gift, dict(TASK), policies, HeuristicCoach(), str(tmp_path / "ws"), step=1))
+    episode = asyncio.run(run_episode(gift, dict(TASK), policies, HeuristicCoach(), str(tmp_path / "ws"),
+                                      step=1))
     assert episode.env_error == f"GiftEnv.judge returned {grade}: {JUDGE}"
     assert episode.outcome == {"success": False} and episode.actions == []

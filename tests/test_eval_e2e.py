@@ -48,7 +48,8 @@ def test_mappa_eval_over_per_agent_checkpoints(tmp_path, tiny_model):
     assert summary["n_problems"] == 3 and summary["n_samples"] == 2
     assert summary["agent/problem_solver/num_actions"] == 6 and summary["agent/verifier/num_actions"] == 6
     assert "tasks: accuracy" in proc.stdout and "problem_solver" in proc.stdout
-    # Ray's and vLLM's output in eval.json.log, as the launcher's in train.log: the terminal keeps the results.
+    # Ray's and vLLM's output in eval.json.log, as the launcher's in train.log: the terminal keeps the
+    # results.
     assert f"[mappa] eval: Ray's and vLLM's output goes to {out}.log" in proc.stdout
     said = (proc.stdout + proc.stderr).splitlines()
     assert len(said) < 40 and "INFO" in open(f"{out}.log").read(), said  # ~100 lines of logs before
@@ -92,13 +93,15 @@ def assert_shared_policy_group_norm_run(run_dir):
     assert [(e["step"], e["dataset"], e["n_problems"], e["n_samples"]) for e in evals] == [(0, "tasks", 2, 2), (1, "tasks", 2, 2)]
     for e in evals:
         detail = json.load(open(run_dir / "eval" / f"tasks-step{e['step']}.json"))
-        assert [p["id"] for p in detail["problems"]] == ["0", "1"] and detail["summary"] == {k: v for k, v in e.items() if k not in ("step", "dataset", "grader")}
+        assert [p["id"] for p in detail["problems"]] == ["0", "1"] and detail["summary"] == {
+            k: v for k, v in e.items() if k not in ("step", "dataset", "grader")}
         for p in detail["problems"]:  # every sample graded against its own problem's reference
             assert all(s["success"] == grade(s["answer"], p["reference"]) for s in p["samples"])
             assert p["pass1"] == sum(s["success"] for s in p["samples"]) / 2
         assert e["accuracy"] == sum(p["pass1"] for p in detail["problems"]) / 2 and e["agent/verifier/num_actions"] == 4
-        # Graded by the coach too (the run's heuristic one asks no ANSWER_CORRECT: its score, no fallback); the eval
-        # set is the training file, allowed by --mappa.allow_eval_overlap and counted. `accuracy` heads as math-verify.
+        # Graded by the coach too (the run's heuristic one asks no ANSWER_CORRECT: its score, no fallback);
+        # the eval set is the training file, allowed by --mappa.allow_eval_overlap and counted. `accuracy`
+        # heads as math-verify.
         assert (e["train_overlap"], e["coach/requests"], e["accuracy_coach/score"]) == (2, 8, 4)
         assert (e["accuracy_coach/score_fallback"], e["grader"]) == (0, "math-verify")
         assert e["accuracy_coach"] == sum(p["pass1_coach"] for p in detail["problems"]) / 2

@@ -138,22 +138,25 @@ def test_flash_attention_without_flash_attn_ring_attention_and_gloo_colocated_on
         "gloo (nccl, the default, passes them by CUDA IPC); gloo is for CPU-only machines"), proc.stderr[-2000:]
 
 
-def test_a_launching_machine_without_gpus_warns_of_the_kernels_each_gpu_node_is_checked_for(monkeypatch, capsys):
-    # Issue 63 (review 3, finding 13): a head or login node without GPUs, running another image than the GPU nodes,
-    # refused flash attention though every GPU node had flash-attn (each is checked at launch, check_placement).
-    # MOCKED: a CUDA build of torch here (compat.cpu_mode), then this machine's GPUs (detect_gpus).
+def test_a_launching_machine_without_gpus_warns_of_the_kernels_each_gpu_node_is_checked_for(monkeypatch,
+                                                                                           capsys):
+    # Issue 63 (review 3, finding 13): a head or login node without GPUs, running another image than the GPU
+    # nodes, refused flash attention though every GPU node had flash-attn (each is checked at launch,
+    # check_placement). MOCKED: a CUDA build of torch here (compat.cpu_mode), then this machine's GPUs
+    # (detect_gpus).
     from openrlhf_mappa import compat
 
     base = ["--mappa.topology", MATHCHAT, "--data.prompt_dataset", "x.jsonl", "--vllm.num_engines", "1"]
     monkeypatch.setattr(compat, "cpu_mode", lambda: False)
     check_this_machine(parse_args(base))  # OpenRLHF's default attention; no flash-attn here
-    fix = ("install flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, built for the torch and CUDA "
-           "there) or pass --ds.attn_implementation sdpa (more memory at long contexts)")
+    fix = ("install flash-attn (`pip install flash-attn==2.8.3 --no-build-isolation`, built for the torch "
+           "and CUDA there) or pass --ds.attn_implementation sdpa (more memory at long contexts)")
     assert capsys.readouterr().err == (
-        f"[mappa] warning: --ds.attn_implementation flash_attention_2 needs flash-attn's kernels, and the module "
-        f"flash_attn is not installed here: {fix}\n(this machine has no GPU: each GPU node is checked for them when "
-        f"the run starts)\n")
-    monkeypatch.setattr(placement, "detect_gpus", lambda: (8, 79.6))  # a machine with GPUs runs what it launches
+        "[mappa] warning: --ds.attn_implementation flash_attention_2 needs flash-attn's kernels, and the "
+        f"module flash_attn is not installed here: {fix}\n(this machine has no GPU: each GPU node is checked "
+        f"for them when the run starts)\n")
+    # a machine with GPUs runs what it launches
+    monkeypatch.setattr(placement, "detect_gpus", lambda: (8, 79.6))
     with pytest.raises(SystemExit, match="the module flash_attn is not installed here"):
         check_this_machine(parse_args(base))
 
@@ -443,7 +446,8 @@ def test_doctor_tells_a_sync_that_arrived_from_one_that_did_not_or_crossed():
     assert {n: ok for n, (ok, _) in sync_verdicts(before, fine).items()} == {"a": True, "b": True}
     stale = dict(fine, engines={"a": [a, a], "b": [b, [0.0] * 4]})  # b's engine 1 kept the initial weights
     verdicts = sync_verdicts(before, stale)
-    assert verdicts["a"][0] and not verdicts["b"][0] and "engines vs its actor 1.0000 nats (median" in verdicts["b"][1]
+    assert (verdicts["a"][0] and not verdicts["b"][0]
+            and "engines vs its actor 1.0000 nats (median" in verdicts["b"][1])
     crossed = dict(fine, engines={"a": [a, a], "b": [b, a]})  # b's engine 1 got a's weights
     verdicts = sync_verdicts(before, crossed)
     assert not verdicts["b"][0] and verdicts["b"][1].endswith("holds the weights of a")
@@ -468,10 +472,11 @@ def test_doctor_tells_a_sync_that_arrived_from_one_that_did_not_or_crossed():
 
 
 def test_the_doctors_sync_check_holds_after_a_step_that_inflates_the_noise_and_an_outlier_token():
-    # Issue 63 (review 3, finding 4): the bound was twice the largest gap measured on the untouched model, checked
-    # against the largest gap after a 1e-2 step on every weight, which inflates the logits and bf16's rounding
-    # with them: a healthy cluster failed. Numbers shaped so: 8 probe tokens, 0.05 apart on one before the step;
-    # after it 0.1 apart on five, and 1.0 on one (a rounding step apart); each actor moved 0.8 a token.
+    # Issue 63 (review 3, finding 4): the bound was twice the largest gap measured on the untouched model,
+    # checked against the largest gap after a 1e-2 step on every weight, which inflates the logits and bf16's
+    # rounding with them: a healthy cluster failed. Numbers shaped so: 8 probe tokens, 0.05 apart on one
+    # before the step; after it 0.1 apart on five, and 1.0 on one (a rounding step apart); each actor moved
+    # 0.8 a token.
     a0, b0 = [-1.0, -2.0, -0.5, -3.0, -1.5, -0.7, -2.2, -0.9], [-2.0, -1.0, -1.5, -0.2, -0.8, -2.5, -1.1, -0.4]
     a1, b1 = [x - 0.8 * (-1) ** i for i, x in enumerate(a0)], [x + 0.8 * (-1) ** i for i, x in enumerate(b0)]
     shift = lambda xs, by: [x + b for x, b in zip(xs, by)]
@@ -480,26 +485,31 @@ def test_the_doctors_sync_check_holds_after_a_step_that_inflates_the_noise_and_a
     after = {"actor": {"a": a1, "b": b1}, "engines": {"a": [shift(a1, noise)], "b": [shift(b1, noise[::-1])]}}
     verdicts = sync_verdicts(before, after)
     assert {n: ok for n, (ok, _) in verdicts.items()} == {"a": True, "b": True}, verdicts
-    assert verdicts["a"][1].startswith("engines vs its actor 0.1000 nats (median; bound 0.2000: 0.25 x its gap to "
-                                       "the old weights; max 1.0000); on the same weights before the step 0.0000 "
-                                       "(median), 0.0500 (max), actor moved 0.800 (mean)"), verdicts["a"]
+    assert verdicts["a"][1].startswith("engines vs its actor 0.1000 nats (median; bound 0.2000: 0.25 x its "
+                                       "gap to the old weights; max 1.0000); on the same weights before the "
+                                       "step 0.0000 (median), 0.0500 (max), actor moved 0.800 "
+                                       "(mean)"), verdicts["a"]
     # An engine left behind: it holds a's start weights (its gap to them the floor's), not the new ones.
-    stale = sync_verdicts(before, dict(after, engines={"a": before["engines"]["a"], "b": after["engines"]["b"]}))["a"]
-    assert not stale[0] and "has not arrived at its actor's new weights (it is nearer the old ones)" in stale[1]
+    stale = sync_verdicts(before, dict(after, engines={"a": before["engines"]["a"],
+                                                       "b": after["engines"]["b"]}))["a"]
+    assert (not stale[0]
+            and "has not arrived at its actor's new weights (it is nearer the old ones)" in stale[1])
     # Half of the update arrived: 0.4 from the new weights and 0.4 from the old, everywhere.
     half = shift(a0, [(y - x) / 2 for x, y in zip(a0, a1)])
     partial = sync_verdicts(before, dict(after, engines={"a": [half], "b": after["engines"]["b"]}))["a"]
     assert not partial[0] and "engines vs its actor 0.4000 nats (median; bound 0.1000" in partial[1], partial
     # Crossed: a's engine holds b's new weights (with the noise).
-    crossed = sync_verdicts(before, dict(after, engines={"a": [shift(b1, noise)], "b": after["engines"]["b"]}))["a"]
+    crossed = sync_verdicts(before, dict(after, engines={"a": [shift(b1, noise)],
+                                                         "b": after["engines"]["b"]}))["a"]
     assert not crossed[0] and crossed[1].endswith("holds the weights of b"), crossed
 
 
 def test_token_budgets_bound_each_experience_micro_batch_at_eight_ranks():
-    # Issue 63 (review 3, finding 10): upstream's experience split rounds its count of micro-batches (the fewest
-    # that hold the budget) down to a multiple of the data-parallel ranks: 60 actions of 250 tokens, a budget of
-    # 1000 and 8 ranks gave 8 micro-batches of 1750-2000 tokens, where the plan holds 1000. Rounded up: 16, each
-    # within the budget. The split alone (no actor, no model): OpenRLHF's own partitioning and concatenation.
+    # Issue 63 (review 3, finding 10): upstream's experience split rounds its count of micro-batches (the
+    # fewest that hold the budget) down to a multiple of the data-parallel ranks: 60 actions of 250 tokens, a
+    # budget of 1000 and 8 ranks gave 8 micro-batches of 1750-2000 tokens, where the plan holds 1000. Rounded
+    # up: 16, each within the budget. The split alone (no actor, no model): OpenRLHF's own partitioning and
+    # concatenation.
     from openrlhf_mappa.agent_trainer import MappaExperienceMaker
     from openrlhf_mappa.episode import Action
     from openrlhf_mappa.rewards import experience_of
@@ -516,7 +526,8 @@ def test_token_budgets_bound_each_experience_micro_batch_at_eight_ranks():
     assert len(split) == 16 and max(tokens) == 1000 and sum(tokens) == 60 * 250
     assert sorted(i for e in split for i in e.index) == list(range(60))  # every action once
     # Never more micro-batches than actions, and a multiple of the ranks: 12 actions of 600 tokens on 8 ranks.
-    few = maker.split_rollout_samples([experience_of(Action(f"e{i}", "a", 0, [1] * 100, [2] * 500)) for i in range(12)])
+    few = maker.split_rollout_samples([experience_of(Action(f"e{i}", "a", 0, [1] * 100, [2] * 500))
+                                       for i in range(12)])
     assert len(few) == 8
 
 
@@ -681,7 +692,8 @@ def doctor_agent(handle, engine, ranks, name="solver", adapter=None, lora=None):
     group = RayActorGroup.__new__(RayActorGroup)  # the real class and its async_run_method; no Ray actors
     group._actor_handlers = [handle(r) for r in ranks]
     model = os.path.join(REPO, "tests", "fixtures", "qwen3-4b")
-    return SimpleNamespace(spec=SimpleNamespace(name=name, model=model, lora=lora), engines=[handle(engine)], actor=group,
+    return SimpleNamespace(spec=SimpleNamespace(name=name, model=model, lora=lora), engines=[handle(engine)],
+                           actor=group,
                            ref=None, trainer=SimpleNamespace(adapter=adapter),
                            tokenizer=lambda text: {"input_ids": [1, 2, 3]},
                            args=SimpleNamespace(actor=SimpleNamespace(num_gpus_per_node=len(ranks))))
@@ -725,8 +737,8 @@ def test_the_doctors_offload_check_calls_every_actor_rank(cluster):
 
 def test_the_doctors_offload_check_expects_what_a_lora_agents_optimizer_holds(cluster):
     # Issue 63 (review 3, finding 7): the check expected a full model's gradients and Adam states (14 bytes a
-    # parameter) of every agent, so a LoRA agent, whose optimizer holds its adapter alone, always failed. MOCKED:
-    # the GPU's memory and the ranks' offload (the cluster fixture).
+    # parameter) of every agent, so a LoRA agent, whose optimizer holds its adapter alone, always failed.
+    # MOCKED: the GPU's memory and the ranks' offload (the cluster fixture).
     from openrlhf_mappa.doctor import sleep_checks
     from openrlhf_mappa.topology import Lora
 
@@ -745,19 +757,21 @@ def test_the_doctors_offload_check_expects_what_a_lora_agents_optimizer_holds(cl
 
 def test_the_doctors_step_moves_a_trained_coach_at_the_doctors_rate(tmp_path, monkeypatch):
     # Issue 63 (finding 12): the doctor set --actor.adam.lr only, and a trained coach's --mappa.coach.lr won
-    # (placement.agent_args): at 1e-6 its actor did not move and the doctor failed it. The team is not started:
-    # the args it would be started with are taken (what needs GPUs and Ray, stood in for).
+    # (placement.agent_args): at 1e-6 its actor did not move and the doctor failed it. The team is not
+    # started: the args it would be started with are taken (what needs GPUs and Ray, stood in for).
     import ray
 
     from openrlhf_mappa import doctor, launch
 
     topology, tasks = two_agent_mathchat(tmp_path, 1)
-    args = parse_args(["--mappa.topology", topology, "--mappa.model", QWEN3_4B, "--data.prompt_dataset", tasks,
-                       "--mappa.coach.kind", "trained", "--mappa.coach.model", QWEN3_4B, "--mappa.coach.lr", "1e-6"])
+    args = parse_args(["--mappa.topology", topology, "--mappa.model", QWEN3_4B, "--data.prompt_dataset",
+                       tasks, "--mappa.coach.kind", "trained", "--mappa.coach.model", QWEN3_4B,
+                       "--mappa.coach.lr", "1e-6"])
     started = []
 
     def build_agents(args, topology, *_):
-        started.extend(agent_args(args, spec).actor.adam.lr for spec in placement.trainee_specs(args, topology))
+        started.extend(agent_args(args, spec).actor.adam.lr
+                       for spec in placement.trainee_specs(args, topology))
         raise KeyboardInterrupt  # the rates seen, nothing started
 
     monkeypatch.setattr(launch, "build_agents", build_agents)
@@ -789,7 +803,8 @@ def test_each_of_the_doctors_checks_alone_fails_the_doctor(cluster, monkeypatch,
     row, why = {None: (None, None),  # the row that fails, and a part of its detail
                 "sync": (("weights synced", S), "engines vs its actor 0.2000 nats (median; bound 0.0500"),
                 "crossed": (("weights synced", S), "holds the weights of verifier"),
-                "nearer": (("weights synced", S), "has not arrived at its actor's new weights (it is nearer the old"),
+                "nearer": (("weights synced", S), "has not arrived at its actor's new weights (it is nearer "
+                                                  "the old"),
                 "host memory": (("host memory", "node 0"), " of 8.0 GiB (2 GPUs)"),
                 "sleep": (("sleep frees memory", S), "engine 0: 0.0 GiB freed")}[fault]
     topology, tasks = two_agent_mathchat(tmp_path, 1)
@@ -810,12 +825,14 @@ def test_each_of_the_doctors_checks_alone_fails_the_doctor(cluster, monkeypatch,
     # Each engine 0.1 off its actor on one token (the kernels' noise), before the step and after it.
     before = {"actor": {S: S0, V: V0}, "engines": {S: [shift(S0, [0.1, 0, 0, 0])], V: [shift(V0, [0, 0, 0.1, 0])]}}
     after = {"actor": {S: s1, V: v1}, "engines": {S: [shift(s1, [0.1, 0, 0, 0])], V: [shift(v1, [0, 0, 0.1, 0])]}}
-    if fault == "sync":  # the solver's engine got half of its update: 0.2 from its new weights and its old ones
+    # the solver's engine got half of its update: 0.2 from its new weights and its old ones
+    if fault == "sync":
         after["engines"][S] = [shift(S0, [-0.2] * 4)]
     elif fault == "crossed":  # the verifier's step took it within 0.04 nats of the solver's; the solver's engine got it
         after["actor"][V] = shift(s1, [0.04] * 4)
         after["engines"] = {S: [after["actor"][V]], V: [shift(s1, [0.06] * 4)]}
-    elif fault == "nearer":  # the bases 0.3 apart on one token; the solver's engine a quarter of the way to its new
+    # the bases 0.3 apart on one token; the solver's engine a quarter of the way to its new
+    elif fault == "nearer":
         off = [0, 0, 0, 0.3]  # weights, nearer the old
         after.update(base={S: S0, V: V0}, engine_base={S: shift(S0, off), V: shift(V0, off)},
                      engines={S: [shift(S0, [-0.1] * 4)], V: [shift(v1, off)]})
@@ -850,7 +867,8 @@ def test_each_gpu_node_imports_the_kernels_the_flags_need_and_the_launcher_names
     needed = placement.needed_modules(args, topology)
     assert list(needed) == ["flash_attn"]
     # The task each GPU node runs, run for real on this machine (no flash-attn here): its cores and what fails.
-    assert placement.node_check(list(needed)) == (placement.usable_cores(), {"flash_attn": "is not installed"}, [])
+    assert placement.node_check(list(needed)) == (placement.usable_cores(),
+                                                  {"flash_attn": "is not installed"}, [])
     (tmp_path / "kernel_for_another_torch").mkdir()  # found by find_spec, failing to import: a mismatched wheel
     (tmp_path / "kernel_for_another_torch" / "__init__.py").write_text(
         "raise ImportError('undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
@@ -873,17 +891,20 @@ def test_each_gpu_node_imports_the_kernels_the_flags_need_and_the_launcher_names
         "not installed on node 1 (Ray node n1): install flash-attn (`pip install flash-attn==2.8.3 "
         "--no-build-isolation`, built for the torch and CUDA there) or pass --ds.attn_implementation sdpa (more "
         "memory at long contexts)")
-    results[1] = (16, {}, [])  # every node has it: the plan stands, and the threads are each node's own cores'
+    # every node has it: the plan stands, and the threads are each node's own cores'
+    results[1] = (16, {}, [])
     plan, _ = launch.check_placement(args, topology)
     assert args.mappa.actor_threads == 2  # 16 cores over 8 GPUs, the fewer of the two nodes
 
 
-def test_a_cpu_head_plans_the_gpu_memory_each_gpu_node_reports_and_refuses_exclusive_gpus(tmp_path, monkeypatch):
-    # Issue 63 (review 3, findings 9, 14): the GPUs' memory came from the flag or the launcher's own GPU only, so
-    # from a CPU head without --mappa.gpu_memory_gib neither GPU nor host memory was checked: an OOM later instead
-    # of a refusal. And a GPU in exclusive-process mode failed the second process on it at start-up. Each GPU
-    # node's task now reads nvidia-smi. MOCKED: nvidia-smi (a script printing what it prints for an "80 GB" card:
-    # 81559 MiB) and the Ray cluster (two 8-GPU nodes, each node's task run here; their host memory given).
+def test_a_cpu_head_plans_the_gpu_memory_each_gpu_node_reports_and_refuses_exclusive_gpus(tmp_path,
+                                                                                         monkeypatch):
+    # Issue 63 (review 3, findings 9, 14): the GPUs' memory came from the flag or the launcher's own GPU only,
+    # so from a CPU head without --mappa.gpu_memory_gib neither GPU nor host memory was checked: an OOM later
+    # instead of a refusal. And a GPU in exclusive-process mode failed the second process on it at start-up.
+    # Each GPU node's task now reads nvidia-smi. MOCKED: nvidia-smi (a script printing what it prints for an
+    # "80 GB" card: 81559 MiB) and the Ray cluster (two 8-GPU nodes, each node's task run here; their host
+    # memory given).
     import io
 
     from openrlhf_mappa import launch
@@ -892,8 +913,9 @@ def test_a_cpu_head_plans_the_gpu_memory_each_gpu_node_reports_and_refuses_exclu
     assert placement.node_gpus() == []  # this machine: no NVIDIA driver, as on a CPU head
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
-    smi.write_text("#!/bin/sh\n[ \"$*\" = '--query-gpu=memory.total,compute_mode --format=csv,noheader,nounits' ] "
-                   "|| exit 9\nprintf '81559, Default\\n81559, %s\\n' \"${MODE:-Default}\"\n")
+    smi.write_text("#!/bin/sh\n[ \"$*\" = '--query-gpu=memory.total,compute_mode "
+                   "--format=csv,noheader,nounits' ] || exit 9\nprintf '81559, Default\\n81559, %s\\n' "
+                   "\"${MODE:-Default}\"\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
     assert placement.node_gpus() == [(81559 / 1024, "Default")] * 2
@@ -902,7 +924,8 @@ def test_a_cpu_head_plans_the_gpu_memory_each_gpu_node_reports_and_refuses_exclu
     read = lambda f, on, *a, gpus=0: [2000.0 if f == placement.host_memory_gib else f(*a) for _ in on]
     monkeypatch.setattr(launch, "on_each_node", read)
     flags = ["--mappa.topology", MATHCHAT, "--data.prompt_dataset", "x.jsonl", "--vllm.num_engines", "1",
-             "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1", "--ds.attn_implementation", "sdpa"]
+             "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1",
+             "--ds.attn_implementation", "sdpa"]
     big = os.path.join(REPO, "tests", "fixtures", "qwen3-32b")  # 32B on one GPU per actor: cannot fit 80 GB
     args = parse_args([*flags, "--mappa.model", big])
     with pytest.raises(SystemExit, match="the plan does not fit 16 x 79.6475 GiB GPUs"):
@@ -918,9 +941,9 @@ def test_a_cpu_head_plans_the_gpu_memory_each_gpu_node_reports_and_refuses_exclu
         launch.check_placement(parse_args([*flags, "--mappa.model", str(QWEN3_4B)]),
                                load_topology(MATHCHAT, model_override=str(QWEN3_4B)))
     assert str(refused.value) == "\n".join(
-        f"{'[mappa] ' * (k == 0)}node {k} (Ray node n{k}): GPUs in compute mode Exclusive_Process, which admits one "
-        f"process a GPU, and MAPPA runs several on one (a vLLM engine's processes, colocated actors): set Default "
-        f"there (`sudo nvidia-smi -c DEFAULT`)" for k in range(2))
+        f"{'[mappa] ' * (k == 0)}node {k} (Ray node n{k}): GPUs in compute mode Exclusive_Process, which "
+        "admits one process a GPU, and MAPPA runs several on one (a vLLM engine's processes, colocated "
+        f"actors): set Default there (`sudo nvidia-smi -c DEFAULT`)" for k in range(2))
 
 
 # ---------------------------------------------------------------- the doctor: CPU Adam (F9), the recipe, the coach

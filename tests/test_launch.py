@@ -193,9 +193,10 @@ def test_gpu_script_submits_absolute_paths_and_declares_its_gpus(tmp_path, scrip
 
 
 def test_the_gpu_scripts_job_uploads_no_task_data(tmp_path):
-    # Issue 63 (review 3, finding 3): `mappa dsbench import` symlinks every task's Kaggle data under data/, and
-    # Ray's packaging follows symlinks, so each `ray job submit` packed it (over 512 MiB Ray refuses the job).
-    # Ray's own packing of a checkout whose data/ holds an imported task and the authors' files (symlinks out).
+    # Issue 63 (review 3, finding 3): `mappa dsbench import` symlinks every task's Kaggle data under data/,
+    # and Ray's packaging follows symlinks, so each `ray job submit` packed it (over 512 MiB Ray refuses the
+    # job). Ray's own packing of a checkout whose data/ holds an imported task and the authors' files
+    # (symlinks out).
     from ray._private.runtime_env.packaging import create_package
     from zipfile import ZipFile
 
@@ -214,7 +215,8 @@ def test_the_gpu_scripts_job_uploads_no_task_data(tmp_path):
     create_package(str(checkout), tmp_path / "job.zip", include_gitignore=True)
     packed = ZipFile(tmp_path / "job.zip").namelist()
     assert not [n for n in packed if n.startswith("data/")]
-    assert {"examples/data/relay_train.jsonl", "openrlhf_mappa/__init__.py"} <= set(packed)  # the code still goes
+    # the code still goes
+    assert {"examples/data/relay_train.jsonl", "openrlhf_mappa/__init__.py"} <= set(packed)
     assert (tmp_path / "job.zip").stat().st_size < 2**16
 
 
@@ -356,12 +358,14 @@ def test_bad_flag_topology_and_upstream_check(workdir):
     assert_refused(proc, "bad topology", "t.yaml: unknown key(s) ['coach_templat']")
     write_topology(workdir)
     proc = cli(workdir, GOOD + ["--train.partial_rollout_enable"], "upstream assert")
-    assert_refused(proc, "upstream assert", "[mappa] --train.partial_rollout_enable requires --train.async_enable.")
+    assert_refused(proc, "upstream assert", "[mappa] --train.partial_rollout_enable requires "
+                                            "--train.async_enable.")
     assert proc.returncode == 1
     # Upstream's own assertion on this named no flag (MAPPA's rule, per agent: tests/test_bad_input.py).
-    proc = cli(workdir, GOOD + ["--rollout.batch_size", "1", "--rollout.micro_batch_size", "4"], "micro batch")
-    assert_refused(proc, "micro batch", "make 0 micro-batches of --rollout.micro_batch_size 4, fewer than its 1 "
-                                        "data-parallel actor ranks")
+    proc = cli(workdir, GOOD + ["--rollout.batch_size", "1", "--rollout.micro_batch_size", "4"], "micro "
+                                                                                                 "batch")
+    assert_refused(proc, "micro batch", "make 0 micro-batches of --rollout.micro_batch_size 4, fewer than "
+                                        "its 1 data-parallel actor ranks")
 
 
 def test_unreachable_coach(workdir):
@@ -625,7 +629,7 @@ def test_launch_asks_for_coach_template_only_where_a_coach_is_sent_it(workdir):
 
 
 def test_the_final_hf_exports_go_with_the_run_by_default():
-    # Catches OpenRLHF's default, ./ckpt of whatever directory the launch ran from (the second new-user trial's
-    # exports went there unnoticed); a given --ckpt.output_dir is kept.
+    # Catches OpenRLHF's default, ./ckpt of whatever directory the launch ran from (the second new-user
+    # trial's exports went there unnoticed); a given --ckpt.output_dir is kept.
     assert parse_args(GOOD).ckpt.output_dir == os.path.join("run", "hf")
     assert parse_args([*GOOD, "--ckpt.output_dir", "/exports"]).ckpt.output_dir == "/exports"

@@ -358,8 +358,8 @@ def test_mappa_trains_each_agent_on_its_own_with_kl(tmp_path, coach_server):
         # step 1: the actor is still the initial model (KL 0 measured); step 2: it moved (0.28 measured)
         assert kl_abs.max() < 1e-4 if step == 1 else kl_abs.mean() > 1e-2
 
-    # The run's HTML report, written by the launcher at the run's end, and by `mappa report` again; rendered (the
-    # test skips without Chromium, and fails so under CI), the mute agent's cards grey.
+    # The run's HTML report, written by the launcher at the run's end, and by `mappa report` again; rendered
+    # (the test skips without Chromium, and fails so under CI), the mute agent's cards grey.
     assert (run_dir / "report.html").exists()
     proc = subprocess.run([MAPPA, "report", str(run_dir)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

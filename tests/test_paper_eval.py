@@ -51,9 +51,9 @@ def test_answer_correct_is_read_from_its_key_line_only(reply, expected):
 
 class RuleCoach(BaseHTTPRequestHandler):
     """A real OpenAI-compatible coach: every action scores 5, except the Verifier's, by the task's first word:
-    "Alpha" 9 and ANSWER_CORRECT 1; "Beta" 4 and no ANSWER_CORRECT, which it gives (0) when asked again; "Delta" 6
-    and no ANSWER_CORRECT, asked again still none (score 7); "Gamma" a reply with no score at all. The re-prompts
-    it gets are kept in `reasked`."""
+    "Alpha" 9 and ANSWER_CORRECT 1; "Beta" 4 and no ANSWER_CORRECT, which it gives (0) when asked again;
+    "Delta" 6 and no ANSWER_CORRECT, asked again still none (score 7); "Gamma" a reply with no score at all.
+    The re-prompts it gets are kept in `reasked`."""
 
     reasked = []
 
@@ -115,9 +115,9 @@ def test_evaluation_grades_by_math_verify_and_by_the_coachs_answer_correct(rule_
     summary, problems = summarize(episodes, [s.name for s in topology.agents], tasks)
     # math-verify: \boxed{4} is right for a and c, wrong for b and d
     assert [p["pass1"] for p in problems] == [1.0, 0.0, 1.0, 0.0] and summary["accuracy"] == 0.5
-    # the authors' grader: a's ANSWER_CORRECT 1; b has none, asked once more (external_coach.py L415-450) it says
-    # 0; d has none even then, so the retry's raw score 7 (their fallback, on 0-10); c's coach gave no verdict:
-    # left out, counted, never a grade
+    # the authors' grader: a's ANSWER_CORRECT 1; b has none, asked once more (external_coach.py L415-450) it
+    # says 0; d has none even then, so the retry's raw score 7 (their fallback, on 0-10); c's coach gave no
+    # verdict: left out, counted, never a grade
     assert [p["pass1_coach"] for p in problems] == [1.0, 0.0, None, 7.0]
     assert summary["accuracy_coach"] == pytest.approx(8 / 3)
     assert {k: v for k, v in summary.items() if k.startswith("accuracy_coach/")} == {
@@ -126,11 +126,11 @@ def test_evaluation_grades_by_math_verify_and_by_the_coachs_answer_correct(rule_
     # the re-prompt, the authors' word for word: their earlier reply alone, as one user message, no schema
     assert len(RuleCoach.reasked) == 4 and {json.dumps(r, sort_keys=True) for r in RuleCoach.reasked} == {
         json.dumps({"model": "judge", "temperature": 0, "messages": [{"role": "user", "content":
-            f"You previously provided this evaluation:\n\n{reply}\n\nHowever, the response format was incorrect. "
-            "Error: OUTCOME_SCORE/ANSWER_CORRECT missing for Verifier with ground truth\n\nPlease provide your "
-            "evaluation again using EXACTLY this format:\n\nPROCESS_SCORE: [0.0 to 10.0]\nANSWER_CORRECT: [0 or 1]"
-            "\n\nDo not include any other text or explanation. Only output the score(s) in the exact format shown "
-            "above.\n"}]}, sort_keys=True)
+            f"You previously provided this evaluation:\n\n{reply}\n\nHowever, the response format was "
+            "incorrect. Error: OUTCOME_SCORE/ANSWER_CORRECT missing for Verifier with ground truth\n\nPlease "
+            "provide your evaluation again using EXACTLY this format:\n\nPROCESS_SCORE: [0.0 to "
+            "10.0]\nANSWER_CORRECT: [0 or 1]\n\nDo not include any other text or explanation. Only output "
+            "the score(s) in the exact format shown above.\n"}]}, sort_keys=True)
         for reply in ("Plausible.\nPROCESS_SCORE: 4", "Unsure.\nPROCESS_SCORE: 6")}  # fmt: skip
     last = [ep.actions[-1] for ep in episodes]
     assert {a.agent for a in last} == {verifier.name}
@@ -199,9 +199,10 @@ def write_eval(run_dir, rows):
 
 
 def test_paper_table_sets_before_beside_last_and_best_for_both_graders_and_both_dsbench_definitions(tmp_path):
-    # Catches the project before this table (no command wrote the paper's figures), and the table of audit 4 (C14,
-    # N6) and the second user trial: DSBench only by our definitions, "after" only the last evaluation, every
-    # run named `run`, math-verify headings on a relay, a raw 0-10 coach score shown in % (117 % -> 1000 %).
+    # Catches the project before this table (no command wrote the paper's figures), and the table of audit 4
+    # (C14, N6) and the second user trial: DSBench only by our definitions, "after" only the last evaluation,
+    # every run named `run`, math-verify headings on a relay, a raw 0-10 coach score shown in % (117 % -> 1000
+    # %).
     math = tmp_path / "mathchat" / "run"  # the scripts' layout: runs/<name>/run
     write_eval(math, [
         {"step": 0, "dataset": "aime_2025", "grader": "math-verify", "accuracy": 29 / 120, "accuracy_coach": 0.25,
@@ -215,7 +216,8 @@ def test_paper_table_sets_before_beside_last_and_best_for_both_graders_and_both_
         {"step": 128, "dataset": "amc_eval_32", "grader": "math-verify", "accuracy": 0.625, "n_problems": 32,
          "n_samples": 4, "train_overlap": 3},
     ])  # fmt: skip
-    relay = tmp_path / "demo" / "run"  # a relay: the coach asked no ANSWER_CORRECT, its raw score is the figure
+    # a relay: the coach asked no ANSWER_CORRECT, its raw score is the figure
+    relay = tmp_path / "demo" / "run"
     write_eval(relay, [
         {"step": 0, "dataset": "relay_eval", "grader": "success (the environment's outcome)", "accuracy": 0.0,
          "accuracy_coach": 1.17, "accuracy_coach/score": 16, "n_problems": 8, "n_samples": 2},
@@ -236,8 +238,9 @@ def test_paper_table_sets_before_beside_last_and_best_for_both_graders_and_both_
          "accuracy_coach/score": 32, "authors/scored_rate": 1.0, "authors/accuracy": 0.65, "authors/rmse": 3.0,
          "n_problems": 8, "n_samples": 4},
     ])  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.mappa", "paper-table", str(math), str(relay),
-                           str(ds), "--out", str(tmp_path / "table")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.mappa", "paper-table", str(math),
+                           str(relay), str(ds), "--out", str(tmp_path / "table")], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "table.json").read_text())
     cells = {(r["name"], r["dataset"], r["metric"]): (r["before"], r["after"], r["after_step"], r["delta"], r["best"],
@@ -271,14 +274,16 @@ def test_paper_table_sets_before_beside_last_and_best_for_both_graders_and_both_
         "authors': accuracy (pooled over tasks)": pytest.approx((0.6, 0.65, 0.05, 0.7, 2, "")),
         "authors': rmse (pooled over tasks)": pytest.approx((4.0, 3.0, -1.0, 2.5, 2, "")),
         "authors': coach score of the last action (in-loop eval, 0-10)": (None, 6.5, None, 6.5, 120, "")}  # fmt: skip
-    assert {n for n, m in METRICS.items() if not m.higher_is_better} | {"mse"} == set(paper_table.LOWER_IS_BETTER)
+    assert ({n for n, m in METRICS.items() if not m.higher_is_better} | {"mse"}
+            == set(paper_table.LOWER_IS_BETTER))
     md = (tmp_path / "table.md").read_text()
     assert md in proc.stdout and "## Accuracy" in md and "MathChat" not in md
-    assert ("| mathchat | aime_2025 | math-verify | 24.2 | 29.2 (step 128) | +5.0 pp | 40.0 (step 4) | +15.8 pp | "
-            "30 x 4 |  |") in md
-    assert "| demo | relay_eval | coach score of the final agent (0-10) | 1.2 | 10.0 (step 50) | +8.8300 |" in md
-    assert ("| dsbench | tasks | ours: success rate (valid submission.csv) | 50.0 | 75.0 (step 120) | +25.0 pp | "
-            "75.0 (step 120) | +25.0 pp | 8 x 4 |  |") in md
+    assert ("| mathchat | aime_2025 | math-verify | 24.2 | 29.2 (step 128) | +5.0 pp | 40.0 (step 4) | +15.8 "
+            "pp | 30 x 4 |  |") in md
+    assert ("| demo | relay_eval | coach score of the final agent (0-10) | 1.2 | 10.0 (step 50) | "
+            "+8.8300 |") in md
+    assert ("| dsbench | tasks | ours: success rate (valid submission.csv) | 50.0 | 75.0 (step 120) | +25.0 "
+            "pp | 75.0 (step 120) | +25.0 pp | 8 x 4 |  |") in md
 
 
 def test_paper_table_refuses_a_run_without_evaluations(tmp_path):
@@ -359,7 +364,8 @@ def test_dsbench_script_refuses_unimported_tasks_and_other_metadata(tmp_path):
     tasks.write_text("{}\n")
     # the authors' eval metadata passes its check (a 65-character hash once refused it: audit 4, N3); the eval
     # tasks are not imported in the checkout either
-    proc, submitted = run_script("train_mappa_dsbench.sh", tmp_path, MAPPA_DATA=str(data), MAPPA_TRAIN_DATA=str(tasks))
+    proc, submitted = run_script("train_mappa_dsbench.sh", tmp_path, MAPPA_DATA=str(data),
+                                 MAPPA_TRAIN_DATA=str(tasks))
     assert proc.returncode == 1 and not submitted
     assert "SHA-256 6ea24184" not in proc.stderr
     assert (f"{REPO}/data/dsbench-eval/tasks.jsonl is missing: import the tasks of the authors' "
@@ -384,20 +390,21 @@ def data_check(directory, *files) -> subprocess.CompletedProcess:
     """The scripts' own data check: paper_data.sh sourced from the checkout as the scripts source it, then
     `paper_data DIR FILE...`."""
     script = 'source examples/scripts/paper_data.sh && paper_data "$@"'
-    return subprocess.run(["bash", "-c", script, "check", str(directory), *files], cwd=REPO, capture_output=True,
-                          env=dict(os.environ, MAPPA_SKIP_DATA_CHECK="0"), text=True, timeout=60)
+    return subprocess.run(["bash", "-c", script, "check", str(directory), *files], cwd=REPO,
+                          capture_output=True, env=dict(os.environ, MAPPA_SKIP_DATA_CHECK="0"), text=True,
+                          timeout=60)
 
 
 @needs_bench
 def test_every_hash_of_the_scripts_data_check_is_the_authors_files(tmp_path):
-    # Catches the 65-character hash of dsbench_modeling_eval.json (audit 4, N3): the check refused the authors'
-    # own file, and the DSBench recipe could not start.
+    # Catches the 65-character hash of dsbench_modeling_eval.json (audit 4, N3): the check refused the
+    # authors' own file, and the DSBench recipe could not start.
     hashes = paper_hashes()
     assert len(hashes) == 6 and all(re.fullmatch("[0-9a-f]{64}", h) for h in hashes.values()), hashes
     reference = open(os.path.join(REPO, "docs", "reference.md"), encoding="utf-8").read()
     assert dict(re.findall(r"^\| `data/Bench/(\S+)` \|.*\| `(\w+)` \|$", reference, re.MULTILINE)) == hashes
-    # The cleaned task texts are not in the shared bench (only `mappa dsbench import` reads them): their hash was
-    # checked against the authors' commit ed66921 by hand.
+    # The cleaned task texts are not in the shared bench (only `mappa dsbench import` reads them): their hash
+    # was checked against the authors' commit ed66921 by hand.
     shared = [name for name in hashes if name != "dsbench_modeling_cleaned_prompts.json"]
     for name in shared:
         genuine = open(os.path.join(BENCH, name), "rb").read()
@@ -438,8 +445,8 @@ def test_each_environment_heads_its_accuracy_and_the_run_log_records_it(tmp_path
 
 
 def test_the_documented_mappa_eval_commands_run_at_the_recipes_lengths():
-    # Catches audit 4's N5: the docs' `mappa eval` examples ran at its defaults (1,024 new tokens or max_len 8,192),
-    # too short for the paper's figures.
+    # Catches audit 4's N5: the docs' `mappa eval` examples ran at its defaults (1,024 new tokens or max_len
+    # 8,192), too short for the paper's figures.
     reference = open(os.path.join(REPO, "docs", "reference.md"), encoding="utf-8").read()
     block = reference.split("**Standalone**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [c for c in block.replace("\\\n", " ").splitlines() if c.startswith("mappa eval")]

@@ -813,7 +813,8 @@ def test_actor_threads_come_from_each_gpu_nodes_usable_cores(tmp_path):
     (tmp_path / "cpu.max").write_text("max 100000\n")  # no quota: the CPUs this process may run on
     assert placement.usable_cores(str(tmp_path)) == affinity
     assert placement.usable_cores(str(tmp_path / "no-cgroup-v2")) == affinity
-    # Issue 63 (review 3, finding 8): cgroup v1 hosts keep the quota in cpu/cpu.cfs_quota_us, which was not read.
+    # Issue 63 (review 3, finding 8): cgroup v1 hosts keep the quota in cpu/cpu.cfs_quota_us, which was not
+    # read.
     v1 = tmp_path / "v1"
     (v1 / "cpu").mkdir(parents=True)
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")  # 1.5 CPUs: one core's worth, whole

@@ -1,6 +1,7 @@
 """A resume that changes the run (issue 64): the settings that shape it are recorded as a launch starts
-(<run_dir>/run_settings.json) and compared on resume; a difference is refused naming each flag and both values,
-unless --mappa.allow_resume_changes. Through the real launcher's checks, before Ray (launch stands in for it)."""
+(<run_dir>/run_settings.json) and compared on resume; a difference is refused naming each flag and both
+values, unless --mappa.allow_resume_changes. Through the real launcher's checks, before Ray (launch stands in
+for it)."""
 
 import json
 
@@ -19,7 +20,8 @@ def no_ray(*args):
 
 
 def launch(workdir, monkeypatch, *flags):
-    """The real train() up to Ray: every check, then the run's records (launch, which starts Ray, stands in)."""
+    """The real train() up to Ray: every check, then the run's records (launch, which starts Ray, stands
+    in)."""
     monkeypatch.chdir(workdir)
     monkeypatch.setattr(train_mappa_ray, "launch", no_ray)
     with pytest.raises(KeyboardInterrupt, match="no Ray here"):
@@ -58,7 +60,8 @@ def test_run_settings_hold_the_flags_and_the_topology(workdir):  # noqa: F811
     assert json.loads(json.dumps(settings)) == settings  # as the record reads back
 
 
-def test_a_resume_with_another_rollout_batch_is_refused_and_the_same_continues(workdir, monkeypatch):  # noqa: F811
+def test_a_resume_with_another_rollout_batch_is_refused_and_the_same_continues(  # noqa: F811
+        workdir, monkeypatch):
     # Catches the old launcher, which resumed "at step 2" with any batch, learning rate or KL (the trial's
     # friction 3: 16 episodes a step, then 8, on the first run's optimizer and data position).
     write_topology(workdir)
@@ -71,12 +74,12 @@ def test_a_resume_with_another_rollout_batch_is_refused_and_the_same_continues(w
     with pytest.raises(ValueError) as refused:
         resume.check_resume(args, load_topology("t.yaml"), ["1", "2", "3", "4"])
     assert str(refused.value) == (
-        f"resume: this launch changes settings that shape the run (run/{resume.SETTINGS_RECORD} records those it "
-        f"trained with until step 2):\n"
+        f"resume: this launch changes settings that shape the run (run/{resume.SETTINGS_RECORD} records "
+        f"those it trained with until step 2):\n"
         f"  --rollout.batch_size: 4 in the run, 2 now\n"
         f"  --actor.adam.lr: 1e-06 in the run, 0.0001 now\n"
-        f"resume with the run's settings, or pass --mappa.allow_resume_changes to continue with these from step 2 "
-        f"on (recorded as the run's from then on)")
+        "resume with the run's settings, or pass --mappa.allow_resume_changes to continue with these from "
+        f"step 2 on (recorded as the run's from then on)")
     # The refused launch wrote nothing; the same resume with the run's settings continues at step 2.
     with pytest.raises(SystemExit, match="--rollout.batch_size: 4 in the run, 2 now"):
         launch(workdir, monkeypatch, "--ckpt.load_enable", "--rollout.batch_size", "2")
@@ -85,12 +88,13 @@ def test_a_resume_with_another_rollout_batch_is_refused_and_the_same_continues(w
     assert resume.check_resume(args, load_topology("t.yaml"), ["1", "2", "3", "4"]) == (2, [])
 
 
-def test_allow_resume_changes_continues_with_a_warning_and_records_the_new_settings(workdir, monkeypatch,  # noqa: F811
-                                                                                  capsys):
+def test_allow_resume_changes_continues_with_a_warning_and_records_the_new_settings(  # noqa: F811
+        workdir, monkeypatch, capsys):
     write_topology(workdir)
     launch(workdir, monkeypatch, "--rollout.batch_size", "4")
     checkpoint_at_step_2(workdir)
-    launch(workdir, monkeypatch, "--ckpt.load_enable", "--rollout.batch_size", "2", "--mappa.allow_resume_changes")
-    assert ("[mappa] WARNING: resume with --mappa.allow_resume_changes: from step 2 on, --rollout.batch_size: 4 in "
-            "the run, 2 now") in capsys.readouterr().err
+    launch(workdir, monkeypatch, "--ckpt.load_enable", "--rollout.batch_size", "2",
+           "--mappa.allow_resume_changes")
+    assert ("[mappa] WARNING: resume with --mappa.allow_resume_changes: from step 2 on, "
+            "--rollout.batch_size: 4 in the run, 2 now") in capsys.readouterr().err
     assert json.loads((workdir / "run" / resume.SETTINGS_RECORD).read_text())["--rollout.batch_size"] == 2

@@ -371,7 +371,8 @@ def checked(tmp_path_factory):
 def test_the_series_is_every_patch_file_and_the_package_docstring_lists_it():
     assert sorted(p.name for p in (ROOT / "patches").glob("*.patch")) == sorted(SERIES)
     # A patch's change to upstream's own tests (benchmarks/upstream_tests.py applies it) belongs to a patch.
-    test_changes = [p.name.removesuffix(".tests.diff") + ".patch" for p in (ROOT / "patches").glob("*.tests.diff")]
+    test_changes = [p.name.removesuffix(".tests.diff") + ".patch"
+                    for p in (ROOT / "patches").glob("*.tests.diff")]
     assert test_changes and set(test_changes) <= set(SERIES), test_changes
     docstring = (ROOT / "patches" / "__init__.py").read_text()
     assert all(f"`{patch}`" in docstring for patch in SERIES), "list each patch in patches/__init__.py"

@@ -144,9 +144,10 @@ def build_parser():
                    help="a run's --mappa.run_dir (metrics.jsonl, episodes.jsonl, eval.jsonl); several: overlaid")
     p.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html; several runs: the first's "
                    "compare.html)")
-    p = sub.add_parser("paper-table", help="the paper's table from runs' eval.jsonl: each eval set's first (step 0), "
-                       "last and best evaluation side by side; accuracy under the environment's grader and the "
-                       "coach's, DSBench by our definitions and the authors'; Markdown and JSON")
+    p = sub.add_parser("paper-table", help="the paper's table from runs' eval.jsonl: each eval set's first "
+                       "(step 0), last and best evaluation side by side; accuracy under the environment's "
+                       "grader and the coach's, DSBench by our definitions and the authors'; Markdown and "
+                       "JSON")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's --mappa.run_dir (its eval.jsonl)")
     p.add_argument("--out", help="write OUT.md and OUT.json (default: the first RUN_DIR's paper_table.md, .json)")
     return parser, score_parser
@@ -234,16 +235,17 @@ def accumulation_refusal(sft, nproc: int) -> str:
     batch, micro = getattr(sft, "train.batch_size"), getattr(sft, "train.micro_batch_size")
     group = getattr(sft, "ds.ring_attn_size") * getattr(sft, "ds.tensor_parallel_size")
     if nproc % group:
-        return (f"--nproc_per_node {nproc}: not a multiple of --ds.ring_attn_size x --ds.tensor_parallel_size "
-                f"({group}); give a multiple of {group}")
+        return (f"--nproc_per_node {nproc}: not a multiple of --ds.ring_attn_size x "
+                f"--ds.tensor_parallel_size ({group}); give a multiple of {group}")
     ranks = nproc // group
     if batch % (micro * ranks) == 0:
         return ""
     counts = [n for n in range(group, nproc + 1, group) if batch % (micro * (n // group)) == 0]
     fix = f"--nproc_per_node {counts[-1]}" if counts else f"a --train.micro_batch_size that divides {batch}"
     return (f"--train.batch_size {batch} is not a multiple of --train.micro_batch_size {micro} x {ranks} "
-            f"data-parallel process(es) ({micro * ranks}): train_sft accumulates batch // (micro x processes) "
-            f"micro-batches; give {fix}, or a --train.batch_size that is a multiple of {micro * ranks}")
+            f"data-parallel process(es) ({micro * ranks}): train_sft accumulates batch // (micro x "
+            f"processes) micro-batches; give {fix}, or a --train.batch_size that is a multiple of "
+            f"{micro * ranks}")
 
 
 def distill_inputs(args, extra: list) -> tuple:
@@ -256,8 +258,8 @@ def distill_inputs(args, extra: list) -> tuple:
     out, paths = getattr(args, "ckpt.output_dir"), [path for path in (args.cache or "").split(",") if path]
     rules = [
         (repeated, f"{', '.join(repeated)}: mappa coach distill sets these to the data it writes "
-                   f"(OUT/distill/train.jsonl, each prompt rendered with the base model's chat template); leave "
-                   f"them out"),
+                   "(OUT/distill/train.jsonl, each prompt rendered with the base model's chat template); "
+                   f"leave them out"),
         (os.path.isdir(out) and os.listdir(out),
          f"--ckpt.output_dir {out}: exists and is not an empty directory; remove it or give another path"),
     ]
@@ -274,9 +276,10 @@ def distill_inputs(args, extra: list) -> tuple:
 
 
 def distill_processes(args, extra: list):
-    """train_sft's launch checked where torch is needed, before any model loads: its process count (the flag, else
-    the GPUs here, else 1) against its batch, and flash attention's kernels where there are GPUs (train_sft's
-    default, which fails in every rank's from_pretrained after the data step). The train_sft flags read."""
+    """train_sft's launch checked where torch is needed, before any model loads: its process count (the flag,
+    else the GPUs here, else 1) against its batch, and flash attention's kernels where there are GPUs
+    (train_sft's default, which fails in every rank's from_pretrained after the data step). The train_sft
+    flags read."""
     from types import SimpleNamespace
 
     from openrlhf_mappa.placement import broken_modules, detect_gpus, module_refusals, needed_modules
@@ -285,9 +288,10 @@ def distill_processes(args, extra: list):
     args.nproc_per_node = args.nproc_per_node or gpus or 1
     problems = [accumulation_refusal(sft, args.nproc_per_node)]
     if gpus:
-        kernels = SimpleNamespace(ds=SimpleNamespace(attn_implementation=getattr(sft, "ds.attn_implementation"),
-                                                     ring_attn_size=getattr(sft, "ds.ring_attn_size"),
-                                                     load_in_4bit=getattr(sft, "ds.load_in_4bit")))
+        kernels = SimpleNamespace(ds=SimpleNamespace(
+            attn_implementation=getattr(sft, "ds.attn_implementation"),
+            ring_attn_size=getattr(sft, "ds.ring_attn_size"),
+            load_in_4bit=getattr(sft, "ds.load_in_4bit")))
         needed = needed_modules(kernels)
         problems += module_refusals(needed, broken_modules(needed), "here")
     refuse(problems, ValueError)
@@ -315,14 +319,15 @@ def distill_rows(args, topology, caches: list) -> tuple:
 
 
 def distill_sizes(args, sft, train: list, held: list, skipped: dict) -> tuple:
-    """The rows rendered as train_sft gets them (distill.render) and its --data.max_len: the flag, else the longest
-    training row's need, so that no row is dropped or cut unseen. A row over a given max_len is left out here,
-    counted among the skips and named: (the training rows kept, max_len, the rows left out)."""
+    """The rows rendered as train_sft gets them (distill.render) and its --data.max_len: the flag, else the
+    longest training row's need, so that no row is dropped or cut unseen. A row over a given max_len is left
+    out here, counted among the skips and named: (the training rows kept, max_len, the rows left out)."""
     from transformers import AutoTokenizer
 
     from openrlhf_mappa.coach.distill import needed_len, render
 
-    tokenizer = AutoTokenizer.from_pretrained(getattr(args, "model.model_name_or_path"), trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(getattr(args, "model.model_name_or_path"),
+                                              trust_remote_code=True)
     render(train + held, tokenizer)
     needs = [needed_len(row, tokenizer) for row in train]
     max_len = getattr(sft, "data.max_len") or max(needs)
@@ -332,18 +337,18 @@ def distill_sizes(args, sft, train: list, held: list, skipped: dict) -> tuple:
     if left_out:
         skipped[f"over --data.max_len {max_len}"] = len(left_out)
         named = ", ".join(f"{r['episode_id']}/{r['agent']} ({r['tokens']} tokens)" for r in left_out[:5])
-        print(f"{len(left_out)} training verdicts need more than --data.max_len {max_len} tokens and are left out "
-              f"(all in distill.json's left_out): {named}{', ...' if len(left_out) > 5 else ''}")
+        print(f"{len(left_out)} training verdicts need more than --data.max_len {max_len} tokens and are "
+              f"left out (all in distill.json's left_out): {named}{', ...' if len(left_out) > 5 else ''}")
     if not kept:
-        raise ValueError(f"{args.episodes}: no training verdict fits --data.max_len {max_len} tokens (the shortest "
-                         f"needs {min(needs)}); give a larger --data.max_len")
+        raise ValueError(f"{args.episodes}: no training verdict fits --data.max_len {max_len} tokens (the "
+                         f"shortest needs {min(needs)}); give a larger --data.max_len")
     return kept, max_len, left_out
 
 
 def distill_data(args, extra: list) -> tuple:
-    """`mappa coach distill` up to train_sft: the flags and data checked, the rows sized and written to OUT/distill:
-    (the topology, the training rows, the held-out rows, the skips by reason, the rows left out, train_sft's
-    command)."""
+    """`mappa coach distill` up to train_sft: the flags and data checked, the rows sized and written to
+    OUT/distill: (the topology, the training rows, the held-out rows, the skips by reason, the rows left out,
+    train_sft's command)."""
     from openrlhf_mappa.coach.distill import sft_command, write_jsonl
 
     with refusals("mappa coach distill:"):
@@ -359,14 +364,15 @@ def distill_data(args, extra: list) -> tuple:
     os.makedirs(os.path.join(out, "distill"), exist_ok=True)
     write_jsonl(os.path.join(out, "distill", "train.jsonl"), train)
     write_jsonl(os.path.join(out, "distill", "heldout.jsonl"), held)
-    print(f"{len(train)} training and {len(held)} held-out verdicts in {out}/distill, --data.max_len {max_len}; "
-          f"skipped: {skipped or 'none'}")
+    print(f"{len(train)} training and {len(held)} held-out verdicts in {out}/distill, --data.max_len "
+          f"{max_len}; skipped: {skipped or 'none'}")
     command = sft_command(model, out, args.nproc_per_node, getattr(args, "train.seed"), max_len, extra)
     return topology, train, held, skipped, left_out, command
 
 
 def distill_main(args, extra: list) -> dict:
-    """`mappa coach distill` after its flags are parsed: data, train_sft, the held-out report (OUT/distill.json)."""
+    """`mappa coach distill` after its flags are parsed: data, train_sft, the held-out report
+    (OUT/distill.json)."""
     from openrlhf_mappa.coach.distill import fine_tune, generate, print_report, report
     from openrlhf_mappa.team import check_model
 
@@ -644,10 +650,12 @@ def eval_main(argv) -> int:
 
     import contextlib
 
-    # As the launcher's train.log: Ray's and vLLM's output (~100 lines) in a file, the results on the terminal.
+    # As the launcher's train.log: Ray's and vLLM's output (~100 lines) in a file, the results on the
+    # terminal.
     log = args.out + ".log"
     if not args.mappa.verbose:
-        os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # read as Ray is imported: nothing held back for the exit
+        # read as Ray is imported: nothing held back for the exit
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         print(f"[mappa] eval: Ray's and vLLM's output goes to {os.path.abspath(log)} (--mappa.verbose: here)",
               flush=True)
     with contextlib.nullcontext() if args.mappa.verbose else output_to(log):
@@ -658,7 +666,8 @@ def eval_main(argv) -> int:
 
 
 def evaluate_datasets(args, topology, models: dict, adapters: dict, datasets: dict, coach) -> dict:
-    """`mappa eval`'s work on the cluster: every dataset played, its episodes and results written; its summaries."""
+    """`mappa eval`'s work on the cluster: every dataset played, its episodes and results written; its
+    summaries."""
     import asyncio
     import tempfile
 
@@ -807,7 +816,8 @@ def dsbench(args) -> int:
             if os.path.isdir(args.submission):  # else scored as a submission never written ("missing_file")
                 inside = os.path.join(args.submission, "submission.csv")
                 hint = f" ({inside} is there)" if os.path.isfile(inside) else ""
-                raise ValueError(f"--submission {args.submission}: a directory; give the submission's CSV file{hint}")
+                raise ValueError(f"--submission {args.submission}: a directory; give the submission's CSV "
+                                 f"file{hint}")
             result = score_submission(args.task_dir, args.submission)
             print(json.dumps(result))
             return 0 if result["valid"] else 1

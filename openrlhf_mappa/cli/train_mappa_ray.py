@@ -57,8 +57,8 @@ FRACTION, SCORE = ranged(float, 0, 1), ranged(float, 0, 10)
 GPU_GIB = ranged(float, 0, 1024, above=True, hint=" (GiB; nvidia-smi shows MiB: divide by 1024)")
 
 
-# MAPPA's flags that are gone, each with what replaces it: the trained coach's search switches merged (issue 54);
-# `mappa coach score`'s own coach flags, now the training run's.
+# MAPPA's flags that are gone, each with what replaces it: the trained coach's search switches merged (issue
+# 54); `mappa coach score`'s own coach flags, now the training run's.
 RENAMED = {
     "--kind": "--mappa.coach.kind (mappa coach score takes the training run's --mappa.coach.* flags)",
     "--mappa.coach.digits_only": "--mappa.coach.reply digit (digits_only and all_digits together)",
@@ -148,9 +148,10 @@ def add_training_args(g):
     g.add_argument("--mappa.run_dir", default="./runs/mappa",
                    help="metrics.jsonl, episodes.jsonl and code workspaces")
     g.add_argument("--mappa.allow_resume_changes", action="store_true",
-                   help="resume (--ckpt.load_enable) with other settings that shape the run (batch sizes, samples, "
-                        "episodes, learning rate, KL, lengths, the topology) than <run_dir>/run_settings.json "
-                        "records (refused by default, naming each); warned, and recorded from then on")
+                   help="resume (--ckpt.load_enable) with other settings that shape the run (batch sizes, "
+                        "samples, episodes, learning rate, KL, lengths, the topology) than "
+                        "<run_dir>/run_settings.json records (refused by default, naming each); warned, and "
+                        "recorded from then on")
     g.add_argument("--mappa.allow_eval_overlap", action="store_true",
                    help="evaluate on an --eval.dataset that shares problems with the training tasks (refused by "
                         "default: it inflates the trained team's score); warned, and counted as train_overlap in "
@@ -479,10 +480,10 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
         raise RuntimeError(f"UPSTREAM_RANGES names flags upstream's parser does not have: {missing}")
     for name, check in UPSTREAM_RANGES.items():
         ranged_flags[name].type = check
-    ranged_flags["ckpt.output_dir"].help = ("each agent's final HF export goes to DIR/<agent> (MAPPA's default: "
-                                            "<mappa.run_dir>/hf; OpenRLHF's: ./ckpt)")
-    # argparse reads a negative number in exponent form ("-1e-5") as a flag and says only "expected one argument":
-    # read as a number, it gets the flag's own refusal ("out of range: expected a number >= 0").
+    ranged_flags["ckpt.output_dir"].help = ("each agent's final HF export goes to DIR/<agent> (MAPPA's "
+                                            "default: <mappa.run_dir>/hf; OpenRLHF's: ./ckpt)")
+    # argparse reads a negative number in exponent form ("-1e-5") as a flag and says only "expected one
+    # argument": read as a number, it gets the flag's own refusal ("out of range: expected a number >= 0").
     parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$", re.IGNORECASE)
     raw = parser.parse_args(sys.argv[1:] if argv is None else argv)
     refuse_ignored_flags(upstream, raw)
@@ -502,8 +503,8 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
     # attention (placement.agent_args); on GPUs packing_problems refuses budgets without packing and packing
     # without flash attention, and check_this_machine ring attention without it.
     packing, attention = args.ds.packing_samples, args.ds.attn_implementation
-    # Upstream asserts that a step's rollout micro-batches are at least the actor ranks, naming no flag or value:
-    # validate() says it per agent, with both and the fix (in `mappa check`'s table too).
+    # Upstream asserts that a step's rollout micro-batches are at least the actor ranks, naming no flag or
+    # value: validate() says it per agent, with both and the fix (in `mappa check`'s table too).
     micro, args.rollout.micro_batch_size = args.rollout.micro_batch_size, 1
     with refusals():  # upstream validates with assert
         validate_upstream(args)
@@ -731,10 +732,10 @@ def parallel_problems(args, trainees: list) -> list:
         fits = max(1, samples // max(1, ranks))  # a micro-batch size that gives every rank one
         rules.append((gpus["actor"] % (ring * tp) == 0 and samples // r.micro_batch_size < ranks,
                       f"a step's {samples} samples (--rollout.batch_size {r.batch_size} x "
-                      f"--rollout.n_samples_per_prompt {r.n_samples_per_prompt}) make {samples // r.micro_batch_size} "
-                      f"micro-batches of --rollout.micro_batch_size {r.micro_batch_size}, fewer than its {ranks} "
-                      f"data-parallel actor ranks ({where}): lower --rollout.micro_batch_size to {fits} or raise "
-                      f"--rollout.batch_size"))
+                      f"--rollout.n_samples_per_prompt {r.n_samples_per_prompt}) make "
+                      f"{samples // r.micro_batch_size} micro-batches of --rollout.micro_batch_size "
+                      f"{r.micro_batch_size}, fewer than its {ranks} data-parallel actor ranks ({where}): "
+                      f"lower --rollout.micro_batch_size to {fits} or raise --rollout.batch_size"))
         problems += [f"agent {spec.name!r}: {why}" for bad, why in rules if bad]
         # The run's flags, named at the first agent they fail. A CPU's tiny models train with padded budgets under
         # sdpa (no flash-attn on CPUs).
@@ -812,10 +813,10 @@ def check_this_machine(args, topology=None) -> None:
     ]
     missing = placement.module_refusals(needed, placement.broken_modules(needed), "here")
     if missing and not cpu_mode() and placement.detect_gpus()[0] is None:
-        # A head or login node without GPUs may run another image than the GPU nodes, whose own check at launch
-        # (launch.check_placement) decides: said here, not refused.
-        print("[mappa] warning: " + "\n[mappa] warning: ".join(missing) + "\n(this machine has no GPU: each GPU "
-              "node is checked for them when the run starts)", file=sys.stderr)
+        # A head or login node without GPUs may run another image than the GPU nodes, whose own check at
+        # launch (launch.check_placement) decides: said here, not refused.
+        print("[mappa] warning: " + "\n[mappa] warning: ".join(missing) + "\n(this machine has no GPU: each "
+              "GPU node is checked for them when the run starts)", file=sys.stderr)
         missing = []
     refuse(missing + [why for bad, why in rules if bad])
 
@@ -897,8 +898,9 @@ def unwritable_dir(path: str, flag: str = "") -> str:
         return f"{given}: cannot be created: {existing} is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{given}: cannot be written: {existing} is not writable by this user"
-    # Access bits are not all: a read-only file system, or one that holds no new directories (/sys, /proc), refuses
-    # even root. A scratch directory made and removed there says so now, not a traceback once the launch writes.
+    # Access bits are not all: a read-only file system, or one that holds no new directories (/sys, /proc),
+    # refuses even root. A scratch directory made and removed there says so now, not a traceback once the
+    # launch writes.
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".mappa-check-", dir=existing))
     except OSError as e:
@@ -965,8 +967,8 @@ def accepted(topology):
 
 @contextlib.contextmanager
 def missing_file_named(flag: str, value: str):
-    """A task file that does not exist, named with the flag that gave it and where a relative path was looked for
-    (load_tasks' FileNotFoundError says only the path)."""
+    """A task file that does not exist, named with the flag that gave it and where a relative path was looked
+    for (load_tasks' FileNotFoundError says only the path)."""
     try:
         yield
     except FileNotFoundError as e:
@@ -979,9 +981,10 @@ SCRIPTED_REPLY = "A scripted reply of `mappa check`: 42."
 
 
 def play_scripted(topology, tasks: list, args) -> None:
-    """Play the first task of each type with scripted replies, whole and then cut off at --rollout.max_new_tokens
-    (team.play, no model): a hook that raises, or returns what the rollout may not take (a judge's bare number),
-    is refused now, naming the hook, not found as a failed episode (or a wrong reward) once the run is up."""
+    """Play the first task of each type with scripted replies, whole and then cut off at
+    --rollout.max_new_tokens (team.play, no model): a hook that raises, or returns what the rollout may not
+    take (a judge's bare number), is refused now, naming the hook, not found as a failed episode (or a wrong
+    reward) once the run is up."""
     from openrlhf_mappa.team import play
 
     first = {}
@@ -994,8 +997,9 @@ def play_scripted(topology, tasks: list, args) -> None:
                 try:
                     play(topology, task, lambda name, turn: SCRIPTED_REPLY, workspace, truncated_at)
                 except Exception as e:  # the environment's own code: its message says what to fix
-                    raise ValueError(f"{args.mappa.topology}: env {topology.env!r} on task {task['id']!r}, every "
-                                     f"agent replying {SCRIPTED_REPLY!r}{cut}: {type(e).__name__}: {e}") from e
+                    raise ValueError(f"{args.mappa.topology}: env {topology.env!r} on task {task['id']!r}, "
+                                     f"every agent replying {SCRIPTED_REPLY!r}{cut}: {type(e).__name__}: "
+                                     f"{e}") from e
 
 
 class Preflight:
@@ -1005,8 +1009,8 @@ class Preflight:
 
     STEPS = (  # (what it checks, its method, the steps whose results it reads)
         ("topology, flags", "team", ()),
-        # Apart: a model the plan can read (a config-only directory, `mappa plan`'s) but no actor could load (no
-        # tokenizer) stops the launch, and `mappa check` still runs every other check.
+        # Apart: a model the plan can read (a config-only directory, `mappa plan`'s) but no actor could load
+        # (no tokenizer) stops the launch, and `mappa check` still runs every other check.
         ("models", "models", ("team",)),
         ("training tasks", "training_tasks", ("team",)),
         ("eval sets", "eval_files", ("team",)),
@@ -1037,8 +1041,8 @@ class Preflight:
 
         args, d = self.args, self.args.data
         with missing_file_named("--data.prompt_dataset", d.prompt_dataset):
-            self.all_tasks = load_tasks(d.prompt_dataset, d.prompt_probs, d.prompt_split, d.input_key, d.label_key,
-                                        self.topology.env_cls.needs_answer, args.train.seed)
+            self.all_tasks = load_tasks(d.prompt_dataset, d.prompt_probs, d.prompt_split, d.input_key,
+                                        d.label_key, self.topology.env_cls.needs_answer, args.train.seed)
         self.tasks = choose_train_tasks(self.all_tasks, args.data.max_samples, args.train.seed)
         if len(self.tasks) < args.rollout.batch_size:
             raise SystemExit(f"{args.data.prompt_dataset}: {len(self.tasks)} tasks, fewer than --rollout.batch_size "
@@ -1122,8 +1126,8 @@ class Preflight:
                                task_type="", agent_input="What is 2 + 2?", agent_output="2 + 2 = 4.", feedback="")
 
         async def score_and_close():
-            # Its HTTP session closed in the event loop it opened in: else aiohttp warns of an "Unclosed client
-            # session" above the table.
+            # Its HTTP session closed in the event loop it opened in: else aiohttp warns of an "Unclosed
+            # client session" above the table.
             try:
                 return await probe.score(request)
             finally:
@@ -1131,10 +1135,12 @@ class Preflight:
 
         verdict = asyncio.run(score_and_close())
         if verdict.score is None:
-            # A 404 from a server that answered the probe is most often a base URL without the API's version path.
+            # A 404 from a server that answered the probe is most often a base URL without the API's version
+            # path.
             url = (c.base_url or "").rstrip("/")
-            hint = (f"; an OpenAI-compatible API is served under a version path: did you mean --mappa.coach.base_url "
-                    f"{url}/v1?" if "HTTP 404" in verdict.rationale and c.base_url and not url.endswith("/v1") else "")
+            hint = ("; an OpenAI-compatible API is served under a version path: did you mean "
+                    f"--mappa.coach.base_url {url}/v1?"
+                    if "HTTP 404" in verdict.rationale and c.base_url and not url.endswith("/v1") else "")
             raise ValueError(f"coach {c.kind} {c.model or ''} answered a test action without a score "
                              f"({verdict.status}): {verdict.rationale[:300]!r}{hint}")
         return f"{c.kind} {c.model or ''}: scored a test action {verdict.score:g} in {verdict.latency_s:.1f} s"
@@ -1185,7 +1191,8 @@ def train(args):
     for line in run_summary(args.mappa.run_dir):
         print(line)
     run_dir = os.path.abspath(args.mappa.run_dir)
-    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):  # at least one step: `mappa report`'s page of it
+    # at least one step: `mappa report`'s page of it
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         from openrlhf_mappa.report import write_report
 
         print(f"[mappa] report:      {write_report(run_dir)}")

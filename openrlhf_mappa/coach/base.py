@@ -73,9 +73,9 @@ class Coach:
         raise NotImplementedError(f"coach {self.name!r} has no hindsight review")
 
     async def reask_answer(self, verdict: Verdict) -> Verdict:
-        """`verdict` (the final agent's, shown the reference, with no ANSWER_CORRECT line) after asking once more
-        for that line, as the authors do before their raw-score fallback (evaluation.evaluate). A coach that
-        writes no such line returns it as it is."""
+        """`verdict` (the final agent's, shown the reference, with no ANSWER_CORRECT line) after asking once
+        more for that line, as the authors do before their raw-score fallback (evaluation.evaluate). A coach
+        that writes no such line returns it as it is."""
         return verdict
 
     async def probe(self) -> None:

@@ -16,8 +16,9 @@ prompts greedily and compared with the reference: agreement (mean 1 - |s - s_ref
 Pearson r, the parse-error rate and the confusion by score band (OUT/distill.json).
 
 train_sft gets each prompt rendered here with the chat template's generation prompt and the target as its
-continuation: a template may add more to a finished assistant turn than to the generation prompt (Qwen3's empty
-<think> block), and a coach samples after the generation prompt, so that is where its first token must be trained.
+continuation: a template may add more to a finished assistant turn than to the generation prompt (Qwen3's
+empty <think> block), and a coach samples after the generation prompt, so that is where its first token must
+be trained.
 """
 
 import json
@@ -33,8 +34,8 @@ from openrlhf_mappa.coach.rescore import read_actions
 
 BANDS = ("0-2", "2-4", "4-6", "6-8", "8-10")  # [0,2), [2,4), ..., [8,10]
 NO_SCORE = "no score"
-# train_sft's flags that name the data distill wrote or how it is rendered: a user's value would train on something
-# else than what the coach is sent.
+# train_sft's flags that name the data distill wrote or how it is rendered: a user's value would train on
+# something else than what the coach is sent.
 OWN_SFT_FLAGS = ("--data.dataset", "--data.input_key", "--data.output_key", "--data.apply_chat_template",
                  "--data.input_template", "--data.tokenizer_chat_template")
 
@@ -105,7 +106,8 @@ def build_rows(paths: list, template: str, score_key: str, reply: str = "text", 
 
 def render(rows: list, tokenizer) -> None:
     """Each row's sft_prompt, its prompt sent as one user message as a coach sends it (AgentPolicy.prompt_ids,
-    vLLM's chat endpoint), and sft_response, its target then the EOS token, the continuation train_sft trains."""
+    vLLM's chat endpoint), and sft_response, its target then the EOS token, the continuation train_sft
+    trains."""
     for row in rows:
         row["sft_prompt"] = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
                                                           tokenize=False, add_generation_prompt=True)
@@ -113,8 +115,8 @@ def render(rows: list, tokenizer) -> None:
 
 
 def needed_len(row: dict, tokenizer) -> int:
-    """The --data.max_len under which train_sft keeps the row whole: it drops a row whose prompt has max_len - 2
-    tokens or more, and cuts prompt and response together to max_len (OpenRLHF's SFTDataset)."""
+    """The --data.max_len under which train_sft keeps the row whole: it drops a row whose prompt has max_len -
+    2 tokens or more, and cuts prompt and response together to max_len (OpenRLHF's SFTDataset)."""
     prompt = len(tokenizer(row["sft_prompt"], add_special_tokens=False)["input_ids"])
     whole = len(tokenizer(row["sft_prompt"] + row["sft_response"], add_special_tokens=False)["input_ids"])
     return max(whole, prompt + 3)
@@ -146,8 +148,8 @@ def print_report(metrics: dict, label: str):
 
 
 def generate(model_dir: str, texts: list, max_new_tokens: int, batch_size: int = 8) -> list:
-    """Greedy replies of the model to each chat-templated prompt (render), on the GPU train_sft just used where
-    there is one."""
+    """Greedy replies of the model to each chat-templated prompt (render), on the GPU train_sft just used
+    where there is one."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -167,12 +169,13 @@ def generate(model_dir: str, texts: list, max_new_tokens: int, batch_size: int =
 
 
 def sft_command(model: str, out: str, nproc: int, seed: int, max_len: int, extra: list) -> list:
-    """torchrun of OpenRLHF's train_sft on OUT/distill/train.jsonl, its rows rendered already (render: the prompt
-    taken as written, "{}"); the user's extra flags come last and win."""
+    """torchrun of OpenRLHF's train_sft on OUT/distill/train.jsonl, its rows rendered already (render: the
+    prompt taken as written, "{}"); the user's extra flags come last and win."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "-m", "openrlhf.cli.train_sft",
             "--model.model_name_or_path", model, "--data.dataset", os.path.join(out, "distill", "train.jsonl"),
-            "--data.input_key", "sft_prompt", "--data.output_key", "sft_response", "--data.input_template", "{}",
+            "--data.input_key", "sft_prompt", "--data.output_key", "sft_response",
+            "--data.input_template", "{}",
             "--data.max_len", str(max_len),
             "--ckpt.output_dir", out, "--ckpt.path", os.path.join(out, "distill", "checkpoints"),
             "--train.seed", str(seed), *extra]

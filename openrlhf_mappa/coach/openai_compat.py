@@ -58,8 +58,8 @@ REVIEW_REPROMPT = (
     'with "rationale", "responsible" (an action id) and "actions": exactly one entry {{"id": <id>, "score": '
     "<number from 0 to 10>}} for each action id from 1 to {n}.)"
 )
-# The authors' re-prompt for a Verifier's verdict that lacks ANSWER_CORRECT (their external_coach.py L335-365 with
-# L415-450), word for word: their earlier reply alone, without the task, and the two lines it must state.
+# The authors' re-prompt for a Verifier's verdict that lacks ANSWER_CORRECT (their external_coach.py L335-365
+# with L415-450), word for word: their earlier reply alone, without the task, and the two lines it must state.
 ANSWER_REPROMPT = """You previously provided this evaluation:
 
 {reply}
@@ -206,7 +206,8 @@ class OpenAICoach(Coach):
             if self.rpm > 0:
                 await self.pace()
             error = None
-            # Read late: another call may have dropped it meanwhile. None: the ANSWER_CORRECT re-prompt, text lines.
+            # Read late: another call may have dropped it meanwhile. None: the ANSWER_CORRECT re-prompt, text
+            # lines.
             use_schema = self.use_schema and schema is not None
             body = {"model": self.model, "messages": messages, "temperature": 0}
             if use_schema:

@@ -223,17 +223,18 @@ class MultiAgentEnv:
 def returned_problem(hook: str, value) -> str:
     """What is wrong with `value` as the return of the environment hook `hook` ("" if nothing, or a hook not
     checked here: next_agents is rollout.check_round's). The rollout and team.play check each return where the
-    hook is called, so that a wrong one is named with its hook, not read as something else further on (a judge's
-    bare 0.0 as "no grade", a bare 0.5 as a TypeError inside the coach)."""
+    hook is called, so that a wrong one is named with its hook, not read as something else further on (a
+    judge's bare 0.0 as "no grade", a bare 0.5 as a TypeError inside the coach)."""
     if hook == "judge":
         grade = value if isinstance(value, tuple) and len(value) == 3 else (None, None, None)
         score, why, failed = grade
-        if value is None or (isinstance(score, (int, float)) and not isinstance(score, bool) and 0 <= score <= 10
-                             and isinstance(why, str) and isinstance(failed, bool)):
+        if value is None or (isinstance(score, (int, float)) and not isinstance(score, bool)
+                             and 0 <= score <= 10 and isinstance(why, str) and isinstance(failed, bool)):
             return ""
         return "expected None or a tuple (score: a number in [0, 10], why: str, failed: bool)"
     if hook == "step" and not (isinstance(value, StepResult) and isinstance(value.feedback, ToolFeedback)):
-        return "expected a StepResult(feedback: ToolFeedback, done: bool), e.g. super().step(agent, turn, response)"
+        return ("expected a StepResult(feedback: ToolFeedback, done: bool), e.g. super().step(agent, turn, "
+                "response)")
     if hook == "observe" and not (isinstance(value, list) and value and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in value)):
@@ -264,18 +265,18 @@ def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", inp
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
     names = [e.split("@")[0].strip() for e in entries if not os.path.exists(e.split("@")[0].strip())]
     if names:
-        # A name that is no local path goes to the Hub, whose client retries a Hub out of reach for ~30 s (a folder
-        # not created yet reads as a dataset name): one plain request first says so at once.
+        # A name that is no local path goes to the Hub, whose client retries a Hub out of reach for ~30 s (a
+        # folder not created yet reads as a dataset name): one plain request first says so at once.
         from huggingface_hub import constants, errors, get_session, is_offline_mode
 
         try:
             if not is_offline_mode():
                 get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
         except (errors.HTTPError, OSError) as e:
-            raise ValueError(f"{names[0]}: no local file or folder (relative to {os.getcwd()}), and the Hugging Face "
-                             f"Hub ({constants.ENDPOINT}) could not be reached to look it up as a dataset name "
-                             f"({type(e).__name__}): check the path; a Hub dataset needs the network, or its copy in "
-                             f"the cache and HF_HUB_OFFLINE=1") from e
+            raise ValueError(f"{names[0]}: no local file or folder (relative to {os.getcwd()}), and the "
+                             f"Hugging Face Hub ({constants.ENDPOINT}) could not be reached to look it up as "
+                             f"a dataset name ({type(e).__name__}): check the path; a Hub dataset needs the "
+                             f"network, or its copy in the cache and HF_HUB_OFFLINE=1") from e
     try:
         return _load_checked(spec, entries, probs, split, input_key, label_key, needs_answer, seed)
     except Exception:
@@ -340,9 +341,9 @@ def _load_checked(spec: str, entries: list, probs, split: str, input_key: str, l
 
 
 def _check_csv_fields(path: str) -> None:
-    """Refuse a CSV row with more fields than the header, naming its line: pandas (HF's CSV loader) would take the
-    row's first fields for an implicit index (`__index_level_0__`) and shift the rest, so that an unquoted comma in a
-    task's text loads a wrong id and text without a word."""
+    """Refuse a CSV row with more fields than the header, naming its line: pandas (HF's CSV loader) would take
+    the row's first fields for an implicit index (`__index_level_0__`) and shift the rest, so that an unquoted
+    comma in a task's text loads a wrong id and text without a word."""
     with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
         reader = csv.reader(f)
         header = next(reader, [])
@@ -350,8 +351,8 @@ def _check_csv_fields(path: str) -> None:
         for row in reader:
             if len(row) > len(header):
                 raise ValueError(f"{path}: line {start}: {len(row)} fields, but the header has {len(header)} "
-                                 f"({','.join(header)}): put a field that holds a comma in double quotes, e.g. "
-                                 f"\"A tag for Ana, who loves cake.\"")
+                                 f"({','.join(header)}): put a field that holds a comma in double quotes, "
+                                 f"e.g. \"A tag for Ana, who loves cake.\"")
             start = reader.line_num + 1
 
 

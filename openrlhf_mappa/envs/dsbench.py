@@ -506,8 +506,8 @@ class DSBenchEnv(MultiAgentEnv):
         return "\n".join(lines)
 
     def authors_predictions(self) -> Optional[tuple]:
-        """(answers, predictions) as the authors read them (ground_truth_utils.py evaluate_analyst_output): the
-        second column of the answers and of the first readable submission.csv or predictions.csv with two
+        """(answers, predictions) as the authors read them (ground_truth_utils.py evaluate_analyst_output):
+        the second column of the answers and of the first readable submission.csv or predictions.csv with two
         columns; None when there is none, or no row (their `error`: the episode is not scored)."""
         path = next((p for name in (SUBMISSION, "predictions.csv")
                      if os.path.isfile(p := os.path.join(self.workspace, name))), None)
@@ -521,10 +521,12 @@ class DSBenchEnv(MultiAgentEnv):
         return truth.iloc[:, 1], pred.iloc[:, 1]
 
     def authors_metrics_text(self) -> str:
-        """The Analyst's figures as the authors' coach reads them (evaluate_analyst_output), or their error line."""
+        """The Analyst's figures as the authors' coach reads them (evaluate_analyst_output), or their error
+        line."""
         found = self.authors_predictions()
         if found is None:
-            return "ERROR: no predictions found (no readable submission.csv or predictions.csv with 2 columns)"
+            return ("ERROR: no predictions found (no readable submission.csv or predictions.csv with 2 "
+                    "columns)")
         figures = authors_figures(*found, self.task_type)
         lines = [f"Data type: {self.task_type}", f"Task metric: {self.metric_name}",
                  f"Number of predictions: {len(found[1])}", "Computed metrics:"]
