@@ -150,12 +150,12 @@ def test_team_on_shared_gpus_stopped_by_a_dead_engine_resumes_with_weights_logs_
     # The same command with another rollout batch is refused before Ray starts, naming the flag and both
     # values, and leaves the run as it was; the same command with the run's settings resumes below (run 2).
     relaunch = [sys.executable, "-m", "openrlhf_mappa.cli.train_mappa_ray", *argv,
-                "--rollout.batch_size", "1"]
+                "--rollout.batch_size", "4"]
     before = (run_dir / "run_settings.json").read_text()
     refused = subprocess.run(relaunch, cwd=tmp_path, env=local_cluster_env(2), capture_output=True, text=True,
                              timeout=300)
     assert (refused.returncode == 1
-            and "--rollout.batch_size: 2 in the run, 1 now" in refused.stderr), refused.stderr
+            and "--rollout.batch_size: 2 in the run, 4 now" in refused.stderr), refused.stderr
     assert "--mappa.allow_resume_changes" in refused.stderr and "Traceback" not in refused.stderr
     assert ((run_dir / "run_settings.json").read_text() == before
             and json.loads(marker.read_text())["step"] == saved)
