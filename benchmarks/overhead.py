@@ -231,7 +231,7 @@ def main():
     print(f"\nSteady state: median of steps {a.warmup + 1}-{a.steps} in each run, then the median of its {a.repeats} "
           f"runs, seconds ({a.prompts} prompts x {a.samples} samples, <= {a.max_new_tokens} new tokens, one optimizer "
           "step per policy per step; start-up excluded). Ratio: of the medians; spread: the lowest and highest ratio "
-          "of run i's to run i's")  # fmt: skip
+          "of a run of the second side to its turn's run of the first")  # fmt: skip
     rows = [("generation (rollout)", "generation"), ("experience", "experience"), ("training", "train"),
             ("sync (weights to vLLM)", "sync"), ("training + sync", "train+sync"),
             ("step (its own timer)", "step"), ("step (wall, log to log)", "wall"),
