@@ -106,7 +106,9 @@ def check_resume(args, topology, task_ids: list) -> tuple:
     elif ids != task_ids:
         problems.append(f"resume: {chosen} lists other training tasks than --data.prompt_dataset, --train.seed "
                         f"and --data.max_samples pick now; resume with the settings of the first run")
-    problems.append(settings_problem(args, topology, step) if step else "")
+    settings = settings_problem(args, topology, step) if step else ""
+    if settings:
+        problems.append(settings)
     tag, fixes = f"global_step{step}", []
     for spec in trainee_specs(args, topology):
         actor_dir = os.path.join(args.ckpt.path, spec.name, "_actor")
@@ -134,8 +136,8 @@ def check_resume(args, topology, task_ids: list) -> tuple:
         with open(latest, encoding="utf-8", errors="replace") as f:
             if f.read().strip() != tag:
                 fixes.append((latest, tag))
-    if any(problems):
-        raise ValueError("\n".join(filter(None, problems)))
+    if problems:
+        raise ValueError("\n".join(problems))
     return step, fixes
 
 
