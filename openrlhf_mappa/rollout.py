@@ -81,6 +81,9 @@ class AgentPolicy:
     max_len: int  # prompt + response tokens, as the engines were built with
     sampling: dict = field(default_factory=dict)  # temperature, top_p
     adapter: str = None  # a LoRA agent's name: its engines (its pool's) generate with its adapter
+    # Ask vLLM for each sampled token's log-prob only where something reads them (logprobs_read): they come back
+    # as a Python object per token over Ray, the largest part of MAPPA's generation overhead (benchmarks/README).
+    logprobs: bool = True
     gate: SyncGate = field(default_factory=SyncGate)  # its trainer's: generations vs weight syncs, and the version
     _next: itertools.count = field(default_factory=itertools.count)
 
@@ -129,10 +132,11 @@ class AgentPolicy:
         return generated, version, version_end
 
     async def generate(self, prompt_ids: list):
-        """(response ids, truncated, each response token's sampling log-prob)."""
+        """(response ids, truncated, each response token's sampling log-prob: [] when not asked for)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=self.max_new_tokens, logprobs=1, **self.sampling)
+        params = SamplingParams(max_tokens=self.max_new_tokens, logprobs=1 if self.logprobs else None,
+                                **self.sampling)
         engine = self.engines[next(self._next) % len(self.engines)]
         if self.adapter:
             output = (await engine.generate_as.remote(self.adapter, prompt_ids, params)).outputs[0]
@@ -141,6 +145,14 @@ class AgentPolicy:
         # logprobs=1 returns the top token's and the sampled one's: the sampled one is always there.
         logprobs = [step[token].logprob for token, step in zip(output.token_ids, output.logprobs or [])]
         return list(output.token_ids), output.finish_reason == "length", logprobs
+
+
+def logprobs_read(args) -> bool:
+    """Whether a training run reads the engines' sampling log-probs: OpenRLHF's off-policy correction
+    (--algo.advantage.is_correction_level), --mappa.ppo_ratio rollout, async training (its mismatch metrics
+    measure how far behind the engines are) or --mappa.logprob_metrics. Else none is asked for, as OpenRLHF."""
+    return (args.algo.advantage.is_correction_level != "off" or args.mappa.ppo_ratio == "rollout"
+            or args.train.async_enable or args.mappa.logprob_metrics)
 
 
 class EnvFailed(Exception):

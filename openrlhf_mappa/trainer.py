@@ -32,7 +32,7 @@ from openrlhf_mappa.evaluation import (NoCoach, asks_answer, coach_cost, evaluat
                                       train_overlap)
 from openrlhf_mappa.health import RunStopped, StopRules
 from openrlhf_mappa.launch import distinct, owners
-from openrlhf_mappa.rollout import AgentPolicy, rollout
+from openrlhf_mappa.rollout import AgentPolicy, logprobs_read, rollout
 from openrlhf_mappa.run_log import RunLog, step_metrics
 
 
@@ -139,9 +139,10 @@ class MappaTrainer:
         self.stops, self.stalled = StopRules(self.mappa, run_dir, coach, self.scored, owners(agents), self.owner), None
         self.policies, self.eval_policies = ({ag.spec.name: AgentPolicy(
             ag.engines, ag.tokenizer, ag.args.rollout.max_new_tokens, args.data.max_len,
-            dict(temperature=temperature, top_p=args.rollout.top_p), ag.trainer.adapter, ag.trainer.gate)
-            for ag in agents + self.trainees}
-            for temperature in (args.rollout.temperature, args.eval.temperature))
+            dict(temperature=temperature, top_p=args.rollout.top_p), ag.trainer.adapter, ag.trainer.gate,
+            logprobs=logprobs) for ag in agents + self.trainees}
+            for temperature, logprobs in ((args.rollout.temperature, logprobs_read(args)),
+                                          (args.eval.temperature, False)))
         if self.coach_agent:
             coach.attach(self.policies[self.coach_agent.spec.name])
         # One event loop for the whole run: the coach's HTTP client and its semaphore belong to the loop

@@ -268,7 +268,9 @@ def assert_rows_are_their_actions(steps: list, episodes: list, tokenizer, first_
             for b in batches:
                 mask_BA = b["action_mask"].bool()
                 mean_adv_B = (b["advantages"].float() * mask_BA).sum(1) / mask_BA.sum(1)
-                sampled_B = [lp[m].tolist() for lp, m in zip(b["rollout_log_probs"].float(), mask_BA)]
+                # no rollout log-probs where nothing reads them (rollout.logprobs_read): none recorded either
+                sampled_B = ([lp[m].tolist() for lp, m in zip(b["rollout_log_probs"].float(), mask_BA)]
+                             if "rollout_log_probs" in b else [[]] * len(mask_BA))
                 for seq, real, mask, reward, adv, sampled in zip(
                         b["sequences"].tolist(), b["attention_mask"].bool().tolist(), mask_BA.tolist(),
                         b["rewards"].tolist(), mean_adv_B.tolist(), sampled_B):

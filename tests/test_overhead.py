@@ -3,8 +3,10 @@ written by torch's SummaryWriter, as both runs write them (OpenRLHF's Tensorboar
 back per step; the steady state drops the warm-up steps and times each step from the previous one's log
 record. No training here; the benchmark itself runs both trainers."""
 
+import asyncio
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
@@ -62,3 +64,49 @@ def test_refusals_name_what_is_missing(tmp_path):
         steady_state(read_steps(str(tmp_path / "b")), "openrlhf", warmup=2)
     with pytest.raises(SystemExit, match="expected one run's tensorboard events .* found 2"):
         read_steps(str(tmp_path))
+
+
+class Engine:
+    """A stand-in for an agent's vLLM engine actor (no engine here: generating is the benchmark's part): it
+    records the SamplingParams it was asked with and returns vLLM's output shape, a log-prob per token only when
+    they were asked for, as vLLM does."""
+
+    def __init__(self):
+        self.asked = []
+        self.generate = self
+
+    def remote(self, prompt_ids, params):
+        self.asked.append(params)
+        logprobs = None
+        if params.logprobs:
+            logprobs = [{7: SimpleNamespace(logprob=-0.5)}, {8: SimpleNamespace(logprob=-1.5)}]
+        done = asyncio.get_event_loop().create_future()
+        done.set_result(SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7, 8], logprobs=logprobs,
+                                                                 finish_reason="stop")]))
+        return done
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_rollout_logprobs_are_asked_for_only_where_read(asked):
+    # Issue 66: the per-token log-prob objects were most of MAPPA's generation overhead on OpenRLHF's. The
+    # policy asks vLLM for them only when a reader is on (rollout.logprobs_read), and then returns each one.
+    from openrlhf_mappa.rollout import AgentPolicy
+
+    engine = Engine()
+    policy = AgentPolicy([engine], tokenizer=None, max_new_tokens=2, max_len=8, logprobs=asked)
+    ids, truncated, logprobs = asyncio.run(policy.generate([1, 2, 3]))
+    assert ids == [7, 8] and not truncated
+    assert (engine.asked[0].logprobs, logprobs) == ((1, [-0.5, -1.5]) if asked else (None, []))
+
+
+def test_logprobs_are_read_by_the_correction_the_ratio_async_and_the_metrics_switch():
+    from openrlhf_mappa.rollout import logprobs_read
+
+    def args(level="off", ratio="trainer", is_async=False, metrics=False):
+        return SimpleNamespace(algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_level=level)),
+                               mappa=SimpleNamespace(ppo_ratio=ratio, logprob_metrics=metrics),
+                               train=SimpleNamespace(async_enable=is_async))
+
+    assert not logprobs_read(args())  # OpenRLHF's default: none asked for
+    assert logprobs_read(args(level="token")) and logprobs_read(args(ratio="rollout"))
+    assert logprobs_read(args(is_async=True)) and logprobs_read(args(metrics=True))

@@ -139,6 +139,11 @@ def add_training_args(g):
                    help="the old policy of PPO's ratio and clip. trainer: the actor's log-probs just before the update "
                         "(OpenRLHF's); rollout: the engine's, of the weights that sampled each action, so that the "
                         "clip bounds each update around the policy that made the data (async training)")
+    g.add_argument("--mappa.logprob_metrics", action="store_true",
+                   help="ask the engines for each sampled token's log-prob even where nothing else reads them, to "
+                        "log agent/<name>/logprob_mismatch_{abs,kl} (engine against trainer). Without it they are "
+                        "asked for, and logged, only with --algo.advantage.is_correction_level, --mappa.ppo_ratio "
+                        "rollout or --train.async_enable, as OpenRLHF asks only for its correction")
     g.add_argument("--mappa.max_untrained_steps", type=NONNEGATIVE_INT, default=3,
                    help="stop the run after this many steps in a row in which no agent trained on any action (each "
                         "such step names the reason on the console; 0: never stop)")
