@@ -68,8 +68,8 @@ def test_refusals_name_what_is_missing(tmp_path):
 
 class Engine:
     """A stand-in for an agent's vLLM engine actor (no engine here: generating is the benchmark's part): it
-    records the SamplingParams it was asked with and returns vLLM's output shape, a log-prob per token only when
-    they were asked for, as vLLM does."""
+    records the SamplingParams it was asked with and returns vLLM's output shape, a log-prob per token only
+    when they were asked for, as vLLM does."""
 
     def __init__(self):
         self.asked = []
