@@ -81,10 +81,10 @@ class AgentPolicy:
     max_len: int  # prompt + response tokens, as the engines were built with
     sampling: dict = field(default_factory=dict)  # temperature, top_p
     adapter: str = None  # a LoRA agent's name: its engines (its pool's) generate with its adapter
+    gate: SyncGate = field(default_factory=SyncGate)  # its trainer's: generations vs weight syncs, and the version
     # Ask vLLM for each sampled token's log-prob only where something reads them (logprobs_read): they come back
     # as a Python object per token over Ray, the largest part of MAPPA's generation overhead (benchmarks/README).
     logprobs: bool = True
-    gate: SyncGate = field(default_factory=SyncGate)  # its trainer's: generations vs weight syncs, and the version
     _next: itertools.count = field(default_factory=itertools.count)
 
     def prompt_ids(self, messages: list, keep_reasoning: bool = False) -> tuple:
