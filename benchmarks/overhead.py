@@ -20,6 +20,7 @@ records, which also covers whatever a step does outside those timers. Steps up t
 
     flock /work/ray.lock env PYTHONPATH=. .venv/bin/python benchmarks/overhead.py              # ~7 min
     flock /work/ray.lock env PYTHONPATH=. .venv/bin/python benchmarks/overhead.py --agents 3   # ~12 min
+    ... benchmarks/overhead.py --repeats 1 --profile   # where each side's processes spend a step (py-spy)
 
 Each side runs --repeats times (3), the sides taking turns (A B A B A B): each figure is the median of its runs,
 each ratio the ratio of those medians, with its spread (the lowest and highest ratio of run i to run i).
@@ -40,6 +41,7 @@ import time
 import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROFILE_RATE = 50  # py-spy samples per second and process
 RULE = r"(?s).*\d.*"  # success: the reply contains a digit (the relay env's goal; OpenRLHF's reward function)
 
 REWARD_PY = f'''import re
@@ -108,14 +110,17 @@ def mappa_cmd(a, out: str, agents: int) -> list:
             "--mappa.train_truncated"]  # fmt: skip
 
 
-def train(cmd: list, out: str, gpus: int, timeout: float) -> tuple:
+def train(cmd: list, out: str, gpus: int, timeout: float, profile: tuple = None) -> tuple:
     """Runs `cmd` to its end in a session of its own (its output in <out>/train.log) on a fresh local Ray
-    cluster with `gpus` logical GPUs; returns when it started and ended. Whatever it leaves running is killed."""
+    cluster with `gpus` logical GPUs; returns when it started and ended. Whatever it leaves running is killed.
+    profile (warmup, steps): py-spy samples the run's whole process tree over its steady steps."""
     env = dict(os.environ, MAPPA_CPU_NUM_GPUS=str(gpus), VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("RAY_ADDRESS", None)
     t0 = time.time()
     with open(os.path.join(out, "train.log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    if profile:
+        record_steady_steps(proc, out, *profile)
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -130,6 +135,48 @@ def train(cmd: list, out: str, gpus: int, timeout: float) -> tuple:
         tail = "".join(open(os.path.join(out, "train.log"), errors="replace").readlines()[-40:])
         raise SystemExit(f"{tail}\n[overhead] {cmd[2]} failed (exit {rc}); its log: {out}/train.log")
     return t0, time.time()
+
+
+def record_steady_steps(proc, out: str, warmup: int, steps: int):
+    """From step `warmup` logged to step `steps` logged, py-spy samples every process of the run (the driver,
+    Ray's workers, the vLLM engine) into <out>/profile.txt: py-spy's raw format, one stack and its sample count
+    a line, each stack under the processes that started it."""
+    def logged() -> int:
+        found = glob.glob(os.path.join(out, "tensorboard", "**", "events.out.tfevents.*"), recursive=True)
+        return len(read_steps(os.path.join(out, "tensorboard"))) if found else 0
+
+    while logged() < warmup and proc.poll() is None:
+        time.sleep(0.5)
+    spy = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid",
+                            str(proc.pid), "--subprocesses", "--rate", str(PROFILE_RATE), "--format", "raw",
+                            "--output", os.path.join(out, "profile.txt"), "--nonblocking"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while logged() < steps and proc.poll() is None:
+        time.sleep(0.5)
+    spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+    spy.wait()
+
+
+def profile_summary(path: str, steps: int, top: int) -> list:
+    """Lines: per kind of process (its title: the driver, ray::RolloutRayActor, the engine core, ...) its CPU
+    seconds per step, and its `top` functions by self time (the innermost frame), in ms per step."""
+    by_kind = {}
+    for line in open(path, errors="replace"):
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        frames = stack.split(";")
+        last = max(i for i, frame in enumerate(frames) if frame.startswith("process "))
+        title = frames[last].partition(":")[2].strip('"').split(" ")
+        kind = next((t for t in title if "train_" in t or "::" in t), os.path.basename(title[0]))[:60]
+        leaf = frames[-1].split(" (")[0] if last < len(frames) - 1 else "(no Python frame)"
+        functions = by_kind.setdefault(kind, {})
+        functions[leaf] = functions.get(leaf, 0) + int(count)
+    lines = []
+    per_step = 1000 / PROFILE_RATE / steps  # ms per sample, per step
+    for kind, functions in sorted(by_kind.items(), key=lambda item: -sum(item[1].values())):
+        lines.append(f"  {kind}: {sum(functions.values()) * per_step / 1000:.2f} CPU s per step")
+        for name, samples in sorted(functions.items(), key=lambda item: -item[1])[:top]:
+            lines.append(f"      {samples * per_step:8.1f} ms  {name}")
+    return lines
 
 
 def read_steps(tensorboard_dir: str) -> list:
@@ -191,6 +238,10 @@ def main():
     p.add_argument("--timeout", type=float, default=600, help="seconds per training run")
     p.add_argument("--repeats", type=int, default=3, help="runs of each side, interleaved (A B A B ...)")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "bench-overhead"))
+    p.add_argument("--profile", action="store_true",
+                   help="py-spy records each run's steady steps (every process) into <run>/profile.txt; prints "
+                        "where each side's processes spend their CPU per step, by function (self time)")
+    p.add_argument("--profile-top", type=int, default=8, help="functions shown per process with --profile")
     a = p.parse_args()
     if not 1 <= a.warmup < a.steps:  # step 1 always goes: it has no previous log record to time it from
         p.error(f"need 1 <= --warmup < --steps; got --warmup {a.warmup}, --steps {a.steps}")
@@ -219,7 +270,7 @@ def main():
             os.makedirs(out)
             cmd = openrlhf_cmd(a, out) if side == "openrlhf" else mappa_cmd(a, out, agents)
             print(f"[overhead] {label}, run {repeat} of {a.repeats}: {a.steps} steps ... ", end="", flush=True)
-            started, ended = train(cmd, out, 2 * agents, a.timeout)
+            started, ended = train(cmd, out, 2 * agents, a.timeout, (a.warmup, a.steps) if a.profile else None)
             steps = read_steps(os.path.join(out, "tensorboard"))
             if len(steps) != a.steps:
                 raise SystemExit(f"[overhead] {label}: {len(steps)} steps logged, expected {a.steps}; "
@@ -248,6 +299,14 @@ def main():
         spread = f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "-"
         print(f"{name:<26} {median_first:>{width}.2f} {median_second:>{width}.2f}  "
               f"{ratios[key]:.2f}   {spread}")
+    if a.profile:
+        for label, side, agents in sides:
+            for repeat in range(1, a.repeats + 1):
+                path = os.path.join(a.out, f"{side}-{agents}", str(repeat), "profile.txt")
+                if os.path.exists(path):
+                    print(f"\nprofile, {label}, run {repeat} (steps {a.warmup + 1}-{a.steps}, py-spy at "
+                          f"{PROFILE_RATE} Hz, self time):")
+                    print("\n".join(profile_summary(path, a.steps - a.warmup, a.profile_top)))
     startups = [statistics.median(run[2] for run in runs[label]) for label in (l1, l2)]
     walls = [statistics.median(run[1] for run in runs[label]) for label in (l1, l2)]
     print(f"{'launch to step 1 logged':<26} {startups[0]:>{width}.0f} {startups[1]:>{width}.0f}  (not in the ratios)")
