@@ -40,8 +40,9 @@ episodes of one task), with the sample std, then whitens G per agent as above:
     A_t = (G_t - mean(G)) / std(G)             G from R', over each agent's batch
 
 Shape suffixes: `_B` one value per action (row), `_BA` one value per action token.
-Pure torch + the episode records: no Ray, vLLM or DeepSpeed here (experiences() calls the maker it is given), so it
-is testable on a CPU.
+Pure torch + the episode records at import: no Ray or vLLM here (experiences() calls the maker it is given), and
+upstream's Experience and compute_reward (whose module imports DeepSpeed) are imported where used, so it is
+testable on a CPU.
 """
 
 import collections
@@ -247,20 +248,17 @@ def experiences(maker, actions: list) -> list:
 
 def token_rewards(reward_B: torch.Tensor, kl_BA: torch.Tensor, action_mask_BA: torch.Tensor,
                   kl_coef: float) -> torch.Tensor:
-    """r_t = -β·KL_t on every action token, plus R on its last; 0 off the mask. Unlike OpenRLHF's compute_reward,
-    R is never clamped to reward.clip_range: a range tuned for reward-model logits would flatten coach scores."""
-    mask_BA = action_mask_BA.bool()
+    """r_t = -β·KL_t on every action token, plus R on its last (the highest masked position: EOS, or a
+    truncated action's last token), by OpenRLHF's compute_reward; no KL term when β <= 0; 0 off the mask, so a
+    row with an empty mask gets nothing. Unlike upstream's trainer, R is never clamped to reward.clip_range (a
+    range tuned for reward-model logits would flatten coach scores): reward_clip_range=None never clamps."""
+    from openrlhf.models.utils import compute_reward  # imports DeepSpeed, as the experience maker does
+
+    # At least float32, as upstream's trainer promotes rewards (compute_reward returns KL's dtype). Upstream
+    # puts -β·KL off the mask too, and an empty mask's R on the last column: both masked out here.
     dtype = torch.promote_types(reward_B.dtype, torch.float32)
-    r_BA = torch.zeros(mask_BA.shape, dtype=dtype, device=mask_BA.device)
-    if kl_coef > 0:
-        r_BA = r_BA - kl_coef * kl_BA.to(dtype)
-    # The last action token is the highest masked position (EOS, or a truncated action's last token); a row with
-    # an empty mask gets no reward.
-    pos_A = torch.arange(mask_BA.size(1), device=mask_BA.device)
-    last_B = torch.where(mask_BA, pos_A, -1).max(dim=1).values
-    is_last_BA = pos_A == last_B.unsqueeze(1)
-    r_BA = r_BA + is_last_BA * reward_B.to(dtype).unsqueeze(1)
-    return torch.where(mask_BA, r_BA, 0.0)
+    r_BA = compute_reward(reward_B.to(dtype), kl_coef, kl_BA.to(dtype), action_mask_BA)
+    return torch.where(action_mask_BA.bool(), r_BA, 0.0)
 
 
 def returns_to_go(r_BA: torch.Tensor, action_mask_BA: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
