@@ -285,8 +285,8 @@ def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", *, 
         # row where one is at fault (a conflict between datasets stays the blend's error).
         if len(entries) > 1:
             for entry in entries:
-                load_tasks(entry, None, split, input_key=input_key, label_key=label_key, needs_answer=needs_answer,
-                           seed=seed)
+                load_tasks(entry, None, split, input_key=input_key, label_key=label_key,
+                           needs_answer=needs_answer, seed=seed)
         raise
 
 
@@ -333,8 +333,8 @@ def _load_checked(spec: str, entries: list, probs, split: str, seed: int, *, inp
     for (where, default_id), row in zip(places, rows):
         if default_id in given:
             default_id = where.split()[0] + default_id
-        task = _check_task(row, default_id, f"{spec}: {where}", columns, input_key=input_key, label_key=label_key,
-                           needs_answer=needs_answer)
+        task = _check_task(row, default_id, f"{spec}: {where}", columns, input_key=input_key,
+                           label_key=label_key, needs_answer=needs_answer)
         if task["id"] in first and first[task["id"]][1] != row:
             raise ValueError(f"{spec}: {first[task['id']][0]} and {where} have the same id {task['id']!r}; give "
                              f"every task its own id")
