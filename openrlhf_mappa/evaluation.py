@@ -39,8 +39,9 @@ def load_eval_sets(args, needs_answer: bool = True, limit: int = 0) -> dict:
     sets = {}
     for entry in filter(None, (e.strip() for e in (args.eval.dataset or "").split(","))):
         name = os.path.splitext(os.path.basename(entry.split("@")[0].rstrip("/")))[0]
-        sets[name] = load_tasks(entry, None, args.eval.split, args.data.input_key, args.data.label_key,
-                                needs_answer, args.train.seed)[: limit or None]
+        sets[name] = load_tasks(entry, None, args.eval.split, input_key=args.data.input_key,
+                                label_key=args.data.label_key, needs_answer=needs_answer,
+                                seed=args.train.seed)[: limit or None]
     return sets
 
 

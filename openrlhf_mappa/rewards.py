@@ -5,11 +5,12 @@ The paper's equations, for one action (one row) with action tokens t = 0..T-1:
     R = s · c                                  c = the coach's score of this action (0-10), s = the topology's
                                                reward_scale (MathChat 0.1, DSBench 1, as the authors)
     r_t = -β · KL_t + [t == T-1] · R           β: --algo.kl.init_coef, or each agent's adaptive KL controller
-                                               (--algo.kl.target); 0 here with --algo.kl.use_loss (KL in the loss)
+                                               (--algo.kl.target); 0 here with --algo.kl.use_loss
+                                               (KL in the loss)
     G_t = Σ_{t' >= t} γ^(t'-t) · r_t'          return-to-go; γ = 1 (REINFORCE++, the paper) unless
                                                --algo.advantage.gamma
-    A_t = (G_t - mean(G)) / std(G)             mean/std over the action tokens of a whole batch (mean only with
-                                               --algo.advantage.no_std_norm)
+    A_t = (G_t - mean(G)) / std(G)             mean/std over the action tokens of a whole batch
+                                               (mean only with --algo.advantage.no_std_norm)
 
 The outcome baseline pays R = s · o · 1[success], o = --mappa.outcome_score (10: the top of the coach's scale,
 as the authors), so with the same s the same β·KL costs the same share of R in both modes; so do the
@@ -19,18 +20,19 @@ the weight of R against β·KL. An action cut off at the token limit trains at z
 mask_truncated_completions) unless train_truncated is set.
 
 Batch semantics (--mappa.batch_semantics). "authors" (default): a truncated or unscored action stays in its
-agent's batch as a zero-loss row (advantage 0 on every token, its action mask kept), so OpenRLHF's actor gives it
-no policy gradient yet counts it in the seq-mean-token-mean denominator, and the batch rule counts whole batches
-over all of an agent's actions: the authors' trainer masks truncated completions out of the loss inside a fixed
-batch, so every agent takes the same optimizer steps. A truncated action keeps its R in the whitening statistics,
-as theirs; an unscored one has no R, so its row is left out of them. "usable": both leave the batch before the
-batch rule (fewer optimizer steps, the schedule never reaching its end).
+agent's batch as a zero-loss row (advantage 0 on every token, its action mask kept), so OpenRLHF's actor gives
+it no policy gradient yet counts it in the seq-mean-token-mean denominator, and the batch rule counts whole
+batches over all of an agent's actions: the authors' trainer masks truncated completions out of the loss
+inside a fixed batch, so every agent takes the same optimizer steps. A truncated action keeps its R in the
+whitening statistics, as theirs; an unscored one has no R, so its row is left out of them. "usable": both
+leave the batch before the batch rule (fewer optimizer steps, the schedule never reaching its end).
 
-Dynamic filtering (--algo.dynamic_filtering_enable, as OpenRLHF's, per agent and task) leaves out every action of
-a group (step, task, agent) whose mean score u on [0, 1] (the coach's score / 10; the outcome, 0 or 1, in outcome
-mode or for an outcome fallback) is not strictly inside --algo.dynamic_filtering_range: groups the agent always or
-never gets right teach it nothing relative to each other. Unlike OpenRLHF, no new prompt replaces them: a MAPPA step
-is a fixed batch of episodes, so the step trains on fewer actions (counted per agent).
+Dynamic filtering (--algo.dynamic_filtering_enable, as OpenRLHF's, per agent and task) leaves out every action
+of a group (step, task, agent) whose mean score u on [0, 1] (the coach's score / 10; the outcome, 0 or 1, in
+outcome mode or for an outcome fallback) is not strictly inside --algo.dynamic_filtering_range: groups the
+agent always or never gets right teach it nothing relative to each other. Unlike OpenRLHF, no new prompt
+replaces them: a MAPPA step is a fixed batch of episodes, so the step trains on fewer actions (counted per
+agent).
 
 The GRPO-style baseline (norm scope "group", the authors' `group_norm`) normalizes R instead, within the
 group g of actions that answer the same prompt (same step, task, agent and turn: the n_samples_per_prompt
@@ -40,7 +42,8 @@ episodes of one task), with the sample std, then whitens G per agent as above:
     A_t = (G_t - mean(G)) / std(G)             G from R', over each agent's batch
 
 Shape suffixes: `_B` one value per action (row), `_BA` one value per action token.
-Pure torch + the episode records: no Ray, vLLM or DeepSpeed here (experiences() calls the maker it is given), so it
+Pure torch + the episode records at import: no Ray or vLLM here (experiences() calls the maker it is given),
+and upstream's Experience and compute_reward (whose module imports DeepSpeed) are imported where used, so it
 is testable on a CPU.
 """
 
@@ -56,15 +59,16 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
                    scale: float = 1.0, train_truncated: bool = False, standardize_task_type: bool = False,
                    norm_scope: str = "agent", outcome_score: float = 10.0, filter_range: tuple = None,
                    batch_semantics: str = "authors") -> dict:
-    """Set every `action.reward` (R, module docstring), then dynamic_filter (`filter_range`), standardize_by_task_type
-    and group_normalize where asked; returns how many actions train, and why the others do not or what they fell
-    back on.
+    """Set every `action.reward` (R, module docstring), then dynamic_filter (`filter_range`),
+    standardize_by_task_type and group_normalize where asked; returns how many actions train, and why the
+    others do not or what they fell back on.
 
     In process mode a failed verdict is left out ("skip"), paid the outcome, or paid s · neutral_score (the
     authors' silent 5.0 made explicit); it keeps its failed status. A truncated action (its score judges text
-    that never ended; unless train_truncated), a stale one and every action of an episode whose environment raised
-    are left out; with batch_semantics "authors" a truncated or unscored action is a zero-loss row instead
-    (`zero_loss`), a truncated one with its reward (module docstring). Either way it is not `trainable`.
+    that never ended; unless train_truncated), a stale one and every action of an episode whose environment
+    raised are left out; with batch_semantics "authors" a truncated or unscored action is a zero-loss row
+    instead (`zero_loss`), a truncated one with its reward (module docstring). Either way it is not
+    `trainable`.
     The string arguments are the flags' values, which argparse's choices have checked.
     """
     zero_loss = batch_semantics == "authors"
@@ -89,7 +93,8 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
             elif verdict is not None and verdict.status == "ok" and verdict.score is not None:
                 action.reward, u[id(action)] = scale * float(verdict.score), float(verdict.score) / 10
             elif on_failure == "outcome":
-                action.reward, u[id(action)], fallback = outcome_R, float(episode.success), fallback + (not cut)
+                action.reward, u[id(action)] = outcome_R, float(episode.success)
+                fallback += not cut
             elif on_failure == "neutral":
                 action.reward, u[id(action)] = scale * float(neutral_score), neutral_score / 10
                 fallback += not cut
@@ -105,12 +110,13 @@ def assign_rewards(episodes: list[Episode], mode: str, on_failure: str = "skip",
         group_normalize(episodes)
     trainable = sum(a.reward is not None and not a.zero_loss for ep in episodes for a in ep.actions)
     return {"trainable": trainable, "left_out": sum(left_out_by_status.values()),
-            "left_out_by_status": left_out_by_status, "fallback": fallback, "truncated_left_out": truncated_by_agent,
-            "filtered": filtered, "stale_left_out": stale_by_agent}
+            "left_out_by_status": left_out_by_status, "fallback": fallback,
+            "truncated_left_out": truncated_by_agent, "filtered": filtered, "stale_left_out": stale_by_agent}
 
 
 def merge_counts(parts: list) -> dict:
-    """assign_rewards' counts from calls on disjoint sets of agents' actions (one per agent), as one call's."""
+    """assign_rewards' counts from calls on disjoint sets of agents' actions (one per agent), as one
+    call's."""
     out = {k: sum(p[k] for p in parts) for k in ("trainable", "left_out", "fallback")}
     out["left_out_by_status"] = dict(sum((collections.Counter(p["left_out_by_status"]) for p in parts),
                                          collections.Counter()))
@@ -120,9 +126,10 @@ def merge_counts(parts: list) -> dict:
 
 
 def mark_stale(episodes: list[Episode], now: dict, most: int) -> dict:
-    """Mark `stale` (assign_rewards leaves it out) every action one of whose weight versions, its own agent's or
-    another's whose output it saw, is more than `most` updates behind that agent's version `now` (async training;
-    always 0 behind in synchronous training). Returns {agent: [its own staleness, for each of its actions]}."""
+    """Mark `stale` (assign_rewards leaves it out) every action one of whose weight versions, its own agent's
+    or another's whose output it saw, is more than `most` updates behind that agent's version `now` (async
+    training; always 0 behind in synchronous training). Returns {agent: [its own staleness, for each of its
+    actions]}."""
     lags = {}
     for ep in episodes:
         for a in ep.actions:
@@ -133,12 +140,13 @@ def mark_stale(episodes: list[Episode], now: dict, most: int) -> dict:
 
 
 def dynamic_filter(episodes: list[Episode], u: dict, score_range: tuple) -> dict:
-    """Leave out (reward None, `filtered` True) every rewarded action of a group g = (step, task, agent) unless
-    low < mean_g(u) < high, u = each action's score on [0, 1] (module docstring); OpenRLHF's rule for a prompt's
-    samples. Returns {agent: (actions filtered, groups kept, groups)}."""
+    """Leave out (reward None, `filtered` True) every rewarded action of a group g = (step, task, agent)
+    unless low < mean_g(u) < high, u = each action's score on [0, 1] (module docstring); OpenRLHF's rule for a
+    prompt's samples. Returns {agent: (actions filtered, groups kept, groups)}."""
     low, high = score_range
     out = {}
-    for (_, _, agent), acts in rewarded_groups(episodes, lambda ep, a: (ep.step, ep.task_id, a.agent)).items():
+    groups = rewarded_groups(episodes, lambda ep, a: (ep.step, ep.task_id, a.agent))
+    for (_, _, agent), acts in groups.items():
         n, kept, total = out.get(agent, (0, 0, 0))
         if low < sum(u[id(a)] for a in acts) / len(acts) < high:
             out[agent] = (n, kept + 1, total + 1)
@@ -182,11 +190,11 @@ def standardize_by_task_type(episodes: list[Episode]) -> None:
 
 
 def group_normalize(episodes: list[Episode], eps: float = 1e-9) -> None:
-    """R' = (R - mean_g(R)) / (std_g(R) + ε) per group g = (step, task, agent, turn), Bessel's std, as the authors'
-    and OpenRLHF's group_norm; a group of one or of equal rewards gets 0.
+    """R' = (R - mean_g(R)) / (std_g(R) + ε) per group g = (step, task, agent, turn), Bessel's std, as the
+    authors' and OpenRLHF's group_norm; a group of one or of equal rewards gets 0.
 
-    The authors group by position (blocks of n_samples_per_prompt per agent), which mixes prompts as soon as an
-    agent acts a varying number of times; this key does not.
+    The authors group by position (blocks of n_samples_per_prompt per agent), which mixes prompts as soon as
+    an agent acts a varying number of times; this key does not.
     """
     groups = rewarded_groups(episodes, lambda ep, a: (ep.step, ep.task_id, a.agent, a.turn))
     for acts in groups.values():
@@ -197,13 +205,13 @@ def group_normalize(episodes: list[Episode], eps: float = 1e-9) -> None:
 
 
 def batch_rule(actions: list, train, step: int) -> tuple:
-    """(kept, dropped count): a whole number of global train batches B = train.batch_size of an agent's actions
-    that fill its batch: those with a reward and the zero-loss rows (assign_rewards).
+    """(kept, dropped count): a whole number of global train batches B = train.batch_size of an agent's
+    actions that fill its batch: those with a reward and the zero-loss rows (assign_rewards).
 
     DeepSpeed's gradient accumulation is fixed by B, and data-parallel ranks with unequal micro-batch counts
-    deadlock in all-reduce. So an agent whose action count varies (a Code Executor acting once or twice) trains on
-    floor(n / B) * B of its n actions, drawn with a RNG seeded by train.seed and the step, and skips the update when
-    n < B. Dropped actions are counted in the metrics."""
+    deadlock in all-reduce. So an agent whose action count varies (a Code Executor acting once or twice)
+    trains on floor(n / B) * B of its n actions, drawn with a RNG seeded by train.seed and the step, and skips
+    the update when n < B. Dropped actions are counted in the metrics."""
     rows = [a for a in actions if a.reward is not None or a.zero_loss]
     keep = (len(rows) // train.batch_size) * train.batch_size
     picked = random.Random(train.seed * 1000003 + step).sample(rows, keep) if keep else []
@@ -219,7 +227,8 @@ def experience_of(action):
     seq = action.prompt_ids + action.response_ids
     action_mask = torch.zeros(len(seq), dtype=torch.bool)
     action_mask[len(action.prompt_ids) :] = True
-    reward = torch.tensor([action.reward if action.reward is not None else 0.0], dtype=torch.float32)  # unscored
+    # 0 for an unscored action
+    reward = torch.tensor([action.reward if action.reward is not None else 0.0], dtype=torch.float32)
     rollout_log_probs = None
     if len(action.rollout_logprobs) == len(action.response_ids):
         rollout_log_probs = torch.zeros(1, len(seq) - 1)
@@ -240,31 +249,29 @@ def experience_of(action):
 
 
 def experiences(maker, actions: list) -> list:
-    """An agent's actions as OpenRLHF Experiences with its actor's and reference's log-probs and KL: `maker` is the
-    agent's experience maker (upstream's split into micro-batches, then its forwards)."""
+    """An agent's actions as OpenRLHF Experiences with its actor's and reference's log-probs and KL: `maker`
+    is the agent's experience maker (upstream's split into micro-batches, then its forwards)."""
     return maker.make_experience(maker.split_rollout_samples([experience_of(a) for a in actions]))
 
 
 def token_rewards(reward_B: torch.Tensor, kl_BA: torch.Tensor, action_mask_BA: torch.Tensor,
                   kl_coef: float) -> torch.Tensor:
-    """r_t = -β·KL_t on every action token, plus R on its last; 0 off the mask. Unlike OpenRLHF's compute_reward,
-    R is never clamped to reward.clip_range: a range tuned for reward-model logits would flatten coach scores."""
-    mask_BA = action_mask_BA.bool()
+    """r_t = -β·KL_t on every action token, plus R on its last (the highest masked position: EOS, or a
+    truncated action's last token), by OpenRLHF's compute_reward; no KL term when β <= 0; 0 off the mask, so a
+    row with an empty mask gets nothing. Unlike upstream's trainer, R is never clamped to reward.clip_range (a
+    range tuned for reward-model logits would flatten coach scores): reward_clip_range=None never clamps."""
+    from openrlhf.models.utils import compute_reward  # imports DeepSpeed, as the experience maker does
+
+    # At least float32, as upstream's trainer promotes rewards (compute_reward returns KL's dtype). Upstream
+    # puts -β·KL off the mask too, and an empty mask's R on the last column: both masked out here.
     dtype = torch.promote_types(reward_B.dtype, torch.float32)
-    r_BA = torch.zeros(mask_BA.shape, dtype=dtype, device=mask_BA.device)
-    if kl_coef > 0:
-        r_BA = r_BA - kl_coef * kl_BA.to(dtype)
-    # The last action token is the highest masked position (EOS, or a truncated action's last token); a row with
-    # an empty mask gets no reward.
-    pos_A = torch.arange(mask_BA.size(1), device=mask_BA.device)
-    last_B = torch.where(mask_BA, pos_A, -1).max(dim=1).values
-    is_last_BA = pos_A == last_B.unsqueeze(1)
-    r_BA = r_BA + is_last_BA * reward_B.to(dtype).unsqueeze(1)
-    return torch.where(mask_BA, r_BA, 0.0)
+    r_BA = compute_reward(reward_B.to(dtype), kl_coef, kl_BA.to(dtype), action_mask_BA)
+    return torch.where(action_mask_BA.bool(), r_BA, 0.0)
 
 
 def returns_to_go(r_BA: torch.Tensor, action_mask_BA: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """G_t = Σ_{t' >= t} γ^(t'-t) · r_t' over action tokens, as OpenRLHF's get_cumulative_returns; 0 off the mask."""
+    """G_t = Σ_{t' >= t} γ^(t'-t) · r_t' over action tokens, as OpenRLHF's get_cumulative_returns; 0 off the
+    mask."""
     mask_BA = action_mask_BA.bool()
     r_BA = torch.where(mask_BA, r_BA, 0.0)
     if gamma == 1.0:
@@ -296,13 +303,14 @@ def whiten(values: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1
 def compute_advantages(batches_by_agent: dict[str, list], kl_coef, scope: str = "agent", gamma: float = 1.0,
                        std_norm: bool = True, actions: dict = None) -> dict:
     """Set `.returns` (G) and `.advantages` (whitened G) on every batch (`.rewards`, `.kl`, `.action_mask`, as
-    OpenRLHF's Experience); returns, per agent, each row's mean advantage over its action tokens. `kl_coef`: β, or
-    {agent: β} (each agent's KL controller). `actions`: {agent: the actions its rows are, by OpenRLHF's
-    `exp.index`}, where some are zero-loss rows: their advantages are 0, and an unscored one's returns stay out of
-    the whitening statistics (module docstring).
+    OpenRLHF's Experience); returns, per agent, each row's mean advantage over its action tokens. `kl_coef`:
+    β, or {agent: β} (each agent's KL controller). `actions`: {agent: the actions its rows are, by OpenRLHF's
+    `exp.index`}, where some are zero-loss rows: their advantages are 0, and an unscored one's returns stay
+    out of the whitening statistics (module docstring).
 
-    "agent" and "group" whiten each agent's batches together (the authors' code; "group" after group_normalize,
-    as the authors' group_norm, unlike upstream OpenRLHF's), "global" all agents' (the paper's wording).
+    "agent" and "group" whiten each agent's batches together (the authors' code; "group" after
+    group_normalize, as the authors' group_norm, unlike upstream OpenRLHF's), "global" all agents' (the
+    paper's wording).
     """
     rows = {}  # id(batch) -> (its rows in the whitening statistics, its rows that train), each (B,)
     for name, batches in batches_by_agent.items():
@@ -322,7 +330,8 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef, scope: str = 
     else:
         groups = list(batches_by_agent.values())
     for batches in groups:
-        in_stats = [b.action_mask.bool() & rows[id(b)][0].to(b.action_mask.device).unsqueeze(1) for b in batches]
+        in_stats = [b.action_mask.bool() & rows[id(b)][0].to(b.action_mask.device).unsqueeze(1)
+                    for b in batches]
         advantages = whiten([b.returns for b in batches], in_stats, std_norm=std_norm)
         for b, adv_BA in zip(batches, advantages):
             b.advantages = torch.where(rows[id(b)][1].to(adv_BA.device).unsqueeze(1), adv_BA, 0.0)
@@ -331,13 +340,14 @@ def compute_advantages(batches_by_agent: dict[str, list], kl_coef, scope: str = 
 
 
 def logprob_mismatch(batches: list) -> dict:
-    """How far the trainer's log-probs (log π_train: the actor's forward in the experience maker) are from vLLM's
-    sampling log-probs (log π_rollout) on the same tokens, over every action token of `batches`: the mean |Δ| and
-    KL(π_rollout ‖ π_train) by the k3 estimator exp(Δ) − 1 − Δ ≥ 0, Δ = log π_train − log π_rollout (the tokens
-    are π_rollout's samples). {} when the engines gave no log-probs."""
+    """How far the trainer's log-probs (log π_train: the actor's forward in the experience maker) are from
+    vLLM's sampling log-probs (log π_rollout) on the same tokens, over every action token of `batches`: the
+    mean |Δ| and KL(π_rollout ‖ π_train) by the k3 estimator exp(Δ) − 1 − Δ ≥ 0,
+    Δ = log π_train − log π_rollout (the tokens are π_rollout's samples). {} when the engines gave no
+    log-probs."""
     rows = [b for b in batches if b.rollout_log_probs is not None]
-    d_N = torch.cat([(b.action_log_probs.float() - b.rollout_log_probs.float())[b.action_mask.bool()] for b in rows]
-                    or [torch.zeros(0)])
+    d_N = torch.cat([(b.action_log_probs.float() - b.rollout_log_probs.float())[b.action_mask.bool()]
+                     for b in rows] or [torch.zeros(0)])
     if not d_N.numel():
         return {}
     return {"logprob_mismatch_abs": d_N.abs().mean().item(),

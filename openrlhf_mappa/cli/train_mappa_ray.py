@@ -1046,8 +1046,9 @@ class Preflight:
 
         args, d = self.args, self.args.data
         with missing_file_named("--data.prompt_dataset", d.prompt_dataset):
-            self.all_tasks = load_tasks(d.prompt_dataset, d.prompt_probs, d.prompt_split, d.input_key,
-                                        d.label_key, self.topology.env_cls.needs_answer, args.train.seed)
+            self.all_tasks = load_tasks(d.prompt_dataset, d.prompt_probs, d.prompt_split,
+                                        input_key=d.input_key, label_key=d.label_key,
+                                        needs_answer=self.topology.env_cls.needs_answer, seed=args.train.seed)
         self.tasks = choose_train_tasks(self.all_tasks, args.data.max_samples, args.train.seed)
         if len(self.tasks) < args.rollout.batch_size:
             raise SystemExit(f"{args.data.prompt_dataset}: {len(self.tasks)} tasks, fewer than --rollout.batch_size "

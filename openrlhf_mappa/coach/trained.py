@@ -80,13 +80,14 @@ class TrainedCoach(Coach):
                                 self.name)]
         else:
             every = self.reply == "digit" and asked and not held_out
-            verdicts = [self.judged(request, text, ids, *await self.policy.sample(ids), time.time() - t0,
-                                    train=not every)]
+            generated, version, version_end = await self.policy.sample(ids)
+            verdicts = [self.judged(request, text, ids, generated, version=version, version_end=version_end,
+                                    latency_s=time.time() - t0, train=not every)]
             if every:
                 # The coach trains on every one-digit reply to an action its agreement term judges, not on the one it
                 # sampled: once it always gives one score there, a sampled reply's gradient vanishes, wrong or right.
-                verdicts += [self.judged(request, text, ids, ([digit], True, []), verdicts[0].version,
-                                         verdicts[0].version, 0.0) for digit in self.digits]
+                verdicts += [self.judged(request, text, ids, ([digit], True, []), version=version,
+                                         version_end=version, latency_s=0.0) for digit in self.digits]
         if reference is not None:
             ref = await reference
             for verdict in verdicts:
@@ -100,7 +101,7 @@ class TrainedCoach(Coach):
                 return replace(mine, score=ref.score, status="ok", coach=ref.coach, version=None, rationale=why)
         return verdicts[0]  # the sampled one, the agents'
 
-    def judged(self, request: CoachRequest, text: str, ids: list, generated: tuple, version: int,
+    def judged(self, request: CoachRequest, text: str, ids: list, generated: tuple, *, version: int,
                version_end: int, latency_s: float, train: bool = True) -> Verdict:
         """The verdict of one reply, kept (train) as a Judgement for the coach's own training."""
         reply_ids, truncated, logprobs = generated

@@ -250,7 +250,7 @@ def returned_problem(hook: str, value) -> str:
     return ""
 
 
-def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", input_key: str = "prompt",
+def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", *, input_key: str = "prompt",
                label_key: str = "answer", needs_answer: bool = True, seed: int = 42) -> list[dict]:
     """Tasks from what OpenRLHF's --data.prompt_dataset takes (a Hub name, a dataset folder, name@data_dir,
     .json/.jsonl/.csv/.parquet/.arrow files, several comma-separated, blended by `probs`), loaded by OpenRLHF's own
@@ -278,18 +278,20 @@ def load_tasks(spec: str, probs: Optional[str] = None, split: str = "train", inp
                              f"a dataset name ({type(e).__name__}): check the path; a Hub dataset needs the "
                              f"network, or its copy in the cache and HF_HUB_OFFLINE=1") from e
     try:
-        return _load_checked(spec, entries, probs, split, input_key, label_key, needs_answer, seed)
+        return _load_checked(spec, entries, probs, split, seed, input_key=input_key, label_key=label_key,
+                             needs_answer=needs_answer)
     except Exception:
         # A blend's rows do not say which dataset they came from: each dataset loaded alone names its file and
         # row where one is at fault (a conflict between datasets stays the blend's error).
         if len(entries) > 1:
             for entry in entries:
-                load_tasks(entry, None, split, input_key, label_key, needs_answer, seed)
+                load_tasks(entry, None, split, input_key=input_key, label_key=label_key,
+                           needs_answer=needs_answer, seed=seed)
         raise
 
 
-def _load_checked(spec: str, entries: list, probs, split: str, input_key: str, label_key: str, needs_answer: bool,
-                  seed: int) -> list[dict]:
+def _load_checked(spec: str, entries: list, probs, split: str, seed: int, *, input_key: str, label_key: str,
+                  needs_answer: bool) -> list[dict]:
     """load_tasks' rows of `spec` (its comma-separated `entries`), loaded by blending_datasets and checked."""
     # A local JSON file is read here first, for what HF's loader reports without a line (or not at all: a row that
     # is not an object); a lone one also gives each row its line (row) number, its id when it has none.
@@ -331,7 +333,8 @@ def _load_checked(spec: str, entries: list, probs, split: str, input_key: str, l
     for (where, default_id), row in zip(places, rows):
         if default_id in given:
             default_id = where.split()[0] + default_id
-        task = _check_task(row, default_id, f"{spec}: {where}", input_key, label_key, needs_answer, columns)
+        task = _check_task(row, default_id, f"{spec}: {where}", columns, input_key=input_key,
+                           label_key=label_key, needs_answer=needs_answer)
         if task["id"] in first and first[task["id"]][1] != row:
             raise ValueError(f"{spec}: {first[task['id']][0]} and {where} have the same id {task['id']!r}; give "
                              f"every task its own id")
@@ -390,8 +393,8 @@ def _read_json_rows(path: str) -> list:
     return located
 
 
-def _check_task(row: dict, default_id: str, where: str, input_key: str, label_key: str, needs_answer: bool,
-                columns: list) -> dict:
+def _check_task(row: dict, default_id: str, where: str, columns: list, *, input_key: str, label_key: str,
+                needs_answer: bool) -> dict:
     """The task of one row, or one refusal naming each of the row's problems (a rule on a value's content asks
     for its type first, so that one wrong value is named once)."""
     prompt, answer, task_id = row.get(input_key), row.get(label_key), row.get("id")
