@@ -30,7 +30,7 @@ from collections import Counter
 
 from openrlhf_mappa.coach.audit import pearson
 from openrlhf_mappa.coach.base import CoachRequest, parse_score, render_prompt
-from openrlhf_mappa.coach.rescore import read_actions
+from openrlhf_mappa.tools.rescore import read_actions
 
 BANDS = ("0-2", "2-4", "4-6", "6-8", "8-10")  # [0,2), [2,4), ..., [8,10]
 NO_SCORE = "no score"

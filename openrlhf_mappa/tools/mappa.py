@@ -53,7 +53,7 @@ def main(argv=None):
     if args.command == "coach":
         rescore_main(score_parser, args)
     elif args.command == "tiny-model":
-        from openrlhf_mappa.tiny_model import build_tiny_model
+        from openrlhf_mappa.tools.tiny_model import build_tiny_model
 
         with refusals("mappa tiny-model:"):  # build_tiny_model checks its arguments before it imports torch
             refuse([unwritable_dir(args.out_dir)], ValueError)
@@ -67,14 +67,14 @@ def main(argv=None):
     elif args.command == "dsbench":
         sys.exit(dsbench(args))
     elif args.command == "report":
-        from openrlhf_mappa.report import write_report
+        from openrlhf_mappa.tools.report import write_report
 
         with refusals("mappa report:"):
             if args.out:
                 refuse([out_file(args.out, "--out")], ValueError)
             print(write_report(*args.run_dirs, out=args.out))
     elif args.command == "paper-table":
-        from openrlhf_mappa import paper_table
+        from openrlhf_mappa.tools import paper_table
 
         with refusals("mappa paper-table:"):
             if args.out:
@@ -251,8 +251,8 @@ def accumulation_refusal(sft, nproc: int) -> str:
 def distill_inputs(args, extra: list) -> tuple:
     """Everything a user can get wrong, refused before torch loads: (the topology, the caches opened)."""
     from openrlhf_mappa.coach.cache import VerdictCache
-    from openrlhf_mappa.coach.distill import OWN_SFT_FLAGS
     from openrlhf_mappa.team import check_model, load_topology
+    from openrlhf_mappa.tools.distill import OWN_SFT_FLAGS
 
     repeated = [f for f in OWN_SFT_FLAGS if any(a == f or a.startswith(f + "=") for a in extra)]
     out, paths = getattr(args, "ckpt.output_dir"), [path for path in (args.cache or "").split(",") if path]
@@ -300,7 +300,7 @@ def distill_processes(args, extra: list):
 
 def distill_rows(args, topology, caches: list) -> tuple:
     """build_rows with the flags, refusing data that cannot train or be measured: (train, held-out, skipped)."""
-    from openrlhf_mappa.coach.distill import build_rows
+    from openrlhf_mappa.tools.distill import build_rows
 
     paths = args.episodes.split(",")
     fraction = getattr(args, "mappa.coach.held_out_fraction")
@@ -324,7 +324,7 @@ def distill_sizes(args, sft, train: list, held: list, skipped: dict) -> tuple:
     out here, counted among the skips and named: (the training rows kept, max_len, the rows left out)."""
     from transformers import AutoTokenizer
 
-    from openrlhf_mappa.coach.distill import needed_len, render
+    from openrlhf_mappa.tools.distill import needed_len, render
 
     tokenizer = AutoTokenizer.from_pretrained(getattr(args, "model.model_name_or_path"),
                                               trust_remote_code=True)
@@ -349,7 +349,7 @@ def distill_data(args, extra: list) -> tuple:
     """`mappa coach distill` up to train_sft: the flags and data checked, the rows sized and written to
     OUT/distill: (the topology, the training rows, the held-out rows, the skips by reason, the rows left out,
     train_sft's command)."""
-    from openrlhf_mappa.coach.distill import sft_command, write_jsonl
+    from openrlhf_mappa.tools.distill import sft_command, write_jsonl
 
     with refusals("mappa coach distill:"):
         topology, caches = distill_inputs(args, extra)
@@ -373,8 +373,8 @@ def distill_data(args, extra: list) -> tuple:
 def distill_main(args, extra: list) -> dict:
     """`mappa coach distill` after its flags are parsed: data, train_sft, the held-out report
     (OUT/distill.json)."""
-    from openrlhf_mappa.coach.distill import fine_tune, generate, print_report, report
     from openrlhf_mappa.team import check_model
+    from openrlhf_mappa.tools.distill import fine_tune, generate, print_report, report
 
     topology, train, held, skipped, left_out, command = distill_data(args, extra)
     out = getattr(args, "ckpt.output_dir")
@@ -537,7 +537,7 @@ def doctor_main(argv) -> int:
     with contextlib.nullcontext() if args.mappa.verbose else output_to(log):
         import ray
 
-        from openrlhf_mappa.doctor import doctor
+        from openrlhf_mappa.tools.doctor import doctor
 
         failed = doctor(args, topology, rows, recipe, accepted(recipe) if recipe else None)
         ray.shutdown()  # Ray prints its workers' last lines as it shuts down: into the log too
@@ -753,8 +753,8 @@ def rescore_main(parser, args):
 
     from openrlhf_mappa.cli.train_mappa_ray import coach_flags, coach_kind_problems
     from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, build_coach
-    from openrlhf_mappa.coach import rescore
     from openrlhf_mappa.coach.audit import FAILED_STATUSES
+    from openrlhf_mappa.tools import rescore
     from openrlhf_mappa.topology import PROMPT_FIELDS, REVIEW_FIELDS, check_template
 
     # The --mappa.coach.* flags as train_mappa_ray's args.mappa.coach (the trained coach's at their defaults).
@@ -806,7 +806,7 @@ def rescore_main(parser, args):
 
 def dsbench(args) -> int:
     """Exit status: 0 done (a valid submission), 1 an invalid submission or nothing imported, 2 bad input."""
-    from openrlhf_mappa.envs import dsbench_tasks  # pandas and scikit-learn load only where needed
+    from openrlhf_mappa.tools import dsbench_tasks  # pandas and scikit-learn load only where needed
 
     cleaned = None  # the authors' cleaned task texts, for import
     try:

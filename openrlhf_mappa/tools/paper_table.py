@@ -17,7 +17,7 @@ An eval set that shares problems with the training tasks is marked (`train_overl
 import json
 import os
 
-from openrlhf_mappa.report import records
+from openrlhf_mappa.tools.report import records
 
 # The rows' figures where lower is better (an error), for "best": DSBench's error metrics (envs/dsbench.py
 # METRICS) and the authors' pooled MSE.
