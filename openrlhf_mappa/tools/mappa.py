@@ -708,19 +708,16 @@ def evaluate_datasets(args, topology, models: dict, adapters: dict, datasets: di
 
 
 def eval_policies(args, topology, models: dict, adapters: dict) -> dict:
-    """Each agent's AgentPolicy on engines of its model, created as the launcher creates them: a full model's by
-    OpenRLHF's create_vllm_engines, the LoRA agents of one base on one pool (launch.engines_on, a GPU each) serving
-    each agent's adapter (its export's files) under its name."""
+    """Each agent's AgentPolicy on engines of its model, created as a run creates them (launch.new_engines,
+    AgentPolicy.of): a full model's on GPUs of their own, the LoRA agents of one base on one pool (a GPU each)
+    serving each agent's adapter (its export's files) under its name."""
     import glob
 
     import ray
-    from openrlhf.trainer.ray import create_vllm_engines
     from ray.util.placement_group import placement_group
     from transformers import AutoTokenizer
 
-    from openrlhf_mappa.agent_trainer import PoolEngine
-    from openrlhf_mappa.launch import engines_on
-    from openrlhf_mappa.placement import pool_max_rank
+    from openrlhf_mappa.launch import new_engines
     from openrlhf_mappa.rollout import AgentPolicy
 
     v, engines, tokenizers = args.vllm, {}, {}
@@ -729,22 +726,17 @@ def eval_policies(args, topology, models: dict, adapters: dict) -> dict:
         if lora:
             served = {n: a for n, a in adapters.items() if group(n) == (model, True)}
             pg = placement_group([{"GPU": 1, "CPU": 1}] * v.num_engines, strategy="PACK")
-            engines[model, lora] = engines_on(args, model, pg, 1, PoolEngine, enable_lora=True, max_loras=len(served),
-                                              max_lora_rank=pool_max_rank([a["r"] for a in served.values()]))
+            engines[model, lora] = new_engines(args, model, pg, 1, [a["r"] for a in served.values()])
             for name, adapter in served.items():
                 paths = glob.glob(os.path.join(adapter["dir"], "adapter_*"))
                 files = {os.path.basename(f): open(f, "rb").read() for f in paths}
                 ray.get([e.load_adapter.remote(name, files) for e in engines[model, lora]])
         else:
-            engines[model, lora] = create_vllm_engines(
-                v.num_engines, v.tensor_parallel_size, model, args.train.seed, args.train.full_determinism_enable,
-                v.enable_prefix_caching, v.enforce_eager, args.data.max_len, None, v.gpu_memory_utilization, False)
+            engines[model, lora] = new_engines(args, model, None, 1)
         tokenizers[model] = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
-    sampling = dict(temperature=args.eval.temperature, top_p=args.rollout.top_p)
-    return {spec.name: AgentPolicy(engines=engines[group(spec.name)], tokenizer=tokenizers[models[spec.name]],
-                                   max_new_tokens=spec.max_new_tokens or args.rollout.max_new_tokens,
-                                   max_len=args.data.max_len, sampling=sampling,
-                                   adapter=spec.name if spec.name in adapters else None)
+    return {spec.name: AgentPolicy.of(args, spec, engines[group(spec.name)], tokenizers[models[spec.name]],
+                                      args.eval.temperature,
+                                      adapter=spec.name if spec.name in adapters else None)
             for spec in topology.agents}
 
 
