@@ -1,6 +1,6 @@
-"""The `mappa` command: project tools (`mappa check`, `mappa plan`, `mappa doctor`, `mappa eval`, `mappa report`,
-`mappa paper-table`, `mappa tiny-model`, `mappa merge-lora`, `mappa coach score|distill`, `mappa sandbox run`,
-`mappa dsbench make-pack|import|score`)."""
+"""The `mappa` command: project tools (`mappa check`, `mappa plan`, `mappa doctor`, `mappa eval`, `mappa
+report`, `mappa paper-table`, `mappa tiny-model`, `mappa merge-lora`, `mappa coach score|distill`, `mappa
+sandbox run`, `mappa dsbench make-pack|import|score`)."""
 
 import json
 import os
@@ -10,11 +10,12 @@ from pathlib import Path
 from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE_INT, POSITIVE, Parser, add_coach_args,
                                                 refusals, refuse, unwritable_dir)
 
-# Every tool checks its input before its heavy imports (torch, transformers, vLLM, Ray) and refuses bad input as
-# the launcher does: its message alone, no traceback (MAPPA_TRACEBACK=1 shows one), exit 1 (argparse's: 2).
+# Every tool checks its input before its heavy imports (torch, transformers, vLLM, Ray) and refuses bad input
+# as the launcher does: its message alone, no traceback (MAPPA_TRACEBACK=1 shows one), exit 1 (argparse's: 2).
 
 
-# `mappa plan` and `mappa doctor` take train_mappa_ray's flags (parse_args): their help, in `mappa --help` and theirs.
+# `mappa plan` and `mappa doctor` take train_mappa_ray's flags (parse_args): their help, in `mappa --help` and
+# theirs.
 PLAN_HELP = ("which GPU holds which agent's actor, reference and engines, and the memory each needs per phase; takes "
              "train_mappa_ray's flags, the cluster as --mappa.gpus N --mappa.gpu_memory_gib G (default: this "
              "machine's GPUs; with no GPU here and no --mappa.gpu_memory_gib: the GPU counts); exit 1 when it does "
@@ -154,7 +155,8 @@ def build_parser():
 
 
 def add_eval_args(parser):
-    """`mappa eval`'s own flags beside train_mappa_ray's, and its defaults where the training run's have none."""
+    """`mappa eval`'s own flags beside train_mappa_ray's, and its defaults where the training run's have
+    none."""
     g = parser.add_argument_group("mappa eval")
     g.add_argument("--checkpoint", help="a run's HF exports (--ckpt.output_dir): the model of agent A is DIR/A (not "
                    "with --mappa.model)")
@@ -299,7 +301,8 @@ def distill_processes(args, extra: list):
 
 
 def distill_rows(args, topology, caches: list) -> tuple:
-    """build_rows with the flags, refusing data that cannot train or be measured: (train, held-out, skipped)."""
+    """build_rows with the flags, refusing data that cannot train or be measured: (train, held-out,
+    skipped)."""
     from openrlhf_mappa.tools.distill import build_rows
 
     paths = args.episodes.split(",")
@@ -412,7 +415,8 @@ def sandbox_main(args):
 
 
 def out_file(path: str, flag: str) -> str:
-    """Why an output file could not be written ('' where it can), named before the work whose results it holds."""
+    """Why an output file could not be written ('' where it can), named before the work whose results it
+    holds."""
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         return f"{flag} {path}: there is no directory {parent} to write it in"
@@ -443,8 +447,8 @@ def merge_lora_main(args):
 
 
 def plan_main(argv) -> int:
-    """`mappa plan`: the launch's plan and check without a cluster, on this machine's GPUs unless given; with no
-    GPU memory known, the counts are checked (as the launcher does)."""
+    """`mappa plan`: the launch's plan and check without a cluster, on this machine's GPUs unless given; with
+    no GPU memory known, the counts are checked (as the launcher does)."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.cli.train_mappa_ray import accepted, check_models, parse_args, validate
     from openrlhf_mappa.team import load_topology
@@ -453,8 +457,9 @@ def plan_main(argv) -> int:
     with refusals("mappa plan:"):
         topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
         validate(args, topology)
-        # A hub id resolved as the launcher does: one out of reach is refused at once, not "fits" after minutes of
-        # retries. A directory needs only its config.json here (tests/fixtures hold no weights or tokenizer).
+        # A hub id resolved as the launcher does: one out of reach is refused at once, not "fits" after
+        # minutes of retries. A directory needs only its config.json here (tests/fixtures hold no weights or
+        # tokenizer).
         check_models(args, topology, config_only=True)
     gpus, gib = args.mappa.gpus, args.mappa.gpu_memory_gib
     if gpus is None or gib is None:
@@ -485,8 +490,8 @@ def plan_main(argv) -> int:
 
 
 def check_main(argv) -> int:
-    """`mappa check`: the launch's checks (Preflight), each whose inputs passed, as a table of what each found or
-    why it failed; exit 1 on a failure. No Ray, no model weights: seconds, plus the coach's one reply."""
+    """`mappa check`: the launch's checks (Preflight), each whose inputs passed, as a table of what each found
+    or why it failed; exit 1 on a failure. No Ray, no model weights: seconds, plus the coach's one reply."""
     import time
 
     from openrlhf_mappa.cli.train_mappa_ray import Preflight, parse_args
@@ -517,8 +522,8 @@ def check_main(argv) -> int:
 
 
 def doctor_main(argv) -> int:
-    """`mappa doctor`: the launch's checks, the coach's one request, then the cluster's (doctor.py), with the plan of
-    the recipe's own models; Ray's output into <run_dir>/doctor.log."""
+    """`mappa doctor`: the launch's checks, the coach's one request, then the cluster's (doctor.py), with the
+    plan of the recipe's own models; Ray's output into <run_dir>/doctor.log."""
     import contextlib
 
     from openrlhf_mappa.cli.train_mappa_ray import accepted, check_team, check_this_machine, output_to, parse_args
@@ -557,8 +562,8 @@ def coach_row(args, topology) -> tuple:
 
 
 def recipe_team(args) -> tuple:
-    """(the topology with its own models, why it is not planned): with --mappa.model the doctor's team runs the
-    small model, and the recipe's models are planned on the cluster too (doctor.recipe_plan). None without
+    """(the topology with its own models, why it is not planned): with --mappa.model the doctor's team runs
+    the small model, and the recipe's models are planned on the cluster too (doctor.recipe_plan). None without
     --mappa.model: the team's plan is the recipe's."""
     from openrlhf_mappa.cli.train_mappa_ray import check_models
     from openrlhf_mappa.team import load_topology
@@ -607,7 +612,8 @@ def eval_inputs(args):
     problems += token_limit_problems(args, topology) + coach_kind_problems(args.mappa.coach)
     refuse(problems + [out_file(args.out, "--out"), args.workspace and unwritable_dir(args.workspace, "--workspace")],
            ValueError)
-    # A LoRA agent's export is its adapter in PEFT format: its base model's engines serve it by the agent's name.
+    # A LoRA agent's export is its adapter in PEFT format: its base model's engines serve it by the agent's
+    # name.
     adapters = {}
     for name, model in models.items():
         if os.path.isfile(os.path.join(model, "adapter_config.json")):
@@ -624,7 +630,8 @@ def eval_inputs(args):
 
 
 def eval_coach(args, topology):
-    """`mappa eval`'s grading coach (--mappa.coach.kind openai), probed before any engine starts; None without one."""
+    """`mappa eval`'s grading coach (--mappa.coach.kind openai), probed before any engine starts; None without
+    one."""
     import asyncio
 
     from openrlhf_mappa.cli.train_mappa_ray import run_coach
@@ -787,7 +794,8 @@ def rescore_main(parser, args):
     rescore.print_summary(summary, before, coach.name)
     print(f"\nboth verdicts per action: {args.out}\nsummary: {args.out}.summary.json")
     # As in training (--mappa.coach.max_failure_fraction): a re-score made mostly of failed verdicts says
-    # nothing about the coach's agreement, and a script or CI job must see it as a failure, not read the table.
+    # nothing about the coach's agreement, and a script or CI job must see it as a failure, not read the
+    # table.
     failed = [r["after"] for r in rows if r["after"]["status"] in FAILED_STATUSES]
     if len(failed) / len(rows) > c.max_failure_fraction:
         first = failed[0]
@@ -831,7 +839,8 @@ def dsbench(args) -> int:
         return 2
     for reason in skipped:
         print(f"skipped {reason}", file=sys.stderr)
-    # A task the cleaned file lacks keeps DSBench's text, as in the authors' workflow (liverpool-ion-switching).
+    # A task the cleaned file lacks keeps DSBench's text, as in the authors' workflow
+    # (liverpool-ion-switching).
     raw = [t["id"] for t in tasks if "agent_prompt" not in t]
     if cleaned is not None and raw:
         print(f"not in the cleaned prompts, the agents see DSBench's text: {', '.join(raw)}", file=sys.stderr)
