@@ -35,6 +35,6 @@ setup(
         "tqdm", "aiohttp", "yarl", "pyyaml", "numpy", "pandas", "scikit-learn", "math-verify", "deepspeed", "peft",
         "safetensors", "scipy", "matplotlib",
     ],
-    entry_points={"console_scripts": ["mappa=openrlhf_mappa.cli.mappa:main"]},
+    entry_points={"console_scripts": ["mappa=openrlhf_mappa.tools.mappa:main"]},
     cmdclass={"build_py": BuildPyWithPth},
 )

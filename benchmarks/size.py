@@ -8,7 +8,9 @@ Layers:
 - core: the import closure of the launcher (`openrlhf_mappa/cli/train_mappa_ray.py`), of the built-in
   environments (`envs.BUILTIN_ENVS`, imported by name) and of the sandbox's child process (started by its path),
   every package import followed, at module level and inside functions: everything a training run can import;
-- tools: the rest of `openrlhf_mappa/` (the `mappa` commands and what only they import);
+  it never holds a module of `openrlhf_mappa/tools/` (the script stops, naming the importer, if it does);
+- tools: `openrlhf_mappa/tools/` (the `mappa` commands and what only they import), and any other package
+  module outside the core's closure (listed apart as "outside the closure");
 - patches: `patches/`, the CPU patches.
 Statements exclude docstrings (bare string statements), so a longer docstring never costs a budget. Density:
 lines over 110 columns, comprehensions, lambdas and conditional expressions (all Python files of the package
@@ -22,6 +24,7 @@ import tokenize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = "openrlhf_mappa.cli.train_mappa_ray"
+TOOLS = "openrlhf_mappa.tools"
 BUDGET = {"core": 4800, "tools": 1300, "patches": 260}
 SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING,
         tokenize.ENDMARKER}
@@ -85,19 +88,37 @@ def imported(path: str, known: dict) -> set:
     return targets
 
 
-def closure(start: str, known: dict) -> set:
-    """The modules `start` reaches through imports, parents included (importing a.b runs a/__init__)."""
-    seen, todo = set(), [start]
+def closure(start: str, known: dict) -> dict:
+    """The modules `start` reaches through imports, parents included (importing a.b runs a/__init__): {module:
+    the module that imports it first}."""
+    seen, todo = {}, [(start, None)]
     while todo:
-        name = todo.pop()
+        name, by = todo.pop()
         if name in seen:
             continue
-        seen.add(name)
+        seen[name] = by
         if name not in known:
             raise SystemExit(f"{name}: no such package module (a root of the core moved?)")
         parent = name.rpartition(".")[0]
-        todo.extend(([parent] if parent in known else []) + sorted(imported(known[name], known)))
+        targets = ([parent] if parent in known else []) + sorted(imported(known[name], known))
+        todo.extend((target, name) for target in targets)
     return seen
+
+
+def core_modules(known: dict, starts: list) -> set:
+    """The core: every module the starts reach. It never holds a tool (tests/test_imports.py): a tool reached
+    is an import to remove, not a module to count, so this stops and names who imports it."""
+    reached = {}
+    for start in starts:
+        reached.update(closure(start, known))
+    tools = [f"{name} (imported by {by})" for name, by in sorted(reached.items()) if is_tool(name)]
+    if tools:
+        raise SystemExit(f"the core imports the tools, which it never may: {'; '.join(tools)}")
+    return set(reached)
+
+
+def is_tool(name: str) -> bool:
+    return name == TOOLS or name.startswith(TOOLS + ".")
 
 
 def roots() -> list:
@@ -122,24 +143,24 @@ def wide_calls(paths: list, core_functions: set) -> list:
     return found
 
 
-def layers() -> dict:
-    """{layer: {dotted module: path}}."""
+def layers() -> tuple:
+    """({layer: {dotted module: path}}, the modules outside the core's closure and outside tools/)."""
     known = modules()
-    core = set()
-    for root in roots():
-        core |= closure(root, known)
-    split = {"core": {}, "tools": {}, "patches": {}}
+    core = core_modules(known, roots())
+    split, outside = {"core": {}, "tools": {}, "patches": {}}, []
     for name, path in known.items():
         layer = "patches" if name.startswith("openrlhf_mappa.patches") else "core" if name in core else "tools"
         split[layer][name] = path
-    return split
+        if layer == "tools" and not is_tool(name):
+            outside.append(os.path.relpath(path, REPO))
+    return split, outside
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", action="store_true", help="every file's counts too")
     args = parser.parse_args()
-    split = layers()
+    split, outside = layers()
     core_functions = set()
     for path in split["core"].values():
         for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
@@ -160,6 +181,9 @@ def main():
         print(f"{layer:<10}{len(members):>6}" + "".join(f"{sums[k]:>15}" for k in keys)
               + f"{'<= ' + str(BUDGET[layer]):>9}")
     print(f"{'all':<16}" + "".join(f"{total[k]:>15}" for k in keys))
+    if outside:
+        print(f"outside the closure (counted as tools, not under openrlhf_mappa/tools/): "
+              f"{', '.join(sorted(outside))}")
     paths = [p for members in split.values() for p in members.values()]
     wide = wide_calls(paths, core_functions)
     print(f"calls of core functions with more than 6 positional arguments: {len(wide)}")

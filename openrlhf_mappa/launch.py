@@ -144,14 +144,33 @@ def engines_on(a, model: str, pg, share: float, cls=None, **lora) -> list:
     ]  # fmt: skip
 
 
+def new_engines(a, model: str, pg, share: float, lora_ranks: list = None) -> list:
+    """One agent's vLLM engines on `pg`, or a LoRA pool's (lora_ranks: its adapters' ranks), as a run and
+    `mappa eval` create them: a pool's and colocated ones (share < 1) by engines_on; on GPUs of their own
+    OpenRLHF's create_vllm_engines, tensor-parallel ones too (each on one node: the plan; pg None: a group of
+    their own)."""
+    from openrlhf.trainer.ray import create_vllm_engines
+
+    from openrlhf_mappa.agent_trainer import PoolEngine
+
+    if lora_ranks:
+        return engines_on(a, model, pg, share, PoolEngine, enable_lora=True, max_loras=len(lora_ranks),
+                          max_lora_rank=placement.pool_max_rank(lora_ranks))
+    if share < 1:
+        return engines_on(a, model, pg, share)
+    v = a.vllm
+    return create_vllm_engines(
+        v.num_engines, v.tensor_parallel_size, model, a.train.seed, a.train.full_determinism_enable,
+        v.enable_prefix_caching, v.enforce_eager, a.data.max_len, pg, v.gpu_memory_utilization, False,
+        logprobs_mode="processed_logprobs",
+    )
+
+
 def start_engines(args, topology, per_agent: list, pg_of, share: float, startup) -> dict:
     """{agent: its vLLM engines} (a LoRA pool's once, shared by its agents), each on its placement group (pg_of:
     (owner, component) -> the group of its GPU set), started, and asleep with --vllm.enable_sleep before any
     actor starts (build_agents)."""
-    from openrlhf.trainer.ray import create_vllm_engines
     from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
-
-    from openrlhf_mappa.agent_trainer import PoolEngine
 
     colocate = args.mappa.colocate
     engines, pools = {}, placement.lora_pools(args, topology)
@@ -164,18 +183,10 @@ def start_engines(args, topology, per_agent: list, pg_of, share: float, startup)
             continue
         if label:
             ranks = [m.lora.rank for m in pools[label]]
-            lora = dict(enable_lora=True, max_loras=len(ranks), max_lora_rank=placement.pool_max_rank(ranks))
-            engines[label] = engines[spec.name] = engines_on(a, spec.model, pg_of(label, "vllm"), share, PoolEngine,
-                                                             **lora)
-        elif colocate == "none":  # on GPUs of their own, tensor-parallel engines too (each on one node: the plan)
-            v = a.vllm
-            engines[spec.name] = create_vllm_engines(
-                v.num_engines, v.tensor_parallel_size, spec.model, a.train.seed, a.train.full_determinism_enable,
-                v.enable_prefix_caching, v.enforce_eager, a.data.max_len, pg_of(spec.name, "vllm"),
-                v.gpu_memory_utilization, False, logprobs_mode="processed_logprobs",
-            )
+            engines[label] = engines[spec.name] = new_engines(a, spec.model, pg_of(label, "vllm"), share,
+                                                              ranks)
         else:
-            engines[spec.name] = engines_on(a, spec.model, pg_of(spec.name, "vllm"), share)
+            engines[spec.name] = new_engines(a, spec.model, pg_of(spec.name, "vllm"), share)
         startup.components += [(f"{label or f'agent {spec.name!r}'}: vLLM engine {i}", e.__ray_ready__.remote())
                                for i, e in enumerate(engines[spec.name])]
         if colocate == "team":

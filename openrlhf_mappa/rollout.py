@@ -87,6 +87,14 @@ class AgentPolicy:
     logprobs: bool = True
     _next: itertools.count = field(default_factory=itertools.count)
 
+    @classmethod
+    def of(cls, args, spec, engines: list, tokenizer, temperature: float, **kw):
+        """Agent `spec`'s policy as a run and `mappa eval` build it: its max_new_tokens (the topology's,
+        else --rollout.max_new_tokens), --data.max_len, sampling at `temperature` with --rollout.top_p; kw:
+        adapter, gate, logprobs."""
+        return cls(engines, tokenizer, spec.max_new_tokens or args.rollout.max_new_tokens, args.data.max_len,
+                   dict(temperature=temperature, top_p=args.rollout.top_p), **kw)
+
     def prompt_ids(self, messages: list, keep_reasoning: bool = False) -> tuple:
         """(text, ids, too_long): the messages chat-templated, and whether they exceed max_len - max_new_tokens.
         keep_reasoning: each assistant message as written, <think> included, whatever the template drops."""

@@ -137,10 +137,9 @@ class MappaTrainer:
         self.stage, self.stage_since, self.stage_waits_noted = 0, 1, set()
         # The stop rules, and the message that stops the run after the step that set it.
         self.stops, self.stalled = StopRules(self.mappa, run_dir, coach, self.scored, owners(agents), self.owner), None
-        self.policies, self.eval_policies = ({ag.spec.name: AgentPolicy(
-            ag.engines, ag.tokenizer, ag.args.rollout.max_new_tokens, args.data.max_len,
-            dict(temperature=temperature, top_p=args.rollout.top_p), ag.trainer.adapter, ag.trainer.gate,
-            logprobs=logprobs) for ag in agents + self.trainees}
+        self.policies, self.eval_policies = ({ag.spec.name: AgentPolicy.of(
+            args, ag.spec, ag.engines, ag.tokenizer, temperature, adapter=ag.trainer.adapter,
+            gate=ag.trainer.gate, logprobs=logprobs) for ag in agents + self.trainees}
             for temperature, logprobs in ((args.rollout.temperature, logprobs_read(args)),
                                           (args.eval.temperature, False)))
         if self.coach_agent:

@@ -512,7 +512,7 @@ TOOLS = [
 
 def run_cli(cwd, tool: str, argv: list):
     """The real command in a fresh interpreter, `-X importtime` listing every module it imported."""
-    module = "openrlhf_mappa.cli.train_mappa_ray" if tool == "train" else "openrlhf_mappa.cli.mappa"
+    module = "openrlhf_mappa.cli.train_mappa_ray" if tool == "train" else "openrlhf_mappa.tools.mappa"
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "MAPPA_TRACEBACK", "HF_HUB_OFFLINE", "MAPPA_CPU_NUM_GPUS")}  # fmt: skip
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", module, *argv], cwd=cwd, env=env,
@@ -588,8 +588,8 @@ def test_the_battery_is_at_least_sixty_inputs():
 def test_traceback_on_request_from_a_tool(workdir):  # noqa: F811
     (workdir / "t.yaml").write_text(topology())
     env = dict(os.environ, MAPPA_TRACEBACK="1")
-    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.mappa", *EVAL[:4], "missing.jsonl", *EVAL[5:]],
-                          cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.tools.mappa", *EVAL[:4], "missing.jsonl",
+                           *EVAL[5:]], cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "FileNotFoundError" in proc.stderr
 
 
@@ -800,6 +800,6 @@ def test_help_shows_each_default_and_lists_the_refused_flags_apart():
     assert "seconds per coach request (default: 60.0)\n" in usable
     assert "--ckpt.max_num CKPT.MAX_NUM\n                        OpenRLHF's (train_ppo_ray) (default: 3)\n" in usable
     for tool in ("doctor", "plan", "eval"):
-        own = help_of("openrlhf_mappa.cli.mappa", tool)
+        own = help_of("openrlhf_mappa.tools.mappa", tool)
         assert own.returncode == 0 and own.stdout.startswith(f"usage: mappa {tool} --mappa.topology YAML"), own.stdout
         assert "train_mappa_ray" not in own.stdout.split("\n\n")[0]

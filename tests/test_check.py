@@ -19,7 +19,7 @@ from conftest import REPO
 # Runs `mappa check` as the console script does, then says whether Ray was imported and initialised.
 RUNNER = """
 import sys
-from openrlhf_mappa.cli.mappa import main
+from openrlhf_mappa.tools.mappa import main
 try:
     main(sys.argv[1:])
 except SystemExit as e:
@@ -171,7 +171,7 @@ def test_the_gpu_scripts_run_the_dry_run_first(tmp_path):
         proc = subprocess.run(["bash", f"{REPO}/examples/scripts/{script}", "--ds.attn_implementation", "sdpa"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         checked = (tmp_path / "checked.txt").read_text().split()
-        assert checked[:3] == ["-m", "openrlhf_mappa.cli.mappa", "check"] and checked[-2:] == [
+        assert checked[:3] == ["-m", "openrlhf_mappa.tools.mappa", "check"] and checked[-2:] == [
             "--ds.attn_implementation", "sdpa"], checked
         assert "--mappa.topology" in checked and (proc.returncode != 0) is fails
         assert (tmp_path / "submitted.txt").exists() is not fails, proc.stderr

@@ -18,7 +18,7 @@ import torch
 from coach_server import COACH_TEMPLATE, CoachServer
 from conftest import StandIn, render_report_dom, stand_in_team, train_step
 
-from openrlhf_mappa import report
+from openrlhf_mappa.tools import report
 from openrlhf_mappa.coach import CoachRequest, render_prompt
 from openrlhf_mappa.coach.audit import BiasAudit
 from openrlhf_mappa.coach.heuristic import HeuristicCoach
@@ -331,7 +331,7 @@ def test_the_coach_prompt_shows_the_bias_figures_only_when_enabled(tmp_path, mon
     assert all(r["prompt"].startswith("AGENT=") for r in off)
 
     # Re-scoring sends the prompt the coach saw: the figures are kept with each action when shown, and only then.
-    from openrlhf_mappa.coach import rescore
+    from openrlhf_mappa.tools import rescore
 
     shown = rescore.read_actions(str(tmp_path / "True" / "run" / "episodes.jsonl"))
     assert all(a["coach_request"]["coach_bias"].startswith("Your recent scoring") for _, a in shown)

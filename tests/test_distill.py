@@ -14,7 +14,7 @@ from coach_server import COACH_TEMPLATE, CoachServer
 from conftest import MAPPA, REPO
 from openrlhf_mappa.coach.base import parse_score
 from openrlhf_mappa.coach.cache import VerdictCache
-from openrlhf_mappa.coach.distill import build_rows, report
+from openrlhf_mappa.tools.distill import build_rows, report
 from openrlhf_mappa.coach.heuristic import HeuristicCoach
 from openrlhf_mappa.episode import Action, Episode, Verdict
 from openrlhf_mappa.rollout import rollout
@@ -219,7 +219,7 @@ QWEN3_STYLE = (
 def coach_base(tmp_path, chat_template=None):
     """A base model directory as distill reads it before train_sft (config and the tiny byte-level tokenizer,
     one token per byte, `chat_template` if given)."""
-    from openrlhf_mappa.tiny_model import build_tokenizer
+    from openrlhf_mappa.tools.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = chat_template or tokenizer.chat_template
@@ -250,7 +250,7 @@ def judged_run(tmp_path, lengths):
 
 def distill_data(*argv):
     """`mappa coach distill`'s own steps up to train_sft, as its main runs them on these flags."""
-    from openrlhf_mappa.cli.mappa import distill_data as data, distill_parser
+    from openrlhf_mappa.tools.mappa import distill_data as data, distill_parser
 
     args, extra = distill_parser().parse_known_args(list(argv))
     return data(args, extra)
@@ -362,7 +362,7 @@ def test_a_batch_the_processes_cannot_split_and_a_missing_flash_attn_are_refused
     import importlib.util
 
     from openrlhf_mappa import placement
-    from openrlhf_mappa.cli.mappa import main
+    from openrlhf_mappa.tools.mappa import main
 
     assert importlib.util.find_spec("flash_attn") is None  # the CPU environment's
     monkeypatch.setattr(placement, "detect_gpus", lambda: (8, 80.0))
@@ -402,7 +402,7 @@ def test_the_report_generates_on_the_gpu_train_sft_used(tiny_model, monkeypatch)
     # moving the model there must fail here, where before it generated on the CPU without trying.
     import torch
 
-    from openrlhf_mappa.coach.distill import generate
+    from openrlhf_mappa.tools.distill import generate
 
     assert generate(tiny_model, ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"], 2) != []
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)

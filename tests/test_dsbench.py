@@ -21,7 +21,7 @@ from openrlhf_mappa.coach import CoachRequest, render_prompt
 from openrlhf_mappa.coach.heuristic import HeuristicCoach
 from openrlhf_mappa.envs.dsbench import (METRICS, PUBLIC_FILES, DSBenchEnv, authors_figures, detect_data_type,
                                         metric_value, relative_score, score_submission)
-from openrlhf_mappa.envs.dsbench_tasks import import_tasks, infer_metric
+from openrlhf_mappa.tools.dsbench_tasks import import_tasks, infer_metric
 from openrlhf_mappa.envs.base import load_tasks
 from openrlhf_mappa.team import load_topology
 

@@ -29,7 +29,7 @@ from openrlhf_mappa.cli.train_mappa_ray import parse_args, schedule_steps
 from openrlhf_mappa.coach import CoachRequest, parse_score, render_prompt
 from openrlhf_mappa.envs import dsbench
 from openrlhf_mappa.envs.base import HistoryEntry, load_tasks
-from openrlhf_mappa.envs.dsbench_tasks import import_tasks
+from openrlhf_mappa.tools.dsbench_tasks import import_tasks
 from openrlhf_mappa.rewards import compute_advantages
 from openrlhf_mappa.team import load_topology
 
@@ -267,7 +267,7 @@ def task_texts(topology, workdir: Path, argv: tuple = ()) -> dict:
     """Which text of a task the first agent's prompt and the coach's show, rendered: a one-task DSBench layout with a
     cleaned text beside its metadata, imported by `mappa dsbench import` (its own parser and code; `argv`: flags
     added), then made an episode of the topology."""
-    from openrlhf_mappa.cli import mappa
+    from openrlhf_mappa.tools import mappa
 
     row = fake_dsbench(workdir / "DSBench", prompt="KAGGLE-PAGE-TEXT\nEvaluation\nScored by MAE.")
     (workdir / "meta.json").write_text(json.dumps(row) + "\n")

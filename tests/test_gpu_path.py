@@ -25,7 +25,7 @@ from conftest import REPO, two_agent_mathchat
 from openrlhf_mappa import placement
 from openrlhf_mappa.placement import agent_args
 from openrlhf_mappa.cli.train_mappa_ray import check_this_machine, parse_args
-from openrlhf_mappa.doctor import sync_verdicts
+from openrlhf_mappa.tools.doctor import sync_verdicts
 from openrlhf_mappa.team import load_topology
 from openrlhf_mappa.resume import rotate_checkpoints
 from openrlhf_mappa.trainer import MappaTrainer, Rollout
@@ -708,7 +708,7 @@ def doctor_args(vllm_sleep: bool, ds_sleep: bool, gpu_gib=None):
 def test_the_doctors_sleep_check_reads_the_gpu_size_in_the_engine_not_the_driver(cluster):
     # F3: under `ray job submit` on a CPU-only head node the driver sees no GPU, and without --mappa.gpu_memory_gib
     # the check once computed 0.5 x 0.6 x None: a TypeError after every other check, and no table.
-    from openrlhf_mappa.doctor import sleep_checks
+    from openrlhf_mappa.tools.doctor import sleep_checks
 
     engine = EngineProcess(total=139.8, util=0.6)  # an H200 as the CUDA driver reports it
     agent = doctor_agent(cluster, engine, [ActorRank(139.8, 0.0, threading.Barrier(1))])
@@ -723,7 +723,7 @@ def test_the_doctors_sleep_check_reads_the_gpu_size_in_the_engine_not_the_driver
 def test_the_doctors_offload_check_calls_every_actor_rank(cluster):
     # F2: reload_states and offload_states end in a barrier over the agent's ranks; called on rank 0 alone, rank 0
     # waited there for ranks that were never called (60 minutes on a cluster; the barrier's 3 s here).
-    from openrlhf_mappa.doctor import sleep_checks
+    from openrlhf_mappa.tools.doctor import sleep_checks
 
     states = 14 * placement.model_size(os.path.join(REPO, "tests", "fixtures", "qwen3-4b")).params / 2 / GIB  # gradients and Adam, 2 ranks
     barrier = threading.Barrier(2, timeout=3)
@@ -739,7 +739,7 @@ def test_the_doctors_offload_check_expects_what_a_lora_agents_optimizer_holds(cl
     # Issue 63 (review 3, finding 7): the check expected a full model's gradients and Adam states (14 bytes a
     # parameter) of every agent, so a LoRA agent, whose optimizer holds its adapter alone, always failed.
     # MOCKED: the GPU's memory and the ranks' offload (the cluster fixture).
-    from openrlhf_mappa.doctor import sleep_checks
+    from openrlhf_mappa.tools.doctor import sleep_checks
     from openrlhf_mappa.topology import Lora
 
     lora = Lora(rank=16, alpha=32)
@@ -761,7 +761,8 @@ def test_the_doctors_step_moves_a_trained_coach_at_the_doctors_rate(tmp_path, mo
     # started: the args it would be started with are taken (what needs GPUs and Ray, stood in for).
     import ray
 
-    from openrlhf_mappa import doctor, launch
+    from openrlhf_mappa import launch
+    from openrlhf_mappa.tools import doctor
 
     topology, tasks = two_agent_mathchat(tmp_path, 1)
     args = parse_args(["--mappa.topology", topology, "--mappa.model", QWEN3_4B, "--data.prompt_dataset",
@@ -796,8 +797,9 @@ def test_each_of_the_doctors_checks_alone_fails_the_doctor(cluster, monkeypatch,
     import ray
     import torch
 
-    from openrlhf_mappa import doctor, launch
+    from openrlhf_mappa import launch
     from openrlhf_mappa.console import console
+    from openrlhf_mappa.tools import doctor
     from test_user_install import doctor_rows
 
     row, why = {None: (None, None),  # the row that fails, and a part of its detail
@@ -955,7 +957,7 @@ def test_the_doctors_cpu_adam_row_builds_the_op_and_names_a_system_cuda_that_is_
     import torch
     from deepspeed.git_version_info import installed_ops
 
-    from openrlhf_mappa.doctor import cpu_adam
+    from openrlhf_mappa.tools.doctor import cpu_adam
 
     assert not installed_ops["cpu_adam"] and torch.version.cuda is None  # this machine: a CPU torch, not prebuilt
     # The build, for real on this machine, with a compiler that fails (a real build here takes 9 minutes on 2
@@ -982,7 +984,7 @@ def test_the_doctor_plans_the_recipes_own_models_on_the_cluster(monkeypatch):
     # topology. Ray's cluster is a stand-in: two 8-GPU nodes, each node's task run here, in this process.
     from openrlhf_mappa import launch
     from openrlhf_mappa.cli.train_mappa_ray import accepted
-    from openrlhf_mappa.doctor import recipe_plan
+    from openrlhf_mappa.tools.doctor import recipe_plan
 
     nodes = [{"NodeID": f"n{k}", "Alive": True, "Resources": {"GPU": 8.0}} for k in range(2)]
     monkeypatch.setattr(launch.ray, "nodes", lambda: nodes)
@@ -1007,7 +1009,7 @@ def test_the_doctor_sends_the_coach_one_request(tmp_path):
     # scored, by a real OpenAI-compatible server on 127.0.0.1, or the reason it was not.
     from coach_server import CoachServer
 
-    from openrlhf_mappa.cli.mappa import coach_row
+    from openrlhf_mappa.tools.mappa import coach_row
 
     import yaml
 

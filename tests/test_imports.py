@@ -1,11 +1,17 @@
 """DESIGN's import direction, read from the source with `ast`: every import in openrlhf_mappa/ (at module
-level and inside functions alike) goes from a room to itself or to a room of a lower rank, and no package
-module imports itself back through module-level imports (no cycle)."""
+level and inside functions alike) goes from a room to itself or to a room of a lower rank, no package
+module imports itself back through module-level imports (no cycle), and the core (what a training run
+imports: benchmarks/size.py's closure) holds no tool."""
 
 import ast
 import os
+import sys
 
+import pytest
 from conftest import REPO
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import size  # noqa: E402  benchmarks/size.py: the layers, as the size counter draws them
 
 PACKAGE = os.path.join(REPO, "openrlhf_mappa")
 
@@ -13,25 +19,28 @@ PACKAGE = os.path.join(REPO, "openrlhf_mappa")
 # highest first. A room is a module or a sub-package of openrlhf_mappa/; it may import its own modules and the
 # rooms of lower lines, never a room of its own line or above: so the coach and the environments never import
 # each other, and topology imports no room. Where DESIGN names no place, a room sits just above what it needs:
+#   tools (the `mappa` command, the doctor, the report, the paper table, DSBench's import, the tiny model, the
+#   coach's distillation and re-scoring) on top: they may import the core, the core never imports them
+#   (test_the_core_imports_no_tool);
 #   episode under the coach and the environments, which both speak its records (Verdict, ToolFeedback);
 #   sandbox (the envs run code in it) and console (prints) are utilities over those records;
-#   placement is the plan that launch, resume and the cli read; report draws a finished run, paper_table its
-#   paper figures; run_log writes what a run logs (the trainer logs through it, evaluation reports its
-#   behaviour metrics); resume cuts a run back; agent_trainer is one agent's OpenRLHF trainer, started by
-#   launch; evaluation plays held-out tasks through the rollout; health watches what launch started; doctor
-#   checks a machine as a run would; compat (the CPU patches), tiny_model (test models), the patches and the
-#   package root import nothing of the package.
+#   placement is the plan that launch, resume and the cli read; run_log writes what a run logs (the trainer
+#   logs through it, evaluation reports its behaviour metrics); resume cuts a run back; agent_trainer is one
+#   agent's OpenRLHF trainer, started by launch; evaluation plays held-out tasks through the rollout; health
+#   watches what launch started; compat (the CPU patches), the patches and the package root import nothing of
+#   the package.
 RANKS = [
+    ("tools",),
     ("cli",),
-    ("trainer", "doctor"),
+    ("trainer",),
     ("health",),
     ("launch", "evaluation"),
-    ("agent_trainer", "run_log", "resume", "paper_table", "team"),
-    ("rollout", "rewards", "placement", "report"),
+    ("agent_trainer", "run_log", "resume", "team"),
+    ("rollout", "rewards", "placement"),
     ("coach", "envs"),
     ("sandbox", "console"),
     ("episode",),
-    ("topology", "compat", "tiny_model", "patches", "openrlhf_mappa"),
+    ("topology", "compat", "patches", "openrlhf_mappa"),
 ]
 RANK = {room: len(RANKS) - i for i, rooms in enumerate(RANKS) for room in rooms}
 ROOM_OF = {"sandbox_launcher": "sandbox"}  # the sandbox's child process, started by its path
@@ -149,3 +158,31 @@ def test_the_checks_see_lazy_imports_one_rank_and_cycles(tmp_path):
         "openrlhf_mappa.rewards (room episode may not import room rewards)"]
     cycle = "openrlhf_mappa.episode -> openrlhf_mappa.rewards -> openrlhf_mappa.episode"
     assert import_cycles(modules) == [cycle]
+
+
+def test_the_core_imports_no_tool():
+    """The core (benchmarks/size.py's closure of the launcher, the built-in environments and the sandbox's
+    child: everything a training run imports, lazily too) holds no module of openrlhf_mappa.tools, which the
+    launcher reaches only as a command (`mappa report` after a run)."""
+    known = size.modules()
+    core = size.core_modules(known, size.roots())  # stops, naming the importer, at a tool
+    assert size.LAUNCHER in core and "openrlhf_mappa.tools.report" in set(known) - core
+
+
+def test_the_core_check_sees_a_lazy_import_of_a_tool(tmp_path):
+    """The check itself: a core module importing a tool inside a function puts the tool in the core's closure,
+    and the check names it and its importer; a tool importing the core is fine."""
+    files = {"cli/train_mappa_ray.py": "from openrlhf_mappa import rollout\n",
+             "rollout.py": "def done(run_dir):\n    from openrlhf_mappa.tools.report import write_report\n",
+             "tools/__init__.py": "", "tools/report.py": "from openrlhf_mappa.rollout import done\n"}
+    known = {}
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+        known["openrlhf_mappa." + name[: -len(".py")].replace("/", ".").removesuffix(".__init__")] = str(path)
+    named = r"openrlhf_mappa\.tools\.report \(imported by openrlhf_mappa\.rollout\)"
+    with pytest.raises(SystemExit, match=named):
+        size.core_modules(known, [size.LAUNCHER])
+    (tmp_path / "rollout.py").write_text("def done(run_dir):\n    pass\n")
+    assert size.core_modules(known, [size.LAUNCHER]) == {size.LAUNCHER, "openrlhf_mappa.rollout"}

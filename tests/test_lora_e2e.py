@@ -163,7 +163,7 @@ def test_qlora_agents_train_adapters_on_a_4bit_base_and_resume(tmp_path, tiny_mo
     start1, end1, start2, end2 = (json.load(open(paths[k])) for k in ("start1", "end1", "start2", "end2"))
     assert "resuming after step 3" in open(tmp_path / "train2.out").read() and start2["start"] == 3
 
-    from openrlhf_mappa.doctor import SAME, sync_verdicts
+    from openrlhf_mappa.tools.doctor import SAME, sync_verdicts
     from test_dsbench_e2e import assert_async
     from test_openrlhf_cpu_e2e import hf_probe_logprobs
 

@@ -68,9 +68,9 @@ def coach_server():
 
 
 def probe_agents(agents) -> dict:
-    """Every agent's engines' and actor's log-probs of PROBE_TEXT (openrlhf_mappa.doctor.probe, which `mappa doctor`
-    checks the weight syncs with)."""
-    from openrlhf_mappa.doctor import probe
+    """Every agent's engines' and actor's log-probs of PROBE_TEXT (openrlhf_mappa.tools.doctor.probe, which
+    `mappa doctor` checks the weight syncs with)."""
+    from openrlhf_mappa.tools.doctor import probe
 
     return probe(agents, PROBE_TEXT)
 

@@ -18,7 +18,7 @@ from conftest import REPO, submit_script
 from test_coach import ScriptedPolicy
 from test_trainer_units import MATHCHAT_YAML, model_dir
 
-from openrlhf_mappa import paper_table
+from openrlhf_mappa.tools import paper_table
 from openrlhf_mappa.cli import train_mappa_ray
 from openrlhf_mappa.coach import parse_answer_correct
 from openrlhf_mappa.coach.openai_compat import OpenAICoach
@@ -238,7 +238,7 @@ def test_paper_table_sets_before_beside_last_and_best_for_both_graders_and_both_
          "accuracy_coach/score": 32, "authors/scored_rate": 1.0, "authors/accuracy": 0.65, "authors/rmse": 3.0,
          "n_problems": 8, "n_samples": 4},
     ])  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.mappa", "paper-table", str(math),
+    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.tools.mappa", "paper-table", str(math),
                            str(relay), str(ds), "--out", str(tmp_path / "table")], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -287,7 +287,7 @@ def test_paper_table_sets_before_beside_last_and_best_for_both_graders_and_both_
 
 
 def test_paper_table_refuses_a_run_without_evaluations(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.cli.mappa", "paper-table", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "openrlhf_mappa.tools.mappa", "paper-table", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "no eval.jsonl records (pass --eval.dataset to the run)" in proc.stderr
 

@@ -448,7 +448,7 @@ def test_a_change_that_fits_is_named_when_one_exists():
 
 
 def test_mappa_plan_command():
-    mappa = [sys.executable, "-m", "openrlhf_mappa.cli.mappa", "plan"]
+    mappa = [sys.executable, "-m", "openrlhf_mappa.tools.mappa", "plan"]
     fits = subprocess.run(mappa + RECIPE + ["--mappa.model", str(QWEN3_4B), "--rollout.micro_batch_size", "1",
                                             "--mappa.gpus", "18", "--mappa.gpu_memory_gib", "80"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -833,7 +833,7 @@ def test_mappa_plan_names_no_change_that_the_same_command_refuses():
     # now, applied in its order, is a command the launcher accepts; on GPUs of their own the savings named fit 24.
     from openrlhf_mappa.cli.train_mappa_ray import accepted
 
-    mappa = [sys.executable, "-m", "openrlhf_mappa.cli.mappa", "plan"]
+    mappa = [sys.executable, "-m", "openrlhf_mappa.tools.mappa", "plan"]
     trained = [*RECIPE, "--mappa.model", str(QWEN3_4B), "--mappa.coach.kind", "trained", "--mappa.coach.model",
                str(QWEN3_4B), "--mappa.gpu_memory_gib", "79.6"]
     for colocate in ("none", "agent", "team"):
@@ -864,8 +864,8 @@ def test_mappa_plan_refuses_a_hub_it_cannot_reach_at_once(tmp_path):
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf"))  # an empty cache
-    argv = [sys.executable, "-m", "openrlhf_mappa.cli.mappa", "plan", *RECIPE, "--mappa.model", "Qwen/Qwen3-4B",
-            "--mappa.gpus", "8", "--mappa.gpu_memory_gib", "79.6"]
+    argv = [sys.executable, "-m", "openrlhf_mappa.tools.mappa", "plan", *RECIPE, "--mappa.model",
+            "Qwen/Qwen3-4B", "--mappa.gpus", "8", "--mappa.gpu_memory_gib", "79.6"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (f"mappa plan: --mappa.model: model 'Qwen/Qwen3-4B' is not a local directory (relative to {ROOT}), "

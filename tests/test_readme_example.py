@@ -70,8 +70,8 @@ def test_every_dotted_flag_in_the_docs_is_accepted_by_the_launcher():
     # OpenRLHF's and MAPPA's dotted flags as the real launcher's parser lists them, and `mappa coach distill`'s own.
     # A merged flag's old spelling (RENAMED) may be named too, as history: the launcher refuses it naming its successor.
     accepted = set(RENAMED)
-    for command in (["openrlhf_mappa.cli.train_mappa_ray", "--help"], ["openrlhf_mappa.cli.mappa", "coach", "distill",
-                                                                        "--help"]):
+    for command in (["openrlhf_mappa.cli.train_mappa_ray", "--help"],
+                    ["openrlhf_mappa.tools.mappa", "coach", "distill", "--help"]):
         proc = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120, cwd=REPO)
         assert proc.returncode == 0, proc.stderr[-2000:]
         accepted |= set(re.findall(r"--[a-z_]+(?:\.[a-z0-9_]+)+", proc.stdout))
@@ -189,7 +189,8 @@ def test_the_gpu_quick_start_is_on_the_first_screen_and_runs_as_far_as_it_can_he
     proc = subprocess.run(["bash", "-c", launch.split("#")[0]], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "checked").read_text().startswith("-m openrlhf_mappa.cli.mappa check --mappa.topology")
+    checked = (tmp_path / "checked").read_text()
+    assert checked.startswith("-m openrlhf_mappa.tools.mappa check --mappa.topology")
     submitted = (tmp_path / "submitted").read_text()
     assert f"--data.prompt_dataset {tmp_path}/data/AIME_1983_2024.json" in submitted
     assert f"--eval.dataset {tmp_path}/data/aime_2025.json,{tmp_path}/data/amc_eval_32.json" in submitted

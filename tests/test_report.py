@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from conftest import MAPPA, assert_report_renders, chromium, render_report_dom
-from openrlhf_mappa import report
+from openrlhf_mappa.tools import report
 
 HOSTILE = "</script><img src=x onerror=alert(1)><!-- \u2028 \ufffd"
 

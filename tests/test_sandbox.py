@@ -267,7 +267,7 @@ def test_cli_prints_the_result_as_json(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import sys\nprint('from file')\nopen('out.csv', 'w').write('a')\nsys.exit(2)")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "openrlhf_mappa.cli.mappa", "sandbox", "run", str(script),
+    cmd = [sys.executable, "-m", "openrlhf_mappa.tools.mappa", "sandbox", "run", str(script),
            "--workspace", str(tmp_path / "w"), "--timeout", "5", "--memory-mb", "512"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr

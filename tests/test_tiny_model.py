@@ -30,7 +30,7 @@ def test_tiny_model_loads_with_auto_classes_and_chat_template(tiny_model):
 
 def test_tiny_model_is_deterministic_per_seed(tiny_model, tmp_path):
     # in-process (the fixture already ran the console script): same seed -> same weights
-    from openrlhf_mappa.tiny_model import build_tiny_model
+    from openrlhf_mappa.tools.tiny_model import build_tiny_model
 
     build_tiny_model(str(tmp_path / "again"), seed=0)
     build_tiny_model(str(tmp_path / "other"), seed=1)
@@ -75,7 +75,7 @@ def test_a_small_init_std_makes_every_seed_start_near_uniform(tmp_path):
     # another's 6% (the end token's odds differ by seed); at 0.002 every token's odds are close to 1/vocab.
     from transformers import AutoModelForCausalLM
 
-    from openrlhf_mappa.tiny_model import build_tiny_model
+    from openrlhf_mappa.tools.tiny_model import build_tiny_model
 
     spread = {}
     for std in (0.02, 0.002):

@@ -464,7 +464,7 @@ def test_a_trained_coach_learns_beside_the_agents_it_scores(tmp_path, tiny_model
 
     from transformers import AutoTokenizer
 
-    from openrlhf_mappa.coach.distill import report
+    from openrlhf_mappa.tools.distill import report
     from test_distill import distill
 
     run_dir, final, distilled = tmp_path / "run", tmp_path / "final", tmp_path / "distilled"

@@ -277,7 +277,7 @@ def test_truncated_action_is_shown_to_the_coach_as_the_topology_says(coach_input
     assert "Let me think about 2 + 2 and then" in solver
     assert "[cut off at the limit" not in executor
 
-    from openrlhf_mappa.coach import rescore
+    from openrlhf_mappa.tools import rescore
 
     (tmp_path / "episodes.jsonl").write_text(episode.to_json() + "\n")
     again = RecordingCoach()

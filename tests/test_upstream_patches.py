@@ -46,7 +46,7 @@ def check_lora_vllm_sync():
 
     from openrlhf.models import Actor
     from openrlhf.trainer.ray import ppo_actor
-    from openrlhf_mappa.tiny_model import build_tiny_model
+    from openrlhf_mappa.tools.tiny_model import build_tiny_model
 
     tiny = tempfile.mkdtemp()
     build_tiny_model(tiny)
@@ -197,7 +197,7 @@ def check_agent_step_rewards():
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
     from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
     from openrlhf_mappa.cli.train_mappa_ray import upstream_cli
-    from openrlhf_mappa.tiny_model import build_tokenizer
+    from openrlhf_mappa.tools.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     script = {"three steps": [1.0, 2.0, 4.0], "two steps": [0.5, -1.0]}  # label -> each step's reward

@@ -147,8 +147,8 @@ def test_ray_job_submit_from_a_user_install_checks_the_cluster_trains_and_resume
         form = submit_form(address)
 
         # The self-check first, as the README asks before a long job: the same flags, the small model.
-        doctor = run_training(form + ["openrlhf_mappa.cli.mappa", "doctor", *flags], tmp_path / "doctor", timeout=900,
-                              cwd=REPO, env=env)
+        doctor = run_training(form + ["openrlhf_mappa.tools.mappa", "doctor", *flags], tmp_path / "doctor",
+                              timeout=900, cwd=REPO, env=env)
         rows = doctor_rows(doctor.stdout)
         assert doctor.returncode == 0 and "0 failed" in doctor.stdout, doctor.stdout[-4000:]
         assert {rows["weights synced", a][0] for a in AGENTS} == {"ok"} and {rows["train step", a][0] for a in AGENTS} == {"ok"}

@@ -108,7 +108,7 @@ CODER_FIRST = ("<think>\nThree boxes of four apples make twelve; two are eaten.\
 
 
 def qwen3_like_tokenizer():
-    from openrlhf_mappa.tiny_model import build_tokenizer
+    from openrlhf_mappa.tools.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = DROPS_REASONING

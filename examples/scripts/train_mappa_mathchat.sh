@@ -47,7 +47,7 @@ echo "[mappa] this recipe needs $NEED GPUs in the Ray cluster: $AGENTS agents, -
 # MAPPA_DOCTOR=<a small model, e.g. Qwen/Qwen3-0.6B>: check the cluster first (`mappa doctor`: these flags with that
 # model for every agent; one step of each component, weight syncs, sleep, threads, host memory; a few minutes).
 ENTRY=(openrlhf_mappa.cli.train_mappa_ray)
-[ -z "${MAPPA_DOCTOR:-}" ] || ENTRY=(openrlhf_mappa.cli.mappa doctor --mappa.model "$MAPPA_DOCTOR")
+[ -z "${MAPPA_DOCTOR:-}" ] || ENTRY=(openrlhf_mappa.tools.mappa doctor --mappa.model "$MAPPA_DOCTOR")
 # The agents are Qwen/Qwen3-4B (the topology's `model:`): the paper's "Qwen3-4B", the authors' DSBench
 # script's. Their README and MathChat script run Qwen/Qwen3-4B-Thinking-2507:
 # MAPPA_MODEL=Qwen/Qwen3-4B-Thinking-2507 puts every agent on it (--mappa.model; ignored with MAPPA_DOCTOR,
@@ -110,7 +110,7 @@ FLAGS=(
 )
 # The dry run first: every check the launch runs before Ray starts, and the coach scoring one test action
 # (`mappa check`, seconds); MAPPA_SKIP_CHECK=1 skips it.
-[ -n "${MAPPA_SKIP_CHECK:-}" ] || python3 -m openrlhf_mappa.cli.mappa check "${FLAGS[@]}" || exit 1
+[ -n "${MAPPA_SKIP_CHECK:-}" ] || python3 -m openrlhf_mappa.tools.mappa check "${FLAGS[@]}" || exit 1
 # No Ray cluster up: one line saying so, not `ray job submit`'s 40-line connection traceback.
 ray status >/dev/null 2>&1 || { echo "[mappa] no Ray cluster is running here (\`ray status\` found none): start one" \
   "first (\`ray start --head --num-gpus $NEED\`, or join this node to yours), then run this script again" >&2; exit 1; }

@@ -1197,11 +1197,13 @@ def train(args):
     for line in run_summary(args.mappa.run_dir):
         print(line)
     run_dir = os.path.abspath(args.mappa.run_dir)
-    # at least one step: `mappa report`'s page of it
+    # at least one step: `mappa report`'s page of it, by that command (the core imports no tool: tests/test_imports)
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        from openrlhf_mappa.report import write_report
+        import subprocess
 
-        print(f"[mappa] report:      {write_report(run_dir)}")
+        page = subprocess.run([sys.executable, "-m", "openrlhf_mappa.tools.mappa", "report", run_dir],
+                              stdout=subprocess.PIPE, text=True, check=True).stdout.strip()
+        print(f"[mappa] report:      {page}")
     print(f"[mappa] metrics:     {os.path.join(run_dir, 'metrics.jsonl')}")
     print(f"[mappa] episodes:    {os.path.join(run_dir, 'episodes.jsonl')}")
     if eval_sets:

@@ -23,8 +23,8 @@ def read_actions(path: str) -> list:
     for lineno, episode in read_jsonl(path):
         for action in episode.get("actions", []):
             if not isinstance(action, dict) or not action.get("coach_request"):
-                raise ValueError(f"{path}: line {lineno}: action without 'coach_request' (written by an older "
-                                 "version?)")
+                raise ValueError(f"{path}: line {lineno}: action without 'coach_request' (written by an "
+                                 "older version?)")
             missing = [k for k in ("agent", "turn", "prompt_text", "response_text") if k not in action]
             if "episode_id" not in episode or missing:
                 raise ValueError(f"{path}: line {lineno}: not an episode of a run's episodes.jsonl (no "
@@ -34,8 +34,8 @@ def read_actions(path: str) -> list:
 
 
 async def rescore(actions: list, coach: Coach, mode: str = "per_action") -> tuple:
-    """(verdicts, reviews): each action's new verdict under `mode`, and per action its episode's review (None in
-    mode per_action). Actions of one episode are judged together, in order."""
+    """(verdicts, reviews): each action's new verdict under `mode`, and per action its episode's review (None
+    in mode per_action). Actions of one episode are judged together, in order."""
     from tqdm import tqdm
 
     by_episode = {}
@@ -47,10 +47,11 @@ async def rescore(actions: list, coach: Coach, mode: str = "per_action") -> tupl
         episode = actions[indices[0]][0]
         requests = []
         for a in (actions[i][1] for i in indices):
-            # Records written before the coach_request kept the agent's input: the coach saw the templated prompt.
+            # Records written before the coach_request kept the agent's input: the coach saw the templated
+            # prompt.
             context = {"agent_input": a["prompt_text"], **a["coach_request"]}
-            requests.append(CoachRequest(episode["episode_id"], a["agent"], a["turn"], agent_output=a["response_text"],
-                                         **context))
+            requests.append(CoachRequest(episode["episode_id"], a["agent"], a["turn"],
+                                         agent_output=a["response_text"], **context))
         pending = [asyncio.ensure_future(coach.score(r)) for r in requests] if mode != "hindsight" else []
         judged, _, review = await judge_episode(coach, mode, requests, episode.get("outcome", {}), pending)
         for i, verdict in zip(indices, judged):
@@ -84,8 +85,9 @@ def agreement(rows: list) -> dict:
 
 
 def run(actions: list, out_path: str, coach: Coach, mode: str = "per_action") -> tuple:
-    """Re-score `actions` (from read_actions), write the rows (both verdicts per action) and the summary; return
-    both. In modes hindsight and both a row says whether the review held the action responsible (None: failed)."""
+    """Re-score `actions` (from read_actions), write the rows (both verdicts per action) and the summary;
+    return both. In modes hindsight and both a row says whether the review held the action responsible (None:
+    failed)."""
     import dataclasses
 
     async def go():
@@ -103,7 +105,8 @@ def run(actions: list, out_path: str, coach: Coach, mode: str = "per_action") ->
                "task_type": ep.get("task_type", ""), "success": bool(ep.get("outcome", {}).get("success")),
                "before": a.get("verdict"), "after": dataclasses.asdict(v)}
         if mode != "per_action":
-            row["responsible"] = None if review is None or review.responsible is None else review.responsible == k
+            row["responsible"] = (None if review is None or review.responsible is None
+                                  else review.responsible == k)
         rows.append(row)
     with open(out_path, "w", encoding="utf-8") as f:
         for row in rows:
@@ -119,8 +122,9 @@ def print_summary(summary: dict, before: str, after: str):
         return "-" if x is None else f"{x:.3f}"
 
     print(f"\nagreement of {after} (after) with {before} (before):")
-    print(f"{'agent':<20} {'actions':>7} {'scored':>6} {'pearson':>8} {'before':>7} {'after':>7} {'diff':>7}  "
-          "after statuses")
+    print(f"{'agent':<20} {'actions':>7} {'scored':>6} {'pearson':>8} {'before':>7} {'after':>7} "
+          f"{'diff':>7}  after statuses")
     for agent, s in summary.items():
-        print(f"{agent:<20} {s['actions']:>7} {s['both_scored']:>6} {fmt(s['pearson']):>8} {fmt(s['mean_before']):>7} "
-              f"{fmt(s['mean_after']):>7} {fmt(s['mean_diff_after_minus_before']):>7}  {s['after_statuses']}")
+        print(f"{agent:<20} {s['actions']:>7} {s['both_scored']:>6} {fmt(s['pearson']):>8} "
+              f"{fmt(s['mean_before']):>7} {fmt(s['mean_after']):>7} "
+              f"{fmt(s['mean_diff_after_minus_before']):>7}  {s['after_statuses']}")

@@ -1,4 +1,5 @@
-"""`mappa paper-table RUN_DIR [RUN_DIR ...]`: the paper's results table from runs' eval.jsonl, as Markdown and JSON.
+"""`mappa paper-table RUN_DIR [RUN_DIR ...]`: the paper's results table from runs' eval.jsonl, as Markdown and
+JSON.
 
 Per run (named by its directory, or the directory above a scripts' `run`) and eval set: the first evaluation
 (step 0: the untrained team), the last one and the best one after it (each row's best value: lowest for an
@@ -17,7 +18,7 @@ An eval set that shares problems with the training tasks is marked (`train_overl
 import json
 import os
 
-from openrlhf_mappa.report import records
+from openrlhf_mappa.tools.report import records
 
 # The rows' figures where lower is better (an error), for "best": DSBench's error metrics (envs/dsbench.py
 # METRICS) and the authors' pooled MSE.
@@ -145,7 +146,8 @@ def _num(v) -> str:
 
 
 def write(run_dirs: list, out: str = None) -> tuple:
-    """Write OUT.md and OUT.json (default: the first run's paper_table.*); returns (the Markdown, the two paths)."""
+    """Write OUT.md and OUT.json (default: the first run's paper_table.*); returns (the Markdown, the two
+    paths)."""
     result = table(run_dirs)
     out = out or os.path.join(run_dirs[0], "paper_table")
     text = markdown(result)

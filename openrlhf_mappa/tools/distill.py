@@ -1,15 +1,15 @@
 """`mappa coach distill`: a reference coach's recorded verdicts fine-tuned into an open-weight coach model.
 
-The data: each action of the runs' episodes.jsonl, its prompt rendered from its recorded coach_request exactly as
-the coach was sent it (one user message), its target the reference's reply. The reference is the action's
-per-action verdict (in mode both its per_action part; a hindsight-only verdict has no per-action reply), or, for a
-trained coach's verdict, the reference judge's verdict recorded with it. With `--mappa.coach.reply text` the target
-is the reference's own reply (an LLM coach's rationale, or the reply its verdict cache holds for that prompt), kept
-only where parse_score reads back exactly the recorded score; a coach without reply text (the heuristic coach)
-gets `{"rationale": ..., "score": ...}`. With `digit` the target is the score rounded to one digit, 10 written 9.
-A failed verdict, one without a score, or a reply that reads as another score is never a target: each skip is
-counted by reason. Episodes are held out whole, by a seeded draw per episode id. The same action in two runs gives
-two identical rows: both are kept, as the reference judged it twice.
+The data: each action of the runs' episodes.jsonl, its prompt rendered from its recorded coach_request exactly
+as the coach was sent it (one user message), its target the reference's reply. The reference is the action's
+per-action verdict (in mode both its per_action part; a hindsight-only verdict has no per-action reply), or,
+for a trained coach's verdict, the reference judge's verdict recorded with it. With `--mappa.coach.reply text`
+the target is the reference's own reply (an LLM coach's rationale, or the reply its verdict cache holds for
+that prompt), kept only where parse_score reads back exactly the recorded score; a coach without reply text
+(the heuristic coach) gets `{"rationale": ..., "score": ...}`. With `digit` the target is the score rounded to
+one digit, 10 written 9. A failed verdict, one without a score, or a reply that reads as another score is
+never a target: each skip is counted by reason. Episodes are held out whole, by a seeded draw per episode id.
+The same action in two runs gives two identical rows: both are kept, as the reference judged it twice.
 
 OpenRLHF's own train_sft fine-tunes the base model on the training rows; the result is then asked the held-out
 prompts greedily and compared with the reference: agreement (mean 1 - |s - s_ref|/10, no score agreeing 0),
@@ -30,7 +30,7 @@ from collections import Counter
 
 from openrlhf_mappa.coach.audit import pearson
 from openrlhf_mappa.coach.base import CoachRequest, parse_score, render_prompt
-from openrlhf_mappa.coach.rescore import read_actions
+from openrlhf_mappa.tools.rescore import read_actions
 
 BANDS = ("0-2", "2-4", "4-6", "6-8", "8-10")  # [0,2), [2,4), ..., [8,10]
 NO_SCORE = "no score"
@@ -41,8 +41,8 @@ OWN_SFT_FLAGS = ("--data.dataset", "--data.input_key", "--data.output_key", "--d
 
 
 def reference_verdict(action: dict) -> tuple:
-    """(the reference's verdict as a dict with score, status, coach and its reply text or None, "") or (None, why
-    there is none)."""
+    """(the reference's verdict as a dict with score, status, coach and its reply text or None, "") or (None,
+    why there is none)."""
     verdict = action.get("verdict")
     if verdict and verdict.get("source") == "both":
         verdict = (action.get("verdict_parts") or {}).get("per_action")
@@ -50,7 +50,8 @@ def reference_verdict(action: dict) -> tuple:
         return None, "hindsight verdict only"
     if not verdict:
         return None, "no per-action verdict"
-    # A trained coach's verdict (or the reference's score it paid, pay_reference) is not the reference's reply.
+    # A trained coach's verdict (or the reference's score it paid, pay_reference) is not the reference's
+    # reply.
     if verdict.get("coach") == "trained" or verdict.get("reference"):
         if not verdict.get("reference"):
             return None, "trained coach, reference not asked"
@@ -65,7 +66,8 @@ def target(verdict: dict, prompt: str, reply: str, score_key: str, caches: list)
     score = verdict["score"]
     if reply == "digit":
         return str(min(9, int(score + 0.5))), ""
-    if verdict["coach"] == "heuristic":  # its rationale is prose about the grade, no reply the score is read from
+    # A heuristic coach's rationale is prose about the grade, no reply the score is read from.
+    if verdict["coach"] == "heuristic":
         return json.dumps({"rationale": verdict["rationale"] or "", "score": score}, ensure_ascii=False), ""
     texts = [verdict["rationale"]] if verdict["rationale"] is not None else []
     for cache in caches:
@@ -77,10 +79,10 @@ def target(verdict: dict, prompt: str, reply: str, score_key: str, caches: list)
     return (text, "") if text is not None else (None, "reply does not parse to its score")
 
 
-def build_rows(paths: list, template: str, score_key: str, reply: str = "text", held_out_fraction: float = 0.2,
-               seed: int = 0, caches: tuple = ()) -> tuple:
-    """(train rows, held-out rows, {skip reason: count}) from the episodes files; a row is {"prompt", "response",
-    "score", "episode_id", "agent", "coach"}."""
+def build_rows(paths: list, template: str, score_key: str, reply: str = "text",
+               held_out_fraction: float = 0.2, seed: int = 0, caches: tuple = ()) -> tuple:
+    """(train rows, held-out rows, {skip reason: count}) from the episodes files; a row is {"prompt",
+    "response", "score", "episode_id", "agent", "coach"}."""
     train, held, skipped = [], [], Counter()
     for path in paths:
         for episode, action in read_actions(path):
@@ -88,7 +90,8 @@ def build_rows(paths: list, template: str, score_key: str, reply: str = "text", 
             if verdict is None:
                 skipped[why] += 1
                 continue
-            # As rescore rebuilds it: records older than coach_request's agent_input kept the agent's input here.
+            # As rescore rebuilds it: records older than coach_request's agent_input kept the agent's input
+            # here.
             context = {"agent_input": action["prompt_text"], **action["coach_request"]}
             request = CoachRequest(episode["episode_id"], action["agent"], action["turn"],
                                    agent_output=action["response_text"], **context)
@@ -159,7 +162,8 @@ def generate(model_dir: str, texts: list, max_new_tokens: int, batch_size: int =
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
     replies = []
     for i in range(0, len(texts), batch_size):
-        batch = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True,
+                          add_special_tokens=False)
         batch = batch.to(device)
         with torch.no_grad():
             out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
@@ -173,7 +177,8 @@ def sft_command(model: str, out: str, nproc: int, seed: int, max_len: int, extra
     prompt taken as written, "{}"); the user's extra flags come last and win."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "-m", "openrlhf.cli.train_sft",
-            "--model.model_name_or_path", model, "--data.dataset", os.path.join(out, "distill", "train.jsonl"),
+            "--model.model_name_or_path", model,
+            "--data.dataset", os.path.join(out, "distill", "train.jsonl"),
             "--data.input_key", "sft_prompt", "--data.output_key", "sft_response",
             "--data.input_template", "{}",
             "--data.max_len", str(max_len),
@@ -182,7 +187,8 @@ def sft_command(model: str, out: str, nproc: int, seed: int, max_len: int, extra
 
 
 def fine_tune(command: list, log_path: str) -> None:
-    """Run train_sft, its output streamed and kept in `log_path`; its last lines in the error where it fails."""
+    """Run train_sft, its output streamed and kept in `log_path`; its last lines in the error where it
+    fails."""
     tail = []
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -191,8 +197,8 @@ def fine_tune(command: list, log_path: str) -> None:
             log.write(line)
             tail = (tail + [line])[-30:]
         if proc.wait() != 0:
-            raise SystemExit(f"mappa coach distill: train_sft failed (exit {proc.returncode}; its log: {log_path}, "
-                             f"remove its directory to rerun); its last lines:\n{''.join(tail)}")
+            raise SystemExit(f"mappa coach distill: train_sft failed (exit {proc.returncode}; its log: "
+                             f"{log_path}, remove its directory to rerun); its last lines:\n{''.join(tail)}")
 
 
 def write_jsonl(path: str, rows: list) -> None:

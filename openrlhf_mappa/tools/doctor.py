@@ -1,12 +1,12 @@
-"""`mappa doctor`: the cluster self-check before a long job. With the training command's flags and a small model
-(--mappa.model), it builds the launch's placement, engines and actors, runs one step of each and checks what CPU
-tests cannot: each agent's weights reach its own engines only, sleep frees GPU memory, a LoRA reload shows in
-generation, thread counts, host memory; before them, the plan of the recipe's own models on this cluster and
-DeepSpeed's CPU Adam on each GPU node (the coach's one request comes from the cli, before Ray). A table; exit 1
-on any failure.
+"""`mappa doctor`: the cluster self-check before a long job. With the training command's flags and a small
+model (--mappa.model), it builds the launch's placement, engines and actors, runs one step of each and checks
+what CPU tests cannot: each agent's weights reach its own engines only, sleep frees GPU memory, a LoRA reload
+shows in generation, thread counts, host memory; before them, the plan of the recipe's own models on this
+cluster and DeepSpeed's CPU Adam on each GPU node (the coach's one request comes from the cli, before Ray). A
+table; exit 1 on any failure.
 
-Each agent trains one step on a text of its own at lr 1e-2 (constant, no warm-up), so its weights are visibly its
-own: in bf16, the recipe's 1e-6 would move nothing an engine's log-probs could show.
+Each agent trains one step on a text of its own at lr 1e-2 (constant, no warm-up), so its weights are visibly
+its own: in bf16, the recipe's 1e-6 would move nothing an engine's log-probs could show.
 """
 
 import copy
@@ -27,9 +27,9 @@ PROBE = "Probe: 7 + 5 = 12, the answer is 12."
 
 
 def probe(agents, text: str = PROBE) -> dict:
-    """Per agent, the log-probs of `text` under its engines ("engines"; "engine": engine 0's), its actor ("actor";
-    "actor_ranks": per rank) and, for LoRA, its base under the actor ("base") and engine 0 ("engine_base"). Sleeping
-    engines are woken first."""
+    """Per agent, the log-probs of `text` under its engines ("engines"; "engine": engine 0's), its actor
+    ("actor"; "actor_ranks": per rank) and, for LoRA, its base under the actor ("base") and engine 0
+    ("engine_base"). Sleeping engines are woken first."""
     from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
     from vllm import SamplingParams
 
@@ -40,18 +40,21 @@ def probe(agents, text: str = PROBE) -> dict:
     out = {"probe": ids, "engine": {}, "engines": {}, "actor": {}, "actor_ranks": {}}
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     seq = torch.tensor([ids])
-    logprobs = lambda gen: [d[t].logprob for t, d in zip(ids[1:], gen.prompt_logprobs[1:])]  # of each next token
+    # of each next token
+    logprobs = lambda gen: [d[t].logprob for t, d in zip(ids[1:], gen.prompt_logprobs[1:])]
     for ag in agents:
         adapter = ag.trainer.adapter  # a LoRA agent: its pool's engines, with its adapter
-        gens = ray.get([e.generate_as.remote(adapter, ids, params) if adapter else e.generate.remote(ids, params)
-                        for e in ag.engines])
+        gens = ray.get([e.generate_as.remote(adapter, ids, params) if adapter
+                        else e.generate.remote(ids, params) for e in ag.engines])
         out["engines"][ag.spec.name] = [logprobs(g) for g in gens]
         out["engine"][ag.spec.name] = out["engines"][ag.spec.name][0]
         ranks = len(ag.actor._actor_handlers)  # one copy per data-parallel rank
-        forward = dict(method_name="forward", sequences=[seq] * ranks, attention_mask=[torch.ones_like(seq)] * ranks,
+        forward = dict(method_name="forward", sequences=[seq] * ranks,
+                       attention_mask=[torch.ones_like(seq)] * ranks,
                        action_mask=[torch.ones(1, len(ids) - 1, dtype=torch.bool)] * ranks)
-        # vLLM's prompt log-probs are the raw model's, while the actor divides its logits by --rollout.temperature:
-        # the actor is probed at temperature 1 (else at 0.7 a synced engine would seem to hold other weights)
+        # vLLM's prompt log-probs are the raw model's, while the actor divides its logits by
+        # --rollout.temperature: the actor is probed at temperature 1 (else at 0.7 a synced engine would seem
+        # to hold other weights)
         temperature = lambda self, t=1.0: (self.actor.temperature, setattr(self.actor, "temperature", t))[0]
         was = ray.get([h.__ray_call__.remote(temperature) for h in ag.actor._actor_handlers])
         per_rank = [r[0].float().tolist() for r in ray.get(ag.actor.async_run_method_batch(**forward))]
@@ -66,21 +69,22 @@ def probe(agents, text: str = PROBE) -> dict:
 
 
 def sync_verdicts(before: dict, after: dict, quantized=()) -> dict:
-    """Per agent, (ok, detail) from two probes, before and after the step: every engine of the agent holds its actor's
-    weights after the sync, the actor moved (the step trained), and no engine holds another agent's actor's weights.
+    """Per agent, (ok, detail) from two probes, before and after the step: every engine of the agent holds its
+    actor's weights after the sync, the actor moved (the step trained), and no engine holds another agent's
+    actor's weights.
 
-    An engine and its actor differ even on the same weights (vLLM's kernels against transformers', in bf16: up to
-    0.32 nats on one token of Qwen3-1.7B on GPU, vllm#18352), and the doctor's step (lr 1e-2 on every weight)
-    inflates the logits and that rounding with them, so a noise floor measured on the untouched model does not
-    bound the gap after it. "Holds" is judged within the `after` probe alone, scale-free: each engine's gap to
-    its actor's new log-probs is under NEARER times its gap to the old ones (at least SAME), both medians over
-    the probe's tokens, and nearer the new than the old in means. The floor before the step (median and max)
-    and the max after it are reported, not gated on. "Moved" is a mean (an outlier token only adds to what
-    must be large there); "crossed": an engine nearer another agent's actor than its own, or within APART of
-    it (medians). A `quantized` agent's actor (QLoRA) runs on a 4-bit base, its engines on the bf16 one: 1.5
-    times the gap of the two bases with the adapters off (after the step) is added to its bound (an adapter's
-    effect does not add across bases: a trained one can close the gap, or widen it: 0.1185 nats against 0.0975
-    adapters off, once)."""
+    An engine and its actor differ even on the same weights (vLLM's kernels against transformers', in bf16: up
+    to 0.32 nats on one token of Qwen3-1.7B on GPU, vllm#18352), and the doctor's step (lr 1e-2 on every
+    weight) inflates the logits and that rounding with them, so a noise floor measured on the untouched model
+    does not bound the gap after it. "Holds" is judged within the `after` probe alone, scale-free: each
+    engine's gap to its actor's new log-probs is under NEARER times its gap to the old ones (at least SAME),
+    both medians over the probe's tokens, and nearer the new than the old in means. The floor before the step
+    (median and max) and the max after it are reported, not gated on. "Moved" is a mean (an outlier token only
+    adds to what must be large there); "crossed": an engine nearer another agent's actor than its own, or
+    within APART of it (medians). A `quantized` agent's actor (QLoRA) runs on a 4-bit base, its engines on the
+    bf16 one: 1.5 times the gap of the two bases with the adapters off (after the step) is added to its bound
+    (an adapter's effect does not add across bases: a trained one can close the gap, or widen it: 0.1185 nats
+    against 0.0975 adapters off, once)."""
     gap = lambda a, b: (torch.tensor(a) - torch.tensor(b)).abs()
     median = lambda a, b: gap(a, b).median().item()
     out = {}
@@ -121,13 +125,14 @@ def device_memory_gib():
 
 
 def train_one_step(ag, args):
-    """One real step of an agent (OpenRLHF's experience maker, whitening, train_step and sync) on train.batch_size
-    copies of two replies to a text of its own, one rewarded, one not."""
+    """One real step of an agent (OpenRLHF's experience maker, whitening, train_step and sync) on
+    train.batch_size copies of two replies to a text of its own, one rewarded, one not."""
     tok = ag.tokenizer
     prompt = tok(f"Who are you? {ag.spec.name} or nobody?")["input_ids"]
     actions = []
     for i in range(args.train.batch_size):  # its own name rewarded: each agent's update is its own
-        a = Action(f"doctor-{i}", ag.spec.name, 0, prompt, tok([f" {ag.spec.name}.", " nobody."][i % 2])["input_ids"])
+        a = Action(f"doctor-{i}", ag.spec.name, 0, prompt,
+                   tok([f" {ag.spec.name}.", " nobody."][i % 2])["input_ids"])
         a.reward = float(i % 2 == 0)
         actions.append(a)
     batch = {ag.spec.name: rewards.experiences(ag.trainer.experience_maker, actions)}
@@ -158,7 +163,8 @@ def run_checks(args, topology, agents) -> list:
     for name, what, h in components(agents):
         if "vLLM" in what:
             continue
-        seen = ray.get(h.__ray_call__.remote(lambda self: (os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads())))
+        seen = ray.get(h.__ray_call__.remote(lambda self: (os.environ.get("OMP_NUM_THREADS"),
+                                                           torch.get_num_threads())))
         rows.append(("threads", name, seen == (str(threads), threads),
                      f"{what}: OMP_NUM_THREADS={seen[0]}, torch {seen[1]} threads (planned {threads})"))
 
@@ -184,16 +190,18 @@ def run_checks(args, topology, agents) -> list:
     for ag in trainees:
         if ag.trainer.adapter:  # the adapter after its reload, against the engine's base: generation changed
             n = ag.spec.name
-            gap = (torch.tensor(after["engine"][n]) - torch.tensor(after["engine_base"][n])).abs().mean().item()
-            rows.append(("LoRA reload", n, gap > APART, f"engine with the adapter vs without: {gap:.3f} nats (mean)"))
+            gap = (torch.tensor(after["engine"][n])
+                   - torch.tensor(after["engine_base"][n])).abs().mean().item()
+            rows.append(("LoRA reload", n, gap > APART,
+                         f"engine with the adapter vs without: {gap:.3f} nats (mean)"))
     rows += sleep_checks(args, trainees)
     return rows
 
 
 def sleep_checks(args, trainees) -> list:
-    """On GPUs: the accelerator's free memory, as its driver reports it, before and after each engine sleeps and
-    each actor offloads; each must free at least half of what the plan says it holds. Skipped without one. Read
-    inside the engine and the actor: a driver on a CPU-only head node (`ray job submit`) sees no GPU, and
+    """On GPUs: the accelerator's free memory, as its driver reports it, before and after each engine sleeps
+    and each actor offloads; each must free at least half of what the plan says it holds. Skipped without one.
+    Read inside the engine and the actor: a driver on a CPU-only head node (`ray job submit`) sees no GPU, and
     --mappa.gpu_memory_gib may be unset."""
     from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 
@@ -204,7 +212,8 @@ def sleep_checks(args, trainees) -> list:
     for ag in trainees:
         engine, actor = ag.engines[0], ag.actor._actor_handlers[0]
         if memory(actor) is None:
-            rows.append(("sleep frees memory", ag.spec.name, None, "skipped: no GPU here (on CPU sleep frees nothing)"))
+            rows.append(("sleep frees memory", ag.spec.name, None,
+                         "skipped: no GPU here (on CPU sleep frees nothing)"))
             continue
         if args.vllm.enable_sleep:
             batch_vllm_engine_call([engine], "wake_up")
@@ -212,16 +221,16 @@ def sleep_checks(args, trainees) -> list:
             batch_vllm_engine_call([engine], "sleep")
             freed, expect = memory(engine)[0] - awake, 0.5 * args.vllm.gpu_memory_utilization * total
             rows.append(("sleep frees memory", ag.spec.name, freed >= expect,
-                         f"engine 0: {freed:.1f} GiB freed (at least {expect:.1f} expected of its {total:.1f} GiB "
-                         f"GPU)"))
+                         f"engine 0: {freed:.1f} GiB freed (at least {expect:.1f} expected of its "
+                         f"{total:.1f} GiB GPU)"))
         if args.ds.enable_sleep and not args.ds.adam_offload:
             # What the optimizer holds, as the plan counts it (placement.component_groups): a LoRA agent's
             # adapter.
             size, lora = placement.model_size(ag.spec.model), ag.spec.lora
             trained = size.lora_params(lora.rank, lora.target_modules) if lora else size.params
             states = 14 * trained / (args.actor.num_nodes * ag.args.actor.num_gpus_per_node) / placement.GIB
-            # Every rank: both end in a barrier over the agent's DeepSpeed ranks, where rank 0 alone would wait out
-            # the process group's 60-minute timeout (OpenRLHF's deepspeed_utils).
+            # Every rank: both end in a barrier over the agent's DeepSpeed ranks, where rank 0 alone would
+            # wait out the process group's 60-minute timeout (OpenRLHF's deepspeed_utils).
             ray.get(ag.actor.async_run_method("reload_states"))
             loaded = memory(actor)[0]
             ray.get(ag.actor.async_run_method("offload_states"))
@@ -234,8 +243,8 @@ def sleep_checks(args, trainees) -> list:
 def cpu_adam() -> tuple:
     """On one GPU node, with a GPU as an actor has: (ok, detail) for DeepSpeed's CPU Adam (--ds.adam_offload).
     Unless DeepSpeed was installed with it (DS_BUILD_CPU_ADAM=1), DeepSpeed compiles it on first use, in every
-    actor, and refuses a system CUDA toolkit whose version differs from torch's (compat.toolkit_problem): found
-    here, before any actor, and built once into the extensions cache the actors then load from."""
+    actor, and refuses a system CUDA toolkit whose version differs from torch's (compat.toolkit_problem):
+    found here, before any actor, and built once into the extensions cache the actors then load from."""
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
@@ -249,26 +258,29 @@ def cpu_adam() -> tuple:
     try:
         CPUAdamBuilder().load()
     except Exception as e:  # any failure of a C++ build: the compiler's, ninja's, a link error
-        return False, (f"DeepSpeed's cpu_adam op did not build or load: {type(e).__name__}: {str(e)[-300:]} (the "
-                       f"build's output is in the doctor's log): fix the build, or install DeepSpeed with "
-                       f"DS_BUILD_CPU_ADAM=1 (built with it), or drop --ds.adam_offload")
+        return False, (f"DeepSpeed's cpu_adam op did not build or load: {type(e).__name__}: {str(e)[-300:]} "
+                       f"(the build's output is in the doctor's log): fix the build, or install DeepSpeed "
+                       f"with DS_BUILD_CPU_ADAM=1 (built with it), or drop --ds.adam_offload")
     took = time.time() - t0
     return True, ("prebuilt in DeepSpeed, loads" if prebuilt else
-                  f"not prebuilt: compiled on first use, or loaded from torch's extensions cache, in {took:.0f} s; "
-                  f"the actors load it from there")
+                  f"not prebuilt: compiled on first use, or loaded from torch's extensions cache, in "
+                  f"{took:.0f} s; the actors load it from there")
 
 
 def recipe_plan(args, recipe, allowed) -> tuple:
-    """The row for the plan of the recipe's own models (the topology's, where --mappa.model gave every agent the
-    small one), checked as the launch would check it against this cluster's nodes (launch.check_placement)."""
+    """The row for the plan of the recipe's own models (the topology's, where --mappa.model gave every agent
+    the small one), checked as the launch would check it against this cluster's nodes
+    (launch.check_placement)."""
     from openrlhf_mappa.launch import check_placement
 
     models = ", ".join(sorted({spec.model for spec in recipe.agents}))
     try:
         plan, nodes = check_placement(copy.deepcopy(args), recipe, allowed)
     except SystemExit as e:
-        return "recipe's plan", "-", False, f"{models}: " + str(e.code).removeprefix("[mappa] ").replace("\n", "; ")
-    return "recipe's plan", "-", True, f"{models}: fits {plan.need} of the cluster's {sum(n for _, n in nodes)} GPUs"
+        return ("recipe's plan", "-", False,
+                f"{models}: " + str(e.code).removeprefix("[mappa] ").replace("\n", "; "))
+    return ("recipe's plan", "-", True,
+            f"{models}: fits {plan.need} of the cluster's {sum(n for _, n in nodes)} GPUs")
 
 
 def format_rows(rows: list) -> str:
@@ -280,9 +292,9 @@ def format_rows(rows: list) -> str:
 
 
 def doctor(args, topology, rows=(), recipe=None, allowed=lambda a: True) -> int:
-    """Start the team as the launch would, run the checks, print the table; 1 on any failure. `rows`: checks made
-    before Ray (the coach's one request); `recipe`: the topology with its own models, planned on this cluster
-    (`allowed`: placement.check's for it)."""
+    """Start the team as the launch would, run the checks, print the table; 1 on any failure. `rows`: checks
+    made before Ray (the coach's one request); `recipe`: the topology with its own models, planned on this
+    cluster (`allowed`: placement.check's for it)."""
     from openrlhf_mappa.console import console
     from openrlhf_mappa.health import StartupWatchdog
     from openrlhf_mappa.launch import build_agents, gpu_nodes, on_each_node, owners
@@ -308,7 +320,8 @@ def doctor(args, topology, rows=(), recipe=None, allowed=lambda a: True) -> int:
         agents = build_agents(args, topology, {s.name: 1 for s in placement.trainee_specs(args, topology)}, startup)
     finally:
         startup.done.set()
-    rows.append(("placement", "-", True, f"{len(owners(agents))} agents' engines and actors started, as planned"))
+    rows.append(("placement", "-", True,
+                 f"{len(owners(agents))} agents' engines and actors started, as planned"))
     rows += run_checks(args, topology, agents)
     print(format_rows(rows), file=console.out, flush=True)
     return 1 if any(ok is False for *_, ok, _ in rows) else 0

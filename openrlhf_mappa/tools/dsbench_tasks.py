@@ -2,11 +2,11 @@
 
 Both write one task directory per task (envs/dsbench.py) and a tasks.jsonl; `make_pack` writes a small
 DSBench-style layout and runs the very importer real data goes through. With the authors' cleaned task texts
-(their data/Bench/dsbench_modeling_cleaned_prompts.json) a task's row keeps DSBench's text as its "prompt" (the
-coach's, as the authors' coach was shown it) and the cleaned one as "agent_prompt" (what the agents see).
-Where DSBench's files are silent (docs/reference.md, "DSBench pipeline"), a metric not implemented here skips the
-task rather than score it wrongly. pandas and scikit-learn (seconds to import) load only once the input has been
-checked, so that `mappa dsbench import` refuses bad input at once.
+(their data/Bench/dsbench_modeling_cleaned_prompts.json) a task's row keeps DSBench's text as its "prompt"
+(the coach's, as the authors' coach was shown it) and the cleaned one as "agent_prompt" (what the agents see).
+Where DSBench's files are silent (docs/reference.md, "DSBench pipeline"), a metric not implemented here skips
+the task rather than score it wrongly. pandas and scikit-learn (seconds to import) load only once the input
+has been checked, so that `mappa dsbench import` refuses bad input at once.
 """
 
 from __future__ import annotations
@@ -46,15 +46,16 @@ AUTHORS_DATA = "https://github.com/ltjed/multiagent-coaching (data/Bench/)"
 
 
 def load_cleaned_prompts(path: str, how_found: str) -> dict:
-    """task id -> the authors' cleaned task text, from their {task id: {"cleaned_prompt": ...}} file; ValueError
-    naming the file, the entry and where the authors publish it otherwise."""
+    """task id -> the authors' cleaned task text, from their {task id: {"cleaned_prompt": ...}} file;
+    ValueError naming the file, the entry and where the authors publish it otherwise."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise ValueError(f"no {path} ({how_found}): the agents' task text is the authors' cleaned one by default; get "
-                         f"{CLEANED_PROMPTS} from {AUTHORS_DATA} and put it there or pass --cleaned-prompts PATH, "
-                         "or pass --task-text raw to give the agents DSBench's raw Kaggle text") from None
+        raise ValueError(f"no {path} ({how_found}): the agents' task text is the authors' cleaned one by "
+                         f"default; get {CLEANED_PROMPTS} from {AUTHORS_DATA} and put it there or pass "
+                         "--cleaned-prompts PATH, or pass --task-text raw to give the agents DSBench's raw "
+                         "Kaggle text") from None
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not the authors' cleaned prompts ({e})") from None
     if not isinstance(data, dict):
@@ -101,11 +102,11 @@ def _relocate(data_root: str, path: str) -> str:
 
 
 def import_tasks(data_root: str, metadata_path: str, out_dir: str, cleaned: dict = None) -> tuple:
-    """Write out_dir/<task_id>/ and out_dir/tasks.jsonl; return (task rows, [skip reasons]). Metadata rows (as in
-    DSBench's dsbench_modeling_*.json): {prompt, metadata: {task_id, train_file, test_file, answer_dir, url, and
-    optionally metric, baseline, best, pos_label}}; their data_type is not read (the answers decide it).
-    `cleaned` (load_cleaned_prompts): a task it has gets that text as its "agent_prompt"; one it lacks keeps
-    DSBench's text for the agents too, as the authors' workflow does."""
+    """Write out_dir/<task_id>/ and out_dir/tasks.jsonl; return (task rows, [skip reasons]). Metadata rows (as
+    in DSBench's dsbench_modeling_*.json): {prompt, metadata: {task_id, train_file, test_file, answer_dir,
+    url, and optionally metric, baseline, best, pos_label}}; their data_type is not read (the answers decide
+    it). `cleaned` (load_cleaned_prompts): a task it has gets that text as its "agent_prompt"; one it lacks
+    keeps DSBench's text for the agents too, as the authors' workflow does."""
     with open(metadata_path, encoding="utf-8") as f:
         text = f.read()
     try:  # JSON Lines, as mappa-bench ships it, or one JSON list
@@ -115,10 +116,11 @@ def import_tasks(data_root: str, metadata_path: str, out_dir: str, cleaned: dict
         raise ValueError(f"{metadata_path}: broken JSON: {e}") from None
     for i, row in enumerate(rows, 1):
         if not isinstance(row, dict) or not isinstance(row.get("metadata") or {}, dict):
-            raise ValueError(f"{metadata_path}: entry {i} is not a task's record (a JSON object with a 'metadata' "
-                             f"object)")
+            raise ValueError(f"{metadata_path}: entry {i} is not a task's record (a JSON object with a "
+                             f"'metadata' object)")
     if not os.path.isdir(data_root):
-        raise ValueError(f"--data-root {data_root}: not a directory (the one holding data_resplit/ and answers/)")
+        raise ValueError(f"--data-root {data_root}: not a directory (the one holding data_resplit/ and "
+                         f"answers/)")
     os.makedirs(out_dir, exist_ok=True)
     tasks, skipped = [], []
     for row in rows:
@@ -157,16 +159,19 @@ def _import_one(data_root: str, row: dict, meta: dict, out_dir: str) -> dict:
     absent = [path for path in sources.values() if not os.path.isfile(path)]
     if absent:
         raise ValueError(f"missing file(s): {', '.join(absent)}")
-    metric, phrase = (meta["metric"], "metadata") if meta.get("metric") else infer_metric(row.get("prompt", ""))
+    metric, phrase = ((meta["metric"], "metadata") if meta.get("metric")
+                      else infer_metric(row.get("prompt", "")))
     if metric not in METRICS:
         raise ValueError(f"metric not supported (read from {phrase!r}); supported: {', '.join(METRICS)}")
     columns = list(pd.read_csv(sources["sample_submission.csv"], nrows=0).columns)
     id_column, targets = columns[0], columns[1:]
     truth = pd.read_csv(sources[ANSWER_FILE], dtype={id_column: str})
     if not targets or any(c not in truth.columns for c in columns):
-        raise ValueError(f"test_answer.csv columns {list(truth.columns)} do not cover the submission's {columns}")
+        raise ValueError(f"test_answer.csv columns {list(truth.columns)} do not cover the submission's "
+                         f"{columns}")
     truth = truth[targets]
-    data_type = detect_data_type(truth)  # the metadata's data_type is not read: 3 string-label tasks say regression
+    # The metadata's data_type is not read: 3 string-label tasks say regression.
+    data_type = detect_data_type(truth)
     baseline = meta.get("baseline")
     if baseline is None:
         train_columns = pd.read_csv(sources["train.csv"], nrows=0).columns
@@ -201,7 +206,8 @@ PACK = [  # (task id, sklearn loader, data type, metric, what the target is)
     ("sk-breast-cancer", "load_breast_cancer", "classification", "roc_auc",
      "whether the tumour is benign (1) or malignant (0)"),
     ("sk-wine", "load_wine", "classification", "accuracy", "the cultivar of the wine (0, 1 or 2)"),
-    ("sk-iris", "load_iris", "classification", "f1_macro", "the iris species (setosa, versicolor or virginica)"),
+    ("sk-iris", "load_iris", "classification", "f1_macro",
+     "the iris species (setosa, versicolor or virginica)"),
 ]
 METRIC_TEXT = {
     "rmse": "the root mean squared error (RMSE) between the predicted and the actual values",
@@ -233,7 +239,8 @@ def make_pack(out_dir: str, seed: int = 0) -> tuple:
         X.insert(0, "id", np.arange(1000, 1000 + len(X)))
         stratify = y if data_type == "classification" else None
         X_tr, X_te, y_tr, y_te = train_test_split(X, y, test_size=0.3, random_state=seed, stratify=stratify)
-        data_dir, answer_dir = os.path.join(raw, "data_resplit", task_id), os.path.join(raw, "answers", task_id)
+        data_dir, answer_dir = (os.path.join(raw, "data_resplit", task_id),
+                                os.path.join(raw, "answers", task_id))
         for d in (data_dir, answer_dir):
             os.makedirs(d, exist_ok=True)
         X_tr.assign(target=y_tr).to_csv(os.path.join(data_dir, "train.csv"), index=False)
@@ -250,10 +257,11 @@ def make_pack(out_dir: str, seed: int = 0) -> tuple:
         best = metric_value(metric, pd.DataFrame({"target": y_te.to_numpy()}), pd.DataFrame({"target": pred}))
         prompt = (
             f"Description\nPredict {target_text} from the features of scikit-learn's bundled "
-            f"{loader.removeprefix('load_')} dataset ({len(X)} rows, {features.shape[1]} feature columns).\n\n"
+            f"{loader.removeprefix('load_')} dataset ({len(X)} rows, {features.shape[1]} feature "
+            f"columns).\n\n"
             f"Evaluation\nSubmissions are evaluated on {METRIC_TEXT[metric]}.\n\n"
-            f"Submission File\nFor each id in the test set, predict the target. The file must have a header and "
-            f"exactly the columns of sample_submission.csv:\nid,target\n"
+            f"Submission File\nFor each id in the test set, predict the target. The file must have a header "
+            f"and exactly the columns of sample_submission.csv:\nid,target\n"
             f"{X_te['id'].iloc[0]},{placeholder}\netc.\n\n"
             "Files\n- train.csv - the training set (an id column, the features and the target column)\n"
             "- test.csv - the test set (the id column and the features)\n"
@@ -261,7 +269,8 @@ def make_pack(out_dir: str, seed: int = 0) -> tuple:
         )
         metadata.append({"prompt": prompt, "answer": None, "metadata": {
             "task_id": task_id, "task_type": "data_modeling", "data_type": data_type,
-            "train_file": f"./data_resplit/{task_id}/train.csv", "test_file": f"./data_resplit/{task_id}/test.csv",
+            "train_file": f"./data_resplit/{task_id}/train.csv",
+            "test_file": f"./data_resplit/{task_id}/test.csv",
             "answer_dir": f"./answers/{task_id}", "url": f"sklearn.datasets.{loader}",
             "metric": metric, "best": best,
         }})

@@ -1,9 +1,11 @@
-"""`mappa report RUN_DIR [RUN_DIR ...]`: one self-contained HTML page about training runs, readable from file://.
+"""`mappa report RUN_DIR [RUN_DIR ...]`: one self-contained HTML page about training runs, readable from
+file://.
 
-It shows a run directory's metrics.jsonl (curves per agent, coach verdicts, the coach-bias audit), eval.jsonl and
-episodes.jsonl (a trajectory viewer); several runs share each chart, one line style per run. Nothing is fetched:
-the curves are matplotlib's SVG, inlined. Agent output is untrusted: the viewer's data travels as JSON in a script
-block with every `<` escaped and the page shows it through textContent only; the charts' text is SVG-escaped.
+It shows a run directory's metrics.jsonl (curves per agent, coach verdicts, the coach-bias audit), eval.jsonl
+and episodes.jsonl (a trajectory viewer); several runs share each chart, one line style per run. Nothing is
+fetched: the curves are matplotlib's SVG, inlined. Agent output is untrusted: the viewer's data travels as
+JSON in a script block with every `<` escaped and the page shows it through textContent only; the charts' text
+is SVG-escaped.
 """
 
 import html
@@ -33,28 +35,32 @@ SVG_NS = "http://www.w3.org/2000/svg"
 
 
 def series(rows: list, key: str, name: str) -> dict:
-    """(step, value) of every row where `key` is a finite number; null or NaN that step is a gap in the curve."""
+    """(step, value) of every row where `key` is a finite number; null or NaN that step is a gap in the
+    curve."""
     values = [(r["step"], r.get(key)) for r in rows]
-    points = [[s, v] for s, v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    points = [[s, v] for s, v in values
+              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
     return {"name": name, "points": points}
 
 
 def chart(title: str, all_series: list, scale: list = None):
-    """A chart of the series that have points, or None (e.g. KL of a run without β). `scale`: a y range the axis
-    always spans."""
+    """A chart of the series that have points, or None (e.g. KL of a run without β). `scale`: a y range the
+    axis always spans."""
     kept = [s for s in all_series if s["points"]]
     return {"title": title, "series": kept, "scale": scale} if kept else None
 
 
 def full_scale(key: str):
     """Scores and rates are drawn on their whole scale (0-10, 0-1), so runs and steps compare at a glance."""
-    return [0, 10] if key.endswith("coach_score") else [0, 1] if key.endswith(("_rate", "outcome_success")) else None
+    return ([0, 10] if key.endswith("coach_score")
+            else [0, 1] if key.endswith(("_rate", "outcome_success")) else None)
 
 
 def agent_charts(rows: list, agents: list, prefix: str = "") -> list:
-    """One chart per AGENT_CURVES metric, a line per agent. No KL line for an agent whose β (kl_coef) was 0 at every
-    step: with no reference model its KL is logged as 0, measured against nothing."""
-    kl_measured = lambda a: any(r.get(f"agent/{a}/kl_coef", 1) for r in rows)  # a row without kl_coef: not known
+    """One chart per AGENT_CURVES metric, a line per agent. No KL line for an agent whose β (kl_coef) was 0 at
+    every step: with no reference model its KL is logged as 0, measured against nothing."""
+    # a row without kl_coef: not known
+    kl_measured = lambda a: any(r.get(f"agent/{a}/kl_coef", 1) for r in rows)
     return [chart(f"{prefix}agent/*/{k}", [series(rows, f"agent/{a}/{k}", a) for a in agents
                                            if k != "kl" or kl_measured(a)], full_scale(k))
             for k in AGENT_CURVES]
@@ -75,7 +81,8 @@ def episode_view(ep: dict) -> dict:
     review = ep.get("review")  # hindsight modes: the responsible action and why
     return {
         "id": ep.get("episode_id"), "task_id": ep.get("task_id"), "task_type": ep.get("task_type"),
-        "step": ep.get("step"), "success": bool(ep.get("outcome", {}).get("success")), "outcome": ep.get("outcome", {}),
+        "step": ep.get("step"), "success": bool(ep.get("outcome", {}).get("success")),
+        "outcome": ep.get("outcome", {}),
         "task": clip(task),
         "review": review and {k: review.get(k) for k in ("status", "responsible", "coach")}
                   | {"rationale": clip(review.get("rationale"))},
@@ -84,7 +91,8 @@ def episode_view(ep: dict) -> dict:
              "truncated": a.get("truncated"), "verdict": a.get("verdict"), "reward": a.get("reward"),
              "advantage": a.get("advantage"),
              "parts": {k: (v or {}).get("score") for k, v in (a.get("verdict_parts") or {}).items()},
-             "feedback": {k: clip(v) if k in ("stdout", "stderr") else v for k, v in (a.get("feedback") or {}).items()
+             "feedback": {k: clip(v) if k in ("stdout", "stderr") else v
+                          for k, v in (a.get("feedback") or {}).items()
                           if k in ("stdout", "stderr", "exit_code", "timed_out", "limit")}}
             for a in actions
         ],
@@ -111,22 +119,29 @@ def load_run(run_dir: str) -> dict:
         raise ValueError(f"{run_dir}: no metrics.jsonl (not a run directory?)")
     episodes = episodes or []
     keys = list(dict.fromkeys(k for r in metrics for k in r))
-    agents = list(dict.fromkeys([k.split("/")[1] for k in keys if k.startswith("agent/") and k.count("/") >= 2]
+    agents = list(dict.fromkeys([k.split("/")[1] for k in keys
+                                 if k.startswith("agent/") and k.count("/") >= 2]
                                 + [a["agent"] for ep in episodes for a in ep.get("actions", [])]))
 
-    # The page opens with what a user looks at first: did the team get better, how did the coach score each agent.
-    training = [chart("outcome/success_rate", [series(metrics, "outcome/success_rate", "all episodes")], [0, 1])]
+    # The page opens with what a user looks at first: did the team get better, how did the coach score each
+    # agent.
+    training = [chart("outcome/success_rate", [series(metrics, "outcome/success_rate", "all episodes")],
+                      [0, 1])]
     training += agent_charts(metrics, agents)
     coach = [
-        chart("coach verdicts by status", [series(metrics, f"coach/verdicts_{s}", s) for s in VERDICT_STATUSES]),
-        chart("coach/failure_fraction", [series(metrics, "coach/failure_fraction", "failed verdicts")], [0, 1]),
+        chart("coach verdicts by status",
+              [series(metrics, f"coach/verdicts_{s}", s) for s in VERDICT_STATUSES]),
+        chart("coach/failure_fraction", [series(metrics, "coach/failure_fraction", "failed verdicts")],
+              [0, 1]),
         chart("coach requests per step", [series(metrics, "coach/requests", "requests")]),
-        chart("hindsight reviews by status", [series(metrics, f"coach/reviews_{s}", s) for s in VERDICT_STATUSES]),
+        chart("hindsight reviews by status",
+              [series(metrics, f"coach/reviews_{s}", s) for s in VERDICT_STATUSES]),
         chart("coach latency (s)", [series(metrics, f"coach/latency_p{q}", f"p{q}") for q in (50, 90, 99)]),
         chart("coach template stage (criteria schedule)", [series(metrics, "coach/template_stage", "stage")]),
     ]
     # The first step that each coach template of a criteria schedule scored: a marker on every chart.
-    stages = [(r["step"], r.get("coach/template_stage")) for r in metrics if r.get("coach/template_stage") is not None]
+    stages = [(r["step"], r.get("coach/template_stage")) for r in metrics
+              if r.get("coach/template_stage") is not None]
     switches = [{"step": s, "stage": k} for (_, before), (s, k) in zip(stages, stages[1:]) if k != before]
     bias = []
     for a in agents:
@@ -158,7 +173,8 @@ def load_run(run_dir: str) -> dict:
             evaluation.append(chart(f"{d}: accuracy_coach",
                                     [series(rows, "accuracy_coach", "accuracy_coach")]))
             evaluation.append(chart(f"{d}: counts and metrics", [series(rows, k, k) for k in others]))
-            evaluation += agent_charts(rows, agents, f"{d}: ")  # behaviour on the evaluation set, as in training
+            # behaviour on the evaluation set, as in training
+            evaluation += agent_charts(rows, agents, f"{d}: ")
 
     return {
         "run_dir": os.path.abspath(run_dir), "steps": sorted({r["step"] for r in metrics}), "agents": agents,
@@ -191,7 +207,8 @@ def combine(runs: list, labels: list) -> dict:
                for i, (r, label) in enumerate(zip(runs, labels))]
     return {"runs": headers,
             "episodes_total": sum(r["episodes_total"] for r in runs),
-            "episodes": [dict(ep, run=i) for i, r in enumerate(runs) for ep in r["episodes"]], "sections": sections}
+            "episodes": [dict(ep, run=i) for i, r in enumerate(runs) for ep in r["episodes"]],
+            "sections": sections}
 
 
 def draw(c: dict, runs: list, gid: str) -> str:
@@ -240,7 +257,8 @@ def draw(c: dict, runs: list, gid: str) -> str:
 
 def annotate(svg: str, marks: dict) -> str:
     """matplotlib's SVG with what a reader hovers and a test reads: the <g> of each series or switch named
-    (class, series, run) and given a <title> per point (a series' dots, in order) or for the whole (a switch)."""
+    (class, series, run) and given a <title> per point (a series' dots, in order) or for the whole (a
+    switch)."""
     ET.register_namespace("", SVG_NS)  # written back as matplotlib wrote it: <svg xmlns=...>, xlink:href
     ET.register_namespace("xlink", "http://www.w3.org/1999/xlink")
     root = ET.fromstring(svg)
@@ -264,7 +282,8 @@ def section(name: str, charts, runs: list) -> str:
 
 def render(data: dict) -> str:
     # NaN/Infinity are not JSON: they become null. Every "<" is escaped so no agent text can close the script
-    # block or open a comment in it; ASCII-only JSON also carries a lone surrogate that UTF-8 could not encode.
+    # block or open a comment in it; ASCII-only JSON also carries a lone surrogate that UTF-8 could not
+    # encode.
     data = json.loads(json.dumps(data), parse_constant=lambda _: None)
     parts = {name: section(name, charts, data["runs"]) for name, charts in data.pop("sections").items()}
     parts["DATA"] = json.dumps(data).replace("<", "\\u003c")
@@ -275,7 +294,8 @@ def render(data: dict) -> str:
 
 def write_report(*run_dirs: str, out: str = None) -> str:
     """The report of one run (default: RUN_DIR/report.html) or of several overlaid (RUN_A/compare.html)."""
-    # Each run is named by the shortest ending of its path that tells the runs apart (runs/a/run vs runs/b/run).
+    # Each run is named by the shortest ending of its path that tells the runs apart (runs/a/run vs
+    # runs/b/run).
     parts = [os.path.abspath(d).split(os.sep) for d in run_dirs]
     n = next((n for n in range(1, max(map(len, parts)) + 1)
               if len({"/".join(p[-n:]) for p in parts}) == len(parts)), 1)

@@ -1,38 +1,42 @@
-"""The `mappa` command: project tools (`mappa check`, `mappa plan`, `mappa doctor`, `mappa eval`, `mappa report`,
-`mappa paper-table`, `mappa tiny-model`, `mappa merge-lora`, `mappa coach score|distill`, `mappa sandbox run`,
-`mappa dsbench make-pack|import|score`)."""
+"""The `mappa` command: project tools (`mappa check`, `mappa plan`, `mappa doctor`, `mappa eval`, `mappa
+report`, `mappa paper-table`, `mappa tiny-model`, `mappa merge-lora`, `mappa coach score|distill`, `mappa
+sandbox run`, `mappa dsbench make-pack|import|score`)."""
 
 import json
 import os
 import sys
 from pathlib import Path
 
-from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE_INT, POSITIVE, Parser, add_coach_args,
-                                                refusals, refuse, unwritable_dir)
+from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE_INT, POSITIVE, Parser,
+                                                add_coach_args, refusals, refuse, unwritable_dir)
 
-# Every tool checks its input before its heavy imports (torch, transformers, vLLM, Ray) and refuses bad input as
-# the launcher does: its message alone, no traceback (MAPPA_TRACEBACK=1 shows one), exit 1 (argparse's: 2).
+# Every tool checks its input before its heavy imports (torch, transformers, vLLM, Ray) and refuses bad input
+# as the launcher does: its message alone, no traceback (MAPPA_TRACEBACK=1 shows one), exit 1 (argparse's: 2).
 
 
-# `mappa plan` and `mappa doctor` take train_mappa_ray's flags (parse_args): their help, in `mappa --help` and theirs.
-PLAN_HELP = ("which GPU holds which agent's actor, reference and engines, and the memory each needs per phase; takes "
-             "train_mappa_ray's flags, the cluster as --mappa.gpus N --mappa.gpu_memory_gib G (default: this "
-             "machine's GPUs; with no GPU here and no --mappa.gpu_memory_gib: the GPU counts); exit 1 when it does "
-             "not fit, with what to change, in order")
-EVAL_HELP = ("evaluate a team on task files: pass@1 accuracy or DSBench scores, and behaviour; takes train_mappa_ray's "
-             "flags: --mappa.topology, the task files as --eval.dataset F[,F...], --eval.n_samples_per_prompt and "
-             "--eval.temperature, --rollout.max_new_tokens and --rollout.top_p, --data.max_len, --vllm.* (engines per "
-             "distinct model), --train.seed, a grading coach as --mappa.coach.kind openai --mappa.coach.model M "
-             "--mappa.coach.base_url U; the models as --mappa.model, --checkpoint DIR or --agent-model AGENT=MODEL")
-DOCTOR_HELP = ("the cluster self-check before a long job: takes the training command's flags, with --mappa.model a "
-               "small model; sends the coach one request, plans the recipe's own models on the cluster, starts the "
-               "team as planned, runs one step of each component and checks weight syncs, sleep, threads, host memory "
-               "and (with --ds.adam_offload) DeepSpeed's CPU Adam on each node; a table of checks, exit 1 on a failure")
+# `mappa plan` and `mappa doctor` take train_mappa_ray's flags (parse_args): their help, in `mappa --help` and
+# theirs.
+PLAN_HELP = ("which GPU holds which agent's actor, reference and engines, and the memory each needs per "
+             "phase; takes train_mappa_ray's flags, the cluster as --mappa.gpus N --mappa.gpu_memory_gib G "
+             "(default: this machine's GPUs; with no GPU here and no --mappa.gpu_memory_gib: the GPU "
+             "counts); exit 1 when it does not fit, with what to change, in order")
+EVAL_HELP = ("evaluate a team on task files: pass@1 accuracy or DSBench scores, and behaviour; takes "
+             "train_mappa_ray's flags: --mappa.topology, the task files as --eval.dataset F[,F...], "
+             "--eval.n_samples_per_prompt and --eval.temperature, --rollout.max_new_tokens and "
+             "--rollout.top_p, --data.max_len, --vllm.* (engines per distinct model), --train.seed, a "
+             "grading coach as --mappa.coach.kind openai --mappa.coach.model M --mappa.coach.base_url U; the "
+             "models as --mappa.model, --checkpoint DIR or --agent-model AGENT=MODEL")
+DOCTOR_HELP = ("the cluster self-check before a long job: takes the training command's flags, with "
+               "--mappa.model a small model; sends the coach one request, plans the recipe's own models on "
+               "the cluster, starts the team as planned, runs one step of each component and checks weight "
+               "syncs, sleep, threads, host memory and (with --ds.adam_offload) DeepSpeed's CPU Adam on each "
+               "node; a table of checks, exit 1 on a failure")
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["plan"]:  # its flags are train_mappa_ray's, which argparse cannot pass through a subparser
+    # plan's flags are train_mappa_ray's, which argparse cannot pass through a subparser
+    if argv[:1] == ["plan"]:
         sys.exit(plan_main(argv[1:]))
     if argv[:1] == ["doctor"]:
         sys.exit(doctor_main(argv[1:]))
@@ -53,7 +57,7 @@ def main(argv=None):
     if args.command == "coach":
         rescore_main(score_parser, args)
     elif args.command == "tiny-model":
-        from openrlhf_mappa.tiny_model import build_tiny_model
+        from openrlhf_mappa.tools.tiny_model import build_tiny_model
 
         with refusals("mappa tiny-model:"):  # build_tiny_model checks its arguments before it imports torch
             refuse([unwritable_dir(args.out_dir)], ValueError)
@@ -67,14 +71,14 @@ def main(argv=None):
     elif args.command == "dsbench":
         sys.exit(dsbench(args))
     elif args.command == "report":
-        from openrlhf_mappa.report import write_report
+        from openrlhf_mappa.tools.report import write_report
 
         with refusals("mappa report:"):
             if args.out:
                 refuse([out_file(args.out, "--out")], ValueError)
             print(write_report(*args.run_dirs, out=args.out))
     elif args.command == "paper-table":
-        from openrlhf_mappa import paper_table
+        from openrlhf_mappa.tools import paper_table
 
         with refusals("mappa paper-table:"):
             if args.out:
@@ -91,23 +95,28 @@ def build_parser():
     sub.add_parser("plan", help=PLAN_HELP)
     sub.add_parser("doctor", help=DOCTOR_HELP)
 
-    sub.add_parser("check", help="the dry run: every check the launcher runs before Ray starts (topology, flags, "
-                   "models, task and eval files, the environment on each task type, resume, this machine's packages, "
-                   "the plan where --mappa.gpus/--mappa.gpu_memory_gib are given, the coach scoring one test action), "
-                   "as a table; takes train_mappa_ray's flags; exit 1 on a failure; starts no Ray")
+    sub.add_parser("check",
+                   help="the dry run: every check the launcher runs before Ray starts (topology, flags, "
+                   "models, task and eval files, the environment on each task type, resume, this machine's "
+                   "packages, the plan where --mappa.gpus/--mappa.gpu_memory_gib are given, the coach "
+                   "scoring one test action), as a table; takes train_mappa_ray's flags; exit 1 on a "
+                   "failure; starts no Ray")
 
     sub.add_parser("eval", help=EVAL_HELP)
 
-    p = sub.add_parser("tiny-model", help="build a tiny causal LM + byte-level tokenizer offline (for tests/demos)")
+    p = sub.add_parser("tiny-model",
+                       help="build a tiny causal LM + byte-level tokenizer offline (for tests/demos)")
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden-size", type=COUNT, default=128, help="a multiple of 32 (head_dim is 32)")
     p.add_argument("--layers", type=COUNT, default=2)
     p.add_argument("--vocab-size", type=COUNT, default=320)
     p.add_argument("--init-std", type=POSITIVE, default=0.02,
-                   help="initial weight std; smaller: next-token odds closer to uniform, alike for every seed")
+                   help="initial weight std; smaller: next-token odds closer to uniform, alike for every "
+                        "seed")
 
-    p = sub.add_parser("merge-lora", help="a LoRA agent's export (its adapter) merged into its base: one HF model")
+    p = sub.add_parser("merge-lora",
+                       help="a LoRA agent's export (its adapter) merged into its base: one HF model")
     p.add_argument("adapter_dir", help="the agent's HF export, PEFT format (DIR/AGENT of --ckpt.output_dir)")
     p.add_argument("out_dir")
 
@@ -117,11 +126,13 @@ def build_parser():
     sandbox_sub = p.add_subparsers(dest="sandbox_command", required=True)
     p = sandbox_sub.add_parser("run", help="run FILE confined and print the result as JSON")
     p.add_argument("file")
-    p.add_argument("--workspace", default=".", help="the directory the code runs in (default: the current one)")
+    p.add_argument("--workspace", default=".",
+                   help="the directory the code runs in (default: the current one)")
     p.add_argument("--timeout", type=POSITIVE, default=10.0, help="wall-clock seconds")
     p.add_argument("--memory-mb", type=COUNT, default=4096)
 
-    p = sub.add_parser("dsbench", help="DSBench tasks: build the offline pack, import real data, score a submission")
+    p = sub.add_parser("dsbench",
+                       help="DSBench tasks: build the offline pack, import real data, score a submission")
     ds = p.add_subparsers(dest="dsbench_command", required=True)
     q = ds.add_parser("make-pack", help="offline tasks from scikit-learn's bundled datasets (no download)")
     q.add_argument("out_dir")
@@ -131,36 +142,45 @@ def build_parser():
     q.add_argument("--metadata", required=True, help="JSON Lines metadata, e.g. dsbench_modeling_train.json")
     q.add_argument("--out", required=True, help="output directory (task directories and tasks.jsonl)")
     q.add_argument("--task-text", choices=["cleaned", "raw"], default="cleaned",
-                   help="what the agents' {task} shows: the authors' cleaned text (default; the coach keeps DSBench's "
-                        "text, as theirs did) or DSBench's raw Kaggle text for both")
-    q.add_argument("--cleaned-prompts", metavar="PATH", help="the authors' dsbench_modeling_cleaned_prompts.json "
-                   "(default: beside --metadata)")
+                   help="what the agents' {task} shows: the authors' cleaned text (default; the coach keeps "
+                        "DSBench's text, as theirs did) or DSBench's raw Kaggle text for both")
+    q.add_argument("--cleaned-prompts", metavar="PATH",
+                   help="the authors' dsbench_modeling_cleaned_prompts.json (default: beside --metadata)")
     q = ds.add_parser("score", help="validate and score a submission; prints the metrics as JSON")
     q.add_argument("--task-dir", required=True)
     q.add_argument("--submission", required=True)
 
-    p = sub.add_parser("report", help="write a self-contained HTML report of training runs (curves, coach, episodes)")
+    p = sub.add_parser("report",
+                       help="write a self-contained HTML report of training runs (curves, coach, episodes)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                   help="a run's --mappa.run_dir (metrics.jsonl, episodes.jsonl, eval.jsonl); several: overlaid")
-    p.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html; several runs: the first's "
-                   "compare.html)")
+                   help="a run's --mappa.run_dir (metrics.jsonl, episodes.jsonl, eval.jsonl); several: "
+                        "overlaid")
+    p.add_argument("--out",
+                   help="the HTML file to write (default: RUN_DIR/report.html; several runs: the first's "
+                        "compare.html)")
     p = sub.add_parser("paper-table", help="the paper's table from runs' eval.jsonl: each eval set's first "
                        "(step 0), last and best evaluation side by side; accuracy under the environment's "
                        "grader and the coach's, DSBench by our definitions and the authors'; Markdown and "
                        "JSON")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's --mappa.run_dir (its eval.jsonl)")
-    p.add_argument("--out", help="write OUT.md and OUT.json (default: the first RUN_DIR's paper_table.md, .json)")
+    p.add_argument("--out",
+                   help="write OUT.md and OUT.json (default: the first RUN_DIR's paper_table.md, .json)")
     return parser, score_parser
 
 
 def add_eval_args(parser):
-    """`mappa eval`'s own flags beside train_mappa_ray's, and its defaults where the training run's have none."""
+    """`mappa eval`'s own flags beside train_mappa_ray's, and its defaults where the training run's have
+    none."""
     g = parser.add_argument_group("mappa eval")
-    g.add_argument("--checkpoint", help="a run's HF exports (--ckpt.output_dir): the model of agent A is DIR/A (not "
-                   "with --mappa.model)")
-    g.add_argument("--agent-model", action="append", default=[], metavar="AGENT=MODEL", help="one agent's model")
-    g.add_argument("--limit", type=NONNEGATIVE_INT, default=0, help="only the first N tasks of each file (0: all)")
-    g.add_argument("--out", default="eval_results.json", help="results; the episodes go to <out>.episodes.jsonl")
+    g.add_argument("--checkpoint",
+                   help="a run's HF exports (--ckpt.output_dir): the model of agent A is DIR/A (not with "
+                   "--mappa.model)")
+    g.add_argument("--agent-model", action="append", default=[], metavar="AGENT=MODEL",
+                   help="one agent's model")
+    g.add_argument("--limit", type=NONNEGATIVE_INT, default=0,
+                   help="only the first N tasks of each file (0: all)")
+    g.add_argument("--out", default="eval_results.json",
+                   help="results; the episodes go to <out>.episodes.jsonl")
     g.add_argument("--workspace", default=None, help="code workspaces (default: a temporary directory)")
     parser.set_defaults(**{"rollout.max_new_tokens": 1024, "data.max_len": 8192, "vllm.num_engines": 1,
                            "vllm.gpu_memory_utilization": 0.9})
@@ -170,48 +190,60 @@ def add_coach_parser(sub):
     """`mappa coach score`; its parser is returned for the errors rescore_main reports."""
     p = sub.add_parser("coach", help="coach tools")
     coach_sub = p.add_subparsers(dest="coach_command", required=True)
-    p = coach_sub.add_parser("score", help="re-score saved episodes with another coach or template; print the "
-                             "agreement. Takes the training run's coach flags (--mappa.coach.*; kind default openai "
-                             "here, cache default none; those about rewards and the bias audit do nothing here)")
+    p = coach_sub.add_parser("score",
+                             help="re-score saved episodes with another coach or template; print the "
+                             "agreement. Takes the training run's coach flags (--mappa.coach.*; kind default "
+                             "openai here, cache default none; those about rewards and the bias audit do "
+                             "nothing here)")
     p.add_argument("--episodes", required=True, help="episodes.jsonl of a run")
-    p.add_argument("--out", required=True, help="one line per action with both verdicts; summary in <out>.summary.json")
-    p.add_argument("--mappa.topology", help="take the coach prompt templates and score key from this topology YAML")
-    p.add_argument("--template", help="a text file with the coach prompt template (not needed with --mappa.coach.mode "
-                   "hindsight)")
+    p.add_argument("--out", required=True,
+                   help="one line per action with both verdicts; summary in <out>.summary.json")
+    p.add_argument("--mappa.topology",
+                   help="take the coach prompt templates and score key from this topology YAML")
+    p.add_argument("--template",
+                   help="a text file with the coach prompt template (not needed with --mappa.coach.mode "
+                        "hindsight)")
     p.add_argument("--review-template", help="a text file with the hindsight prompt template (default: the "
                    "topology's review_template, else the built-in one)")
     p.add_argument("--score-key", help="a text reply states its score on the line `KEY: <n>` "
                    "(default: the topology's score_key, else PROCESS_SCORE)")
     add_coach_args(p)
     p.set_defaults(**{"mappa.coach.kind": "openai"})
-    coach_sub.add_parser("distill", help=DISTILL_HELP, add_help=False)  # listed here, parsed by distill_parser
+    # listed here, parsed by distill_parser
+    coach_sub.add_parser("distill", help=DISTILL_HELP, add_help=False)
     return p
 
 
-DISTILL_HELP = ("fine-tune a coach model on a reference coach's recorded verdicts with OpenRLHF's train_sft; report "
-                "its agreement with the reference on held-out episodes. Other flags go to train_sft")
+DISTILL_HELP = ("fine-tune a coach model on a reference coach's recorded verdicts with OpenRLHF's train_sft; "
+                "report its agreement with the reference on held-out episodes. Other flags go to train_sft")
 
 
 def distill_parser():
     """`mappa coach distill`'s own flags (the launcher's spellings); parse_known_args leaves train_sft's."""
-    p = Parser(prog="mappa coach distill", description=DISTILL_HELP, allow_abbrev=False)  # the rest go to train_sft
+    # the rest go to train_sft
+    p = Parser(prog="mappa coach distill", description=DISTILL_HELP, allow_abbrev=False)
     p.add_argument("--episodes", required=True, help="the runs' episodes.jsonl, comma-separated")
-    p.add_argument("--mappa.topology", required=True, help="the topology YAML whose coach_template and score_key "
-                   "the reference coach was run with")
+    p.add_argument("--mappa.topology", required=True,
+                   help="the topology YAML whose coach_template and score_key the reference coach was run "
+                        "with")
     p.add_argument("--model.model_name_or_path", required=True, help="the base model to fine-tune")
-    p.add_argument("--ckpt.output_dir", required=True, help="where the coach model goes (a new or empty directory); "
-                   "the data in OUT/distill, the report in OUT/distill.json")
-    p.add_argument("--cache", help="the runs' verdict caches (coach_cache.sqlite), comma-separated: an LLM coach's "
-                   "replies where its verdicts were served from the cache")
-    p.add_argument("--mappa.coach.reply", choices=("text", "digit"), default="text", help="the target reply: the "
-                   "reference's own reply text (default; JSON for a coach without one), or its score as one digit "
-                   "0-9 (10 -> 9)")
+    p.add_argument("--ckpt.output_dir", required=True,
+                   help="where the coach model goes (a new or empty directory); the data in OUT/distill, the "
+                   "report in OUT/distill.json")
+    p.add_argument("--cache",
+                   help="the runs' verdict caches (coach_cache.sqlite), comma-separated: an LLM coach's "
+                        "replies where its verdicts were served from the cache")
+    p.add_argument("--mappa.coach.reply", choices=("text", "digit"), default="text",
+                   help="the target reply: the reference's own reply text (default; JSON for a coach without "
+                   "one), or its score as one digit 0-9 (10 -> 9)")
     p.add_argument("--mappa.coach.held_out_fraction", type=FRACTION, default=0.2,
                    help="the share of episodes held out for the report (default 0.2)")
-    p.add_argument("--train.seed", type=int, default=0, help="the held-out draw's seed (and train_sft's; default 0)")
+    p.add_argument("--train.seed", type=int, default=0,
+                   help="the held-out draw's seed (and train_sft's; default 0)")
     p.add_argument("--rollout.max_new_tokens", type=COUNT, help="the report's reply length (default 1 with "
                    "--mappa.coach.reply digit, else 512)")
-    p.add_argument("--nproc_per_node", type=COUNT, help="train_sft's processes (default: the visible GPUs, else 1)")
+    p.add_argument("--nproc_per_node", type=COUNT,
+                   help="train_sft's processes (default: the visible GPUs, else 1)")
     return p
 
 
@@ -251,8 +283,8 @@ def accumulation_refusal(sft, nproc: int) -> str:
 def distill_inputs(args, extra: list) -> tuple:
     """Everything a user can get wrong, refused before torch loads: (the topology, the caches opened)."""
     from openrlhf_mappa.coach.cache import VerdictCache
-    from openrlhf_mappa.coach.distill import OWN_SFT_FLAGS
     from openrlhf_mappa.team import check_model, load_topology
+    from openrlhf_mappa.tools.distill import OWN_SFT_FLAGS
 
     repeated = [f for f in OWN_SFT_FLAGS if any(a == f or a.startswith(f + "=") for a in extra)]
     out, paths = getattr(args, "ckpt.output_dir"), [path for path in (args.cache or "").split(",") if path]
@@ -299,21 +331,22 @@ def distill_processes(args, extra: list):
 
 
 def distill_rows(args, topology, caches: list) -> tuple:
-    """build_rows with the flags, refusing data that cannot train or be measured: (train, held-out, skipped)."""
-    from openrlhf_mappa.coach.distill import build_rows
+    """build_rows with the flags, refusing data that cannot train or be measured: (train, held-out,
+    skipped)."""
+    from openrlhf_mappa.tools.distill import build_rows
 
     paths = args.episodes.split(",")
     fraction = getattr(args, "mappa.coach.held_out_fraction")
     train, held, skipped = build_rows(paths, topology.coach_template, topology.score_key,
-                                      getattr(args, "mappa.coach.reply"), fraction, getattr(args, "train.seed"),
-                                      caches)
+                                      getattr(args, "mappa.coach.reply"), fraction,
+                                      getattr(args, "train.seed"), caches)
     why = ", ".join(f"{n} {reason}" for reason, n in skipped.items()) or "no actions"
     usable = len(train) + len(held)
     rules = [(not usable, f"{args.episodes}: no usable reference verdict ({why})")]
     for side, rows in (("training", train), ("held-out", held)):
         rules.append((usable and not rows, f"{args.episodes}: no {side} verdicts ({usable} verdicts usable, "
-                                           f"--mappa.coach.held_out_fraction {fraction}); give more episodes or "
-                                           f"another fraction"))
+                                           f"--mappa.coach.held_out_fraction {fraction}); give more episodes "
+                                           f"or another fraction"))
     refuse([why for bad, why in rules if bad], ValueError)
     return train, held, skipped
 
@@ -324,7 +357,7 @@ def distill_sizes(args, sft, train: list, held: list, skipped: dict) -> tuple:
     out here, counted among the skips and named: (the training rows kept, max_len, the rows left out)."""
     from transformers import AutoTokenizer
 
-    from openrlhf_mappa.coach.distill import needed_len, render
+    from openrlhf_mappa.tools.distill import needed_len, render
 
     tokenizer = AutoTokenizer.from_pretrained(getattr(args, "model.model_name_or_path"),
                                               trust_remote_code=True)
@@ -349,7 +382,7 @@ def distill_data(args, extra: list) -> tuple:
     """`mappa coach distill` up to train_sft: the flags and data checked, the rows sized and written to
     OUT/distill: (the topology, the training rows, the held-out rows, the skips by reason, the rows left out,
     train_sft's command)."""
-    from openrlhf_mappa.coach.distill import sft_command, write_jsonl
+    from openrlhf_mappa.tools.distill import sft_command, write_jsonl
 
     with refusals("mappa coach distill:"):
         topology, caches = distill_inputs(args, extra)
@@ -373,16 +406,16 @@ def distill_data(args, extra: list) -> tuple:
 def distill_main(args, extra: list) -> dict:
     """`mappa coach distill` after its flags are parsed: data, train_sft, the held-out report
     (OUT/distill.json)."""
-    from openrlhf_mappa.coach.distill import fine_tune, generate, print_report, report
     from openrlhf_mappa.team import check_model
+    from openrlhf_mappa.tools.distill import fine_tune, generate, print_report, report
 
     topology, train, held, skipped, left_out, command = distill_data(args, extra)
     out = getattr(args, "ckpt.output_dir")
     fine_tune(command, os.path.join(out, "distill", "sft.log"))
     with refusals("mappa coach distill:"):  # what vllm serve and the trained coach load
         check_model(out, "train_sft's output")
-    max_new_tokens = getattr(args, "rollout.max_new_tokens") or (1 if getattr(args, "mappa.coach.reply") == "digit"
-                                                                 else 512)
+    max_new_tokens = getattr(args, "rollout.max_new_tokens") or (
+        1 if getattr(args, "mappa.coach.reply") == "digit" else 512)
     replies = generate(out, [row["sft_prompt"] for row in held], max_new_tokens)
     metrics = report(held, replies, topology.score_key)
     print_report(metrics, f"distilled coach {out}")
@@ -412,7 +445,8 @@ def sandbox_main(args):
 
 
 def out_file(path: str, flag: str) -> str:
-    """Why an output file could not be written ('' where it can), named before the work whose results it holds."""
+    """Why an output file could not be written ('' where it can), named before the work whose results it
+    holds."""
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         return f"{flag} {path}: there is no directory {parent} to write it in"
@@ -443,8 +477,8 @@ def merge_lora_main(args):
 
 
 def plan_main(argv) -> int:
-    """`mappa plan`: the launch's plan and check without a cluster, on this machine's GPUs unless given; with no
-    GPU memory known, the counts are checked (as the launcher does)."""
+    """`mappa plan`: the launch's plan and check without a cluster, on this machine's GPUs unless given; with
+    no GPU memory known, the counts are checked (as the launcher does)."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.cli.train_mappa_ray import accepted, check_models, parse_args, validate
     from openrlhf_mappa.team import load_topology
@@ -453,8 +487,9 @@ def plan_main(argv) -> int:
     with refusals("mappa plan:"):
         topology = load_topology(args.mappa.topology, model_override=args.mappa.model)
         validate(args, topology)
-        # A hub id resolved as the launcher does: one out of reach is refused at once, not "fits" after minutes of
-        # retries. A directory needs only its config.json here (tests/fixtures hold no weights or tokenizer).
+        # A hub id resolved as the launcher does: one out of reach is refused at once, not "fits" after
+        # minutes of retries. A directory needs only its config.json here (tests/fixtures hold no weights or
+        # tokenizer).
         check_models(args, topology, config_only=True)
     gpus, gib = args.mappa.gpus, args.mappa.gpu_memory_gib
     if gpus is None or gib is None:
@@ -466,8 +501,8 @@ def plan_main(argv) -> int:
     plan = placement.make_plan(args, topology, gib)
     memory = f" of {gib:g} GiB" if gib else ""
     cluster = f"{gpus} GPUs{memory}" if gpus else f"as many GPUs{memory} as it needs"
-    print(f"mappa plan: {len(topology.agents)} agents on {cluster}{'' if gib else ' (memory not known)'}; placement: "
-          f"{placement.PLACEMENTS[args.mappa.colocate]}\n")
+    print(f"mappa plan: {len(topology.agents)} agents on {cluster}{'' if gib else ' (memory not known)'}; "
+          f"placement: {placement.PLACEMENTS[args.mappa.colocate]}\n")
     print(placement.format_plan(plan, gpus))
     try:
         placement.check(args, topology, gpus, gib, allowed=accepted(topology))
@@ -478,15 +513,17 @@ def plan_main(argv) -> int:
     if gib is not None:
         print(verdict)
         return 0
-    print(f"{verdict} by count; GPU memory not checked: there is no GPU on this machine and no --mappa.gpu_memory_gib")
+    print(f"{verdict} by count; GPU memory not checked: there is no GPU on this machine and no "
+          "--mappa.gpu_memory_gib")
     print("Give --mappa.gpu_memory_gib G (one GPU's memory in GiB, as `nvidia-smi --query-gpu=memory.total "
-          "--format=csv` reports it; an 80 GB card: 79.6) for each GPU's memory per phase and the memory check")
+          "--format=csv` reports it; an 80 GB card: 79.6) for each GPU's memory per phase and the memory "
+          "check")
     return 0
 
 
 def check_main(argv) -> int:
-    """`mappa check`: the launch's checks (Preflight), each whose inputs passed, as a table of what each found or
-    why it failed; exit 1 on a failure. No Ray, no model weights: seconds, plus the coach's one reply."""
+    """`mappa check`: the launch's checks (Preflight), each whose inputs passed, as a table of what each found
+    or why it failed; exit 1 on a failure. No Ray, no model weights: seconds, plus the coach's one reply."""
     import time
 
     from openrlhf_mappa.cli.train_mappa_ray import Preflight, parse_args
@@ -512,16 +549,18 @@ def check_main(argv) -> int:
     for verdict, what, said, took in rows:
         print(row.format(verdict, what, took, said.replace("\n", below)))
     print(f"\nmappa check: {len(rows) - len(failed)} of {len(rows)} checks passed"
-          + (f"; fix the failed ones before launching" if failed else "; nothing found that would stop the launch"))
+          + (f"; fix the failed ones before launching" if failed
+             else "; nothing found that would stop the launch"))
     return 1 if failed else 0
 
 
 def doctor_main(argv) -> int:
-    """`mappa doctor`: the launch's checks, the coach's one request, then the cluster's (doctor.py), with the plan of
-    the recipe's own models; Ray's output into <run_dir>/doctor.log."""
+    """`mappa doctor`: the launch's checks, the coach's one request, then the cluster's (doctor.py), with the
+    plan of the recipe's own models; Ray's output into <run_dir>/doctor.log."""
     import contextlib
 
-    from openrlhf_mappa.cli.train_mappa_ray import accepted, check_team, check_this_machine, output_to, parse_args
+    from openrlhf_mappa.cli.train_mappa_ray import (accepted, check_team, check_this_machine, output_to,
+                                                    parse_args)
 
     args = parse_args(argv, prog="mappa doctor", description=DOCTOR_HELP)
     with refusals():
@@ -533,11 +572,12 @@ def doctor_main(argv) -> int:
     os.makedirs(args.mappa.run_dir, exist_ok=True)
     log = os.path.join(args.mappa.run_dir, "doctor.log")
     if not args.mappa.verbose:
-        print(f"[mappa] doctor: Ray's, vLLM's and DeepSpeed's output goes to {os.path.abspath(log)}", flush=True)
+        print(f"[mappa] doctor: Ray's, vLLM's and DeepSpeed's output goes to {os.path.abspath(log)}",
+              flush=True)
     with contextlib.nullcontext() if args.mappa.verbose else output_to(log):
         import ray
 
-        from openrlhf_mappa.doctor import doctor
+        from openrlhf_mappa.tools.doctor import doctor
 
         failed = doctor(args, topology, rows, recipe, accepted(recipe) if recipe else None)
         ray.shutdown()  # Ray prints its workers' last lines as it shuts down: into the log too
@@ -557,8 +597,8 @@ def coach_row(args, topology) -> tuple:
 
 
 def recipe_team(args) -> tuple:
-    """(the topology with its own models, why it is not planned): with --mappa.model the doctor's team runs the
-    small model, and the recipe's models are planned on the cluster too (doctor.recipe_plan). None without
+    """(the topology with its own models, why it is not planned): with --mappa.model the doctor's team runs
+    the small model, and the recipe's models are planned on the cluster too (doctor.recipe_plan). None without
     --mappa.model: the team's plan is the recipe's."""
     from openrlhf_mappa.cli.train_mappa_ray import check_models
     from openrlhf_mappa.team import load_topology
@@ -600,14 +640,17 @@ def eval_inputs(args):
         if name in models and model:
             models[name] = model
         else:
-            problems.append(f"--agent-model {item!r}: expected AGENT=MODEL with AGENT one of {', '.join(models)}")
+            problems.append(f"--agent-model {item!r}: expected AGENT=MODEL with AGENT one of "
+                            f"{', '.join(models)}")
     for name, model in models.items():
         if exports and not os.path.isdir(model):
-            problems.append(f"--checkpoint: no model for agent {name!r} at {model} (expected one HF export per agent)")
+            problems.append(f"--checkpoint: no model for agent {name!r} at {model} (expected one HF export "
+                            "per agent)")
     problems += token_limit_problems(args, topology) + coach_kind_problems(args.mappa.coach)
-    refuse(problems + [out_file(args.out, "--out"), args.workspace and unwritable_dir(args.workspace, "--workspace")],
-           ValueError)
-    # A LoRA agent's export is its adapter in PEFT format: its base model's engines serve it by the agent's name.
+    refuse(problems + [out_file(args.out, "--out"),
+                       args.workspace and unwritable_dir(args.workspace, "--workspace")], ValueError)
+    # A LoRA agent's export is its adapter in PEFT format: its base model's engines serve it by the agent's
+    # name.
     adapters = {}
     for name, model in models.items():
         if os.path.isfile(os.path.join(model, "adapter_config.json")):
@@ -624,7 +667,8 @@ def eval_inputs(args):
 
 
 def eval_coach(args, topology):
-    """`mappa eval`'s grading coach (--mappa.coach.kind openai), probed before any engine starts; None without one."""
+    """`mappa eval`'s grading coach (--mappa.coach.kind openai), probed before any engine starts; None without
+    one."""
     import asyncio
 
     from openrlhf_mappa.cli.train_mappa_ray import run_coach
@@ -634,7 +678,8 @@ def eval_coach(args, topology):
         return None
     topology.check_coach_template(args.mappa.topology, "openai", "per_action")
     cache = None if c.cache in (None, "none") else c.cache
-    asyncio.run(run_coach(args, topology).probe())  # by a coach of its own: its HTTP session belongs to that loop
+    # by a coach of its own: its HTTP session belongs to that loop
+    asyncio.run(run_coach(args, topology).probe())
     return run_coach(args, topology, cache)
 
 
@@ -683,8 +728,9 @@ def evaluate_datasets(args, topology, models: dict, adapters: dict, datasets: di
     samples = args.eval.n_samples_per_prompt
 
     async def every_dataset():  # one event loop: the coach's HTTP session belongs to the loop it first ran on
-        played = {dataset: await evaluate(topology, tasks, policies, samples, os.path.join(workspace, dataset),
-                                          coach=coach) for dataset, tasks in datasets.items()}
+        played = {dataset: await evaluate(topology, tasks, policies, samples,
+                                          os.path.join(workspace, dataset), coach=coach)
+                  for dataset, tasks in datasets.items()}
         if coach:
             await coach.aclose()
         return played
@@ -697,55 +743,49 @@ def evaluate_datasets(args, topology, models: dict, adapters: dict, datasets: di
             summary.update(coach_cost(episodes, c.price_in, c.price_out))
             results[dataset], summaries[dataset] = {"summary": summary, "problems": problems}, summary
     settings = {"n_samples": samples, "temperature": args.eval.temperature, "top_p": args.rollout.top_p,
-                "max_new_tokens": args.rollout.max_new_tokens, "max_len": args.data.max_len, "seed": args.train.seed,
+                "max_new_tokens": args.rollout.max_new_tokens, "max_len": args.data.max_len,
+                "seed": args.train.seed,
                 "coach_model": c.model if coach else None, "coach_structured": c.structured}
     with open(args.out, "w", encoding="utf-8") as f:
-        json.dump({"models": models, "adapters": {n: a["dir"] for n, a in adapters.items()}, "settings": settings,
-                   "datasets": results}, f, indent=1)
+        json.dump({"models": models, "adapters": {n: a["dir"] for n, a in adapters.items()},
+                   "settings": settings, "datasets": results}, f, indent=1)
     if started:
         ray.shutdown()  # Ray prints its workers' last lines as it shuts down: into the log too
     return summaries
 
 
 def eval_policies(args, topology, models: dict, adapters: dict) -> dict:
-    """Each agent's AgentPolicy on engines of its model, created as the launcher creates them: a full model's by
-    OpenRLHF's create_vllm_engines, the LoRA agents of one base on one pool (launch.engines_on, a GPU each) serving
-    each agent's adapter (its export's files) under its name."""
+    """Each agent's AgentPolicy on engines of its model, created as a run creates them (launch.new_engines,
+    AgentPolicy.of): a full model's on GPUs of their own, the LoRA agents of one base on one pool (a GPU each)
+    serving each agent's adapter (its export's files) under its name."""
     import glob
 
     import ray
-    from openrlhf.trainer.ray import create_vllm_engines
     from ray.util.placement_group import placement_group
     from transformers import AutoTokenizer
 
-    from openrlhf_mappa.agent_trainer import PoolEngine
-    from openrlhf_mappa.launch import engines_on
-    from openrlhf_mappa.placement import pool_max_rank
+    from openrlhf_mappa.launch import new_engines
     from openrlhf_mappa.rollout import AgentPolicy
 
     v, engines, tokenizers = args.vllm, {}, {}
-    group = lambda name: (models[name], name in adapters)  # a base's adapters get engines of their own, with LoRA
+    # a base's adapters get engines of their own, with LoRA
+    group = lambda name: (models[name], name in adapters)
     for model, lora in dict.fromkeys(map(group, models)):
         if lora:
             served = {n: a for n, a in adapters.items() if group(n) == (model, True)}
             pg = placement_group([{"GPU": 1, "CPU": 1}] * v.num_engines, strategy="PACK")
-            engines[model, lora] = engines_on(args, model, pg, 1, PoolEngine, enable_lora=True, max_loras=len(served),
-                                              max_lora_rank=pool_max_rank([a["r"] for a in served.values()]))
+            engines[model, lora] = new_engines(args, model, pg, 1, [a["r"] for a in served.values()])
             for name, adapter in served.items():
                 paths = glob.glob(os.path.join(adapter["dir"], "adapter_*"))
                 files = {os.path.basename(f): open(f, "rb").read() for f in paths}
                 ray.get([e.load_adapter.remote(name, files) for e in engines[model, lora]])
         else:
-            engines[model, lora] = create_vllm_engines(
-                v.num_engines, v.tensor_parallel_size, model, args.train.seed, args.train.full_determinism_enable,
-                v.enable_prefix_caching, v.enforce_eager, args.data.max_len, None, v.gpu_memory_utilization, False)
+            engines[model, lora] = new_engines(args, model, None, 1)
         tokenizers[model] = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
-    sampling = dict(temperature=args.eval.temperature, top_p=args.rollout.top_p)
-    return {spec.name: AgentPolicy(engines=engines[group(spec.name)], tokenizer=tokenizers[models[spec.name]],
-                                   max_new_tokens=spec.max_new_tokens or args.rollout.max_new_tokens,
-                                   max_len=args.data.max_len, sampling=sampling,
-                                   adapter=spec.name if spec.name in adapters else None)
-            for spec in topology.agents}
+    return {spec.name: AgentPolicy.of(args, spec, engines[group(spec.name)], tokenizers[models[spec.name]],
+                                      args.eval.temperature,
+                                      adapter=spec.name if spec.name in adapters else None, logprobs=False)
+            for spec in topology.agents}  # nothing reads an evaluation's log-probs
 
 
 def rescore_main(parser, args):
@@ -753,8 +793,8 @@ def rescore_main(parser, args):
 
     from openrlhf_mappa.cli.train_mappa_ray import coach_flags, coach_kind_problems
     from openrlhf_mappa.coach import DEFAULT_SCORE_KEY, build_coach
-    from openrlhf_mappa.coach import rescore
     from openrlhf_mappa.coach.audit import FAILED_STATUSES
+    from openrlhf_mappa.tools import rescore
     from openrlhf_mappa.topology import PROMPT_FIELDS, REVIEW_FIELDS, check_template
 
     # The --mappa.coach.* flags as train_mappa_ray's args.mappa.coach (the trained coach's at their defaults).
@@ -762,11 +802,11 @@ def rescore_main(parser, args):
     c = SimpleNamespace(**{**coach_flags()[0], **given})
     topology_path = getattr(args, "mappa.topology")
     if c.kind == "trained":
-        parser.error("--mappa.coach.kind trained: a trained coach judges inside its run only; re-score with openai "
-                     "or heuristic")
+        parser.error("--mappa.coach.kind trained: a trained coach judges inside its run only; re-score with "
+                     "openai or heuristic")
     if not (args.template or topology_path) and c.kind == "openai" and c.mode != "hindsight":
-        parser.error(f"coach score --mappa.coach.mode {c.mode}: give the coach prompt with --template FILE or "
-                     f"--mappa.topology YAML")
+        parser.error(f"coach score --mappa.coach.mode {c.mode}: give the coach prompt with --template FILE "
+                     f"or --mappa.topology YAML")
     with refusals("mappa coach score:"):
         refuse(coach_kind_problems(c) + [out_file(args.out, "--out")], ValueError)
         topology = None
@@ -795,18 +835,19 @@ def rescore_main(parser, args):
     rescore.print_summary(summary, before, coach.name)
     print(f"\nboth verdicts per action: {args.out}\nsummary: {args.out}.summary.json")
     # As in training (--mappa.coach.max_failure_fraction): a re-score made mostly of failed verdicts says
-    # nothing about the coach's agreement, and a script or CI job must see it as a failure, not read the table.
+    # nothing about the coach's agreement, and a script or CI job must see it as a failure, not read the
+    # table.
     failed = [r["after"] for r in rows if r["after"]["status"] in FAILED_STATUSES]
     if len(failed) / len(rows) > c.max_failure_fraction:
         first = failed[0]
         sys.exit(f"mappa coach score: {len(failed)} of {len(rows)} verdicts failed (more than "
-                 f"--mappa.coach.max_failure_fraction {c.max_failure_fraction}). First failure: {first['status']}: "
-                 f"{first['rationale'][:500]}")
+                 f"--mappa.coach.max_failure_fraction {c.max_failure_fraction}). First failure: "
+                 f"{first['status']}: {first['rationale'][:500]}")
 
 
 def dsbench(args) -> int:
     """Exit status: 0 done (a valid submission), 1 an invalid submission or nothing imported, 2 bad input."""
-    from openrlhf_mappa.envs import dsbench_tasks  # pandas and scikit-learn load only where needed
+    from openrlhf_mappa.tools import dsbench_tasks  # pandas and scikit-learn load only where needed
 
     cleaned = None  # the authors' cleaned task texts, for import
     try:
@@ -839,7 +880,8 @@ def dsbench(args) -> int:
         return 2
     for reason in skipped:
         print(f"skipped {reason}", file=sys.stderr)
-    # A task the cleaned file lacks keeps DSBench's text, as in the authors' workflow (liverpool-ion-switching).
+    # A task the cleaned file lacks keeps DSBench's text, as in the authors' workflow
+    # (liverpool-ion-switching).
     raw = [t["id"] for t in tasks if "agent_prompt" not in t]
     if cleaned is not None and raw:
         print(f"not in the cleaned prompts, the agents see DSBench's text: {', '.join(raw)}", file=sys.stderr)
