@@ -21,7 +21,8 @@ import yaml
 from packaging.requirements import Requirement
 
 from conftest import openrlhf_copy, submit_script
-from openrlhf_mappa.cli.train_mappa_ray import HONOURED, REFUSED, REFUSED_WHY, parse_args, upstream_cli, validate
+from openrlhf_mappa.cli.flags import HONOURED, REFUSED, REFUSED_WHY, parse_args, upstream_cli
+from openrlhf_mappa.cli.train_mappa_ray import validate
 from openrlhf_mappa import placement
 from openrlhf_mappa.team import check_model, load_topology
 
