@@ -1,6 +1,13 @@
-"""The launcher's command line: MAPPA's flags, and OpenRLHF's CLI contract (which of train_ppo_ray's flags MAPPA
-honours or refuses, their ranges, and where MAPPA's parse and validate deviate from upstream's), read and applied
-by parse_args before torch, DeepSpeed, vLLM or Ray load.
+"""The launcher's command line: MAPPA's flags, and OpenRLHF's CLI contract, applied by parse_args before
+torch, DeepSpeed, vLLM or Ray load. The contract: which of train_ppo_ray's flags MAPPA honours or refuses
+(HONOURED, REFUSED_WHY), the range of each honoured number (UPSTREAM_RANGES), and where MAPPA's parse and
+validate deviate from upstream's (DEVIATIONS).
+
+Upstream's parser and checks are read from train_ppo_ray's `__main__` block with `ast` (upstream_cli):
+openrlhf 0.11.2 has them nowhere else, and importing the module loads torch, DeepSpeed and vLLM (10-40 s)
+before a typo could be refused. That reading stays until patches/openrlhf_train_ppo_ray_get_parser.patch
+(get_parser(), validate(args)) is released upstream; then upstream_cli imports those two, and DEVIATIONS
+applies unchanged.
 """
 
 import argparse
@@ -11,6 +18,7 @@ import difflib
 import importlib.metadata
 import importlib.util
 import math
+import operator
 import os
 import re
 import sys
@@ -84,12 +92,6 @@ def add_mappa_args(parser):
     add_coach_args(g)
     add_trained_coach_args(g)
     add_launch_args(g)
-    # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
-    # Tasks keep MAPPA's column names (every shipped file's) where OpenRLHF's are "input" and none.
-    # The final HF exports go with the run (<run_dir>/hf, parse_args), not in OpenRLHF's ./ckpt of whatever
-    # directory the launch ran from.
-    parser.set_defaults(**{"algo.advantage.estimator": "reinforce", "data.input_key": "prompt",
-                           "data.label_key": "answer", "ckpt.output_dir": None})
 
 
 def add_training_args(g):
@@ -372,11 +374,62 @@ def refuse_ignored_flags(upstream: list, raw) -> None:
                          + "\n  ".join(refused.values()))
 
 
+def hf_exports(args) -> str:
+    """--ckpt.output_dir, <mappa.run_dir>/hf where none is given."""
+    if args.ckpt.output_dir is None:
+        return os.path.join(args.mappa.run_dir, "hf")
+    return args.ckpt.output_dir
+
+
+def colocation(args) -> bool:
+    """--train.colocate_all: given, it sets --mappa.colocate agent (where that is none); then on under any
+    --mappa.colocate."""
+    if args.train.colocate_all and args.mappa.colocate == "none":
+        args.mappa.colocate = "agent"
+    return args.mappa.colocate != "none"
+
+
+# What MAPPA does instead of upstream with an honoured flag. DEFAULT: the parser's default is the value.
+# SET: the function's value, of the parsed args, for upstream's checks and the run. CHECKED_AS: upstream's
+# checks see the value, the run the one given. KEPT: the run gets the value given, whatever the checks set.
+DEFAULT, SET, CHECKED_AS, KEPT = "default", "set", "checked as", "kept as given"
+# MAPPA's deviations from train_ppo_ray's parse and validate: (flag, what MAPPA does instead, its value, why),
+# applied by parse_args alone, in this order (tests/test_launch.py shows each on a parsed command line).
+DEVIATIONS = (
+    ("algo.advantage.estimator", DEFAULT, "reinforce",
+     "MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py"),
+    ("data.input_key", DEFAULT, "prompt",
+     "tasks keep MAPPA's column names (every shipped file's), where OpenRLHF's is 'input'"),
+    ("data.label_key", DEFAULT, "answer",
+     "tasks keep MAPPA's column names (every shipped file's), where OpenRLHF has none"),
+    ("ckpt.output_dir", DEFAULT, None, "none given: the final HF exports go with the run (the next row)"),
+    ("ckpt.output_dir", SET, hf_exports,
+     "<mappa.run_dir>/hf, not OpenRLHF's ./ckpt of whatever directory the launch ran from"),
+    ("train.colocate_all", SET, colocation,
+     "OpenRLHF's colocation, applied to each agent, is --mappa.colocate agent; any colocation keeps it on "
+     "for upstream's checks, which would otherwise turn --vllm.enable_sleep off"),
+    ("algo.dynamic_filtering_enable", CHECKED_AS, False,
+     "upstream's check demands a reward model or an agent function: MAPPA's coach scores, and validate() "
+     "checks the rest of it"),
+    ("eval.dataset", CHECKED_AS, None,
+     "upstream's check demands a reward model for it: MAPPA's environment grades it"),
+    ("rollout.micro_batch_size", CHECKED_AS, 1,
+     "upstream asserts that a step's rollout micro-batches are at least the actor ranks, naming no flag or "
+     "value: validate() says it per agent, with both and the fix (in `mappa check`'s table too)"),
+    ("ds.packing_samples", KEPT, None,
+     "upstream turns it on with token budgets and ring attention: a CPU trains padded budgets under sdpa, an "
+     "agent with ring attention is packed (placement.agent_args), on GPUs packing_problems refuses budgets "
+     "without it"),
+    ("ds.attn_implementation", KEPT, None,
+     "upstream makes it flash attention with packing: on GPUs packing_problems refuses packing without flash "
+     "attention, and check_this_machine ring attention without it"),
+)
+
+
 # Statements of upstream's main block that MAPPA changes; upstream_cli fails loudly when one is missing.
 UPSTREAM_PARSE = "args = parser.parse_args()"  # the block splits here: the parser before, the checks after
 UPSTREAM_HIERARCHIZE = "from openrlhf.utils.config import hierarchize"  # its package imports DeepSpeed
 UPSTREAM_HIERARCHIZED = "args = hierarchize(args)"  # parse_args hierarchizes itself
-UPSTREAM_EVAL_CHECK = "args.eval.dataset"  # demands a reward model for --eval.dataset; MAPPA's env grades it
 UPSTREAM_TRAIN = "train(args)"  # where the checks end
 
 
@@ -405,7 +458,7 @@ def upstream_cli():
         seen.add(text)
         if text == UPSTREAM_TRAIN:
             break
-        if text not in (UPSTREAM_PARSE, UPSTREAM_HIERARCHIZE, UPSTREAM_HIERARCHIZED, UPSTREAM_EVAL_CHECK):
+        if text not in (UPSTREAM_PARSE, UPSTREAM_HIERARCHIZE, UPSTREAM_HIERARCHIZED):
             (checks if UPSTREAM_PARSE in seen else build).append(stmt)
     namespace = {}
     for stmt in module.body:
@@ -417,7 +470,7 @@ def upstream_cli():
     imports = [n for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))]
     bound |= {(a.asname or a.name).split(".")[0] for n in imports for a in n.names}
     unbound = {n.id for n in nodes if isinstance(n, ast.Name)} - bound - set(namespace) - set(dir(builtins))
-    rewritten = (UPSTREAM_PARSE, UPSTREAM_HIERARCHIZE, UPSTREAM_HIERARCHIZED, UPSTREAM_EVAL_CHECK, UPSTREAM_TRAIN)
+    rewritten = (UPSTREAM_PARSE, UPSTREAM_HIERARCHIZE, UPSTREAM_HIERARCHIZED, UPSTREAM_TRAIN)
     missing = [s for s in rewritten if s not in seen]
     if missing or unbound:
         raise RuntimeError(f"openrlhf {installed} changed the main block of {path}: statements MAPPA rewrites not "
@@ -452,9 +505,10 @@ def help_apart(parser, upstream: list) -> None:
 
 
 def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None, add_tool_args=None):
-    """OpenRLHF's flags and checks (upstream_cli) with MAPPA's, numbers range-checked as parsed (UPSTREAM_RANGES)
-    and refused flags before upstream's checks change any value. `prog`: the command an argparse error and --help
-    name; `description`: what its --help says it does; `add_tool_args(parser)`: a `mappa` tool's own flags."""
+    """OpenRLHF's flags and checks (upstream_cli) with MAPPA's, numbers range-checked as parsed
+    (UPSTREAM_RANGES), refused flags before upstream's checks change any value, and MAPPA's deviations
+    (DEVIATIONS). `prog`: the command an argparse error and --help name; `description`: what its --help says
+    it does; `add_tool_args(parser)`: a `mappa` tool's own flags."""
     get_parser, validate_upstream, hierarchize = upstream_cli()
     parser = get_parser()
     upstream = list(parser._actions)
@@ -477,30 +531,23 @@ def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None
     # argparse reads a negative number in exponent form ("-1e-5") as a flag and says only "expected one
     # argument": read as a number, it gets the flag's own refusal ("out of range: expected a number >= 0").
     parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$", re.IGNORECASE)
+    for flag, what, value, _ in DEVIATIONS:  # DEVIATIONS, applied here alone: the defaults first
+        if what == DEFAULT:
+            parser.set_defaults(**{flag: value})
     raw = parser.parse_args(sys.argv[1:] if argv is None else argv)
     refuse_ignored_flags(upstream, raw)
-    args = hierarchize(raw)
-    if args.ckpt.output_dir is None:
-        args.ckpt.output_dir = os.path.join(args.mappa.run_dir, "hf")
-    # OpenRLHF's --train.colocate_all, applied to each agent, is --mappa.colocate agent; any colocation keeps
-    # colocate_all on for upstream's checks, which would otherwise turn --vllm.enable_sleep off.
-    if args.train.colocate_all and args.mappa.colocate == "none":
-        args.mappa.colocate = "agent"
-    args.train.colocate_all = args.mappa.colocate != "none"
-    # Upstream's dynamic-filtering check demands a reward model or an agent function: MAPPA's coach scores, and
-    # validate() checks the rest of it.
-    filtering, args.algo.dynamic_filtering_enable = args.algo.dynamic_filtering_enable, False
-    # Upstream turns --ds.packing_samples on with token budgets and ring attention, and flash attention with
-    # packing. MAPPA keeps both as given (a CPU trains padded budgets under sdpa), packing for an agent with ring
-    # attention (placement.agent_args); on GPUs packing_problems refuses budgets without packing and packing
-    # without flash attention, and check_this_machine ring attention without it.
-    packing, attention = args.ds.packing_samples, args.ds.attn_implementation
-    # Upstream asserts that a step's rollout micro-batches are at least the actor ranks, naming no flag or
-    # value: validate() says it per agent, with both and the fix (in `mappa check`'s table too).
-    micro, args.rollout.micro_batch_size = args.rollout.micro_batch_size, 1
+    args, given = hierarchize(raw), []
+    for flag, what, value, _ in DEVIATIONS:  # then the values upstream's checks see, and after them the run's
+        path, _, name = flag.rpartition(".")
+        group = operator.attrgetter(path)(args)
+        if what == SET:
+            setattr(group, name, value(args))
+        elif what in (CHECKED_AS, KEPT):
+            given.append((group, name, getattr(group, name)))
+        if what == CHECKED_AS:
+            setattr(group, name, value)
     with refusals():  # upstream validates with assert
         validate_upstream(args)
-    args.rollout.micro_batch_size = micro
-    args.algo.dynamic_filtering_enable = filtering
-    args.ds.packing_samples, args.ds.attn_implementation = packing, attention
+    for group, name, value in given:
+        setattr(group, name, value)
     return args
