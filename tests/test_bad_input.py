@@ -785,7 +785,7 @@ def test_a_step_that_trains_nothing_says_why_and_a_run_that_never_trains_stops(t
 def test_help_shows_each_default_and_lists_the_refused_flags_apart():
     # --help once listed the 58 refused OpenRLHF flags among the usable ones, with no default shown anywhere, and
     # `mappa doctor --help` said `usage: train_mappa_ray`.
-    from openrlhf_mappa.cli.train_mappa_ray import REFUSED, REFUSED_WHY
+    from openrlhf_mappa.cli.flags import REFUSED, REFUSED_WHY
 
     env = dict(os.environ, COLUMNS="1000")  # argparse wraps at the terminal's width: one line per flag here
     help_of = lambda *argv: subprocess.run([sys.executable, "-m", *argv, "--help"], capture_output=True, text=True,

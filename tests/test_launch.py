@@ -7,6 +7,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import operator
 import os
 import re
 import shutil
@@ -21,7 +22,9 @@ import yaml
 from packaging.requirements import Requirement
 
 from conftest import openrlhf_copy, submit_script
-from openrlhf_mappa.cli.train_mappa_ray import HONOURED, REFUSED, REFUSED_WHY, parse_args, upstream_cli, validate
+from openrlhf_mappa.cli.flags import (CHECKED_AS, DEFAULT, DEVIATIONS, HONOURED, KEPT, REFUSED, REFUSED_WHY,
+                                      SET, parse_args, upstream_cli)
+from openrlhf_mappa.cli.train_mappa_ray import validate
 from openrlhf_mappa import placement
 from openrlhf_mappa.team import check_model, load_topology
 
@@ -440,7 +443,8 @@ def test_upstream_parser_block_read_without_importing_openrlhf():
 
 
 @pytest.mark.parametrize("change, named", [
-    (("    if args.eval.dataset:", "    if args.eval.dataset and args.eval.steps:"), "not found: ['args.eval.dataset']"),
+    (("    args = hierarchize(args)", "    args = hierarchize(args) or args"),
+     "not found: ['args = hierarchize(args)']"),
     (("    train(args)", "    get_strategy(args)\n    train(args)"), "not standard library: ['get_strategy']"),
 ])  # fmt: skip
 def test_a_changed_upstream_block_fails_loudly(tmp_path, monkeypatch, change, named):
@@ -533,6 +537,77 @@ def test_token_budgets_keep_packing_as_given():
     packed = parse_args(["--mappa.topology", "t.yaml", "--vllm.num_engines", "1", "--train.dynamic_batch_enable",
                          "--ds.packing_samples"])
     assert packed.ds.packing_samples and packed.ds.attn_implementation == "flash_attention_2"  # as upstream
+
+
+def test_each_deviation_from_upstream_shows_on_a_parsed_command_line_and_parse_args_alone_applies_it():
+    # The table, pinned: a row added, dropped or changed fails here until it is shown below.
+    assert [(flag, what) for flag, what, _, _ in DEVIATIONS] == [
+        ("algo.advantage.estimator", DEFAULT), ("data.input_key", DEFAULT), ("data.label_key", DEFAULT),
+        ("ckpt.output_dir", DEFAULT), ("ckpt.output_dir", SET), ("train.colocate_all", SET),
+        ("algo.dynamic_filtering_enable", CHECKED_AS), ("eval.dataset", CHECKED_AS),
+        ("rollout.micro_batch_size", CHECKED_AS), ("ds.packing_samples", KEPT),
+        ("ds.attn_implementation", KEPT),
+    ]  # fmt: skip
+    get_parser, validate_upstream, hierarchize = upstream_cli()
+    value = operator.attrgetter
+
+    def upstream(flags):
+        """train_ppo_ray's own parse and checks of `flags` (an AssertionError where its checks refuse them),
+        with an estimator that needs no critic and an engine."""
+        fixed = ["--algo.advantage.estimator", "reinforce", "--vllm.num_engines", "1"]
+        args = hierarchize(get_parser().parse_args([*fixed, *flags]))
+        validate_upstream(args)
+        return args
+
+    base = ["--mappa.topology", "t.yaml", "--vllm.num_engines", "1"]
+    # DEFAULT: MAPPA's default, where upstream's differs.
+    mappa = parse_args(base)
+    for flag, what, default, _ in DEVIATIONS:
+        if what == DEFAULT and default is not None:
+            assert value(flag)(mappa) == default != get_parser().get_default(flag), flag
+    # SET: the HF exports under the run directory unless given; --train.colocate_all is --mappa.colocate
+    # agent, and any colocation keeps it on (upstream's checks then leave --vllm.enable_sleep on).
+    assert parse_args([*base, "--mappa.run_dir", "r"]).ckpt.output_dir == os.path.join("r", "hf")
+    assert get_parser().get_default("ckpt.output_dir") == "./ckpt"
+    assert parse_args([*base, "--ckpt.output_dir", "o"]).ckpt.output_dir == "o"
+    team = parse_args([*base, "--mappa.colocate", "team", "--vllm.enable_sleep"])
+    assert team.train.colocate_all and team.vllm.enable_sleep
+    assert not upstream(["--vllm.enable_sleep"]).vllm.enable_sleep
+    assert parse_args([*base, "--train.colocate_all"]).mappa.colocate == "agent"
+    # CHECKED_AS: what upstream's checks refuse passes them, and the run keeps the value given.
+    checked = [
+        (["--algo.dynamic_filtering_enable", "--rollout.n_samples_per_prompt", "2"],
+         "algo.dynamic_filtering_enable"),
+        (["--eval.dataset", "e.jsonl"], "eval.dataset"),
+        (["--rollout.micro_batch_size", "2", "--rollout.batch_size", "1", "--actor.num_gpus_per_node", "1"],
+         "rollout.micro_batch_size"),
+    ]  # fmt: skip
+    for flags, flag in checked:
+        with pytest.raises(AssertionError):
+            upstream(flags)
+        given = value(flag)(hierarchize(get_parser().parse_args(flags)))
+        assert value(flag)(parse_args([*base, *flags])) == given, flag
+    # KEPT: token budgets without packing, packing under sdpa, both as given where upstream changes them.
+    kept = [(["--train.dynamic_batch_enable"], "ds.packing_samples"),
+            (["--ds.packing_samples", "--ds.attn_implementation", "sdpa"], "ds.attn_implementation")]
+    for flags, flag in kept:
+        given = value(flag)(hierarchize(get_parser().parse_args(flags)))
+        assert value(flag)(parse_args([*base, *flags])) == given != value(flag)(upstream(flags)), flag
+    # Applied in one place: parse_args alone reads the table, and no function of the launcher sets a value of
+    # upstream's flags outside it (an `args.<group>.<flag> = ...` of a group not MAPPA's).
+    cli = ROOT / "openrlhf_mappa" / "cli"
+    for path in (cli / "flags.py", cli / "train_mappa_ray.py"):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, ast.FunctionDef):
+                continue
+            names = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)}
+            assert "DEVIATIONS" not in names or function.name == "parse_args", (path.name, function.name)
+            for node in ast.walk(function):
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                for target in [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]:
+                    text = ast.unparse(target)
+                    upstreams = text.startswith("args.") and text.count(".") >= 2
+                    assert not upstreams or text.startswith("args.mappa."), (path.name, function.name, text)
 
 
 ALGO_REFUSALS = [

@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from openrlhf_mappa.cli.train_mappa_ray import RENAMED
+from openrlhf_mappa.cli.flags import RENAMED
 from openrlhf_mappa.coach import render_prompt
 from openrlhf_mappa.team import load_topology, play
 from conftest import REPO

@@ -196,7 +196,7 @@ def check_agent_step_rewards():
     from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
     from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
-    from openrlhf_mappa.cli.train_mappa_ray import upstream_cli
+    from openrlhf_mappa.cli.flags import upstream_cli
     from openrlhf_mappa.tools.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()

@@ -1,528 +1,28 @@
 """Train a MAPPA team: `python -m openrlhf_mappa.cli.train_mappa_ray` with OpenRLHF's flags plus `--mappa.*`.
 
 OpenRLHF's flags and checks are train_ppo_ray's own main block, run minus its `train(args)` with MAPPA's flags
-added to the same parser (upstream_cli), so every OpenRLHF flag means here what it means there. Every input is
+added to the same parser (flags.py), so every OpenRLHF flag means here what it means there. Every input is
 checked before the heavy imports, before Ray starts and before anything is written: a bad one is refused with
 its message alone (exit 1; argparse's errors exit 2), the run directory left as it was. MAPPA_TRACEBACK=1 adds
 the traceback.
 """
 
 import argparse
-import ast
 import asyncio
-import builtins
 import contextlib
-import difflib
 import functools
-import importlib.metadata
-import importlib.util
 import json
-import math
 import os
-import re
 import sys
 import tempfile
-import types
 
-OPENRLHF_FITS = ("0.11.2",)
-
-
-def ranged(kind=int, low=None, high=None, *, above: bool = False, hint: str = ""):
-    """An argparse type: a finite `kind` number in [low, high] (above: > low; None: open). Refused as parsed: a 0
-    or negative count otherwise fails an hour into a run, or quietly means something else (aiohttp: no timeout)."""
-    noun = "an integer" if kind is int else "a number"
-    if low is not None and high is not None:
-        span = f"in {'(' if above else '['}{low:g}, {high:g}]"
-    else:
-        span = f"{'>' if above else '>='} {low:g}" if low is not None else f"<= {high:g}"
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        low_ok = low is None or (value > low if above else value >= low)
-        if not (math.isfinite(value) and low_ok and (high is None or value <= high)):
-            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {noun} {span}{hint}")
-        return value
-
-    parse.__name__ = f"{noun} {span}"
-    return parse
-
-
-COUNT, NONNEGATIVE_INT = ranged(int, 1), ranged(int, 0)
-POSITIVE, NONNEGATIVE = ranged(float, 0, above=True), ranged(float, 0)
-FRACTION, SCORE = ranged(float, 0, 1), ranged(float, 0, 10)
-# The largest GPUs hold 288 GB; a value in the thousands is MiB given as GiB (nvidia-smi prints MiB).
-GPU_GIB = ranged(float, 0, 1024, above=True, hint=" (GiB; nvidia-smi shows MiB: divide by 1024)")
-
-
-# MAPPA's flags that are gone, each with what replaces it: the trained coach's search switches merged (issue
-# 54); `mappa coach score`'s own coach flags, now the training run's.
-RENAMED = {
-    "--kind": "--mappa.coach.kind (mappa coach score takes the training run's --mappa.coach.* flags)",
-    "--mappa.coach.digits_only": "--mappa.coach.reply digit (digits_only and all_digits together)",
-    "--mappa.coach.all_digits": "--mappa.coach.reply digit (digits_only and all_digits together)",
-    "--mappa.coach.agreement_warmup": "--mappa.coach.warmup_steps (one warm-up: the agents' and min_agreement's)",
-}
-
-
-class Parser(argparse.ArgumentParser):
-    """An argparse error alone, not under the whole usage (which buries it): an unknown flag with what replaced it
-    (RENAMED) or the nearest known one, then where the flags are listed."""
-
-    help_command = None  # how to list the flags (default: `<prog> --help`)
-
-    def error(self, message):
-        if message.startswith("unrecognized arguments:"):
-            known = [o for a in self._actions for o in a.option_strings]
-            for word in message.split(":", 1)[1].split():
-                flag = word.split("=")[0]
-                if flag in RENAMED:
-                    message += f"\n  {word}: replaced by {RENAMED[flag]}"
-                elif word.startswith("-") and (near := difflib.get_close_matches(flag, known, 1)):
-                    message += f"\n  {word}: did you mean {near[0]}?"
-        self.exit(2, f"{self.prog}: error: {message}\n(the flags: {self.help_command or self.prog + ' --help'})\n")
-
-
-def add_mappa_args(parser):
-    """MAPPA's flags, in one --help group: the team and its training, the coach, then the GPUs and the start-up."""
-    g = parser.add_argument_group("MAPPA")
-    add_training_args(g)
-    add_coach_args(g)
-    add_trained_coach_args(g)
-    add_launch_args(g)
-    # MAPPA's estimator is REINFORCE++ (return-to-go + global whitening), computed in rewards.py.
-    # Tasks keep MAPPA's column names (every shipped file's) where OpenRLHF's are "input" and none.
-    # The final HF exports go with the run (<run_dir>/hf, parse_args), not in OpenRLHF's ./ckpt of whatever
-    # directory the launch ran from.
-    parser.set_defaults(**{"algo.advantage.estimator": "reinforce", "data.input_key": "prompt",
-                           "data.label_key": "answer", "ckpt.output_dir": None})
-
-
-def add_training_args(g):
-    g.add_argument("--mappa.topology", required=True, help="topology YAML (agents, env, coach prompt)")
-    g.add_argument("--mappa.model", default=None, help="use this model for every agent (overrides the YAML)")
-    g.add_argument("--mappa.reward", choices=["process", "outcome"], default="process",
-                   help="process: each action's coach score (MAPPA); outcome: the episode's outcome for every action "
-                        "(baseline: --mappa.outcome_score if solved, else 0, times the topology's reward_scale; no "
-                        "coach calls)")
-    g.add_argument("--mappa.outcome_score", type=SCORE, default=10.0,
-                   help="what a solved episode pays each action, on the coach's 0-10 scale (times reward_scale), in "
-                        "the outcome baseline and for --mappa.coach.on_failure outcome (default: the top of the "
-                        "scale, as the authors)")
-    g.add_argument("--mappa.norm_scope", choices=["agent", "global", "group"], default="agent",
-                   help="whiten advantages over each agent's batch (the authors' choice) or over all agents; "
-                        "group: GRPO-style, normalize rewards over the samples of each prompt (baseline)")
-    g.add_argument("--mappa.shared_policy", action="store_true",
-                   help="baseline: one policy (the first agent's model) plays and trains every role")
-    g.add_argument("--mappa.train_truncated", action="store_true",
-                   help="also train actions cut off at the token limit (default: zero loss, as the authors' "
-                        "mask_truncated_completions, see --mappa.batch_semantics; counted in "
-                        "agent/<name>/truncated_left_out)")
-    g.add_argument("--mappa.batch_semantics", choices=["authors", "usable"], default="authors",
-                   help="authors: an agent's truncated and unscored actions stay in its batch at zero loss (the "
-                        "authors' trainer), so it takes an optimizer step per train batch of all its actions and its "
-                        "schedule ends where it should (agent/<name>/zero_loss_rows, optimizer_steps); usable: they "
-                        "leave the batch first, so it takes fewer steps")
-    g.add_argument("--mappa.lr_horizon", choices=["authors", "max_actions"], default="authors",
-                   help="each agent's learning-rate schedule length. authors: episodes x tasks x samples per prompt "
-                        "/ train batch x epochs, the same for every agent (their base_controller.py); max_actions: "
-                        "the most optimizer steps that agent can take (its max_actions per episode), so its "
-                        "schedule ends at its last step")
-    g.add_argument("--mappa.max_staleness", type=NONNEGATIVE_INT, default=None,
-                   help="with --train.async_enable: leave out (and count, agent/<name>/stale_left_out) an action "
-                        "one of whose weight versions, its own agent's or another agent's whose output it saw, is more "
-                        "than this many updates behind when its step trains (default: --train.async_queue_size, so "
-                        "that none is in steady state)")
-    g.add_argument("--mappa.ppo_ratio", choices=["trainer", "rollout"], default="trainer",
-                   help="the old policy of PPO's ratio and clip. trainer: the actor's log-probs just before the update "
-                        "(OpenRLHF's); rollout: the engine's, of the weights that sampled each action, so that the "
-                        "clip bounds each update around the policy that made the data (async training)")
-    g.add_argument("--mappa.logprob_metrics", action="store_true",
-                   help="ask the engines for each sampled token's log-prob even where nothing else reads them, to "
-                        "log agent/<name>/logprob_mismatch_{abs,kl} (engine against trainer). Without it they are "
-                        "asked for, and logged, only with --algo.advantage.is_correction_level, --mappa.ppo_ratio "
-                        "rollout or --train.async_enable, as OpenRLHF asks only for its correction")
-    g.add_argument("--mappa.max_untrained_steps", type=NONNEGATIVE_INT, default=3,
-                   help="stop the run after this many steps in a row in which no agent trained on any action (each "
-                        "such step names the reason on the console; 0: never stop)")
-    g.add_argument("--mappa.env.max_failure_fraction", type=FRACTION, default=0.5,
-                   help="stop the run when more than this fraction of a step's episodes raised an exception in the "
-                        "environment (such an episode is a counted failure and trains nothing)")
-    g.add_argument("--mappa.run_dir", default="./runs/mappa",
-                   help="metrics.jsonl, episodes.jsonl and code workspaces")
-    g.add_argument("--mappa.allow_resume_changes", action="store_true",
-                   help="resume (--ckpt.load_enable) with other settings that shape the run (batch sizes, "
-                        "samples, episodes, learning rate, KL, lengths, the topology) than "
-                        "<run_dir>/run_settings.json records (refused by default, naming each); warned, and "
-                        "recorded from then on")
-    g.add_argument("--mappa.allow_eval_overlap", action="store_true",
-                   help="evaluate on an --eval.dataset that shares problems with the training tasks (refused by "
-                        "default: it inflates the trained team's score); warned, and counted as train_overlap in "
-                        "eval.jsonl")
-
-
-def add_coach_args(g):
-    g.add_argument("--mappa.coach.kind", choices=["heuristic", "openai", "trained"], default="heuristic",
-                   help="heuristic: offline rule-based coach (demo/tests); openai: any OpenAI-compatible server; "
-                        "trained: the model --mappa.coach.model in the team's cluster, trained with the agents and "
-                        "anchored to a reference judge (--mappa.coach.reference_*)")
-    g.add_argument("--mappa.coach.mode", choices=["per_action", "hindsight", "both"], default="per_action",
-                   help="per_action: one coach request per action, as the episode runs (the paper); hindsight: one "
-                        "request per finished episode, scoring every action and naming the one responsible for the "
-                        "outcome; both: the mean of the two scores (the one that exists when the other failed)")
-    g.add_argument("--mappa.coach.model", default=None, help="coach model name at the OpenAI-compatible server")
-    g.add_argument("--mappa.coach.base_url", default=None,
-                   help="e.g. https://api.openai.com/v1 or http://localhost:8000/v1")
-    g.add_argument("--mappa.coach.api_key_env", default="OPENAI_API_KEY", help="environment variable holding the key")
-    g.add_argument("--mappa.coach.timeout", type=POSITIVE, default=60.0, help="seconds per coach request")
-    g.add_argument("--mappa.coach.max_concurrency", type=COUNT, default=32,
-                   help="coach verdicts in progress: requests in flight or waiting to retry")
-    g.add_argument("--mappa.coach.max_retries", type=NONNEGATIVE_INT, default=4,
-                   help="retries of a request after 429 (honouring Retry-After), 5xx, timeouts or dropped "
-                        "connections")
-    g.add_argument("--mappa.coach.rpm", type=NONNEGATIVE, default=0.0, help="requests-per-minute limit (0: none)")
-    g.add_argument("--mappa.coach.structured", choices=["auto", "json_schema", "off"], default="auto",
-                   help="ask for a JSON-schema verdict {rationale, score}; auto: fall back to text if the server "
-                        "refuses")
-    g.add_argument("--mappa.coach.max_tokens", type=NONNEGATIVE_INT, default=0,
-                   help="coach reply token limit (0: the server's default)")
-    g.add_argument("--mappa.coach.format_retries", type=NONNEGATIVE_INT, default=2,
-                   help="re-prompts after a reply with no valid score")
-    g.add_argument("--mappa.coach.cache", default=None,
-                   help="SQLite verdict cache (default: <run_dir>/coach_cache.sqlite; 'none': memory only)")
-    g.add_argument("--mappa.coach.on_failure", choices=["skip", "outcome", "neutral"], default="skip",
-                   help="actions without a valid score: skip (left out), outcome (episode outcome), neutral "
-                        "(neutral_score)")
-    g.add_argument("--mappa.coach.neutral_score", type=SCORE, default=5.0,
-                   help="score (0-10, times the topology's reward_scale) paid for on_failure=neutral")
-    g.add_argument("--mappa.coach.max_failure_fraction", type=FRACTION, default=0.5,
-                   help="stop the run when more than this fraction of a step's verdicts failed")
-    g.add_argument("--mappa.coach.bias_threshold", type=NONNEGATIVE, default=1.0,
-                   help="warn when an agent's mean coach score differs between task types by more than this")
-    g.add_argument("--mappa.coach.bias_window", type=COUNT, default=5, help="steps pooled by the coach-bias audit")
-    g.add_argument("--mappa.coach.standardize_task_type", action="store_true",
-                   help="standardize coach scores per agent x task type (bias mitigation)")
-    g.add_argument("--mappa.coach.show_bias", action="store_true",
-                   help="show an LLM coach its own running bias in every prompt: its mean score per agent and task "
-                        "type and how its scores agree with outcomes, over the last --mappa.coach.bias_window steps "
-                        "(where the template names {coach_bias}, else above the prompt)")
-    g.add_argument("--mappa.coach.price_in", type=NONNEGATIVE, default=0.0,
-                   help="USD per 1M prompt tokens (cost metrics)")
-    g.add_argument("--mappa.coach.price_out", type=NONNEGATIVE, default=0.0, help="USD per 1M completion tokens")
-    g.add_argument("--mappa.coach.score_outcome_runs", action="store_true",
-                   help="with --mappa.reward outcome: still ask the coach about every action, for comparison "
-                        "(logged, never trained on; default: no coach calls)")
-
-
-def add_trained_coach_args(g):
-    g.add_argument("--mappa.coach.reference_kind", choices=["heuristic", "openai"], default="heuristic",
-                   help="trained coach: the judge it is compared with (openai: --mappa.coach.reference_model at "
-                        "--mappa.coach.base_url)")
-    g.add_argument("--mappa.coach.reference_model", default=None, help="trained coach: the reference judge's model")
-    g.add_argument("--mappa.coach.reference_fraction", type=FRACTION, default=0.25,
-                   help="trained coach: the share of actions the reference judge also scores (a cost)")
-    g.add_argument("--mappa.coach.reference_draw", choices=["uniform", "stratified"], default="uniform",
-                   help="trained coach: uniform: each action drawn at --mappa.coach.reference_fraction; stratified: "
-                        "cut-off and ended actions share it equally (by the last step's counts), so the rare kind is "
-                        "judged as often as the usual one")
-    g.add_argument("--mappa.coach.held_out_fraction", type=FRACTION, default=0.2,
-                   help="trained coach: the share of the reference's verdicts kept out of its reward, to measure "
-                        "its agreement with the reference (coach/heldout_agreement)")
-    g.add_argument("--mappa.coach.terms", default="format,outcome,agreement,bias",
-                   help="trained coach: the terms of its reward, comma-separated (coach/trained.py coach_rewards)")
-    g.add_argument("--mappa.coach.agreement_bands", type=COUNT, default=5,
-                   help="trained coach: the reference's score bands (of 0-10) that share its agreement term equally, "
-                        "so a rare score weighs as much as the usual one (1: unweighted)")
-    g.add_argument("--mappa.coach.reply", choices=["text", "digit"], default="text",
-                   help="trained coach: text: as the coach prompt asks; digit: one token of 0-9 (vLLM's "
-                        "allowed_token_ids), always a score, and it trains on all ten digits, each against their mean, "
-                        "where the agreement term judges (not on the sampled one)")
-    g.add_argument("--mappa.coach.pay_reference", action="store_true",
-                   help="trained coach: where its reference judge scored an action, the agents are paid that score "
-                        "(the coach still trains on its own verdict there); elsewhere the coach's")
-    g.add_argument("--mappa.coach.lr", type=NONNEGATIVE, default=0.0,
-                   help="trained coach: its actor's learning rate (0: --actor.adam.lr, the agents')")
-    g.add_argument("--mappa.coach.warmup_steps", type=NONNEGATIVE_INT, default=0,
-                   help="trained coach: the steps before its reference has shaped it: the agents train only on "
-                        "verdicts of a coach with at least this many updates (until then it trains alone, on the "
-                        "agents' untrained actions), and --mappa.coach.min_agreement applies only after them")
-    g.add_argument("--mappa.coach.min_agreement", type=FRACTION, default=0.0,
-                   help="trained coach: stop the run when its held-out agreement with the reference falls below this "
-                        "after --mappa.coach.warmup_steps steps (0: never)")
-
-
-def add_launch_args(g):
-    g.add_argument("--mappa.colocate", choices=["none", "agent", "team"], default="none",
-                   help="OpenRLHF's hybrid engine for a team. none: each agent's actor, reference and engines on GPUs "
-                        "of their own; agent: they share that agent's GPUs (--train.colocate_all, per agent: the "
-                        "authors' setup); team: every agent shares one GPU set. Add --vllm.enable_sleep "
-                        "--ds.enable_sleep so that engines sleep while actors train and actors offload while engines "
-                        "generate")
-    g.add_argument("--mappa.gpus", type=COUNT, default=None,
-                   help="GPUs in the cluster, for `mappa plan` and the check before Ray starts (at launch: Ray's "
-                        "count)")
-    g.add_argument("--mappa.gpu_memory_gib", type=GPU_GIB, default=None,
-                   help="memory of one GPU in GiB, for the plan's memory check (default: detected where the driver "
-                        "sees a GPU)")
-    g.add_argument("--mappa.host_memory_gib", type=POSITIVE, default=None,
-                   help="host memory of one node in GiB, for the plan's check of offloaded states and sleeping "
-                        "engines (default: at launch each node's own, or its container's limit, read on that node)")
-    g.add_argument("--mappa.gpus_per_node", type=COUNT, default=None,
-                   help="GPUs per node: --mappa.gpus in nodes of this many, for the plan's nodes and their host "
-                        "memory (default: in `mappa plan`, this machine's GPUs, else 8; at launch the Ray cluster's "
-                        "nodes are planned, and this divides a node's cores among its actor processes)")
-    g.add_argument("--mappa.actor_threads", type=NONNEGATIVE_INT, default=0,
-                   help="OpenMP threads of each actor and reference process (DeepSpeed's CPU Adam with "
-                        "--ds.adam_offload); 0: the launcher node's cores / its GPUs (Ray would give a "
-                        "fractional-CPU actor one thread)")
-    g.add_argument("--mappa.startup_warn_s", type=POSITIVE, default=300.0,
-                   help="while engines and actors start: name those not up yet, and what they wait for, every this "
-                        "many seconds")
-    g.add_argument("--mappa.startup_timeout_s", type=POSITIVE, default=1800.0,
-                   help="stop a start-up not done after this many seconds, with that message")
-    g.add_argument("--mappa.verbose", action="store_true",
-                   help="show Ray's, vLLM's and DeepSpeed's output on the console (default: in <run_dir>/train.log; "
-                        "the console shows the step lines, progress bars, errors and the watchdogs' messages)")
-
-
-@contextlib.contextmanager
-def refusals(prefix: str = "[mappa]"):
-    """Bad input found before Ray starts (or a `mappa` tool's heavy imports) ends the run with its message alone:
-    the loaders' errors and upstream's assertions say what to fix, a traceback only hides it (MAPPA_TRACEBACK=1)."""
-    try:
-        yield
-    except (ValueError, OSError, AssertionError) as e:
-        if os.environ.get("MAPPA_TRACEBACK", "0") not in ("", "0"):
-            raise
-        raise SystemExit(f"{prefix} {e or type(e).__name__}") from None
-
-
-# Every flag of train_ppo_ray's parser is honoured (it does in MAPPA what it does in OpenRLHF) or refused: a refused
-# flag off its default stops the launch instead of being silently ignored. A new upstream flag is refused until it is
-# added here; tests/test_launch.py checks that docs/reference.md's table names every refused one.
-HONOURED = """
-    actor.num_nodes actor.num_gpus_per_node ref.num_nodes ref.num_gpus_per_node ref.offload
-    vllm.num_engines vllm.tensor_parallel_size vllm.sync_backend vllm.enable_prefix_caching vllm.enforce_eager
-    vllm.gpu_memory_utilization vllm.enable_sleep ds.enable_sleep train.colocate_all
-    ds.zero_stage ds.param_dtype ds.zpg ds.adam_offload ds.attn_implementation ds.experts_implementation
-    ds.use_liger_kernel ds.grad_accum_dtype ds.overlap_comm ds.deepcompile ds.packing_samples ds.use_universal_ckpt
-    ds.ring_attn_size ds.ring_attn_head_stride ds.tensor_parallel_size ds.load_in_4bit
-    actor.gradient_checkpointing_enable actor.gradient_checkpointing_reentrant
-    actor.eps_clip actor.eps_clip_low_high actor.dual_clip actor.policy_loss_type actor.loss_agg_mode
-    actor.aux_loss_coef actor.entropy_coef actor.optim actor.muon.lr actor.muon.momentum actor.muon.ns_steps
-    actor.muon.nesterov actor.muon.no_nesterov actor.adam.lr actor.adam.betas actor.adam.eps actor.adam.weight_decay
-    actor.lr_scheduler actor.lr_warmup_ratio actor.min_lr_ratio actor.max_norm
-    train.enable_ema train.ema_beta train.max_epochs train.micro_batch_size train.batch_size train.num_episodes
-    train.seed train.full_determinism_enable
-    rollout.batch_size rollout.micro_batch_size rollout.max_new_tokens rollout.n_samples_per_prompt
-    rollout.temperature rollout.top_p
-    algo.kl.init_coef algo.kl.estimator algo.kl.target algo.kl.horizon algo.kl.use_loss algo.kl.unbiased_gradient
-    algo.advantage.gamma algo.advantage.no_std_norm algo.advantage.is_correction_level
-    algo.advantage.is_correction_mode algo.advantage.is_correction_gating algo.advantage.is_correction_threshold
-    algo.dynamic_filtering_enable algo.dynamic_filtering_range
-    train.async_enable train.async_queue_size train.partial_rollout_enable
-    train.dynamic_batch_enable rollout.max_tokens_per_gpu train.max_tokens_per_gpu
-    data.prompt_dataset data.prompt_probs data.prompt_split data.input_key data.label_key data.max_len
-    data.max_samples data.apply_chat_template eval.dataset eval.split eval.steps eval.temperature eval.n_samples_per_prompt
-    ckpt.path ckpt.output_dir ckpt.save_steps ckpt.save_hf ckpt.disable_ds ckpt.max_num ckpt.max_mem ckpt.load_enable
-    logger.wandb.key logger.wandb.org logger.wandb.group logger.wandb.project logger.wandb.run_name
-    logger.tensorboard_dir
-""".split()  # data.apply_chat_template: MAPPA always renders prompts with each model's chat template
-REFUSED = "not used by MAPPA; see docs/reference.md#openrlhfs-flags-honoured-or-refused"
-# The refused flags whose reason a user of OpenRLHF would not guess, by name or by family ("ds.lora": ds.lora.*).
-REFUSED_WHY = {
-    "actor.model_name_or_path": "each agent's model comes from the topology (or --mappa.model)",
-    "ds.lora": "LoRA is set per agent, in the topology (agents[].lora), and its adapters are synced by MAPPA: "
-               "OpenRLHF 0.11.2's run-wide LoRA syncs every weight under peft's names, which vLLM's loader rejects "
-               "(OpenRLHF #1349)",
-    "algo.advantage.estimator": "MAPPA's advantages are REINFORCE++ (rewards.py): only reinforce",
-    "train.colocate_actor_ref": "MAPPA colocates an agent's actor, reference and engines together (--mappa.colocate "
-                                "agent) or not at all; the actor and reference alone are not placed together",
-    "vllm.sync_with_ray": "every agent's Ray collective sync group would be named 'openrlhf', so agents' weight "
-                          "syncs would collide; use --vllm.sync_backend",
-    "train.agent_func_path": "the topology's environment drives each episode (--mappa.topology)",
-}
-# The range of each honoured OpenRLHF number, given to its parser (parse_args), which takes any int or float: a 0
-# there divides by zero in upstream's own checks (--rollout.micro_batch_size), or the run trains nothing.
-UPSTREAM_RANGES = {
-    **dict.fromkeys(("actor.num_nodes", "actor.num_gpus_per_node", "ref.num_nodes", "ref.num_gpus_per_node",
-                     "vllm.num_engines", "vllm.tensor_parallel_size", "ds.zpg", "train.num_episodes",
-                     "train.max_epochs", "train.batch_size", "train.micro_batch_size", "rollout.batch_size",
-                     "rollout.micro_batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
-                     "data.max_len", "data.max_samples", "eval.n_samples_per_prompt", "ckpt.max_num"), COUNT),
-    "ds.zero_stage": ranged(int, 0, 3), "vllm.gpu_memory_utilization": ranged(float, 0, 1, above=True),
-    "rollout.temperature": NONNEGATIVE, "eval.temperature": NONNEGATIVE, "train.async_queue_size": COUNT,
-    "rollout.top_p": ranged(float, 0, 1, above=True),
-    "algo.kl.init_coef": NONNEGATIVE, "algo.kl.target": POSITIVE, "algo.kl.horizon": POSITIVE,
-    "algo.advantage.gamma": ranged(float, 0, 1, above=True), "actor.adam.lr": NONNEGATIVE, "actor.adam.eps": POSITIVE,
-    "actor.adam.weight_decay": NONNEGATIVE, "actor.eps_clip": POSITIVE, "actor.max_norm": NONNEGATIVE,
-    "actor.lr_warmup_ratio": FRACTION, "actor.min_lr_ratio": FRACTION, "train.ema_beta": FRACTION,
-}
-
-
-def refusal_of(action):
-    """Why MAPPA refuses an action of upstream's parser; None for a flag it honours, and --help."""
-    name = action.option_strings[0].lstrip("-")
-    if action.dest == "help" or name in HONOURED:
-        return None
-    return next((why for key, why in REFUSED_WHY.items() if name == key or name.startswith(key + ".")), REFUSED)
-
-
-def refuse_ignored_flags(upstream: list, raw) -> None:
-    """Stop when a refused flag (of `upstream`, the actions of upstream's parser) has a value other than its default.
-    `raw`: the namespace before upstream's checks, which change some values (e.g. --vllm.enable_sleep back to False)."""
-    plain = lambda v: list(v) if isinstance(v, tuple) else v  # nargs flags: a list given, a tuple as default
-    refused = {}  # dest -> message (--x.nesterov and --x.no_nesterov share one)
-    for action in upstream:
-        why = refusal_of(action)
-        value = getattr(raw, action.dest, None)
-        if why is not None and plain(value) != plain(action.default):
-            refused.setdefault(action.dest, f"{action.option_strings[0]} {value!r}: {why}")
-    if refused:
-        raise SystemExit("[mappa] OpenRLHF flags that MAPPA does not honour (refused rather than silently ignored):\n  "
-                         + "\n  ".join(refused.values()))
-
-
-# Statements of upstream's main block that MAPPA changes; upstream_cli fails loudly when one is missing.
-UPSTREAM_PARSE = "args = parser.parse_args()"  # the block splits here: the parser before, the checks after
-UPSTREAM_HIERARCHIZE = "from openrlhf.utils.config import hierarchize"  # its package imports DeepSpeed
-UPSTREAM_HIERARCHIZED = "args = hierarchize(args)"  # parse_args hierarchizes itself
-UPSTREAM_EVAL_CHECK = "args.eval.dataset"  # demands a reward model for --eval.dataset; MAPPA's env grades it
-UPSTREAM_TRAIN = "train(args)"  # where the checks end
-
-
-def upstream_cli():
-    """OpenRLHF's (get_parser, validate) of train_ppo_ray, and its hierarchize; none loads torch or Ray.
-
-    openrlhf 0.11.2 keeps them inline under `__main__`, so that block is read from the source and split at its
-    parse_args(): importing the module would load torch, DeepSpeed and vLLM. The block may use only standard-library
-    names. Once patches/openrlhf_train_ppo_ray_get_parser.patch is released upstream, import its functions instead."""
-    installed = importlib.metadata.version("openrlhf")
-    if installed not in OPENRLHF_FITS:
-        raise SystemExit(f"[mappa] openrlhf_mappa's CLI reads openrlhf {', '.join(OPENRLHF_FITS)}'s train_ppo_ray; "
-                         f"found openrlhf {installed}. Install openrlhf=={OPENRLHF_FITS[-1]}.")
-    path = importlib.util.find_spec("openrlhf.cli.train_ppo_ray").origin  # imports only the empty packages
-    with open(path, encoding="utf-8") as f:
-        module = ast.parse(f.read(), path)
-    # openrlhf.utils.config run from its file: its package's __init__ loads DeepSpeed.
-    config_path = os.path.join(os.path.dirname(path), "..", "utils", "config.py")
-    spec = importlib.util.spec_from_file_location("_openrlhf_config", config_path)
-    config = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(config)
-    main = next(n for n in module.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
-    build, checks, seen = [], [], set()
-    for stmt in main.body:
-        text = ast.unparse(stmt.test if isinstance(stmt, ast.If) else stmt)
-        seen.add(text)
-        if text == UPSTREAM_TRAIN:
-            break
-        if text not in (UPSTREAM_PARSE, UPSTREAM_HIERARCHIZE, UPSTREAM_HIERARCHIZED, UPSTREAM_EVAL_CHECK):
-            (checks if UPSTREAM_PARSE in seen else build).append(stmt)
-    namespace = {}
-    for stmt in module.body:
-        is_import = isinstance(stmt, (ast.Import, ast.ImportFrom))
-        if is_import and ast.unparse(stmt).split()[1].split(".")[0] in sys.stdlib_module_names:
-            exec(compile(ast.Module(body=[stmt], type_ignores=[]), path, "exec"), namespace)
-    nodes = [n for stmt in build + checks for n in ast.walk(stmt)]
-    bound = {n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)} | {"args"}
-    imports = [n for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))]
-    bound |= {(a.asname or a.name).split(".")[0] for n in imports for a in n.names}
-    unbound = {n.id for n in nodes if isinstance(n, ast.Name)} - bound - set(namespace) - set(dir(builtins))
-    rewritten = (UPSTREAM_PARSE, UPSTREAM_HIERARCHIZE, UPSTREAM_HIERARCHIZED, UPSTREAM_EVAL_CHECK, UPSTREAM_TRAIN)
-    missing = [s for s in rewritten if s not in seen]
-    if missing or unbound:
-        raise RuntimeError(f"openrlhf {installed} changed the main block of {path}: statements MAPPA rewrites not "
-                           f"found: {missing}; names it reads that are not standard library: {sorted(unbound)}. "
-                           f"Update openrlhf_mappa/cli/train_mappa_ray.py upstream_cli.")
-    build, checks = (compile(ast.Module(body=b, type_ignores=[]), path, "exec") for b in (build, checks))
-
-    def get_parser():
-        scope = dict(namespace)
-        exec(build, scope)
-        return scope["parser"]
-
-    def validate_upstream(args):
-        exec(checks, dict(namespace, args=args))
-
-    return get_parser, validate_upstream, config.hierarchize
-
-
-def help_apart(parser, upstream: list) -> None:
-    """--help: each flag's default, and OpenRLHF's flags that MAPPA refuses listed apart, each with its reason."""
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    refused = parser.add_argument_group("OpenRLHF's flags that MAPPA refuses (given, each stops the launch), and why")
-    for group in parser._action_groups[:-1]:
-        for action in list(group._group_actions):
-            why = refusal_of(action) if action in upstream else None
-            if why is not None:
-                group._group_actions.remove(action)
-                refused._group_actions.append(action)
-                action.help = why
-            elif action.option_strings and not action.help:  # argparse shows no default without a help text
-                action.help = "OpenRLHF's (train_ppo_ray)"
-
-
-def parse_args(argv=None, prog: str = "train_mappa_ray", description: str = None, add_tool_args=None):
-    """OpenRLHF's flags and checks (upstream_cli) with MAPPA's, numbers range-checked as parsed (UPSTREAM_RANGES)
-    and refused flags before upstream's checks change any value. `prog`: the command an argparse error and --help
-    name; `description`: what its --help says it does; `add_tool_args(parser)`: a `mappa` tool's own flags."""
-    get_parser, validate_upstream, hierarchize = upstream_cli()
-    parser = get_parser()
-    upstream = list(parser._actions)
-    add_mappa_args(parser)
-    if add_tool_args:
-        add_tool_args(parser)
-    help_apart(parser, upstream)
-    parser.description = description or "Train a MAPPA team: OpenRLHF's flags and --mappa.*"
-    parser.usage = "%(prog)s --mappa.topology YAML [OpenRLHF's flags] [--mappa.* flags]"  # not 230 lines of them
-    parser.prog, parser.error = prog, types.MethodType(Parser.error, parser)
-    parser.help_command = "python -m openrlhf_mappa.cli.train_mappa_ray --help" if prog == "train_mappa_ray" else None
-    ranged_flags = {a.option_strings[0].lstrip("-"): a for a in parser._actions if a.option_strings}
-    missing = sorted(set(UPSTREAM_RANGES) - set(ranged_flags))
-    if missing:
-        raise RuntimeError(f"UPSTREAM_RANGES names flags upstream's parser does not have: {missing}")
-    for name, check in UPSTREAM_RANGES.items():
-        ranged_flags[name].type = check
-    ranged_flags["ckpt.output_dir"].help = ("each agent's final HF export goes to DIR/<agent> (MAPPA's "
-                                            "default: <mappa.run_dir>/hf; OpenRLHF's: ./ckpt)")
-    # argparse reads a negative number in exponent form ("-1e-5") as a flag and says only "expected one
-    # argument": read as a number, it gets the flag's own refusal ("out of range: expected a number >= 0").
-    parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$", re.IGNORECASE)
-    raw = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    refuse_ignored_flags(upstream, raw)
-    args = hierarchize(raw)
-    if args.ckpt.output_dir is None:
-        args.ckpt.output_dir = os.path.join(args.mappa.run_dir, "hf")
-    # OpenRLHF's --train.colocate_all, applied to each agent, is --mappa.colocate agent; any colocation keeps
-    # colocate_all on for upstream's checks, which would otherwise turn --vllm.enable_sleep off.
-    if args.train.colocate_all and args.mappa.colocate == "none":
-        args.mappa.colocate = "agent"
-    args.train.colocate_all = args.mappa.colocate != "none"
-    # Upstream's dynamic-filtering check demands a reward model or an agent function: MAPPA's coach scores, and
-    # validate() checks the rest of it.
-    filtering, args.algo.dynamic_filtering_enable = args.algo.dynamic_filtering_enable, False
-    # Upstream turns --ds.packing_samples on with token budgets and ring attention, and flash attention with
-    # packing. MAPPA keeps both as given (a CPU trains padded budgets under sdpa), packing for an agent with ring
-    # attention (placement.agent_args); on GPUs packing_problems refuses budgets without packing and packing
-    # without flash attention, and check_this_machine ring attention without it.
-    packing, attention = args.ds.packing_samples, args.ds.attn_implementation
-    # Upstream asserts that a step's rollout micro-batches are at least the actor ranks, naming no flag or
-    # value: validate() says it per agent, with both and the fix (in `mappa check`'s table too).
-    micro, args.rollout.micro_batch_size = args.rollout.micro_batch_size, 1
-    with refusals():  # upstream validates with assert
-        validate_upstream(args)
-    args.rollout.micro_batch_size = micro
-    args.algo.dynamic_filtering_enable = filtering
-    args.ds.packing_samples, args.ds.attn_implementation = packing, attention
-    return args
+from openrlhf_mappa.cli.flags import add_coach_args, add_trained_coach_args, parse_args, refusals
 
 
 def refuse(problems: list, error: type = SystemExit) -> None:
-    """One refusal naming every problem found (a '' is none; a repeat, such as a run-wide flag's for each agent,
-    once), each on its own line with its fix: a launch with several mistakes names them all at once, not one per
-    launch. `error`: a `mappa` tool's ValueError (refusals)."""
+    """One refusal naming every problem found (a '' is none; a repeat, such as a run-wide flag's for each
+    agent, once), each on its own line with its fix: a launch with several mistakes names them all at once,
+    not one per launch. `error`: a `mappa` tool's ValueError (refusals)."""
     problems = list(dict.fromkeys(why for why in problems if why))
     if len(problems) > 1:
         problems = [f"{len(problems)} problems:", *(f"- {why}" for why in problems)]
@@ -531,78 +31,89 @@ def refuse(problems: list, error: type = SystemExit) -> None:
 
 
 def validate(args, topology) -> None:
-    """The flags against each other and the topology, before Ray: every problem of the tables below in one refusal.
-    A rule reading a value an earlier rule refuses (no token limit, a ring that does not divide the GPUs) waits for
-    it. The coach template's check and OpenRLHF's PolicyLoss (its own ValueError; it loads torch) run once all
-    passed."""
-    trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents  # as placement.trainee_specs
+    """The flags against each other and the topology, before Ray: every problem of the tables below in one
+    refusal. A rule reading a value an earlier rule refuses (no token limit, a ring that does not divide the
+    GPUs) waits for it. The coach template's check and OpenRLHF's PolicyLoss (its own ValueError; it loads
+    torch) run once all passed."""
+    # as placement.trainee_specs
+    trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents
     coach, advantage = args.mappa.coach, args.algo.advantage
     trained = trained_coach_problems(args, topology) if coach.kind == "trained" else []
     refuse(run_problems(args, topology, trainees) + parallel_problems(args, trainees)
-           + token_limit_problems(args, topology) + algo_problems(args) + coach_kind_problems(coach) + trained)
+           + token_limit_problems(args, topology) + algo_problems(args) + coach_kind_problems(coach)
+           + trained)
     scored = args.mappa.reward == "process" or coach.score_outcome_runs  # as MappaTrainer.scored
     topology.check_coach_template(args.mappa.topology, coach.kind, coach.mode, scored)
     if advantage.is_correction_level != "off":
-        from openrlhf.models.loss import PolicyLoss  # its own checks of the correction's settings, before any actor
+        # its own checks of the correction's settings, before any actor
+        from openrlhf.models.loss import PolicyLoss
 
-        PolicyLoss(policy_loss_type=args.actor.policy_loss_type, is_correction_level=advantage.is_correction_level,
+        PolicyLoss(policy_loss_type=args.actor.policy_loss_type,
+                   is_correction_level=advantage.is_correction_level,
                    is_correction_mode=advantage.is_correction_mode,
                    is_correction_gating=advantage.is_correction_gating,
                    is_correction_threshold=advantage.is_correction_threshold)
 
 
 def run_problems(args, topology, trainees: list) -> list:
-    """The engines, the tasks, each step's batches, the start-up's clocks, LoRA's settings and the coach's against
-    --mappa.reward."""
+    """The engines, the tasks, each step's batches, the start-up's clocks, LoRA's settings and the coach's
+    against --mappa.reward."""
     d, m, ds, c = args.data, args.mappa, args.ds, args.mappa.coach
-    # --data.prompt_probs as OpenRLHF's blend (interleave_datasets) takes it: one weight per dataset, summing to 1.
+    # --data.prompt_probs as OpenRLHF's blend (interleave_datasets) takes it: one weight per dataset, summing
+    # to 1.
     datasets, probs = (d.prompt_dataset or "").split(","), d.prompt_probs
     try:
         weights = [float(p) for p in probs.split(",")] if probs else []
     except ValueError:
         weights = []
-    blended = not probs or (len(weights) == len(datasets) and min(weights) >= 0 and abs(sum(weights) - 1) <= 1e-6)
+    blended = not probs or (len(weights) == len(datasets) and min(weights) >= 0
+                            and abs(sum(weights) - 1) <= 1e-6)
     lora = ", ".join(spec.name for spec in topology.agents if spec.lora is not None)
     rules = [
         (not args.vllm.num_engines,
          "MAPPA generates with vLLM: set --vllm.num_engines (per agent; a topology may override it)"),
-        (not d.prompt_dataset, "--data.prompt_dataset: the tasks (a file, a dataset folder or a Hub name; several "
-                               "comma-separated) are required"),
+        (not d.prompt_dataset, "--data.prompt_dataset: the tasks (a file, a dataset folder or a Hub name; "
+                               "several comma-separated) are required"),
         (d.prompt_dataset and not blended,
-         f"--data.prompt_probs {probs}: give one probability per dataset of --data.prompt_dataset ({len(datasets)}: "
-         f"{', '.join(datasets)}), each at least 0, summing to 1"),
-        (m.startup_warn_s > m.startup_timeout_s, f"--mappa.startup_warn_s ({m.startup_warn_s:g}) must be at most "
-                                                 f"--mappa.startup_timeout_s ({m.startup_timeout_s:g})"),
-        # QLoRA: LoRA agents' bases in 4 bits (agent_args); 4-bit weights cannot train, so full-weight agents stay bf16.
+         f"--data.prompt_probs {probs}: give one probability per dataset of --data.prompt_dataset "
+         f"({len(datasets)}: {', '.join(datasets)}), each at least 0, summing to 1"),
+        (m.startup_warn_s > m.startup_timeout_s, f"--mappa.startup_warn_s ({m.startup_warn_s:g}) must be at "
+                                                 f"most --mappa.startup_timeout_s ({m.startup_timeout_s:g})"),
+        # QLoRA: LoRA agents' bases in 4 bits (agent_args); 4-bit weights cannot train, so full-weight agents
+        # stay bf16.
         (ds.load_in_4bit and not any(spec.lora is not None for spec in trainees),
-         "--ds.load_in_4bit trains LoRA adapters on a 4-bit base (QLoRA), and no agent declares lora in the topology: "
-         "its full weights cannot train in 4 bits"),
-        (ds.load_in_4bit and ds.param_dtype != "bf16", f"--ds.load_in_4bit computes in bf16 (OpenRLHF's bitsandbytes "
-                                                       f"config): use --ds.param_dtype bf16, not {ds.param_dtype}"),
+         "--ds.load_in_4bit trains LoRA adapters on a 4-bit base (QLoRA), and no agent declares lora in the "
+         "topology: its full weights cannot train in 4 bits"),
+        (ds.load_in_4bit and ds.param_dtype != "bf16", "--ds.load_in_4bit computes in bf16 (OpenRLHF's "
+                                                       "bitsandbytes config): use --ds.param_dtype bf16, not "
+                                                       f"{ds.param_dtype}"),
         (lora and args.vllm.tensor_parallel_size > 1, f"agents {lora} declare lora: {LORA_ENGINES_TP}"),
-        # Under async a pool's engines keep serving while an adapter reloads: vLLM's prefix-cache reset then does
-        # nothing (other requests hold blocks), and the cache is keyed by the adapter's name, which a reload keeps.
+        # Under async a pool's engines keep serving while an adapter reloads: vLLM's prefix-cache reset then
+        # does nothing (other requests hold blocks), and the cache is keyed by the adapter's name, which a
+        # reload keeps.
         (lora and args.train.async_enable and args.vllm.enable_prefix_caching,
-         f"agents {lora} declare lora: with --train.async_enable their pool's engines keep generating while an adapter "
-         f"reloads, so --vllm.enable_prefix_caching could serve an agent KV cache computed with its old adapter (vLLM "
-         f"keys it by adapter name): drop --vllm.enable_prefix_caching, or train synchronously (no "
-         f"--train.async_enable)"),
+         f"agents {lora} declare lora: with --train.async_enable their pool's engines keep generating while "
+         "an adapter reloads, so --vllm.enable_prefix_caching could serve an agent KV cache computed with "
+         "its old adapter (vLLM keys it by adapter name): drop --vllm.enable_prefix_caching, or train "
+         "synchronously (no --train.async_enable)"),
         (c.mode != "per_action" and m.reward == "outcome" and not c.score_outcome_runs,
-         f"--mappa.coach.mode {c.mode}: an outcome run asks no coach; add --mappa.coach.score_outcome_runs to log the "
-         f"coach's verdicts anyway"),
+         f"--mappa.coach.mode {c.mode}: an outcome run asks no coach; add --mappa.coach.score_outcome_runs "
+         "to log the coach's verdicts anyway"),
         (c.score_outcome_runs and m.reward != "outcome",
-         "--mappa.coach.score_outcome_runs is for --mappa.reward outcome (process runs always ask the coach)"),
+         "--mappa.coach.score_outcome_runs is for --mappa.reward outcome "
+         "(process runs always ask the coach)"),
     ]
     problems = [why for bad, why in rules if bad]
-    # A step trains whole --train.batch_size batches (rewards.batch_rule): an agent with fewer actions a step would
-    # never train. Under --mappa.shared_policy the one trainee trains on every role's actions.
+    # A step trains whole --train.batch_size batches (rewards.batch_rule): an agent with fewer actions a step
+    # would never train. Under --mappa.shared_policy the one trainee trains on every role's actions.
     for spec in trainees:
         actions = topology.most_actions(spec, m.shared_policy)
         most = args.rollout.batch_size * args.rollout.n_samples_per_prompt * actions
         if most < args.train.batch_size:
-            problems.append(f"agent {spec.name!r} takes at most {most} actions a step (--rollout.batch_size x "
-                            f"--rollout.n_samples_per_prompt x its actions per episode), fewer than --train.batch_size "
-                            f"({args.train.batch_size}): it would never train (a step trains whole batches)")
+            problems.append(f"agent {spec.name!r} takes at most {most} actions a step (--rollout.batch_size "
+                            "x --rollout.n_samples_per_prompt x its actions per episode), fewer than "
+                            f"--train.batch_size ({args.train.batch_size}): it would never train (a step "
+                            "trains whole batches)")
     return problems
 
 
@@ -615,49 +126,55 @@ def token_limit_problems(args, topology) -> list:
         where = (f"agent {spec.name!r}: its max_new_tokens in the topology" if spec.max_new_tokens
                  else "--rollout.max_new_tokens")
         if limit is None:
-            problems.append(f"--rollout.max_new_tokens is required (agent {spec.name!r} sets no max_new_tokens in the "
-                            f"topology): the token limit of one action; its prompt gets --data.max_len minus it")
+            problems.append(f"--rollout.max_new_tokens is required (agent {spec.name!r} sets no "
+                            "max_new_tokens in the topology): the token limit of one action; its prompt gets "
+                            "--data.max_len minus it")
         elif limit >= args.data.max_len:
-            problems.append(f"{where} ({limit}) must be below --data.max_len ({args.data.max_len}), which holds the "
-                            f"prompt and the reply together: no prompt would fit, and every action would be skipped")
+            problems.append(f"{where} ({limit}) must be below --data.max_len ({args.data.max_len}), which "
+                            "holds the prompt and the reply together: no prompt would fit, and every action "
+                            "would be skipped")
     return problems
 
 
-# LoRA engines take one GPU each: the rule for the topology's LoRA agents (validate) and exported adapters (`mappa
-# eval`), refused where --vllm.tensor_parallel_size is above 1.
-LORA_ENGINES_TP = ("their pool's engines take one GPU each (--vllm.tensor_parallel_size 1; tensor-parallel LoRA "
-                   "engines are not built)")
+# LoRA engines take one GPU each: the rule for the topology's LoRA agents (validate) and exported adapters
+# (`mappa eval`), refused where --vllm.tensor_parallel_size is above 1.
+LORA_ENGINES_TP = ("their pool's engines take one GPU each (--vllm.tensor_parallel_size 1; tensor-parallel "
+                   "LoRA engines are not built)")
 
 
-# The coach flags an LLM coach reads (openai, and trained: its own model and its reference judge's server). Given to
-# a kind that does not read them, a flag changes nothing, silently: a coach URL without --mappa.coach.kind openai
-# would train on the offline heuristic coach, the default.
-LLM_COACH_FLAGS = ("model", "base_url", "api_key_env", "timeout", "max_concurrency", "max_retries", "rpm", "structured",
-                   "max_tokens", "format_retries", "price_in", "price_out")
+# The coach flags an LLM coach reads (openai, and trained: its own model and its reference judge's server).
+# Given to a kind that does not read them, a flag changes nothing, silently: a coach URL without
+# --mappa.coach.kind openai would train on the offline heuristic coach, the default.
+LLM_COACH_FLAGS = ("model", "base_url", "api_key_env", "timeout", "max_concurrency", "max_retries", "rpm",
+                   "structured", "max_tokens", "format_retries", "price_in", "price_out")
 
 
 @functools.cache
 def coach_flags() -> tuple:
-    """({every --mappa.coach.* flag's last name: its default}, the trained coach's flags' names), read once from
-    their arguments (coach_kind_problems; tests build coaches from the defaults)."""
+    """({every --mappa.coach.* flag's last name: its default}, the trained coach's flags' names), read once
+    from their arguments (coach_kind_problems; tests build coaches from the defaults)."""
     coach, trained = argparse.ArgumentParser(), argparse.ArgumentParser()
     add_coach_args(coach)
     add_trained_coach_args(trained)
-    defaults = {a.dest.rpartition(".")[2]: a.default for p in (coach, trained) for a in p._actions if a.dest != "help"}
+    defaults = {a.dest.rpartition(".")[2]: a.default for p in (coach, trained) for a in p._actions
+                if a.dest != "help"}
     return defaults, tuple(a.dest.rpartition(".")[2] for a in trained._actions if a.dest != "help")
 
 
 def coach_kind_problems(c) -> list:
-    """A coach flag (of `c`, args.mappa.coach), off its default, that --mappa.coach.kind does not read, naming the
-    kind that does."""
+    """A coach flag (of `c`, args.mappa.coach), off its default, that --mappa.coach.kind does not read, naming
+    the kind that does."""
     defaults, trained = coach_flags()
-    readers = {**{key: ("openai", "trained") for key in LLM_COACH_FLAGS}, **{key: ("trained",) for key in trained}}
-    given = [key for key, kinds in readers.items() if c.kind not in kinds and getattr(c, key) != defaults[key]]
+    readers = {**{key: ("openai", "trained") for key in LLM_COACH_FLAGS},
+               **{key: ("trained",) for key in trained}}
+    given = [key for key, kinds in readers.items()
+             if c.kind not in kinds and getattr(c, key) != defaults[key]]
     if not given:
         return []
-    kinds = [k for k in ("openai", "trained") if all(k in readers[key] for key in given)]  # a kind reading them all
-    what = {"heuristic": "the default: the offline rule-based demo coach", "openai": "an OpenAI-compatible server",
-            "trained": "a coach model trained with the team"}
+    # a kind reading them all
+    kinds = [k for k in ("openai", "trained") if all(k in readers[key] for key in given)]
+    what = {"heuristic": "the default: the offline rule-based demo coach",
+            "openai": "an OpenAI-compatible server", "trained": "a coach model trained with the team"}
     fix = " or ".join(f"--mappa.coach.kind {k} ({what[k]})" for k in kinds)
     them = "them" if len(given) > 1 else "it"
     return [f"{', '.join('--mappa.coach.' + key for key in given)}: read by the {' and '.join(kinds)} "
@@ -666,38 +183,45 @@ def coach_kind_problems(c) -> list:
 
 
 def trained_coach_problems(args, topology) -> list:
-    """--mappa.coach.kind trained: one more trainee (placement.trainee_specs), judging each action as it comes."""
+    """--mappa.coach.kind trained: one more trainee (placement.trainee_specs), judging each action as it
+    comes."""
     from openrlhf_mappa.coach.trained import TERMS
     from openrlhf_mappa.episode import COACH_NAME
 
     c, m = args.mappa.coach, args.mappa
     rules = [
         (not c.model, "give the coach's model: --mappa.coach.model (an HF hub id or a local directory)"),
-        (c.mode != "per_action", f"it judges each action as it comes (mode per_action); hindsight reviews by a "
-                                 f"trained coach are not built, so not --mappa.coach.mode {c.mode}"),
+        (c.mode != "per_action", "it judges each action as it comes (mode per_action); hindsight reviews by "
+                                 f"a trained coach are not built, so not --mappa.coach.mode {c.mode}"),
         (m.reward != "process", "it trains on the verdicts of process runs only (--mappa.reward process)"),
-        (m.shared_policy, "with --mappa.shared_policy is not built (the baseline's one policy plays every role)"),
-        (args.vllm.enable_sleep, "with --vllm.enable_sleep is not built: its engines judge the last actions after the "
-                                 "agents are done, when the team's engines go to sleep"),
-        (COACH_NAME in [spec.name for spec in topology.agents], f"the topology has an agent named {COACH_NAME!r}, "
-                                                                f"the trained coach's name: rename that agent"),
-        (bool(set(c.terms.split(",")) - set(TERMS)), f"--mappa.coach.terms {c.terms}: each of {', '.join(TERMS)}"),
+        (m.shared_policy, "with --mappa.shared_policy is not built (the baseline's one policy plays every "
+                          "role)"),
+        (args.vllm.enable_sleep, "with --vllm.enable_sleep is not built: its engines judge the last actions "
+                                 "after the agents are done, when the team's engines go to sleep"),
+        (COACH_NAME in [spec.name for spec in topology.agents], "the topology has an agent named "
+                                                                f"{COACH_NAME!r}, the trained coach's name: "
+                                                                "rename that agent"),
+        (bool(set(c.terms.split(",")) - set(TERMS)), f"--mappa.coach.terms {c.terms}: each of "
+                                                     f"{', '.join(TERMS)}"),
         (c.reference_kind == "openai" and not (c.reference_model and c.base_url),
          "an openai reference judge needs --mappa.coach.reference_model and --mappa.coach.base_url"),
-        ((c.max_tokens or args.rollout.max_new_tokens or 0) >= args.data.max_len,  # None: token_limit_problems
-         f"its reply limit (--mappa.coach.max_tokens, else --rollout.max_new_tokens) must be below --data.max_len "
-         f"({args.data.max_len})"),
+        # (no token limit, None, is token_limit_problems' refusal)
+        ((c.max_tokens or args.rollout.max_new_tokens or 0) >= args.data.max_len,
+         "its reply limit (--mappa.coach.max_tokens, else --rollout.max_new_tokens) must be below "
+         f"--data.max_len ({args.data.max_len})"),
         (c.reply == "digit" and args.algo.advantage.is_correction_level != "off",
-         "with --mappa.coach.reply digit, vLLM's sampling log-probs are over the ten digits and the actor's over the "
-         "vocabulary, so no importance-sampling correction can apply to it: --algo.advantage.is_correction_level off"),
+         "with --mappa.coach.reply digit, vLLM's sampling log-probs are over the ten digits and the actor's "
+         "over the vocabulary, so no importance-sampling correction can apply to it: "
+         "--algo.advantage.is_correction_level off"),
     ]
     return [f"--mappa.coach.kind trained: {why}" for bad, why in rules if bad]
 
 
 def parallel_problems(args, trainees: list) -> list:
-    """Each agent's train batch is split over its data-parallel ranks (a topology may give an agent its own GPU
-    count) in micro-batches. The ranks of one ring or tensor-parallel group share theirs (upstream's
-    duplicate_actors): an agent's GPUs hold whole groups, and its data-parallel ranks are its GPUs / group size."""
+    """Each agent's train batch is split over its data-parallel ranks (a topology may give an agent its own
+    GPU count) in micro-batches. The ranks of one ring or tensor-parallel group share theirs (upstream's
+    duplicate_actors): an agent's GPUs hold whole groups, and its data-parallel ranks are its GPUs / group
+    size."""
     from openrlhf_mappa.compat import cpu_mode
     from openrlhf_mappa.placement import agent_args
 
@@ -709,19 +233,20 @@ def parallel_problems(args, trainees: list) -> list:
         if a.algo.kl.init_coef > 0 and spec.lora is None:
             gpus["reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
         rules = [
-            (tp > 1 and a.ds.zero_stage == 3, f"tensor parallelism ({tp}) is DeepSpeed's AutoTP, which trains with "
-                                              f"ZeRO stages 0-2 only (under ZeRO-3 transformers refuses to load the "
-                                              f"model): pass --ds.zero_stage 2"),
-            (tp > 1 and args.ds.param_dtype != "bf16", f"tensor parallelism ({tp}) trains in bf16 (OpenRLHF's AutoTP): "
-                                                       f"use --ds.param_dtype bf16, not {args.ds.param_dtype}"),
-            (tp > 1 and spec.lora is not None, f"tensor parallelism ({tp}) with LoRA is not built: AutoTP would split "
-                                               f"the base under peft's adapter layers, and the adapter syncs from one "
-                                               f"rank; give it tensor_parallel_size 1"),
+            (tp > 1 and a.ds.zero_stage == 3, f"tensor parallelism ({tp}) is DeepSpeed's AutoTP, which "
+                                              "trains with ZeRO stages 0-2 only (under ZeRO-3 transformers "
+                                              "refuses to load the model): pass --ds.zero_stage 2"),
+            (tp > 1 and args.ds.param_dtype != "bf16", f"tensor parallelism ({tp}) trains in bf16 "
+                                                       "(OpenRLHF's AutoTP): use --ds.param_dtype bf16, not "
+                                                       f"{args.ds.param_dtype}"),
+            (tp > 1 and spec.lora is not None, f"tensor parallelism ({tp}) with LoRA is not built: AutoTP "
+                                               "would split the base under peft's adapter layers, and the "
+                                               "adapter syncs from one rank; give it tensor_parallel_size 1"),
         ]
         for kind, n in gpus.items():
-            rules.append((n % (ring * tp), f"its {n} {kind} GPUs must be a multiple of its ring-attention size "
-                                           f"({ring}) x its tensor-parallel size ({tp}): the ranks of a ring or "
-                                           f"tensor-parallel group share each micro-batch"))
+            rules.append((n % (ring * tp), f"its {n} {kind} GPUs must be a multiple of its ring-attention "
+                                           f"size ({ring}) x its tensor-parallel size ({tp}): the ranks of a "
+                                           "ring or tensor-parallel group share each micro-batch"))
         ranks = gpus["actor"] // (ring * tp)
         where = ("num_gpus_per_node in the topology" if spec.num_gpus_per_node
                  else "--actor.num_nodes x --actor.num_gpus_per_node")
@@ -729,9 +254,9 @@ def parallel_problems(args, trainees: list) -> list:
         for flag, micro in (("train.micro_batch_size", args.train.micro_batch_size),
                             ("rollout.micro_batch_size", args.rollout.micro_batch_size)):
             rules.append((gpus["actor"] % (ring * tp) == 0 and args.train.batch_size % (micro * ranks),
-                          f"--train.batch_size ({args.train.batch_size}) must be a multiple of --{flag} ({micro}) x "
-                          f"its {ranks} data-parallel actor ranks ({where}) = {micro * ranks}, so that every rank "
-                          f"gets whole micro-batches"))
+                          f"--train.batch_size ({args.train.batch_size}) must be a multiple of --{flag} "
+                          f"({micro}) x its {ranks} data-parallel actor ranks ({where}) = {micro * ranks}, "
+                          "so that every rank gets whole micro-batches"))
         r = args.rollout
         samples = r.batch_size * r.n_samples_per_prompt
         fits = max(1, samples // max(1, ranks))  # a micro-batch size that gives every rank one
@@ -742,55 +267,61 @@ def parallel_problems(args, trainees: list) -> list:
                       f"{r.micro_batch_size}, fewer than its {ranks} data-parallel actor ranks ({where}): "
                       f"lower --rollout.micro_batch_size to {fits} or raise --rollout.batch_size"))
         problems += [f"agent {spec.name!r}: {why}" for bad, why in rules if bad]
-        # The run's flags, named at the first agent they fail. A CPU's tiny models train with padded budgets under
-        # sdpa (no flash-attn on CPUs).
+        # The run's flags, named at the first agent they fail. A CPU's tiny models train with padded budgets
+        # under sdpa (no flash-attn on CPUs).
         if not packing and not cpu_mode():
             packing = packing_problems(a, spec)
     return problems + packing
 
 
 def packing_problems(a, spec) -> list:
-    """On GPUs, token budgets need packing, and packing flash attention (agent `spec`'s args `a`). OpenRLHF's budget
-    split balances the sum of lengths: padded, a micro-batch costs its count x its longest action, several times the
-    budget with long and short actions mixed. Under sdpa or eager, transformers masks a packed row with a dense
-    tokens x tokens mask. The plan (placement.py) counts neither."""
+    """On GPUs, token budgets need packing, and packing flash attention (agent `spec`'s args `a`). OpenRLHF's
+    budget split balances the sum of lengths: padded, a micro-batch costs its count x its longest action,
+    several times the budget with long and short actions mixed. Under sdpa or eager, transformers masks a
+    packed row with a dense tokens x tokens mask. The plan (placement.py) counts neither."""
     attention, budget = a.ds.attn_implementation, a.train.max_tokens_per_gpu
     rules = [
         (a.train.dynamic_batch_enable and not a.ds.packing_samples,
          f"--train.dynamic_batch_enable without --ds.packing_samples (agent {spec.name!r}): on GPUs a padded "
-         f"micro-batch costs its count x its longest action, which the budget (--train.max_tokens_per_gpu {budget}) "
-         f"does not bound: pass --ds.packing_samples, with --ds.attn_implementation flash_attention_2"),
-        (a.ds.packing_samples and "flash_attention" not in attention and a.ds.ring_attn_size == 1,  # a ring's: later
-         f"--ds.packing_samples under --ds.attn_implementation {attention} (agent {spec.name!r}): transformers masks "
-         f"each packed micro-batch with a dense tokens x tokens mask on GPUs (1 GiB at 32K tokens), which the plan "
-         f"does not count: pass --ds.attn_implementation flash_attention_2 (flash-attn installed), or drop "
-         f"--ds.packing_samples (and token budgets, which need it)"),
+         "micro-batch costs its count x its longest action, which the budget (--train.max_tokens_per_gpu "
+         f"{budget}) does not bound: pass --ds.packing_samples, with --ds.attn_implementation "
+         "flash_attention_2"),
+        # (with a ring: check_this_machine's, later)
+        (a.ds.packing_samples and "flash_attention" not in attention and a.ds.ring_attn_size == 1,
+         f"--ds.packing_samples under --ds.attn_implementation {attention} (agent {spec.name!r}): "
+         "transformers masks each packed micro-batch with a dense tokens x tokens mask on GPUs (1 GiB at 32K "
+         "tokens), which the plan does not count: pass --ds.attn_implementation flash_attention_2 "
+         "(flash-attn installed), or drop --ds.packing_samples (and token budgets, which need it)"),
     ]
     return [why for bad, why in rules if bad]
 
 
 def algo_problems(args) -> list:
-    """OpenRLHF's algorithm and async flags, where MAPPA would otherwise do nothing with them, silently, or cannot."""
+    """OpenRLHF's algorithm and async flags, where MAPPA would otherwise do nothing with them, silently, or
+    cannot."""
     algo, m, samples = args.algo, args.mappa, args.rollout.n_samples_per_prompt
     low, high = algo.dynamic_filtering_range
-    no_kl = ("needs --algo.kl.init_coef > 0: with 0 no agent has a reference model, so there is no KL to adapt or to "
-             "put in the loss")
+    no_kl = ("needs --algo.kl.init_coef > 0: with 0 no agent has a reference model, so there is no KL to "
+             "adapt or to put in the loss")
     rules = [
         (m.norm_scope == "group" and samples < 2,
-         "--mappa.norm_scope group compares the samples of each prompt: set --rollout.n_samples_per_prompt >= 2"),
+         "--mappa.norm_scope group compares the samples of each prompt: set --rollout.n_samples_per_prompt "
+         ">= 2"),
         (algo.dynamic_filtering_enable and not low < high,
          f"--algo.dynamic_filtering_range {low:g} {high:g}: the low end must be below the high end"),
         (algo.dynamic_filtering_enable and samples < 2,
-         "--algo.dynamic_filtering_enable compares the samples of each task: set --rollout.n_samples_per_prompt >= 2"),
+         "--algo.dynamic_filtering_enable compares the samples of each task: set "
+         "--rollout.n_samples_per_prompt >= 2"),
         (algo.kl.target and not algo.kl.init_coef, f"--algo.kl.target {no_kl}"),
         (algo.kl.use_loss and not algo.kl.init_coef, f"--algo.kl.use_loss {no_kl}"),
-        (algo.kl.unbiased_gradient and not algo.kl.use_loss, "--algo.kl.unbiased_gradient changes the gradient of the "
-                                                             "KL loss: it needs --algo.kl.use_loss (MAPPA's default "
-                                                             "puts KL in the reward)"),
-        # Colocated, an agent's engines and actor share GPUs in turns (OpenRLHF's hybrid engine): nothing could
-        # generate while the actors train. Upstream refuses async with vLLM sleep for the same reason.
+        (algo.kl.unbiased_gradient and not algo.kl.use_loss, "--algo.kl.unbiased_gradient changes the "
+                                                             "gradient of the KL loss: it needs "
+                                                             "--algo.kl.use_loss (MAPPA's default puts KL in "
+                                                             "the reward)"),
+        # Colocated, an agent's engines and actor share GPUs in turns (OpenRLHF's hybrid engine): nothing
+        # could generate while the actors train. Upstream refuses async with vLLM sleep for the same reason.
         (args.train.async_enable and m.colocate != "none",
-         f"--train.async_enable generates the next steps while the agents train, on engines of their own: use "
+         "--train.async_enable generates the next steps while the agents train, on engines of their own: use "
          f"--mappa.colocate none (not {m.colocate})"),
         (m.max_staleness is not None and not args.train.async_enable,
          "--mappa.max_staleness applies to --train.async_enable: synchronous training is on-policy"),
@@ -799,22 +330,27 @@ def algo_problems(args) -> list:
 
 
 def check_this_machine(args, topology=None) -> None:
-    """What the flags need of the machines the run starts on, not of the plan (`mappa plan` may run elsewhere)."""
+    """What the flags need of the machines the run starts on, not of the plan (`mappa plan` may run
+    elsewhere)."""
     from openrlhf_mappa import placement
     from openrlhf_mappa.compat import cpu_mode
 
     needed = placement.needed_modules(args, topology)
-    attention, ring, colocate = args.ds.attn_implementation, placement.ring_size(args, topology), args.mappa.colocate
+    attention, ring, colocate = (args.ds.attn_implementation, placement.ring_size(args, topology),
+                                 args.mappa.colocate)
     rules = [
-        # ring_flash_attn replaces flash attention's forward: under sdpa each rank would attend to its own slice.
+        # ring_flash_attn replaces flash attention's forward: under sdpa each rank would attend to its own
+        # slice.
         (ring > 1 and "flash_attention" not in attention and not cpu_mode(),
-         f"--ds.ring_attn_size {ring} replaces flash attention's kernel, which --ds.attn_implementation {attention} "
-         f"does not use: pass --ds.attn_implementation flash_attention_2"),
-        # With gloo, OpenRLHF builds a PyNccl group between an actor rank and the engine on its own GPU, which NCCL
-        # refuses (ppo_actor.py, distributed_util.py); nccl passes a colocated actor's weights by CUDA IPC.
+         f"--ds.ring_attn_size {ring} replaces flash attention's kernel, which --ds.attn_implementation "
+         f"{attention} does not use: pass --ds.attn_implementation flash_attention_2"),
+        # With gloo, OpenRLHF builds a PyNccl group between an actor rank and the engine on its own GPU, which
+        # NCCL refuses (ppo_actor.py, distributed_util.py); nccl passes a colocated actor's weights by CUDA
+        # IPC.
         (colocate != "none" and args.vllm.sync_backend == "gloo" and not cpu_mode(),
          f"--vllm.sync_backend gloo with --mappa.colocate {colocate} cannot sync weights on GPUs: drop "
-         f"--vllm.sync_backend gloo (nccl, the default, passes them by CUDA IPC); gloo is for CPU-only machines"),
+         "--vllm.sync_backend gloo (nccl, the default, passes them by CUDA IPC); gloo is for CPU-only "
+         "machines"),
     ]
     missing = placement.module_refusals(needed, placement.broken_modules(needed), "here")
     if missing and not cpu_mode() and placement.detect_gpus()[0] is None:
@@ -827,8 +363,9 @@ def check_this_machine(args, topology=None) -> None:
 
 
 def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:
-    """`max_samples` tasks drawn at random with `seed`, in file order (all if there are no more). The first N rows
-    would be biased (by year, in AIME); numpy's legacy RandomState, sorted, is the authors' random_sample_train."""
+    """`max_samples` tasks drawn at random with `seed`, in file order (all if there are no more). The first N
+    rows would be biased (by year, in AIME); numpy's legacy RandomState, sorted, is the authors'
+    random_sample_train."""
     import numpy as np
 
     if len(tasks) <= max_samples:
@@ -838,8 +375,9 @@ def choose_train_tasks(tasks: list, max_samples: int, seed: int) -> list:
 
 
 def check_eval_overlap(args, tasks: list, eval_sets: dict) -> None:
-    """Refuse (or, with --mappa.allow_eval_overlap, warn about) eval sets that hold training problems: a trained
-    team's score on problems it trained on is no held-out result, and nothing in eval.jsonl would show it."""
+    """Refuse (or, with --mappa.allow_eval_overlap, warn about) eval sets that hold training problems: a
+    trained team's score on problems it trained on is no held-out result, and nothing in eval.jsonl would show
+    it."""
     from openrlhf_mappa.evaluation import train_overlap
 
     shared = {name: train_overlap(tasks, eval_tasks) for name, eval_tasks in eval_sets.items()}
@@ -847,12 +385,13 @@ def check_eval_overlap(args, tasks: list, eval_sets: dict) -> None:
             f"{', ...' if len(ids) > 8 else ''})" for name, ids in shared.items() if ids]
     if not said:
         return
-    what = (f"--eval.dataset shares problems with the {len(tasks)} training tasks of {args.data.prompt_dataset} "
-            f"(--data.max_samples {args.data.max_samples}, --train.seed {args.train.seed}), by problem text or AIME "
-            f"year/part/number: " + "; ".join(said))
+    what = (f"--eval.dataset shares problems with the {len(tasks)} training tasks of "
+            f"{args.data.prompt_dataset} (--data.max_samples {args.data.max_samples}, --train.seed "
+            f"{args.train.seed}), by problem text or AIME year/part/number: " + "; ".join(said))
     if not args.mappa.allow_eval_overlap:
-        raise ValueError(f"{what}. Evaluate on held-out problems (the paper's aime_2025.json, amc_eval_32.json), or "
-                         "pass --mappa.allow_eval_overlap to measure them anyway (counted as train_overlap)")
+        raise ValueError(f"{what}. Evaluate on held-out problems (the paper's aime_2025.json, "
+                         "amc_eval_32.json), or pass --mappa.allow_eval_overlap to measure them anyway "
+                         "(counted as train_overlap)")
     print(f"[mappa] WARNING: {what}; their scores are not held-out results (train_overlap in eval.jsonl)",
           file=sys.stderr, flush=True)
 
@@ -860,8 +399,8 @@ def check_eval_overlap(args, tasks: list, eval_sets: dict) -> None:
 @contextlib.contextmanager
 def output_to(log_path: str):
     """This process's stdout and stderr into `log_path` at the file-descriptor level, where Ray's, vLLM's and
-    DeepSpeed's output goes too (their handlers hold the original streams); console.console keeps the terminal.
-    The terminal is restored first on the way out, so an error that ends the run is shown there."""
+    DeepSpeed's output goes too (their handlers hold the original streams); console.console keeps the
+    terminal. The terminal is restored first on the way out, so an error that ends the run is shown there."""
     from openrlhf_mappa.console import console
 
     sys.stdout.flush()
@@ -876,7 +415,8 @@ def output_to(log_path: str):
     try:
         yield
     except BaseException:
-        print(f"[mappa] the run stopped; Ray's, vLLM's and DeepSpeed's output is in {os.path.abspath(log_path)}",
+        print("[mappa] the run stopped; Ray's, vLLM's and DeepSpeed's output is in "
+              f"{os.path.abspath(log_path)}",
               file=console.err, flush=True)
         raise
     finally:
@@ -891,8 +431,9 @@ def output_to(log_path: str):
 
 
 def unwritable_dir(path: str, flag: str = "") -> str:
-    """Why the directory `path` (given as `flag`) could not be created or written, or '' where it can: named before
-    the work that writes there (the launcher's run, checkpoint and log directories, the tools' outputs)."""
+    """Why the directory `path` (given as `flag`) could not be created or written, or '' where it can: named
+    before the work that writes there (the launcher's run, checkpoint and log directories, the tools'
+    outputs)."""
     given = f"{flag} {path}".lstrip()
     if os.path.exists(path) and not os.path.isdir(path):
         return f"{given}: exists and is not a directory"
@@ -931,15 +472,18 @@ def check_team(args, plan: bool = True, models: bool = True):
     validate(args, topology)
     if models:
         check_models(args, topology)
-    if plan and (args.mappa.gpus or args.mappa.gpu_memory_gib):  # the cluster as given: the plan, before Ray starts
-        placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib, allowed=accepted(topology))
+    # the cluster as given: the plan, before Ray starts
+    if plan and (args.mappa.gpus or args.mappa.gpu_memory_gib):
+        placement.check(args, topology, args.mappa.gpus, args.mappa.gpu_memory_gib,
+                        allowed=accepted(topology))
     return topology
 
 
 def check_models(args, topology, config_only: bool = False) -> None:
-    """Each trainee's model (every agent's, a trained coach's) found as the launch loads it, and a LoRA agent's
-    targets in it (train, `mappa doctor` and its recipe's models, `mappa plan`). `config_only` (`mappa plan`): a
-    local directory needs only the config.json the plan reads, so a hub id out of reach is what it refuses."""
+    """Each trainee's model (every agent's, a trained coach's) found as the launch loads it, and a LoRA
+    agent's targets in it (train, `mappa doctor` and its recipe's models, `mappa plan`). `config_only` (`mappa
+    plan`): a local directory needs only the config.json the plan reads, so a hub id out of reach is what it
+    refuses."""
     from openrlhf_mappa.placement import trainee_specs
     from openrlhf_mappa.team import check_lora, check_model
 
@@ -1008,9 +552,9 @@ def play_scripted(topology, tasks: list, args) -> None:
 
 
 class Preflight:
-    """Every check a launch runs before Ray starts, in order. `train` runs them all and stops at the first refusal;
-    `mappa check` (the dry run) runs each whose inputs passed and prints a table. A step reads what the earlier ones
-    found, and may return a line saying what it found."""
+    """Every check a launch runs before Ray starts, in order. `train` runs them all and stops at the first
+    refusal; `mappa check` (the dry run) runs each whose inputs passed and prints a table. A step reads what
+    the earlier ones found, and may return a line saying what it found."""
 
     STEPS = (  # (what it checks, its method, the steps whose results it reads)
         ("topology, flags", "team", ()),
@@ -1027,7 +571,8 @@ class Preflight:
     )
 
     def __init__(self, args, score_one: bool = False):
-        self.args, self.score_one = args, score_one  # score_one: the coach also scores one action (the dry run)
+        # score_one: the coach also scores one action (the dry run)
+        self.args, self.score_one = args, score_one
 
     def run(self) -> None:
         for _, method, _ in self.STEPS:
@@ -1051,8 +596,8 @@ class Preflight:
                                         needs_answer=self.topology.env_cls.needs_answer, seed=args.train.seed)
         self.tasks = choose_train_tasks(self.all_tasks, args.data.max_samples, args.train.seed)
         if len(self.tasks) < args.rollout.batch_size:
-            raise SystemExit(f"{args.data.prompt_dataset}: {len(self.tasks)} tasks, fewer than --rollout.batch_size "
-                             f"{args.rollout.batch_size}")
+            raise SystemExit(f"{args.data.prompt_dataset}: {len(self.tasks)} tasks, fewer than "
+                             f"--rollout.batch_size {args.rollout.batch_size}")
         strata = self.topology.batch_strata
         lacking = [t for t in self.tasks if t.get(strata) in (None, "")] if strata else []
         if lacking:  # a misspelt column would make one stratum of every task: no stratification, silently
@@ -1068,7 +613,8 @@ class Preflight:
 
         with missing_file_named("--eval.dataset", self.args.eval.dataset):
             self.eval_sets = load_eval_sets(self.args, self.topology.env_cls.needs_answer)
-        return ", ".join(f"{name}: {len(ts)}" for name, ts in self.eval_sets.items()) or "none (no --eval.dataset)"
+        return ", ".join(f"{name}: "
+                         f"{len(ts)}" for name, ts in self.eval_sets.items()) or "none (no --eval.dataset)"
 
     def environment(self):
         every_task = self.tasks + [t for ts in self.eval_sets.values() for t in ts]
@@ -1081,12 +627,15 @@ class Preflight:
         from openrlhf_mappa import resume
 
         args = self.args
-        # The directories the launch writes: one it cannot write is named now, not by a traceback once Ray is up.
+        # The directories the launch writes: one it cannot write is named now, not by a traceback once Ray is
+        # up.
         written = {"--mappa.run_dir": args.mappa.run_dir, "--ckpt.path": args.ckpt.path,
-                   "--ckpt.output_dir": args.ckpt.output_dir, "--logger.tensorboard_dir": args.logger.tensorboard_dir}
-        refuse([unwritable_dir(path, flag) for flag, path in written.items() if path], ValueError)  # no tensorboard
-        # A resumed run must train on the same tasks (resume.check_resume), so the chosen ids go into the run dir,
-        # with the whole source they came from (local paths made absolute, a Hub name as given).
+                   "--ckpt.output_dir": args.ckpt.output_dir,
+                   "--logger.tensorboard_dir": args.logger.tensorboard_dir}
+        # no tensorboard
+        refuse([unwritable_dir(path, flag) for flag, path in written.items() if path], ValueError)
+        # A resumed run must train on the same tasks (resume.check_resume), so the chosen ids go into the run
+        # dir, with the whole source they came from (local paths made absolute, a Hub name as given).
         d = args.data
         datasets = [os.path.abspath(e.strip()) if os.path.exists(e.strip()) else e.strip()
                     for e in d.prompt_dataset.split(",")]
@@ -1113,11 +662,13 @@ class Preflight:
         if not (gpus or gib):  # the launcher checks the Ray cluster's own nodes once it is up
             return "not checked here: give --mappa.gpus N --mappa.gpu_memory_gib G (`mappa plan` prints it)"
         placement.check(self.args, self.topology, gpus, gib, allowed=accepted(self.topology))
-        return f"fits: {placement.make_plan(self.args, self.topology, gib).need} GPUs" + (f" of {gpus}" if gpus else "")
+        return (f"fits: {placement.make_plan(self.args, self.topology, gib).need} GPUs"
+                + (f" of {gpus}" if gpus else ""))
 
     def coach(self):
-        """An unreachable coach or a rejected key, found now rather than after the first rollout, by a coach of its
-        own (the run's opens its verdict cache, which writes); the dry run also has it score one action."""
+        """An unreachable coach or a rejected key, found now rather than after the first rollout, by a coach
+        of its own (the run's opens its verdict cache, which writes); the dry run also has it score one
+        action."""
         from openrlhf_mappa.coach import CoachRequest
 
         c = self.args.mappa.coach
@@ -1128,8 +679,9 @@ class Preflight:
         if not self.score_one:
             return None
         first = self.topology.agents[0]
-        request = CoachRequest(episode_id="dry-run", agent=first.name, turn=0, role=first.role, task="What is 2 + 2?",
-                               task_type="", agent_input="What is 2 + 2?", agent_output="2 + 2 = 4.", feedback="")
+        request = CoachRequest(episode_id="dry-run", agent=first.name, turn=0, role=first.role,
+                               task="What is 2 + 2?", task_type="", agent_input="What is 2 + 2?",
+                               agent_output="2 + 2 = 4.", feedback="")
 
         async def score_and_close():
             # Its HTTP session closed in the event loop it opened in: else aiohttp warns of an "Unclosed
@@ -1149,7 +701,8 @@ class Preflight:
                     if "HTTP 404" in verdict.rationale and c.base_url and not url.endswith("/v1") else "")
             raise ValueError(f"coach {c.kind} {c.model or ''} answered a test action without a score "
                              f"({verdict.status}): {verdict.rationale[:300]!r}{hint}")
-        return f"{c.kind} {c.model or ''}: scored a test action {verdict.score:g} in {verdict.latency_s:.1f} s"
+        return (f"{c.kind} {c.model or ''}: scored a test action {verdict.score:g} in "
+                f"{verdict.latency_s:.1f} s")
 
 
 def run_coach(args, topology, cache_path: str = None):
@@ -1168,8 +721,8 @@ def train(args):
     c, pre = args.mappa.coach, Preflight(args)
     with refusals():
         pre.run()
-    topology, tasks, eval_sets, chosen, start, cache_path = (pre.topology, pre.tasks, pre.eval_sets, pre.chosen,
-                                                             pre.start, pre.cache_path)
+    topology, tasks, eval_sets, chosen, start, cache_path = (pre.topology, pre.tasks, pre.eval_sets,
+                                                             pre.chosen, pre.start, pre.cache_path)
 
     # Every check passed: from here on, the launch writes.
     os.makedirs(args.mappa.run_dir, exist_ok=True)
@@ -1180,15 +733,17 @@ def train(args):
     resume.apply(pre.resume_fixes)
     coach = run_coach(args, topology, cache_path)
     if c.mode == "both":  # the combining rule, stated where the run's log begins (coach.combine)
-        print("[mappa] coach mode both: an action's score is the mean of its per-action and hindsight scores; the "
-              "one that exists when the other failed (counted as coach/both_one_source); none when both failed")
+        print("[mappa] coach mode both: an action's score is the mean of its per-action and hindsight "
+              "scores; the one that exists when the other failed (counted as coach/both_one_source); none "
+              "when both failed")
 
     log = os.path.join(args.mappa.run_dir, "train.log")
     if not args.mappa.verbose:
-        # Ray's deduplication prints held-back lines at shutdown, after the terminal is restored (output_to); a log
-        # file needs none. Read when Ray is first imported (launch).
+        # Ray's deduplication prints held-back lines at shutdown, after the terminal is restored (output_to);
+        # a log file needs none. Read when Ray is first imported (launch).
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-        print(f"[mappa] Ray's, vLLM's and DeepSpeed's output goes to {os.path.abspath(log)} (--mappa.verbose: here)",
+        print(f"[mappa] Ray's, vLLM's and DeepSpeed's output goes to {os.path.abspath(log)} "
+              "(--mappa.verbose: here)",
               flush=True)
     from openrlhf_mappa.console import run_summary
 
@@ -1197,7 +752,8 @@ def train(args):
     for line in run_summary(args.mappa.run_dir):
         print(line)
     run_dir = os.path.abspath(args.mappa.run_dir)
-    # at least one step: `mappa report`'s page of it, by that command (the core imports no tool: tests/test_imports)
+    # at least one step: `mappa report`'s page of it, by that command (the core imports no tool:
+    # tests/test_imports)
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         import subprocess
 
@@ -1218,9 +774,10 @@ def train(args):
 
 
 def schedule_steps(args, topology, num_tasks: int) -> dict:
-    """Each agent's learning-rate schedule length in optimizer steps, by --mappa.lr_horizon: "authors" as their
-    base_controller.py (an agent taking more steps runs past its end, where transformers' cosine rises again);
-    "max_actions" the most steps the agent can take (under --mappa.shared_policy, every role's actions)."""
+    """Each agent's learning-rate schedule length in optimizer steps, by --mappa.lr_horizon: "authors" as
+    their base_controller.py (an agent taking more steps runs past its end, where transformers' cosine rises
+    again); "max_actions" the most steps the agent can take (under --mappa.shared_policy, every role's
+    actions)."""
     from openrlhf_mappa.placement import trainee_specs
 
     episodes, epochs, batch, samples = (args.train.num_episodes, args.train.max_epochs, args.train.batch_size,
@@ -1230,8 +787,10 @@ def schedule_steps(args, topology, num_tasks: int) -> dict:
         return {spec.name: max(1, episodes * (num_tasks * samples // batch * epochs)) for spec in specs}
     rollout_steps = (num_tasks // args.rollout.batch_size) * episodes
     shared = sum(spec.max_actions for spec in topology.agents)  # a trained coach judges every action
-    actions = lambda spec: shared if args.mappa.shared_policy or spec not in topology.agents else spec.max_actions
-    return {spec.name: rollout_steps * max(1, args.rollout.batch_size * samples * actions(spec) // batch) * epochs
+    actions = lambda spec: (shared if args.mappa.shared_policy or spec not in topology.agents
+                            else spec.max_actions)
+    return {spec.name: rollout_steps * max(1, args.rollout.batch_size * samples * actions(spec) // batch)
+            * epochs
             for spec in specs}
 
 
@@ -1278,9 +837,11 @@ def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> l
         dead = watchdog.dead or find_dead(team)
         if not dead:
             raise
-        raise SystemExit(f"[mappa] run stopped: {'; '.join(dead)} died ({type(e).__name__}). Completed steps are "
-                         f"in {args.mappa.run_dir}; resume from the last checkpoint with --ckpt.load_enable.") from None
-    except (CoachFailure, RunStopped) as e:  # the run's own verdict on itself: its message says what to change
+        raise SystemExit(f"[mappa] run stopped: {'; '.join(dead)} died ({type(e).__name__}). Completed steps "
+                         f"are in {args.mappa.run_dir}; resume from the last checkpoint with "
+                         "--ckpt.load_enable.") from None
+    # the run's own verdict on itself: its message says what to change
+    except (CoachFailure, RunStopped) as e:
         raise SystemExit(f"[mappa] run stopped: {e}") from None
     finally:
         watchdog.done.set()
@@ -1293,5 +854,6 @@ if __name__ == "__main__":
     import ray
 
     # Ray's engines and actors print as they shut down: into the run's log too, not under the summary.
-    with contextlib.nullcontext() if args.mappa.verbose else output_to(os.path.join(args.mappa.run_dir, "train.log")):
+    with (contextlib.nullcontext() if args.mappa.verbose
+          else output_to(os.path.join(args.mappa.run_dir, "train.log"))):
         ray.shutdown()

@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from openrlhf_mappa.cli.train_mappa_ray import (COUNT, FRACTION, NONNEGATIVE_INT, POSITIVE, Parser,
-                                                add_coach_args, refusals, refuse, unwritable_dir)
+from openrlhf_mappa.cli.flags import COUNT, FRACTION, NONNEGATIVE_INT, POSITIVE, Parser, add_coach_args, refusals
+from openrlhf_mappa.cli.train_mappa_ray import refuse, unwritable_dir
 
 # Every tool checks its input before its heavy imports (torch, transformers, vLLM, Ray) and refuses bad input
 # as the launcher does: its message alone, no traceback (MAPPA_TRACEBACK=1 shows one), exit 1 (argparse's: 2).
