@@ -7,9 +7,15 @@ is skipped when its fixed part alone is too long (`Episode.skipped_actions`). An
 submitted as soon as its tool feedback exists and awaited when the episode is complete, so coach latency
 overlaps with generation, and in training with the updates of agents whose verdicts are in; in hindsight mode
 (coach.judge_episode) one review follows the episode's outcome.
+
+In training the run's event loop runs in a thread of its own (RolloutRunner), and each step's rollout returns a
+handle (RolloutHandle) that the trainer reads from its threads: the episodes once the agents are done, each
+member's verdicts once all of them are in, and completion.
 """
 
 import asyncio
+import collections
+import concurrent.futures
 import contextlib
 import functools
 import inspect
@@ -167,14 +173,17 @@ def env_call(env_name: str, what: str, fn, *args, **kwargs):
 
 
 async def run_episode(topology, task: dict, policies: dict, coach: Coach, workspace: str, step: int,
-                      coach_bias: str = None, coach_mode: str = "per_action", played=None) -> Episode:
-    """One episode. An exception raised by its environment ends this episode only: `Episode.env_error` says what
-    and where, the outcome is a failure and its actions train nothing (the trainer stops the run when too many
-    do: --mappa.env.max_failure_fraction). Generation and coach errors are not contained. played(episode) is
-    called when the agents are done, before the verdicts still coming are awaited."""
+                      coach_bias: str = None, coach_mode: str = "per_action", handle=None, index: int = 0) -> Episode:
+    """One episode, the `index`th of `handle` (RolloutHandle; by default one of its own). An exception raised by
+    its environment ends this episode only: `Episode.env_error` says what and where, the outcome is a failure and
+    its actions train nothing (the trainer stops the run when too many do: --mappa.env.max_failure_fraction).
+    Generation and coach errors are not contained. The handle hears when the agents are done, before the
+    verdicts still coming are awaited, and each verdict as it lands."""
+    handle = handle or RolloutHandle(step, topology)
     episode_id = f"s{step}-{task.get('id', '')}-{uuid.uuid4().hex[:8]}"
     os.makedirs(workspace, exist_ok=True)
-    episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=task.get("type", ""), step=step)
+    episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=task.get("type", ""),
+                      step=step)
     requests, verdict_futures = [], []
     t0 = episode.timings["start"] = time.time()
     try:
@@ -185,17 +194,14 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
             requests.append(request)
             if coach_mode != "hindsight":
                 verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
-            if coach_mode == "per_action":  # its final verdict: on the action as soon as it comes (trainer.learn)
-                verdict_futures[-1].add_done_callback(functools.partial(record_verdict, episode.actions[-1]))
+            if coach_mode == "per_action":  # its final verdict: on the action as soon as it comes
+                verdict_futures[-1].add_done_callback(functools.partial(handle.record_verdict, episode.actions[-1]))
         episode.timings["rollout_s"] = time.time() - t0
-        outcome = call("outcome", env.outcome)
-        # An episode stopped by a limit never reached its end: a failure, whatever the env's outcome says.
-        episode.outcome = {**outcome, "success": False} if episode.action_limit else outcome
+        episode.outcome = ended(episode, call("outcome", env.outcome))
     except EnvFailed as e:
         episode.env_error, episode.outcome = str(e), {"success": False}
         episode.timings["rollout_s"] = time.time() - t0
-    if played:
-        played(episode)
+    handle.agents_done(index, episode)
     if episode.env_error:
         # The verdicts already asked for are awaited (and paid for): kept in the record, never trained on.
         verdicts = await asyncio.gather(*verdict_futures)
@@ -205,14 +211,79 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
         verdicts, parts, episode.review = judged
     for action, verdict, part in zip(episode.actions, verdicts, parts):
         action.verdict, action.verdict_parts = verdict, part
+        handle.landed(action)
     episode.timings["end"] = time.time()
     episode.timings["coach_wait_s"] = episode.timings["end"] - t0 - episode.timings["rollout_s"]
     return episode
 
 
-def record_verdict(action: Action, future: asyncio.Future) -> None:
-    if not future.cancelled() and future.exception() is None:  # an error reaches the rollout through its gather
-        action.verdict = future.result()
+class RolloutHandle:
+    """One step's rollout as the trainer reads it, top to bottom, each part a future that the rollout sets once,
+    on the run's event loop: `episodes` once the agents are done (verdicts may still be coming);
+    `verdicts[member]` once every verdict on that member's actions is in (its actions, in episode order; a
+    member trains the actions of the agents `members` maps to it); `complete` once every verdict is in
+    (RolloutRunner.start). A rollout that fails or is cancelled sets its error on every part not yet set
+    (ended): no reader waits on a future that nothing would set."""
+
+    def __init__(self, step: int, topology, episodes: int = 1, members: dict = None, progress=None):
+        self.step, self.progress, self.complete = step, progress, None
+        self.members = members or {a.name: a.name for a in topology.agents}  # agent -> member: each its own
+        self.played = [None] * episodes  # each episode once its agents are done, in task order
+        self.t0, self.seconds = time.time(), None  # seconds: from the start until the agents were done
+        self.episodes = concurrent.futures.Future()
+        self.verdicts = {member: concurrent.futures.Future() for member in self.members.values()}
+        self.actions = collections.defaultdict(list)  # member -> its actions, once the agents are done
+        self.waiting = collections.defaultdict(set)  # member -> the ids of those with no verdict yet
+
+    def agents_done(self, index: int, episode: Episode) -> None:
+        """The `index`th episode's agents are done; once every episode's are, `episodes` is set, and the verdicts
+        of each member whose actions have them all already."""
+        self.played[index] = episode
+        if self.progress:
+            self.progress(1)
+        if None in self.played:
+            return
+        self.seconds = time.time() - self.t0
+        for ep in self.played:
+            for action in ep.actions:
+                member = self.members[action.agent]
+                self.actions[member].append(action)
+                if action.verdict is None:
+                    self.waiting[member].add(id(action))
+        settle(self.episodes, list(self.played))
+        for member in self.verdicts:
+            if not self.waiting[member]:
+                settle(self.verdicts[member], self.actions[member])
+
+    def record_verdict(self, action: Action, future: asyncio.Future) -> None:
+        """A per-action coach request's done-callback: its verdict on its action as soon as it comes."""
+        if not future.cancelled() and future.exception() is None:  # an error reaches the rollout through its gather
+            action.verdict = future.result()
+            self.landed(action)
+
+    def landed(self, action: Action) -> None:
+        """`action` has its verdict: its member's verdicts are set once that was the last one (the agents done)."""
+        member = self.members[action.agent]
+        self.waiting[member].discard(id(action))
+        if self.seconds is not None and not self.waiting[member]:
+            settle(self.verdicts[member], self.actions[member])
+
+    def ended(self, error: BaseException = None) -> None:
+        """The rollout ended, `error` if it failed or was cancelled: every part not yet set is set, to the error,
+        or to what it holds (a verdict that never came has nothing left to come)."""
+        settle(self.episodes, list(self.played), error)
+        for member, future in self.verdicts.items():
+            settle(future, self.actions[member], error)
+
+
+def settle(future: concurrent.futures.Future, value, error: BaseException = None) -> None:
+    """Set `future` to `value`, or to `error` (which its result() raises), unless a failure set it first."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(value)
+    else:
+        future.set_exception(error)
 
 
 async def play(topology, env, call, policies: dict, episode: Episode, coach_bias: str = None):
@@ -221,22 +292,16 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
     soon as its tool feedback exists, so that the caller can submit it at once."""
     # An env whose own observe() takes no `omit` cannot leave history out: its over-long prompts are skipped.
     can_omit = "omit" in inspect.signature(env.observe).parameters
-    turns, last, round_ = {a.name: 0 for a in topology.agents}, {}, 0
-    while agents := call("next_agents", env.next_agents, turns, last):
-        check_round(type(env).__name__, topology, agents)
-        episode.action_limit = over_limit(topology, turns, agents)
-        if episode.action_limit:  # a workflow that would go on forever (or past its budget) ends here, a failure
-            return
+    for round_, agents, turns, last in rounds(topology, env, call, episode):
         # The round's agents all see the history as it was before the round: they generate concurrently, and
         # step in the order next_agents gave.
-        prompts = [fit_prompt(env, call, policies[spec.name], spec, turns[spec.name], can_omit, topology.keep_reasoning)
+        prompts = [fit_prompt(env, call, policies[spec.name], spec, turns[spec.name], can_omit=can_omit,
+                              keep_reasoning=topology.keep_reasoning)
                    for spec in agents]
         generations = (policies[spec.name].sample(p[2]) for spec, p in zip(agents, prompts) if not p[3])
         generated = iter(await asyncio.gather(*generations))
-        last = {}
         for spec, (messages, prompt_text, prompt_ids, too_long, omitted) in zip(agents, prompts):
             policy, turn = policies[spec.name], turns[spec.name]
-            turns[spec.name] += 1
             if too_long:
                 # Even its system message, prompt and task alone do not fit: no action (nothing generated, nothing
                 # trained, no coach); next_agents hears None for it (the chain then moves to the next agent).
@@ -279,7 +344,30 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
             )
             episode.actions.append(action)
             yield CoachRequest(episode.episode_id, spec.name, turn, agent_output=response_text, **action.coach_request)
+
+
+def rounds(topology, env, call, record):
+    """The episode's rounds, as env.next_agents names them: (round, its agents, each agent's actions so far,
+    `last`: what env.step returned to each of them, which the caller fills), until next_agents names no agent or
+    the round would pass a limit (`record.action_limit`: the episode is a failure, ended). The one round loop of
+    the rollout (play) and of team.play; `call(hook, fn, *args)`: fn(*args), its return checked."""
+    turns, last, round_ = {a.name: 0 for a in topology.agents}, {}, 0
+    while agents := call("next_agents", env.next_agents, turns, last):
+        check_round(type(env).__name__, topology, agents)
+        record.action_limit = over_limit(topology, turns, agents)
+        if record.action_limit:  # a workflow that would go on forever (or past its budget) ends here, a failure
+            return
+        last = {}
+        yield round_, agents, turns, last
+        for spec in agents:
+            turns[spec.name] += 1
         round_ += 1
+
+
+def ended(record, outcome: dict) -> dict:
+    """The episode's outcome: the env's, or where a limit stopped it (`record.action_limit`) a failure, whatever
+    the env says: it never reached its end."""
+    return {**outcome, "success": False} if record.action_limit else outcome
 
 
 def check_round(env_name: str, topology, agents) -> None:
@@ -324,21 +412,51 @@ def messages_text(messages: list) -> str:
 
 
 async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,
-                  coach_bias: str = None, coach_mode: str = "per_action", progress=None, played=None) -> list:
+                  coach_bias: str = None, coach_mode: str = "per_action", progress=None, handle=None) -> list:
     """All episodes of one step, concurrently, in task order. `coach_bias`: the coach's figures shown in every
-    request of the step (--mappa.coach.show_bias); progress(1) is called as each episode's agents are done, and
-    played(episodes) once all are, while verdicts may still be coming: in mode per_action each lands on its
-    action as it comes, so that the trainer can train an agent whose verdicts are all in."""
-    ended = {}
+    request of the step (--mappa.coach.show_bias); progress(1) is called as each episode's agents are done.
+    `handle` (RolloutRunner.start's; by default one of its own) hears when the agents are done, while verdicts
+    may still be coming, and each verdict as it lands: in mode per_action on its action as it comes, so that the
+    trainer can train an agent whose verdicts are all in."""
+    handle = handle or RolloutHandle(step, topology, len(tasks), progress=progress)
+    try:
+        episodes = await asyncio.gather(*(
+            run_episode(topology, task, policies, coach, os.path.join(workspace_root, f"step{step}", f"ep{i}"),
+                        step, coach_bias=coach_bias, coach_mode=coach_mode, handle=handle, index=i)
+            for i, task in enumerate(tasks)))
+    except BaseException as error:  # failed or cancelled: the handle's readers hear it, none waits forever
+        handle.ended(error)
+        raise
+    handle.ended()
+    return episodes
 
-    def ended_play(i, episode):
-        ended[i] = episode
-        if progress:
-            progress(1)
-        if played and len(ended) == len(tasks):
-            played([ended[k] for k in range(len(tasks))])
 
-    return await asyncio.gather(*(
-        run_episode(topology, task, policies, coach, os.path.join(workspace_root, f"step{step}", f"ep{i}"), step,
-                    coach_bias, coach_mode, functools.partial(ended_play, i))
-        for i, task in enumerate(tasks)))
+class RolloutRunner:
+    """The run's event loop in a thread of its own (running): each step's rollout (start), the coach and the
+    evaluations run on it, so that the team trains while verdicts are still coming, and with
+    --train.async_enable while the next steps' episodes are generated. One loop for the whole run: the coach's
+    HTTP client and its semaphore belong to the loop they were first used on, so a fresh asyncio.run() per step
+    would break them at step 2."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+
+    @contextlib.contextmanager
+    def running(self):
+        thread = threading.Thread(target=self.loop.run_forever, name="mappa-rollout", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            thread.join()
+
+    def start(self, topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,
+              members: dict, coach_bias: str = None, coach_mode: str = "per_action", progress=None) -> RolloutHandle:
+        """The step's rollout (rollout), started on the loop (running): its handle, whose verdicts are by member
+        (`members`: agent -> who trains its actions) and `complete` once every verdict is in."""
+        handle = RolloutHandle(step, topology, len(tasks), members, progress)
+        coroutine = rollout(topology, tasks, policies, coach, workspace_root, step, coach_bias=coach_bias,
+                            coach_mode=coach_mode, handle=handle)
+        handle.complete = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        return handle

@@ -2,10 +2,12 @@
 by launch.py; a LoRA agent shares its base's engine pool and has no reference group), one step at a time.
 
 Reading order of one step, the method:
-  fit -> rollouts -> submit: rollout.rollout plays the step's episodes on the agents' engines, the coach scoring
-      each action as it is made (not awaited) -> collect: the agents are done, verdicts may still be coming
-  step: StopRules.env_failures -> rewards.mark_stale -> update_team: per agent, at once (per_agent):
-      agent_step: wait for its own verdicts -> rewards.assign_rewards -> rewards.batch_rule -> rewards.experiences
+  fit -> rollouts -> start: rollout.RolloutRunner.start plays the step's episodes on the agents' engines, the
+      coach scoring each action as it is made (not awaited), and returns the step's handle (rollout.RolloutHandle)
+      -> collect: the agents are done, verdicts may still be coming
+  step: the handle's episodes -> StopRules.env_failures -> rewards.mark_stale -> update_team: per agent, at once
+      (per_agent): agent_step: the handle's verdicts of its actions (a future: all are in)
+      -> rewards.assign_rewards -> rewards.batch_rule -> rewards.experiences
       (its OpenRLHF experience maker: actor/ref log-probs, KL) -> advantages (rewards.compute_advantages: token
       rewards, return-to-go, whitening) -> update (its OpenRLHF trainer's train_step, then its weights to its own
       engines only); with --mappa.norm_scope global the advantages wait for the whole team's batches
@@ -19,7 +21,6 @@ import contextlib
 import dataclasses
 import os
 import random
-import threading
 import time
 
 import ray
@@ -32,7 +33,7 @@ from openrlhf_mappa.evaluation import (NoCoach, asks_answer, coach_cost, evaluat
                                       train_overlap)
 from openrlhf_mappa.health import RunStopped, StopRules
 from openrlhf_mappa.launch import distinct, owners
-from openrlhf_mappa.rollout import AgentPolicy, rollout
+from openrlhf_mappa.rollout import AgentPolicy, RolloutHandle, RolloutRunner
 from openrlhf_mappa.run_log import RunLog, step_metrics
 
 
@@ -70,23 +71,6 @@ def pass_order(tasks: list, batch_size: int, strata, rng: random.Random) -> list
         rng.shuffle(batch)
         taken += batch
     return taken
-
-
-@dataclasses.dataclass
-class Rollout:
-    """One step's rollout on the run's event loop (MappaTrainer.submit): `played` has its episodes once the agents
-    are done, while verdicts may still be coming; `complete` is done once every verdict is in too."""
-
-    step: int
-    bar: tqdm  # one tick per episode whose agents are done
-    played: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
-    complete: concurrent.futures.Future = None
-    t0: float = dataclasses.field(default_factory=time.time)
-    seconds: float = None  # from the start until the agents were done
-
-    def agents_done(self, episodes: list) -> None:  # rollout.rollout's played(), on the loop's thread
-        self.seconds = time.time() - self.t0
-        self.played.set_result(episodes)
 
 
 @dataclasses.dataclass
@@ -144,9 +128,7 @@ class MappaTrainer:
             for temperature in (args.rollout.temperature, args.eval.temperature))
         if self.coach_agent:
             coach.attach(self.policies[self.coach_agent.spec.name])
-        # One event loop for the whole run: the coach's HTTP client and its semaphore belong to the loop
-        # they were first used on, so a fresh asyncio.run() per step would break them at step 2.
-        self.loop = asyncio.new_event_loop()
+        self.runner = RolloutRunner()  # the run's event loop, in its own thread while fit runs
         self.out = RunLog(args, run_dir)
 
     def batches(self, start_step: int):
@@ -179,7 +161,7 @@ class MappaTrainer:
     def fit(self, start_step: int = 0):
         total = (len(self.tasks) // self.args.rollout.batch_size) * self.args.train.num_episodes
         every = self.args.eval.steps
-        with self.loop_running():
+        with self.runner.running():
             if start_step == 0:
                 # Each LoRA adapter's first load into its pool (launch.build_agents): its version 1, made by no step.
                 self.out.syncs(0, self.trainees)
@@ -203,13 +185,14 @@ class MappaTrainer:
             steps.close()
             ray.get([ref for ag in self.trainees for ref in ag.actor.async_save_model()])
         self.out.close()
-        self.loop.run_until_complete(self.coach.aclose())
+        self.runner.loop.run_until_complete(self.coach.aclose())
 
-    def step(self, run: Rollout, t_start: float) -> dict:
+    def step(self, run: RolloutHandle, t_start: float) -> dict:
         """One training step on a step's rollout whose agents are done (verdicts may still be coming: run.complete
         is done once every one is in): each agent's update, then the step's metrics. Sets `stalled` when a stop
-        rule ends the run after this step; raises when the step itself failed (health.StopRules)."""
-        step, episodes = run.step, run.played.result()
+        rule ends the run after this step; raises when the step itself failed (health.StopRules), or its rollout
+        did."""
+        step, episodes = run.step, run.episodes.result()
         env_stop = self.stops.env_failures(step, episodes)
         lags = rewards.mark_stale(episodes, {ag.spec.name: ag.trainer.gate.version for ag in self.agents}, self.bound)
         # β per agent: its OpenRLHF KL controller's (adaptive with --algo.kl.target), read before training moves it.
@@ -234,7 +217,7 @@ class MappaTrainer:
         self.stalled = self.stops.stop_reason(step, episodes, dropped, learned, metrics)
         return {**metrics, **self.timings(parts, run.seconds, t_start)}
 
-    def update_team(self, run: Rollout, kl_coef: dict) -> dict:
+    def update_team(self, run: RolloutHandle, kl_coef: dict) -> dict:
         """{agent: its part of the step (agent_step)}, each agent on GPUs of its own at once (per_agent). With
         --mappa.norm_scope global the advantages are whitened over the whole team's batches: every agent's
         experiences first, then the updates."""
@@ -247,21 +230,17 @@ class MappaTrainer:
             parts = self.per_agent(self.update, run.step, parts)
         return parts
 
-    def agent_step(self, ag, run: Rollout, kl_coef: dict, coach_now, t_start: float) -> AgentStep:
+    def agent_step(self, ag, run: RolloutHandle, kl_coef: dict, coach_now, t_start: float) -> AgentStep:
         """Agent ag's part of the step, from its verdicts to its weights on its engines: it starts as soon as its
         own verdicts are in, so that only the last agent waits on the last ones. With --mappa.norm_scope global
         it stops at its experiences: the advantages are whitened over the whole team's batches (update_team)."""
-        name, episodes, terms = ag.spec.name, run.played.result(), {}
+        name, episodes, terms = ag.spec.name, run.episodes.result(), {}
         if ag is self.coach_agent:  # its verdicts' own actions, once all are in, rewarded by its terms
             concurrent.futures.wait([run.complete])
             t0, (mine, terms) = time.time(), self.coach.rewarded(episodes, coach_now, self.bound)
             counts = {**rewards.merge_counts([]), "trainable": sum(a.reward is not None for a in mine)}
         else:
-            mine = [a for ep in episodes for a in ep.actions if self.owner[a.agent] == name]
-            while not run.complete.done() and any(a.verdict is None for a in mine):
-                time.sleep(0.02)  # its verdicts land on the rollout's thread (rollout.record_verdict)
-            if run.complete.done():
-                run.complete.result()  # the rollout's error, if it failed
+            mine = run.verdicts[name].result()  # its actions, once their verdicts are in; else the rollout's error
             t0 = time.time()
             if self.coach_agent:  # never a verdict from a coach more than the bound behind
                 self.coach.stale_verdicts(mine, coach_now, self.bound)
@@ -269,9 +248,11 @@ class MappaTrainer:
                    for ep in episodes]  # the same Action objects: rewards land on the step's records
             c, algo = self.mappa.coach, self.args.algo
             counts = rewards.assign_rewards(
-                own, self.mappa.reward, c.on_failure, c.neutral_score, self.topology.reward_scale,
-                self.mappa.train_truncated, c.standardize_task_type, self.mappa.norm_scope, self.mappa.outcome_score,
-                algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None, self.mappa.batch_semantics)
+                own, self.mappa.reward, on_failure=c.on_failure, neutral_score=c.neutral_score,
+                scale=self.topology.reward_scale, train_truncated=self.mappa.train_truncated,
+                standardize_task_type=c.standardize_task_type, norm_scope=self.mappa.norm_scope,
+                outcome_score=self.mappa.outcome_score, batch_semantics=self.mappa.batch_semantics,
+                filter_range=algo.dynamic_filtering_range if algo.dynamic_filtering_enable else None)
         kept, dropped = rewards.batch_rule(mine, self.args.train, run.step)
         batch = rewards.experiences(ag.trainer.experience_maker, kept) if kept else []
         part = AgentStep(counts, kept, dropped, batch, terms, coach_wait=t0 - t_start, experience=time.time() - t0)
@@ -340,9 +321,10 @@ class MappaTrainer:
         counts = {**rewards.merge_counts([part.counts for part in parts.values()]), "staleness": lags,
                   "optimizer_steps": self.optimizer_steps}
         metrics = step_metrics(self.args, self.topology, agents, self.owner, episodes,
-                               {name: part.batch for name, part in parts.items() if part.batch},
-                               {name: part.status for name, part in parts.items() if part.status is not None},
-                               {name: part.dropped for name, part in parts.items()}, counts, kl_coef)
+                               batches={name: part.batch for name, part in parts.items() if part.batch},
+                               status={name: part.status for name, part in parts.items() if part.status is not None},
+                               dropped={name: part.dropped for name, part in parts.items()}, counts=counts,
+                               kl_coef=kl_coef)
         if self.topology.coach_stages:
             metrics["coach/template_stage"] = self.stage  # 0-based, in coach_templates' order
         return metrics
@@ -372,57 +354,40 @@ class MappaTrainer:
                 steps = min(steps, rollout.batch_size * rollout.n_samples_per_prompt * most // train.batch_size)
             self.optimizer_steps[name] += steps * train.max_epochs
 
-    @contextlib.contextmanager
-    def loop_running(self):
-        """The run's event loop (rollouts, coach, evaluation) in a thread of its own, so that the team trains while
-        verdicts are still coming, and with --train.async_enable while the next steps' episodes are generated."""
-        thread = threading.Thread(target=self.loop.run_forever, name="mappa-rollout", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            thread.join()
-
     def rollouts(self, start_step: int):
-        """Each step's rollout after start_step, collected: its agents are done (its verdicts may still be coming).
-        Each step is generated when its turn comes, its engines awake for it, or with --train.async_enable up to
-        --train.async_queue_size steps ahead."""
+        """Each step's rollout handle after start_step, collected: its agents are done (its verdicts may still be
+        coming). Each step is generated when its turn comes, its engines awake for it, or with
+        --train.async_enable up to --train.async_queue_size steps ahead."""
         ahead = self.args.train.async_queue_size if self.args.train.async_enable else 0
-        pending = collections.deque()  # submitted rollouts, oldest first
+        pending = collections.deque()  # started rollouts with their progress bars, oldest first
         for step, tasks in self.batches(start_step):
             if not ahead:
                 with self.engines_awake():  # asleep again for the updates: the verdicts to come need no engine
-                    run = self.collect(self.submit(step, tasks))
+                    run = self.collect(*self.start(step, tasks))
                 yield run
                 continue
-            pending.append(self.submit(step, tasks))
+            pending.append(self.start(step, tasks))
             if len(pending) > ahead:
-                yield self.collect(pending.popleft())
+                yield self.collect(*pending.popleft())
         while pending:
-            yield self.collect(pending.popleft())
+            yield self.collect(*pending.popleft())
 
-    def submit(self, step: int, tasks: list) -> Rollout:
-        """Start the step's rollout on the run's event loop: its episodes on the agents' engines as they are now,
-        scored by the coach (rollout.rollout)."""
+    def start(self, step: int, tasks: list) -> tuple:
+        """(the step's rollout handle, its progress bar): its episodes on the agents' engines as they are now,
+        scored by the coach, on the run's event loop (rollout.RolloutRunner.start)."""
         c = self.mappa.coach
-        run = Rollout(step, tqdm(total=len(tasks), desc=f"step {step} rollout", unit="episode", leave=False,
-                                 file=console.err))
+        bar = tqdm(total=len(tasks), desc=f"step {step} rollout", unit="episode", leave=False, file=console.err)
         bias = self.bias_audit.prompt_text() if c.show_bias else None  # the steps before this one
-        coroutine = rollout(self.topology, tasks, self.policies, self.rollout_coach,
-                            os.path.join(self.run_dir, "workspaces"), step, coach_bias=bias,
-                            coach_mode=c.mode if self.scored else "per_action", progress=run.bar.update,
-                            played=run.agents_done)
-        run.complete = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-        return run
+        run = self.runner.start(self.topology, tasks, self.policies, self.rollout_coach,
+                                os.path.join(self.run_dir, "workspaces"), step, members=self.owner, coach_bias=bias,
+                                coach_mode=c.mode if self.scored else "per_action", progress=bar.update)
+        return run, bar
 
     @staticmethod
-    def collect(run: Rollout) -> Rollout:
-        """`run` once its agents are done; the rollout's error if it failed before."""
-        with run.bar:
-            concurrent.futures.wait([run.played, run.complete], return_when=concurrent.futures.FIRST_COMPLETED)
-            if not run.played.done():
-                run.complete.result()  # it ended before the agents were done: its error
+    def collect(run: RolloutHandle, bar) -> RolloutHandle:
+        """`run` once its agents are done, or its rollout failed before (`step` raises its error)."""
+        with bar:
+            concurrent.futures.wait([run.episodes])
         return run
 
     @contextlib.contextmanager
@@ -474,8 +439,8 @@ class MappaTrainer:
             with self.engines_awake(), tqdm(total=total, desc=f"evaluation {dataset}", unit="episode", leave=False,
                                             file=console.err) as bar:
                 graded = evaluate(self.topology, tasks, self.eval_policies, ev.n_samples_per_prompt, workspace, step,
-                                  bar.update, self.eval_coach)
-                episodes = asyncio.run_coroutine_threadsafe(graded, self.loop).result()  # fit runs the loop
+                                  progress=bar.update, coach=self.eval_coach)
+                episodes = asyncio.run_coroutine_threadsafe(graded, self.runner.loop).result()  # fit runs the loop
             summary, problems = summarize(episodes, names, tasks, asks_answer(self.eval_coach))
             summary.update(coach_cost(episodes, c.price_in, c.price_out))  # counted in the run's total cost too
             self.coach_cost_usd += summary.get("coach/cost_usd", 0.0)

@@ -342,7 +342,7 @@ def trainer_for(reward: str, coach, tmp_path, score_outcome_runs: bool = False) 
         data=SimpleNamespace(max_len=64), logger=SimpleNamespace(wandb=SimpleNamespace(key=None), tensorboard_dir=None),
     )  # fmt: skip
     trainer = MappaTrainer(args, None, [], coach, [], str(tmp_path / "run"))
-    trainer.loop.close()
+    trainer.runner.loop.close()
     return trainer
 
 
