@@ -7,9 +7,15 @@ is skipped when its fixed part alone is too long (`Episode.skipped_actions`). An
 submitted as soon as its tool feedback exists and awaited when the episode is complete, so coach latency
 overlaps with generation, and in training with the updates of agents whose verdicts are in; in hindsight mode
 (coach.judge_episode) one review follows the episode's outcome.
+
+In training the run's event loop runs in a thread of its own (RolloutRunner), and each step's rollout returns
+a handle (RolloutHandle) that the trainer reads from its threads: the episodes once the agents are done, each
+member's verdicts once all of them are in, and completion.
 """
 
 import asyncio
+import collections
+import concurrent.futures
 import contextlib
 import functools
 import inspect
@@ -20,6 +26,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 from openrlhf_mappa.coach import Coach, CoachRequest, judge_episode
@@ -32,15 +39,16 @@ COACH_TOOL_CHARS = 2000
 
 
 class SyncGate:
-    """One agent's generations and the syncs of its weights to its engines (`version`: how many it has had). With
-    async training a sync lands while the next step generates: it waits for the agent's generations in flight and
-    holds new ones back, so every action is made by one version of its weights; with partial rollouts
-    (`wait=False`) the engines pause instead, and an action in flight finishes on the new version. Generations
-    run on the rollout's event loop, syncs in the trainer's threads."""
+    """One agent's generations and the syncs of its weights to its engines (`version`: how many it has had).
+    With async training a sync lands while the next step generates: it waits for the agent's generations in
+    flight and holds new ones back, so every action is made by one version of its weights; with partial
+    rollouts (`wait=False`) the engines pause instead, and an action in flight finishes on the new version.
+    Generations run on the rollout's event loop, syncs in the trainer's threads."""
 
     def __init__(self):
         self.cond, self.active, self.syncing, self.version = threading.Condition(), 0, False, 0
-        self.log = []  # {"version", "start", "end"} of each sync (unix seconds), until the trainer writes them out
+        # {"version", "start", "end"} of each sync (unix seconds), until the trainer writes them out
+        self.log = []
 
     async def enter(self) -> int:
         while True:  # polled, not a blocking wait: the event loop runs every other episode meanwhile
@@ -81,9 +89,11 @@ class AgentPolicy:
     max_len: int  # prompt + response tokens, as the engines were built with
     sampling: dict = field(default_factory=dict)  # temperature, top_p
     adapter: str = None  # a LoRA agent's name: its engines (its pool's) generate with its adapter
-    gate: SyncGate = field(default_factory=SyncGate)  # its trainer's: generations vs weight syncs, and the version
-    # Ask vLLM for each sampled token's log-prob only where something reads them (logprobs_read): they come back
-    # as a Python object per token over Ray, the largest part of MAPPA's generation overhead (benchmarks/README).
+    # its trainer's: generations vs weight syncs, and the version
+    gate: SyncGate = field(default_factory=SyncGate)
+    # Ask vLLM for each sampled token's log-prob only where something reads them (logprobs_read): they come
+    # back as a Python object per token over Ray, the largest part of MAPPA's generation overhead
+    # (benchmarks/README.md).
     logprobs: bool = True
     _next: itertools.count = field(default_factory=itertools.count)
 
@@ -96,12 +106,14 @@ class AgentPolicy:
                    dict(temperature=temperature, top_p=args.rollout.top_p), **kw)
 
     def prompt_ids(self, messages: list, keep_reasoning: bool = False) -> tuple:
-        """(text, ids, too_long): the messages chat-templated, and whether they exceed max_len - max_new_tokens.
-        keep_reasoning: each assistant message as written, <think> included, whatever the template drops."""
+        """(text, ids, too_long): the messages chat-templated, and whether they exceed max_len -
+        max_new_tokens. keep_reasoning: each assistant message as written, <think> included, whatever the
+        template drops."""
         shown = messages
         if keep_reasoning:
-            # The template renders a marker in place of each reply (nothing in it to drop), then the reply goes
-            # back: the agent reads its earlier actions as it generated them, as the authors' raw-text prompts.
+            # The template renders a marker in place of each reply (nothing in it to drop), then the reply
+            # goes back: the agent reads its earlier actions as it generated them, as the authors' raw-text
+            # prompts.
             nonce = uuid.uuid4().hex
             shown = [dict(m, content=f"<reply {i} {nonce}>") if m["role"] == "assistant" else m
                      for i, m in enumerate(messages)]
@@ -109,9 +121,9 @@ class AgentPolicy:
         for message, marked in zip(messages, shown):
             if message is not marked:
                 if text.count(marked["content"]) != 1:
-                    raise ValueError(f"the chat template of {self.tokenizer.name_or_path} does not show an earlier "
-                                     f"reply as written, so its reasoning cannot be kept: set keep_reasoning: false "
-                                     f"in the topology")
+                    raise ValueError(f"the chat template of {self.tokenizer.name_or_path} does not show an "
+                                     f"earlier reply as written, so its reasoning cannot be kept: set "
+                                     f"keep_reasoning: false in the topology")
                 text = text.replace(marked["content"], message["content"])
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return text, ids, len(ids) > self.max_len - self.max_new_tokens
@@ -164,13 +176,14 @@ def logprobs_read(args) -> bool:
 
 
 class EnvFailed(Exception):
-    """An exception raised by the episode's environment: it ends that episode (a counted failure), not the run."""
+    """An exception raised by the episode's environment: it ends that episode (a counted failure), not the
+    run."""
 
 
 def env_call(env_name: str, what: str, fn, *args, **kwargs):
-    """fn(*args) on the environment's behalf; what it raises comes back as EnvFailed, naming the env's method and
-    the line in the env's own code (the deepest frame outside the standard library). A return the hook may not
-    give (envs.base.returned_problem) is an EnvFailed too, naming the hook and the value."""
+    """fn(*args) on the environment's behalf; what it raises comes back as EnvFailed, naming the env's method
+    and the line in the env's own code (the deepest frame outside the standard library). A return the hook may
+    not give (envs.base.returned_problem) is an EnvFailed too, naming the hook and the value."""
     try:
         value = fn(*args, **kwargs)
     except Exception as e:
@@ -187,14 +200,18 @@ def env_call(env_name: str, what: str, fn, *args, **kwargs):
 
 
 async def run_episode(topology, task: dict, policies: dict, coach: Coach, workspace: str, step: int,
-                      coach_bias: str = None, coach_mode: str = "per_action", played=None) -> Episode:
-    """One episode. An exception raised by its environment ends this episode only: `Episode.env_error` says what
-    and where, the outcome is a failure and its actions train nothing (the trainer stops the run when too many
-    do: --mappa.env.max_failure_fraction). Generation and coach errors are not contained. played(episode) is
-    called when the agents are done, before the verdicts still coming are awaited."""
+                      coach_bias: str = None, coach_mode: str = "per_action", handle=None,
+                      index: int = 0) -> Episode:
+    """One episode, the `index`th of `handle` (RolloutHandle; by default one of its own). An exception raised
+    by its environment ends this episode only: `Episode.env_error` says what and where, the outcome is a
+    failure and its actions train nothing (the trainer stops the run when too many do:
+    --mappa.env.max_failure_fraction). Generation and coach errors are not contained. The handle hears when
+    the agents are done, before the verdicts still coming are awaited, and each verdict as it lands."""
+    handle = handle or RolloutHandle(step, topology)
     episode_id = f"s{step}-{task.get('id', '')}-{uuid.uuid4().hex[:8]}"
     os.makedirs(workspace, exist_ok=True)
-    episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=task.get("type", ""), step=step)
+    episode = Episode(episode_id=episode_id, task_id=str(task.get("id", "")), task_type=task.get("type", ""),
+                      step=step)
     requests, verdict_futures = [], []
     t0 = episode.timings["start"] = time.time()
     try:
@@ -205,17 +222,15 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
             requests.append(request)
             if coach_mode != "hindsight":
                 verdict_futures.append(asyncio.ensure_future(coach.score(request)))  # submitted, not awaited
-            if coach_mode == "per_action":  # its final verdict: on the action as soon as it comes (trainer.learn)
-                verdict_futures[-1].add_done_callback(functools.partial(record_verdict, episode.actions[-1]))
+            if coach_mode == "per_action":  # its final verdict: on the action as soon as it comes
+                verdict_futures[-1].add_done_callback(
+                    functools.partial(handle.record_verdict, episode.actions[-1]))
         episode.timings["rollout_s"] = time.time() - t0
-        outcome = call("outcome", env.outcome)
-        # An episode stopped by a limit never reached its end: a failure, whatever the env's outcome says.
-        episode.outcome = {**outcome, "success": False} if episode.action_limit else outcome
+        episode.outcome = ended(episode, call("outcome", env.outcome))
     except EnvFailed as e:
         episode.env_error, episode.outcome = str(e), {"success": False}
         episode.timings["rollout_s"] = time.time() - t0
-    if played:
-        played(episode)
+    handle.agents_done(index, episode)
     if episode.env_error:
         # The verdicts already asked for are awaited (and paid for): kept in the record, never trained on.
         verdicts = await asyncio.gather(*verdict_futures)
@@ -225,14 +240,82 @@ async def run_episode(topology, task: dict, policies: dict, coach: Coach, worksp
         verdicts, parts, episode.review = judged
     for action, verdict, part in zip(episode.actions, verdicts, parts):
         action.verdict, action.verdict_parts = verdict, part
+        handle.landed(action)
     episode.timings["end"] = time.time()
     episode.timings["coach_wait_s"] = episode.timings["end"] - t0 - episode.timings["rollout_s"]
     return episode
 
 
-def record_verdict(action: Action, future: asyncio.Future) -> None:
-    if not future.cancelled() and future.exception() is None:  # an error reaches the rollout through its gather
-        action.verdict = future.result()
+class RolloutHandle:
+    """One step's rollout as the trainer reads it, top to bottom, each part a future that the rollout sets
+    once, on the run's event loop: `episodes` once the agents are done (verdicts may still be coming);
+    `verdicts[member]` once every verdict on that member's actions is in (its actions, in episode order; a
+    member trains the actions of the agents `members` maps to it); `complete` once every verdict is in
+    (RolloutRunner.start). A rollout that fails or is cancelled sets its error on every part not yet set
+    (ended): no reader waits on a future that nothing would set."""
+
+    def __init__(self, step: int, topology, episodes: int = 1, members: dict = None, progress=None):
+        self.step, self.progress, self.complete = step, progress, None
+        self.members = members or {a.name: a.name for a in topology.agents}  # agent -> member: each its own
+        self.played = [None] * episodes  # each episode once its agents are done, in task order
+        self.t0, self.seconds = time.time(), None  # seconds: from the start until the agents were done
+        self.episodes = concurrent.futures.Future()
+        self.verdicts = {member: concurrent.futures.Future() for member in self.members.values()}
+        self.actions = collections.defaultdict(list)  # member -> its actions, once the agents are done
+        # member -> the ids of those with no verdict yet: ids, since a per-action verdict lands twice (as it
+        # comes, and again with its episode's verdicts)
+        self.waiting = collections.defaultdict(set)
+
+    def agents_done(self, index: int, episode: Episode) -> None:
+        """The `index`th episode's agents are done; once every episode's are, `episodes` is set, and the
+        verdicts of each member whose actions have them all already."""
+        self.played[index] = episode
+        if self.progress:
+            self.progress(1)
+        if None in self.played:
+            return
+        self.seconds = time.time() - self.t0
+        for ep in self.played:
+            for action in ep.actions:
+                member = self.members[action.agent]
+                self.actions[member].append(action)
+                if action.verdict is None:
+                    self.waiting[member].add(id(action))
+        settle(self.episodes, list(self.played))
+        for member in self.verdicts:
+            if not self.waiting[member]:
+                settle(self.verdicts[member], self.actions[member])
+
+    def record_verdict(self, action: Action, future: asyncio.Future) -> None:
+        """A per-action coach request's done-callback: its verdict on its action as soon as it comes."""
+        # an error reaches the rollout through its gather
+        if not future.cancelled() and future.exception() is None:
+            action.verdict = future.result()
+            self.landed(action)
+
+    def landed(self, action: Action) -> None:
+        """`action` has its verdict: once the agents are done, its member's verdicts are set with the last."""
+        member = self.members[action.agent]
+        self.waiting[member].discard(id(action))
+        if self.seconds is not None and not self.waiting[member]:
+            settle(self.verdicts[member], self.actions[member])
+
+    def ended(self, error: BaseException = None) -> None:
+        """The rollout ended, `error` if it failed or was cancelled: every part not yet set is set, to the
+        error, or to what it holds (a verdict that never came has nothing left to come)."""
+        settle(self.episodes, list(self.played), error)
+        for member, future in self.verdicts.items():
+            settle(future, self.actions[member], error)
+
+
+def settle(future: concurrent.futures.Future, value, error: BaseException = None) -> None:
+    """Set `future` to `value`, or to `error` (which its result() raises), unless a failure set it first."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(value)
+    else:
+        future.set_exception(error)
 
 
 async def play(topology, env, call, policies: dict, episode: Episode, coach_bias: str = None):
@@ -241,40 +324,38 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
     soon as its tool feedback exists, so that the caller can submit it at once."""
     # An env whose own observe() takes no `omit` cannot leave history out: its over-long prompts are skipped.
     can_omit = "omit" in inspect.signature(env.observe).parameters
-    turns, last, round_ = {a.name: 0 for a in topology.agents}, {}, 0
-    while agents := call("next_agents", env.next_agents, turns, last):
-        check_round(type(env).__name__, topology, agents)
-        episode.action_limit = over_limit(topology, turns, agents)
-        if episode.action_limit:  # a workflow that would go on forever (or past its budget) ends here, a failure
-            return
+    for round_, agents, turns, last in rounds(topology, env, call, episode):
         # The round's agents all see the history as it was before the round: they generate concurrently, and
         # step in the order next_agents gave.
-        prompts = [fit_prompt(env, call, policies[spec.name], spec, turns[spec.name], can_omit, topology.keep_reasoning)
+        prompts = [fit_prompt(env, call, policies[spec.name], spec, turns[spec.name], can_omit=can_omit,
+                              keep_reasoning=topology.keep_reasoning)
                    for spec in agents]
         generations = (policies[spec.name].sample(p[2]) for spec, p in zip(agents, prompts) if not p[3])
         generated = iter(await asyncio.gather(*generations))
-        last = {}
         for spec, (messages, prompt_text, prompt_ids, too_long, omitted) in zip(agents, prompts):
             policy, turn = policies[spec.name], turns[spec.name]
-            turns[spec.name] += 1
             if too_long:
-                # Even its system message, prompt and task alone do not fit: no action (nothing generated, nothing
-                # trained, no coach); next_agents hears None for it (the chain then moves to the next agent).
+                # Even its system message, prompt and task alone do not fit: no action (nothing generated,
+                # nothing trained, no coach); next_agents hears None for it (the chain then moves to the next
+                # agent).
                 budget = policy.max_len - policy.max_new_tokens
-                skipped = {"agent": spec.name, "turn": turn, "prompt_tokens": len(prompt_ids), "budget": budget}
+                skipped = {"agent": spec.name, "turn": turn, "prompt_tokens": len(prompt_ids),
+                           "budget": budget}
                 episode.skipped_actions.append(skipped)
                 last[spec.name] = None
                 continue
             (response_ids, truncated, logprobs), version, version_end = next(generated)
-            # Its weight versions: its own agent's, and each other agent's that acted in an earlier round, whose
-            # output its input can hold (as that action recorded its own; a view hiding an agent still counts it).
-            # An agent that acted more than once counts at its oldest version: the input is as stale as that.
+            # Its weight versions: its own agent's, and each other agent's that acted in an earlier round,
+            # whose output its input can hold (as that action recorded its own; a view hiding an agent still
+            # counts it). An agent that acted more than once counts at its oldest version: the input is as
+            # stale as that.
             versions = {}
             for a in episode.actions:
                 if a.agent != spec.name and a.round < round_:
                     versions[a.agent] = min(versions.get(a.agent, a.versions[a.agent]), a.versions[a.agent])
             response_text = policy.tokenizer.decode(response_ids, skip_special_tokens=True)
-            result = last[spec.name] = await asyncio.to_thread(call, "step", env.step, spec, turn, response_text)
+            result = last[spec.name] = await asyncio.to_thread(call, "step", env.step, spec, turn,
+                                                               response_text)
             action = Action(
                 episode_id=episode.episode_id, agent=spec.name, turn=turn, round=round_,
                 position=len(episode.actions), prompt_ids=prompt_ids, response_ids=response_ids,
@@ -289,7 +370,8 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
             feedback = result.feedback.as_text(files=ours)
             feedback = feedback if ours else feedback[:COACH_TOOL_CHARS]
             action.coach_request = dict(
-                role=spec.role, task=call("task_text", getattr, env, "task_text"), task_type=episode.task_type,
+                role=spec.role, task=call("task_text", getattr, env, "task_text"),
+                task_type=episode.task_type,
                 agent_input=messages_text(messages), feedback=feedback, cut_off_note=ours,
                 ground_truth=call("coach_ground_truth", env.coach_ground_truth, spec),
                 env_grade=call("judge", env.judge, spec, response_text, result.feedback, truncated_at),
@@ -298,8 +380,33 @@ async def play(topology, env, call, policies: dict, episode: Episode, coach_bias
                 **({"coach_bias": coach_bias} if coach_bias is not None else {}),
             )
             episode.actions.append(action)
-            yield CoachRequest(episode.episode_id, spec.name, turn, agent_output=response_text, **action.coach_request)
+            yield CoachRequest(episode.episode_id, spec.name, turn, agent_output=response_text,
+                               **action.coach_request)
+
+
+def rounds(topology, env, call, record):
+    """The episode's rounds, as env.next_agents names them: (round, its agents, each agent's actions so far,
+    `last`: what env.step returned to each of them, which the caller fills), until next_agents names no agent
+    or the round would pass a limit (`record.action_limit`: the episode is a failure, ended). The one round
+    loop of the rollout (play) and of team.play; `call(hook, fn, *args)`: fn(*args), its return checked."""
+    turns, last, round_ = {a.name: 0 for a in topology.agents}, {}, 0
+    while agents := call("next_agents", env.next_agents, turns, last):
+        check_round(type(env).__name__, topology, agents)
+        record.action_limit = over_limit(topology, turns, agents)
+        # a workflow that would go on forever (or past its budget) ends here, a failure
+        if record.action_limit:
+            return
+        last = {}
+        yield round_, agents, turns, last
+        for spec in agents:
+            turns[spec.name] += 1
         round_ += 1
+
+
+def ended(record, outcome: dict) -> dict:
+    """The episode's outcome: the env's, or where a limit stopped it (`record.action_limit`) a failure,
+    whatever the env says: it never reached its end."""
+    return {**outcome, "success": False} if record.action_limit else outcome
 
 
 def check_round(env_name: str, topology, agents) -> None:
@@ -312,8 +419,8 @@ def check_round(env_name: str, topology, agents) -> None:
 
 
 def over_limit(topology, turns: dict, agents: list) -> str:
-    """Why the round `agents` may not be played ("" when it may): an agent past its max_actions, or the episode
-    past the topology's max_episode_actions (default: the sum of the agents' max_actions)."""
+    """Why the round `agents` may not be played ("" when it may): an agent past its max_actions, or the
+    episode past the topology's max_episode_actions (default: the sum of the agents' max_actions)."""
     limit = topology.max_episode_actions or sum(a.max_actions for a in topology.agents)
     over = [f"agent {a.name!r} asked to act beyond its max_actions {a.max_actions}"
             for a in agents if turns[a.name] >= a.max_actions]
@@ -322,9 +429,10 @@ def over_limit(topology, turns: dict, agents: list) -> str:
     return "; ".join(over)
 
 
-def fit_prompt(env, call, policy: AgentPolicy, spec, turn: int, can_omit: bool, keep_reasoning: bool) -> tuple:
-    """(messages, text, ids, too_long, omitted): the agent's input, its oldest history left out as far as needed
-    (where the env's observe() can leave it out: `can_omit`)."""
+def fit_prompt(env, call, policy: AgentPolicy, spec, turn: int, can_omit: bool,
+               keep_reasoning: bool) -> tuple:
+    """(messages, text, ids, too_long, omitted): the agent's input, its oldest history left out as far as
+    needed (where the env's observe() can leave it out: `can_omit`)."""
     messages = call("observe", env.observe, spec, turn)
     prompt_text, prompt_ids, too_long = policy.prompt_ids(messages, keep_reasoning)
     if not (too_long and can_omit):
@@ -335,30 +443,69 @@ def fit_prompt(env, call, policy: AgentPolicy, spec, turn: int, can_omit: bool, 
 
 
 def messages_text(messages: list) -> str:
-    """An agent's input as the coach reads it ({agent_input}): its messages without the chat template's special
-    tokens. A lone user message as it is, as the authors' coach read the raw prompt; else each message under a
-    `[role]` line."""
+    """An agent's input as the coach reads it ({agent_input}): its messages without the chat template's
+    special tokens. A lone user message as it is, as the authors' coach read the raw prompt; else each message
+    under a `[role]` line."""
     if len(messages) == 1:
         return messages[0]["content"]
     return "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in messages)
 
 
 async def rollout(topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,
-                  coach_bias: str = None, coach_mode: str = "per_action", progress=None, played=None) -> list:
+                  coach_bias: str = None, coach_mode: str = "per_action", progress=None, handle=None) -> list:
     """All episodes of one step, concurrently, in task order. `coach_bias`: the coach's figures shown in every
-    request of the step (--mappa.coach.show_bias); progress(1) is called as each episode's agents are done, and
-    played(episodes) once all are, while verdicts may still be coming: in mode per_action each lands on its
-    action as it comes, so that the trainer can train an agent whose verdicts are all in."""
-    ended = {}
+    request of the step (--mappa.coach.show_bias); progress(1) is called as each episode's agents are done.
+    `handle` (RolloutRunner.start's; by default one of its own) hears when the agents are done, while verdicts
+    may still be coming, and each verdict as it lands: in mode per_action on its action as it comes, so that
+    the trainer can train an agent whose verdicts are all in."""
+    handle = handle or RolloutHandle(step, topology, len(tasks), progress=progress)
+    try:
+        episodes = await asyncio.gather(*(
+            run_episode(topology, task, policies, coach,
+                        os.path.join(workspace_root, f"step{step}", f"ep{i}"), step, coach_bias=coach_bias,
+                        coach_mode=coach_mode, handle=handle, index=i)
+            for i, task in enumerate(tasks)))
+    except BaseException as error:  # failed or cancelled: the handle's readers hear it, none waits forever
+        handle.ended(error)
+        raise
+    handle.ended()
+    return episodes
 
-    def ended_play(i, episode):
-        ended[i] = episode
-        if progress:
-            progress(1)
-        if played and len(ended) == len(tasks):
-            played([ended[k] for k in range(len(tasks))])
 
-    return await asyncio.gather(*(
-        run_episode(topology, task, policies, coach, os.path.join(workspace_root, f"step{step}", f"ep{i}"), step,
-                    coach_bias, coach_mode, functools.partial(ended_play, i))
-        for i, task in enumerate(tasks)))
+class RolloutRunner:
+    """The run's event loop in a thread of its own (running): each step's rollout (start), the coach and the
+    evaluations run on it, so that the team trains while verdicts are still coming, and with
+    --train.async_enable while the next steps' episodes are generated. One loop for the whole run: the coach's
+    HTTP client and its semaphore belong to the loop they were first used on, so a fresh asyncio.run() per
+    step would break them at step 2."""
+
+    def __init__(self):
+        # started: the handles still held
+        self.loop, self.started = asyncio.new_event_loop(), weakref.WeakSet()
+
+    @contextlib.contextmanager
+    def running(self):
+        thread = threading.Thread(target=self.loop.run_forever, name="mappa-rollout", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            thread.join()
+            # A rollout still in flight (the run stopped) goes no further: whoever waits on its handle hears
+            # so.
+            for handle in self.started:
+                handle.complete.cancel()
+                handle.ended(concurrent.futures.CancelledError())
+
+    def start(self, topology, tasks: list, policies: dict, coach: Coach, workspace_root: str, step: int,
+              members: dict, coach_bias: str = None, coach_mode: str = "per_action",
+              progress=None) -> RolloutHandle:
+        """The step's rollout (rollout), started on the loop (running): its handle, whose verdicts are by
+        member (`members`: agent -> who trains its actions) and `complete` once every verdict is in."""
+        handle = RolloutHandle(step, topology, len(tasks), members, progress)
+        coroutine = rollout(topology, tasks, policies, coach, workspace_root, step, coach_bias=coach_bias,
+                            coach_mode=coach_mode, handle=handle)
+        handle.complete = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        self.started.add(handle)
+        return handle

@@ -59,45 +59,38 @@ def play(topology: Union[Topology, str], task: dict, replies: Union[list, Callab
     replies. Each hook's return is checked as the rollout checks it: a wrong one is a ValueError naming the
     hook."""
     from openrlhf_mappa.envs.base import returned_problem
-    from openrlhf_mappa.rollout import check_round, over_limit
+    from openrlhf_mappa.rollout import ended, rounds
 
     if isinstance(topology, str):
         topology = load_topology(topology)
     env = topology.make_env(task, workspace or tempfile.mkdtemp(prefix="mappa-play-"))
 
-    def checked(hook: str, value):
+    def call(hook: str, fn, *args):
+        value = fn(*args)
         problem = returned_problem(hook, value)
         if problem:
             raise ValueError(f"{type(env).__name__}.{hook} returned {value!r:.200}: {problem}")
         return value
 
     scripted = None if callable(replies) else list(replies)
-    played, turns, last, round_ = Played(env), {a.name: 0 for a in topology.agents}, {}, 0
-    checked("task_type", env.task_type)
-    checked("task_text", env.task_text)
-    while agents := env.next_agents(turns, last):
-        check_round(type(env).__name__, topology, agents)
-        played.action_limit = over_limit(topology, turns, agents)
-        if played.action_limit:
-            break
+    played = Played(env)
+    call("task_type", getattr, env, "task_type")
+    call("task_text", getattr, env, "task_text")
+    for round_, agents, turns, last in rounds(topology, env, call, played):
         # the history as it was before the round
-        inputs = [checked("observe", env.observe(spec, turns[spec.name])) for spec in agents]
-        last = {}
+        inputs = [call("observe", env.observe, spec, turns[spec.name]) for spec in agents]
         for spec, messages in zip(agents, inputs):
             turn = turns[spec.name]
             if scripted == []:
                 raise ValueError(f"play: no reply left for agent {spec.name!r}'s action {turn} (action "
                                  f"{len(played.actions)} of the episode)")
             reply = replies(spec.name, turn) if scripted is None else scripted.pop(0)
-            result = last[spec.name] = checked("step", env.step(spec, turn, reply))
-            checked("answer_formatted", env.answer_formatted(spec, reply))
-            checked("coach_ground_truth", env.coach_ground_truth(spec))
-            grade = checked("judge", env.judge(spec, reply, result.feedback, truncated_at))
+            result = last[spec.name] = call("step", env.step, spec, turn, reply)
+            call("answer_formatted", env.answer_formatted, spec, reply)
+            call("coach_ground_truth", env.coach_ground_truth, spec)
+            grade = call("judge", env.judge, spec, reply, result.feedback, truncated_at)
             played.actions.append(PlayedAction(spec.name, turn, round_, messages, reply, result, grade))
-            turns[spec.name] += 1
-        round_ += 1
-    outcome = checked("outcome", env.outcome())
-    played.outcome = {**outcome, "success": False} if played.action_limit else outcome
+    played.outcome = ended(played, call("outcome", env.outcome))
     return played
 
 

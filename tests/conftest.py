@@ -364,9 +364,9 @@ def train_step(trainer, step: int, tasks: list) -> dict:
     """One synchronous step of `trainer` (a MappaTrainer) on `tasks`, as its fit runs one: the rollout, then
     MappaTrainer.step; the step's metrics."""
     t_start = time.time()
-    with trainer.loop_running():
+    with trainer.runner.running():
         with trainer.engines_awake():
-            run = trainer.collect(trainer.submit(step, tasks))
+            run = trainer.collect(*trainer.start(step, tasks))
         return trainer.step(run, t_start)
 
 

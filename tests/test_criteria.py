@@ -212,7 +212,7 @@ def test_criteria_switch_on_a_logged_metric_and_survive_a_resume(tmp_path, capsy
         assert list(figures) == [2] and "(the last 2 training steps, 8 scored actions)" in figures[2]
         prompts = [r["prompt"].split("\n", 1)[0] for r in server.requests]
         assert prompts == ["RELIABILITY"] * 8 + ["QUALITY"] * 8  # 2 episodes x 2 actions per step, steps 1-4
-        first.loop.run_until_complete(coach.aclose())
+        first.runner.loop.run_until_complete(coach.aclose())
 
         # The same command again: the CLI builds the coach with the first template; the trainer restores.
         assert check_resume(first.args, topology, []) == (2, [])

@@ -28,7 +28,8 @@ from openrlhf_mappa.cli.train_mappa_ray import check_this_machine, parse_args
 from openrlhf_mappa.tools.doctor import sync_verdicts
 from openrlhf_mappa.team import load_topology
 from openrlhf_mappa.resume import rotate_checkpoints
-from openrlhf_mappa.trainer import MappaTrainer, Rollout
+from openrlhf_mappa.rollout import RolloutHandle
+from openrlhf_mappa.trainer import MappaTrainer
 
 MATHCHAT = os.path.join(REPO, "examples", "configs", "mathchat.yaml")
 QWEN3_4B = os.path.join(REPO, "tests", "fixtures", "qwen3-4b")  # config.json from Qwen3-4B's published architecture
@@ -320,11 +321,13 @@ def team_trainer(colocate: str, forward, names=("a", "b", "c"), trained=None):
     return t
 
 
-def played(episodes: list, complete: concurrent.futures.Future = None) -> Rollout:
+def played(episodes: list, complete: concurrent.futures.Future = None) -> RolloutHandle:
     """Step 1's rollout, its agents done with `episodes`; `complete`: done once its verdicts are in (by default,
     already)."""
-    run = Rollout(1, bar=None, complete=complete or concurrent.futures.Future())
-    run.played.set_result(episodes)
+    run = RolloutHandle(1, None, len(episodes), {a.agent: a.agent for ep in episodes for a in ep.actions})
+    for i, episode in enumerate(episodes):
+        run.agents_done(i, episode)
+    run.complete = complete or concurrent.futures.Future()
     if complete is None:
         run.complete.set_result(episodes)
     return run
@@ -418,22 +421,25 @@ def test_an_agent_trains_as_soon_as_its_own_verdicts_are_in(scope):
     waiting = threading.Event()
 
     class Verdicts(concurrent.futures.Future):
-        def done(self):  # asked after a's and b's experiences are made: the step waits on c's verdict
+        def result(self, timeout=None):  # asked after a's and b's experiences are made: the step waits on c's verdict
             if made_for == ["a", "b"]:
                 waiting.set()
-            return super().done()
+            return super().result(timeout)
 
-    complete = Verdicts()
+    complete = concurrent.futures.Future()
+    run = played(episodes, complete)
+    run.verdicts["c"] = Verdicts()  # c's verdicts: the handle's future, set by the rollout as c's last one lands
 
     def coach():  # c's verdict, once the step waits on it: who had updated then (None: it never waited on it)
         before = sorted(trained) if waiting.wait(60) else None
         episodes[0].actions[2].verdict = Verdict(3.0, "ok")
+        run.landed(episodes[0].actions[2])
         complete.set_result(episodes)
         return before
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         seen = pool.submit(coach)
-        made = trainer.update_team(played(episodes, complete), {n: 0.0 for n in "abc"})
+        made = trainer.update_team(run, {n: 0.0 for n in "abc"})
     assert seen.result() == (["a", "b"] if scope == "agent" else [])
     assert sorted(trained) == ["a", "b", "c"] and made["c"].kept[0].reward == 3.0
     assert made["c"].coach_wait >= made["a"].coach_wait

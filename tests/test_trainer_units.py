@@ -262,6 +262,53 @@ def scripted_mathchat(truncated_solver: bool, coach_input: str = "authors", exec
     return topology, policies, [{"id": "1", "prompt": "What is 2 + 2?", "answer": "4"}]
 
 
+class VerifierCoach(RecordingCoach):
+    """The verifier's verdicts never come (`hang`), or fail after a moment; the other agents' come at once."""
+
+    def __init__(self, hang: bool):
+        super().__init__()
+        self.hang = hang
+
+    async def score(self, request):
+        if request.agent == "verifier":
+            await asyncio.sleep(3600 if self.hang else 0.2)
+            raise RuntimeError("the coach is down")
+        return await super().score(request)
+
+
+def test_the_rollout_handle_gives_each_member_its_verdicts_or_the_failure_and_leaves_none_waiting(tmp_path):
+    # The handle the trainer reads: each member's verdicts as a future, set by the rollout. A member whose
+    # verdicts are in gets its actions; one whose verdict failed gets the coach's error (never an invented
+    # score); and when the run's loop stops with a verdict still coming, a thread waiting on it is told so.
+    import concurrent.futures
+    import threading
+
+    from openrlhf_mappa.rollout import RolloutRunner
+
+    topology, policies, tasks = scripted_mathchat(truncated_solver=False)
+    members, runner = {a.name: a.name for a in topology.agents}, RolloutRunner()
+    with runner.running():
+        run = runner.start(topology, tasks * 2, policies, VerifierCoach(hang=False), str(tmp_path), 1,
+                           members=members)
+        assert len(run.episodes.result(timeout=60)) == 2 and run.seconds is not None
+        solver = run.verdicts["problem_solver"].result(timeout=60)
+        assert [(a.agent, a.verdict.score) for a in solver] == [("problem_solver", 6.0)] * 2
+        with pytest.raises(RuntimeError, match="the coach is down"):
+            run.verdicts["verifier"].result(timeout=60)
+        with pytest.raises(RuntimeError, match="the coach is down"):
+            run.complete.result(timeout=60)
+        run = runner.start(topology, tasks, policies, VerifierCoach(hang=True), str(tmp_path), 2,
+                           members=members)
+        run.verdicts["code_executor"].result(timeout=60)
+        waiting = concurrent.futures.Future()
+        verifier = run.verdicts["verifier"]
+        threading.Thread(target=lambda: waiting.set_result(verifier.exception())).start()
+    assert isinstance(waiting.result(timeout=10), concurrent.futures.CancelledError)
+    assert run.complete.cancelled()
+    runner.loop.run_until_complete(asyncio.sleep(0.1))  # the stopped rollout's cancellation: nothing left
+    runner.loop.close()
+
+
 @pytest.mark.parametrize("coach_input, marked", [("authors", False), ("ours", True)])
 def test_truncated_action_is_shown_to_the_coach_as_the_topology_says(coach_input, marked, tmp_path):
     # The authors' coach gets the raw text of a cut-off action (coach_utils.py); `coach_input: ours` marks
@@ -342,7 +389,7 @@ def trainer_for(reward: str, coach, tmp_path, score_outcome_runs: bool = False) 
         data=SimpleNamespace(max_len=64), logger=SimpleNamespace(wandb=SimpleNamespace(key=None), tensorboard_dir=None),
     )  # fmt: skip
     trainer = MappaTrainer(args, None, [], coach, [], str(tmp_path / "run"))
-    trainer.loop.close()
+    trainer.runner.loop.close()
     return trainer
 
 
