@@ -265,6 +265,8 @@ def token_rewards(reward_B: torch.Tensor, kl_BA: torch.Tensor, action_mask_BA: t
     # At least float32, as upstream's trainer promotes rewards (compute_reward returns KL's dtype). Upstream
     # puts -β·KL off the mask too, and an empty mask's R on the last column: both masked out here.
     dtype = torch.promote_types(reward_B.dtype, torch.float32)
+    if kl_BA is None:  # no reference model: no KL term
+        kl_BA = torch.zeros(action_mask_BA.shape)
     r_BA = compute_reward(reward_B.to(dtype), kl_coef, kl_BA.to(dtype), action_mask_BA)
     return torch.where(action_mask_BA.bool(), r_BA, 0.0)
 
