@@ -1,7 +1,8 @@
 """Evaluation: the team plays held-out tasks with no training; pass@1 accuracy, DSBench scores and behaviour
-metrics per agent. Used by MappaTrainer.evaluate (every --eval.steps) and `mappa eval`, both through the training
-rollout, so an evaluated episode is exactly a training episode. Its accuracy has two graders: the environment's
-(`accuracy`; MathChat: math-verify) and, where a coach was asked, the authors' (`accuracy_coach`, coach_graded).
+metrics per agent. Used by MappaTrainer.evaluate (every --eval.steps) and `mappa eval`, both through the
+training rollout, so an evaluated episode is exactly a training episode. Its accuracy has two graders: the
+environment's (`accuracy`; MathChat: math-verify) and, where a coach was asked, the authors'
+(`accuracy_coach`, coach_graded).
 """
 
 import asyncio
@@ -19,8 +20,8 @@ from openrlhf_mappa.rollout import rollout
 
 
 class NoCoach(Coach):
-    """Evaluation and the outcome baseline ask no coach: every verdict is `skipped` (no score, no cost), `reason`
-    its rationale."""
+    """Evaluation and the outcome baseline ask no coach: every verdict is `skipped` (no score, no cost),
+    `reason` its rationale."""
 
     name = "none"
 
@@ -32,10 +33,10 @@ class NoCoach(Coach):
 
 
 def load_eval_sets(args, needs_answer: bool = True, limit: int = 0) -> dict:
-    """{name: its first `limit` tasks (0: all)} of each comma-separated --eval.dataset entry, its own set (where
-    OpenRLHF blends them into one), loaded by load_tasks with --eval.split and the --data keys. The name (a file's
-    stem, a Hub dataset's last part) labels eval.jsonl, the loggers and the report, so training-time and standalone
-    evaluations of one dataset line up."""
+    """{name: its first `limit` tasks (0: all)} of each comma-separated --eval.dataset entry, its own set
+    (where OpenRLHF blends them into one), loaded by load_tasks with --eval.split and the --data keys. The
+    name (a file's stem, a Hub dataset's last part) labels eval.jsonl, the loggers and the report, so
+    training-time and standalone evaluations of one dataset line up."""
     sets = {}
     for entry in filter(None, (e.strip() for e in (args.eval.dataset or "").split(","))):
         name = os.path.splitext(os.path.basename(entry.split("@")[0].rstrip("/")))[0]
@@ -45,9 +46,9 @@ def load_eval_sets(args, needs_answer: bool = True, limit: int = 0) -> dict:
 
 
 def train_overlap(train_tasks: list, eval_tasks: list) -> list:
-    """The ids of the eval tasks that are training problems too: the same text (case, spaces and `$` aside), or
-    the same AIME problem, known by its AoPS URL or its year, part and number (rows of one problem differ in
-    wording between files, and their ids are numbered per file, so ids alone say nothing)."""
+    """The ids of the eval tasks that are training problems too: the same text (case, spaces and `$` aside),
+    or the same AIME problem, known by its AoPS URL or its year, part and number (rows of one problem differ
+    in wording between files, and their ids are numbered per file, so ids alone say nothing)."""
     seen = {key for task in train_tasks for key in problem_keys(task)}
     return [task["id"] for task in eval_tasks if problem_keys(task) & seen]
 
@@ -109,17 +110,23 @@ def coach_cost(episodes: list, price_in: float = 0.0, price_out: float = 0.0) ->
     m = coach_step_metrics(episodes, price_in, price_out)
     if not m["coach/requests"]:
         return {}
-    keys = ("coach/requests", "coach/failure_fraction", "coach/tokens_in", "coach/tokens_out", "coach/cost_usd")
+    keys = (
+        "coach/requests",
+        "coach/failure_fraction",
+        "coach/tokens_in",
+        "coach/tokens_out",
+        "coach/cost_usd",
+    )
     return {k: m[k] for k in keys if k in m}
 
 
 def coach_graded(episode, answer_asked: bool = True) -> tuple:
     """(accuracy, how) of one episode by the authors' grader (multi_agent_world_async.evaluate_samples, with
-    mathchat_workflow_with_coach.py and coach_utils.py): the coach's ANSWER_CORRECT (1/0) on the final agent's last
-    action; where its reply has none even when asked again (evaluate), that verdict's raw 0-10 score (so their
-    mean can pass 1); 0.0 when the final agent never acted. None when the coach gave no verdict there (it
-    failed, or none was asked): left out of the mean and counted, never an invented grade (their coach never
-    fails: it falls back to 5.0). `answer_asked` False (a coach template without ANSWER_CORRECT, as
+    mathchat_workflow_with_coach.py and coach_utils.py): the coach's ANSWER_CORRECT (1/0) on the final agent's
+    last action; where its reply has none even when asked again (evaluate), that verdict's raw 0-10 score (so
+    their mean can pass 1); 0.0 when the final agent never acted. None when the coach gave no verdict there
+    (it failed, or none was asked): left out of the mean and counted, never an invented grade (their coach
+    never fails: it falls back to 5.0). `answer_asked` False (a coach template without ANSWER_CORRECT, as
     DSBench's): the raw score is the grade by design ("score"), no fallback."""
     final = final_action(episode)
     if final is None:
@@ -142,11 +149,11 @@ def _mean(values):
 
 
 def summarize(episodes: list, agent_names: list, tasks: list, answer_asked: bool = True) -> tuple:
-    """(summary, problems). accuracy: the mean over problems of pass@1 (mean success over its samples). DSBench
-    outcomes add relative_score (an invalid submission counts 0, as DSBench's paper), each task metric's mean
-    over valid submissions, and success rate and relative score per task type. Where a coach graded the episodes,
-    accuracy_coach is the same mean by the authors' grader (coach_graded; `answer_asked`: the coach's template
-    asks for ANSWER_CORRECT), with accuracy_coach/<how> counts."""
+    """(summary, problems). accuracy: the mean over problems of pass@1 (mean success over its samples).
+    DSBench outcomes add relative_score (an invalid submission counts 0, as DSBench's paper), each task
+    metric's mean over valid submissions, and success rate and relative score per task type. Where a coach
+    graded the episodes, accuracy_coach is the same mean by the authors' grader (coach_graded; `answer_asked`:
+    the coach's template asks for ANSWER_CORRECT), with accuracy_coach/<how> counts."""
     by_task = {}
     for ep in episodes:
         by_task.setdefault(ep.task_id, []).append(ep)
@@ -176,11 +183,15 @@ def summarize(episodes: list, agent_names: list, tasks: list, answer_asked: bool
     if any("relative_score" in o for o in outcomes):
         summary["relative_score"] = _mean([o.get("relative_score") or 0.0 for o in outcomes])
         for metric in sorted({o["metric_name"] for o in outcomes if o.get("metric_name")}):
-            summary[f"metric/{metric}"] = _mean([o["metric"] for o in outcomes if o.get("metric_name") == metric])
+            summary[f"metric/{metric}"] = _mean(
+                [o["metric"] for o in outcomes if o.get("metric_name") == metric]
+            )
         for task_type in sorted({ep.task_type for ep in episodes if ep.task_type}):
             typed = [ep for ep in episodes if ep.task_type == task_type]
             summary[f"{task_type}/success_rate"] = _mean([float(ep.success) for ep in typed])
-            summary[f"{task_type}/relative_score"] = _mean([ep.outcome.get("relative_score") or 0.0 for ep in typed])
+            summary[f"{task_type}/relative_score"] = _mean(
+                [ep.outcome.get("relative_score") or 0.0 for ep in typed]
+            )
     if any("authors_figures" in o for o in outcomes):
         # DSBench as the authors' evaluate_samples reads it (multi_agent_world_async.py L385-388, L437-457):
         # an episode is scored when its predictions can be read (envs/dsbench.py authors_predictions),
