@@ -49,7 +49,7 @@ def train_overlap(train_tasks: list, eval_tasks: list) -> list:
     """The ids of the eval tasks that are training problems too: the same text (case, spaces and `$` aside),
     or the same AIME problem, known by its AoPS URL or its year, part and number (rows of one problem differ
     in wording between files, and their ids are numbered per file, so ids alone say nothing)."""
-    seen = {key for task in train_tasks for key in problem_keys(task)}
+    seen = set().union(*map(problem_keys, train_tasks))
     return [task["id"] for task in eval_tasks if problem_keys(task) & seen]
 
 
@@ -100,8 +100,7 @@ def asks_answer(coach) -> bool:
 
 def final_action(episode):
     """The final agent's last action, or None when it never acted."""
-    finals = [a for a in episode.actions if a.coach_request.get("is_final_agent")]
-    return finals[-1] if finals else None
+    return next((a for a in reversed(episode.actions) if a.coach_request.get("is_final_agent")), None)
 
 
 def coach_cost(episodes: list, price_in: float = 0.0, price_out: float = 0.0) -> dict:
@@ -176,10 +175,12 @@ def summarize(episodes: list, agent_names: list, tasks: list, answer_asked: bool
         summary.update({f"accuracy_coach/{how}": hows.count(how) for how in GRADED_BY})
     if any("answered" in o for o in outcomes):
         summary["answered_rate"] = _mean([float(bool(o.get("answered"))) for o in outcomes])
-    if any(ep.action_limit for ep in episodes):  # stopped by a limit (rollout.run_episode): failures, counted
-        summary["action_limit_episodes"] = sum(bool(ep.action_limit) for ep in episodes)
-    if any(ep.env_error for ep in episodes):  # ended by an exception in the environment: failures, counted
-        summary["env_failed_episodes"] = sum(bool(ep.env_error) for ep in episodes)
+    # Failures, counted where there are any: episodes stopped by a limit (rollout.run_episode), and episodes
+    # ended by an exception in the environment.
+    if action_limited := sum(bool(ep.action_limit) for ep in episodes):
+        summary["action_limit_episodes"] = action_limited
+    if env_failed := sum(bool(ep.env_error) for ep in episodes):
+        summary["env_failed_episodes"] = env_failed
     if any("relative_score" in o for o in outcomes):
         summary["relative_score"] = _mean([o.get("relative_score") or 0.0 for o in outcomes])
         for metric in sorted({o["metric_name"] for o in outcomes if o.get("metric_name")}):
@@ -215,11 +216,11 @@ def format_table(results: dict) -> str:
     """One row per dataset: its headline numbers, then every agent's behaviour (a terminal table)."""
     lines = []
     for dataset, summary in results.items():
-        head = {k: v for k, v in summary.items() if not k.startswith("agent/")}
-        lines.append(f"{dataset}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in head.items()))
+        head = (f"{k} {_fmt(v)}" for k, v in summary.items() if not k.startswith("agent/"))
+        lines.append(f"{dataset}: " + ", ".join(head))
         agents = sorted({k.split("/")[1] for k in summary if k.startswith("agent/")})
         keys = sorted({k.split("/", 2)[2] for k in summary if k.startswith("agent/")})
-        width = max(len(a) for a in agents) if agents else 5
+        width = max(map(len, agents), default=5)
         lines.append("  " + "agent".ljust(width) + "".join(f" {k:>18}" for k in keys))
         for a in agents:  # a column is as wide as its name (a name longer than 18 is printed whole)
             cells = [f" {_fmt(summary.get(f'agent/{a}/{k}')):>{max(18, len(k))}}" for k in keys]
