@@ -7,7 +7,7 @@ gap above a threshold over the last few steps is a warning in the log and in the
 import logging
 import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 from typing import Optional
 
 from openrlhf_mappa.episode import VERDICT_STATUSES
@@ -69,20 +69,21 @@ def coach_step_metrics(episodes: list, price_in: float = 0.0, price_out: float =
     Verdicts count what trains; tokens, latency and cost count fresh (uncached) calls (coach_calls). A
     `skipped` verdict (no coach was asked: evaluation, the outcome baseline) is neither a failure nor a
     call."""
-    all_verdicts = [a.verdict for ep in episodes for a in ep.actions if a.verdict is not None]
-    m = {f"coach/verdicts_{s}": sum(v.status == s for v in all_verdicts) for s in VERDICT_STATUSES}
-    verdicts = [v for v in all_verdicts if v.status != "skipped"]
-    failed = sum(v.status in FAILED_STATUSES for v in verdicts)
-    m["coach/failure_fraction"] = failed / len(verdicts) if verdicts else 0.0
+    statuses = Counter(a.verdict.status for ep in episodes for a in ep.actions if a.verdict is not None)
+    m = {f"coach/verdicts_{s}": statuses[s] for s in VERDICT_STATUSES}
+    asked = statuses.total() - statuses["skipped"]
+    failed = sum(statuses[s] for s in FAILED_STATUSES)
+    m["coach/failure_fraction"] = failed / asked if asked else 0.0
     calls = [c for c in coach_calls(episodes) if c.status != "skipped"]
-    reviews = [ep.review for ep in episodes if ep.review is not None]
+    reviews = Counter(ep.review.status for ep in episodes if ep.review is not None)
     m["coach/requests"] = len(calls)
     if reviews:  # modes hindsight and both
-        m.update({f"coach/reviews_{s}": sum(r.status == s for r in reviews)
-                  for s in VERDICT_STATUSES if s != "skipped"})
+        m.update({f"coach/reviews_{s}": reviews[s] for s in VERDICT_STATUSES if s != "skipped"})
     parts = [a.verdict_parts for ep in episodes for a in ep.actions if a.verdict_parts]
     if parts:  # mode both: actions whose score came from one of the two verdicts only (coach.combine)
-        m["coach/both_one_source"] = sum(sum(v.status == "ok" for v in p.values()) == 1 for p in parts)
+        m["coach/both_one_source"] = sum(
+            (p["per_action"].status == "ok") != (p["hindsight"].status == "ok") for p in parts
+        )
     fresh = [c for c in calls if not c.cached]
     m["coach/cache_hit_rate"] = (len(calls) - len(fresh)) / len(calls) if calls else 0.0
     m.update(

@@ -102,7 +102,10 @@ class TrainedCoach(Coach):
                     "status": ref.status,
                     "held_out": held_out,
                     "p": p,
-                    **{k: getattr(ref, k) for k in ("coach", "tokens_in", "tokens_out", "cached")},
+                    "coach": ref.coach,
+                    "tokens_in": ref.tokens_in,
+                    "tokens_out": ref.tokens_out,
+                    "cached": ref.cached,
                 }
             if self.pay_reference and ref.status == "ok":
                 # The agents get the better judge's score where it was paid for; no coach version: never
@@ -144,11 +147,13 @@ class TrainedCoach(Coach):
             self.ask = strata_chances(self.reference_fraction, {True: sum(cut), False: len(cut) - sum(cut)})
         metrics = (coach_rewards(judged, episodes, self.terms, self.bands)
                    | judge_metrics(judged, self.price_in, self.price_out))
-        versions = [(j.action, j.action.versions.get(COACH_NAME)) for j in judged]  # None: not recorded
-        stale = [action for action, version in versions if version is not None and now - version > most]
-        for action in stale:
-            action.reward, action.stale = None, True
-        metrics["coach/stale_left_out"] = len(stale)
+        stale = 0
+        for j in judged:
+            version = j.action.versions.get(COACH_NAME)  # None: not recorded
+            if version is not None and now - version > most:
+                j.action.reward, j.action.stale = None, True
+                stale += 1
+        metrics["coach/stale_left_out"] = stale
         return [j.action for j in judged], metrics
 
     def stale_verdicts(self, actions: list, now: int, most: int) -> int:
@@ -249,10 +254,11 @@ def coach_rewards(judgements: list, episodes: list, terms: tuple, bands: int = 5
     # Several verdicts of one action (reply digit): each against their mean, a baseline of that action's own,
     # moved to where a verdict no term judged sits (the terms' means): a verdict is paid for beating the
     # others.
-    for actions in (a for a in of_action.values() if len(a) > 1 and mean):
-        baseline = sum(a.reward for a in actions) / len(actions)
-        for a in actions:
-            a.reward += sum(mean.values()) - baseline
+    for actions in of_action.values():
+        if len(actions) > 1 and mean:
+            baseline = sum(a.reward for a in actions) / len(actions)
+            for a in actions:
+                a.reward += sum(mean.values()) - baseline
     out = {f"coach/term_{t}": mean.get(t) for t in TERMS if t in terms}
     out.update({f"coach/term_{t}_n": len(v) for t, v in applied.items() if t in terms})
     return out
@@ -282,16 +288,16 @@ def referenced(verdict: Verdict) -> bool:
 def bias_gaps(judgements: list, episode_of: dict) -> dict:
     """{(agent, task type): max(0, g_kτ - ḡ_k)} for agents judged on two or more task types
     (coach_rewards)."""
-    cells = {}
+    cells = {}  # agent -> task type -> (its scores / 10, its episodes' successes)
     for j in judgements:
-        ep = episode_of[j.request.episode_id]
-        cells.setdefault(j.request.agent, {}).setdefault(j.request.task_type, []).append(
-            (j.verdict.score / 10, float(ep.success)))
+        scores, successes = cells.setdefault(j.request.agent, {}).setdefault(j.request.task_type, ([], []))
+        scores.append(j.verdict.score / 10)
+        successes.append(float(episode_of[j.request.episode_id].success))
     out = {}
     for agent, by_type in cells.items():
         if len(by_type) < 2:
             continue
-        g = {t: sum(s for s, _ in v) / len(v) - sum(o for _, o in v) / len(v) for t, v in by_type.items()}
+        g = {t: sum(s) / len(s) - sum(o) / len(o) for t, (s, o) in by_type.items()}
         mean = sum(g.values()) / len(g)
         out.update({(agent, t): max(0.0, x - mean) for t, x in g.items()})
     return out
