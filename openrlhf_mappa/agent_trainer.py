@@ -162,11 +162,12 @@ class LoraActor(PolicyModelActor.__ray_actor_class__):
             k: sorted(v) if isinstance(v, set) else v
             for k, v in model.peft_config["default"].to_dict().items()
         }
-        # A 4-bit weight (QLoRA) packs two parameters a byte; its quant_state keeps the unpacked shape.
-        size = lambda p: (
-            p.quant_state.shape.numel() if hasattr(p, "quant_state") else getattr(p, "ds_numel", p.numel())
-        )
-        base = sum(size(p) for n, p in model.named_parameters() if "lora_" not in n)
+        base = 0
+        for n, p in model.named_parameters():
+            # A 4-bit weight (QLoRA) packs two parameters a byte; its quant_state keeps the unpacked shape.
+            if "lora_" not in n:
+                base += (p.quant_state.shape.numel() if hasattr(p, "quant_state")
+                         else getattr(p, "ds_numel", p.numel()))
         return {
             "adapter_model.safetensors": save(tensors),
             "adapter_config.json": json.dumps(config).encode(),

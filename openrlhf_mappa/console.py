@@ -61,8 +61,10 @@ def run_summary(run_dir: str) -> list:
             for a in agents
         )
         lines.append(f"[mappa] coach score (first 3 -> last 3 steps): {scores}")
-    for dataset in dict.fromkeys(r.get("dataset") for r in evals):
-        rows = [r for r in evals if r.get("dataset") == dataset]
+    by_dataset = {}
+    for r in evals:
+        by_dataset.setdefault(r.get("dataset"), []).append(r)
+    for dataset, rows in by_dataset.items():
         a, b = rows[0], rows[-1]
         lines.append(f"[mappa] evaluation {dataset}: accuracy {mean([a], 'accuracy')} (step {a['step']}) -> "
                      f"{mean([b], 'accuracy')} (step {b['step']})")

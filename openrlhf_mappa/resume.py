@@ -56,7 +56,7 @@ def changed_settings(recorded: dict, now: dict) -> list:
     """One line per setting whose value differs between the record and now (a key only one side has:
     absent)."""
     lines = []
-    for key in [*now, *(k for k in recorded if k not in now)]:
+    for key in now | recorded:  # now's keys, then those only the record has
         before, after = recorded.get(key, "(absent)"), now.get(key, "(absent)")
         if before != after:
             lines.append(f"{key}: {before!r:.100} in the run, {after!r:.100} now")
@@ -176,7 +176,7 @@ def settings_problem(args, topology, step: int) -> str:
         print(f"[mappa] WARNING: resume with --mappa.allow_resume_changes: from step {step} on, "
               + "; ".join(changed), file=sys.stderr, flush=True)
     elif changed:
-        shown = "".join(f"\n  {line}" for line in changed)
+        shown = "\n  " + "\n  ".join(changed)
         return (f"resume: this launch changes settings that shape the run ({recorded} records those it "
                 f"trained with until step {step}):{shown}\nresume with the run's settings, or pass "
                 f"--mappa.allow_resume_changes to continue with these from step {step} on (recorded as the "

@@ -162,7 +162,7 @@ class _Capped:
         self.tail = kept[len(kept) - self.tail_cap :] if self.tail_cap else b""
 
     def text(self) -> str:
-        head, tail = (b.decode("utf-8", errors="replace") for b in (self.head, self.tail))
+        head, tail = self.head.decode("utf-8", errors="replace"), self.tail.decode("utf-8", errors="replace")
         return f"{head}\n[... about {self.cut} characters cut ...]\n{tail}" if self.cut else head + tail
 
 

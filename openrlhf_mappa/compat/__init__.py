@@ -171,8 +171,8 @@ class _PatchFinder(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None:
             return None
         # Decide before importing a patch module: outside CPU mode they refuse to load.
-        names = [name for name in WATCHED[fullname] if name in EVERY_MODE or cpu_mode()]
-        patches = [importlib.import_module(f"openrlhf_mappa.patches.{name}") for name in names]
+        patches = [importlib.import_module(f"openrlhf_mappa.patches.{name}") for name in WATCHED[fullname]
+                   if name in EVERY_MODE or cpu_mode()]
         spec.loader = _PatchingLoader(spec.loader, patches)
         return spec
 
