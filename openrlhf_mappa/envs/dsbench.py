@@ -205,7 +205,7 @@ def score_submission(task_dir: str, submission: str) -> dict:
         truth = pd.read_csv(os.path.join(task_dir, ANSWER_FILE), dtype={ids: str})
     except (OSError, ValueError) as e:
         raise ValueError(f"{task_dir}: unreadable {ANSWER_FILE}: {e}") from None
-    if any(c not in truth.columns for c in [ids] + targets):
+    if not set([ids] + targets) <= set(truth.columns):
         raise ValueError(f"{task_dir}: {ANSWER_FILE} lacks column(s) of {[ids] + targets}")
     out["task_type"] = detect_data_type(truth[targets])
     if not os.path.isfile(submission):
@@ -214,7 +214,7 @@ def score_submission(task_dir: str, submission: str) -> dict:
         sub = pd.read_csv(submission, dtype={ids: str})
     except (OSError, ValueError) as e:  # pandas' parser, empty-file and decoding errors are ValueErrors
         return invalid("unreadable", f"cannot read the submission as CSV: {e}")
-    sub.columns = [str(c).strip() for c in sub.columns]
+    sub.columns = sub.columns.astype(str).str.strip()
     if sorted(sub.columns) != sorted([ids] + targets):
         return invalid("wrong_columns", f"expected columns {[ids] + targets}, got {list(sub.columns)}")
     if len(sub) != len(truth):
@@ -302,10 +302,11 @@ def authors_figures(truth: pd.Series, pred: pd.Series, data_type: str) -> dict:
     else:
         y, labels = y.astype(str).to_numpy(), p.astype(str).to_numpy()
     binary = len(np.unique(y)) == 2
-    figures = {"accuracy": lambda: accuracy_score(y, labels),
-               "f1": lambda: f1_score(y, labels, average="binary" if binary else "weighted", zero_division=0)}
+    figures = {"accuracy": partial(accuracy_score, y, labels),
+               "f1": partial(f1_score, y, labels, average="binary" if binary else "weighted",
+                             zero_division=0)}
     if numeric and binary and ((number >= 0) & (number <= 1)).all():
-        figures["roc_auc"] = lambda: roc_auc_score(y, number)
+        figures["roc_auc"] = partial(roc_auc_score, y, number)
     out = {}
     for name, compute in figures.items():
         try:

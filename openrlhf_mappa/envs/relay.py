@@ -50,6 +50,7 @@ class RelayEnv(MultiAgentEnv):
     def outcome(self) -> dict:
         replies = {entry.agent: entry.response for entry in self.history}
         met = {
-            name: re.fullmatch(goal, replies.get(name, "")) is not None for name, goal in self.goals.items()
+            f"{name}_met": re.fullmatch(goal, replies.get(name, "")) is not None
+            for name, goal in self.goals.items()
         }
-        return {"success": all(met.values()), **{f"{name}_met": ok for name, ok in met.items()}}
+        return {"success": all(met.values()), **met}
