@@ -231,7 +231,7 @@ def _word(value) -> bool:
 
 def _modules(value) -> bool:
     names = [value] if isinstance(value, str) else value
-    return isinstance(names, list) and bool(names) and all(_text(name) for name in names)
+    return isinstance(names, list) and bool(names) and all(map(_text, names))
 
 
 # The schema: one table per mapping of the YAML, a row per key (key, what its value must be, its type or a
@@ -309,11 +309,6 @@ def _read(raw: dict, schema: tuple, label: str, problems: list, allowed: str = "
     must be; a key left out gets its default. Its problems go to `problems`, and its values come back only
     where it has none: the rules that read them may assume them valid."""
     before = len(problems)
-    unknown = sorted(set(raw) - {row[0] for row in schema})
-    if unknown:
-        problems.append(
-            f"{keys_label or label}unknown key(s) {unknown}; {allowed}: {', '.join(r[0] for r in schema)}"
-        )
     values = {}
     for key, what, test, default in schema:
         value = values[key] = raw.get(key, default)
@@ -323,18 +318,25 @@ def _read(raw: dict, schema: tuple, label: str, problems: list, allowed: str = "
             problems.append(f"{label}'{key}' is missing or empty; it must be {what}")
         elif checked and not (isinstance(value, test) if isinstance(test, type) else test(value)):
             problems.append(f"{label}'{key}' must be {what}, got {value!r}")
+    unknown = sorted(set(raw) - set(values))  # values: every key of the schema, in order
+    if unknown:  # named before the values' problems
+        problems.insert(
+            before, f"{keys_label or label}unknown key(s) {unknown}; {allowed}: {', '.join(values)}"
+        )
     return values if len(problems) == before else None
 
 
 def _template_problems(template: str, allowed: tuple, label: str) -> list:
     """The first field str.format would not fill, or the template's broken braces (none: [])."""
     try:
-        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        fields = [name for _, name, _, _ in string.Formatter().parse(template)]
     except ValueError as e:
         return [f"{label}: broken template ({e}); write {{{{ and }}}} for literal braces"]
-    unknown = [name for name in fields if name not in allowed][:1]
-    return [f"{label}: unknown field {{{name}}}; allowed fields: {', '.join(allowed)} "
-            "(write {{ and }} for literal braces, e.g. \\boxed{{}})" for name in unknown]
+    for name in fields:
+        if name is not None and name not in allowed:
+            return [f"{label}: unknown field {{{name}}}; allowed fields: {', '.join(allowed)} "
+                    "(write {{ and }} for literal braces, e.g. \\boxed{{}})"]
+    return []
 
 
 def check_template(template: str, allowed: tuple, label: str) -> None:
