@@ -25,6 +25,7 @@ row it was given (tests/test_debate_e2e.py).
 import functools
 import itertools
 import json
+import operator
 import os
 import time
 
@@ -85,7 +86,7 @@ def apply(module):
         return
     # openrlhf.trainer.ray.ppo_actor: DeepSpeed's states stay where they are (CPU memory); the calls are
     # logged.
-    model = lambda actor: actor.strategy.args.actor.model_name_or_path
+    model = operator.attrgetter("strategy.args.actor.model_name_or_path")
     actor = module.PolicyModelActor.__ray_metadata__.modified_class
     actor.offload_states = logged(lambda self: None, "offload", model)
     actor.reload_states = logged(lambda self: None, "reload", model)
@@ -100,8 +101,8 @@ def apply(module):
         self.plan = [[int(self.items[i].total_length) for i in mb] for mb in self.dynamic_indices]
 
     module.NaiveReplayBuffer.setup_dynamic_batch = planned
-    plan = lambda self: {"plan": getattr(self.trainer.replay_buffer, "plan", None)}
-    actor.fit = logged(actor.fit, "train", model, plan)
+    actor.fit = logged(actor.fit, "train", model,
+                       lambda self: {"plan": getattr(self.trainer.replay_buffer, "plan", None)})
     init = module.ActorPPOTrainer.__init__
 
     @functools.wraps(init)
