@@ -1,4 +1,5 @@
-"""Records of one multi-agent episode: actions, coach verdicts, outcome. Plain Python, written to episodes.jsonl.
+"""Records of one multi-agent episode: actions, coach verdicts, outcome. Plain Python, written to
+episodes.jsonl.
 
 An `Action` is one generation of one agent (one experience in training); a `Verdict` the coach's judgement of
 one action, where `score is None` means "no valid score": such an action never trains on an invented number.
@@ -16,8 +17,13 @@ VERDICT_STATUSES = ("ok", "parse_error", "api_error", "timeout", "skipped")
 # hindsight review of the whole episode, or both combined (coach.combine).
 VERDICT_SOURCES = ("per_action", "hindsight", "both")
 # ToolFeedback.limit values, as as_text() tells them to the coach.
-LIMIT_MARKERS = {"timeout": "[timed out]", "cpu": "[killed: CPU time limit]", "memory": "[hit the memory limit]",
-                 "file_size": "[hit the file size limit]", "processes": "[hit the process limit]"}
+LIMIT_MARKERS = {
+    "timeout": "[timed out]",
+    "cpu": "[killed: CPU time limit]",
+    "memory": "[hit the memory limit]",
+    "file_size": "[hit the file size limit]",
+    "processes": "[hit the process limit]",
+}
 
 
 @dataclass
@@ -74,12 +80,14 @@ class Verdict:
     tokens_out: int = 0
     retries: int = 0  # HTTP attempts beyond the first (429, 5xx, timeouts) and format re-prompts
     cached: bool = False  # served from the verdict cache: cost nothing this time
-    # "hindsight" and "both" verdicts are no requests of their own: their cost is counted on the episode's Review
-    # and the per-action verdict (Action.verdict_parts; audit.coach_calls).
+    # "hindsight" and "both" verdicts are no requests of their own: their cost is counted on the episode's
+    # Review and the per-action verdict (Action.verdict_parts; audit.coach_calls).
     source: str = "per_action"
     version: Optional[int] = None  # --mappa.coach.kind trained: the coach's weight version that gave it
-    reference: Optional[dict] = None  # trained coach: its reference judge's verdict on the action, where asked
-    answer_correct: Optional[int] = None  # the reply's ANSWER_CORRECT line, 1 or 0 (coach.parse_answer_correct)
+    # trained coach: its reference judge's verdict on the action, where asked
+    reference: Optional[dict] = None
+    # the reply's ANSWER_CORRECT line, 1 or 0 (coach.parse_answer_correct)
+    answer_correct: Optional[int] = None
 
     def __post_init__(self):
         if self.status not in VERDICT_STATUSES:
@@ -94,8 +102,8 @@ class Verdict:
 
 @dataclass
 class Review:
-    """The coach's hindsight review of a whole episode, once its outcome is known: one request, a score per action
-    (in episode order) and the action held responsible for the outcome; a failed review has neither."""
+    """The coach's hindsight review of a whole episode, once its outcome is known: one request, a score per
+    action (in episode order) and the action held responsible for the outcome; a failed review has neither."""
 
     scores: Optional[list]  # one score in [0, 10] per action of the episode, or None
     responsible: Optional[int]  # index into Episode.actions (the coach's action id - 1), or None
@@ -116,12 +124,20 @@ class Review:
                              f"(status {self.status!r})")
 
     def verdicts(self, n: int) -> list:
-        """A hindsight Verdict for each of the episode's `n` actions (scoreless, of its status, if it failed)."""
+        """A hindsight Verdict for each of the episode's `n` actions (scoreless, of its status, if it
+        failed)."""
         if self.status != "ok":
-            return [Verdict(None, self.status, f"hindsight review: {self.rationale}", self.coach, source="hindsight")
-                    for _ in range(n)]
+            return [
+                Verdict(
+                    None, self.status, f"hindsight review: {self.rationale}", self.coach, source="hindsight"
+                )
+                for _ in range(n)
+            ]
         why = f"hindsight review, action {self.responsible + 1} of {n} held responsible: {self.rationale}"
-        return [Verdict(float(s), "ok", why, self.coach, cached=self.cached, source="hindsight") for s in self.scores]
+        return [
+            Verdict(float(s), "ok", why, self.coach, cached=self.cached, source="hindsight")
+            for s in self.scores
+        ]
 
 
 @dataclass
@@ -136,24 +152,28 @@ class Action:
     prompt_text: str = ""
     response_text: str = ""
     truncated: bool = False  # generation hit the token limit
-    formatted: Optional[bool] = None  # it gives a final answer in the env's format (None: not asked of this agent)
+    # it gives a final answer in the env's format (None: not asked of this agent)
+    formatted: Optional[bool] = None
     prompt_truncated: bool = False  # its oldest history entries were left out to fit max_len - max_new_tokens
     feedback: ToolFeedback = field(default_factory=ToolFeedback)
     # What the coach saw besides the texts (role, task, feedback, ground truth...), for `mappa coach score`.
     coach_request: dict = field(default_factory=dict)
     verdict: Optional[Verdict] = None  # the verdict it trains on (see --mappa.coach.mode)
-    verdict_parts: dict = field(default_factory=dict)  # mode "both": {"per_action", "hindsight"} verdicts combined
+    # mode "both": {"per_action", "hindsight"} verdicts combined
+    verdict_parts: dict = field(default_factory=dict)
     reward: Optional[float] = None  # the scalar reward this action trained on (None: left out)
-    # In its agent's batch at zero loss (--mappa.batch_semantics authors): truncated (its reward, if any, is still
-    # in the whitening statistics) or unscored; its advantage is 0.
+    # In its agent's batch at zero loss (--mappa.batch_semantics authors): truncated (its reward, if any, is
+    # still in the whitening statistics) or unscored; its advantage is 0.
     zero_loss: bool = False
     advantage: Optional[float] = None  # mean normalized advantage over its tokens
     # Each response token's log-prob as vLLM sampled it (after temperature and top-p): what the trainer's
     # log-probs are compared with (mismatch metrics, --algo.advantage.is_correction_*). Empty: not asked.
     rollout_logprobs: list = field(default_factory=list)
-    filtered: bool = False  # left out by --algo.dynamic_filtering_enable (its group's mean score out of range)
-    # {agent: weight version}: its own agent's when it started generating, and each other agent's that acted in an
-    # earlier round of the episode; version_end: its own agent's when it ended (later: a partial rollout).
+    # left out by --algo.dynamic_filtering_enable (its group's mean score out of range)
+    filtered: bool = False
+    # {agent: weight version}: its own agent's when it started generating, and each other agent's that acted
+    # in an earlier round of the episode; version_end: its own agent's when it ended (later: a partial
+    # rollout).
     versions: dict = field(default_factory=dict)
     version_end: int = 0
     stale: bool = False  # left out: a version more than --mappa.max_staleness behind when its step trained
@@ -174,7 +194,8 @@ class Episode:
     # Which limit stopped the episode (max_actions, max_episode_actions), "" if none: a stopped episode fails.
     action_limit: str = ""
     review: Optional[Review] = None  # the hindsight review (--mappa.coach.mode hindsight or both)
-    # What the environment raised, and where (rollout.run_episode), or "": such an episode fails, trains nothing.
+    # What the environment raised, and where (rollout.run_episode), or "": such an episode fails, trains
+    # nothing.
     env_error: str = ""
 
     @property
@@ -186,7 +207,8 @@ class Episode:
         d = dataclasses.asdict(self)
         for a in d["actions"]:
             a.pop("prompt_ids"), a.pop("response_ids")
-            a["rollout_logprobs"] = [round(x, 4) for x in a["rollout_logprobs"]]  # bf16 engines: ~1e-2 nats apart
+            # bf16 engines: ~1e-2 nats apart
+            a["rollout_logprobs"] = [round(x, 4) for x in a["rollout_logprobs"]]
         return json.dumps(d, ensure_ascii=False)
 
     @classmethod
@@ -200,12 +222,15 @@ class Episode:
 
 
 def read_record(path: str, what: str) -> dict:
-    """One JSON object from `path` (a checkpoint marker, an adapter's config), or a ValueError naming the file."""
+    """One JSON object from `path` (a checkpoint marker, an adapter's config), or a ValueError naming the
+    file."""
     try:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: {what} is cut off or not JSON ({e}); restore it, or move it away") from None
+        raise ValueError(
+            f"{path}: {what} is cut off or not JSON ({e}); restore it, or move it away"
+        ) from None
     if not isinstance(record, dict):
         raise ValueError(f"{path}: {what} must be a JSON object, got {type(record).__name__}")
     return record
@@ -231,11 +256,16 @@ def read_jsonl(path: str) -> list:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             if lineno == last:
-                print(f"warning: {path}: line {lineno} is cut off (an interrupted run?); skipped", file=sys.stderr)
+                print(
+                    f"warning: {path}: line {lineno} is cut off (an interrupted run?); skipped",
+                    file=sys.stderr,
+                )
                 continue
             raise ValueError(f"{path}: line {lineno}: broken JSON: {e.msg}") from e
         if not isinstance(record, dict):
-            raise ValueError(f"{path}: line {lineno}: a JSON {type(record).__name__}, not one record (a JSON object) "
-                             f"per line")
+            raise ValueError(
+                f"{path}: line {lineno}: a JSON {type(record).__name__}, not one record (a JSON object) "
+                f"per line"
+            )
         out.append((lineno, record))
     return out

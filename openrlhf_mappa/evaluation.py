@@ -1,7 +1,8 @@
 """Evaluation: the team plays held-out tasks with no training; pass@1 accuracy, DSBench scores and behaviour
-metrics per agent. Used by MappaTrainer.evaluate (every --eval.steps) and `mappa eval`, both through the training
-rollout, so an evaluated episode is exactly a training episode. Its accuracy has two graders: the environment's
-(`accuracy`; MathChat: math-verify) and, where a coach was asked, the authors' (`accuracy_coach`, coach_graded).
+metrics per agent. Used by MappaTrainer.evaluate (every --eval.steps) and `mappa eval`, both through the
+training rollout, so an evaluated episode is exactly a training episode. Its accuracy has two graders: the
+environment's (`accuracy`; MathChat: math-verify) and, where a coach was asked, the authors'
+(`accuracy_coach`, coach_graded).
 """
 
 import asyncio
@@ -19,8 +20,8 @@ from openrlhf_mappa.rollout import rollout
 
 
 class NoCoach(Coach):
-    """Evaluation and the outcome baseline ask no coach: every verdict is `skipped` (no score, no cost), `reason`
-    its rationale."""
+    """Evaluation and the outcome baseline ask no coach: every verdict is `skipped` (no score, no cost),
+    `reason` its rationale."""
 
     name = "none"
 
@@ -32,10 +33,10 @@ class NoCoach(Coach):
 
 
 def load_eval_sets(args, needs_answer: bool = True, limit: int = 0) -> dict:
-    """{name: its first `limit` tasks (0: all)} of each comma-separated --eval.dataset entry, its own set (where
-    OpenRLHF blends them into one), loaded by load_tasks with --eval.split and the --data keys. The name (a file's
-    stem, a Hub dataset's last part) labels eval.jsonl, the loggers and the report, so training-time and standalone
-    evaluations of one dataset line up."""
+    """{name: its first `limit` tasks (0: all)} of each comma-separated --eval.dataset entry, its own set
+    (where OpenRLHF blends them into one), loaded by load_tasks with --eval.split and the --data keys. The
+    name (a file's stem, a Hub dataset's last part) labels eval.jsonl, the loggers and the report, so
+    training-time and standalone evaluations of one dataset line up."""
     sets = {}
     for entry in filter(None, (e.strip() for e in (args.eval.dataset or "").split(","))):
         name = os.path.splitext(os.path.basename(entry.split("@")[0].rstrip("/")))[0]
@@ -46,10 +47,10 @@ def load_eval_sets(args, needs_answer: bool = True, limit: int = 0) -> dict:
 
 
 def train_overlap(train_tasks: list, eval_tasks: list) -> list:
-    """The ids of the eval tasks that are training problems too: the same text (case, spaces and `$` aside), or
-    the same AIME problem, known by its AoPS URL or its year, part and number (rows of one problem differ in
-    wording between files, and their ids are numbered per file, so ids alone say nothing)."""
-    seen = {key for task in train_tasks for key in problem_keys(task)}
+    """The ids of the eval tasks that are training problems too: the same text (case, spaces and `$` aside),
+    or the same AIME problem, known by its AoPS URL or its year, part and number (rows of one problem differ
+    in wording between files, and their ids are numbered per file, so ids alone say nothing)."""
+    seen = set().union(*map(problem_keys, train_tasks))
     return [task["id"] for task in eval_tasks if problem_keys(task) & seen]
 
 
@@ -100,8 +101,7 @@ def asks_answer(coach) -> bool:
 
 def final_action(episode):
     """The final agent's last action, or None when it never acted."""
-    finals = [a for a in episode.actions if a.coach_request.get("is_final_agent")]
-    return finals[-1] if finals else None
+    return next((a for a in reversed(episode.actions) if a.coach_request.get("is_final_agent")), None)
 
 
 def coach_cost(episodes: list, price_in: float = 0.0, price_out: float = 0.0) -> dict:
@@ -110,17 +110,23 @@ def coach_cost(episodes: list, price_in: float = 0.0, price_out: float = 0.0) ->
     m = coach_step_metrics(episodes, price_in, price_out)
     if not m["coach/requests"]:
         return {}
-    keys = ("coach/requests", "coach/failure_fraction", "coach/tokens_in", "coach/tokens_out", "coach/cost_usd")
+    keys = (
+        "coach/requests",
+        "coach/failure_fraction",
+        "coach/tokens_in",
+        "coach/tokens_out",
+        "coach/cost_usd",
+    )
     return {k: m[k] for k in keys if k in m}
 
 
 def coach_graded(episode, answer_asked: bool = True) -> tuple:
     """(accuracy, how) of one episode by the authors' grader (multi_agent_world_async.evaluate_samples, with
-    mathchat_workflow_with_coach.py and coach_utils.py): the coach's ANSWER_CORRECT (1/0) on the final agent's last
-    action; where its reply has none even when asked again (evaluate), that verdict's raw 0-10 score (so their
-    mean can pass 1); 0.0 when the final agent never acted. None when the coach gave no verdict there (it
-    failed, or none was asked): left out of the mean and counted, never an invented grade (their coach never
-    fails: it falls back to 5.0). `answer_asked` False (a coach template without ANSWER_CORRECT, as
+    mathchat_workflow_with_coach.py and coach_utils.py): the coach's ANSWER_CORRECT (1/0) on the final agent's
+    last action; where its reply has none even when asked again (evaluate), that verdict's raw 0-10 score (so
+    their mean can pass 1); 0.0 when the final agent never acted. None when the coach gave no verdict there
+    (it failed, or none was asked): left out of the mean and counted, never an invented grade (their coach
+    never fails: it falls back to 5.0). `answer_asked` False (a coach template without ANSWER_CORRECT, as
     DSBench's): the raw score is the grade by design ("score"), no fallback."""
     final = final_action(episode)
     if final is None:
@@ -143,11 +149,11 @@ def _mean(values):
 
 
 def summarize(episodes: list, agent_names: list, tasks: list, answer_asked: bool = True) -> tuple:
-    """(summary, problems). accuracy: the mean over problems of pass@1 (mean success over its samples). DSBench
-    outcomes add relative_score (an invalid submission counts 0, as DSBench's paper), each task metric's mean
-    over valid submissions, and success rate and relative score per task type. Where a coach graded the episodes,
-    accuracy_coach is the same mean by the authors' grader (coach_graded; `answer_asked`: the coach's template
-    asks for ANSWER_CORRECT), with accuracy_coach/<how> counts."""
+    """(summary, problems). accuracy: the mean over problems of pass@1 (mean success over its samples).
+    DSBench outcomes add relative_score (an invalid submission counts 0, as DSBench's paper), each task
+    metric's mean over valid submissions, and success rate and relative score per task type. Where a coach
+    graded the episodes, accuracy_coach is the same mean by the authors' grader (coach_graded; `answer_asked`:
+    the coach's template asks for ANSWER_CORRECT), with accuracy_coach/<how> counts."""
     by_task = {}
     for ep in episodes:
         by_task.setdefault(ep.task_id, []).append(ep)
@@ -170,18 +176,24 @@ def summarize(episodes: list, agent_names: list, tasks: list, answer_asked: bool
         summary.update({f"accuracy_coach/{how}": hows.count(how) for how in GRADED_BY})
     if any("answered" in o for o in outcomes):
         summary["answered_rate"] = _mean([float(bool(o.get("answered"))) for o in outcomes])
-    if any(ep.action_limit for ep in episodes):  # stopped by a limit (rollout.run_episode): failures, counted
-        summary["action_limit_episodes"] = sum(bool(ep.action_limit) for ep in episodes)
-    if any(ep.env_error for ep in episodes):  # ended by an exception in the environment: failures, counted
-        summary["env_failed_episodes"] = sum(bool(ep.env_error) for ep in episodes)
+    # Failures, counted where there are any: episodes stopped by a limit (rollout.run_episode), and episodes
+    # ended by an exception in the environment.
+    if action_limited := sum(bool(ep.action_limit) for ep in episodes):
+        summary["action_limit_episodes"] = action_limited
+    if env_failed := sum(bool(ep.env_error) for ep in episodes):
+        summary["env_failed_episodes"] = env_failed
     if any("relative_score" in o for o in outcomes):
         summary["relative_score"] = _mean([o.get("relative_score") or 0.0 for o in outcomes])
         for metric in sorted({o["metric_name"] for o in outcomes if o.get("metric_name")}):
-            summary[f"metric/{metric}"] = _mean([o["metric"] for o in outcomes if o.get("metric_name") == metric])
+            summary[f"metric/{metric}"] = _mean(
+                [o["metric"] for o in outcomes if o.get("metric_name") == metric]
+            )
         for task_type in sorted({ep.task_type for ep in episodes if ep.task_type}):
             typed = [ep for ep in episodes if ep.task_type == task_type]
             summary[f"{task_type}/success_rate"] = _mean([float(ep.success) for ep in typed])
-            summary[f"{task_type}/relative_score"] = _mean([ep.outcome.get("relative_score") or 0.0 for ep in typed])
+            summary[f"{task_type}/relative_score"] = _mean(
+                [ep.outcome.get("relative_score") or 0.0 for ep in typed]
+            )
     if any("authors_figures" in o for o in outcomes):
         # DSBench as the authors' evaluate_samples reads it (multi_agent_world_async.py L385-388, L437-457):
         # an episode is scored when its predictions can be read (envs/dsbench.py authors_predictions),
@@ -205,11 +217,11 @@ def format_table(results: dict) -> str:
     """One row per dataset: its headline numbers, then every agent's behaviour (a terminal table)."""
     lines = []
     for dataset, summary in results.items():
-        head = {k: v for k, v in summary.items() if not k.startswith("agent/")}
-        lines.append(f"{dataset}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in head.items()))
+        head = (f"{k} {_fmt(v)}" for k, v in summary.items() if not k.startswith("agent/"))
+        lines.append(f"{dataset}: " + ", ".join(head))
         agents = sorted({k.split("/")[1] for k in summary if k.startswith("agent/")})
         keys = sorted({k.split("/", 2)[2] for k in summary if k.startswith("agent/")})
-        width = max(len(a) for a in agents) if agents else 5
+        width = max(map(len, agents), default=5)
         lines.append("  " + "agent".ljust(width) + "".join(f" {k:>18}" for k in keys))
         for a in agents:  # a column is as wide as its name (a name longer than 18 is printed whole)
             cells = [f" {_fmt(summary.get(f'agent/{a}/{k}')):>{max(18, len(k))}}" for k in keys]

@@ -1,5 +1,6 @@
 """Resuming a run: the team checkpoint marker and the state a resume reads, checked before torch or Ray load;
-the checkpoints' rotation, and what a resumed run reloads (logs cut back, weights to the engines, driver state).
+the checkpoints' rotation, and what a resumed run reloads (logs cut back, weights to the engines, driver
+state).
 
 `check_resume` reads and checks everything a resume depends on (the marker, the run's record of its training
 tasks, each agent's DeepSpeed checkpoint) and writes nothing, so that the launcher refuses damaged state in a
@@ -55,7 +56,7 @@ def changed_settings(recorded: dict, now: dict) -> list:
     """One line per setting whose value differs between the record and now (a key only one side has:
     absent)."""
     lines = []
-    for key in [*now, *(k for k in recorded if k not in now)]:
+    for key in now | recorded:  # now's keys, then those only the record has
         before, after = recorded.get(key, "(absent)"), now.get(key, "(absent)")
         if before != after:
             lines.append(f"{key}: {before!r:.100} in the run, {after!r:.100} now")
@@ -63,15 +64,16 @@ def changed_settings(recorded: dict, now: dict) -> list:
 
 
 def check_resume(args, topology, task_ids: list) -> tuple:
-    """(step, fixes) before any actor starts: the last step ALL agents saved (0: start fresh), and the changes that
-    point every agent's DeepSpeed `latest` at it, as (path, tag) to write, or (path, None) to set aside.
+    """(step, fixes) before any actor starts: the last step ALL agents saved (0: start fresh), and the changes
+    that point every agent's DeepSpeed `latest` at it, as (path, tag) to write, or (path, None) to set aside.
 
-    Agents save one after another, so a run killed mid-save can leave agent A at step N+1 and agent B at step N.
-    The run-level marker, written once all agents saved, names N; A's `latest` is set back to N. A save that never
-    completed for all agents (no marker) is set aside, not half-resumed from. Refused, naming the file: no marker
-    while the run directory already logged steps (the run would silently start over), a damaged marker, another
-    task list than the run's `train_tasks.json` (the steps after the checkpoint would continue on other data), an
-    agent's step directory missing or without its DeepSpeed states (it would fail only inside the actors)."""
+    Agents save one after another, so a run killed mid-save can leave agent A at step N+1 and agent B at step
+    N. The run-level marker, written once all agents saved, names N; A's `latest` is set back to N. A save
+    that never completed for all agents (no marker) is set aside, not half-resumed from. Refused, naming the
+    file: no marker while the run directory already logged steps (the run would silently start over), a
+    damaged marker, another task list than the run's `train_tasks.json` (the steps after the checkpoint would
+    continue on other data), an agent's step directory missing or without its DeepSpeed states (it would fail
+    only inside the actors)."""
     if not args.ckpt.load_enable:
         return 0, []
     marker = os.path.join(args.ckpt.path, CHECKPOINT_MARKER)
@@ -81,22 +83,30 @@ def check_resume(args, topology, task_ids: list) -> tuple:
         raise ValueError(f"{marker}: 'step' must be the integer step every agent saved (>= 1), got {step!r}")
     problems = []  # the independent ones below, named together
     logged = os.path.join(args.mappa.run_dir, "metrics.jsonl")
-    if not step and os.path.exists(logged) and any(line.endswith("\n") for line in open(logged, encoding="utf-8")):
+    if (
+        not step
+        and os.path.exists(logged)
+        and any(line.endswith("\n") for line in open(logged, encoding="utf-8"))
+    ):
         # Each whole line of metrics.jsonl is a finished step (from 1). Without a team checkpoint where
         # --ckpt.path says, the run would restart at step 0 and overwrite its logs: typically a relative
         # --ckpt.path that `ray job submit` resolved inside its temporary copy of working_dir.
-        problems.append(f"--ckpt.load_enable: {os.path.abspath(logged)} already has logged steps, but "
-                        f"{os.path.abspath(args.ckpt.path)} holds no checkpoint ({CHECKPOINT_MARKER}), so the run "
-                        f"would start over at step 0. Point --ckpt.path at the run's checkpoints (an absolute path), "
-                        f"or start fresh: a new --mappa.run_dir, or drop --ckpt.load_enable to overwrite this one's "
-                        f"logs.")
+        problems.append(
+            f"--ckpt.load_enable: {os.path.abspath(logged)} already has logged steps, but "
+            f"{os.path.abspath(args.ckpt.path)} holds no checkpoint ({CHECKPOINT_MARKER}), so the run "
+            f"would start over at step 0. Point --ckpt.path at the run's checkpoints (an absolute path), "
+            f"or start fresh: a new --mappa.run_dir, or drop --ckpt.load_enable to overwrite this one's "
+            f"logs."
+        )
     saved = state.get("coach_template")
     stages = [s.name for s in topology.coach_stages] if saved is not None else []
     if saved is not None and (not isinstance(saved, dict) or saved.get("name") not in stages):
         name = saved.get("name") if isinstance(saved, dict) else saved
-        problems.append(f"resume: {marker} says step {step} was scored with coach template {name!r}, which is not "
-                        f"in the coach_templates of {args.mappa.topology} ({', '.join(stages) or 'none'}); resume "
-                        f"with the topology of the first run")
+        problems.append(
+            f"resume: {marker} says step {step} was scored with coach template {name!r}, which is not "
+            f"in the coach_templates of {args.mappa.topology} ({', '.join(stages) or 'none'}); resume "
+            f"with the topology of the first run"
+        )
     chosen = os.path.join(args.mappa.run_dir, "train_tasks.json")
     ids = task_ids  # no record (a fresh start): nothing to compare
     if step and os.path.exists(chosen):
@@ -104,8 +114,10 @@ def check_resume(args, topology, task_ids: list) -> tuple:
     if not isinstance(ids, list):
         problems.append(f"{chosen}: the record of the run's training tasks has no 'ids' list")
     elif ids != task_ids:
-        problems.append(f"resume: {chosen} lists other training tasks than --data.prompt_dataset, --train.seed "
-                        f"and --data.max_samples pick now; resume with the settings of the first run")
+        problems.append(
+            f"resume: {chosen} lists other training tasks than --data.prompt_dataset, --train.seed "
+            f"and --data.max_samples pick now; resume with the settings of the first run"
+        )
     settings = settings_problem(args, topology, step) if step else ""
     if settings:
         problems.append(settings)
@@ -115,21 +127,31 @@ def check_resume(args, topology, task_ids: list) -> tuple:
         latest = os.path.join(actor_dir, "latest")
         if not os.path.exists(latest):
             if step:
-                problems.append(f"resume: {marker} says step {step}, but agent {spec.name!r} has no checkpoint in "
-                                f"{actor_dir}")
+                problems.append(
+                    f"resume: {marker} says step {step}, but agent {spec.name!r} has no checkpoint in "
+                    f"{actor_dir}"
+                )
             continue
         if not step:
             fixes.append((latest, None))
             continue
         step_dir = os.path.join(actor_dir, tag)
         if not os.path.isdir(step_dir):
-            problems.append(f"resume: agent {spec.name!r} has no {tag} in {actor_dir} (removed by --ckpt.max_num?)")
+            problems.append(
+                f"resume: agent {spec.name!r} has no {tag} in {actor_dir} (removed by --ckpt.max_num?)"
+            )
             continue
         # DeepSpeed writes its model states (*model_states.pt) and, under ZeRO, each rank's optimizer states.
         files = os.listdir(step_dir)
-        empty = sorted(f for f in files if f.endswith(".pt") and not os.path.getsize(os.path.join(step_dir, f)))
+        empty = sorted(
+            f for f in files if f.endswith(".pt") and not os.path.getsize(os.path.join(step_dir, f))
+        )
         if empty or not any(f.endswith("model_states.pt") for f in files):
-            found = f"empty files {empty}" if empty else f"no *model_states.pt (it holds {sorted(files) or 'nothing'})"
+            found = (
+                f"empty files {empty}"
+                if empty
+                else f"no *model_states.pt (it holds {sorted(files) or 'nothing'})"
+            )
             problems.append(f"resume: the checkpoint of agent {spec.name!r} at step {step} ({step_dir}) is "
                             f"incomplete: {found}. Restore it, or resume from an earlier team checkpoint")
             continue
@@ -154,7 +176,7 @@ def settings_problem(args, topology, step: int) -> str:
         print(f"[mappa] WARNING: resume with --mappa.allow_resume_changes: from step {step} on, "
               + "; ".join(changed), file=sys.stderr, flush=True)
     elif changed:
-        shown = "".join(f"\n  {line}" for line in changed)
+        shown = "\n  " + "\n  ".join(changed)
         return (f"resume: this launch changes settings that shape the run ({recorded} records those it "
                 f"trained with until step {step}):{shown}\nresume with the run's settings, or pass "
                 f"--mappa.allow_resume_changes to continue with these from step {step} on (recorded as the "
@@ -175,9 +197,9 @@ def apply(fixes: list) -> None:
 def rotate_checkpoints(agent_ckpt_dir: str, keep: int) -> list:
     """Delete all but the `keep` newest DeepSpeed checkpoints (_actor/global_step<N>) and HF exports
     (global_step<N>_hf) of one agent, once a team checkpoint is written; returns the paths deleted.
-    DeepSpeed's own rotation runs before each save and is given one more (agent_args): with --ckpt.max_num 1 it
-    would delete the team's checkpoint while the next is half saved, and a kill then leaves nothing to resume.
-    It never rotates HF exports (a full model per save: 8 GB for a 4B agent in bf16)."""
+    DeepSpeed's own rotation runs before each save and is given one more (agent_args): with --ckpt.max_num 1
+    it would delete the team's checkpoint while the next is half saved, and a kill then leaves nothing to
+    resume. It never rotates HF exports (a full model per save: 8 GB for a 4B agent in bf16)."""
     deleted = []
     for pattern, suffix in ((os.path.join(agent_ckpt_dir, "_actor", "global_step*"), ""),
                             (os.path.join(agent_ckpt_dir, "global_step*_hf"), "_hf")):
@@ -214,14 +236,17 @@ def truncate_logs(run_dir: str, step: int) -> None:
             f.writelines(kept)
         os.replace(path + ".tmp", path)
         if dropped:
-            print(f"[mappa] {path}: kept {len(kept)} lines up to step {step}, dropped {dropped} (later steps or cut "
-                  f"off)",
-                  file=console.out, flush=True)
+            print(
+                f"[mappa] {path}: kept {len(kept)} lines up to step {step}, dropped {dropped} (later steps "
+                f"or cut off)",
+                file=console.out,
+                flush=True,
+            )
 
 
 def write_marker(ckpt_path: str, state: dict) -> None:
-    """Only once every agent saved is a step a checkpoint of the whole team (see check_resume): the marker says so,
-    with the driver's `state` that driver_state() reads back. Written atomically."""
+    """Only once every agent saved is a step a checkpoint of the whole team (see check_resume): the marker
+    says so, with the driver's `state` that driver_state() reads back. Written atomically."""
     marker = os.path.join(ckpt_path, CHECKPOINT_MARKER)
     with open(marker + ".tmp", "w") as f:
         json.dump(state, f)
@@ -229,8 +254,8 @@ def write_marker(ckpt_path: str, state: dict) -> None:
 
 
 def save_team(trainees: list, ckpt, state: dict) -> None:
-    """OpenRLHF-style resumable checkpoints (and HF exports with --ckpt.save_hf), one directory per agent; then
-    the team's marker; then the rotation, only now that the marker names a step all agents saved."""
+    """OpenRLHF-style resumable checkpoints (and HF exports with --ckpt.save_hf), one directory per agent;
+    then the team's marker; then the rotation, only now that the marker names a step all agents saved."""
     import ray
 
     step = state["step"]
@@ -242,14 +267,16 @@ def save_team(trainees: list, ckpt, state: dict) -> None:
 
 
 def load_team(trainees: list, step: int, saved: dict) -> None:
-    """Every agent checked to have loaded the checkpoint of `step`, then each agent's engines given its actor's
-    loaded weights (they start from the base model), and its KL coefficient and weight version as the marker's
-    `saved` state has them (the sync counted one more version, and made none)."""
+    """Every agent checked to have loaded the checkpoint of `step`, then each agent's engines given its
+    actor's loaded weights (they start from the base model), and its KL coefficient and weight version as the
+    marker's `saved` state has them (the sync counted one more version, and made none)."""
     for ag in trainees:
         loaded = ag.trainer.init_checkpoint_states()["global_step"]
         if loaded != step:
-            raise RuntimeError(f"resume: agent {ag.spec.name!r} loaded the checkpoint of step {loaded}, expected "
-                               f"{step}")
+            raise RuntimeError(
+                f"resume: agent {ag.spec.name!r} loaded the checkpoint of step {loaded}, expected "
+                f"{step}"
+            )
     for ag in trainees:
         ag.trainer.broadcast_to_vllm()
         ag.trainer.kl_ctl.value = saved.get("kl_coef", {}).get(ag.spec.name, ag.trainer.kl_ctl.value)
@@ -258,10 +285,10 @@ def load_team(trainees: list, step: int, saved: dict) -> None:
 
 
 def driver_state(ckpt_path: str, run_dir: str, step: int, window: int) -> tuple:
-    """(coach cost so far, the coach template in use as {name, since_step} or None, {step: episodes}, the marker's
-    per-agent state: `kl_coef`, `versions`, `optimizer_steps`) as the team checkpoint of `step` left them: the
-    episodes of the bias audit's last `window` steps refill its window, whose warnings and the figures a coach is
-    shown (--mappa.coach.show_bias) would otherwise restart from nothing."""
+    """(coach cost so far, the coach template in use as {name, since_step} or None, {step: episodes}, the
+    marker's per-agent state: `kl_coef`, `versions`, `optimizer_steps`) as the team checkpoint of `step` left
+    them: the episodes of the bias audit's last `window` steps refill its window, whose warnings and the
+    figures a coach is shown (--mappa.coach.show_bias) would otherwise restart from nothing."""
     marker = json.load(open(os.path.join(ckpt_path, CHECKPOINT_MARKER)))
     path, by_step = os.path.join(run_dir, "episodes.jsonl"), {}
     for _, ep in read_jsonl(path) if os.path.exists(path) else []:

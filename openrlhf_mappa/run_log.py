@@ -1,6 +1,6 @@
-"""What a run leaves in its run directory and its loggers: metrics.jsonl (and wandb, tensorboard), episodes.jsonl,
-syncs.jsonl, eval.jsonl and eval/, all read back by `mappa report` and resume.py; each step's metrics
-(step_metrics), assembled from the step's episodes and the agents' updates; and how each agent acts
+"""What a run leaves in its run directory and its loggers: metrics.jsonl (and wandb, tensorboard),
+episodes.jsonl, syncs.jsonl, eval.jsonl and eval/, all read back by `mappa report` and resume.py; each step's
+metrics (step_metrics), assembled from the step's episodes and the agents' updates; and how each agent acts
 (behaviour_metrics), which evaluations report too."""
 
 import json
@@ -19,7 +19,8 @@ class RunLog:
             from openrlhf.utils.logging_utils import TensorboardLogger, WandbLogger
 
             self.loggers = [cls(args) for cls, on in ((WandbLogger, args.logger.wandb.key),
-                                                       (TensorboardLogger, args.logger.tensorboard_dir)) if on]
+                                                       (TensorboardLogger, args.logger.tensorboard_dir))
+                            if on]
 
     def append(self, name: str, records: list):
         with open(os.path.join(self.run_dir, name), "a", encoding="utf-8") as f:
@@ -38,15 +39,21 @@ class RunLog:
     def syncs(self, step: int, trainees: list):
         """Each weight sync of this step's updates: agent, the version it made, start and end."""
         for ag in trainees:
-            self.append("syncs.jsonl", [{"step": step, "agent": ag.spec.name, **sync} for sync in ag.trainer.gate.log])
+            self.append(
+                "syncs.jsonl", [{"step": step, "agent": ag.spec.name, **sync} for sync in ag.trainer.gate.log]
+            )
             ag.trainer.gate.log.clear()
 
     def evaluation(self, step: int, dataset: str, summary: dict, problems: list, grader: str = None):
         """One line in eval.jsonl (read by `mappa report` and `mappa paper-table`, which heads `accuracy` with
         the environment's `grader`), the per-problem results in eval/, the loggers' eval/."""
         os.makedirs(os.path.join(self.run_dir, "eval"), exist_ok=True)
-        with open(os.path.join(self.run_dir, "eval", f"{dataset}-step{step}.json"), "w", encoding="utf-8") as f:
-            json.dump({"step": step, "dataset": dataset, "summary": summary, "problems": problems}, f, indent=1)
+        with open(
+            os.path.join(self.run_dir, "eval", f"{dataset}-step{step}.json"), "w", encoding="utf-8"
+        ) as f:
+            json.dump(
+                {"step": step, "dataset": dataset, "summary": summary, "problems": problems}, f, indent=1
+            )
         self.append("eval.jsonl", [{"step": step, "dataset": dataset, "grader": grader, **summary}])
         for logger in self.loggers:
             logger.log_eval(step, {f"{dataset}/{k}": v for k, v in summary.items()})
@@ -57,8 +64,9 @@ class RunLog:
 
 
 def step_metrics(args, topology, agents, owner, episodes, batches, status, dropped, counts, kl_coef) -> dict:
-    """The step's outcome, coach and per-agent training metrics (topology.AGENT_METRICS names the per-agent keys).
-    `owner`: who trains each agent's actions; batches, status, dropped: per trainee, from its update."""
+    """The step's outcome, coach and per-agent training metrics (topology.AGENT_METRICS names the per-agent
+    keys). `owner`: who trains each agent's actions; batches, status, dropped: per trainee, from its
+    update."""
     c = args.mappa.coach
     m = {
         "outcome/success_rate": sum(ep.success for ep in episodes) / len(episodes),
@@ -83,7 +91,8 @@ def step_metrics(args, topology, agents, owner, episodes, batches, status, dropp
             continue
         m[p + "trained_actions"] = sum(len(exp.sequences) for exp in batches.get(name, []))
         m[p + "dropped_for_batching"] = dropped[name]
-        # Rows in its batch at zero loss (--mappa.batch_semantics authors: truncated or unscored; advantage 0).
+        # Rows in its batch at zero loss (--mappa.batch_semantics authors: truncated or unscored;
+        # advantage 0).
         m[p + "zero_loss_rows"] = sum(a.zero_loss and a.advantage is not None
                                       for ep in episodes for a in ep.actions if owner[a.agent] == name)
         if name in counts.get("optimizer_steps", {}):  # since the run started, as MappaTrainer counts them
@@ -97,7 +106,8 @@ def step_metrics(args, topology, agents, owner, episodes, batches, status, dropp
         if args.algo.dynamic_filtering_enable:
             filtered, kept, groups = counts["filtered"].get(name, (0, 0, 0))
             m[p + "filtered_actions"] = filtered
-            m[p + "dynamic_filtering_pass_rate"] = 100 * kept / groups if groups else None  # in %, as upstream
+            # in %, as upstream
+            m[p + "dynamic_filtering_pass_rate"] = 100 * kept / groups if groups else None
         if name in status:  # upstream's train status (all but its text sample), and a LoRA agent's sync sizes
             m.update({p + k: v for k, v in status[name].items() if isinstance(v, (int, float))})
             m.update({p + k: v for k, v in ag.trainer.synced.items()})

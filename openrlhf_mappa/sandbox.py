@@ -4,12 +4,12 @@ Threat model: the code is untrusted but not a kernel exploit. A policy under RL 
 huge outputs and memory blow-ups, and may learn to game its environment (read answer files, touch other
 episodes, kill its supervisor). Run as root, every run gets (sandbox_launcher.py; docs/reference.md, "Code
 sandbox"): a private mount namespace chrooted into a tmpfs with read-only system directories and Python
-installation and only its own workspace writable; a uid of its own (2**30 + launcher pid) owning the workspace,
-so it cannot signal or ptrace other processes; fresh network (no loopback), pid and IPC namespaces, so all its
-processes die with the run; an allow-listed environment (no secrets, no GPU: CUDA_VISIBLE_DEVICES empty unless
-MAPPA_SANDBOX_GPUS names some); and limits on wall-clock time (the whole
-process tree is killed), CPU time, memory, file size and process count. Memory is capped with RLIMIT_DATA, not
-RLIMIT_AS: AS counts address space that threads and allocators only reserve, so an AS cap rejects ordinary code.
+installation and only its own workspace writable; a uid of its own (2**30 + launcher pid) owning the
+workspace, so it cannot signal or ptrace other processes; fresh network (no loopback), pid and IPC namespaces,
+so all its processes die with the run; an allow-listed environment (no secrets, no GPU: CUDA_VISIBLE_DEVICES
+empty unless MAPPA_SANDBOX_GPUS names some); and limits on wall-clock time (the whole process tree is killed),
+CPU time, memory, file size and process count. Memory is capped with RLIMIT_DATA, not RLIMIT_AS: AS counts
+address space that threads and allocators only reserve, so an AS cap rejects ordinary code.
 
 Not contained: the limits are per process (memory adds up over `max_processes` processes); many files, each
 under the file cap, can fill the disk; world-readable system files can be read; CPU is not shared fairly.
@@ -42,8 +42,10 @@ PASSED_ENV = ("LANG", "LC_ALL", "TZ")  # plus MAPPA_* variables that do not look
 # (n_jobs), and idle thread pools only cost memory.
 SANDBOX_ENV = {
     "PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
-    "HOME": "/tmp", "TMPDIR": "/tmp",  # writable and private; libraries' dotfiles do not clutter the workspace
-    "USER": "sandbox", "LOGNAME": "sandbox",  # the sandbox uid has no passwd entry; getpass.getuser() reads these
+    # writable and private; libraries' dotfiles do not clutter the workspace
+    "HOME": "/tmp", "TMPDIR": "/tmp",
+    # the sandbox uid has no passwd entry; getpass.getuser() reads these
+    "USER": "sandbox", "LOGNAME": "sandbox",
     "PYTHONUNBUFFERED": "1",  # what the code printed before a kill still reaches the coach
     "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg",
     "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
@@ -75,8 +77,12 @@ def run_python(code: str, workspace: str, timeout_s: float = 10.0, max_output_ch
     workspace = os.path.realpath(workspace)  # the private view binds the real path
     before = _snapshot(workspace)
     cpu_limit = cpu_time_s or timeout_s
-    limits = dict(cpu_time_s=cpu_limit, memory_mb=memory_mb, max_file_mb=max_file_mb, max_processes=max_processes)
-    stdout, stderr, timed_out, returncode, report = _launch(code, workspace, timeout_s, max_output_chars, limits)
+    limits = dict(
+        cpu_time_s=cpu_limit, memory_mb=memory_mb, max_file_mb=max_file_mb, max_processes=max_processes
+    )
+    stdout, stderr, timed_out, returncode, report = _launch(
+        code, workspace, timeout_s, max_output_chars, limits
+    )
     if "error" in report:
         raise RuntimeError(f"the sandbox could not start the code:\n{report['error']}")
     after = _snapshot(workspace)
@@ -97,8 +103,9 @@ def run_python(code: str, workspace: str, timeout_s: float = 10.0, max_output_ch
         tail = stderr_text[-2000:]  # the final traceback; the start may be another process's output
         limit = next((name for name, pattern in LIMIT_ERRORS if pattern.search(tail)), None)
     return ToolFeedback(  # exit_code < 0: killed by that signal
-        stdout=stdout.text(), stderr=stderr_text, exit_code=exit_code, timed_out=timed_out, files=sorted(after),
-        limit=limit, output_truncated=stdout.cut > 0 or stderr.cut > 0, files_created=sorted(set(after) - set(before)),
+        stdout=stdout.text(), stderr=stderr_text, exit_code=exit_code, timed_out=timed_out,
+        files=sorted(after), limit=limit, output_truncated=stdout.cut > 0 or stderr.cut > 0,
+        files_created=sorted(set(after) - set(before)),
         files_changed=sorted(p for p in after if p in before and after[p] != before[p]), isolation=isolation,
     )
 
@@ -112,13 +119,15 @@ def _launch(code: str, workspace: str, timeout_s: float, max_output_chars: int, 
         f.write(code)
     env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith("MAPPA_")}
     env = {k: v for k, v in env.items() if not any(m in k.upper() for m in SECRET_MARKERS)} | SANDBOX_ENV
-    # No GPU unless MAPPA_SANDBOX_GPUS names some (as CUDA_VISIBLE_DEVICES would): with no CUDA_VISIBLE_DEVICES the
-    # code would see every GPU of the node, where the run's engines and actors hold them.
+    # No GPU unless MAPPA_SANDBOX_GPUS names some (as CUDA_VISIBLE_DEVICES would): with no
+    # CUDA_VISIBLE_DEVICES the code would see every GPU of the node, where the run's engines and actors hold
+    # them.
     env["CUDA_VISIBLE_DEVICES"] = os.environ.get("MAPPA_SANDBOX_GPUS", "")
     report_r, report_w = os.pipe()
     with tempfile.TemporaryDirectory(prefix="mappa_sandbox_root_") as new_root:
         config = dict(
-            python=sys.executable, script=script, workspace=workspace, new_root=new_root, report_fd=report_w, **limits
+            python=sys.executable, script=script, workspace=workspace, new_root=new_root, report_fd=report_w,
+            **limits,
         )
         # start_new_session: its own process group, apart from ours, so that one killpg ends it all.
         proc = subprocess.Popen([sys.executable, LAUNCHER, json.dumps(config)], cwd="/", env=env,
@@ -153,7 +162,7 @@ class _Capped:
         self.tail = kept[len(kept) - self.tail_cap :] if self.tail_cap else b""
 
     def text(self) -> str:
-        head, tail = (b.decode("utf-8", errors="replace") for b in (self.head, self.tail))
+        head, tail = self.head.decode("utf-8", errors="replace"), self.tail.decode("utf-8", errors="replace")
         return f"{head}\n[... about {self.cut} characters cut ...]\n{tail}" if self.cut else head + tail
 
 

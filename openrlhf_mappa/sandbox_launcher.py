@@ -51,7 +51,8 @@ def bind(src: str, new_root: str, read_only: bool) -> None:
 
 def build_root(cfg: dict) -> None:
     """Chroot into a tmpfs holding read-only binds of the system and the interpreter, and the workspace; all
-    else is absent. The tmpfs also serves /tmp and /dev/shm: its size caps what is written outside the workspace."""
+    else is absent. The tmpfs also serves /tmp and /dev/shm: its size caps what is written outside the
+    workspace."""
     new_root, workspace = cfg["new_root"], cfg["workspace"]
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here propagates back to the host
     mount("tmpfs", new_root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['max_file_mb']}m,mode=755")
@@ -94,7 +95,8 @@ def run_agent(cfg: dict, uid, report_fd: int) -> None:
             limits.append((resource.RLIMIT_NPROC, cfg["max_processes"], cfg["max_processes"]))
         for which, soft, hard in limits:
             resource.setrlimit(which, (soft, hard))
-        check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")  # setuid binaries stay inert
+        # setuid binaries stay inert
+        check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
         if uid is not None:
             os.setgroups([])
             os.setgid(uid)

@@ -7,14 +7,15 @@ target modules to patches; the patches run only in CPU mode (a CPU-only torch bu
 and all but `ray_logical_gpus` refuse to even load outside it, so patched classes that Ray pickles never run
 on a GPU. Installed as the package `openrlhf_mappa.patches` (see setup.py).
 
-Upstream changes that MAPPA does not apply at run time are kept here as plain diffs against the pinned release,
-each a pull request for OpenRLHF: its header is the description (problem, change, test), and it applies with
-`patch -p1` in the directory holding the `openrlhf` package. The series (tests/test_upstream_patches.py applies
-each to a copy of the installed package and runs its check there, and on an unpatched copy, where it must fail):
+Upstream changes that MAPPA does not apply at run time are kept here as plain diffs against the pinned
+release, each a pull request for OpenRLHF: its header is the description (problem, change, test), and it
+applies with `patch -p1` in the directory holding the `openrlhf` package. The series
+(tests/test_upstream_patches.py applies each to a copy of the installed package and runs its check there, and
+on an unpatched copy, where it must fail):
 - `openrlhf_lora_vllm_sync.patch`: with LoRA, the sync to vLLM sends each adapted layer merged, under the base
   model's name (OpenRLHF #1349; MAPPA's LoRA pools send adapters instead, openrlhf_mappa/agent_trainer.py).
-- `openrlhf_vllm_gpu_share.patch`: a `gpu_share` argument for create_vllm_engines (MAPPA's copy, `engines_on`, goes
-  but for its LoRA pools).
+- `openrlhf_vllm_gpu_share.patch`: a `gpu_share` argument for create_vllm_engines (MAPPA's copy, `engines_on`,
+  goes but for its LoRA pools).
 - `openrlhf_train_ppo_ray_get_parser.patch`: train_ppo_ray's main block split into get_parser() / validate() /
   train(); the CLI uses those functions wherever they exist (tests/test_launch.py: both ways parse alike).
 - `openrlhf_agent_step_rewards.patch`: the multi-turn agent executor returns each step's reward, and the

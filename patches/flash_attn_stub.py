@@ -50,15 +50,17 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
 
 def pad_input(hidden_states, indices, batch, seqlen):
     """Inverse of unpad_input: scatter tokens back into a zero (B, S, ...) tensor."""
-    out = torch.zeros(batch * seqlen, *hidden_states.shape[1:], device=hidden_states.device, dtype=hidden_states.dtype)
+    out = torch.zeros(
+        batch * seqlen, *hidden_states.shape[1:], device=hidden_states.device, dtype=hidden_states.dtype
+    )
     out[indices] = hidden_states
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])
 
 
 class AllGather(torch.autograd.Function):
-    """flash-attn's all_gather: `x` of every rank of `group` concatenated along dim 0. Its gradient is each rank's
-    slice of the gradient summed over the group: ring attention's log-probs are gathered so, and trained through.
-    flash-attn reduce-scatters; gloo has no reduce-scatter, so all-reduce, then slice."""
+    """flash-attn's all_gather: `x` of every rank of `group` concatenated along dim 0. Its gradient is each
+    rank's slice of the gradient summed over the group: ring attention's log-probs are gathered so, and
+    trained through. flash-attn reduce-scatters; gloo has no reduce-scatter, so all-reduce, then slice."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -1,29 +1,31 @@
-"""Patch `hybrid_engine`: let OpenRLHF's hybrid engine (colocation, vLLM and DeepSpeed sleep) run on CPU, and log
-its calls.
+"""Patch `hybrid_engine`: let OpenRLHF's hybrid engine (colocation, vLLM and DeepSpeed sleep) run on CPU, and
+log its calls.
 
 Why: on a GPU, sleep frees memory for the model that shares the GPU: a vLLM engine drops its KV cache and
 moves its weights to CPU memory (--vllm.enable_sleep); a DeepSpeed actor moves its optimizer states and
 gradients (--ds.enable_sleep). On CPU there is nothing to free. vLLM's CPU worker already answers sleep and
 wake_up with a no-op, but vLLM's config check refuses sleep mode on CPU; DeepSpeed's offload_states asserts
 its CUDA-only FusedAdam; and colocated, openrlhf syncs weights through CUDA IPC handles (with
---vllm.sync_backend nccl, the default). Upstream candidates: vLLM's CpuPlatform reporting sleep mode as available
-(a no-op), openrlhf skipping the offload when the states already live in CPU memory and choosing IPC only on CUDA.
+--vllm.sync_backend nccl, the default). Upstream candidates: vLLM's CpuPlatform reporting sleep mode as
+available (a no-op), openrlhf skipping the offload when the states already live in CPU memory and choosing IPC
+only on CUDA.
 
-How: CpuPlatform.is_sleep_mode_available answers True; openrlhf's offload/reload of an actor's DeepSpeed states
-are no-ops; an actor's sync backend is gloo (the broadcast over patches/gloo_weight_sync.py, as without
-colocation). Since nothing on CPU would fail if these calls came in the wrong order, with MAPPA_CALL_LOG set each
-engine's start-up (`__init__`: vLLM's profiling) / sleep / wake_up / generate and each actor's offload / reload /
-training appends a JSON line to that file as it begins and another as it ends (pid, a call id, which model; the
-end line its start and end time, and a training's the actor's plan of micro-batches under token budgets), from the
-process that runs it. Appended by every process to one file, the lines' order is the order things happened in,
-whatever each process's clock says: a test checks from it the order a GPU needs (tests/test_resume_e2e.py) and
-which calls were in flight together, and that the actor planned to train every row it was given
-(tests/test_debate_e2e.py).
+How: CpuPlatform.is_sleep_mode_available answers True; openrlhf's offload/reload of an actor's DeepSpeed
+states are no-ops; an actor's sync backend is gloo (the broadcast over patches/gloo_weight_sync.py, as without
+colocation). Since nothing on CPU would fail if these calls came in the wrong order, with MAPPA_CALL_LOG set
+each engine's start-up (`__init__`: vLLM's profiling) / sleep / wake_up / generate and each actor's offload /
+reload / training appends a JSON line to that file as it begins and another as it ends (pid, a call id, which
+model; the end line its start and end time, and a training's the actor's plan of micro-batches under token
+budgets), from the process that runs it. Appended by every process to one file, the lines' order is the order
+things happened in, whatever each process's clock says: a test checks from it the order a GPU needs
+(tests/test_resume_e2e.py) and which calls were in flight together, and that the actor planned to train every
+row it was given (tests/test_debate_e2e.py).
 """
 
 import functools
 import itertools
 import json
+import operator
 import os
 import time
 
@@ -48,7 +50,8 @@ def logged_async(method, event: str):
     @functools.wraps(method)
     async def wrapper(self, *args, **kwargs):
         call, t0 = next(_calls), time.time()
-        model = kwargs.get("model") or self.kwargs["model"]  # __init__ is given it; it keeps it in self.kwargs
+        # __init__ is given it; it keeps it in self.kwargs
+        model = kwargs.get("model") or self.kwargs["model"]
         log_call(event, model, call, begin=True)
         out = await method(self, *args, **kwargs)
         log_call(event, model, call, t0=t0, t1=time.time(), tags=kwargs.get("tags"))
@@ -81,14 +84,16 @@ def apply(module):
         for name in ("__init__", "sleep", "wake_up", "generate"):
             setattr(engine, name, logged_async(getattr(engine, name), name))
         return
-    # openrlhf.trainer.ray.ppo_actor: DeepSpeed's states stay where they are (CPU memory); the calls are logged.
-    model = lambda actor: actor.strategy.args.actor.model_name_or_path
+    # openrlhf.trainer.ray.ppo_actor: DeepSpeed's states stay where they are (CPU memory); the calls are
+    # logged.
+    model = operator.attrgetter("strategy.args.actor.model_name_or_path")
     actor = module.PolicyModelActor.__ray_metadata__.modified_class
     actor.offload_states = logged(lambda self: None, "offload", model)
     actor.reload_states = logged(lambda self: None, "reload", model)
-    # Token budgets: the train call's end line carries the actor's own plan, the rows of each micro-batch (by their
-    # lengths) as upstream's setup_dynamic_batch split them and ppo_train then trained them, so that a test can
-    # find every row of the agent's batch in it: an actor planning for fewer rows trains part of them.
+    # Token budgets: the train call's end line carries the actor's own plan, the rows of each micro-batch (by
+    # their lengths) as upstream's setup_dynamic_batch split them and ppo_train then trained them, so that a
+    # test can find every row of the agent's batch in it: an actor planning for fewer rows trains part of
+    # them.
     setup = module.NaiveReplayBuffer.setup_dynamic_batch
 
     def planned(self, strategy):
@@ -96,8 +101,8 @@ def apply(module):
         self.plan = [[int(self.items[i].total_length) for i in mb] for mb in self.dynamic_indices]
 
     module.NaiveReplayBuffer.setup_dynamic_batch = planned
-    plan = lambda self: {"plan": getattr(self.trainer.replay_buffer, "plan", None)}
-    actor.fit = logged(actor.fit, "train", model, plan)
+    actor.fit = logged(actor.fit, "train", model,
+                       lambda self: {"plan": getattr(self.trainer.replay_buffer, "plan", None)})
     init = module.ActorPPOTrainer.__init__
 
     @functools.wraps(init)

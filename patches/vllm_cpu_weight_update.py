@@ -29,6 +29,6 @@ def apply(module):
     def dispatch_cpu_unquantized_gemm(layer, remove_weight):
         if layer.weight.ndim != 2:
             return original(layer, remove_weight)
-        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+        layer.cpu_linear = torch.nn.functional.linear
 
     module.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm

@@ -7,7 +7,7 @@ gap above a threshold over the last few steps is a warning in the log and in the
 import logging
 import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 from typing import Optional
 
 from openrlhf_mappa.episode import VERDICT_STATUSES
@@ -19,7 +19,8 @@ MIN_SCORES_FOR_GAP = 8
 
 
 def pearson(pairs: list) -> Optional[float]:
-    """Pearson correlation of (x, y) pairs, or None when it is undefined (fewer than 2 pairs, or a constant side)."""
+    """Pearson correlation of (x, y) pairs, or None when it is undefined (fewer than 2 pairs, or a constant
+    side)."""
     try:
         return statistics.correlation(*zip(*pairs)) if len(pairs) > 1 else None
     except statistics.StatisticsError:
@@ -31,11 +32,18 @@ class CoachFailure(RuntimeError):
 
 
 def check_failures(episodes: list, metrics: dict, max_fraction: float):
-    """Raise CoachFailure when more than `max_fraction` of the step's verdicts failed (per coach_step_metrics)."""
+    """Raise CoachFailure when more than `max_fraction` of the step's verdicts failed (per
+    coach_step_metrics)."""
     if metrics["coach/failure_fraction"] <= max_fraction:
         return
-    failed = [a.verdict for ep in episodes for a in ep.actions if a.verdict and a.verdict.status in FAILED_STATUSES]
-    counts = {k.removeprefix("coach/verdicts_"): n for k, n in metrics.items() if k.startswith("coach/verdicts_") and n}
+    failed = [
+        a.verdict for ep in episodes for a in ep.actions if a.verdict and a.verdict.status in FAILED_STATUSES
+    ]
+    counts = {
+        k.removeprefix("coach/verdicts_"): n
+        for k, n in metrics.items()
+        if k.startswith("coach/verdicts_") and n
+    }
     raise CoachFailure(
         f"{metrics['coach/failure_fraction']:.0%} of the coach's verdicts failed (more than "
         f"--mappa.coach.max_failure_fraction {max_fraction}); verdicts by status: {counts}. First failure: "
@@ -59,24 +67,28 @@ def coach_calls(episodes: list) -> list:
 def coach_step_metrics(episodes: list, price_in: float = 0.0, price_out: float = 0.0) -> dict:
     """Verdict counts per status, the failed fraction, and the requests' cost (prices in USD per 1M tokens).
     Verdicts count what trains; tokens, latency and cost count fresh (uncached) calls (coach_calls). A
-    `skipped` verdict (no coach was asked: evaluation, the outcome baseline) is neither a failure nor a call."""
-    all_verdicts = [a.verdict for ep in episodes for a in ep.actions if a.verdict is not None]
-    m = {f"coach/verdicts_{s}": sum(v.status == s for v in all_verdicts) for s in VERDICT_STATUSES}
-    verdicts = [v for v in all_verdicts if v.status != "skipped"]
-    failed = sum(v.status in FAILED_STATUSES for v in verdicts)
-    m["coach/failure_fraction"] = failed / len(verdicts) if verdicts else 0.0
+    `skipped` verdict (no coach was asked: evaluation, the outcome baseline) is neither a failure nor a
+    call."""
+    statuses = Counter(a.verdict.status for ep in episodes for a in ep.actions if a.verdict is not None)
+    m = {f"coach/verdicts_{s}": statuses[s] for s in VERDICT_STATUSES}
+    asked = statuses.total() - statuses["skipped"]
+    failed = sum(statuses[s] for s in FAILED_STATUSES)
+    m["coach/failure_fraction"] = failed / asked if asked else 0.0
     calls = [c for c in coach_calls(episodes) if c.status != "skipped"]
-    reviews = [ep.review for ep in episodes if ep.review is not None]
+    reviews = Counter(ep.review.status for ep in episodes if ep.review is not None)
     m["coach/requests"] = len(calls)
     if reviews:  # modes hindsight and both
-        m.update({f"coach/reviews_{s}": sum(r.status == s for r in reviews)
-                  for s in VERDICT_STATUSES if s != "skipped"})
+        m.update({f"coach/reviews_{s}": reviews[s] for s in VERDICT_STATUSES if s != "skipped"})
     parts = [a.verdict_parts for ep in episodes for a in ep.actions if a.verdict_parts]
     if parts:  # mode both: actions whose score came from one of the two verdicts only (coach.combine)
-        m["coach/both_one_source"] = sum(sum(v.status == "ok" for v in p.values()) == 1 for p in parts)
+        m["coach/both_one_source"] = sum(
+            (p["per_action"].status == "ok") != (p["hindsight"].status == "ok") for p in parts
+        )
     fresh = [c for c in calls if not c.cached]
     m["coach/cache_hit_rate"] = (len(calls) - len(fresh)) / len(calls) if calls else 0.0
-    m.update({f"coach/{k}": sum(getattr(c, k) for c in fresh) for k in ("tokens_in", "tokens_out", "retries")})
+    m.update(
+        {f"coach/{k}": sum(getattr(c, k) for c in fresh) for k in ("tokens_in", "tokens_out", "retries")}
+    )
     latencies = sorted(c.latency_s for c in fresh)
     for q in (50, 90, 99):
         # Nearest-rank percentile: an observed latency, not an interpolation between two.
@@ -109,7 +121,8 @@ class BiasAudit:
         m = {}
         for (agent, task_type), scores in sorted(step.items()):
             p = f"coach_bias/{agent}/{task_type}/"
-            m.update({p + "mean": statistics.fmean(scores), p + "std": statistics.pstdev(scores), p + "n": len(scores)})
+            m.update({p + "mean": statistics.fmean(scores), p + "std": statistics.pstdev(scores),
+                      p + "n": len(scores)})
 
         # The agreement of the final agent's score with the outcome: a coach that pays the last agent the
         # same for solved and failed episodes teaches nothing about the outcome.
@@ -133,9 +146,13 @@ class BiasAudit:
         m["coach_bias/max_type_gap"] = worst[0]
         m["coach_bias/warning"] = int(worst[0] > self.threshold)
         if m["coach_bias/warning"]:
-            logger.warning("coach bias: %s over the last %d steps (threshold %.2f). Agents learn to exploit such a "
-                           "gap; consider --mappa.coach.standardize_task_type or a different coach prompt.",
-                           worst[1], len(self.window), self.threshold)
+            logger.warning(
+                "coach bias: %s over the last %d steps (threshold %.2f). Agents learn to exploit such a "
+                "gap; consider --mappa.coach.standardize_task_type or a different coach prompt.",
+                worst[1],
+                len(self.window),
+                self.threshold,
+            )
         return m
 
     def pooled(self) -> dict:
@@ -151,22 +168,27 @@ class BiasAudit:
         where one is undefined (no scored step yet), the text says so instead."""
         pooled = self.pooled()
         if not pooled:
-            return ("Your recent scoring in this run: no figures yet (none of your scores in this run has been "
-                    "tallied so far).")
+            return (
+                "Your recent scoring in this run: no figures yet (none of your scores in this run has been "
+                "tallied so far)."
+            )
         steps, n = len(self.window), sum(len(s) for s in pooled.values())
         lines = [
-            f"Your recent scoring in this run (the last {steps} training step{'s' * (steps > 1)}, {n} scored actions). "
-            "Agents learn to exploit a coach's systematic leanings, such as a higher average for one task type or "
-            "one agent that the work does not justify. Check these figures for such a leaning and keep your scale "
-            "the same for every agent and task type; still judge this action on its own merits.",
+            f"Your recent scoring in this run (the last {steps} training step{'s' * (steps > 1)}, {n} scored "
+            "actions). Agents learn to exploit a coach's systematic leanings, such as a higher average for "
+            "one task type or one agent that the work does not justify. Check these figures for such a "
+            "leaning and keep your scale the same for every agent and task type; still judge this action on "
+            "its own merits.",
             "Your mean score per agent and task type:",
         ]
         for (agent, task_type), scores in sorted(pooled.items()):
             lines.append(f"- {agent}, {task_type}: {statistics.fmean(scores):.2f} (n={len(scores)})")
         pairs = [p for _, final_pairs in self.window for p in final_pairs]
         if not pairs:
-            lines.append("Agreement of your scores with outcomes: not measurable yet (no final agent's action was "
-                         "scored).")
+            lines.append(
+                "Agreement of your scores with outcomes: not measurable yet (no final agent's action was "
+                "scored)."
+            )
             return "\n".join(lines)
         r = pearson(pairs)
         agree = (f"Pearson correlation {r:.2f}" if r is not None
@@ -174,8 +196,13 @@ class BiasAudit:
         means = []
         for label, success in (("solved", 1.0), ("failed", 0.0)):
             scores = [score for score, ok in pairs if ok == success]
-            means.append(f"mean {statistics.fmean(scores):.2f} on {label} episodes (n={len(scores)})" if scores
-                         else f"no {label} episode")
-        lines.append(f"Agreement of your scores with outcomes (the final agent's score vs. the episode's success, "
-                     f"{len(pairs)} episodes): {agree}; {'; '.join(means)}.")
+            means.append(
+                f"mean {statistics.fmean(scores):.2f} on {label} episodes (n={len(scores)})"
+                if scores
+                else f"no {label} episode"
+            )
+        lines.append(
+            f"Agreement of your scores with outcomes (the final agent's score vs. the episode's success, "
+            f"{len(pairs)} episodes): {agree}; {'; '.join(means)}."
+        )
         return "\n".join(lines)

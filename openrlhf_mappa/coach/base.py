@@ -12,16 +12,19 @@ from openrlhf_mappa.episode import Review, Verdict
 from openrlhf_mappa.topology import PROMPT_FIELDS
 
 # The hindsight prompt when the topology gives no `review_template`. The reply format is fixed (parse_review).
-DEFAULT_REVIEW_TEMPLATE = """You are a coach reviewing, in hindsight, a whole episode of a team of AI agents that \
-solved a task together.
-Now that the outcome is known, trace it back through the trajectory: judge every action, and name the one action most
-responsible for the outcome (for a failure: the first action that went wrong and that later actions could not repair).
+DEFAULT_REVIEW_TEMPLATE = """You are a coach reviewing, in hindsight, a whole episode of a team of AI agents \
+that solved a task together.
+Now that the outcome is known, trace it back through the trajectory: judge every action, and name the one \
+action most
+responsible for the outcome (for a failure: the first action that went wrong and that later actions could \
+not repair).
 
 Task type: {task_type}
 Task:
 {task}
 
-The trajectory, {num_actions} actions in order (each with what the agent was given, what it did, and the tool feedback):
+The trajectory, {num_actions} actions in order (each with what the agent was given, what it did, and the \
+tool feedback):
 {trajectory}
 
 The outcome of the episode:
@@ -49,7 +52,8 @@ class CoachRequest:
     ground_truth: Optional[str] = None  # only where the pipeline decides (e.g. the final agent)
     is_final_agent: bool = False
     runs_code: bool = False
-    truncated_at: Optional[int] = None  # the output was cut off at this token limit (None: it ended by itself)
+    # the output was cut off at this token limit (None: it ended by itself)
+    truncated_at: Optional[int] = None
     cut_off_note: bool = False  # a cut-off output says so at its end (`coach_input: ours`; the authors': no)
     coach_bias: Optional[str] = None  # --mappa.coach.show_bias: BiasAudit.prompt_text(), None when not shown
     round: int = 0  # where the action stands in the episode (see Action), from 0
@@ -68,8 +72,8 @@ class Coach:
         raise NotImplementedError
 
     async def review(self, requests: list, outcome: dict) -> Review:
-        """Hindsight: one Review of a finished episode (its actions' CoachRequests in order); never raises for a
-        failed evaluation."""
+        """Hindsight: one Review of a finished episode (its actions' CoachRequests in order); never raises for
+        a failed evaluation."""
         raise NotImplementedError(f"coach {self.name!r} has no hindsight review")
 
     async def reask_answer(self, verdict: Verdict) -> Verdict:
@@ -97,7 +101,8 @@ def render_prompt(template: str, request: CoachRequest) -> str:
         "coach_bias": request.coach_bias or "",
     }
     prompt = template.format(**fields)
-    if request.coach_bias and "coach_bias" not in {name for _, name, _, _ in string.Formatter().parse(template)}:
+    if (request.coach_bias
+            and "coach_bias" not in {name for _, name, _, _ in string.Formatter().parse(template)}):
         prompt = request.coach_bias + "\n\n" + prompt
     return prompt
 
@@ -150,9 +155,10 @@ def parse_score(text: str, key: str) -> Optional[float]:
     return score if 0.0 <= score <= 10.0 else None
 
 
-# The authors' MathChat coach also states whether the Verifier's answer equals the reference: `ANSWER_CORRECT: 1|0`
-# (their in-loop accuracy). Read as strictly as the score: its own key line only, 0 or 1, one value; a reasoning
-# coach's <think> block is not its verdict. Never a reward: evaluation's coach-graded accuracy (evaluation.py).
+# The authors' MathChat coach also states whether the Verifier's answer equals the reference:
+# `ANSWER_CORRECT: 1|0` (their in-loop accuracy). Read as strictly as the score: its own key line only, 0 or
+# 1, one value; a reasoning coach's <think> block is not its verdict. Never a reward: evaluation's
+# coach-graded accuracy (evaluation.py).
 ANSWER_KEY = "ANSWER_CORRECT"
 _ANSWER_LINE = re.compile(_SCORE_LINE.replace("{key}", ANSWER_KEY), re.IGNORECASE | re.MULTILINE)
 
@@ -165,18 +171,26 @@ def parse_answer_correct(text: str) -> Optional[int]:
 
 
 def render_review_prompt(template: str, requests: list, outcome: dict) -> str:
-    """Fill a hindsight template (fields REVIEW_FIELDS, checked where it was loaded) with a finished episode, its
-    actions numbered from 1."""
+    """Fill a hindsight template (fields REVIEW_FIELDS, checked where it was loaded) with a finished episode,
+    its actions numbered from 1."""
     parts = []
     for i, r in enumerate(requests, 1):
-        part = (f"=== Action {i} of {len(requests)}: agent {r.agent}, its action {r.turn + 1} ===\nRole: {r.role}\n"
-                f"Given:\n{r.agent_input}\nOutput:\n{_shown_output(r)}\nTool feedback:\n{r.feedback or '(none)'}")
+        part = (
+            f"=== Action {i} of {len(requests)}: agent {r.agent}, its action {r.turn + 1} ===\n"
+            f"Role: {r.role}\nGiven:\n{r.agent_input}\nOutput:\n{_shown_output(r)}\n"
+            f"Tool feedback:\n{r.feedback or '(none)'}"
+        )
         if r.ground_truth is not None:
             part += f"\nGround truth for this action: {r.ground_truth}"
         parts.append(part)
     first = requests[0] if requests else CoachRequest("", "", 0, "", "", "", "", "", "")
-    fields = {"task": first.task, "task_type": first.task_type, "trajectory": "\n\n".join(parts),
-              "outcome": json.dumps(outcome, ensure_ascii=False, sort_keys=True), "num_actions": len(requests)}
+    fields = {
+        "task": first.task,
+        "task_type": first.task_type,
+        "trajectory": "\n\n".join(parts),
+        "outcome": json.dumps(outcome, ensure_ascii=False, sort_keys=True),
+        "num_actions": len(requests),
+    }
     return template.format(**fields)
 
 
@@ -214,12 +228,17 @@ def parse_review(text: str, n: int) -> Optional[tuple]:
     if not (_number(responsible, True) and 1 <= responsible <= n):
         return None
     rationale = reply.get("rationale")
-    return [scores[i] for i in range(1, n + 1)], responsible - 1, rationale if isinstance(rationale, str) else ""
+    return (
+        [scores[i] for i in range(1, n + 1)],
+        responsible - 1,
+        rationale if isinstance(rationale, str) else "",
+    )
 
 
 def combine(per_action: Verdict, hindsight: Verdict) -> Verdict:
-    """--mappa.coach.mode both: the mean of the two scores, or the one that exists when the other failed (a failed
-    review must not void per-action scores already paid for, nor the reverse); no score when neither does."""
+    """--mappa.coach.mode both: the mean of the two scores, or the one that exists when the other failed (a
+    failed review must not void per-action scores already paid for, nor the reverse); no score when neither
+    does."""
     scores = [v.score for v in (per_action, hindsight) if v.status == "ok"]
     if not scores:
         return Verdict(None, per_action.status, f"both failed: per-action: {per_action.rationale[:300]}; "
@@ -227,14 +246,21 @@ def combine(per_action: Verdict, hindsight: Verdict) -> Verdict:
     rule = ("mean of per-action and hindsight" if len(scores) == 2
             else "per-action only (the hindsight review failed)" if per_action.status == "ok"
             else "hindsight only (the per-action verdict failed)")
-    return Verdict(sum(scores) / len(scores), "ok", f"{rule}: per-action {per_action.score}, hindsight "
-                   f"{hindsight.score}", per_action.coach, cached=per_action.cached and hindsight.cached, source="both",
-                   answer_correct=per_action.answer_correct)
+    return Verdict(
+        sum(scores) / len(scores),
+        "ok",
+        f"{rule}: per-action {per_action.score}, hindsight {hindsight.score}",
+        per_action.coach,
+        cached=per_action.cached and hindsight.cached,
+        source="both",
+        answer_correct=per_action.answer_correct,
+    )
 
 
 async def judge_episode(coach: Coach, mode: str, requests: list, outcome: dict, pending: list) -> tuple:
-    """(verdicts each action trains on, per action its {"per_action", "hindsight"} parts in mode "both" else {},
-    the Review or None) of a finished episode. `pending`: the per-action verdicts' awaitables, asked while it ran."""
+    """(verdicts each action trains on, per action its {"per_action", "hindsight"} parts in mode "both" else
+    {}, the Review or None) of a finished episode. `pending`: the per-action verdicts' awaitables, asked while
+    it ran."""
     per_action = await asyncio.gather(*pending)
     if mode == "per_action" or not requests:  # an episode with no action (all skipped) has nothing to review
         return per_action, [{} for _ in per_action], None

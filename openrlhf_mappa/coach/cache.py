@@ -29,13 +29,17 @@ def check_cache_file(path: str) -> None:
     """Refuse a path that is not an SQLite database (a directory, a JSON file) without writing anything: the
     launcher checks it before it writes into the run directory. An empty file is a new database to SQLite."""
     if os.path.isdir(path):
-        raise ValueError(f"coach cache {path}: is a directory; the verdict cache is one SQLite file (or 'none')")
+        raise ValueError(
+            f"coach cache {path}: is a directory; the verdict cache is one SQLite file (or 'none')"
+        )
     if os.path.exists(path):
         with open(path, "rb") as f:
             head = f.read(len(SQLITE_HEADER))
         if head and head != SQLITE_HEADER:
-            raise ValueError(f"coach cache {path}: not an SQLite database (the coach's verdict cache); give another "
-                             f"path, or 'none' for a cache in memory only")
+            raise ValueError(
+                f"coach cache {path}: not an SQLite database (the coach's verdict cache); give another "
+                f"path, or 'none' for a cache in memory only"
+            )
 
 
 class VerdictCache:
@@ -48,12 +52,16 @@ class VerdictCache:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             try:
-                self.db.execute("PRAGMA journal_mode=WAL")  # the writer thread's commits never block these reads
-                self.db.execute("CREATE TABLE IF NOT EXISTS verdicts (key TEXT PRIMARY KEY, verdict TEXT NOT NULL)")
+                # the writer thread's commits never block these reads
+                self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute(
+                    "CREATE TABLE IF NOT EXISTS verdicts (key TEXT PRIMARY KEY, verdict TEXT NOT NULL)"
+                )
             except sqlite3.DatabaseError as e:  # an SQLite header on a damaged file
                 self.db.close()
                 raise ValueError(f"coach cache {path}: {e}; give another path, or 'none'") from None
-            # Only verdicts the file held when opened can be missing from memory: a fresh cache never reads disk.
+            # Only verdicts the file held when opened can be missing from memory: a fresh cache never reads
+            # disk.
             self.read_disk = self.db.execute("SELECT EXISTS (SELECT 1 FROM verdicts)").fetchone()[0] == 1
             self.writer = ThreadPoolExecutor(1, thread_name_prefix="verdict-cache")
             self.write_db = self.writer.submit(sqlite3.connect, path, isolation_level=None).result()
@@ -63,7 +71,8 @@ class VerdictCache:
         return hashlib.sha256(f"{coach_name}\0{prompt}".encode("utf-8", errors="surrogatepass")).hexdigest()
 
     def get(self, key: str, kind: type = Verdict):
-        """The stored Verdict, or hindsight Review with kind=Review (its key names it: see OpenAICoach.review)."""
+        """The stored Verdict, or hindsight Review with kind=Review (its key names it: see
+        OpenAICoach.review)."""
         if key not in self.memory and self.read_disk:
             row = self.db.execute("SELECT verdict FROM verdicts WHERE key = ?", (key,)).fetchone()
             if row:
@@ -96,7 +105,8 @@ class VerdictCache:
             self.write_db.execute("BEGIN")
             self.write_db.executemany("INSERT OR REPLACE INTO verdicts (key, verdict) VALUES (?, ?)", rows)
             self.write_db.execute("COMMIT")
-        except sqlite3.Error as e:  # a full or vanished disk: these verdicts would be paid again after a restart
+        except sqlite3.Error as e:
+            # a full or vanished disk: these verdicts would be paid again after a restart
             logger.error("verdict cache %s: could not write %d verdicts: %s", self.path, len(rows), e)
             if self.write_db.in_transaction:
                 self.write_db.rollback()

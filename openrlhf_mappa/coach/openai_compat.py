@@ -1,12 +1,13 @@
-"""A coach behind any OpenAI-compatible chat-completions server (OpenAI, vLLM, SGLang, Ollama, LiteLLM, Gemini).
+"""A coach behind any OpenAI-compatible chat-completions server (OpenAI, vLLM, SGLang, Ollama, LiteLLM,
+Gemini).
 
 One verdict: ask at temperature 0 with a JSON schema {rationale, score} as `response_format` ("auto": dropped
 for the rest of the run after a 400 that names it); retry transient failures (429 with Retry-After, 408/409,
 5xx, timeouts, dropped connections, non-JSON bodies) up to `max_retries` times with jittered backoff, other
 errors being final; re-prompt a reply without a valid score at most `format_retries` times. What still fails
-is a Verdict with status api_error / timeout / parse_error and NO score. A hindsight `review` goes the same way
-with its own schema and parser, and fails as a whole. The wire protocol is spoken with aiohttp directly: the
-`openai` SDK's per-call CPU cost limited the coach's throughput (benchmarks/coach_throughput.py).
+is a Verdict with status api_error / timeout / parse_error and NO score. A hindsight `review` goes the same
+way with its own schema and parser, and fails as a whole. The wire protocol is spoken with aiohttp directly:
+the `openai` SDK's per-call CPU cost limited the coach's throughput (benchmarks/coach_throughput.py).
 """
 
 import asyncio
@@ -22,8 +23,8 @@ import time
 import aiohttp
 import yarl
 
-from openrlhf_mappa.coach.base import (DEFAULT_REVIEW_TEMPLATE, Coach, CoachRequest, parse_answer_correct, parse_review,
-                                       parse_score, render_prompt, render_review_prompt)
+from openrlhf_mappa.coach.base import (DEFAULT_REVIEW_TEMPLATE, Coach, CoachRequest, parse_answer_correct,
+                                       parse_review, parse_score, render_prompt, render_review_prompt)
 from openrlhf_mappa.coach.cache import VerdictCache
 from openrlhf_mappa.episode import Review, Verdict
 from openrlhf_mappa.topology import DEFAULT_SCORE_KEY, SCORE_KEY_RE
@@ -32,16 +33,26 @@ logger = logging.getLogger(__name__)
 
 
 def _object(properties: dict) -> dict:
-    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
 
 
 def _response_format(name: str, properties: dict) -> dict:
     """A strict JSON-schema `response_format`: an object with exactly these properties, all required."""
-    return {"type": "json_schema", "json_schema": {"name": name, "strict": True, "schema": _object(properties)}}
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": name, "strict": True, "schema": _object(properties)},
+    }
 
 
 # The rationale comes first so that the coach reasons before it commits to a number.
-VERDICT_SCHEMA = _response_format("coach_verdict", {"rationale": {"type": "string"}, "score": {"type": "number"}})
+VERDICT_SCHEMA = _response_format(
+    "coach_verdict", {"rationale": {"type": "string"}, "score": {"type": "number"}}
+)
 REVIEW_SCHEMA = _response_format("coach_review", {
     "rationale": {"type": "string"}, "responsible": {"type": "integer"},
     "actions": {"type": "array", "items": _object({"id": {"type": "integer"}, "score": {"type": "number"}})},
@@ -54,9 +65,9 @@ REPROMPT = (
     "`{key}: <number from 0 to 10>`.)"
 )
 REVIEW_REPROMPT = (
-    "\n\n(Reminder: an earlier reply to this request was not a valid review. Reply with one JSON object only, "
-    'with "rationale", "responsible" (an action id) and "actions": exactly one entry {{"id": <id>, "score": '
-    "<number from 0 to 10>}} for each action id from 1 to {n}.)"
+    "\n\n(Reminder: an earlier reply to this request was not a valid review. Reply with one JSON object "
+    'only, with "rationale", "responsible" (an action id) and "actions": exactly one entry {{"id": <id>, '
+    '"score": <number from 0 to 10>}} for each action id from 1 to {n}.)'
 )
 # The authors' re-prompt for a Verifier's verdict that lacks ANSWER_CORRECT (their external_coach.py L335-365
 # with L415-450), word for word: their earlier reply alone, without the task, and the two lines it must state.
@@ -64,7 +75,8 @@ ANSWER_REPROMPT = """You previously provided this evaluation:
 
 {reply}
 
-However, the response format was incorrect. Error: OUTCOME_SCORE/ANSWER_CORRECT missing for Verifier with ground truth
+However, the response format was incorrect. Error: OUTCOME_SCORE/ANSWER_CORRECT missing for Verifier with \
+ground truth
 
 Please provide your evaluation again using EXACTLY this format:
 
@@ -127,8 +139,9 @@ class OpenAICoach(Coach):
         self.cache = cache if cache is not None else VerdictCache()
 
     async def score(self, request: CoachRequest) -> Verdict:
-        # One slot per verdict, taken before any work and held to the end: of thousands submitted at once, each
-        # is rendered and hashed just in time, not all up front while replies in flight wait for the loop.
+        # One slot per verdict, taken before any work and held to the end: of thousands submitted at once,
+        # each is rendered and hashed just in time, not all up front while replies in flight wait for the
+        # loop.
         async with self.semaphore:
             prompt = render_prompt(self.template, request)
             key = self.cache.key(self.name, prompt)
@@ -136,7 +149,8 @@ class OpenAICoach(Coach):
             if hit is not None:
                 return dataclasses.replace(hit, cached=True)
             score, text, status, tally = await self.ask(prompt, lambda t: parse_score(t, self.score_key),
-                                                        VERDICT_SCHEMA, self.reprompt, "valid score in [0, 10]")
+                                                        VERDICT_SCHEMA, self.reprompt,
+                                                        "valid score in [0, 10]")
             verdict = Verdict(score=score, status=status, rationale=text, coach=self.name, **tally,
                               answer_correct=parse_answer_correct(text) if status == "ok" else None)
             if verdict.status == "ok":
@@ -179,8 +193,8 @@ class OpenAICoach(Coach):
             return review
 
     async def ask(self, prompt: str, parse, schema: dict, reprompt: str, wanted: str) -> tuple:
-        """(parse(reply), reply, "ok", tally) for the first reply `parse` accepts, else (None, why, the failure's
-        status, tally); tally: latency, tokens and retries summed over every attempt."""
+        """(parse(reply), reply, "ok", tally) for the first reply `parse` accepts, else (None, why, the
+        failure's status, tally); tally: latency, tokens and retries summed over every attempt."""
         messages = [{"role": "user", "content": prompt}]
         tally = dict(latency_s=0.0, tokens_in=0, tokens_out=0, retries=0)
         for attempt in range(self.format_retries + 1):
@@ -232,12 +246,14 @@ class OpenAICoach(Coach):
                     refused = use_schema and self.structured == "auto" and SCHEMA_WORDS.search(text)
                     if not refused:  # e.g. a prompt over the context length: retrying cannot help
                         raise CallFailed("api_error", str(e)) from None
-                    # Servers without structured output answer 400 to the schema: ask again without it, and stop
-                    # asking for the rest of the run (text scores parse fine).
+                    # Servers without structured output answer 400 to the schema: ask again without it, and
+                    # stop asking for the rest of the run (text scores parse fine).
                     if self.use_schema:
                         self.use_schema = False
-                        logger.warning("coach %s: the server refused JSON-schema output; asking for text scores",
-                                       self.model)
+                        logger.warning(
+                            "coach %s: the server refused JSON-schema output; asking for text scores",
+                            self.model,
+                        )
                     continue
                 if e.status != 200 and e.status not in RETRIED_STATUSES and e.status < 500:
                     raise CallFailed("api_error", str(e)) from None  # 401, 403, 404, ...
@@ -266,8 +282,8 @@ class OpenAICoach(Coach):
         return content if isinstance(content, str) else ""
 
     def backoff(self, attempt: int, error: Exception) -> float:
-        """Seconds before retry `attempt` (1, 2, ...): the server's Retry-After, else jittered exponential backoff
-        (many requests refused together must not return together)."""
+        """Seconds before retry `attempt` (1, 2, ...): the server's Retry-After, else jittered exponential
+        backoff (many requests refused together must not return together)."""
         headers = getattr(error, "headers", None) or {}
         retry_after = None
         if headers.get("retry-after-ms"):
@@ -294,19 +310,24 @@ class OpenAICoach(Coach):
         """One GET <base_url>/models: a refused connection, a timeout, 401 or 403 raise ValueError. A listing
         without the model is only a warning: proxies and routers serve models they do not list."""
         url = self.base_url + "/models"
-        # A session of its own: the probe runs in an event loop of its own, which an aiohttp session cannot outlive.
+        # A session of its own: the probe runs in an event loop of its own, which an aiohttp session cannot
+        # outlive.
         timeout = aiohttp.ClientTimeout(total=min(PROBE_TIMEOUT_S, self.timeout.total))
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session:
-                get = session.get(url, headers=self.headers, proxy=self.proxy, proxy_headers=self.proxy_headers)
+                get = session.get(
+                    url, headers=self.headers, proxy=self.proxy, proxy_headers=self.proxy_headers
+                )
                 async with get as reply:
                     status, text = reply.status, (await reply.read()).decode("utf-8", errors="replace")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise ValueError(f"coach server {url} cannot be reached: {type(e).__name__}: {e}") from None
         if status in (401, 403):
             key = "set" if os.environ.get(self.api_key_env) else "NOT set"
-            raise ValueError(f"coach server {url} refused the API key (HTTP {status}: {text[:300]}); the key is "
-                             f"read from ${self.api_key_env}, which is {key}")
+            raise ValueError(
+                f"coach server {url} refused the API key (HTTP {status}: {text[:300]}); the key is "
+                f"read from ${self.api_key_env}, which is {key}"
+            )
         try:
             listing = json.loads(text) if status == 200 else None
         except ValueError:

@@ -1,10 +1,10 @@
 """CPU mode: apply the upstream-candidate patches in `patches/` when this torch build has no accelerator.
 
-`install()` (called at interpreter start by the package's `.pth` file, so the driver, every Ray worker and every
-vLLM engine process alike) puts an import hook on `sys.meta_path` that patches a watched module once it has
-loaded: only in CPU mode (a CPU-only torch build, or MAPPA_CPU_MODE=1/0), but for the two of EVERY_MODE. A CUDA
-or ROCm build gets nothing else patched even in a process that sees no GPU (a `ray job submit` driver): Ray
-ships the driver's classes to the GPU workers (see `refuse_outside_cpu_mode`).
+`install()` (called at interpreter start by the package's `.pth` file, so the driver, every Ray worker and
+every vLLM engine process alike) puts an import hook on `sys.meta_path` that patches a watched module once it
+has loaded: only in CPU mode (a CPU-only torch build, or MAPPA_CPU_MODE=1/0), but for the two of EVERY_MODE. A
+CUDA or ROCm build gets nothing else patched even in a process that sees no GPU (a `ray job submit` driver):
+Ray ships the driver's classes to the GPU workers (see `refuse_outside_cpu_mode`).
 """
 
 import importlib
@@ -20,7 +20,8 @@ _cpu_mode = None
 
 def cpu_mode() -> bool:
     """True when the patches should apply: forced by MAPPA_CPU_MODE, else "torch is a CPU-only build" (not "no
-    CUDA device is visible", also true of a GPU cluster's driver, whose classes Ray ships to the GPU workers)."""
+    CUDA device is visible", also true of a GPU cluster's driver, whose classes Ray ships to the GPU
+    workers)."""
     global _cpu_mode
     if _cpu_mode is None:
         forced = os.environ.get("MAPPA_CPU_MODE", "").strip().lower()
@@ -47,10 +48,11 @@ def torch_build() -> tuple:
 
 
 def toolkit_problem():
-    """Why DeepSpeed would refuse to compile its CPU ops that link CUDA (cpu_adam, for --ds.adam_offload) here: a
-    CUDA torch with no CUDA toolkit (nvcc), or with one whose version is not torch's beyond the minor versions
-    DeepSpeed accepts (its own assert_no_cuda_mismatch). None where it would compile, or where torch has no CUDA
-    (the op is built for CPU). For the doctor (doctor.cpu_adam); here, as the one module that names CUDA."""
+    """Why DeepSpeed would refuse to compile its CPU ops that link CUDA (cpu_adam, for --ds.adam_offload)
+    here: a CUDA torch with no CUDA toolkit (nvcc), or with one whose version is not torch's beyond the minor
+    versions DeepSpeed accepts (its own assert_no_cuda_mismatch). None where it would compile, or where torch
+    has no CUDA (the op is built for CPU). For the doctor (doctor.cpu_adam); here, as the one module that
+    names CUDA."""
     cuda = torch_build()[0]
     if not cuda:
         return None
@@ -61,9 +63,11 @@ def toolkit_problem():
         builder.assert_no_cuda_mismatch("cpu_adam")
     except builder.CUDAMismatchException:
         system = ".".join(map(str, builder.installed_cuda_version()))
-        return (f"the system's CUDA {system} (nvcc in {torch.utils.cpp_extension.CUDA_HOME or 'CUDA_HOME'}) is not "
-                f"torch's {cuda}, and DeepSpeed compiles its ops only against a matching one: set CUDA_HOME to a CUDA "
-                f"{cuda.split('.')[0]} toolkit (or install one)")
+        return (
+            f"the system's CUDA {system} (nvcc in {torch.utils.cpp_extension.CUDA_HOME or 'CUDA_HOME'}) is "
+            f"not torch's {cuda}, and DeepSpeed compiles its ops only against a matching one: set CUDA_HOME "
+            f"to a CUDA {cuda.split('.')[0]} toolkit (or install one)"
+        )
     except builder.MissingCUDAException as e:
         return f"no CUDA toolkit to compile with ({e}): install CUDA {cuda}'s nvcc and set CUDA_HOME"
     return None
@@ -131,9 +135,9 @@ WATCHED = {
 }
 
 
-# Loaded whatever the mode, each deciding when to act: ray_logical_gpus at ray.init (a CPU-only local cluster);
-# flash_attn_stub without flash-attn, on GPUs too: OpenRLHF's launcher imports it though only packing and ring
-# attention use it (the launcher refuses those without it).
+# Loaded whatever the mode, each deciding when to act: ray_logical_gpus at ray.init (a CPU-only local
+# cluster); flash_attn_stub without flash-attn, on GPUs too: OpenRLHF's launcher imports it though only
+# packing and ring attention use it (the launcher refuses those without it).
 EVERY_MODE = ("ray_logical_gpus", "flash_attn_stub")
 
 
@@ -167,8 +171,8 @@ class _PatchFinder(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None:
             return None
         # Decide before importing a patch module: outside CPU mode they refuse to load.
-        names = [name for name in WATCHED[fullname] if name in EVERY_MODE or cpu_mode()]
-        patches = [importlib.import_module(f"openrlhf_mappa.patches.{name}") for name in names]
+        patches = [importlib.import_module(f"openrlhf_mappa.patches.{name}") for name in WATCHED[fullname]
+                   if name in EVERY_MODE or cpu_mode()]
         spec.loader = _PatchingLoader(spec.loader, patches)
         return spec
 

@@ -66,14 +66,27 @@ class MultiAgentEnv:
     # --data.label_key's column out or null (load_tasks), and coach_ground_truth gives None.
     needs_answer: bool = True
 
-    def __init__(self, topology: Topology, task: dict, workspace: str, code_timeout_s: float = 10.0,
-                 code_memory_mb: int = 4096, code_cpu_time_s: Optional[float] = None, code_max_file_mb: int = 1024,
-                 code_max_processes: int = 256, sandbox_url: Optional[str] = None):
+    def __init__(
+        self,
+        topology: Topology,
+        task: dict,
+        workspace: str,
+        code_timeout_s: float = 10.0,
+        code_memory_mb: int = 4096,
+        code_cpu_time_s: Optional[float] = None,
+        code_max_file_mb: int = 1024,
+        code_max_processes: int = 256,
+        sandbox_url: Optional[str] = None,
+    ):
         # The sandbox's limits (env_kwargs) are refused here, so before a run starts (Topology.check_env), all
         # wrong ones in one refusal.
-        limits = {"code_timeout_s": (code_timeout_s, (int, float)), "code_cpu_time_s": (code_cpu_time_s, (int, float)),
-                  "code_memory_mb": (code_memory_mb, int), "code_max_file_mb": (code_max_file_mb, int),
-                  "code_max_processes": (code_max_processes, int)}
+        limits = {
+            "code_timeout_s": (code_timeout_s, (int, float)),
+            "code_cpu_time_s": (code_cpu_time_s, (int, float)),
+            "code_memory_mb": (code_memory_mb, int),
+            "code_max_file_mb": (code_max_file_mb, int),
+            "code_max_processes": (code_max_processes, int),
+        }
         problems = []
         for key, (value, kind) in limits.items():
             if value is None and key == "code_cpu_time_s":
@@ -87,21 +100,29 @@ class MultiAgentEnv:
                             f"got {sandbox_url!r}")
         if problems:
             raise ValueError("; ".join(problems))
-        self.topology, self.task, self.workspace, self.code_timeout_s = topology, task, workspace, code_timeout_s
-        self.sandbox_limits = dict(memory_mb=code_memory_mb, cpu_time_s=code_cpu_time_s, max_file_mb=code_max_file_mb,
-                                   max_processes=code_max_processes, sandbox_url=sandbox_url)
+        self.topology, self.task, self.workspace, self.code_timeout_s = (
+            topology, task, workspace, code_timeout_s
+        )
+        self.sandbox_limits = dict(
+            memory_mb=code_memory_mb,
+            cpu_time_s=code_cpu_time_s,
+            max_file_mb=code_max_file_mb,
+            max_processes=code_max_processes,
+            sandbox_url=sandbox_url,
+        )
         self.history: list[HistoryEntry] = []
         self._observed = {}  # (agent name, turn) -> len(history) when observe() rendered its input
 
     @property
     def task_text(self) -> str:
-        """The task as the prompts' {task} and the coach see it: its prompt and the topology's problem_suffix."""
+        """The task as the prompts' {task} and the coach see it: its prompt and the topology's
+        problem_suffix."""
         return self.task["prompt"] + self.topology.problem_suffix
 
     def next_agents(self, turns: dict, last: dict) -> list:
-        """The AgentSpecs of the next round ([] ends the episode). `turns`: name -> actions so far; `last`: the
-        round just played, name -> its StepResult (None: the prompt did not fit), {} before the first.
-        The default is the chain: the topology's agents in order, each until done, max_actions or a misfit."""
+        """The AgentSpecs of the next round ([] ends the episode). `turns`: name -> actions so far; `last`:
+        the round just played, name -> its StepResult (None: the prompt did not fit), {} before the first. The
+        default is the chain: the topology's agents in order, each until done, max_actions or a misfit."""
         agents = self.topology.agents
         if not last:
             return agents[:1]
@@ -115,19 +136,20 @@ class MultiAgentEnv:
     next_agents.chain = True
 
     def observe(self, agent: AgentSpec, turn: int, omit: int = 0) -> list[dict]:
-        """The episode as this agent saw it happen: its system message; its prompt ({task}, and {history}: what its
-        view selects of the other agents' actions before its first one); then each of its own earlier actions as
-        an assistant turn, followed by one user turn with that action's tool output (where a tool ran) and the
-        others' actions its view selects up to its next action ("(nothing new)" where there is neither: chat
-        templates want turns to alternate). The rollout renders its replies as generated, reasoning included,
-        unless the topology sets keep_reasoning: false. `omit=k` leaves out the k oldest of those entries with a
-        marker; the system message, prompt and task are never cut."""
+        """The episode as this agent saw it happen: its system message; its prompt ({task}, and {history}:
+        what its view selects of the other agents' actions before its first one); then each of its own earlier
+        actions as an assistant turn, followed by one user turn with that action's tool output (where a tool
+        ran) and the others' actions its view selects up to its next action ("(nothing new)" where there is
+        neither: chat templates want turns to alternate). The rollout renders its replies as generated,
+        reasoning included, unless the topology sets keep_reasoning: false. `omit=k` leaves out the k oldest
+        of those entries with a marker; the system message, prompt and task are never cut."""
         self._observed[agent.name, turn] = len(self.history)  # what its input can show: step() records it
         view, shows_history = agent.view, "{history}" in agent.prompt
         others = [(i, e) for i, e in enumerate(self.history) if e.agent != agent.name
                   and (view.agents == "all" or e.agent in view.agents)]
         if view.actions == "last":
-            # Each agent's final reply and its latest code run: what the authors' Verifier saw of the Code Executor.
+            # Each agent's final reply and its latest code run: what the authors' Verifier saw of the Code
+            # Executor.
             last = {e.agent: i for i, e in others}
             last_run = {e.agent: i for i, e in others if e.feedback and view.tool_output}
             others = [(i, e) for i, e in others if i in {*last.values(), *last_run.values()}]
@@ -144,8 +166,8 @@ class MultiAgentEnv:
                 others[i] = (n, e._replace(response=text.strip()))
         if not view.tool_output:
             others = [(i, e._replace(feedback="")) for i, e in others]
-        # Episode order: another agent's action goes after the last own action whose input could not show it (one
-        # of the same round, generated at once, counts as after).
+        # Episode order: another agent's action goes after the last own action whose input could not show it
+        # (one of the same round, generated at once, counts as after).
         own = [(i, e) for i, e in enumerate(self.history) if e.agent == agent.name]
         seen = [i if e.seen is None else e.seen for i, e in own]
         after = [[] for _ in range(len(own) + 1)]  # after[0]: before its first action, {history}'s
@@ -158,7 +180,8 @@ class MultiAgentEnv:
             timeline += [mine, *theirs]
         omit = min(omit, len(timeline))
         marker = f"[{omit} earlier action{'s' * (omit > 1)} omitted to fit the context]"
-        parts = [[]]  # the others' actions before its first kept action, then [own action, others' after it...]
+        # the others' actions before its first kept action, then [own action, others' after it...]
+        parts = [[]]
         for e in timeline[omit:]:
             if e.agent == agent.name:
                 parts.append([])
@@ -185,7 +208,9 @@ class MultiAgentEnv:
         if agent.runs_code:
             code = extract_code(response)
             if code is not None:
-                feedback = run_python(code, self.workspace, timeout_s=self.code_timeout_s, **self.sandbox_limits)
+                feedback = run_python(
+                    code, self.workspace, timeout_s=self.code_timeout_s, **self.sandbox_limits
+                )
                 done = False
         seen = self._observed.pop((agent.name, turn), None)
         self.history.append(HistoryEntry(agent.name, turn, response, feedback.as_text(), seen))
@@ -216,8 +241,11 @@ class MultiAgentEnv:
         entries = self.history if entries is None else entries
         if not entries:
             return "(nothing yet)"
-        return "\n\n".join(f"### {e.agent} (action {e.turn + 1})\n{e.response.strip()}"
-                           + (f"\n\n#### Output of the code\n{e.feedback}" if e.feedback else "") for e in entries)
+        return "\n\n".join(
+            f"### {e.agent} (action {e.turn + 1})\n{e.response.strip()}"
+            + (f"\n\n#### Output of the code\n{e.feedback}" if e.feedback else "")
+            for e in entries
+        )
 
 
 def returned_problem(hook: str, value) -> str:
@@ -360,15 +388,17 @@ def _check_csv_fields(path: str) -> None:
 
 
 def _read_json_rows(path: str) -> list:
-    """(where, default id, row) of each row of a JSON list or JSONL file (told apart by the first character); the
-    file, line and byte named where it is not UTF-8, not JSON, or a row is no object."""
+    """(where, default id, row) of each row of a JSON list or JSONL file (told apart by the first character);
+    the file, line and byte named where it is not UTF-8, not JSON, or a row is no object."""
     with open(path, "rb") as f:
         data = f.read()
     try:
         text = data.decode("utf-8-sig")  # a byte-order mark (some Windows editors write one) is not content
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{path}: line {line}: byte 0x{data[e.start]:02x} is not UTF-8; save the file as UTF-8") from e
+        raise ValueError(
+            f"{path}: line {line}: byte 0x{data[e.start]:02x} is not UTF-8; save the file as UTF-8"
+        ) from e
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -383,8 +413,10 @@ def _read_json_rows(path: str) -> list:
             try:
                 located.append((f"line {lineno}", str(lineno), json.loads(line)))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno}: broken JSON: {e.msg} (expected a JSON list, or one task "
-                                 "per line)") from e
+                raise ValueError(
+                    f"{path}: line {lineno}: broken JSON: {e.msg} (expected a JSON list, or one task "
+                    "per line)"
+                ) from e
     if not located:
         raise ValueError(f"{path}: no tasks in the file")
     for where, _, row in located:

@@ -2,14 +2,15 @@
 (docs/reference.md, "DSBench pipeline"). Each agent owes the files of its `contract`, the next one's inputs;
 its turns end on a reply without code (the authors' rule), or with `end_turn_on_files` once its files exist.
 
-A task row names its task directory as "answer" (satisfying `load_tasks` without an answer in a prompt): task.json,
-the public CSVs copied into the workspace (`workspace_files`: stateless, the authors' sandbox, or persistent), and
-the hidden answers/test_answer.csv, read only by the scorer. Its "prompt" is the task's text as DSBench states it
-(the coach's {task}, with the topology's problem_suffix); "agent_prompt", where `mappa dsbench import` wrote the
-authors' cleaned text, is what the agents' {task} shows instead, never with the suffix. The coach's evidence
-(`coach_evidence`) is the authors' (the files when the agent's turn began, those earlier agents saved, the
-Analyst's raw metrics) or ours (the contract state after the action, the submission's score); never the answers.
-A broken task directory or a bad submission is a status in the outcome, never an exception.
+A task row names its task directory as "answer" (satisfying `load_tasks` without an answer in a prompt):
+task.json, the public CSVs copied into the workspace (`workspace_files`: stateless, the authors' sandbox, or
+persistent), and the hidden answers/test_answer.csv, read only by the scorer. Its "prompt" is the task's text
+as DSBench states it (the coach's {task}, with the topology's problem_suffix); "agent_prompt", where
+`mappa dsbench import` wrote the authors' cleaned text, is what the agents' {task} shows instead, never with
+the suffix. The coach's evidence (`coach_evidence`) is the authors' (the files when the agent's turn began,
+those earlier agents saved, the Analyst's raw metrics) or ours (the contract state after the action, the
+submission's score); never the answers. A broken task directory or a bad submission is a status in the
+outcome, never an exception.
 """
 
 import dataclasses
@@ -31,7 +32,8 @@ from openrlhf_mappa.envs.base import MultiAgentEnv
 
 PUBLIC_FILES = ("train.csv", "test.csv", "sample_submission.csv")
 UPLOADED = ("train.csv", "test.csv")  # what the authors upload for every code run (no sample_submission.csv)
-# What the authors' workflow fetches after a code run: the Data Engineer's and Modeler's artifacts, the Analyst's CSVs
+# What the authors' workflow fetches after a code run: the Data Engineer's and Modeler's artifacts, the
+# Analyst's CSVs
 ARTIFACTS = ("*.pkl", "*.joblib", "*.npy", "*.npz")
 SUBMISSIONS = ("submission.csv", "predictions.csv")
 WORKSPACE_FILES = ("stateless", "persistent")
@@ -43,29 +45,34 @@ DEFAULT_CONTRACT = {"data_engineer": ["X_train.pkl", "y_train.pkl", "X_test.pkl"
 
 
 # ---------------------------------------------------------------- metrics
-# y: true values, p: predictions, both 1-D arrays (2-D for a metric not `per_column`). A task with several target
-# columns scores the mean of the per-column metric (Kaggle's "mean column-wise" convention). scikit-learn and scipy
-# compute every metric they have; the few written here (SMAPE, MAP@3, word Jaccard) are the competitions' formulas.
+# y: true values, p: predictions, both 1-D arrays (2-D for a metric not `per_column`). A task with several
+# target columns scores the mean of the per-column metric (Kaggle's "mean column-wise" convention).
+# scikit-learn and scipy compute every metric they have; the few written here (SMAPE, MAP@3, word Jaccard) are
+# the competitions' formulas.
 class Metric(NamedTuple):
     fn: Callable
     higher_is_better: bool
-    numeric: bool  # predictions must be numbers (else labels, compared as numbers when both sides are numeric)
+    # predictions must be numbers (else labels, compared as numbers when both sides are numeric)
+    numeric: bool
     perfect: float
     per_column: bool = True
 
 
 def correlation(statistic, y, p) -> float:
-    """scipy's Pearson or Spearman statistic; 0 where a side is constant (scipy: nan): a constant ranks nothing."""
+    """scipy's Pearson or Spearman statistic; 0 where a side is constant (scipy: nan): a constant ranks
+    nothing."""
     return 0.0 if np.ptp(y) == 0 or np.ptp(p) == 0 else float(statistic(y, p).statistic)
 
 
 def quadratic_kappa(y, p) -> float:
-    """Quadratic weighted kappa over every rating from the lowest to the highest given (Kaggle's N x N matrix),
-    so that a rating nobody gave still counts in the distance; ratings must be integers."""
+    """Quadratic weighted kappa over every rating from the lowest to the highest given (Kaggle's N x N
+    matrix), so that a rating nobody gave still counts in the distance; ratings must be integers."""
     ratings = np.concatenate([y, p]).astype(float)  # a label that is not a number is a ValueError here
     if not np.array_equal(ratings, np.round(ratings)):
         raise ValueError("quadratic weighted kappa needs integer ratings")
-    return float(cohen_kappa_score(y, p, weights="quadratic", labels=np.arange(ratings.min(), ratings.max() + 1)))
+    return float(
+        cohen_kappa_score(y, p, weights="quadratic", labels=np.arange(ratings.min(), ratings.max() + 1))
+    )
 
 
 def smape(y, p) -> float:
@@ -76,8 +83,8 @@ def smape(y, p) -> float:
 
 
 def map_at_3(y, p) -> float:
-    """Kaggle's MAP@3 with one true label a row: 1/k when the first of the (space-separated) guesses to match is
-    the k-th of the first 3, else 0."""
+    """Kaggle's MAP@3 with one true label a row: 1/k when the first of the (space-separated) guesses to match
+    is the k-th of the first 3, else 0."""
     scores = []
     for truth, guesses in zip(y, p):
         top = str(guesses).split()[:3]
@@ -86,8 +93,8 @@ def map_at_3(y, p) -> float:
 
 
 def word_jaccard(y, p) -> float:
-    """tweet-sentiment-extraction's word-level Jaccard (lower case, split on whitespace), the mean over rows; two
-    texts without words agree."""
+    """tweet-sentiment-extraction's word-level Jaccard (lower case, split on whitespace), the mean over rows;
+    two texts without words agree."""
     scores = []
     for truth, pred in zip(y, p):
         a, b = set(str(truth).lower().split()), set(str(pred).lower().split())
@@ -97,8 +104,8 @@ def word_jaccard(y, p) -> float:
 
 def class_log_loss(y, p) -> float:
     """Log loss over a row's columns: one column is the positive class's probability (labels 0/1), several are
-    one probability per class against one-hot answers (lmsys). Rows are rescaled to sum to 1, as Kaggle's scorer
-    (scikit-learn's "eps=auto" log_loss of its day) did; scikit-learn clips to the float precision."""
+    one probability per class against one-hot answers (lmsys). Rows are rescaled to sum to 1, as Kaggle's
+    scorer (scikit-learn's "eps=auto" log_loss of its day) did; scikit-learn clips to the float precision."""
     if y.shape[1] == 1:
         return float(log_loss(y[:, 0], p[:, 0], labels=[0, 1]))
     return float(log_loss(y.argmax(axis=1), p / p.sum(axis=1, keepdims=True), labels=np.arange(y.shape[1])))
@@ -164,13 +171,18 @@ def load_task_dir(task_dir: str) -> dict:
             meta = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{task_dir}: not a DSBench task directory (task.json: {e})") from None
-    missing = [k for k in ("task_id", "data_type", "metric", "id_column", "target_columns", "baseline", "best")
-               if k not in meta]
+    missing = [
+        k
+        for k in ("task_id", "data_type", "metric", "id_column", "target_columns", "baseline", "best")
+        if k not in meta
+    ]
     if missing:
         raise ValueError(f"{path}: missing key(s) {missing}")
     if meta["metric"] not in METRICS:
         raise ValueError(f"{path}: unknown metric {meta['metric']!r}; known: {', '.join(METRICS)}")
-    absent = [name for name in PUBLIC_FILES + (ANSWER_FILE,) if not os.path.isfile(os.path.join(task_dir, name))]
+    absent = [
+        name for name in PUBLIC_FILES + (ANSWER_FILE,) if not os.path.isfile(os.path.join(task_dir, name))
+    ]
     if absent:
         raise ValueError(f"{task_dir}: missing file(s) {absent}")
     return meta
@@ -193,7 +205,7 @@ def score_submission(task_dir: str, submission: str) -> dict:
         truth = pd.read_csv(os.path.join(task_dir, ANSWER_FILE), dtype={ids: str})
     except (OSError, ValueError) as e:
         raise ValueError(f"{task_dir}: unreadable {ANSWER_FILE}: {e}") from None
-    if any(c not in truth.columns for c in [ids] + targets):
+    if not set([ids] + targets) <= set(truth.columns):
         raise ValueError(f"{task_dir}: {ANSWER_FILE} lacks column(s) of {[ids] + targets}")
     out["task_type"] = detect_data_type(truth[targets])
     if not os.path.isfile(submission):
@@ -202,14 +214,16 @@ def score_submission(task_dir: str, submission: str) -> dict:
         sub = pd.read_csv(submission, dtype={ids: str})
     except (OSError, ValueError) as e:  # pandas' parser, empty-file and decoding errors are ValueErrors
         return invalid("unreadable", f"cannot read the submission as CSV: {e}")
-    sub.columns = [str(c).strip() for c in sub.columns]
+    sub.columns = sub.columns.astype(str).str.strip()
     if sorted(sub.columns) != sorted([ids] + targets):
         return invalid("wrong_columns", f"expected columns {[ids] + targets}, got {list(sub.columns)}")
     if len(sub) != len(truth):
         return invalid("wrong_row_count", f"expected {len(truth)} rows (one per test row), got {len(sub)}")
     if sub[ids].duplicated().any() or set(sub[ids]) != set(truth[ids]):
         unknown = sorted(map(str, set(sub[ids]) - set(truth[ids])))[:5]  # str: an empty id reads as NaN
-        return invalid("wrong_ids", f"the {ids} values must be the test set's, each once; e.g. unknown: {unknown}")
+        return invalid(
+            "wrong_ids", f"the {ids} values must be the test set's, each once; e.g. unknown: {unknown}"
+        )
     sub = sub.set_index(ids).loc[truth[ids], targets]
     truth = truth.set_index(ids)[targets]
     numeric = METRICS[meta["metric"]].numeric
@@ -231,10 +245,10 @@ def score_submission(task_dir: str, submission: str) -> dict:
 
 
 def detect_data_type(truth: pd.DataFrame) -> str:
-    """The task's type from its answers, as the authors' detect_data_type (ground_truth_utils.py) reads the first
-    target column: values within {0, 1}, two distinct values, or integers with at most 10 distinct values are
-    classification, other numbers regression. Labels that are not numbers are classification here (theirs fall
-    through to regression and then score nothing), whatever DSBench's metadata says."""
+    """The task's type from its answers, as the authors' detect_data_type (ground_truth_utils.py) reads the
+    first target column: values within {0, 1}, two distinct values, or integers with at most 10 distinct
+    values are classification, other numbers regression. Labels that are not numbers are classification here
+    (theirs fall through to regression and then score nothing), whatever DSBench's metadata says."""
     values = truth.iloc[:, 0].dropna()
     distinct = set(values.unique())
     if not pd.api.types.is_numeric_dtype(values) or distinct <= {0, 1} or len(distinct) == 2:
@@ -245,9 +259,9 @@ def detect_data_type(truth: pd.DataFrame) -> str:
 
 
 def coach_figures(data_type: str, metric: str, truth: pd.DataFrame, pred: pd.DataFrame) -> dict:
-    """The figures besides the metric that the authors' coach grades by (their ground_truth_utils.py): accuracy
-    for labels; for regression RMSE, MAE and RMSE as a percentage of the target's range and interquartile range.
-    Aggregates only: no answer reaches the coach."""
+    """The figures besides the metric that the authors' coach grades by (their ground_truth_utils.py):
+    accuracy for labels; for regression RMSE, MAE and RMSE as a percentage of the target's range and
+    interquartile range. Aggregates only: no answer reaches the coach."""
     if data_type != "regression":
         return {} if METRICS[metric].numeric else {"accuracy": metric_value("accuracy", truth, pred)}
     y = truth.apply(pd.to_numeric, errors="coerce").to_numpy(dtype=float).ravel()
@@ -261,13 +275,13 @@ def coach_figures(data_type: str, metric: str, truth: pd.DataFrame, pred: pd.Dat
 
 
 def authors_figures(truth: pd.Series, pred: pd.Series, data_type: str) -> dict:
-    """The raw figures the authors' coach is shown for the Analyst (their ground_truth_utils.py compute_all_metrics):
-    the submission's first prediction column against the answers' first target, paired row by row in file order
-    as theirs are (not by id), over the shorter of the two. Numbers as theirs read them ("true"/"false" 1/0, what
-    is no number 0). Classification: accuracy and F1 (binary, or weighted over more classes) of the rounded
-    predictions, ROC-AUC for two classes when every prediction is a probability; text labels compare as text
-    (theirs call those regression and compute nothing). Regression: RMSE, MAE, MSE and the target's statistics.
-    A figure scikit-learn refuses is left out, as theirs is."""
+    """The raw figures the authors' coach is shown for the Analyst (their ground_truth_utils.py
+    compute_all_metrics): the submission's first prediction column against the answers' first target, paired
+    row by row in file order as theirs are (not by id), over the shorter of the two. Numbers as theirs read
+    them ("true"/"false" 1/0, what is no number 0). Classification: accuracy and F1 (binary, or weighted over
+    more classes) of the rounded predictions, ROC-AUC for two classes when every prediction is a probability;
+    text labels compare as text (theirs call those regression and compute nothing). Regression: RMSE, MAE, MSE
+    and the target's statistics. A figure scikit-learn refuses is left out, as theirs is."""
     n = min(len(truth), len(pred))
     y, p = truth.iloc[:n], pred.iloc[:n]
     number = pd.to_numeric(p.map(lambda v: {"true": 1, "false": 0}.get(str(v).lower(), v)), errors="coerce")
@@ -288,10 +302,11 @@ def authors_figures(truth: pd.Series, pred: pd.Series, data_type: str) -> dict:
     else:
         y, labels = y.astype(str).to_numpy(), p.astype(str).to_numpy()
     binary = len(np.unique(y)) == 2
-    figures = {"accuracy": lambda: accuracy_score(y, labels),
-               "f1": lambda: f1_score(y, labels, average="binary" if binary else "weighted", zero_division=0)}
+    figures = {"accuracy": partial(accuracy_score, y, labels),
+               "f1": partial(f1_score, y, labels, average="binary" if binary else "weighted",
+                             zero_division=0)}
     if numeric and binary and ((number >= 0) & (number <= 1)).all():
-        figures["roc_auc"] = lambda: roc_auc_score(y, number)
+        figures["roc_auc"] = partial(roc_auc_score, y, number)
     out = {}
     for name, compute in figures.items():
         try:
@@ -306,18 +321,29 @@ class DSBenchEnv(MultiAgentEnv):
     task_type = ""  # set per task: "regression" or "classification"
     grader = "valid submission.csv"
 
-    def __init__(self, topology, task: dict, workspace: str, code_timeout_s: float = 120.0, contract: dict = None,
-                 end_turn_on_files: bool = False, workspace_files: str = "persistent", coach_evidence: str = "ours"):
+    def __init__(
+        self,
+        topology,
+        task: dict,
+        workspace: str,
+        code_timeout_s: float = 120.0,
+        contract: dict = None,
+        end_turn_on_files: bool = False,
+        workspace_files: str = "persistent",
+        coach_evidence: str = "ours",
+    ):
         super().__init__(topology, task, workspace, code_timeout_s)
         for key, value, allowed in (("workspace_files", workspace_files, WORKSPACE_FILES),
                                     ("coach_evidence", coach_evidence, COACH_EVIDENCE)):
             if value not in allowed:
                 raise ValueError(f"env_kwargs {key} must be one of {', '.join(allowed)}, got {value!r}")
         self.stateless = workspace_files == "stateless"
-        # stateless: the files fetched so far, beside the workspace (the authors' store, out of the sandbox's sight)
+        # stateless: the files fetched so far, beside the workspace (the authors' store, out of the sandbox's
+        # sight)
         self.kept = workspace.rstrip(os.sep) + ".kept"
         self.authors_evidence = coach_evidence == "authors"
-        self.turn_start_files = {}  # agent -> the workspace's files when its turn began (the authors' evidence)
+        # agent -> the workspace's files when its turn began (the authors' evidence)
+        self.turn_start_files = {}
         self.contract = DEFAULT_CONTRACT if contract is None else contract
         self.end_turn_on_files = end_turn_on_files
         names = [a.name for a in topology.agents]
@@ -352,10 +378,11 @@ class DSBenchEnv(MultiAgentEnv):
             self.copied[name] = (st.st_ino, st.st_size, st.st_mtime_ns)
 
     def observe(self, agent, turn: int, omit: int = 0) -> list:
-        """The base's messages, with {task} the agents' text: the authors' cleaned one where the import wrote it
-        ("agent_prompt"), else the task's own, never with the problem_suffix; the coach's {task} (task_text) is the
-        task's own text and the suffix, as the authors' coach's {problem} was (dsbench_workflow.py L363-375 and
-        `problem=prompt`, which prompts_loader.py ended with default.yaml's suffix)."""
+        """The base's messages, with {task} the agents' text: the authors' cleaned one where the import wrote
+        it ("agent_prompt"), else the task's own, never with the problem_suffix; the coach's {task}
+        (task_text) is the task's own text and the suffix, as the authors' coach's {problem} was
+        (dsbench_workflow.py L363-375 and `problem=prompt`, which prompts_loader.py ended with default.yaml's
+        suffix)."""
         shown = self.task.get("agent_prompt")
         if shown is None:
             shown = self.task["prompt"]
@@ -374,10 +401,11 @@ class DSBenchEnv(MultiAgentEnv):
         return result
 
     def restart_sandbox(self, agent):
-        """The authors' SandboxFusion is stateless: each code run starts from the uploaded train.csv and test.csv
-        and the files their workflow fetched after earlier runs and kept on the host (dsbench_workflow.py
-        L215-265, L488-493, L658-663, L863-866). So this run's files of the agent's kinds replace the kept ones
-        in `kept`, everything else goes, and a kept file the run deleted or changed comes back as kept."""
+        """The authors' SandboxFusion is stateless: each code run starts from the uploaded train.csv and
+        test.csv and the files their workflow fetched after earlier runs and kept on the host
+        (dsbench_workflow.py L215-265, L488-493, L658-663, L863-866). So this run's files of the agent's kinds
+        replace the kept ones in `kept`, everything else goes, and a kept file the run deleted or changed
+        comes back as kept."""
         # The authors' Analyst fetched only its submission; the Data Engineer and Modeler their artifacts. The
         # agent owing submission.csv in the contract is the Analyst's place.
         kinds = SUBMISSIONS if SUBMISSION in self.contract.get(agent.name, []) else ARTIFACTS
@@ -386,7 +414,9 @@ class DSBenchEnv(MultiAgentEnv):
             path = os.path.join(self.workspace, name)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
-            elif any(fnmatchcase(name, p) for p in kinds) and os.path.isfile(path) and not os.path.islink(path):
+            elif (
+                any(fnmatchcase(name, p) for p in kinds) and os.path.isfile(path) and not os.path.islink(path)
+            ):
                 shutil.copyfile(path, os.path.join(self.kept, name))  # fetched
             elif name not in UPLOADED:
                 os.remove(path)
@@ -396,7 +426,8 @@ class DSBenchEnv(MultiAgentEnv):
         self.copy_task_files()
 
     def contract_files(self, agent) -> tuple:
-        """(the files earlier agents had to save, this agent's own): what `judge` and our coach evidence blame by."""
+        """(the files earlier agents had to save, this agent's own): what `judge` and our coach evidence blame
+        by."""
         names = [a.name for a in self.topology.agents]
         upstream = [f for a in names[: names.index(agent.name)] for f in self.contract.get(a, [])]
         return upstream, self.contract.get(agent.name, [])
@@ -409,7 +440,12 @@ class DSBenchEnv(MultiAgentEnv):
 
     def submission_check(self) -> dict:
         if self.task_error:
-            return {"valid": False, "status": "broken_task", "error": self.task_error, "task_type": self.task_type}
+            return {
+                "valid": False,
+                "status": "broken_task",
+                "error": self.task_error,
+                "task_type": self.task_type,
+            }
         return score_submission(self.task_dir, os.path.join(self.workspace, SUBMISSION))
 
     def answer_formatted(self, agent, response: str) -> Optional[bool]:
@@ -450,16 +486,17 @@ class DSBenchEnv(MultiAgentEnv):
         return 7.0, "contract rule: its files are saved", False
 
     def coach_ground_truth(self, agent) -> Optional[str]:
-        """`ours`: the contract state right after the action (the rollout asks just after `step`), so the coach can
-        blame the agent whose file is missing; for the Analyst also the submission's check. `authors`: what the
-        authors' coach is shown (authors_evidence)."""
+        """`ours`: the contract state right after the action (the rollout asks just after `step`), so the
+        coach can blame the agent whose file is missing; for the Analyst also the submission's check.
+        `authors`: what the authors' coach is shown (authors_evidence)."""
         if self.authors_evidence:
             return self.authors_evidence_text(agent)
         upstream, own = self.contract_files(agent)
         files = self.listing()
         lines = [
             f"DSBench file contract: this agent must save: {', '.join(own) or '(nothing)'}",
-            f"Missing inputs (files earlier agents had to save): {', '.join(self.missing(upstream)) or 'none'}",
+            f"Missing inputs (files earlier agents had to save): "
+            f"{', '.join(self.missing(upstream)) or 'none'}",
             f"Missing outputs (this agent's own files): {', '.join(self.missing(own)) or 'none'}",
             f"Workspace files: {', '.join(files) or '(none)'}",
         ]
@@ -470,17 +507,20 @@ class DSBenchEnv(MultiAgentEnv):
                 lines.append(f"Submission check: valid; {c['metric_name']} = {c['metric']:.6g} (baseline "
                              f"{c['baseline']:.6g}, best {c['best']:.6g}); relative score {rel}")
                 if c["figures"]:
-                    lines.append("Submission figures: " + ", ".join(f"{k} = {v:.4g}" for k, v in c["figures"].items()))
+                    lines.append(
+                        "Submission figures: " + ", ".join(f"{k} = {v:.4g}" for k, v in c["figures"].items())
+                    )
             else:
                 lines.append(f"Submission check: invalid ({c['status']}): {c['error']}")
         return "\n".join(lines)
 
     def authors_evidence_text(self, agent) -> str:
-        """The authors' coach evidence (dsbench_workflow.py L503-509, L673-679, L876-886): the files in the workspace
-        when this agent's turn began (for the Analyst with their warning when no X_test or model file is there),
-        the files each earlier agent saved (new by the next agent's turn), and for the agent owing submission.csv
-        the raw figures of the submission (or predictions.csv) against the hidden answers (ground_truth_utils.py
-        evaluate_analyst_output; their fallback of reading predictions out of the reply's text is not kept)."""
+        """The authors' coach evidence (dsbench_workflow.py L503-509, L673-679, L876-886): the files in the
+        workspace when this agent's turn began (for the Analyst with their warning when no X_test or model
+        file is there), the files each earlier agent saved (new by the next agent's turn), and for the agent
+        owing submission.csv the raw figures of the submission (or predictions.csv) against the hidden answers
+        (ground_truth_utils.py evaluate_analyst_output; their fallback of reading predictions out of the
+        reply's text is not kept)."""
         starts = dict(self.turn_start_files)
         starts.setdefault(agent.name, self.listing())
         names = [a.name for a in self.topology.agents if a.name in starts]
@@ -530,18 +570,31 @@ class DSBenchEnv(MultiAgentEnv):
         figures = authors_figures(*found, self.task_type)
         lines = [f"Data type: {self.task_type}", f"Task metric: {self.metric_name}",
                  f"Number of predictions: {len(found[1])}", "Computed metrics:"]
-        labels = {"accuracy": "Accuracy", "f1": "F1", "roc_auc": "ROC-AUC", "rmse": "RMSE", "mae": "MAE", "mse": "MSE"}
+        labels = {
+            "accuracy": "Accuracy",
+            "f1": "F1",
+            "roc_auc": "ROC-AUC",
+            "rmse": "RMSE",
+            "mae": "MAE",
+            "mse": "MSE",
+        }
         for name, label in labels.items():
             if name in figures:
-                better = "higher is better, at most 1" if name in ("accuracy", "f1", "roc_auc") else "lower is better"
+                better = (
+                    "higher is better, at most 1"
+                    if name in ("accuracy", "f1", "roc_auc")
+                    else "lower is better"
+                )
                 lines.append(f"  - {label}: {figures[name]:.4f} ({better})")
         if "target_range" in figures:
             f = figures
-            lines += ["Target statistics (to read the RMSE by):",
-                      f"  - range: {f['target_min']:.2f} to {f['target_max']:.2f} (range {f['target_range']:.2f})",
-                      f"  - quartiles: Q25 {f['target_q25']:.2f}, median {f['target_median']:.2f}, "
-                      f"Q75 {f['target_q75']:.2f}",
-                      f"  - mean {f['target_mean']:.2f}, std {f['target_std']:.2f}"]
+            lines += [
+                "Target statistics (to read the RMSE by):",
+                f"  - range: {f['target_min']:.2f} to {f['target_max']:.2f} (range {f['target_range']:.2f})",
+                f"  - quartiles: Q25 {f['target_q25']:.2f}, median {f['target_median']:.2f}, "
+                f"Q75 {f['target_q75']:.2f}",
+                f"  - mean {f['target_mean']:.2f}, std {f['target_std']:.2f}",
+            ]
             lines += [f"  - RMSE as % of {label}: {f[f'rmse_pct_of_{k}']:.1f}%"
                       for k, label in (("range", "range"), ("iqr", "IQR")) if f"rmse_pct_of_{k}" in f]
         return "\n".join(lines)

@@ -43,7 +43,11 @@ class MathChatEnv(MultiAgentEnv):
 
     def outcome(self) -> dict:
         answer = self.final_answer()
-        return {"success": grade(answer, self.task["answer"]), "answer": answer, "answered": answer is not None}
+        return {
+            "success": grade(answer, self.task["answer"]),
+            "answer": answer,
+            "answered": answer is not None,
+        }
 
 
 def extract_boxed(text: str) -> Optional[str]:

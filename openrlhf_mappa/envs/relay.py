@@ -25,8 +25,10 @@ class RelayEnv(MultiAgentEnv):
             try:
                 re.compile(goal)
             except (re.error, TypeError) as e:
-                raise ValueError(f"relay env: env_kwargs.goals[{name!r}] is not a regular expression: {goal!r} "
-                                 f"({e})") from None
+                raise ValueError(
+                    f"relay env: env_kwargs.goals[{name!r}] is not a regular expression: {goal!r} "
+                    f"({e})"
+                ) from None
         self.goals = goals
 
     def coach_ground_truth(self, agent) -> str:
@@ -47,5 +49,8 @@ class RelayEnv(MultiAgentEnv):
 
     def outcome(self) -> dict:
         replies = {entry.agent: entry.response for entry in self.history}
-        met = {name: re.fullmatch(goal, replies.get(name, "")) is not None for name, goal in self.goals.items()}
-        return {"success": all(met.values()), **{f"{name}_met": ok for name, ok in met.items()}}
+        met = {
+            f"{name}_met": re.fullmatch(goal, replies.get(name, "")) is not None
+            for name, goal in self.goals.items()
+        }
+        return {"success": all(met.values()), **met}
