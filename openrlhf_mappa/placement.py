@@ -125,8 +125,8 @@ class Member:
     def most_actions(self, topology) -> int:
         """The most actions its weights take in one episode: its max_actions, or every role's (under
         --mappa.shared_policy, and a trained coach's, which judges every action); at most max_episode_actions."""
-        every = self.args.mappa.shared_policy or self.spec not in topology.agents
-        n = sum(a.max_actions for a in topology.agents) if every else self.spec.max_actions
+        n = (sum(a.max_actions for a in topology.agents) if self.args.mappa.shared_policy
+             or self.spec not in topology.agents else self.spec.max_actions)
         return min(n, topology.max_episode_actions or n)
 
     def schedule_steps(self, topology, num_tasks: int) -> int:
@@ -136,11 +136,12 @@ class Member:
         t, r = self.args.train, self.args.rollout
         if self.args.mappa.lr_horizon == "authors":
             return max(1, t.num_episodes * (num_tasks * r.n_samples_per_prompt // t.batch_size * t.max_epochs))
-        per_step = max(1, r.batch_size * r.n_samples_per_prompt * self.most_actions(topology) // t.batch_size)
-        return num_tasks // r.batch_size * t.num_episodes * per_step * t.max_epochs
+        return (num_tasks // r.batch_size * t.num_episodes * t.max_epochs
+                * max(1, r.batch_size * r.n_samples_per_prompt * self.most_actions(topology) // t.batch_size))
 
 
 def members(args, topology) -> list:
+    """The trainees as Members, in order."""
     return [Member(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
 
 
