@@ -94,9 +94,9 @@ def trainee_specs(args, topology) -> list:
 
 @dataclass
 class Member:
-    """One trainee (trainee_specs: an agent whose weights train, or a trained coach) and its own args (agent_args).
-    Each per-agent fact is computed here once; the plan, the launch, the CLI, the doctor and the trainer read it
-    (launch.Agent is a Member with its processes)."""
+    """One trainee (trainee_specs: an agent whose weights train, or a trained coach) and its own args
+    (agent_args). Each per-agent fact is computed here once; the plan, the launch, the CLI, the doctor and the
+    trainer read it (launch.Agent is a Member with its processes)."""
 
     spec: AgentSpec
     args: object
@@ -111,31 +111,34 @@ class Member:
 
     @property
     def has_reference(self) -> bool:
-        """A reference group of its own: with KL on, a full-weight agent's (a LoRA agent's is its actor, adapter
-        off)."""
+        """A reference group of its own: with KL on, a full-weight agent's (a LoRA agent's is its actor,
+        adapter off)."""
         return self.args.algo.kl.init_coef > 0 and self.spec.lora is None
 
     @property
     def pool(self):
-        """A LoRA agent's engine pool, labelled by its name or its base model's last path part; None: engines of
-        its own."""
+        """A LoRA agent's engine pool, labelled by its name or its base model's last path part; None: engines
+        of its own."""
         if self.spec.pool:
             return f"pool {os.path.basename(self.spec.pool.rstrip('/'))}"
 
     def most_actions(self, topology) -> int:
         """The most actions its weights take in one episode: its max_actions, or every role's (under
-        --mappa.shared_policy, and a trained coach's, which judges every action); at most max_episode_actions."""
+        --mappa.shared_policy, and a trained coach's, which judges every action); at most
+        max_episode_actions."""
         n = (sum(a.max_actions for a in topology.agents) if self.args.mappa.shared_policy
              or self.spec not in topology.agents else self.spec.max_actions)
         return min(n, topology.max_episode_actions or n)
 
     def schedule_steps(self, topology, num_tasks: int) -> int:
         """Its learning-rate schedule's length in optimizer steps, by --mappa.lr_horizon: "authors" as their
-        base_controller.py (a member taking more steps runs past its end, where transformers' cosine rises again);
-        "max_actions" the most steps it can take (most_actions, so its schedule ends at its last step)."""
+        base_controller.py (a member taking more steps runs past its end, where transformers' cosine rises
+        again); "max_actions" the most steps it can take (most_actions, so its schedule ends at its last
+        step)."""
         t, r = self.args.train, self.args.rollout
         if self.args.mappa.lr_horizon == "authors":
-            return max(1, t.num_episodes * (num_tasks * r.n_samples_per_prompt // t.batch_size * t.max_epochs))
+            return max(1, t.num_episodes * (num_tasks * r.n_samples_per_prompt // t.batch_size
+                                            * t.max_epochs))
         return (num_tasks // r.batch_size * t.num_episodes * t.max_epochs
                 * max(1, r.batch_size * r.n_samples_per_prompt * self.most_actions(topology) // t.batch_size))
 
@@ -160,14 +163,15 @@ def colocation_problems(args, topology) -> list:
     for m in members(args, topology):
         a, sizes[m.spec.name] = m.args, m.actor_gpus
         if m.has_reference and m.ref_gpus != m.actor_gpus:
-            out.append(f"agent {m.spec.name!r}: {m.ref_gpus} reference GPUs, but its actor has {m.actor_gpus}; "
-                       f"colocated they share GPUs one rank each (--ref.num_gpus_per_node)")
+            out.append(f"agent {m.spec.name!r}: {m.ref_gpus} reference GPUs, but its actor has "
+                       f"{m.actor_gpus}; colocated they share GPUs one rank each (--ref.num_gpus_per_node)")
         if a.vllm.tensor_parallel_size != 1:
             out.append(f"--vllm.tensor_parallel_size {a.vllm.tensor_parallel_size}: colocated engines take one GPU "
                        f"each")
         elif a.vllm.num_engines != m.actor_gpus:
-            out.append(f"agent {m.spec.name!r}: {a.vllm.num_engines} vLLM engines on its actor's {m.actor_gpus} GPUs; "
-                       f"colocated, one engine per GPU (--vllm.num_engines {m.actor_gpus})")
+            out.append(f"agent {m.spec.name!r}: {a.vllm.num_engines} vLLM engines on its actor's "
+                       f"{m.actor_gpus} GPUs; colocated, one engine per GPU (--vllm.num_engines "
+                       f"{m.actor_gpus})")
     pools = lora_pools(args, topology)
     if pools and args.mappa.colocate == "agent":
         out.append(f"LoRA engine pools ({', '.join(pools)}) serve several agents, so they cannot sit on one agent's "
@@ -606,18 +610,19 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
         known[spec.name] = (spec.model, size)
         if gpu_gib is not None and isinstance(size, ModelSize):
             groups += component_groups(m, size, gpu_gib)
-    for pool, team in lora_pools(args, topology).items():  # one engine group per pool, after its agents' actors
+    for pool, team in lora_pools(args, topology).items():  # one engine group per pool, after its actors
         a = team[0].args
         counts[f"{pool}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
         size = known[team[0].spec.name][1]
         if gpu_gib is not None and isinstance(size, ModelSize):
             engines = engine_group(a, pool, size, gpu_gib, [m.spec.lora for m in team])
             base = 2 * size.params / team[0].actor_gpus / GIB
-            engines.notes += [f"serves {', '.join(m.spec.name for m in team)}: the base model once, each agent's "
-                              f"adapter by request (max_loras {len(team)}, max_lora_rank "
+            engines.notes += [f"serves {', '.join(m.spec.name for m in team)}: the base model once, each "
+                              f"agent's adapter by request (max_loras {len(team)}, max_lora_rank "
                               f"{pool_max_rank([m.spec.lora.rank for m in team])})",
-                              f"actors: one group per agent, {len(team)} x {base:.1f} GiB of base weights per actor "
-                              f"rank; one group per base model would hold {base:.1f} GiB but train them in turn"]
+                              f"actors: one group per agent, {len(team)} x {base:.1f} GiB of base weights "
+                              f"per actor rank; one group per base model would hold {base:.1f} GiB but train "
+                              f"them in turn"]
             groups.append(engines)
     return Plan(counts, groups, known, gpu_gib, args.mappa.colocate, colocation_problems(args, topology),
                 args.mappa.host_memory_gib, args.mappa.gpus_per_node or DEFAULT_GPUS_PER_NODE,

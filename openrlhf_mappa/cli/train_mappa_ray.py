@@ -532,7 +532,7 @@ def validate(args, topology) -> None:
     passed."""
     from openrlhf_mappa.placement import members, scored
 
-    trainees = members(args, topology)[: len(topology.agents)]  # a trained coach's rules: trained_coach_problems
+    trainees = members(args, topology)[: len(topology.agents)]  # a trained coach's: trained_coach_problems
     coach, advantage = args.mappa.coach, args.algo.advantage
     trained = trained_coach_problems(args, topology) if coach.kind == "trained" else []
     refuse(run_problems(args, topology, trainees) + parallel_problems(args, trainees)
@@ -595,9 +595,10 @@ def run_problems(args, topology, trainees: list) -> list:
     for member in trainees:
         most = args.rollout.batch_size * args.rollout.n_samples_per_prompt * member.most_actions(topology)
         if most < args.train.batch_size:
-            problems.append(f"agent {member.spec.name!r} takes at most {most} actions a step (--rollout.batch_size x "
-                            f"--rollout.n_samples_per_prompt x its actions per episode), fewer than --train.batch_size "
-                            f"({args.train.batch_size}): it would never train (a step trains whole batches)")
+            problems.append(f"agent {member.spec.name!r} takes at most {most} actions a step "
+                            f"(--rollout.batch_size x --rollout.n_samples_per_prompt x its actions per "
+                            f"episode), fewer than --train.batch_size ({args.train.batch_size}): it would "
+                            f"never train (a step trains whole batches)")
     return problems
 
 
