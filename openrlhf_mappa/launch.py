@@ -11,7 +11,7 @@ import ray
 
 from openrlhf_mappa import placement
 from openrlhf_mappa.console import console
-from openrlhf_mappa.placement import agent_args, trainee_specs
+from openrlhf_mappa.placement import Member, agent_args, members
 
 
 def gpu_nodes() -> list:
@@ -106,11 +106,9 @@ def actor_threads(cores: list, gpus: list) -> int:
 
 
 @dataclass
-class Agent:
-    """One agent's policy on the cluster."""
+class Agent(Member):
+    """One agent's policy on the cluster: its Member (spec, args) and its processes."""
 
-    spec: object
-    args: object
     tokenizer: object
     engines: list
     actor: object  # RayActorGroup of PolicyModelActor
@@ -166,7 +164,7 @@ def new_engines(a, model: str, pg, share: float, lora_ranks: list = None) -> lis
     )
 
 
-def start_engines(args, topology, per_agent: list, pg_of, share: float, startup) -> dict:
+def start_engines(args, topology, team: list, pg_of, share: float, startup) -> dict:
     """{agent: its vLLM engines} (a LoRA pool's once, shared by its agents), each on its placement group (pg_of:
     (owner, component) -> the group of its GPU set), started, and asleep with --vllm.enable_sleep before any
     actor starts (build_agents)."""
@@ -174,15 +172,14 @@ def start_engines(args, topology, per_agent: list, pg_of, share: float, startup)
 
     colocate = args.mappa.colocate
     engines, pools = {}, placement.lora_pools(args, topology)
-    pool_of = {spec.name: label for label, specs in pools.items() for spec in specs}
-    for spec, a in per_agent:
+    for m in team:
+        spec, a, label = m.spec, m.args, m.pool
         startup.stage = f"agent {spec.name!r} (creating its engines)"
-        label = pool_of.get(spec.name)
         if label in engines:  # a LoRA pool's engines, created with its first agent
             engines[spec.name] = engines[label]
             continue
         if label:
-            ranks = [m.lora.rank for m in pools[label]]
+            ranks = [member.spec.lora.rank for member in pools[label]]
             engines[label] = engines[spec.name] = new_engines(a, spec.model, pg_of(label, "vllm"), share,
                                                               ranks)
         else:
@@ -225,15 +222,16 @@ def build_agents(args, topology, max_steps: dict, startup, allowed=lambda a: Tru
     # and DeepSpeed's CPU Adam (--ds.adam_offload: the optimizer step of billions of parameters) on one core.
     threads = {"env_vars": {"OMP_NUM_THREADS": str(args.mappa.actor_threads)}}
     threaded = lambda cls: types.SimpleNamespace(options=lambda **kw: cls.options(runtime_env=threads, **kw))
-    per_agent = [(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
+    team = members(args, topology)
     colocate = args.mappa.colocate
     share = placement.gpu_share(args, topology) if colocate != "none" else 1
     pgs = pinned_groups(plan, nodes)
     pg_of = lambda owner, kind: pgs[placement.gpu_set(colocate, f"{owner}/{kind}")]
-    engines = start_engines(args, topology, per_agent, pg_of, share, startup)
+    engines = start_engines(args, topology, team, pg_of, share, startup)
 
     agents, init_refs = [], []
-    for spec, a in per_agent:
+    for m in team:
+        spec, a = m.spec, m.args
         # The ranks of one ring get the same micro-batches (upstream's duplicate_actors: ring x tensor-parallel size)
         group = lambda count, cls, kind: RayActorGroup(*count, threaded(cls), pg=pg_of(spec.name, kind),
                                                        num_gpus_per_actor=share,
@@ -245,11 +243,11 @@ def build_agents(args, topology, max_steps: dict, startup, allowed=lambda a: Tru
         actor = group((a.actor.num_nodes, a.actor.num_gpus_per_node), LoraActor if spec.lora else PolicyModelActor,
                       "actor")
         ref = None
-        if a.algo.kl.init_coef > 0 and spec.lora:
-            ref = AdapterOff(actor)  # the base: its own actor with the adapter off
-        elif a.algo.kl.init_coef > 0:
+        if m.has_reference:
             ref = group((a.ref.num_nodes, a.ref.num_gpus_per_node), ReferenceModelActor, "reference")
             init_refs += ref.async_init_model_from_pretrained(strategy, spec.model)
+        elif a.algo.kl.init_coef > 0:  # a LoRA agent's: the base, its own actor with the adapter off
+            ref = AdapterOff(actor)
         steps = max_steps[spec.name]  # its learning-rate schedule's length (train_mappa_ray.schedule_steps)
         init_refs += actor.async_init_model_from_pretrained(actor_strategy, spec.model, steps, engines[spec.name])
         tokenizer = AutoTokenizer.from_pretrained(spec.model, trust_remote_code=True)
@@ -279,7 +277,7 @@ def actor_args(a, spec, topology):
     rollout.batch_size x n_samples_per_prompt actions a step (one per sample) and leaves any more untrained
     (ReplayBuffer.setup_dynamic_batch); an agent may act several times an episode, so they plan for its most."""
     planned = copy.deepcopy(a)
-    planned.rollout.batch_size *= topology.most_actions(spec, a.mappa.shared_policy)
+    planned.rollout.batch_size *= Member(spec, a).most_actions(topology)
     return planned
 
 

@@ -92,25 +92,86 @@ def trainee_specs(args, topology) -> list:
     return topology.agents[:1]
 
 
+@dataclass
+class Member:
+    """One trainee (trainee_specs: an agent whose weights train, or a trained coach) and its own args
+    (agent_args). Each per-agent fact is computed here once; the plan, the launch, the CLI, the doctor and the
+    trainer read it (launch.Agent is a Member with its processes)."""
+
+    spec: AgentSpec
+    args: object
+
+    @property
+    def actor_gpus(self) -> int:
+        return self.args.actor.num_nodes * self.args.actor.num_gpus_per_node
+
+    @property
+    def ref_gpus(self) -> int:
+        return self.args.ref.num_nodes * self.args.ref.num_gpus_per_node
+
+    @property
+    def has_reference(self) -> bool:
+        """A reference group of its own: with KL on, a full-weight agent's (a LoRA agent's is its actor,
+        adapter off)."""
+        return self.args.algo.kl.init_coef > 0 and self.spec.lora is None
+
+    @property
+    def pool(self):
+        """A LoRA agent's engine pool, labelled by its name or its base model's last path part; None: engines
+        of its own."""
+        if self.spec.pool:
+            return f"pool {os.path.basename(self.spec.pool.rstrip('/'))}"
+
+    def most_actions(self, topology) -> int:
+        """The most actions its weights take in one episode: its max_actions, or every role's (under
+        --mappa.shared_policy, and a trained coach's, which judges every action); at most
+        max_episode_actions."""
+        n = (sum(a.max_actions for a in topology.agents) if self.args.mappa.shared_policy
+             or self.spec not in topology.agents else self.spec.max_actions)
+        return min(n, topology.max_episode_actions or n)
+
+    def schedule_steps(self, topology, num_tasks: int) -> int:
+        """Its learning-rate schedule's length in optimizer steps, by --mappa.lr_horizon: "authors" as their
+        base_controller.py (a member taking more steps runs past its end, where transformers' cosine rises
+        again); "max_actions" the most steps it can take (most_actions, so its schedule ends at its last
+        step)."""
+        t, r = self.args.train, self.args.rollout
+        if self.args.mappa.lr_horizon == "authors":
+            return max(1, t.num_episodes * (num_tasks * r.n_samples_per_prompt // t.batch_size
+                                            * t.max_epochs))
+        return (num_tasks // r.batch_size * t.num_episodes * t.max_epochs
+                * max(1, r.batch_size * r.n_samples_per_prompt * self.most_actions(topology) // t.batch_size))
+
+
+def members(args, topology) -> list:
+    """The trainees as Members, in order."""
+    return [Member(spec, agent_args(args, spec)) for spec in trainee_specs(args, topology)]
+
+
+def scored(args) -> bool:
+    """Whether the coach is asked about the team's actions: a run-wide fact, not a member's (a process run, or
+    an outcome baseline with --mappa.coach.score_outcome_runs, logged and never trained on)."""
+    return args.mappa.reward == "process" or args.mappa.coach.score_outcome_runs
+
+
 def colocation_problems(args, topology) -> list:
     """What --mappa.colocate cannot place, in words. A shared GPU holds one actor rank, reference rank and engine
     of each agent on it, so the three need as many GPUs each; tensor-parallel engines there are not built."""
     if args.mappa.colocate == "none":
         return []
     out, sizes = [], {}
-    for spec in trainee_specs(args, topology):
-        a = agent_args(args, spec)
-        sizes[spec.name] = gpus = a.actor.num_nodes * a.actor.num_gpus_per_node
-        refs = a.ref.num_nodes * a.ref.num_gpus_per_node
-        if a.algo.kl.init_coef > 0 and spec.lora is None and refs != gpus:
-            out.append(f"agent {spec.name!r}: {refs} reference GPUs, but its actor has {gpus}; colocated they share "
-                       f"GPUs one rank each (--ref.num_gpus_per_node)")
+    for m in members(args, topology):
+        a, sizes[m.spec.name] = m.args, m.actor_gpus
+        if m.has_reference and m.ref_gpus != m.actor_gpus:
+            out.append(f"agent {m.spec.name!r}: {m.ref_gpus} reference GPUs, but its actor has "
+                       f"{m.actor_gpus}; colocated they share GPUs one rank each (--ref.num_gpus_per_node)")
         if a.vllm.tensor_parallel_size != 1:
             out.append(f"--vllm.tensor_parallel_size {a.vllm.tensor_parallel_size}: colocated engines take one GPU "
                        f"each")
-        elif a.vllm.num_engines != gpus:
-            out.append(f"agent {spec.name!r}: {a.vllm.num_engines} vLLM engines on its actor's {gpus} GPUs; colocated, "
-                       f"one engine per GPU (--vllm.num_engines {gpus})")
+        elif a.vllm.num_engines != m.actor_gpus:
+            out.append(f"agent {m.spec.name!r}: {a.vllm.num_engines} vLLM engines on its actor's "
+                       f"{m.actor_gpus} GPUs; colocated, one engine per GPU (--vllm.num_engines "
+                       f"{m.actor_gpus})")
     pools = lora_pools(args, topology)
     if pools and args.mappa.colocate == "agent":
         out.append(f"LoRA engine pools ({', '.join(pools)}) serve several agents, so they cannot sit on one agent's "
@@ -124,10 +185,9 @@ def colocation_problems(args, topology) -> list:
 def gpu_share(args, topology) -> float:
     """The GPU fraction each colocated model asks Ray for: one over the models a GPU holds (OpenRLHF's 0.2 fits
     one policy's three, not a team's), rounded down to Ray's 1e-4 so a GPU's shares never sum above 1."""
-    specs = trainee_specs(args, topology)[: None if args.mappa.colocate == "team" else 1]
-    full = [spec for spec in specs if spec.lora is None]  # a LoRA agent: no reference, and its pool's engines
-    engines = len(full) + len({spec.pool for spec in specs if spec.lora is not None})
-    models = len(specs) + len(full) * (args.algo.kl.init_coef > 0) + engines
+    team = members(args, topology)[: None if args.mappa.colocate == "team" else 1]
+    engines = len({m.pool or m.spec.name for m in team})  # a LoRA agent's: its pool's
+    models = len(team) + sum(m.has_reference for m in team) + engines
     return int(1e4 / models) / 1e4
 
 
@@ -214,9 +274,10 @@ def micro_tokens(a, micro: int, budget) -> float:
     return micro * s / ring
 
 
-def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -> list:
-    """One agent's groups (`a` its args), by the module docstring's model. A LoRA agent trains its adapter only
-    and has no reference group (its actor, adapter off) and no engines of its own (its pool's)."""
+def component_groups(m: Member, size: ModelSize, gpu_gib: float) -> list:
+    """A member's groups, by the module docstring's model. A LoRA agent trains its adapter only and has no
+    reference group (its actor, adapter off) and no engines of its own (its pool's)."""
+    a, name, lora = m.args, m.spec.name, m.spec.lora
     s, h, L, V = a.data.max_len, size.hidden, size.layers, size.vocab
     token_layer = size.layer_act + (size.heads * s * 4 if a.ds.attn_implementation == "eager" else 0)  # + scores
     t = s / a.ds.ring_attn_size  # a sequence's tokens on one rank
@@ -226,7 +287,7 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
 
     zero3 = a.ds.zero_stage == 3
     gathered = {"ZeRO-3 gathered layers": 2 * size.layer_params * 2 / GIB} if zero3 else {}
-    P, D, tp = size.params, a.actor.num_nodes * a.actor.num_gpus_per_node, a.ds.tensor_parallel_size
+    P, D, tp = size.params, m.actor_gpus, a.ds.tensor_parallel_size
     linear = size.layers * sum(i * o for i, o in size.linear_shapes.values())
     # AutoTP: a rank holds 1/tp of every linear layer, and ZeRO shards its states over the D/tp data-parallel ranks.
     P, Z = P - linear + linear / tp, D / tp
@@ -280,8 +341,8 @@ def component_groups(a, name: str, size: ModelSize, gpu_gib: float, lora=None) -
     elif a.ds.enable_sleep:
         actor.notes.append("--ds.enable_sleep offloads nothing with --ds.adam_offload (OpenRLHF skips it)")
     groups = [actor]
-    if a.algo.kl.init_coef > 0 and not lora:
-        R = a.ref.num_nodes * a.ref.num_gpus_per_node
+    if m.has_reference:
+        R = m.ref_gpus
         weights = 2 * P / (R if zero3 else 1) / GIB
         held = {"weights": 0.0 if a.ref.offload else weights, "CUDA context": CONTEXT_GIB}
         groups.append(Group(name, "reference", R, 1, held, {"experience": {**forward(n_exp), **gathered}},
@@ -327,12 +388,11 @@ def pool_max_rank(ranks: list) -> int:
 
 
 def lora_pools(args, topology) -> dict:
-    """LoRA engine pools of the trainees, in the agents' order: pool label (its name, or its base model's last
-    path part) -> its agents' specs."""
+    """LoRA engine pools of the trainees, in the agents' order: pool label (Member.pool) -> its Members."""
     pools = {}
-    for spec in trainee_specs(args, topology):
-        if spec.lora is not None:
-            pools.setdefault(f"pool {spec.lora.pool or os.path.basename(spec.model.rstrip('/'))}", []).append(spec)
+    for m in members(args, topology):
+        if m.pool:
+            pools.setdefault(m.pool, []).append(m)
     return pools
 
 
@@ -534,12 +594,12 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
     """The plan for these flags and topology. `sizes` (agent -> ModelSize) skips reading config.json;
     without `gpu_gib` only the GPU counts are planned."""
     counts, groups, known = {}, [], {}
-    for spec in trainee_specs(args, topology):
-        a = agent_args(args, spec)
-        counts[f"{spec.name}/actor"] = a.actor.num_nodes * a.actor.num_gpus_per_node
-        if a.algo.kl.init_coef > 0 and spec.lora is None:
-            counts[f"{spec.name}/reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
-        if spec.lora is None:
+    for m in members(args, topology):
+        spec, a = m.spec, m.args
+        counts[f"{spec.name}/actor"] = m.actor_gpus
+        if m.has_reference:
+            counts[f"{spec.name}/reference"] = m.ref_gpus
+        if not m.pool:
             counts[f"{spec.name}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
         size = (sizes or {}).get(spec.name)
         if size is None and gpu_gib is not None:  # the memory check needs the sizes; the count check does not
@@ -549,19 +609,20 @@ def make_plan(args, topology, gpu_gib: float = None, sizes: dict = None) -> Plan
                 size = f"memory not estimated: {e}"
         known[spec.name] = (spec.model, size)
         if gpu_gib is not None and isinstance(size, ModelSize):
-            groups += component_groups(a, spec.name, size, gpu_gib, spec.lora)
-    for pool, specs in lora_pools(args, topology).items():  # one engine group per pool, after its agents' actors
-        a = agent_args(args, specs[0])
+            groups += component_groups(m, size, gpu_gib)
+    for pool, team in lora_pools(args, topology).items():  # one engine group per pool, after its actors
+        a = team[0].args
         counts[f"{pool}/vllm"] = a.vllm.num_engines * a.vllm.tensor_parallel_size
-        size = known[specs[0].name][1]
+        size = known[team[0].spec.name][1]
         if gpu_gib is not None and isinstance(size, ModelSize):
-            engines = engine_group(a, pool, size, gpu_gib, [spec.lora for spec in specs])
-            base = 2 * size.params / (a.actor.num_nodes * a.actor.num_gpus_per_node) / GIB
-            engines.notes += [f"serves {', '.join(spec.name for spec in specs)}: the base model once, each agent's "
-                              f"adapter by request (max_loras {len(specs)}, max_lora_rank "
-                              f"{pool_max_rank([x.lora.rank for x in specs])})",
-                              f"actors: one group per agent, {len(specs)} x {base:.1f} GiB of base weights per actor "
-                              f"rank; one group per base model would hold {base:.1f} GiB but train them in turn"]
+            engines = engine_group(a, pool, size, gpu_gib, [m.spec.lora for m in team])
+            base = 2 * size.params / team[0].actor_gpus / GIB
+            engines.notes += [f"serves {', '.join(m.spec.name for m in team)}: the base model once, each "
+                              f"agent's adapter by request (max_loras {len(team)}, max_lora_rank "
+                              f"{pool_max_rank([m.spec.lora.rank for m in team])})",
+                              f"actors: one group per agent, {len(team)} x {base:.1f} GiB of base weights "
+                              f"per actor rank; one group per base model would hold {base:.1f} GiB but train "
+                              f"them in turn"]
             groups.append(engines)
     return Plan(counts, groups, known, gpu_gib, args.mappa.colocate, colocation_problems(args, topology),
                 args.mappa.host_memory_gib, args.mappa.gpus_per_node or DEFAULT_GPUS_PER_NODE,

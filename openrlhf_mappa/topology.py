@@ -174,11 +174,6 @@ class Topology:
                              f"action (mode hindsight needs none: it sends one review prompt per episode, "
                              f"review_template)")
 
-    def most_actions(self, spec, shared_policy: bool = False) -> int:
-        """The most actions `spec`'s weights take in one episode (under --mappa.shared_policy, every role's)."""
-        n = sum(a.max_actions for a in self.agents) if shared_policy else spec.max_actions
-        return min(n, self.max_episode_actions or n)
-
     def make_env(self, task: dict, workspace: str):
         """One environment instance for one episode (task is one row of load_tasks)."""
         return self.env_cls(self, task, workspace, **self.env_kwargs)

@@ -27,7 +27,7 @@ import time
 import ray
 from tqdm import tqdm
 
-from openrlhf_mappa import resume, rewards
+from openrlhf_mappa import placement, resume, rewards
 from openrlhf_mappa.coach.audit import BiasAudit, coach_step_metrics
 from openrlhf_mappa.console import console, step_line
 from openrlhf_mappa.evaluation import (NoCoach, asks_answer, coach_cost, evaluate, format_table, summarize,
@@ -110,9 +110,7 @@ class MappaTrainer:
         self.bound = (self.mappa.max_staleness if self.mappa.max_staleness is not None
                       else args.train.async_queue_size)
         # The outcome baseline trains on no verdict: asking an API coach anyway would cost money for nothing.
-        # --mappa.coach.score_outcome_runs asks it all the same, for a comparison that is logged, never
-        # trained on.
-        self.scored = self.mappa.reward == "process" or self.mappa.coach.score_outcome_runs
+        self.scored = placement.scored(args)
         self.rollout_coach = coach if self.scored else NoCoach("outcome baseline: not scored")
         # Evaluation's grader (the authors' accuracy: evaluation.coach_graded) is the rollouts' coach, its
         # cost counted; for a trained coach its reference judge, lest the coach's eval verdicts become its
@@ -367,13 +365,13 @@ class MappaTrainer:
         its replay buffer takes at most the rows it was planned for per epoch: rollout batch x samples per
         prompt x the agent's most actions an episode (launch.actor_args)."""
         train, rollout = self.args.train, self.args.rollout
-        specs = {ag.spec.name: ag.spec for ag in self.trainees}
+        trainees = {ag.spec.name: ag for ag in self.trainees}
         for name, part in parts.items():
             if part.status is None:  # no update
                 continue
             steps = len(part.kept) // train.batch_size
             if train.dynamic_batch_enable:
-                most = self.topology.most_actions(specs[name], self.mappa.shared_policy)
+                most = trainees[name].most_actions(self.topology)
                 steps = min(steps,
                             rollout.batch_size * rollout.n_samples_per_prompt * most // train.batch_size)
             self.optimizer_steps[name] += steps * train.max_epochs

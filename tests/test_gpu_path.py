@@ -702,7 +702,7 @@ def doctor_agent(handle, engine, ranks, name="solver", adapter=None, lora=None):
                            actor=group,
                            ref=None, trainer=SimpleNamespace(adapter=adapter),
                            tokenizer=lambda text: {"input_ids": [1, 2, 3]},
-                           args=SimpleNamespace(actor=SimpleNamespace(num_gpus_per_node=len(ranks))))
+                           actor_gpus=len(ranks))
 
 
 def doctor_args(vllm_sleep: bool, ds_sleep: bool, gpu_gib=None):

@@ -127,7 +127,7 @@ def add_training_args(g):
                    help="each agent's learning-rate schedule length. authors: episodes x tasks x samples per "
                         "prompt / train batch x epochs, the same for every agent (their base_controller.py); "
                         "max_actions: the most optimizer steps that agent can take (its max_actions per "
-                        "episode), so its schedule ends at its last step")
+                        "episode, at most max_episode_actions), so its schedule ends at its last step")
     g.add_argument("--mappa.max_staleness", type=NONNEGATIVE_INT, default=None,
                    help="with --train.async_enable: leave out (and count, agent/<name>/stale_left_out) an "
                         "action one of whose weight versions, its own agent's or another agent's whose "

@@ -35,15 +35,15 @@ def validate(args, topology) -> None:
     refusal. A rule reading a value an earlier rule refuses (no token limit, a ring that does not divide the
     GPUs) waits for it. The coach template's check and OpenRLHF's PolicyLoss (its own ValueError; it loads
     torch) run once all passed."""
-    # as placement.trainee_specs
-    trainees = topology.agents[:1] if args.mappa.shared_policy else topology.agents
+    from openrlhf_mappa.placement import members, scored
+
+    trainees = members(args, topology)[: len(topology.agents)]  # a trained coach's: trained_coach_problems
     coach, advantage = args.mappa.coach, args.algo.advantage
     trained = trained_coach_problems(args, topology) if coach.kind == "trained" else []
     refuse(run_problems(args, topology, trainees) + parallel_problems(args, trainees)
            + token_limit_problems(args, topology) + algo_problems(args) + coach_kind_problems(coach)
            + trained)
-    scored = args.mappa.reward == "process" or coach.score_outcome_runs  # as MappaTrainer.scored
-    topology.check_coach_template(args.mappa.topology, coach.kind, coach.mode, scored)
+    topology.check_coach_template(args.mappa.topology, coach.kind, coach.mode, scored(args))
     if advantage.is_correction_level != "off":
         # its own checks of the correction's settings, before any actor
         from openrlhf.models.loss import PolicyLoss
@@ -81,7 +81,7 @@ def run_problems(args, topology, trainees: list) -> list:
                                                  f"most --mappa.startup_timeout_s ({m.startup_timeout_s:g})"),
         # QLoRA: LoRA agents' bases in 4 bits (agent_args); 4-bit weights cannot train, so full-weight agents
         # stay bf16.
-        (ds.load_in_4bit and not any(spec.lora is not None for spec in trainees),
+        (ds.load_in_4bit and not any(m.spec.lora is not None for m in trainees),
          "--ds.load_in_4bit trains LoRA adapters on a 4-bit base (QLoRA), and no agent declares lora in the "
          "topology: its full weights cannot train in 4 bits"),
         (ds.load_in_4bit and ds.param_dtype != "bf16", "--ds.load_in_4bit computes in bf16 (OpenRLHF's "
@@ -106,11 +106,10 @@ def run_problems(args, topology, trainees: list) -> list:
     problems = [why for bad, why in rules if bad]
     # A step trains whole --train.batch_size batches (rewards.batch_rule): an agent with fewer actions a step
     # would never train. Under --mappa.shared_policy the one trainee trains on every role's actions.
-    for spec in trainees:
-        actions = topology.most_actions(spec, m.shared_policy)
-        most = args.rollout.batch_size * args.rollout.n_samples_per_prompt * actions
+    for member in trainees:
+        most = args.rollout.batch_size * args.rollout.n_samples_per_prompt * member.most_actions(topology)
         if most < args.train.batch_size:
-            problems.append(f"agent {spec.name!r} takes at most {most} actions a step (--rollout.batch_size "
+            problems.append(f"agent {member.spec.name!r} takes at most {most} actions a step (--rollout.batch_size "
                             "x --rollout.n_samples_per_prompt x its actions per episode), fewer than "
                             f"--train.batch_size ({args.train.batch_size}): it would never train (a step "
                             "trains whole batches)")
@@ -223,15 +222,14 @@ def parallel_problems(args, trainees: list) -> list:
     duplicate_actors): an agent's GPUs hold whole groups, and its data-parallel ranks are its GPUs / group
     size."""
     from openrlhf_mappa.compat import cpu_mode
-    from openrlhf_mappa.placement import agent_args
 
     problems, packing = [], []
-    for spec in trainees:
-        a = agent_args(args, spec)
+    for m in trainees:
+        spec, a = m.spec, m.args
         ring, tp = a.ds.ring_attn_size, a.ds.tensor_parallel_size
-        gpus = {"actor": a.actor.num_nodes * a.actor.num_gpus_per_node}
-        if a.algo.kl.init_coef > 0 and spec.lora is None:
-            gpus["reference"] = a.ref.num_nodes * a.ref.num_gpus_per_node
+        gpus = {"actor": m.actor_gpus}
+        if m.has_reference:
+            gpus["reference"] = m.ref_gpus
         rules = [
             (tp > 1 and a.ds.zero_stage == 3, f"tensor parallelism ({tp}) is DeepSpeed's AutoTP, which "
                                               "trains with ZeRO stages 0-2 only (under ZeRO-3 transformers "
@@ -670,10 +668,11 @@ class Preflight:
         of its own (the run's opens its verdict cache, which writes); the dry run also has it score one
         action."""
         from openrlhf_mappa.coach import CoachRequest
+        from openrlhf_mappa.placement import scored
 
         c = self.args.mappa.coach
         probe = run_coach(self.args, self.topology)
-        if not (self.args.mappa.reward == "process" or c.score_outcome_runs):
+        if not scored(self.args):
             return "not asked (--mappa.reward outcome)"
         asyncio.run(probe.probe())
         if not self.score_one:
@@ -774,24 +773,10 @@ def train(args):
 
 
 def schedule_steps(args, topology, num_tasks: int) -> dict:
-    """Each agent's learning-rate schedule length in optimizer steps, by --mappa.lr_horizon: "authors" as
-    their base_controller.py (an agent taking more steps runs past its end, where transformers' cosine rises
-    again); "max_actions" the most steps the agent can take (under --mappa.shared_policy, every role's
-    actions)."""
-    from openrlhf_mappa.placement import trainee_specs
+    """Each trainee's learning-rate schedule length in optimizer steps (Member.schedule_steps)."""
+    from openrlhf_mappa.placement import members
 
-    episodes, epochs, batch, samples = (args.train.num_episodes, args.train.max_epochs, args.train.batch_size,
-                                        args.rollout.n_samples_per_prompt)
-    specs = topology.agents + trainee_specs(args, topology)[len(topology.agents) :]  # and a trained coach
-    if args.mappa.lr_horizon == "authors":
-        return {spec.name: max(1, episodes * (num_tasks * samples // batch * epochs)) for spec in specs}
-    rollout_steps = (num_tasks // args.rollout.batch_size) * episodes
-    shared = sum(spec.max_actions for spec in topology.agents)  # a trained coach judges every action
-    actions = lambda spec: (shared if args.mappa.shared_policy or spec not in topology.agents
-                            else spec.max_actions)
-    return {spec.name: rollout_steps * max(1, args.rollout.batch_size * samples * actions(spec) // batch)
-            * epochs
-            for spec in specs}
+    return {m.spec.name: m.schedule_steps(topology, num_tasks) for m in members(args, topology)}
 
 
 def launch(args, topology, coach, tasks: list, eval_sets: dict, start: int) -> list:

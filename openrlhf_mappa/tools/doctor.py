@@ -228,7 +228,7 @@ def sleep_checks(args, trainees) -> list:
             # adapter.
             size, lora = placement.model_size(ag.spec.model), ag.spec.lora
             trained = size.lora_params(lora.rank, lora.target_modules) if lora else size.params
-            states = 14 * trained / (args.actor.num_nodes * ag.args.actor.num_gpus_per_node) / placement.GIB
+            states = 14 * trained / ag.actor_gpus / placement.GIB
             # Every rank: both end in a barrier over the agent's DeepSpeed ranks, where rank 0 alone would
             # wait out the process group's 60-minute timeout (OpenRLHF's deepspeed_utils).
             ray.get(ag.actor.async_run_method("reload_states"))
