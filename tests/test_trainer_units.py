@@ -383,8 +383,11 @@ def test_dsbench_batches_keep_the_share_of_each_task_type(classification, counts
 def trainer_for(reward: str, coach, tmp_path, score_outcome_runs: bool = False) -> MappaTrainer:
     """A MappaTrainer with no agents (nothing on Ray): enough to see which coach its rollouts ask."""
     args = SimpleNamespace(
-        mappa=SimpleNamespace(reward=reward, max_staleness=0, coach=SimpleNamespace(
-            score_outcome_runs=score_outcome_runs, bias_threshold=1.0, bias_window=5)),
+        mappa=SimpleNamespace(reward=reward, max_staleness=0, ppo_ratio="trainer", logprob_metrics=False,
+                              coach=SimpleNamespace(score_outcome_runs=score_outcome_runs, bias_threshold=1.0,
+                                                    bias_window=5)),
+        algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_level="off")),
+        train=SimpleNamespace(async_enable=False),
         rollout=SimpleNamespace(temperature=1.0, top_p=1.0), eval=SimpleNamespace(temperature=0.6),
         data=SimpleNamespace(max_len=64), logger=SimpleNamespace(wandb=SimpleNamespace(key=None), tensorboard_dir=None),
     )  # fmt: skip
