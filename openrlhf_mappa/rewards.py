@@ -251,7 +251,7 @@ def experience_of(action):
 def experiences(maker, actions: list) -> list:
     """An agent's actions as OpenRLHF Experiences with its actor's and reference's log-probs and KL: `maker`
     is the agent's experience maker (upstream's split into micro-batches, then its forwards)."""
-    return maker.make_experience(maker.split_rollout_samples([experience_of(a) for a in actions]))
+    return maker.make_experience(maker.split_rollout_samples(list(map(experience_of, actions))))
 
 
 def token_rewards(reward_B: torch.Tensor, kl_BA: torch.Tensor, action_mask_BA: torch.Tensor,

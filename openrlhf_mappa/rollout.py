@@ -143,7 +143,8 @@ class AgentPolicy:
         return (*best, hi)
 
     async def sample(self, prompt_ids: list) -> tuple:
-        """(generate's result, its weights' version when it started, and when it ended), through the sync gate."""
+        """(generate's result, its weights' version when it started, and when it ended), through the sync
+        gate."""
         version = await self.gate.enter()
         try:
             generated = await self.generate(prompt_ids)
@@ -170,7 +171,8 @@ class AgentPolicy:
 def logprobs_read(args) -> bool:
     """Whether a training run reads the engines' sampling log-probs: OpenRLHF's off-policy correction
     (--algo.advantage.is_correction_level), --mappa.ppo_ratio rollout, async training (its mismatch metrics
-    measure how far behind the engines are) or --mappa.logprob_metrics. Else none is asked for, as OpenRLHF."""
+    measure how far behind the engines are) or --mappa.logprob_metrics. Else none is asked for, as
+    OpenRLHF."""
     return (args.algo.advantage.is_correction_level != "off" or args.mappa.ppo_ratio == "rollout"
             or args.train.async_enable or args.mappa.logprob_metrics)
 

@@ -134,9 +134,9 @@ def add_training_args(g):
                         "output it saw, is more than this many updates behind when its step trains (default: "
                         "--train.async_queue_size, so that none is in steady state)")
     g.add_argument("--mappa.logprob_metrics", action="store_true",
-                   help="ask the engines for each sampled token's log-prob even where nothing else reads them, "
-                        "to log agent/<name>/logprob_mismatch_{abs,kl} (engine against trainer). Without it they "
-                        "are asked for, and logged, only with --algo.advantage.is_correction_level, "
+                   help="ask the engines for each sampled token's log-prob even where nothing else reads "
+                        "them, to log agent/<name>/logprob_mismatch_{abs,kl} (engine against trainer). Without "
+                        "it they are asked for, and logged, only with --algo.advantage.is_correction_level, "
                         "--mappa.ppo_ratio rollout or --train.async_enable, as OpenRLHF asks only for its "
                         "correction")
     g.add_argument("--mappa.ppo_ratio", choices=["trainer", "rollout"], default="trainer",

@@ -63,7 +63,7 @@ def run_problems(args, topology, trainees: list) -> list:
     # to 1.
     datasets, probs = (d.prompt_dataset or "").split(","), d.prompt_probs
     try:
-        weights = [float(p) for p in probs.split(",")] if probs else []
+        weights = list(map(float, probs.split(","))) if probs else []
     except ValueError:
         weights = []
     blended = not probs or (len(weights) == len(datasets) and min(weights) >= 0
@@ -109,10 +109,10 @@ def run_problems(args, topology, trainees: list) -> list:
     for member in trainees:
         most = args.rollout.batch_size * args.rollout.n_samples_per_prompt * member.most_actions(topology)
         if most < args.train.batch_size:
-            problems.append(f"agent {member.spec.name!r} takes at most {most} actions a step (--rollout.batch_size "
-                            "x --rollout.n_samples_per_prompt x its actions per episode), fewer than "
-                            f"--train.batch_size ({args.train.batch_size}): it would never train (a step "
-                            "trains whole batches)")
+            problems.append(f"agent {member.spec.name!r} takes at most {most} actions a step "
+                            "(--rollout.batch_size x --rollout.n_samples_per_prompt x its actions per "
+                            f"episode), fewer than --train.batch_size ({args.train.batch_size}): it would "
+                            "never train (a step trains whole batches)")
     return problems
 
 

@@ -172,7 +172,7 @@ class BiasAudit:
                 "Your recent scoring in this run: no figures yet (none of your scores in this run has been "
                 "tallied so far)."
             )
-        steps, n = len(self.window), sum(len(s) for s in pooled.values())
+        steps, n = len(self.window), sum(map(len, pooled.values()))
         lines = [
             f"Your recent scoring in this run (the last {steps} training step{'s' * (steps > 1)}, {n} scored "
             "actions). Agents learn to exploit a coach's systematic leanings, such as a higher average for "

@@ -145,7 +145,7 @@ def parse_score(text: str, key: str) -> Optional[float]:
             score = reply.get("score")
             return float(score) if _number(score, False) and 0.0 <= score <= 10.0 else None
     pattern = _SCORE_LINE.replace("{key}", re.escape(key))
-    values = {float(n) for n in re.findall(pattern, text, re.IGNORECASE | re.MULTILINE)}
+    values = set(map(float, re.findall(pattern, text, re.IGNORECASE | re.MULTILINE)))
     if not values:
         bare = _BARE_NUMBER.fullmatch(text)
         values = {float(bare.group(1))} if bare else set()
@@ -166,7 +166,7 @@ _ANSWER_LINE = re.compile(_SCORE_LINE.replace("{key}", ANSWER_KEY), re.IGNORECAS
 def parse_answer_correct(text: str) -> Optional[int]:
     """1 or 0 from the reply's `ANSWER_CORRECT: <1|0>` lines (after_thinking), else None (absent, another
     number, or two different values)."""
-    values = {float(n) for n in _ANSWER_LINE.findall(after_thinking(text))}
+    values = set(map(float, _ANSWER_LINE.findall(after_thinking(text))))
     return int(values.pop()) if len(values) == 1 and values <= {0.0, 1.0} else None
 
 

@@ -36,7 +36,7 @@ class HeuristicCoach(Coach):
     async def review(self, requests: list, outcome: dict) -> Review:
         """Hindsight: every action scored by the rules above; held responsible: on a failed episode the first
         action that broke its own goal (a rule marked it failed), else the last action, as on a solved one."""
-        judged = [self.judge(r) for r in requests]
+        judged = list(map(self.judge, requests))
         broke = [i for i, (_, _, failed) in enumerate(judged) if failed]
         last = len(requests) - 1
         if outcome.get("success"):

@@ -46,7 +46,7 @@ def probe(agents, text: str = PROBE) -> dict:
         adapter = ag.trainer.adapter  # a LoRA agent: its pool's engines, with its adapter
         gens = ray.get([e.generate_as.remote(adapter, ids, params) if adapter
                         else e.generate.remote(ids, params) for e in ag.engines])
-        out["engines"][ag.spec.name] = [logprobs(g) for g in gens]
+        out["engines"][ag.spec.name] = list(map(logprobs, gens))
         out["engine"][ag.spec.name] = out["engines"][ag.spec.name][0]
         ranks = len(ag.actor._actor_handlers)  # one copy per data-parallel rank
         forward = dict(method_name="forward", sequences=[seq] * ranks,
@@ -317,7 +317,8 @@ def doctor(args, topology, rows=(), recipe=None, allowed=lambda a: True) -> int:
                               [a.model for a in topology.agents])
     startup.start()
     try:
-        agents = build_agents(args, topology, {s.name: 1 for s in placement.trainee_specs(args, topology)}, startup)
+        agents = build_agents(args, topology, {m.spec.name: 1 for m in placement.members(args, topology)},
+                              startup)
     finally:
         startup.done.set()
     rows.append(("placement", "-", True,

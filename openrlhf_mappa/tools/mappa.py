@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from openrlhf_mappa.cli.flags import COUNT, FRACTION, NONNEGATIVE_INT, POSITIVE, Parser, add_coach_args, refusals
+from openrlhf_mappa.cli.flags import (COUNT, FRACTION, NONNEGATIVE_INT, POSITIVE, Parser, add_coach_args,
+                                      refusals)
 from openrlhf_mappa.cli.train_mappa_ray import refuse, unwritable_dir
 
 # Every tool checks its input before its heavy imports (torch, transformers, vLLM, Ray) and refuses bad input
@@ -303,7 +304,7 @@ def distill_inputs(args, extra: list) -> tuple:
     topology = load_topology(topology_path)
     topology.check_coach_template(topology_path, "openai", "per_action")
     check_model(getattr(args, "model.model_name_or_path"), "--model.model_name_or_path")
-    caches = [VerdictCache(path) for path in paths]
+    caches = list(map(VerdictCache, paths))
     return topology, caches
 
 

@@ -301,7 +301,7 @@ def write_report(*run_dirs: str, out: str = None) -> str:
               if len({"/".join(p[-n:]) for p in parts}) == len(parts)), 1)
     labels = ["/".join(p[-n:]) for p in parts]
     out = out or os.path.join(run_dirs[0], "report.html" if len(run_dirs) == 1 else "compare.html")
-    page = render(combine([load_run(d) for d in run_dirs], labels))
+    page = render(combine(list(map(load_run, run_dirs)), labels))
     with open(out, "w", encoding="utf-8") as f:
         f.write(page)
     return out
